@@ -1,0 +1,37 @@
+# The two set-up commands (see README): `make demo` and `make test`.
+# Each builds its own virtual environment in .venv and installs everything it needs.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+APT_PACKAGES := iproute2 bubblewrap util-linux procps
+
+.PHONY: demo test install apt lint clean
+
+apt:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "apt-get install:$$missing"; \
+		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: 2.13.0 is a CPU build on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[all,test]'
+	@touch $(STAMP)
+
+install: apt $(STAMP)
+
+demo: install
+	$(VENV)/bin/k3infra demo
+
+test: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs on the device machine, from the repository root, with .whl carried:
+#   bash benchmarks/device/run.sh <command...>
+# Installs the carried wheels into /tmp/site, puts src/ and the repo on PYTHONPATH, records the machine in
+# $OUT/machine.txt, then runs the command with its output teed to $OUT/log.txt.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH="$PWD:$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } > "$OUT/machine.txt" 2>&1
+"$@" 2>&1 | tee "$OUT/log.txt"
+status=${PIPESTATUS[0]}
+cp -r benchmarks/results "$OUT/" 2>/dev/null
+cp BENCHMARKS.md "$OUT/" 2>/dev/null
+exit "$status"
