@@ -1,0 +1,125 @@
+"""Training forward and backward of the KDA core on the chunked layout: chains the stages, no kernel here.
+
+Forward: chunk-local quantities (`chunk_local_prepare`) -> state pass (`chunk_kda_fwd_h`, which also writes ``o``).
+Backward: rebuild the chunk-local quantities with autograd recording -> (recompute ``h``, ``v_new`` unless they
+were kept) -> reverse state pass (`chunk_kda_bwd_dh`) -> pull back to ``q, k, v, g, beta`` (`chunk_local_bwd`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
+from flashkda.chunk_bwd_local import chunk_local_bwd, chunk_local_prepare
+
+__all__ = ["chunk_kda_train_bwd", "chunk_kda_train_fwd"]
+
+
+def chunk_kda_train_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    chunk_offsets: torch.Tensor,
+    output_final_state: bool,
+    keep_states: bool,
+    dot_precision: str,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Forward of the chunked KDA core.
+
+    Args:
+        q, k, g: ``[NC, HV, C, K]``; v: ``[NC, HV, C, V]``; beta: ``[NC, HV, C]`` (one float dtype).
+        scale: query scale.
+        initial_state: ``[N, HV, K, V]`` or None (zeros).
+        chunk_offsets: ``[N + 1]`` int32 chunk range of every sequence.
+        output_final_state: also return ``[N, HV, K, V]`` final states.
+        keep_states: also return ``h`` ``[NC, HV, K, V]`` and ``v_new`` for the backward (no recompute).
+        dot_precision: Triton ``tl.dot`` input precision (``"ieee"`` or ``"tf32"``).
+
+    Returns:
+        ``(o [NC, HV, C, V], final_state or None, h or None, v_new or None)``.
+    """
+    local = chunk_local_prepare(q, k, v, g, beta, scale)
+    o, ht, h, v_new = chunk_kda_fwd_h(
+        local.w,
+        local.u,
+        local.qg,
+        local.aqk,
+        local.kend,
+        local.dec,
+        initial_state,
+        chunk_offsets,
+        store_o=True,
+        store_h=keep_states,
+        store_final_state=output_final_state,
+        dot_precision=dot_precision,
+    )
+    return o, ht, h, (v_new if keep_states else None)
+
+
+def chunk_kda_train_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    chunk_offsets: torch.Tensor,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    h: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    dot_precision: str,
+) -> tuple[torch.Tensor | None, ...]:
+    """Backward of the chunked KDA core.
+
+    Args:
+        q, k, v, g, beta, scale, initial_state, chunk_offsets: as given to `chunk_kda_train_fwd`.
+        do: ``[NC, HV, C, V]`` gradient of ``o``.
+        dht: ``[N, HV, K, V]`` gradient of the final state, or None.
+        h, v_new: kept by the forward (``keep_states=True``), or None to recompute them.
+        dot_precision: Triton ``tl.dot`` input precision.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dh0)``; ``dh0`` is None without ``initial_state``.
+    """
+    with torch.enable_grad():
+        leaves = tuple(x.detach().requires_grad_() for x in (q, k, v, g, beta))
+        local = chunk_local_prepare(*leaves, scale)
+    qg, aqk, kend, dec, w, u = (x.detach() for x in local.as_tuple())
+    if h is None or v_new is None:
+        _, _, h, v_new = chunk_kda_fwd_h(
+            w,
+            u,
+            qg,
+            aqk,
+            kend,
+            dec,
+            initial_state,
+            chunk_offsets,
+            store_o=False,
+            store_h=True,
+            store_final_state=False,
+            dot_precision=dot_precision,
+        )
+    dv_new, dhe, dh0 = chunk_kda_bwd_dh(
+        qg,
+        aqk,
+        kend,
+        dec,
+        w,
+        do,
+        dht,
+        chunk_offsets,
+        store_dh0=initial_state is not None,
+        dot_precision=dot_precision,
+    )
+    grads = chunk_local_bwd(local, leaves, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new)
+    grads = tuple(torch.zeros_like(x) if gx is None else gx for x, gx in zip(leaves, grads))
+    return (*grads, dh0)

@@ -1,0 +1,101 @@
+"""The chunked layout used by the training path: ``[B, T, HV, D]`` (or varlen ``[1, T, HV, D]``) to
+``[NC, HV, C, D]`` and back.
+
+Each sequence is cut into ``ceil(len / C)`` chunks; the tail of its last chunk is zero padding. A padded token has
+``k = v = g = beta = 0``, which leaves the state untouched (``exp(0) = 1`` decay, zero write), so the state after a
+sequence's last chunk is exactly its final state. An empty sequence owns no chunk at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ChunkLayout", "from_chunks", "make_layout", "to_chunks"]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where every chunk comes from."""
+
+    B: int
+    """Batch size of the token layout (1 with ``cu_seqlens``)."""
+    T: int
+    """Tokens per batch row."""
+    C: int
+    """Chunk size."""
+    num_chunks: int
+    """``NC``, chunks over all sequences."""
+    chunk_offsets: torch.Tensor
+    """``[N + 1]`` int32: sequence ``n`` owns chunks ``chunk_offsets[n] .. chunk_offsets[n + 1]``."""
+    gather_index: torch.Tensor | None
+    """Varlen only: ``[NC * C]`` int64 token index per chunk slot, ``T`` (a zero row) on padding."""
+    scatter_index: torch.Tensor | None
+    """Varlen only: ``[T]`` int64 chunk slot of every token."""
+
+
+def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device: torch.device) -> ChunkLayout:
+    """Plan the chunked layout.
+
+    Args:
+        B: batch size (must be 1 with ``cu_seqlens``).
+        T: sequence length (total tokens with ``cu_seqlens``).
+        cu_seqlens: ``[N + 1]`` cumulative lengths, or None for ``B`` sequences of length ``T``.
+        C: chunk size (a multiple of 16).
+        device: where the index tensors live.
+
+    Returns:
+        A `ChunkLayout`. Varlen reads ``cu_seqlens`` on the host once (one synchronisation).
+    """
+    if cu_seqlens is None:
+        nt = -(-T // C)
+        offsets = torch.arange(B + 1, dtype=torch.int32, device=device) * nt
+        return ChunkLayout(B, T, C, B * nt, offsets, None, None)
+    bounds = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = bounds[1:] - bounds[:-1]
+    nts = (lens + C - 1) // C
+    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    offsets[1:] = nts.cumsum(0)
+    num_chunks = int(offsets[-1])
+    # Slot s of chunk c of sequence n holds token bos_n + (c - offsets[n]) * C + s, or padding past eos_n.
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), nts)
+    pos = (torch.arange(num_chunks) - offsets[:-1][seq_of_chunk]).unsqueeze(1) * C + torch.arange(C)
+    tok = bounds[:-1][seq_of_chunk].unsqueeze(1) + pos
+    valid = pos < lens[seq_of_chunk].unsqueeze(1)
+    gather = torch.where(valid, tok, torch.full_like(tok, T)).reshape(-1)
+    scatter = torch.nonzero(valid.reshape(-1)).squeeze(1)
+    return ChunkLayout(
+        1,
+        T,
+        C,
+        num_chunks,
+        offsets.to(device=device, dtype=torch.int32),
+        gather.to(device),
+        scatter.to(device),
+    )
+
+
+def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``[B, T, HV, D]`` to ``[NC, HV, C, D]`` (zero padded, contiguous). Differentiable."""
+    B, T, HV, D = x.shape
+    C = layout.C
+    if layout.gather_index is None:
+        pad = layout.num_chunks // max(B, 1) * C - T
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, -1, C, HV, D).transpose(2, 3).reshape(layout.num_chunks, HV, C, D).contiguous()
+    x = torch.cat([x[0], x.new_zeros(1, HV, D)], dim=0)
+    x = x.index_select(0, layout.gather_index)
+    return x.reshape(layout.num_chunks, C, HV, D).transpose(1, 2).contiguous()
+
+
+def from_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``[NC, HV, C, D]`` back to ``[B, T, HV, D]`` (padding dropped). Differentiable."""
+    NC, HV, C, D = x.shape
+    B, T = layout.B, layout.T
+    if layout.gather_index is None:
+        x = x.reshape(B, -1, HV, C, D).transpose(2, 3).reshape(B, -1, HV, D)
+        return x[:, :T]
+    x = x.transpose(1, 2).reshape(NC * C, HV, D)
+    return x.index_select(0, layout.scatter_index).unsqueeze(0)

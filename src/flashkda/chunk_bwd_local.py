@@ -1,0 +1,151 @@
+"""Chunk-local KDA quantities (gated intra-chunk products, the WY/UT transform) and their vector-Jacobian product.
+
+Everything here is independent of the recurrent state, so every chunk of every head is processed at once as a
+batched matrix product over the chunked layout ``[NC, HV, C, D]``. The state-dependent part of the backward lives
+in ``flashkda.chunk_bwd_h``; this module turns its outputs (``h``, ``dh``, ``v_new``, ``dv_new``) into the
+cotangents of the chunk-local quantities and pulls them back to ``q, k, v, g, beta``.
+
+Numerics: the gated products ``sum_d a_td b_id exp(G_td - G_id)`` are never formed as ``exp(G_t) * exp(-G_i)``
+over the whole chunk (``exp(-G)`` overflows fp32 once a chunk's decay passes ~88 nats). The chunk is cut into
+16-token sub-chunks: a block below the diagonal uses the gate at the last token of its column sub-chunk as the
+reference, so both factors are ``<= 1``; a diagonal block uses its middle token, so the factors stay within
+``exp(8 * max|g|)`` (finite in fp32 for per-token gates down to about -10; the bounded gate ``lower_bound=-5`` is
+always safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot"]
+
+SUB_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class ChunkLocal:
+    """Per-chunk quantities shared by the forward state pass and the backward; all ``[NC, HV, C, *]``."""
+
+    qg: torch.Tensor
+    """``scale * q * exp(G)``, ``[NC, HV, C, K]``."""
+    aqk: torch.Tensor
+    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``."""
+    kend: torch.Tensor
+    """``k * exp(G_C - G)``, ``[NC, HV, C, K]``."""
+    dec: torch.Tensor
+    """``exp(G_C)``, the decay over the whole chunk, ``[NC, HV, K]``."""
+    w: torch.Tensor
+    """``T (k * exp(G))``, ``[NC, HV, C, K]``."""
+    u: torch.Tensor
+    """``T v``, ``[NC, HV, C, V]``."""
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (self.qg, self.aqk, self.kend, self.dec, self.w, self.u)
+
+
+def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
+    """Lower-triangular gated products ``A[t, i] = sum_d a[t, d] b[i, d] exp(gam[t, d] - gam[i, d])``.
+
+    Args:
+        a: ``[..., C, K]`` rows (``t``); ``C`` a multiple of 16.
+        b: ``[..., C, K]`` columns (``i``).
+        gam: ``[..., C, K]`` in-chunk cumulative log-gate, non-increasing along ``C``.
+        strict: keep only ``i < t`` (else ``i <= t``).
+
+    Returns:
+        ``[..., C, C]`` tensor, zero above (and with ``strict`` on) the diagonal.
+    """
+    C = a.shape[-2]
+    S = SUB_CHUNK
+    ns = C // S
+    mask = torch.ones(S, S, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)
+    columns = []
+    for j in range(ns):
+        cols = slice(j * S, (j + 1) * S)
+        ref = gam[..., j * S + S // 2 : j * S + S // 2 + 1, :]
+        a_j = a[..., cols, :] * torch.exp(gam[..., cols, :] - ref)
+        b_j = b[..., cols, :] * torch.exp(ref - gam[..., cols, :])
+        # [..., S, S]
+        diag = (a_j @ b_j.transpose(-1, -2)).masked_fill(~mask, 0.0)
+        parts = [diag]
+        if j > 0:
+            parts.insert(0, diag.new_zeros(*diag.shape[:-2], j * S, S))
+        if j < ns - 1:
+            ref = gam[..., (j + 1) * S - 1 : (j + 1) * S, :]
+            rows = slice((j + 1) * S, C)
+            a_r = a[..., rows, :] * torch.exp(gam[..., rows, :] - ref)
+            b_r = b[..., cols, :] * torch.exp(ref - gam[..., cols, :])
+            parts.append(a_r @ b_r.transpose(-1, -2))
+        columns.append(torch.cat(parts, dim=-2))
+    return torch.cat(columns, dim=-1)
+
+
+def chunk_local_prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
+) -> ChunkLocal:
+    """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
+
+    Args:
+        q: ``[NC, HV, C, K]`` queries (L2-normalised, GVA-expanded), fp32 or fp64.
+        k: ``[NC, HV, C, K]`` keys.
+        v: ``[NC, HV, C, V]`` values.
+        g: ``[NC, HV, C, K]`` log-space gate per token (``<= 0``; zero on padding).
+        beta: ``[NC, HV, C]`` write strengths (zero on padding).
+        scale: query scale.
+
+    Returns:
+        A `ChunkLocal`.
+    """
+    C, K = k.shape[-2:]
+    gam = g.cumsum(-2)
+    gam_end = gam[..., -1:, :]
+    kg = k * torch.exp(gam)
+    qg = (scale * q) * torch.exp(gam)
+    kend = k * torch.exp(gam_end - gam)
+    dec = torch.exp(gam_end.squeeze(-2))
+    akk = gated_dot(k, k, gam, strict=True)
+    aqk = gated_dot(q, k, gam, strict=False) * scale
+    # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform applied without forming T.
+    lhs = beta.unsqueeze(-1) * akk + torch.eye(C, dtype=k.dtype, device=k.device)
+    rhs = beta.unsqueeze(-1) * torch.cat([kg, v], dim=-1)
+    wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+    w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
+    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u)
+
+
+def chunk_local_bwd(
+    local: ChunkLocal,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    h: torch.Tensor,
+    v_new: torch.Tensor,
+    do: torch.Tensor,
+    dhe: torch.Tensor,
+    dv_new: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
+    """Pull the state-pass gradients back to the chunk-local inputs.
+
+    Args:
+        local: `ChunkLocal` built with autograd recording from ``inputs``.
+        inputs: the leaves ``(q, k, v, g, beta)`` that ``local`` was computed from.
+        h: ``[NC, HV, K, V]`` state at each chunk start.
+        v_new: ``[NC, HV, C, V]`` ``u - w h``.
+        do: ``[NC, HV, C, V]`` gradient of the output.
+        dhe: ``[NC, HV, K, V]`` gradient w.r.t. the state at each chunk end.
+        dv_new: ``[NC, HV, C, V]`` total gradient w.r.t. ``v_new``.
+
+    Returns:
+        Gradients for ``inputs``, in order (None where an input does not reach the outputs).
+    """
+    hT = h.transpose(-1, -2)
+    cotangents = (
+        do @ hT,  # d qg:   o = qg h + ...
+        (do @ v_new.transpose(-1, -2)).tril(),  # d Aqk:  o = ... + Aqk v_new
+        v_new @ dhe.transpose(-1, -2),  # d kend: h' = ... + kend^T v_new
+        (h * dhe).sum(-1),  # d dec:  h' = Diag(dec) h + ...
+        -(dv_new @ hT),  # d w:    v_new = u - w h
+        dv_new,  # d u
+    )
+    return torch.autograd.grad(local.as_tuple(), inputs, cotangents, allow_unused=True)

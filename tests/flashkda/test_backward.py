@@ -1,0 +1,186 @@
+"""Gradients of the FlashKDA training path against fp64 autograd through the recurrent reference.
+
+Every case draws fresh random inputs, runs ``chunk_kda_autograd`` forward and backward with random ``do`` (and
+``dht`` when the final state is returned), does the same through ``flashkda.reference.chunk_kda_reference`` in
+float64, and checks ``o``, the final state and every gradient by name (relative RMS error; <= 1e-4 for fp32 inputs,
+<= 1e-2 for bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashkda.autograd import chunk_kda_autograd
+from flashkda.reference import chunk_kda_reference
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int = 70
+    B: int = 1
+    H: int = 1
+    HV: int = 1
+    K: int = 32
+    V: int = 32
+    dtype: torch.dtype = torch.float32
+    cu_seqlens: tuple[int, ...] | None = None
+    opts: dict = field(default_factory=dict)
+    initial_state: bool = False
+    output_final_state: bool = False
+
+
+CASES = [
+    pytest.param(Case(T=63, B=2, K=32, V=64), id="B2-T63-K32-V64-fp32"),
+    pytest.param(Case(T=130, H=2, HV=2, K=64, V=32, initial_state=True, output_final_state=True),
+                 id="T130-H2-K64-V32-state-in-out"),
+    pytest.param(Case(T=100, H=1, HV=2, K=32, V=32, output_final_state=True), id="GVA-H1-HV2-T100"),
+    pytest.param(Case(T=96, K=64, V=64, dtype=torch.bfloat16, initial_state=True, output_final_state=True),
+                 id="T96-K64-V64-bf16-state"),
+    pytest.param(Case(T=70, K=32, V=32, opts=dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)),
+                 id="l2norm-beta-sigmoid"),
+    pytest.param(Case(T=70, opts=dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                                      use_qk_l2norm_in_kernel=True)), id="neg-eigval"),
+    pytest.param(Case(T=80, HV=2, H=2, opts=dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)),
+                 id="gate-softplus"),
+    pytest.param(Case(T=80, HV=2, H=1, opts=dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+                                                 use_qk_l2norm_in_kernel=True)), id="gate-lower-bound-GVA"),
+    pytest.param(Case(T=66, opts=dict(use_gate_in_kernel=True, lower_bound=-5.0, no_A_log=True,
+                                      use_qk_l2norm_in_kernel=True)), id="gate-lower-bound-no-A_log"),
+    pytest.param(Case(T=95, cu_seqlens=(0, 15, 15, 80, 95), initial_state=True, output_final_state=True,
+                      opts=dict(use_qk_l2norm_in_kernel=True)), id="varlen-15-0-65-15-state"),
+    pytest.param(Case(T=90, H=1, HV=2, cu_seqlens=(0, 64, 90), output_final_state=True,
+                      opts=dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                use_qk_l2norm_in_kernel=True)), id="varlen-GVA-gate"),
+    pytest.param(Case(T=70, initial_state=True, output_final_state=True, opts=dict(state_v_first=True)),
+                 id="state-v-first"),
+    pytest.param(Case(T=70, initial_state=True, output_final_state=True, opts=dict(disable_recompute=True)),
+                 id="disable-recompute"),
+    pytest.param(Case(T=20, K=128, V=32, output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True)),
+                 id="K128-T20"),
+    pytest.param(Case(T=17, K=32, V=256, initial_state=True, opts=dict(use_qk_l2norm_in_kernel=True)),
+                 id="V256-T17"),
+    pytest.param(Case(T=9, K=256, V=128, initial_state=True, output_final_state=True,
+                      opts=dict(use_qk_l2norm_in_kernel=True)), id="K256-V128-T9"),
+]
+
+
+def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:
+    B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
+    opts = case.opts
+    x = {
+        "q": torch.randn(B, T, H, K),
+        "k": torch.randn(B, T, H, K),
+        "v": torch.randn(B, T, HV, V),
+    }
+    if not opts.get("use_qk_l2norm_in_kernel"):
+        x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
+    if opts.get("use_gate_in_kernel"):
+        x["g"] = torch.randn(B, T, HV, K)
+        if not opts.get("no_A_log"):
+            x["A_log"] = torch.log(torch.empty(HV).uniform_(1, 4))
+        x["dt_bias"] = 0.5 * torch.randn(HV * K)
+    else:
+        x["g"] = F.logsigmoid(torch.randn(B, T, HV, K))
+    x["beta"] = torch.randn(B, T, HV) if opts.get("use_beta_sigmoid_in_kernel") else torch.rand(B, T, HV)
+    if case.initial_state:
+        N = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1
+        x["initial_state"] = torch.randn(N, HV, K, V)
+    out = {}
+    for name, t in x.items():
+        dtype = case.dtype if name in ("q", "k", "v", "g", "beta") else torch.float32
+        out[name] = t.to(device=device, dtype=dtype).requires_grad_()
+    return out
+
+
+def _rel_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (ours.double() - ref.double()).pow(2).mean().sqrt()
+    return (diff / ref.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _run(fn, x: dict[str, torch.Tensor], case: Case, do, dht, **kw):
+    opts = {k: v for k, v in case.opts.items() if k != "no_A_log"}
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, device=x["q"].device)
+    tensors = {k: v for k, v in x.items() if k not in ("q", "k", "v", "g", "beta")}
+    o, ht = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.K**-0.5, cu_seqlens=cu,
+               output_final_state=case.output_final_state, **tensors, **opts, **kw)
+    loss = (o.double() * do).sum()
+    if ht is not None:
+        loss = loss + (ht.double() * dht).sum()
+    grads = torch.autograd.grad(loss, list(x.values()))
+    return o, ht, dict(zip(x.keys(), grads))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_fp64_reference(case: Case, device: str) -> None:
+    torch.manual_seed(hash(str(case)) % 2**31)
+    x = _inputs(case, device)
+    ref_x = {k: v.detach().double().requires_grad_() for k, v in x.items()}
+    B, T, HV, K, V = case.B, case.T, case.HV, case.K, case.V
+    N = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1
+    do = torch.randn(B, T, HV, V, dtype=torch.float64, device=device)
+    dht = torch.randn(N, HV, K, V, dtype=torch.float64, device=device)
+    if case.opts.get("state_v_first"):
+        dht = dht.transpose(-1, -2).contiguous()
+    o, ht, grads = _run(chunk_kda_autograd, x, case, do, dht)
+    ro, rht, ref_grads = _run(chunk_kda_reference, ref_x, case, do, dht)
+
+    tol = TOLERANCE[case.dtype]
+    assert o.shape == ro.shape and o.dtype == case.dtype
+    assert _rel_rms(o, ro) <= tol, f"o: {_rel_rms(o, ro):.2e}"
+    if case.output_final_state:
+        assert ht.dtype == torch.float32 and ht.shape == rht.shape
+        assert _rel_rms(ht, rht) <= tol, f"final state: {_rel_rms(ht, rht):.2e}"
+    else:
+        assert ht is None
+    for name, ref in ref_grads.items():
+        ours = grads[name]
+        assert torch.isfinite(ours).all(), f"d{name} has non-finite values"
+        assert ours.dtype == x[name].dtype
+        err = _rel_rms(ours, ref)
+        assert err <= tol, f"d{name}: relative RMS error {err:.2e} > {tol:.0e}"
+
+
+def test_gradient_reaches_only_the_final_state(device: str) -> None:
+    """A loss on the final state alone yields gradients for every input but q (o unused)."""
+    case = Case(T=70, initial_state=True, output_final_state=True)
+    torch.manual_seed(1)
+    x = _inputs(case, device)
+    ref_x = {k: v.detach().double().requires_grad_() for k, v in x.items()}
+    dht = torch.randn(1, 1, 32, 32, dtype=torch.float64, device=device)
+    grads, ref_grads = [], []
+    for fn, inp, out in ((chunk_kda_autograd, x, grads), (chunk_kda_reference, ref_x, ref_grads)):
+        _, ht = fn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale=case.K**-0.5,
+                   initial_state=inp["initial_state"], output_final_state=True)
+        out.extend(torch.autograd.grad((ht.double() * dht).sum(), list(inp.values()), allow_unused=True))
+    for name, ours, ref in zip(x, grads, ref_grads):
+        if name == "q":
+            assert ref is None and (ours is None or not ours.any())
+        else:
+            assert _rel_rms(ours, ref) <= 1e-4, name
+
+
+def test_disable_recompute_gives_identical_gradients(device: str) -> None:
+    case = Case(T=130, K=32, V=32, initial_state=True, output_final_state=True)
+    torch.manual_seed(2)
+    x = _inputs(case, device)
+    do = torch.randn(1, 130, 1, 32, dtype=torch.float64, device=device)
+    dht = torch.randn(1, 1, 32, 32, dtype=torch.float64, device=device)
+    _, _, g_recompute = _run(chunk_kda_autograd, x, case, do, dht, disable_recompute=False)
+    _, _, g_kept = _run(chunk_kda_autograd, x, case, do, dht, disable_recompute=True)
+    for name in x:
+        torch.testing.assert_close(g_recompute[name], g_kept[name], rtol=1e-5, atol=1e-6)
+
+
+def test_backward_through_inference_mode_output_raises(device: str) -> None:
+    case = Case(T=20)
+    x = _inputs(case, device)
+    with torch.inference_mode():
+        o, _ = chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.K**-0.5)
+    with pytest.raises(RuntimeError):
+        o.sum().backward()
