@@ -1,0 +1,79 @@
+"""Forward orchestration of chunked KDA: chains the intra-chunk stage and the fused state/output stage.
+
+No kernels live here; inputs are assumed validated (see ``flashkda.checks``) and contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
+from flashkda.chunk_state import chunk_kda_fwd_state_o
+from flashkda.index import build_chunk_index
+
+
+def work_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the intermediates (w, u, qg, kg, Aqk): bf16 for bf16 input, fp32 otherwise (fp16 could overflow)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def dot_precision_for(dtype: torch.dtype) -> str:
+    """fp32 input needs exact fp32 products (RMS error 1e-5); half input is fine with tf32 tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def chunk_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    output_h: bool = False,
+    block_v: int | None = None,
+    out: torch.Tensor | None = None,
+    final_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]`` (raw or
+            activated as the flags say); scale: query scale (already defaulted).
+        initial_state: ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` if ``state_v_first``) or None.
+        output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias: as in
+            ``flashkda.chunk_kda``.
+        output_h: also return the state at the start of every chunk.
+        block_v: V tile of the state stage (default: picked from the number of programs).
+        out: optional preallocated ``[B, T, HV, V]`` output.
+        final_state: optional preallocated final-state buffer (implies ``output_final_state``).
+
+    Returns:
+        ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
+        layout or None; ``h`` ``[NC, HV, K, V]`` fp32 states at chunk starts (``NC`` = global chunk count, for
+        varlen an upper bound whose surplus rows are unwritten) or None.
+    """
+    B, T = q.shape[:2]
+    index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
+    work_dtype = work_dtype_for(q.dtype)
+    dot_prec = dot_precision_for(q.dtype)
+    w, u, qg, kg, Aqk, gC = chunk_kda_fwd_intra(
+        q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, index, work_dtype, dot_prec,
+    )
+    return chunk_kda_fwd_state_o(
+        w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index, q.dtype, dot_prec,
+        output_h=output_h, block_v=block_v, out=out, final_state=final_state,
+    )

@@ -1,0 +1,124 @@
+"""Inter-chunk stage: the state recurrence with the output fused in, one program per (V block, sequence, head).
+
+Per chunk, with the state ``S`` (``[K, BV]``, fp32, in registers for the whole sequence)::
+
+    v_new = u - w S
+    o     = qg S + Aqk v_new
+    S     = Diag(e^{Γ_C}) S + kgᵀ v_new
+
+Fusing the output here means the per-chunk states never go to memory (fla writes them out, ``NT x K x V`` per
+head, and reads them back in a third kernel). Splitting V into ``BV``-wide blocks multiplies the number of
+independent programs by ``V / BV``, which is what keeps an H200 busy when there are few heads and sequences.
+
+Traffic per (chunk, head), bf16 with K = V = 128: reads w, qg, kg, u, Aqk (74 KiB, shared by the V blocks through
+L2) and writes o (16 KiB); the chain of chunks is sequential, so short rows of work are latency-bound.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashkda.chunk_intra import CHUNK_SIZE
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_kda_fwd_kernel_state_o(
+    w, u, qg, kg, Aqk, gC, o, h0, ht, h, cu_seqlens, chunk_offsets,
+    T, NTS,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_H: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NTS
+    NT = tl.cdiv(eos - bos, BT)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    # Offsets of the [BK, BV] state tile inside one head's state, in either layout.
+    if STATE_V_FIRST:
+        o_s = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = o_k[:, None] * V + o_v[None, :]
+    i_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
+
+    # [BK, BV]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_S += tl.load(h0 + i_s + o_s, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_t in range(0, NT):
+        o_t = bos + i_t * BT + o_c
+        m_t = o_t < eos
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        if STORE_H:
+            tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_kv)
+        b_Sd = b_S.to(w.dtype.element_ty)
+        # [BT, BK]
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.0)
+        # [BT, BV]
+        b_vn = tl.load(u + p_v, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_Sd, input_precision=DOT_PREC)
+        b_vnd = b_vn.to(w.dtype.element_ty)
+        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0)
+        # [BT, BT] causal, only the lower triangle was written
+        b_A = tl.load(Aqk + (o_t[:, None] * HV + i_hv) * BT + o_c[None, :],
+                      mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
+        b_o = tl.dot(b_qg, b_Sd, input_precision=DOT_PREC) + tl.dot(b_A, b_vnd, input_precision=DOT_PREC)
+        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+        # [BK]
+        b_gC = tl.load(gC + ((c0 + i_t) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_kg = tl.load(kg + p_k, mask=m_tk, other=0.0)
+        b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg), b_vnd, input_precision=DOT_PREC)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + i_s + o_s, b_S, mask=m_kv)
+
+
+def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
+    """Widest V block that still gives at least two programs per SM (down to 16)."""
+    BV = min(64, triton.next_power_of_2(V))
+    while BV > 16 and programs_per_block * triton.cdiv(V, BV) < 2 * num_sms:
+        BV //= 2
+    return BV
+
+
+def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
+                          out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None):
+    B, T, HV, K = w.shape
+    V = u.shape[-1]
+    N = index.num_seqs
+    o = out if out is not None else torch.empty(B, T, HV, V, dtype=out_dtype, device=w.device)
+    ht = final_state
+    if ht is None and output_final_state:
+        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        ht = torch.empty(shape, dtype=torch.float32, device=w.device)
+    h = torch.empty(index.num_chunks, HV, K, V, dtype=torch.float32, device=w.device) if output_h else None
+    if N == 0:
+        return o, ht, h
+    if block_v is None:
+        num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
+        block_v = pick_block_v(V, N * HV, num_sms)
+    grid = (triton.cdiv(V, block_v), N, HV)
+    chunk_kda_fwd_kernel_state_o[grid](
+        w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
+        T, index.chunks_per_seq,
+        HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=triton.next_power_of_2(K), BV=block_v,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
+        STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
+        num_warps=4,
+    )
+    return o, ht, h
