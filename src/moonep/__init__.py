@@ -1,3 +1,24 @@
-"""MoonEP: balanced expert-parallel dispatch/combine with online redundant experts."""
+"""MoonEP: balanced expert-parallel dispatch/combine with online redundant experts.
+
+Public API: `Buffer` (layout → dispatch → combine, prefetch_weight / reduce_grad), `Plan` and
+`compute_plan` (the on-device planner), `DispatchHandle`/`DispatchOutput`, `EventOverlap`, `CommError`,
+and the reference layer `MoELayer` with its `Router`. Importing moonep imports torch, never triton.
+"""
+
+from moonep.buffer import Buffer, DispatchHandle, DispatchOutput
+from moonep.errors import CommError
+from moonep.event import EventOverlap
+from moonep.plan import Plan, compute_plan, route_tokens
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "CommError",
+    "DispatchHandle",
+    "DispatchOutput",
+    "EventOverlap",
+    "Plan",
+    "compute_plan",
+    "route_tokens",
+]

@@ -1,0 +1,153 @@
+"""Autograd for dispatch, combine and redundant-expert weights: each backward is the other's forward.
+
+Shape suffixes: R ranks, S max tokens per rank, s tokens this call, K top-k, H hidden, C slots on this
+rank, T = R*S received rows, P home experts, N redundant weight slots (``num_redundant_slots``), W weight dims.
+
+- dispatch: ``x_sH -> x_CH`` (rows all-gathered, expanded into slots); backward = unweighted combine.
+  The gate weights ride along (``topk_weights_sK -> weights_C``); their gradient travels back per hit.
+- combine: ``(y_CH, weights_C) -> out_sH``; backward = dispatch of ``grad_out`` with the saved plan.
+- prefetch: ``weight_PW -> weight_(P+N)W``; backward = `reduce_grad` (redundant gradients go home).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moonep.ops import expand_rows, reduce_slots
+from moonep.plan import Plan
+
+if TYPE_CHECKING:
+    from moonep.buffer import Buffer, DispatchHandle
+
+
+def gather_rows(buffer: Buffer, handle: DispatchHandle, x_sH: torch.Tensor) -> torch.Tensor:
+    """All-gather token rows and expand them into this rank's slots: ``[s, H] -> [C, H]``."""
+    R, S = buffer.num_ranks, buffer.S
+    s, H = x_sH.shape
+    x_SH = x_sH if s == S else torch.cat([x_sH, x_sH.new_zeros(S - s, H)])
+    rows_XH = x_sH.new_empty(R * S + 1, H)
+    rows_XH[-1].zero_()
+    buffer.transport.all_gather(rows_XH[: R * S], x_SH, "dispatch token all_gather")
+    return expand_rows(rows_XH, handle.slot_src_C)
+
+
+def return_rows(
+    buffer: Buffer, handle: DispatchHandle, y_CH: torch.Tensor, weights_C: torch.Tensor | None
+) -> torch.Tensor:
+    """Reduce each token's slots on this rank, send partials home, sum them in fp32: ``[C, H] -> [s, H]``."""
+    R, S, H = buffer.num_ranks, buffer.S, y_CH.shape[1]
+    partial_TH = reduce_slots(y_CH, handle.recv_slots_TK, weights_C, y_CH.dtype)
+    back_TH = buffer.transport.all_to_all(torch.empty_like(partial_TH), partial_TH, "combine all_to_all")
+    return back_TH.view(R, S, H)[:, : handle.num_tokens].float().sum(0).to(y_CH.dtype)
+
+
+def return_slot_values(buffer: Buffer, handle: DispatchHandle, v_C: torch.Tensor) -> torch.Tensor:
+    """Send one value per slot back to its (token, k) on the source rank: ``[C] -> [s, K]`` fp32."""
+    R, S, K = buffer.num_ranks, buffer.S, buffer.K
+    v_ext = torch.cat([v_C.float(), v_C.new_zeros(1, dtype=torch.float32)])
+    slots = handle.recv_slots_TK
+    v_TK = v_ext[torch.where(slots >= 0, slots, v_C.shape[0])]
+    back = buffer.transport.all_to_all(torch.empty_like(v_TK), v_TK, "gate-gradient all_to_all")
+    return back.view(R, S, K)[:, : handle.num_tokens].sum(0)
+
+
+class DispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_sH: torch.Tensor,
+        topk_weights_sK: torch.Tensor,
+        weights_C: torch.Tensor,
+        buffer: Buffer,
+        handle: DispatchHandle,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.buffer, ctx.handle, ctx.w_dtype = buffer, handle, topk_weights_sK.dtype
+        return gather_rows(buffer, handle, x_sH), weights_C.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_x_CH: torch.Tensor, grad_w_C: torch.Tensor) -> tuple[Any, ...]:
+        buffer, handle = ctx.buffer, ctx.handle
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = return_rows(buffer, handle, grad_x_CH.contiguous(), None)
+        if ctx.needs_input_grad[1]:
+            grad_w = return_slot_values(buffer, handle, grad_w_C).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+class CombineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        y_CH: torch.Tensor,
+        weights_C: torch.Tensor | None,
+        buffer: Buffer,
+        handle: DispatchHandle,
+    ) -> torch.Tensor:
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.save_for_backward(y_CH, weights_C)
+        return return_rows(buffer, handle, y_CH, weights_C)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out_sH: torch.Tensor) -> tuple[Any, ...]:
+        y_CH, weights_C = ctx.saved_tensors
+        g_CH = gather_rows(ctx.buffer, ctx.handle, grad_out_sH.contiguous().to(y_CH.dtype))
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = g_CH if weights_C is None else (g_CH.float() * weights_C[:, None].float()).to(y_CH.dtype)
+        if weights_C is not None and ctx.needs_input_grad[1]:
+            grad_w = (y_CH.float() * g_CH.float()).sum(-1).to(weights_C.dtype)
+        return grad_y, grad_w, None, None
+
+
+def prefetch(buffer: Buffer, plan: Plan, weight_PW: torch.Tensor) -> torch.Tensor:
+    """Home weights plus the weights of this rank's redundant experts: ``[P, *W] -> [P + N, *W]``."""
+    R, P, N, rank = buffer.num_ranks, buffer.P, buffer.num_redundant_slots, buffer.rank
+    if N == 0:
+        return weight_PW.clone()
+    ids_RN = plan.redundant_ids_RN[:, :N]
+    home_RN = torch.where(ids_RN >= 0, torch.div(ids_RN, P, rounding_mode="floor"), -1)
+    mine_RN = home_RN == rank
+    # Row n of chunk d: the weight rank d needs in its redundant slot n, if this rank is its home.
+    local = torch.where(mine_RN, ids_RN - rank * P, 0).view(-1)
+    send = weight_PW.index_select(0, local) * mine_RN.view(-1, *([1] * (weight_PW.dim() - 1))).to(weight_PW.dtype)
+    recv = buffer.transport.all_to_all(torch.empty_like(send), send, "prefetch_weight all_to_all")
+    recv = recv.view(R, N, *weight_PW.shape[1:])
+    src_N = home_RN[rank].clamp(min=0)
+    fetched = recv[src_N, torch.arange(N, device=src_N.device)]
+    fetched = fetched * (home_RN[rank] >= 0).view(-1, *([1] * (weight_PW.dim() - 1))).to(weight_PW.dtype)
+    return torch.cat([weight_PW, fetched])
+
+
+def reduce_grad(buffer: Buffer, plan: Plan, grad_LW: torch.Tensor) -> torch.Tensor:
+    """Home gradients plus every redundant copy's gradient from the ranks that held it: ``[P+N] -> [P]``."""
+    R, P, N, rank = buffer.num_ranks, buffer.P, buffer.num_redundant_slots, buffer.rank
+    home_grad = grad_LW[:P]
+    if N == 0:
+        return home_grad.clone()
+    ids_RN = plan.redundant_ids_RN[:, :N]
+    home_RN = torch.where(ids_RN >= 0, torch.div(ids_RN, P, rounding_mode="floor"), -1)
+    shape = (-1, *([1] * (grad_LW.dim() - 1)))
+    ranks = torch.arange(R, device=ids_RN.device)
+    to_d_RN = home_RN[rank][None, :] == ranks[:, None]
+    send = grad_LW[P:][None].expand(R, *grad_LW[P:].shape).reshape(R * N, *grad_LW.shape[1:])
+    send = send * to_d_RN.reshape(shape).to(grad_LW.dtype)
+    recv = buffer.transport.all_to_all(torch.empty_like(send), send, "reduce_grad all_to_all")
+    from_src = (home_RN == rank).view(-1)
+    local = torch.where(from_src, ids_RN.view(-1) - rank * P, P)
+    out = torch.cat([home_grad, grad_LW.new_zeros(1, *grad_LW.shape[1:])])
+    out.index_add_(0, local, recv)
+    return out[:P]
+
+
+class PrefetchWeightFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight_PW: torch.Tensor, buffer: Buffer, plan: Plan) -> torch.Tensor:
+        ctx.buffer, ctx.plan = buffer, plan
+        return prefetch(buffer, plan, weight_PW)
+
+    @staticmethod
+    def backward(ctx: Any, grad_LW: torch.Tensor) -> tuple[Any, ...]:
+        return reduce_grad(ctx.buffer, ctx.plan, grad_LW.contiguous()), None, None

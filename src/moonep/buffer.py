@@ -1,0 +1,411 @@
+"""`Buffer`: one object owns an expert-parallel group's communication; layout → dispatch → combine.
+
+Shape suffixes used in this module:
+    R  ranks      S  max tokens per rank (``max_tokens_per_rank``)   s  tokens this call (<= S)
+    K  top-k      E  routed experts      P  home experts per rank     L  local expert slots (P + E - P)
+    H  hidden     C  slots this rank computes (``S*K`` balanced; ``R*S*K`` unbalanced)   W  weight dims
+
+Data path of `dispatch` (torch.distributed transport):
+    1. every rank's expert histogram (plus a status word) is all-gathered; `compute_plan` runs on device;
+    2. `route_tokens` gives each (token, k) its destination rank and slot; one all-to-all carries, per
+       destination, the slot of each (token, k) (-1 if elsewhere) and its gate weight;
+    3. token rows are all-gathered (static shape ``[R*S, H]``) and expanded locally into slots.
+`combine` reduces each token's slots on a rank in fp32 (weighted by the gate), sends one partial row per
+(token, rank) back by all-to-all in the buffer dtype, and sums the ``R`` partials in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moonep import autograd as _ag
+from moonep.event import EventOverlap
+from moonep.plan import Plan, compute_plan, route_tokens
+from moonep.transports.torch_dist import TorchDistTransport
+
+logger = logging.getLogger(__name__)
+
+_STATUS_OK, _STATUS_TOO_MANY, _STATUS_SHAPE, _STATUS_DTYPE, _STATUS_IDS = 0, 1, 2, 3, 4
+_STATUS_TEXT = {
+    _STATUS_TOO_MANY: "passed more tokens than max_tokens_per_rank",
+    _STATUS_SHAPE: "passed x/topk_idx/topk_weights with wrong shapes",
+    _STATUS_DTYPE: "passed tensors of the wrong dtype or device",
+    _STATUS_IDS: "passed expert ids outside [-1, num_experts)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchHandle:
+    """Everything combine (and the backward passes) need; produced by `Buffer.dispatch`, never edited."""
+
+    plan: Plan
+    rank: int
+    num_tokens: int
+    """``s``: tokens this rank dispatched."""
+    slot_src_C: torch.Tensor
+    """``[C]`` int64 received-row index (``src*S + t``) of each slot; ``R*S`` (a zero row) if unused."""
+    recv_slots_TK: torch.Tensor
+    """``[R*S, K]`` int64 slot on this rank of each received (src, token, k); -1 if computed elsewhere."""
+    weights_C: torch.Tensor
+    """``[C]`` fp32 gate weight per slot (0 if unused); detached."""
+    local_counts_L: torch.Tensor
+    """``[L]`` int64 slots per local expert on this rank (home experts, then redundant table entries)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchOutput:
+    """What `Buffer.dispatch` returns."""
+
+    x_CH: torch.Tensor
+    """``[C, H]`` tokens grouped by local expert (home experts ``0..P-1``, then redundant experts)."""
+    weights_C: torch.Tensor
+    """``[C]`` fp32 gate weight of each slot (differentiable w.r.t. ``topk_weights``)."""
+    counts_L: torch.Tensor
+    """``[L]`` int64 slots per local expert."""
+    offsets_L: torch.Tensor
+    """``[L]`` int64 first slot of each local expert."""
+    handle: DispatchHandle
+    event: EventOverlap
+
+
+class Buffer:
+    """Expert-parallel dispatch/combine for one process group, balanced by online redundant experts.
+
+    Building it is collective (every rank of ``group`` must call it with the same sizes).
+
+    Args:
+        group: torch.distributed process group (None: the default group). Backend gloo or NCCL.
+        max_tokens_per_rank: ``S``, the most tokens one rank passes to `dispatch`.
+        hidden: ``H``, token width.
+        top_k: ``K``, hits per token.
+        num_experts: ``E`` routed experts, a multiple of the group size; expert ``e`` lives on rank ``e // P``.
+        dtype: dtype of token rows on the wire (``x``'s dtype must match).
+        balanced: plan redundant experts so every rank computes ``s*K`` slots; False: every slot on its
+            expert's home rank (plain dedup'd expert parallelism, no weight movement).
+        num_redundant_slots: how many redundant experts' weights `prefetch_weight` moves per rank
+            (default ``P``).
+        timeout_s: seconds a collective may take before `CommError` (gloo; NCCL uses its group's timeout).
+        validate: check values (expert ids, token counts) on every rank before moving data; costs one host
+            synchronisation per dispatch. Shapes and dtypes are always checked.
+        device: where tensors live (default: ``cuda:<current>`` for NCCL, else CPU).
+
+    Raises:
+        ValueError: bad sizes, or ranks disagree on them (raised on every rank).
+
+    Examples::
+
+        buffer = moonep.Buffer(None, max_tokens_per_rank=4096, hidden=7168, top_k=16, num_experts=896)
+        out = buffer.dispatch(x_sH, topk_idx_sK, topk_weights_sK)
+        y_CH = experts(out.x_CH, out.counts_L)          # grouped GEMM over local experts
+        y_sH = buffer.combine(y_CH, out.weights_C, out.handle)
+        buffer.destroy()
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        max_tokens_per_rank: int,
+        hidden: int,
+        top_k: int,
+        num_experts: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        balanced: bool = True,
+        num_redundant_slots: int | None = None,
+        timeout_s: float = 60.0,
+        validate: bool = True,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.transport = TorchDistTransport(group, timeout_s)
+        R = self.transport.world_size
+        self.rank, self.num_ranks = self.transport.rank, R
+        for name, value in (("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 0:
+            raise ValueError(f"max_tokens_per_rank must be an int >= 0, got {max_tokens_per_rank!r}")
+        if num_experts % R:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({R})")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if self.transport.backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+        self.S, self.H, self.K, self.E = max_tokens_per_rank, hidden, top_k, num_experts
+        self.P = num_experts // R
+        self.dtype, self.balanced, self.validate = dtype, balanced, validate
+        self.capacity = self.S * self.K * (1 if balanced else R)
+        self.num_redundant_slots = self.P if num_redundant_slots is None else num_redundant_slots
+        if not 0 <= self.num_redundant_slots <= num_experts - self.P:
+            raise ValueError(f"num_redundant_slots must be in [0, {num_experts - self.P}], got {num_redundant_slots}")
+        self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        config = torch.tensor(
+            [max_tokens_per_rank, hidden, top_k, num_experts, int(balanced), self.num_redundant_slots],
+            dtype=torch.long,
+            device=self.device,
+        )
+        gathered = self.transport.all_gather(config.new_empty(R * config.numel()), config, "Buffer config exchange")
+        rows = gathered.view(R, -1).cpu()
+        if not bool((rows == rows[0]).all()):
+            raise ValueError(
+                "ranks disagree on Buffer sizes (max_tokens_per_rank, hidden, top_k, num_experts, balanced, "
+                f"num_redundant_slots) per rank: {rows.tolist()}; build the Buffer with the same sizes everywhere"
+            )
+        self._destroyed = False
+
+    # -- layout ------------------------------------------------------------------------------------------
+
+    def _status(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
+        if x.dim() != 2 or x.shape[1] != self.H or topk_idx.dim() != 2 or topk_idx.shape[1] != self.K:
+            return _STATUS_SHAPE
+        if topk_weights.shape != topk_idx.shape or topk_idx.shape[0] != x.shape[0]:
+            return _STATUS_SHAPE
+        if x.shape[0] > self.S:
+            return _STATUS_TOO_MANY
+        if x.dtype != self.dtype or topk_idx.dtype not in (torch.int64, torch.int32):
+            return _STATUS_DTYPE
+        if not topk_weights.is_floating_point():
+            return _STATUS_DTYPE
+        if any(t.device != self.device for t in (x, topk_idx, topk_weights)):
+            return _STATUS_DTYPE
+        return _STATUS_OK
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, *, status: int = _STATUS_OK) -> Plan:
+        """Exchange expert histograms and plan the micro-batch (collective; no host sync unless validating).
+
+        Args:
+            topk_idx: ``[s, K]`` int64 expert ids, -1 for no selection.
+
+        Returns:
+            The `Plan`, identical on every rank.
+
+        Raises:
+            ValueError: on every rank, when any rank passed invalid input (and ``validate`` is on, or the
+                problem is in shapes/dtypes of this rank).
+        """
+        self._check_alive()
+        ok = status == _STATUS_OK
+        idx = topk_idx.reshape(-1).long() if ok else torch.zeros(0, dtype=torch.long, device=self.device)
+        bad_ids = ((idx < -1) | (idx >= self.E)).any().long().view(1)
+        counts = torch.bincount(torch.where((idx >= 0) & (idx < self.E), idx, self.E), minlength=self.E + 1)
+        row = torch.cat([counts[: self.E], bad_ids, torch.tensor([status], device=self.device)])
+        gathered = self.transport.all_gather(row.new_empty(self.num_ranks * row.numel()), row, "layout exchange")
+        gathered = gathered.view(self.num_ranks, -1)
+        if self.validate or status != _STATUS_OK:
+            flags = gathered[:, self.E :].cpu()
+            problems = []
+            for r, (bad, code) in enumerate(flags.tolist()):
+                if code:
+                    problems.append(f"rank {r} {_STATUS_TEXT[code]}")
+                elif bad:
+                    problems.append(f"rank {r} {_STATUS_TEXT[_STATUS_IDS]}")
+            if problems:
+                raise ValueError(
+                    "; ".join(problems) + f" (buffer: max_tokens_per_rank={self.S}, hidden={self.H}, top_k={self.K}, "
+                    f"num_experts={self.E}, dtype={self.dtype}, device={self.device})"
+                )
+        return compute_plan(gathered[:, : self.E], balanced=self.balanced)
+
+    # -- dispatch / combine -----------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+    ) -> DispatchOutput:
+        """Send each token once to every rank that computes one of its hits; expand into expert slots.
+
+        Collective. Differentiable in ``x`` and ``topk_weights`` (backward is a combine).
+
+        Args:
+            x: ``[s, H]`` tokens, ``s <= max_tokens_per_rank``, dtype ``self.dtype``.
+            topk_idx: ``[s, K]`` int64/int32 expert ids; -1 means no selection.
+            topk_weights: ``[s, K]`` floating gate weights (applied in `combine`).
+            previous_event: wait for this event before starting (CUDA).
+            async_finish: run on the buffer's communication stream and return at once; ``event`` then
+                marks completion (use it as ``with event:``).
+
+        Returns:
+            A `DispatchOutput`; ``x_CH`` has ``C`` rows (exactly ``s*K`` per rank when balanced and every
+            rank passes ``s`` tokens with ``K`` hits each); unused rows are zero.
+
+        Raises:
+            ValueError: any rank passed invalid input (raised on every rank).
+            CommError: a peer died or stalled.
+        """
+        status = self._status(x, topk_idx, topk_weights)
+        stream = self._enter(previous_event, async_finish)
+        with _maybe_stream(stream):
+            plan = self.get_dispatch_layout(topk_idx, status=status)
+            handle = self._make_handle(plan, topk_idx, topk_weights)
+            x_CH, w_C = _ag.DispatchFunction.apply(x, topk_weights, handle.weights_C, self, handle)
+        counts_L = handle.local_counts_L
+        offsets_L = counts_L.cumsum(0) - counts_L
+        event = self._leave(stream, async_finish, (x_CH, w_C, counts_L, offsets_L))
+        return DispatchOutput(
+            x_CH=x_CH, weights_C=w_C, counts_L=counts_L, offsets_L=offsets_L, handle=handle, event=event
+        )
+
+    def combine(
+        self,
+        y_CH: torch.Tensor,
+        weights_C: torch.Tensor | None,
+        handle: DispatchHandle,
+        *,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+    ) -> tuple[torch.Tensor, EventOverlap]:
+        """Return expert outputs to their tokens: ``out[t] = sum_k w[t,k] * y[slot(t,k)]``, summed in fp32.
+
+        Collective. Differentiable in ``y_CH`` and ``weights_C`` (backward is a dispatch with the saved plan).
+
+        Args:
+            y_CH: ``[C, H]`` expert outputs in slot order (as `dispatch` laid them out).
+            weights_C: ``[C]`` gate weights per slot (``DispatchOutput.weights_C``), or None for a plain sum.
+            handle: the dispatch's handle.
+
+        Returns:
+            ``(out_sH, event)``: ``[s, H]`` in ``y_CH``'s dtype. Each rank's partial sum travels in that dtype.
+
+        Raises:
+            ValueError: ``y_CH`` does not have ``C`` rows of width ``H``.
+            CommError: a peer died or stalled.
+        """
+        if y_CH.dim() != 2 or y_CH.shape != (self.capacity, self.H):
+            raise ValueError(f"y_CH must be [{self.capacity}, {self.H}], got {tuple(y_CH.shape)}")
+        if weights_C is not None and weights_C.shape != (self.capacity,):
+            raise ValueError(f"weights_C must be [{self.capacity}] or None, got {tuple(weights_C.shape)}")
+        stream = self._enter(previous_event, async_finish)
+        with _maybe_stream(stream):
+            out = _ag.CombineFunction.apply(y_CH, weights_C, self, handle)
+        return out, self._leave(stream, async_finish, (out,))
+
+    # -- redundant experts --------------------------------------------------------------------------------
+
+    def prefetch_weight(self, plan: Plan, weight_P: torch.Tensor) -> torch.Tensor:
+        """Fetch the weights of this rank's redundant experts from their home ranks (collective).
+
+        Differentiable: its backward is `reduce_grad`, so gradients of redundant copies reach home.
+
+        Args:
+            plan: the micro-batch's plan.
+            weight_P: ``[P, *W]`` this rank's home experts' weights (any dtype).
+
+        Returns:
+            ``[P + num_redundant_slots, *W]``: home weights, then the redundant table's experts (zeros past
+            the number this rank holds).
+
+        Raises:
+            ValueError: ``weight_P`` has not ``P`` rows, or (with ``validate``) a rank needs more redundant
+                experts than ``num_redundant_slots``.
+        """
+        if weight_P.dim() < 1 or weight_P.shape[0] != self.P:
+            raise ValueError(f"weight_P must have {self.P} rows (home experts), got shape {tuple(weight_P.shape)}")
+        if self.validate:
+            self.check_plan(plan)
+        return _ag.PrefetchWeightFunction.apply(weight_P, self, plan)
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise ValueError if a rank holds more redundant experts than ``num_redundant_slots`` (host sync)."""
+        most = int(plan.num_redundant_R.max())
+        if most > self.num_redundant_slots:
+            raise ValueError(
+                f"the plan needs {most} redundant experts on one rank but the buffer was built with "
+                f"num_redundant_slots={self.num_redundant_slots}; raise it (at most {self.E - self.P})"
+            )
+
+    def reduce_grad(self, plan: Plan, grad_L: torch.Tensor) -> torch.Tensor:
+        """Sum redundant copies' gradients into their home experts (collective).
+
+        Args:
+            plan: the plan the weights were prefetched with.
+            grad_L: ``[P + num_redundant_slots, *W]`` gradients of the prefetched weights.
+
+        Returns:
+            ``[P, *W]`` gradient of this rank's home experts.
+        """
+        if grad_L.dim() < 1 or grad_L.shape[0] != self.P + self.num_redundant_slots:
+            raise ValueError(
+                f"grad_L must have {self.P + self.num_redundant_slots} rows, got shape {tuple(grad_L.shape)}"
+            )
+        return _ag.reduce_grad(self, plan, grad_L)
+
+    def destroy(self) -> None:
+        """Free communication resources; the buffer is unusable afterwards (idempotent)."""
+        self._destroyed = True
+        self.comm_stream = None
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed; build a new one")
+
+    def _enter(self, previous_event: EventOverlap | None, async_finish: bool) -> torch.cuda.Stream | None:
+        if self.comm_stream is None:
+            return None
+        if previous_event is not None and previous_event.event is not None:
+            self.comm_stream.wait_event(previous_event.event)
+        else:
+            self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self.comm_stream if async_finish else None
+
+    def _leave(
+        self, stream: torch.cuda.Stream | None, async_finish: bool, outputs: tuple[torch.Tensor, ...]
+    ) -> EventOverlap:
+        if stream is None or not async_finish:
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record(stream)
+        current = torch.cuda.current_stream(self.device)
+        for tensor in outputs:
+            tensor.record_stream(current)
+        return EventOverlap(event, outputs)
+
+    def _make_handle(self, plan: Plan, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
+        R, S, K, C = self.num_ranks, self.S, self.K, self.capacity
+        s = topk_idx.shape[0]
+        dest_sK, slot_sK = route_tokens(plan, self.rank, topk_idx)
+        ranks = torch.arange(R, device=self.device).view(R, 1, 1)
+        meta = torch.full((R, S, K, 2), -1, dtype=torch.int32, device=self.device)
+        meta[:, :s, :, 0] = torch.where(dest_sK[None] == ranks, slot_sK[None], -1).int()
+        meta[:, :s, :, 1] = topk_weights.detach().float().view(torch.int32)[None].expand(R, s, K)
+        recv = self.transport.all_to_all(torch.empty_like(meta), meta, "dispatch metadata all_to_all")
+        recv_slots = recv[..., 0].reshape(R * S, K).long()
+        recv_w = recv[..., 1].contiguous().view(torch.float32).reshape(R * S, K)
+        valid = recv_slots >= 0
+        target = torch.where(valid, recv_slots, C).view(-1)
+        rows = torch.arange(R * S, device=self.device).repeat_interleave(K)
+        slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=self.device).scatter_(0, target, rows)
+        weights = torch.zeros(C + 1, dtype=torch.float32, device=self.device).scatter_(
+            0, target, torch.where(valid, recv_w, 0.0).view(-1)
+        )
+        return DispatchHandle(
+            plan=plan,
+            rank=self.rank,
+            num_tokens=s,
+            slot_src_C=slot_src[:C],
+            recv_slots_TK=recv_slots,
+            weights_C=weights[:C],
+            local_counts_L=plan.local_counts_RL[self.rank],
+        )
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _maybe_stream(stream: torch.cuda.Stream | None) -> object:
+    return torch.cuda.stream(stream) if stream is not None else _NullContext()

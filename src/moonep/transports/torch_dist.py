@@ -1,0 +1,91 @@
+"""Collectives over torch.distributed (gloo on the CPU, NCCL on GPUs) with faults mapped to `CommError`.
+
+On gloo every collective is issued with ``async_op=True`` and waited with the buffer's timeout, so a peer
+that died (connection closed) or stalled (timeout) surfaces as `CommError` on every surviving rank. On
+NCCL the wait is a stream dependency (no host blocking); stalls are then caught by the process group's
+own timeout and NCCL's watchdog, which the group was built with.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from moonep.errors import CommError
+
+logger = logging.getLogger(__name__)
+
+
+class TorchDistTransport:
+    """Equal-split all-gather and all-to-all on one process group.
+
+    Args:
+        group: the process group (None: the default group).
+        timeout_s: seconds a collective may take on gloo before `CommError`.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.broken: str | None = None
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        if work is None:
+            return
+        try:
+            if self.backend == "gloo":
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except RuntimeError as error:
+            self.broken = f"{what} failed on rank {self.rank}: {error}"
+            raise CommError(
+                f"{what} did not complete on rank {self.rank} within {self.timeout.total_seconds():.0f} s "
+                f"(a peer died or stalled): {error}. Destroy this Buffer and rebuild the process group."
+            ) from error
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise CommError(f"this buffer's transport is broken ({self.broken}); destroy it and build a new one")
+
+    def _run(self, issue: Callable[[], dist.Work | None], out: torch.Tensor, what: str) -> torch.Tensor:
+        self._check()
+        try:
+            work = issue()
+        except RuntimeError as error:
+            work = _Failed(error)
+        self._wait(work, what)
+        return out
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
+        """``out`` (``[R * n, ...]``) receives every rank's ``inp`` (``[n, ...]``) in rank order."""
+        if self.world_size == 1:
+            self._check()
+            return out.copy_(inp)
+        inp = inp.contiguous()
+        return self._run(lambda: dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True), out, what)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all") -> torch.Tensor:
+        """Equal splits: chunk ``i`` of ``inp`` (dim 0) goes to rank ``i``; ``out``'s chunk ``j`` comes from ``j``."""
+        if self.world_size == 1:
+            self._check()
+            return out.copy_(inp)
+        inp = inp.contiguous()
+        return self._run(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), out, what)
+
+
+class _Failed:
+    """A work whose issue already failed: waiting re-raises the error."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def wait(self, *_: object) -> None:
+        raise self.error
