@@ -1,0 +1,131 @@
+"""Faults: a peer that dies or stalls mid-dispatch makes every survivor raise `CommError` within the
+timeout; contract violations on one rank raise `ValueError` on every rank; bad arguments name themselves."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from k3infra.testing import RankFailure, run_ranks
+from moonep import Buffer, CommError, compute_plan
+from moonep.skew import make_routing
+
+pytestmark = pytest.mark.multiproc
+
+TIMEOUT_S = 2.0
+S, H, K, P = 6, 4, 2, 2
+
+
+def _fault_mid_dispatch(rank: int, world: int, fault: str) -> tuple[str, float]:
+    buffer = Buffer(None, S, H, K, P * world, dtype=torch.float32, timeout_s=TIMEOUT_S)
+    idx, w = make_routing("uniform", S, K, P * world, world, rank=rank)
+    if rank == 1:
+        original = buffer.transport.all_to_all
+
+        def faulty(*args, **kwargs):  # fault injection: after the layout exchange, before the token data
+            if fault == "die":
+                os._exit(3)
+            time.sleep(4 * TIMEOUT_S)
+            return original(*args, **kwargs)
+
+        buffer.transport.all_to_all = faulty
+    start = time.monotonic()
+    try:
+        buffer.dispatch(torch.randn(S, H), idx, w)
+    except CommError:
+        return "CommError", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_peer_fault_mid_dispatch_raises_comm_error_on_every_survivor(fault: str) -> None:
+    results = run_ranks(_fault_mid_dispatch, 3, fault, timeout_s=60, pg_timeout_s=30, allow_failures=True)
+    for rank in (0, 2):
+        assert not isinstance(results[rank], RankFailure), results[rank]
+        outcome, elapsed = results[rank]
+        assert outcome == "CommError", f"rank {rank}: {outcome}"
+        assert elapsed < TIMEOUT_S + 3.0, f"rank {rank} took {elapsed:.1f} s to notice"
+
+
+def _expect_value_error(fn, match: str) -> None:
+    try:
+        fn()
+    except ValueError as error:
+        assert match in str(error), f"{match!r} not in {error}"
+        return
+    raise AssertionError(f"no ValueError ({match})")
+
+
+def _contract_violations(rank: int, world: int) -> list[str]:
+    E = P * world
+    seen = []
+    buffer = Buffer(None, S, H, K, E, dtype=torch.float32, timeout_s=10)
+    idx, w = make_routing("uniform", S, K, E, world, rank=rank)
+    x = torch.randn(S, H)
+    bad_idx = idx.clone()
+    if rank == 0:
+        bad_idx[0, 0] = E  # out of range on one rank only
+    _expect_value_error(lambda: buffer.dispatch(x, bad_idx, w), "rank 0 passed expert ids outside")
+    seen.append("ids")
+    too_many = torch.randn(S + 1, H) if rank == 1 else x
+    idx_many = torch.zeros(S + 1, K, dtype=torch.long) if rank == 1 else idx
+    w_many = torch.ones(S + 1, K) if rank == 1 else w
+    _expect_value_error(lambda: buffer.dispatch(too_many, idx_many, w_many), "rank 1 passed more tokens")
+    seen.append("capacity")
+    x_dtype = x.double() if rank == 1 else x
+    _expect_value_error(lambda: buffer.dispatch(x_dtype, idx, w), "rank 1 passed tensors of the wrong dtype")
+    seen.append("dtype")
+    x_shape = torch.randn(S, H + 1) if rank == 0 else x
+    _expect_value_error(lambda: buffer.dispatch(x_shape, idx, w), "rank 0 passed x/topk_idx/topk_weights with wrong")
+    seen.append("shape")
+    out = buffer.dispatch(x, idx, w)  # the buffer still works after rejected calls
+    _expect_value_error(lambda: buffer.combine(out.x_CH[:-1], out.weights_C, out.handle), "y_CH must be")
+    _expect_value_error(lambda: buffer.combine(out.x_CH, out.weights_C[:-1], out.handle), "weights_C must be")
+    _expect_value_error(lambda: buffer.prefetch_weight(out.handle.plan, torch.zeros(P + 1, 3)), "weight_P must")
+    _expect_value_error(lambda: buffer.reduce_grad(out.handle.plan, torch.zeros(1, 3)), "grad_L must")
+    small = Buffer(None, S, H, K, E, dtype=torch.float32, num_redundant_slots=0)
+    hot, hot_w = make_routing("one_expert", S, K, E, world, rank=rank)
+    plan = small.dispatch(x, hot, hot_w).handle.plan
+    _expect_value_error(lambda: small.prefetch_weight(plan, torch.zeros(P, 3)), "num_redundant_slots=0")
+    seen.append("combine/prefetch/reduce_grad arguments")
+    _expect_value_error(lambda: Buffer(None, S, H + rank, K, E), "ranks disagree on Buffer sizes")
+    seen.append("disagreeing sizes")
+    for kwargs, name in (
+        ({"hidden": 0}, "hidden"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens_per_rank": -2}, "max_tokens_per_rank"),
+        ({"num_experts": E + 1}, "num_experts"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"num_redundant_slots": E}, "num_redundant_slots"),
+    ):
+        args = {"max_tokens_per_rank": S, "hidden": H, "top_k": K, "num_experts": E, **kwargs}
+        _expect_value_error(lambda a=args: Buffer(None, **a), name)
+    seen.append("constructor arguments")
+    buffer.destroy()
+    try:
+        buffer.dispatch(x, idx, w)
+    except RuntimeError as error:
+        assert "destroyed" in str(error)
+        seen.append("destroyed")
+    return seen
+
+
+def test_contract_violations_raise_value_error_on_every_rank() -> None:
+    results = run_ranks(_contract_violations, 2, timeout_s=120)
+    assert results[0] == results[1] and len(results[0]) == 8
+
+
+@pytest.mark.parametrize(
+    ("counts", "match"),
+    [
+        (torch.zeros(4, dtype=torch.long), "must be [R, E]"),
+        (torch.zeros(3, 4, dtype=torch.long), "multiple of its ranks"),
+    ],
+    ids=["1d", "E-not-multiple-of-R"],
+)
+def test_compute_plan_rejects_bad_counts(counts: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match.replace("[", r"\[").replace("]", r"\]")):
+        compute_plan(counts)
