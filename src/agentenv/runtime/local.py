@@ -1,0 +1,408 @@
+"""The embedded default backend: Linux namespaces, overlayfs layers, cgroups and seccomp on this host.
+
+Shape (see DESIGN.md §4): every sandbox is a tool server that is pid 1 of its own pid namespace, inside
+its own user namespace (uid 0 maps to the unprivileged host range at `store.HOST_UID`), mount, net, uts,
+ipc and cgroup namespaces, rooted in an overlayfs stack of read-only layers plus one writable tmpfs layer.
+
+* `create(image)` forks the image's *seed* (a pristine tool server started once per image) into a new
+  sandbox, so it costs a fork, not an interpreter start.
+* `fork(n)` seals the sandbox's writable layer as a read-only layer (no copy), moves the parent onto a fresh
+  writable layer over it, and forks the tool server n times, each child over its own fresh layer.
+* `snapshot()` is a fork whose child is frozen (cgroup freezer); `restore()` thaws it, forks it, refreezes.
+
+Forked pid and user namespaces nest inside their parent's, so a tool server stays alive (``retired``) while
+sandboxes forked from it live, and its record goes when the last one is destroyed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from agentenv import errors
+from agentenv.limits import Limits
+from agentenv.protocol import SandboxInfo
+from agentenv.runtime import cgroups, images, rootfs
+from agentenv.runtime.backend import Backend
+from agentenv.runtime.client import Connection
+from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, proc_start_time
+
+log = logging.getLogger(__name__)
+
+SEED_LIMITS = Limits(memory_mb=1024, pids=4096, cpus=0, disk_mb=16)
+SEED_START_TIMEOUT_S = 20.0
+MAX_FORK_PER_CALL = 64
+HOST_PYTHON = "/usr/bin/python3"
+_SRC = str(Path(__file__).resolve().parents[2])
+_BOOT = "import sys; sys.path.insert(0, {src!r}); from agentenv.runtime.toolserver import bootstrap; import json; " \
+        "bootstrap(json.loads(sys.argv[1]))"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{os.urandom(6).hex()}"
+
+
+class NamespaceBackend(Backend):
+    """Sandboxes as namespaced tool servers on this host (needs root).
+
+    Args:
+        home: data directory (default `$AGENTENV_HOME` or /var/lib/agentenv).
+        cgroup_root: where the cgroup v1 hierarchies are mounted.
+    """
+
+    def __init__(self, home: Path | str | None = None, cgroup_root: Path = cgroups.CGROUP_ROOT):
+        if os.geteuid() != 0:
+            raise errors.SandboxError("the namespace backend needs root (it mounts, maps uids and writes cgroups)")
+        if not Path(HOST_PYTHON).exists():
+            raise errors.SandboxError(f"{HOST_PYTHON} is missing: the in-sandbox tool server runs with it")
+        self.store = Store(Path(home) if home is not None else default_home())
+        self.cgroup_root = cgroup_root
+        self._pending: dict[str, Connection] = {}
+
+    # ---- records and connections ---------------------------------------------------------------------
+    def _record(self, sid: str, kinds: tuple[str, ...] = ("sandbox",)) -> Record:
+        rec = self.store.read_record(sid)
+        if rec is None or rec.kind not in kinds:
+            what = "snapshot" if kinds == ("snapshot",) else "sandbox"
+            raise errors.SandboxNotFoundError(f"no live {what} with id {sid!r} (see `agentenv ls`)")
+        return rec
+
+    def _alive(self, rec: Record) -> bool:
+        return proc_start_time(rec.pid) == rec.start_time
+
+    def connect(self, sandbox_id: str) -> Connection:
+        conn = self._pending.pop(sandbox_id, None)
+        if conn is not None:
+            return conn
+        self._record(sandbox_id)
+        return Connection(self.store.sock(sandbox_id), sandbox_id)
+
+    def _cgroup(self, sid: str) -> cgroups.Cgroup:
+        return cgroups.Cgroup(sid, self.cgroup_root)
+
+    def _listener(self, sid: str) -> socket.socket:
+        path = self.store.sock(sid)
+        if path.exists():
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(64)
+        return sock
+
+    # ---- seeds ----------------------------------------------------------------------------------------
+    def _image(self, name: str) -> dict:
+        manifest = self.store.load_image(name)
+        if manifest is None and name == "host":
+            manifest = images.build_host(self.store)
+        if manifest is None:
+            known = ", ".join(self.store.image_names()) or "none"
+            raise errors.SandboxNotFoundError(
+                f"unknown image {name!r} (built: {known}); build one with `agentenv image build NAME --from PATH`"
+            )
+        return manifest
+
+    def _seed(self, image: str) -> Record:
+        sid = f"seed-{image}"
+        rec = self.store.read_record(sid)
+        if rec is not None and self._alive(rec):
+            return rec
+        if rec is not None:
+            self._reclaim(rec)
+        return self._start_seed(sid, image, self._image(image))
+
+    def _start_seed(self, sid: str, image: str, manifest: dict) -> Record:
+        upper = self.store.new_writable_layer(SEED_LIMITS.disk_mb << 20)
+        cg = self._cgroup(sid)
+        listener = sync_host = sync_child = proc = None
+        root_fd = -1
+        try:
+            cg.create(cgroups.CgroupLimits(SEED_LIMITS.memory_mb << 20, SEED_LIMITS.pids, SEED_LIMITS.cpus))
+            listener = self._listener(sid)
+            sync_host, sync_child = socket.socketpair()
+            root_fd = self._overlay(manifest["layers"], upper)
+            config = {
+                "id": sid,
+                "root_fd": root_fd,
+                "usr_bind": bool(manifest.get("usr_bind")),
+                "sync_fd": sync_child.fileno(),
+                "listen_fd": listener.fileno(),
+            }
+            proc = subprocess.Popen(
+                [HOST_PYTHON, "-I", "-S", "-c", _BOOT.format(src=_SRC), json.dumps(config)],
+                pass_fds=(sync_child.fileno(), listener.fileno(), root_fd),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                preexec_fn=lambda: cg.add(os.getpid()),
+            )
+            sync_child.close()
+            listener.close()
+            sync_host.settimeout(SEED_START_TIMEOUT_S)
+            if sync_host.recv(1) != b"u":
+                raise errors.SandboxError(f"seed for {image!r} died at start: {proc.stderr.read().decode()[-2000:]}")
+            for name in ("uid_map", "gid_map"):
+                Path(f"/proc/{proc.pid}/{name}").write_text(f"0 {HOST_UID} {UID_RANGE}\n")
+            sync_host.sendall(b"m")
+            status = sync_host.recv(4096)
+            proc.wait(timeout=SEED_START_TIMEOUT_S)
+            if status != b"r":
+                raise errors.SandboxError(f"seed for {image!r} failed to start: {status[1:].decode(errors='replace')}")
+            conn = Connection(self.store.sock(sid), sid)
+            pid = conn.peer_pid()
+            conn.close()
+            rec = Record(sid, "seed", image, pid, proc_start_time(pid) or 0, None, list(manifest["layers"]), upper,
+                         bool(manifest.get("usr_bind")), SEED_LIMITS.to_dict(), time.time(), None)
+            self.store.write_record(rec)
+            return rec
+        except BaseException:
+            cg.destroy()
+            self.store.remove_layer(upper)
+            self.store.delete_record(sid)
+            raise
+        finally:
+            if root_fd >= 0:
+                os.close(root_fd)
+            for s in (sync_host, sync_child, listener):
+                if s is not None:
+                    s.close()
+            if proc is not None:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                if proc.stderr is not None:
+                    proc.stderr.close()
+
+    def _overlay(self, lowers: list[str], upper: str) -> int:
+        return rootfs.overlay_fd([str(self.store.diff(layer)) for layer in lowers], str(self.store.diff(upper)),
+                                 str(self.store.work(upper)))
+
+    # ---- fork: the one primitive behind create, fork, snapshot and restore ----------------------------
+    def _fork(self, parent: Record, kinds: list[str], limits: Limits, *, rebase: bool, ttl_s: float | None,
+              image: str | None = None) -> list[Record]:
+        store = self.store
+        new_parent_upper = None
+        lowers = list(parent.lowers)
+        if rebase and not store.is_empty(parent.upper):
+            new_parent_upper = store.new_writable_layer(int(parent.limits.get("disk_mb", 1024)) << 20)
+            lowers = [parent.upper, *lowers]
+        now = time.time()
+        children: list[Record] = []
+        listeners: list[socket.socket] = []
+        opened: list[int] = []
+        try:
+            for kind in kinds:
+                cid = _new_id("snap" if kind == "snapshot" else "sb")
+                upper = store.new_writable_layer(limits.disk_mb << 20)
+                children.append(Record(cid, kind, image or parent.image, 0, 0, parent.id, lowers, upper,
+                                       parent.usr_bind, limits.to_dict(), now,
+                                       None if ttl_s is None else now + ttl_s))
+                listeners.append(self._listener(cid))
+
+            def root(upper: str) -> int:
+                fd = self._overlay(lowers, upper)
+                opened.append(fd)
+                return fd
+
+            fds = [] if new_parent_upper is None else [root(new_parent_upper)]
+            for child, listener in zip(children, listeners):
+                fds += [root(child.upper), listener.fileno()]
+            conn = Connection(store.sock(parent.id), parent.id)
+            try:
+                conn.request({"op": "fork", "rebase": new_parent_upper is not None,
+                              "usr_bind": parent.usr_bind,
+                              "children": [{"id": c.id, "deadline": c.expires_at} for c in children]},
+                             fds=fds, timeout_s=30.0)
+            finally:
+                conn.close()
+            for child in children:
+                cconn = Connection(store.sock(child.id), child.id)
+                child.pid = cconn.peer_pid()
+                child.start_time = proc_start_time(child.pid) or 0
+                cg = self._cgroup(child.id)
+                cg.create(cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus))
+                cg.add(child.pid)
+                store.write_record(child)
+                if child.kind == "sandbox":
+                    self._pending[child.id] = cconn
+                else:
+                    cconn.close()
+            if new_parent_upper is not None:
+                old_upper = parent.upper
+                parent.lowers, parent.upper = lowers, new_parent_upper
+                store.write_record(parent)
+                log.debug("sealed layer %s of %s", old_upper, parent.id)
+        except BaseException:
+            for child in children:
+                self._reclaim(child)
+            if new_parent_upper is not None and store.read_record(parent.id).upper != new_parent_upper:
+                store.remove_layer(new_parent_upper)
+            raise
+        finally:
+            for fd in opened:
+                os.close(fd)
+            for listener in listeners:
+                listener.close()
+        return children
+
+    # ---- public operations ----------------------------------------------------------------------------
+    def create(self, source: str, limits: Limits, *, ttl_s: float | None = None) -> str:
+        _check_ttl(ttl_s)
+        if source.startswith("snap-"):
+            return self.restore(source, limits, ttl_s=ttl_s)
+        with self.store.locked():
+            manifest = self._image(source)
+            if manifest.get("template"):
+                return self.restore(manifest["template"], limits, ttl_s=ttl_s)
+            seed = self._seed(source)
+            (child,) = self._fork(seed, ["sandbox"], limits, rebase=False, ttl_s=ttl_s, image=source)
+            return child.id
+
+    def fork(self, sandbox_id: str, n: int, *, ttl_s: float | None = None) -> list[str]:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4096:
+            raise ValueError(f"n must be an int in [1, 4096], got {n!r}")
+        _check_ttl(ttl_s)
+        with self.store.locked():
+            parent = self._record(sandbox_id)
+            limits = Limits.from_dict(parent.limits)
+            ids: list[str] = []
+            try:
+                while len(ids) < n:
+                    k = min(MAX_FORK_PER_CALL, n - len(ids))
+                    ids += [c.id for c in self._fork(self._record(sandbox_id), ["sandbox"] * k, limits,
+                                                     rebase=True, ttl_s=ttl_s)]
+            except BaseException:
+                for sid in ids:
+                    self.destroy(sid)
+                raise
+            return ids
+
+    def snapshot(self, sandbox_id: str) -> str:
+        with self.store.locked():
+            parent = self._record(sandbox_id)
+            (snap,) = self._fork(parent, ["snapshot"], Limits.from_dict(parent.limits), rebase=True, ttl_s=None)
+            self._cgroup(snap.id).freeze()
+            return snap.id
+
+    def restore(self, snapshot_id: str, limits: Limits | None = None, *, ttl_s: float | None = None) -> str:
+        _check_ttl(ttl_s)
+        with self.store.locked():
+            snap = self._record(snapshot_id, ("snapshot",))
+            cg = self._cgroup(snap.id)
+            cg.thaw()
+            try:
+                (child,) = self._fork(snap, ["sandbox"], limits or Limits.from_dict(snap.limits), rebase=False,
+                                      ttl_s=ttl_s)
+            finally:
+                cg.freeze()
+            return child.id
+
+    def pause(self, sandbox_id: str) -> None:
+        self._record(sandbox_id)
+        self._cgroup(sandbox_id).freeze()
+
+    def resume(self, sandbox_id: str) -> None:
+        self._record(sandbox_id)
+        self._cgroup(sandbox_id).thaw()
+
+    def destroy(self, sandbox_id: str) -> None:
+        with self.store.locked():
+            rec = self._record(sandbox_id, ("sandbox", "snapshot"))
+            conn = self._pending.pop(sandbox_id, None)
+            if conn is not None:
+                conn.close()
+            self._release(rec)
+
+    def _children(self, sid: str) -> list[Record]:
+        return [r for r in self.store.all_records() if r.parent == sid]
+
+    def _release(self, rec: Record) -> None:
+        """Destroy `rec`, or retire it while sandboxes forked from it live; then release retired ancestors."""
+        while rec is not None:
+            if rec.kind == "seed" or self._children(rec.id) and self._alive(rec):
+                if rec.kind != "seed" and rec.kind != "retired":
+                    self._retire(rec)
+                return
+            parent = self.store.read_record(rec.parent) if rec.parent else None
+            self._reclaim(rec)
+            rec = parent if parent is not None and parent.kind == "retired" else None
+
+    def _retire(self, rec: Record) -> None:
+        cg = self._cgroup(rec.id)
+        cg.thaw()
+        try:
+            conn = Connection(self.store.sock(rec.id), rec.id)
+            try:
+                conn.request({"op": "kill_agents"}, timeout_s=10.0)
+            finally:
+                conn.close()
+        except errors.SandboxError as e:
+            log.debug("retiring %s: %s", rec.id, e)
+        rec.kind = "retired"
+        self.store.write_record(rec)
+        self.store.sock(rec.id).unlink(missing_ok=True)
+
+    def _reclaim(self, rec: Record) -> None:
+        """Kill the tool server (all its processes), remove its cgroup, record and unreferenced layers."""
+        self._cgroup(rec.id).destroy()
+        self.store.delete_record(rec.id)
+        in_use = self.store.referenced_layers()
+        for layer in [rec.upper, *rec.lowers]:
+            if layer not in in_use and not layer.startswith("i"):
+                self.store.remove_layer(layer)
+
+    def list(self) -> list[SandboxInfo]:
+        return [
+            SandboxInfo(r.id, r.kind, r.image, r.pid, r.parent, r.created, r.expires_at, [*r.lowers, r.upper],
+                        self._alive(r))
+            for r in sorted(self.store.all_records(), key=lambda r: r.created)
+        ]
+
+    def gc(self, *, everything: bool = False) -> dict:
+        """Reclaim dead, expired and orphaned state; with `everything`, stop every sandbox and seed too.
+
+        Returns:
+            Counts of what was removed: ``records``, ``cgroups``, ``layers``.
+        """
+        removed = {"records": 0, "cgroups": 0, "layers": 0}
+        with self.store.locked():
+            for conn in self._pending.values():
+                conn.close()
+            self._pending.clear()
+            now = time.time()
+            records = self.store.all_records()
+            for rec in sorted(records, key=lambda r: -r.created):
+                if self.store.read_record(rec.id) is None:
+                    continue  # released with a child above
+                expired = rec.kind == "sandbox" and rec.expires_at is not None and rec.expires_at <= now
+                if everything or not self._alive(rec):
+                    # a dead pid 1 took every sandbox forked below it along; the records go too
+                    self._reclaim(rec)
+                    removed["records"] += 1
+                elif expired or (rec.kind == "retired" and not self._children(rec.id)):
+                    self._release(rec)
+                    removed["records"] += 1
+            live = {r.id for r in self.store.all_records()}
+            for names in cgroups.leftover_groups(self.cgroup_root).values():
+                for name in names:
+                    if name not in live:
+                        self._cgroup(name).destroy()
+                        removed["cgroups"] += 1
+            in_use = self.store.referenced_layers()
+            for layer in self.store.layer_ids():
+                if layer not in in_use and (not layer.startswith("i") or layer.startswith(".")):
+                    self.store.remove_layer(layer)
+                    removed["layers"] += 1
+            for sock in self.store.records.glob("*.sock"):
+                if sock.stem not in live:
+                    sock.unlink(missing_ok=True)
+        return removed
+
+
+def _check_ttl(ttl_s: float | None) -> None:
+    if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
+        raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+

@@ -1,0 +1,218 @@
+"""The data directory: layers, images and sandbox records, all under one root (`AGENTENV_HOME`).
+
+```
+<home>/layers/<id>/diff      a layer's files; image layers live on disk and are named by content hash,
+<home>/layers/<id>/work      writable layers are tmpfs mounts sized by the disk quota (the mount is the
+                             quota; sealing one for a snapshot or fork just stops writing to it)
+<home>/images/<name>.json    {"layers": [top first], "usr_bind": bool, "template": snapshot id or null}
+<home>/sandboxes/<id>.json   one record per live tool server (sandbox, snapshot, seed or retired)
+<home>/sandboxes/<id>.sock   its listening socket
+<home>/lock                  flock for every change to the above
+```
+A layer is referenced by the records and images that list it and is removed when none does.
+Files inside layers are owned by the unprivileged host uid range the sandboxes' root maps to.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agentenv.runtime import syscalls as sc
+
+log = logging.getLogger(__name__)
+
+HOST_UID = 100_000
+"""First host uid (and gid) of the range a sandbox's uids 0..65535 map to."""
+UID_RANGE = 65_536
+DEFAULT_HOME = "/var/lib/agentenv"
+
+
+def default_home() -> Path:
+    """`$AGENTENV_HOME`, else /var/lib/agentenv."""
+    return Path(os.environ.get("AGENTENV_HOME") or DEFAULT_HOME)
+
+
+@dataclass
+class Record:
+    """What the host keeps about one tool server."""
+
+    id: str
+    kind: str
+    """``sandbox``, ``snapshot``, ``seed`` or ``retired``."""
+    image: str
+    pid: int
+    start_time: int
+    """Start time of `pid` in clock ticks after boot (guards against pid reuse)."""
+    parent: str | None
+    lowers: list[str]
+    """Read-only layer ids, top first."""
+    upper: str
+    """Writable layer id."""
+    usr_bind: bool
+    limits: dict = field(default_factory=dict)
+    created: float = 0.0
+    expires_at: float | None = None
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of a host pid (field 22 of /proc/<pid>/stat), or None if it is gone or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+class Store:
+    """Files and mounts under one data directory.
+
+    Args:
+        home: the data directory (created if missing).
+    """
+
+    def __init__(self, home: Path):
+        self.home = Path(home)
+        self.layers = self.home / "layers"
+        self.images = self.home / "images"
+        self.records = self.home / "sandboxes"
+        for d in (self.layers, self.images, self.records):
+            d.mkdir(parents=True, exist_ok=True)
+        self._thread_lock = threading.RLock()
+        self._lock_fd: int | None = None
+        self._depth = 0
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive across threads and processes (re-entrant within a thread)."""
+        with self._thread_lock:
+            if self._depth == 0:
+                self._lock_fd = os.open(self.home / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+
+    # ---- layers ---------------------------------------------------------------------------------------
+    def diff(self, layer: str) -> Path:
+        return self.layers / layer / "diff"
+
+    def work(self, layer: str) -> Path:
+        return self.layers / layer / "work"
+
+    def new_writable_layer(self, quota_bytes: int) -> str:
+        """A fresh tmpfs layer of at most `quota_bytes` with empty `diff` and `work`, owned by the sandbox root."""
+        layer = "w" + os.urandom(8).hex()
+        path = self.layers / layer
+        path.mkdir()
+        try:
+            sc.mount("tmpfs", str(path), "tmpfs", sc.MS_NOSUID | sc.MS_NODEV,
+                     f"size={quota_bytes},mode=0755,uid={HOST_UID},gid={HOST_UID}")
+            for sub in ("diff", "work"):
+                (path / sub).mkdir()
+                os.chown(path / sub, HOST_UID, HOST_UID)
+        except BaseException:
+            self.remove_layer(layer)
+            raise
+        return layer
+
+    def is_empty(self, layer: str) -> bool:
+        with os.scandir(self.diff(layer)) as it:
+            return next(it, None) is None
+
+    def remove_layer(self, layer: str) -> None:
+        """Unmount (lazily) and delete a layer; a tmpfs layer goes without walking its files."""
+        path = self.layers / layer
+        if os.path.ismount(path):
+            sc.umount(str(path), sc.MNT_DETACH)
+        if path.exists():
+            try:
+                path.rmdir()
+            except OSError:
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+
+    def layer_ids(self) -> list[str]:
+        return sorted(p.name for p in self.layers.iterdir() if p.is_dir())
+
+    # ---- images ---------------------------------------------------------------------------------------
+    def image_path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"image must be a plain name, got {name!r}")
+        return self.images / f"{name}.json"
+
+    def load_image(self, name: str) -> dict | None:
+        try:
+            return json.loads(self.image_path(name).read_text())
+        except FileNotFoundError:
+            return None
+
+    def save_image(self, name: str, manifest: dict) -> None:
+        _atomic_write(self.image_path(name), json.dumps(manifest, indent=1))
+
+    def image_names(self) -> list[str]:
+        return sorted(p.stem for p in self.images.glob("*.json"))
+
+    # ---- records --------------------------------------------------------------------------------------
+    def sock(self, sid: str) -> Path:
+        return self.records / f"{sid}.sock"
+
+    def write_record(self, rec: Record) -> None:
+        _atomic_write(self.records / f"{rec.id}.json", json.dumps(asdict(rec)))
+
+    def read_record(self, sid: str) -> Record | None:
+        if not sid or "/" in sid or sid.startswith("."):
+            return None
+        try:
+            return Record(**json.loads((self.records / f"{sid}.json").read_text()))
+        except FileNotFoundError:
+            return None
+
+    def delete_record(self, sid: str) -> None:
+        for path in (self.records / f"{sid}.json", self.sock(sid)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def all_records(self) -> list[Record]:
+        out = []
+        for path in self.records.glob("*.json"):
+            try:
+                out.append(Record(**json.loads(path.read_text())))
+            except (FileNotFoundError, json.JSONDecodeError, TypeError):
+                continue
+        return out
+
+    def referenced_layers(self) -> set[str]:
+        refs: set[str] = set()
+        for rec in self.all_records():
+            refs.update(rec.lowers)
+            refs.add(rec.upper)
+        for name in self.image_names():
+            manifest = self.load_image(name) or {}
+            refs.update(manifest.get("layers", []))
+        return refs
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

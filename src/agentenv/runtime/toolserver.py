@@ -1,0 +1,439 @@
+"""The in-sandbox tool server: pid 1 of a sandbox, serving the host runtime over a unix socket.
+
+Run by the host's `/usr/bin/python3 -I -S` (stdlib only, imported before the pivot so nothing is loaded
+from the sandbox afterwards). It holds the persistent Python session (in its own memory) and the bash
+session, runs commands under the agent seccomp filter with no_new_privs, serves file operations, and
+implements fork as a zygote: it `fork()`s, and each child enters a fresh user, mount, pid, net, uts, ipc
+and cgroup namespace over a new writable layer the host prepared, so the child starts with the parent's
+interpreter state and filesystem and nothing is copied but what each side later changes.
+
+Bootstrap (first start on the host): argv[1] is a JSON config; fd `sync_fd` talks to the host while it
+writes our uid/gid maps; fd `listen_fd` is our listening socket.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+from agentenv import protocol
+from agentenv.runtime import rootfs, seccomp, sessions
+from agentenv.runtime import syscalls as sc
+
+NS_SANDBOX = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWCGROUP
+OUTPUT_CAP = 16 << 20
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_AGENT_FILTER = seccomp.build_filter(seccomp.AGENT_DENY, block_namespace_clone=True)
+_BASE_FILTER = seccomp.build_filter(seccomp.BASE_DENY)
+
+
+class RequestError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _agent_preexec() -> None:
+    """Runs in each command's process before exec: default OOM score, agent filter, no_new_privs."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("0")
+    except OSError:
+        pass
+    seccomp.install(_AGENT_FILTER, no_new_privs=True)
+
+
+def spawn(argv: list[str], *, stdin: int = subprocess.DEVNULL, env: dict | None = None, cwd: str | None = None):
+    base = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
+    return subprocess.Popen(
+        argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**base, **(env or {})},
+        cwd=cwd or "/root", preexec_fn=_agent_preexec, start_new_session=True, close_fds=True,
+    )
+
+
+def _os_error(error: OSError, what: str) -> RequestError:
+    kinds = {errno.ENOENT: "not_found", errno.EEXIST: "exists", errno.EACCES: "permission", errno.EPERM: "permission",
+             errno.EISDIR: "is_directory", errno.ENOTDIR: "invalid", errno.ENOSPC: "invalid"}
+    kind = kinds.get(error.errno, "internal")
+    return RequestError(kind, f"{what}: {error.strerror}")
+
+
+class ToolServer:
+    def __init__(self, listener: socket.socket, sandbox_id: str, ttl_deadline: float | None):
+        self.listener = listener
+        self.id = sandbox_id
+        self.deadline = ttl_deadline
+        self.python = sessions.PythonSession()
+        self.shell = sessions.ShellSession(lambda argv, stdin: spawn(argv, stdin=stdin))
+        self.conns: list[socket.socket] = []
+        self.own_pidns = os.readlink("/proc/self/ns/pid")
+        self.retired = False
+
+    # ---- process bookkeeping -------------------------------------------------------------------------
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def _own_processes(self) -> list[int]:
+        """Pids of this sandbox's processes other than us (not those of forked sandboxes nested below)."""
+        pids = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or name == "1":
+                continue
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == self.own_pidns:
+                    pids.append(int(name))
+            except OSError:
+                continue
+        return pids
+
+    def _nested_alive(self) -> bool:
+        return any(n.isdigit() and n != "1" for n in os.listdir("/proc")) and not self._own_only()
+
+    def _own_only(self) -> bool:
+        return len(self._own_processes()) == sum(1 for n in os.listdir("/proc") if n.isdigit() and n != "1")
+
+    def kill_agents(self) -> None:
+        self.shell.close()
+        for _ in range(100):
+            pids = self._own_processes()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.001)
+            self._reap()
+
+    # ---- serving --------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ, None)
+        while True:
+            timeout = 1.0 if self.deadline is None else max(0.0, min(1.0, self.deadline - time.time()))
+            for key, _ in sel.select(timeout):
+                if key.data is None:
+                    conn, _ = self.listener.accept()
+                    sel.register(conn, selectors.EVENT_READ, conn)
+                    continue
+                conn = key.data
+                try:
+                    self.handle(conn)
+                except (protocol.ConnectionClosed, ConnectionError, OSError):
+                    sel.unregister(conn)
+                    conn.close()
+            self._reap()
+            if self.deadline is not None and time.time() >= self.deadline and not self.retired:
+                self._expire(sel)
+            if self.retired and self._own_only():
+                os._exit(0)  # nothing nested below us any more
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        """TTL passed: stop serving and kill our processes; stay only while forked sandboxes nest below us."""
+        self.retired = True
+        self.kill_agents()
+        sel.unregister(self.listener)
+        self.listener.close()
+
+    def handle(self, conn: socket.socket) -> None:
+        req, blob, fds = protocol.recv_msg(conn)
+        op = req.get("op", "")
+        try:
+            method = getattr(self, f"op_{op}", None)
+            if method is None:
+                raise RequestError("invalid", f"unknown op {op!r}")
+            reply, out_blob = method(conn, req, blob, fds)
+            protocol.send_msg(conn, {"ok": True, **reply}, out_blob)
+        except RequestError as e:
+            protocol.send_msg(conn, {"ok": False, "error": e.kind, "message": str(e)})
+        except OSError as e:
+            protocol.send_msg(conn, {"ok": False, "error": _os_error(e, op).kind, "message": f"{op}: {e}"})
+        except Exception as e:  # keep serving; the host sees the fault
+            protocol.send_msg(conn, {"ok": False, "error": "internal", "message": f"{op}: {type(e).__name__}: {e}"})
+        finally:
+            if op != "fork":
+                for fd in fds:
+                    os.close(fd)
+
+    def op_ping(self, conn, req, blob, fds):
+        return {"id": self.id, "pid": os.getpid()}, b""
+
+    def op_exec(self, conn, req, blob, fds):
+        argv = req.get("argv") or ["/bin/sh", "-c", req["cmd"]]
+        timeout_s = req.get("timeout")
+        cap = int(req.get("max_output") or OUTPUT_CAP)
+        stream = bool(req.get("stream"))
+        start = time.monotonic()
+        try:
+            proc = spawn(argv, stdin=subprocess.PIPE if blob else subprocess.DEVNULL,
+                         env=req.get("env"), cwd=req.get("cwd"))
+        except FileNotFoundError as e:
+            if req.get("cwd") and not os.path.isdir(req["cwd"]):
+                raise RequestError("not_found", f"cwd {req['cwd']!r} does not exist in the sandbox") from e
+            raise RequestError("command", f"command not found: {argv[0]!r}") from e
+        except PermissionError as e:
+            raise RequestError("command", f"command not executable: {argv[0]!r}") from e
+        if blob:
+            try:
+                proc.stdin.write(blob)
+            except BrokenPipeError:
+                pass
+            proc.stdin.close()
+        bufs = {"out": bytearray(), "err": bytearray()}
+        sizes = {"out": 0, "err": 0}
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        deadline = None if timeout_s is None else start + timeout_s
+        timed_out = False
+        open_streams = 2
+        while open_streams:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(wait):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_streams -= 1
+                    continue
+                sizes[key.data] += len(chunk)
+                room = cap - len(bufs[key.data])
+                if room > 0:
+                    bufs[key.data] += chunk[:room]
+                if stream and room > 0:
+                    protocol.send_msg(conn, {"ev": key.data}, chunk[:room])
+        sel.close()
+        if timed_out:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        code = proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        if timed_out:
+            raise RequestError("timeout", f"command ran past its timeout of {timeout_s} s and was killed")
+        exit_code = code if code >= 0 else 128 - code
+        reply = {
+            "exit_code": exit_code,
+            "duration_ms": (time.monotonic() - start) * 1e3,
+            "truncated": any(sizes[k] > cap for k in sizes),
+        }
+        if not stream:
+            reply["stdout"] = bytes(bufs["out"]).decode(errors="replace")
+            reply["stderr"] = bytes(bufs["err"]).decode(errors="replace")
+        return reply, b""
+
+    def op_shell(self, conn, req, blob, fds):
+        start = time.monotonic()
+        result = self.shell.run(req["cmd"], req.get("timeout"), int(req.get("max_output") or OUTPUT_CAP))
+        if result.get("timeout"):
+            raise RequestError("timeout", f"shell command ran past its timeout of {req.get('timeout')} s; "
+                                          "the shell session was restarted and its state lost")
+        return {**result, "duration_ms": (time.monotonic() - start) * 1e3}, b""
+
+    def op_python(self, conn, req, blob, fds):
+        return self.python.run(req["code"], req.get("timeout")), b""
+
+    # ---- files ----------------------------------------------------------------------------------------
+    def op_read(self, conn, req, blob, fds):
+        path = req["path"]
+        if os.path.isdir(path):
+            raise RequestError("is_directory", f"{path!r} is a directory")
+        with open(path, "rb") as f:
+            return {}, f.read()
+
+    def op_write(self, conn, req, blob, fds):
+        path = req["path"]
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(blob)
+        if req.get("mode") is not None:
+            os.chmod(path, int(req["mode"]))
+        return {"size": len(blob)}, b""
+
+    def op_list(self, conn, req, blob, fds):
+        path = req["path"]
+        entries = []
+        with os.scandir(path) as it:
+            for entry in it:
+                st = entry.stat(follow_symlinks=False)
+                kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode)
+                        else "file" if stat.S_ISREG(st.st_mode) else "other")
+                entries.append({"name": entry.name, "path": os.path.join(path, entry.name), "type": kind,
+                                "size": st.st_size, "mode": stat.S_IMODE(st.st_mode)})
+        return {"entries": sorted(entries, key=lambda e: e["name"])}, b""
+
+    def op_stat(self, conn, req, blob, fds):
+        try:
+            st = os.stat(req["path"], follow_symlinks=False)
+        except FileNotFoundError:
+            return {"exists": False}, b""
+        return {"exists": True, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
+                "is_dir": stat.S_ISDIR(st.st_mode)}, b""
+
+    def op_remove(self, conn, req, blob, fds):
+        path = req["path"]
+        if os.path.isdir(path) and not os.path.islink(path):
+            if not req.get("recursive"):
+                os.rmdir(path)
+            else:
+                shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return {}, b""
+
+    def op_mkdir(self, conn, req, blob, fds):
+        os.makedirs(req["path"], exist_ok=True)
+        return {}, b""
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def op_kill_agents(self, conn, req, blob, fds):
+        self.kill_agents()
+        return {}, b""
+
+    def op_fork(self, conn, req, blob, fds):
+        """Fork one sandbox per entry of `children`.
+
+        fds: the parent's new root mount if `rebase`, then per child its root mount and listening socket.
+        """
+        rebase = bool(req.get("rebase"))
+        children = req["children"]
+        at = 0
+        try:
+            self.shell.dump_state()
+            self.shell.close()
+            if rebase:
+                self.kill_agents()
+                rootfs.enter_root(fds[at], usr_bind=req["usr_bind"], hostname=None)
+                at += 1
+            pids = []
+            for child in children:
+                root_fd, listen_fd = fds[at : at + 2]
+                at += 2
+                pids.append(self._fork_child(child, root_fd, listen_fd, req["usr_bind"], conn, fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return {"pids": pids}, b""
+
+    def _fork_child(self, child, root_fd, listen_fd, usr_bind, conn, all_fds) -> int:
+        r_user, w_user = os.pipe()
+        r_map, w_map = os.pipe()
+        r_ready, w_ready = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: new user namespace, then the rest under a fresh pid namespace
+            code = 1
+            try:
+                os.close(r_user)
+                os.close(w_map)
+                os.close(r_ready)
+                sc.unshare(sc.CLONE_NEWUSER)
+                os.write(w_user, b"u")
+                if os.read(r_map, 1) != b"m":
+                    os._exit(1)
+                sc.unshare(NS_SANDBOX)
+                if os.fork() != 0:
+                    os._exit(0)  # the intermediate: the grandchild is pid 1 of the new pid namespace
+                rootfs.enter_root(root_fd, usr_bind=usr_bind, hostname=child["id"][:63])
+                rootfs.loopback_up()
+                listener = socket.socket(fileno=listen_fd)
+                for fd in all_fds:
+                    if fd != listen_fd:
+                        os.close(fd)
+                conn.close()
+                self.listener.close()
+                for c in self.conns:
+                    c.close()
+                self.id = child["id"]
+                self.deadline = child.get("deadline")
+                self.listener = listener
+                self.own_pidns = os.readlink("/proc/self/ns/pid")
+                self.retired = False
+                os.write(w_ready, b"r")
+                os.close(w_ready)
+                self.serve()
+            except BaseException as e:  # report to the parent; never return into its loop
+                try:
+                    os.write(w_ready, f"E{type(e).__name__}: {e}".encode()[:4000])
+                except OSError:
+                    pass
+            os._exit(code)
+        os.close(w_user)
+        os.close(r_map)
+        os.close(w_ready)
+        try:
+            if os.read(r_user, 1) != b"u":
+                raise RequestError("internal", "forked child died before creating its user namespace")
+            for name, line in (("uid_map", "0 0 65536\n"), ("gid_map", "0 0 65536\n")):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(line)
+            os.write(w_map, b"m")
+            status = os.read(r_ready, 4096)
+        finally:
+            os.close(r_user)
+            os.close(w_map)
+            os.close(r_ready)
+        os.waitpid(pid, 0)  # the intermediate exits right after forking the new pid 1
+        if status != b"r":
+            raise RequestError("internal", f"forked child failed: {status[1:].decode(errors='replace')}")
+        return pid
+
+    def op_shutdown(self, conn, req, blob, fds):
+        protocol.send_msg(conn, {"ok": True})
+        os._exit(0)
+
+
+def bootstrap(config: dict) -> None:
+    """First start on the host: namespaces, uid map via the host, pivot, then serve as pid 1."""
+    sync = socket.socket(fileno=config["sync_fd"])
+    sc.unshare(sc.CLONE_NEWUSER)
+    sync.sendall(b"u")
+    if sync.recv(1) != b"m":
+        os._exit(1)
+    # become the mapped root: our credentials still carry host uid 0, which is unmapped in the new namespace
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    # changing uids cleared "dumpable", which would leave our /proc files owned by the unmapped host root and
+    # stop us from writing a forked child's uid_map
+    sc.prctl(sc.PR_SET_DUMPABLE, 1)
+    sc.unshare(NS_SANDBOX)
+    if os.fork() != 0:
+        os._exit(0)
+    try:
+        rootfs.enter_root(config["root_fd"], usr_bind=config["usr_bind"], hostname=config["id"][:63])
+        rootfs.loopback_up()
+        seccomp.install(_BASE_FILTER, no_new_privs=False)
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        server = ToolServer(socket.socket(fileno=config["listen_fd"]), config["id"], config.get("deadline"))
+        sync.sendall(b"r")
+        sync.close()
+    except BaseException as e:
+        sync.sendall(f"E{type(e).__name__}: {e}".encode()[:4000])
+        os._exit(1)
+    server.serve()
+
+
+if __name__ == "__main__":
+    bootstrap(json.loads(sys.argv[1]))
