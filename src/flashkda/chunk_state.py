@@ -10,6 +10,9 @@ Fusing the output here means the per-chunk states never go to memory (fla writes
 head, and reads them back in a third kernel). Splitting V into ``BV``-wide blocks multiplies the number of
 independent programs by ``V / BV``, which is what keeps an H200 busy when there are few heads and sequences.
 
+Products take fp32 operands (tf32 tensor cores for half inputs): rounding the state to bf16 for ``w S`` and
+``qg S`` alone costs ~1e-3 of RMS error against fp64, a fifth of the bf16 budget.
+
 Traffic per (chunk, head), bf16 with K = V = 128: reads w, qg, kg, u, Aqk (74 KiB, shared by the V blocks through
 L2) and writes o (16 KiB); the chain of chunks is sequential, so short rows of work are latency-bound.
 """
@@ -27,7 +30,7 @@ def chunk_kda_fwd_kernel_state_o(
     T, NTS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_H: tl.constexpr,
-    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DT: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:
@@ -67,21 +70,21 @@ def chunk_kda_fwd_kernel_state_o(
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         if STORE_H:
             tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_kv)
-        b_Sd = b_S.to(w.dtype.element_ty)
+        b_Sd = b_S.to(DT)
         # [BT, BK]
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.0).to(DT)
         # [BT, BV]
         b_vn = tl.load(u + p_v, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_Sd, input_precision=DOT_PREC)
-        b_vnd = b_vn.to(w.dtype.element_ty)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0)
+        b_vnd = b_vn.to(DT)
+        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0).to(DT)
         # [BT, BT] causal, only the lower triangle was written
         b_A = tl.load(Aqk + (o_t[:, None] * HV + i_hv) * BT + o_c[None, :],
-                      mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
+                      mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0).to(DT)
         b_o = tl.dot(b_qg, b_Sd, input_precision=DOT_PREC) + tl.dot(b_A, b_vnd, input_precision=DOT_PREC)
         tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
         # [BK]
         b_gC = tl.load(gC + ((c0 + i_t) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_kg = tl.load(kg + p_k, mask=m_tk, other=0.0)
+        b_kg = tl.load(kg + p_k, mask=m_tk, other=0.0).to(DT)
         b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg), b_vnd, input_precision=DOT_PREC)
 
     if STORE_FINAL_STATE:
@@ -116,9 +119,9 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
     chunk_kda_fwd_kernel_state_o[grid](
         w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
         T, index.chunks_per_seq,
-        HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=triton.next_power_of_2(K), BV=block_v,
+        HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=max(16, triton.next_power_of_2(K)), BV=block_v,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
-        STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
+        STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, DT=tl.float32,
         num_warps=4,
     )
     return o, ht, h
