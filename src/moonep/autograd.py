@@ -135,8 +135,8 @@ def reduce_grad(buffer: Buffer, plan: Plan, grad_LW: torch.Tensor) -> torch.Tens
     send = grad_LW[P:][None].expand(R, *grad_LW[P:].shape).reshape(R * N, *grad_LW.shape[1:])
     send = send * to_d_RN.reshape(shape).to(grad_LW.dtype)
     recv = buffer.transport.all_to_all(torch.empty_like(send), send, "reduce_grad all_to_all")
-    from_src = (home_RN == rank).view(-1)
-    local = torch.where(from_src, ids_RN.view(-1) - rank * P, P)
+    from_src = (home_RN == rank).reshape(-1)
+    local = torch.where(from_src, ids_RN.reshape(-1) - rank * P, P)
     out = torch.cat([home_grad, grad_LW.new_zeros(1, *grad_LW.shape[1:])])
     out.index_add_(0, local, recv)
     return out[:P]

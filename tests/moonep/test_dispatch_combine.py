@@ -35,11 +35,14 @@ def _payload(src: int, s: int) -> torch.Tensor:
 
 def _expert_id_of_slots(plan, rank: int, counts_L: torch.Tensor) -> torch.Tensor:
     P = plan.experts_per_rank
-    ids_L = torch.cat([torch.arange(P) + rank * P, plan.redundant_ids_RN[rank]])
+    ids_L = torch.cat([torch.arange(P) + rank * P, plan.redundant_ids_RN[rank].cpu()])
     return ids_L.repeat_interleave(counts_L)
 
 
-def _run_cases(rank: int, world: int) -> list[str]:
+def _run_cases(rank: int, world: int, device: str = "cpu") -> list[str]:
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     checked = []
     for case_id, skew, S, s_list, K, P, balanced in CASES:
         E = P * world
@@ -47,22 +50,23 @@ def _run_cases(rank: int, world: int) -> list[str]:
         routes = [make_routing(skew, s_all[r], K, E, world, rank=r, seed=3) for r in range(world)]
         idx, w = routes[rank]
         x = _payload(rank, s_all[rank])
-        buffer = Buffer(None, S, H, K, E, dtype=torch.float32, balanced=balanced)
-        out = buffer.dispatch(x, idx, w)
+        buffer = Buffer(None, S, H, K, E, dtype=torch.float32, balanced=balanced, device=device)
+        out = buffer.dispatch(x.to(device), idx.to(device), w.to(device))
+        out_x, out_w = out.x_CH.cpu(), out.weights_C.cpu()
         plan = out.handle.plan
         counts = torch.stack([torch.bincount(i.view(-1), minlength=E) for i, _ in routes])
         ref = reference_plan(counts, balanced=balanced)
         for key, value in ref.items():
-            assert torch.equal(getattr(plan, key), value), f"{case_id}: plan.{key} differs from the reference"
+            assert torch.equal(getattr(plan, key).cpu(), value), f"{case_id}: plan.{key} differs from the reference"
         expected = reference_dispatch([i for i, _ in routes], ref)[rank]
-        assert out.x_CH.shape == (buffer.capacity, H)
+        assert out_x.shape == (buffer.capacity, H)
         assert int(out.counts_L.sum()) == len([e for e in expected if e[0] >= 0])
         for c, (src, t, k) in enumerate(expected):
             if src < 0:
-                assert not out.x_CH[c].any() and out.weights_C[c] == 0, f"{case_id}: unused slot {c} not zero"
+                assert not out_x[c].any() and out_w[c] == 0, f"{case_id}: unused slot {c} not zero"
                 continue
-            assert torch.equal(out.x_CH[c], _payload(src, s_all[src])[t]), f"{case_id}: slot {c} != {(src, t, k)}"
-            assert out.weights_C[c] == routes[src][1][t, k], f"{case_id}: weight of slot {c}"
+            assert torch.equal(out_x[c], _payload(src, s_all[src])[t]), f"{case_id}: slot {c} != {(src, t, k)}"
+            assert out_w[c] == routes[src][1][t, k], f"{case_id}: weight of slot {c}"
         if balanced:
             total = int(counts.sum())
             loads = plan.load_R.tolist()
@@ -72,9 +76,10 @@ def _run_cases(rank: int, world: int) -> list[str]:
         # Expert "f_e(x) = (e + 1) * x" shows which expert each slot was computed with.
         used = len([e for e in expected if e[0] >= 0])
         scale = torch.zeros(buffer.capacity)
-        scale[:used] = _expert_id_of_slots(plan, rank, out.counts_L).float() + 1
-        y_CH = out.x_CH * scale[:, None]
+        scale[:used] = _expert_id_of_slots(plan, rank, out.counts_L.cpu()).float() + 1
+        y_CH = out.x_CH * scale[:, None].to(device)
         combined, _ = buffer.combine(y_CH, out.weights_C, out.handle)
+        combined = combined.cpu()
         want = x * ((idx.float() + 1) * w).sum(1, keepdim=True) if s_all[rank] else x
         assert torch.equal(combined, want), f"{case_id}: combine differs by {(combined - want).abs().max()}"
         buffer.destroy()

@@ -96,16 +96,21 @@ def _check_layer(rank: int, world: int, balanced: bool) -> int:
 
 def _check_prefetch_reduce(rank: int, world: int) -> None:
     E = P * world
-    buffer = Buffer(None, S, 1, K, E, dtype=torch.float32, num_redundant_slots=E - P)
     idx, w = make_routing("hot_rank", S, K, E, world, rank=rank, seed=1)
-    plan = buffer.dispatch(torch.zeros(S, 1), idx, w).handle.plan
+    probe = Buffer(None, S, 1, K, E, dtype=torch.float32, num_redundant_slots=E - P)
+    plan = probe.dispatch(torch.zeros(S, 1), idx, w).handle.plan
+    probe.destroy()
+    # A table narrower than E - P (exactly what the plan needs) exercises the sliced redundant table.
+    N = int(plan.num_redundant_R.max())
+    assert 0 < N < E - P
+    buffer = Buffer(None, S, 1, K, E, dtype=torch.float32, num_redundant_slots=N)
     weight = torch.tensor([[1000.0 * rank + l, -1.0] for l in range(P)])  # [P, 2]: encodes its home
     fetched = buffer.prefetch_weight(plan, weight)
-    ids = plan.redundant_ids_RN[rank].tolist()
+    ids = plan.redundant_ids_RN[rank, :N].tolist()
     for n, e in enumerate(ids):
         want = [1000.0 * (e // P) + e % P, -1.0] if e >= 0 else [0.0, 0.0]
         assert fetched[P + n].tolist() == want, f"redundant slot {n} (expert {e}) holds {fetched[P + n].tolist()}"
-    grad = torch.cat([torch.ones(P, 2), torch.tensor([[2.0**rank, float(n)] for n in range(E - P)])])
+    grad = torch.cat([torch.ones(P, 2), torch.tensor([[2.0**rank, float(n)] for n in range(N)])])
     home_grad = buffer.reduce_grad(plan, grad)
     for l in range(P):
         e = rank * P + l

@@ -70,7 +70,9 @@ class TorchDistTransport:
             self._check()
             return out.copy_(inp)
         inp = inp.contiguous()
-        return self._run(lambda: dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True), out, what)
+        # torch >= 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return self._run(lambda: gather(out, inp, group=self.group, async_op=True), out, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all") -> torch.Tensor:
         """Equal splits: chunk ``i`` of ``inp`` (dim 0) goes to rank ``i``; ``out``'s chunk ``j`` comes from ``j``."""

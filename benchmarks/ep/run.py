@@ -1,0 +1,261 @@
+"""`k3infra bench ep`: MoonEP dispatch+combine vs a naive all-to-all dispatcher, in one run, on 2 GPUs.
+
+Usage (device machine):  python -m benchmarks.ep.run [--tokens 4096] [--hiddens 7168,3584]
+CPU smoke (gloo):         python -m benchmarks.ep.run --backend gloo --tokens 64 --hiddens 32 --experts 16 --topk 4
+
+Per (hidden, skew): correctness gate at ``--gate-tokens`` (every slot checked against the reference
+dispatch; combine of identity experts against ``x * sum(w)``, for ours and the baseline), the plan at full
+size checked against the loop reference planner, then dispatch / combine timed with CUDA events (both
+ranks in lockstep; rank 0's median reported), expert load max/mean, peak memory, and the bytes and time
+of redundant-expert weight prefetch and gradient reduction (experts are SwiGLU ``3 x H x F`` bf16).
+Expert compute is not timed: the "experts" are the identity. A CPU planner study (EP = 8/16/64) follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.ep.naive import naive_combine, naive_dispatch
+from benchmarks.ep.study import planner_study
+from benchmarks.harness import Row, machine_info, time_fn, write_results
+from moonep import Buffer
+from moonep.reference import reference_dispatch, reference_plan
+from moonep.skew import make_routing
+
+BENCH_SKEWS = ("uniform", "lognormal1", "lognormal2", "hot_rank", "one_expert")
+BASELINE = "naive all_to_all (token x K copies, host-synced splits)"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hiddens", default="7168,3584")
+    p.add_argument("--experts", type=int, default=896)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--skews", default=",".join(BENCH_SKEWS))
+    p.add_argument("--expert-width", type=int, default=1024, help="F of the SwiGLU experts whose weights move")
+    p.add_argument("--gate-tokens", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--no-study", action="store_true")
+    p.add_argument("--no-write", action="store_true", help="print only; do not write results/BENCHMARKS.md")
+    return p.parse_args(argv)
+
+
+def _gate(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: str, device: str) -> str:
+    """Exact slot placement and combine for ours and the baseline at a small size; '' if all pass."""
+    S, K, E = args.gate_tokens, args.topk, args.experts
+    gen = torch.Generator().manual_seed(hidden)
+    xs = [torch.randn(S, hidden, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    routes = [make_routing(skew, S, K, E, world, rank=r, seed=11) for r in range(world)]
+    idx, w = (t.to(device) for t in routes[rank])
+    x = xs[rank].to(device)
+    buffer = Buffer(None, S, hidden, K, E, device=device, validate=True)
+    out = buffer.dispatch(x, idx, w)
+    counts = torch.stack([torch.bincount(i.view(-1), minlength=E) for i, _ in routes])
+    ref = reference_plan(counts)
+    expected = reference_dispatch([i for i, _ in routes], ref)[rank]
+    src = torch.tensor([e[0] for e in expected]).clamp(min=0)
+    tok = torch.tensor([e[1] for e in expected]).clamp(min=0)
+    used = torch.tensor([e[0] >= 0 for e in expected])
+    want = torch.stack(xs)[src, tok] * used[:, None]
+    if not torch.equal(out.x_CH.cpu(), want.to(torch.bfloat16)):
+        return "dispatch slots differ from the reference"
+    combined, _ = buffer.combine(out.x_CH, out.weights_C, out.handle)
+    ideal = (x.float() * w.float().sum(1, keepdim=True)).cpu()
+    rel = float((combined.float().cpu() - ideal).norm() / ideal.norm())
+    buffer.destroy()
+    x_naive, _, handle = naive_dispatch(x, idx, E)
+    naive_out = naive_combine(x_naive, w, handle).float().cpu()
+    rel_naive = float((naive_out - ideal).norm() / ideal.norm())
+    if rel > 1e-2 or rel_naive > 1e-2:
+        return f"combine rel. error ours {rel:.2e}, naive {rel_naive:.2e}"
+    return ""
+
+
+def _peak(fn, device: str) -> float:
+    if not device.startswith("cuda"):
+        return 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: str, device: str) -> dict:
+    S, K, E = args.tokens, args.topk, args.experts
+    note = _gate(args, rank, world, hidden, skew, device)
+    idx, w = (t.to(device) for t in make_routing(skew, S, K, E, world, rank=rank, seed=1))
+    x = torch.randn(S, hidden, device=device).to(torch.bfloat16)
+    buffer = Buffer(None, S, hidden, K, E, device=device, validate=False)
+    out = buffer.dispatch(x, idx, w)
+    plan = out.handle.plan
+    ref = reference_plan(plan.counts_RE.cpu())
+    if not all(torch.equal(getattr(plan, k).cpu(), v) for k, v in ref.items()):
+        note = (note + "; " if note else "") + "device plan differs from the CPU reference planner"
+    stats = plan.stats()
+    timing = dict(warmup=args.warmup, rep=args.reps, device=device)
+    result: dict = {"case": f"H{hidden}-{skew}", "hidden": hidden, "skew": skew, "note": note, **stats}
+    if note:  # never time a path whose correctness gate failed
+        buffer.destroy()
+        return result
+
+    def ours_both() -> None:
+        o = buffer.dispatch(x, idx, w)
+        buffer.combine(o.x_CH, o.weights_C, o.handle)
+
+    result["dispatch_ms"] = time_fn(lambda: buffer.dispatch(x, idx, w), **timing).median_ms
+    result["combine_ms"] = time_fn(lambda: buffer.combine(out.x_CH, out.weights_C, out.handle), **timing).median_ms
+    t = time_fn(ours_both, **timing)
+    result["ours_ms"], result["ours_p80_ms"] = t.median_ms, t.p80_ms
+    result["ours_peak_gib"] = _peak(ours_both, device)
+    buffer.destroy()
+
+    unbalanced = Buffer(None, S, hidden, K, E, device=device, validate=False, balanced=False)
+
+    def unbalanced_both() -> None:
+        o = unbalanced.dispatch(x, idx, w)
+        unbalanced.combine(o.x_CH, o.weights_C, o.handle)
+
+    result["unbalanced_ms"] = time_fn(unbalanced_both, **timing).median_ms
+    unbalanced.destroy()
+
+    x_naive, _, handle = naive_dispatch(x, idx, E)
+
+    def naive_both() -> None:
+        xn, _, h = naive_dispatch(x, idx, E)
+        naive_combine(xn, w, h)
+
+    result["naive_dispatch_ms"] = time_fn(lambda: naive_dispatch(x, idx, E), **timing).median_ms
+    result["naive_combine_ms"] = time_fn(lambda: naive_combine(x_naive, w, handle), **timing).median_ms
+    t = time_fn(naive_both, **timing)
+    result["naive_ms"], result["naive_p80_ms"] = t.median_ms, t.p80_ms
+    result["naive_peak_gib"] = _peak(naive_both, device)
+    off_rank_copies = int((torch.div(idx, E // world, rounding_mode="floor") != rank).sum())
+    result["naive_offrank_gb"] = off_rank_copies * hidden * 2 / 1e9
+    result["ours_offrank_gb"] = (world - 1) * S * hidden * 2 / 1e9  # per direction: rows all-gathered
+    result.update(_weights(args, rank, world, hidden, idx, w, x, device, timing))
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def _weights(args, rank, world, hidden, idx, w, x, device, timing) -> dict:
+    """Prefetch and gradient reduction of the redundant experts this skew needs (num_redundant_slots = max)."""
+    S, K, E = args.tokens, args.topk, args.experts
+    probe = Buffer(None, S, hidden, K, E, device=device, validate=False)
+    plan = probe.dispatch(x, idx, w).handle.plan
+    need = int(plan.num_redundant_R.max())
+    probe.destroy()
+    if need == 0:
+        return {"redundant_max": 0, "prefetch_gb": 0.0, "prefetch_ms": 0.0, "reduce_grad_ms": 0.0}
+    buffer = Buffer(None, S, hidden, K, E, device=device, validate=False, num_redundant_slots=need)
+    weight = torch.randn(E // world, 3 * args.expert_width, hidden, device=device).to(torch.bfloat16)
+    fetched = buffer.prefetch_weight(plan, weight)
+    grad = torch.randn_like(fetched)
+    res = {
+        "redundant_max": need,
+        "prefetch_gb": int(plan.num_redundant_R[rank]) * weight[0].numel() * 2 / 1e9,
+        "prefetch_ms": time_fn(lambda: buffer.prefetch_weight(plan, weight), **timing).median_ms,
+        "reduce_grad_ms": time_fn(lambda: buffer.reduce_grad(plan, grad), **timing).median_ms,
+    }
+    buffer.destroy()
+    return res
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        device = "cpu"
+    kwargs = {"device_id": torch.device(device)} if args.backend == "nccl" else {}
+    dist.init_process_group(
+        args.backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300), **kwargs
+    )
+    rows = []
+    try:
+        for hidden in [int(h) for h in args.hiddens.split(",")]:
+            for skew in args.skews.split(","):
+                row = _case(args, rank, world, hidden, skew, device)
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
+    uniform = {r["hidden"]: r.get("ours_ms") for r in results if r["skew"] == "uniform"}
+    rows = []
+    for r in results:
+        params = {"S": args.tokens, "H": r["hidden"], "E": args.experts, "K": args.topk, "skew": r["skew"]}
+        if "ours_ms" not in r:
+            rows.append(Row(r["case"], BASELINE, None, float("nan"), params, {}, f"gate failed: {r['note']}"))
+            continue
+        extra = {
+            "dispatch ms": r["dispatch_ms"],
+            "combine ms": r["combine_ms"],
+            "naive disp ms": r["naive_dispatch_ms"],
+            "naive comb ms": r["naive_combine_ms"],
+            "unbalanced ms": r["unbalanced_ms"],
+            "vs uniform": r["ours_ms"] / uniform[r["hidden"]] if uniform.get(r["hidden"]) else None,
+            "disp GB/s": r["ours_offrank_gb"] / (r["dispatch_ms"] / 1e3),
+            "comb GB/s": r["ours_offrank_gb"] / (r["combine_ms"] / 1e3),
+            "load max/mean": r["max_over_mean"],
+            "unbal. max/mean": r["unbalanced_max_over_mean"],
+            "peak GiB": r["ours_peak_gib"],
+            "naive peak GiB": r["naive_peak_gib"],
+            "redundant max": r["redundant_max"],
+            "prefetch GB": r["prefetch_gb"],
+            "prefetch ms": r["prefetch_ms"],
+            "reduce_grad ms": r["reduce_grad_ms"],
+        }
+        rows.append(Row(r["case"], BASELINE, r["naive_ms"], r["ours_ms"], params, extra, r["note"]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.backend == "nccl" and torch.cuda.device_count() < args.world:
+        print(
+            f"needs {args.world} CUDA devices (found {torch.cuda.device_count()}); try --backend gloo for a smoke run"
+        )
+        return 2
+    from k3infra.testing import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = str(Path(tmp) / "rows.json")
+        mp.spawn(_worker, args=(args.world, free_port(), args, out_path), nprocs=args.world, join=True)
+        results = json.loads(Path(out_path).read_text())
+    rows = _to_rows(results, args)
+    if not args.no_study:
+        rows += planner_study(tokens=args.tokens, top_k=args.topk, num_experts=args.experts)
+    for row in rows:
+        speed = f"{row.speedup:.1f}x" if row.speedup else "-"
+        print(f"{row.case:28s} ours {row.ours_ms:8.3f} ms  naive {row.baseline_ms or float('nan'):8.3f} ms  {speed}")
+    if not args.no_write:
+        info = machine_info()
+        path = write_results("ep", rows, title=f"MoonEP dispatch+combine, EP={args.world}", info=info)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
