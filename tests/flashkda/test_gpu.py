@@ -1,0 +1,77 @@
+"""Device-only checks: the compiled kernels (bf16 tensor-core products, which the CPU interpreter cannot run
+correctly), fla on the GPU, CUDA-graph capture and the absence of host synchronisation."""
+
+import pytest
+import torch
+
+import flashkda
+from flashkda import reference
+from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    KDACase(T=8192 // 4, H=4, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="bounded", beta_logits=True),
+    KDACase(T=1000, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="softplus", beta_logits=True),
+    KDACase(T=777, H=2, HV=2, K=64, V=256, dtype=torch.bfloat16, gate="pre", v_first=True),
+    KDACase(T=300, H=1, HV=2, K=256, V=64, dtype=torch.float16, gate="bounded-noA"),
+    KDACase(T=500, H=2, HV=2, K=128, V=128, dtype=torch.float32, gate="softplus", beta_logits=True, neg_eig=True),
+    KDACase(T=1300 + 547 + 63, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, lengths=(1300, 0, 547, 63),
+            gate="bounded", beta_logits=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
+def test_chunk_matches_fp64_on_gpu(case):
+    args, kw = make_call(case, "cuda")
+    with torch.inference_mode():
+        o, s = flashkda.chunk_kda(*args, **kw)
+        ro, rs = reference.chunk_kda_reference(*args, **kw)
+    assert_close("o", ro, o, TOL[case.dtype])
+    assert_close("final_state", rs, s, TOL[case.dtype])
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[-1:], ids=[c.id() for c in CASES[:2] + CASES[-1:]])
+def test_chunk_matches_fla_on_gpu(case, monkeypatch):
+    monkeypatch.setenv("FLASHKDA_DISABLE", "1")
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    args, kw = make_call(case, "cuda")
+    with torch.inference_mode():
+        o, s = flashkda.chunk_kda(*args, **kw)
+        fo, fs = fla_kda.chunk_kda(*args, **kw)
+    assert_close("o vs fla", fo, o, 1e-2)
+    assert_close("final_state vs fla", fs, s, 1e-2)
+
+
+def test_varlen_runs_without_host_sync_and_in_a_cuda_graph():
+    case = CASES[-1]
+    args, kw = make_call(case, "cuda")
+    with torch.inference_mode():
+        ref_o, ref_s = flashkda.chunk_kda(*args, **kw)  # warm-up compiles outside the capture
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            flashkda.chunk_kda(*args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o, s = flashkda.chunk_kda(*args, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(o, ref_o)
+    torch.testing.assert_close(s, ref_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_recurrent_decode_matches_fp64_on_gpu(dtype):
+    case = KDACase(B=64, T=1, H=4, HV=8, K=128, V=128, dtype=dtype, gate="bounded", beta_logits=True)
+    args, kw = make_call(case, "cuda")
+    kw.pop("safe_gate")
+    kw.pop("cu_seqlens_cpu", None)
+    with torch.inference_mode():
+        o, s = flashkda.fused_recurrent_kda(*args, **kw)
+        ro, rs = reference.chunk_kda_reference(*args, **kw)
+    assert_close("o", ro, o, TOL[dtype])
+    assert_close("final_state", rs, s, TOL[dtype])
