@@ -43,7 +43,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=896)
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--skews", default=",".join(BENCH_SKEWS))
-    p.add_argument("--expert-width", type=int, default=1024, help="F of the SwiGLU experts whose weights move")
+    p.add_argument("--expert-width", type=int, default=512, help="F of the SwiGLU experts whose weights move")
     p.add_argument("--gate-tokens", type=int, default=128)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=30)

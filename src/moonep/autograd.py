@@ -11,6 +11,7 @@ rank, T = R*S received rows, P home experts, N redundant weight slots (``num_red
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,15 +23,20 @@ if TYPE_CHECKING:
     from moonep.buffer import Buffer, DispatchHandle
 
 
-def gather_rows(buffer: Buffer, handle: DispatchHandle, x_sH: torch.Tensor) -> torch.Tensor:
-    """All-gather token rows and expand them into this rank's slots: ``[s, H] -> [C, H]``."""
+def start_row_gather(buffer: Buffer, x_sH: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start all-gathering token rows; the returned function waits and gives ``[R*S + 1, H]`` (last row 0)."""
     R, S = buffer.num_ranks, buffer.S
     s, H = x_sH.shape
     x_SH = x_sH if s == S else torch.cat([x_sH, x_sH.new_zeros(S - s, H)])
     rows_XH = x_sH.new_empty(R * S + 1, H)
     rows_XH[-1].zero_()
-    buffer.transport.all_gather(rows_XH[: R * S], x_SH, "dispatch token all_gather")
-    return expand_rows(rows_XH, handle.slot_src_C)
+    finish = buffer.transport.start_all_gather(rows_XH[: R * S], x_SH, "dispatch token all_gather")
+    return lambda: (finish(), rows_XH)[1]
+
+
+def gather_rows(buffer: Buffer, handle: DispatchHandle, x_sH: torch.Tensor) -> torch.Tensor:
+    """All-gather token rows and expand them into this rank's slots: ``[s, H] -> [C, H]``."""
+    return expand_rows(start_row_gather(buffer, x_sH)(), handle.slot_src_C)
 
 
 def return_rows(
@@ -62,9 +68,10 @@ class DispatchFunction(torch.autograd.Function):
         weights_C: torch.Tensor,
         buffer: Buffer,
         handle: DispatchHandle,
+        rows_XH: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.buffer, ctx.handle, ctx.w_dtype = buffer, handle, topk_weights_sK.dtype
-        return gather_rows(buffer, handle, x_sH), weights_C.clone()
+        return expand_rows(rows_XH, handle.slot_src_C), weights_C.clone()
 
     @staticmethod
     def backward(ctx: Any, grad_x_CH: torch.Tensor, grad_w_C: torch.Tensor) -> tuple[Any, ...]:
@@ -74,7 +81,7 @@ class DispatchFunction(torch.autograd.Function):
             grad_x = return_rows(buffer, handle, grad_x_CH.contiguous(), None)
         if ctx.needs_input_grad[1]:
             grad_w = return_slot_values(buffer, handle, grad_w_C).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class CombineFunction(torch.autograd.Function):

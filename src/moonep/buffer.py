@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moonep import autograd as _ag
 from moonep.event import EventOverlap
-from moonep.plan import Plan, compute_plan, route_tokens
+from moonep.plan import Plan, compute_plan, histogram, route_tokens
 from moonep.transports.torch_dist import TorchDistTransport
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class Buffer:
                 f"num_redundant_slots) per rank: {rows.tolist()}; build the Buffer with the same sizes everywhere"
             )
         self._destroyed = False
+        self._rows_TK: torch.Tensor | None = None
 
     # -- layout ------------------------------------------------------------------------------------------
 
@@ -191,8 +192,8 @@ class Buffer:
         ok = status == _STATUS_OK
         idx = topk_idx.reshape(-1).long() if ok else torch.zeros(0, dtype=torch.long, device=self.device)
         bad_ids = ((idx < -1) | (idx >= self.E)).any().long().view(1)
-        counts = torch.bincount(torch.where((idx >= 0) & (idx < self.E), idx, self.E), minlength=self.E + 1)
-        row = torch.cat([counts[: self.E], bad_ids, torch.tensor([status], device=self.device)])
+        counts = histogram(torch.where((idx >= 0) & (idx < self.E), idx, self.E), self.E + 1)
+        row = torch.cat([counts[: self.E], bad_ids, torch.full((1,), status, dtype=torch.long, device=self.device)])
         gathered = self.transport.all_gather(row.new_empty(self.num_ranks * row.numel()), row, "layout exchange")
         gathered = gathered.view(self.num_ranks, -1)
         if self.validate or status != _STATUS_OK:
@@ -244,9 +245,17 @@ class Buffer:
         status = self._status(x, topk_idx, topk_weights)
         stream = self._enter(previous_event, async_finish)
         with _maybe_stream(stream):
+            # Token rows do not depend on the plan: start moving them first, plan while they travel.
+            # Every rank must issue the same collectives, so a rank with invalid input sends zeros here
+            # and learns (with the others) of the problem from the layout exchange right after.
+            ok = status == _STATUS_OK
+            rows_pending = _ag.start_row_gather(
+                self, x.detach() if ok else torch.zeros(self.S, self.H, dtype=self.dtype, device=self.device)
+            )
             plan = self.get_dispatch_layout(topk_idx, status=status)
             handle = self._make_handle(plan, topk_idx, topk_weights)
-            x_CH, w_C = _ag.DispatchFunction.apply(x, topk_weights, handle.weights_C, self, handle)
+            rows_XH = rows_pending()
+            x_CH, w_C = _ag.DispatchFunction.apply(x, topk_weights, handle.weights_C, self, handle, rows_XH)
         counts_L = handle.local_counts_L
         offsets_L = counts_L.cumsum(0) - counts_L
         event = self._leave(stream, async_finish, (x_CH, w_C, counts_L, offsets_L))
@@ -380,11 +389,12 @@ class Buffer:
         meta[:, :s, :, 1] = topk_weights.detach().float().view(torch.int32)[None].expand(R, s, K)
         recv = self.transport.all_to_all(torch.empty_like(meta), meta, "dispatch metadata all_to_all")
         recv_slots = recv[..., 0].reshape(R * S, K).long()
+        if self._rows_TK is None:
+            self._rows_TK = torch.arange(R * S, device=self.device).repeat_interleave(K)
         recv_w = recv[..., 1].contiguous().view(torch.float32).reshape(R * S, K)
         valid = recv_slots >= 0
         target = torch.where(valid, recv_slots, C).view(-1)
-        rows = torch.arange(R * S, device=self.device).repeat_interleave(K)
-        slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=self.device).scatter_(0, target, rows)
+        slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=self.device).scatter_(0, target, self._rows_TK)
         weights = torch.zeros(C + 1, dtype=torch.float32, device=self.device).scatter_(
             0, target, torch.where(valid, recv_w, 0.0).view(-1)
         )

@@ -201,6 +201,14 @@ def compute_plan(counts_RE: torch.Tensor, *, balanced: bool = True) -> Plan:
     )
 
 
+def histogram(ids_T: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]`` int64 count of each value in ``ids_T`` (values in ``[0, size)``).
+
+    Unlike ``torch.bincount`` on CUDA, this needs no host synchronisation (the output size is static).
+    """
+    return torch.zeros(size, dtype=torch.long, device=ids_T.device).scatter_add_(0, ids_T, torch.ones_like(ids_T))
+
+
 def occurrence_index(expert_T: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each hit, how many earlier hits (in flat order) went to the same expert.
 
@@ -212,7 +220,7 @@ def occurrence_index(expert_T: torch.Tensor, num_experts: int) -> torch.Tensor:
     """
     T = expert_T.numel()
     sorted_T, perm_T = torch.sort(expert_T, stable=True)
-    start = _exclusive_cumsum(torch.bincount(expert_T, minlength=num_experts + 1))
+    start = _exclusive_cumsum(histogram(expert_T, num_experts + 1))
     occ_sorted = torch.arange(T, device=expert_T.device) - start[sorted_T]
     return torch.empty_like(occ_sorted).scatter_(0, perm_T, occ_sorted)
 

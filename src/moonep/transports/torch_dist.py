@@ -66,13 +66,32 @@ class TorchDistTransport:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
         """``out`` (``[R * n, ...]``) receives every rank's ``inp`` (``[n, ...]``) in rank order."""
+        return self.start_all_gather(out, inp, what)()
+
+    def start_all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_gather"
+    ) -> Callable[[], torch.Tensor]:
+        """Issue `all_gather` now; the returned function waits for it (raising `CommError`) and returns ``out``.
+
+        Work issued between the two overlaps the transfer (on NCCL the wait is only a stream dependency).
+        """
+        self._check()
         if self.world_size == 1:
-            self._check()
-            return out.copy_(inp)
+            out.copy_(inp)
+            return lambda: out
         inp = inp.contiguous()
         # torch >= 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._run(lambda: gather(out, inp, group=self.group, async_op=True), out, what)
+        try:
+            work = gather(out, inp, group=self.group, async_op=True)
+        except RuntimeError as error:
+            work = _Failed(error)
+
+        def finish() -> torch.Tensor:
+            self._wait(work, what)
+            return out
+
+        return finish
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all") -> torch.Tensor:
         """Equal splits: chunk ``i`` of ``inp`` (dim 0) goes to rank ``i``; ``out``'s chunk ``j`` comes from ``j``."""
