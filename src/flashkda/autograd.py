@@ -1,100 +1,56 @@
 """Differentiable ``chunk_kda``: the training path behind ``flashkda.chunk_kda`` when gradients are needed.
 
-Layers, outermost first:
+`chunk_kda_autograd` (called by the public ``flashkda.chunk_kda`` after validation) applies `ChunkKDAFunction`:
 
-1. `chunk_kda_autograd` (called by the public ``flashkda.chunk_kda`` after validation) applies the optional
-   in-kernel pieces as differentiable elementwise ops (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``,
-   ``dt_bias``, the beta sigmoid), expands q/k for GVA, and moves everything to the chunked layout
-   ``[NC, HV, C, D]`` (`flashkda.chunk_bwd_layout`). torch autograd chains their gradients (into ``A_log``,
-   ``dt_bias``, raw ``g``, beta logits, and the GVA group sum).
-2. `ChunkKDAFunction` is the core recurrence on that layout; its forward and backward are
-   `flashkda.chunk_bwd.chunk_kda_train_fwd` / `chunk_kda_train_bwd` (Triton state passes + batched chunk-local
-   products).
+* forward: the forward kernels (``flashkda.chunk_fwd.chunk_kda_fwd``: fused gate, L2 norm, beta sigmoid, chunked
+  recurrence); only the inputs are saved. fp64 inputs (tests) and ``disable_recompute=True`` use the training
+  forward of `flashkda.chunk_bwd` instead, the latter keeping the per-chunk states for the backward.
+* backward: rebuilds the differentiable prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``,
+  ``dt_bias``, the beta sigmoid, GVA expansion, the chunked layout ``[NC, HV, C, D]`` of
+  `flashkda.chunk_bwd_layout`) and the chunk-local quantities with autograd recording, runs the Triton state
+  passes (`flashkda.chunk_bwd_h`), turns their results into cotangents of the chunk-local quantities, and lets
+  torch autograd pull those back through the prologue in one ``autograd.grad`` call.
 
 Gradients flow to ``q, k, v, g, beta, A_log, dt_bias, initial_state``, including through the final state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
-from flashkda.chunk_bwd_layout import from_chunks, make_layout, to_chunks
+from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
+from flashkda.chunk_bwd_local import chunk_local_prepare
 
-__all__ = ["ChunkKDAFunction", "chunk_kda_autograd", "kda_gate_torch"]
+__all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
 
 
-class ChunkKDAFunction(torch.autograd.Function):
-    """KDA recurrence on the chunked layout; see `flashkda.chunk_bwd` for the math and the stages."""
+@dataclass(frozen=True)
+class KDAOptions:
+    """The non-tensor arguments of one ``chunk_kda`` call."""
 
-    @staticmethod
-    def forward(
-        ctx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        initial_state: torch.Tensor | None,
-        chunk_offsets: torch.Tensor,
-        scale: float,
-        output_final_state: bool,
-        disable_recompute: bool,
-        dot_precision: str,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        o, ht, h, v_new = chunk_kda_train_fwd(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=scale,
-            initial_state=initial_state,
-            chunk_offsets=chunk_offsets,
-            output_final_state=output_final_state,
-            keep_states=disable_recompute,
-            dot_precision=dot_precision,
-        )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, chunk_offsets, h, v_new)
-        ctx.scale = scale
-        ctx.dot_precision = dot_precision
-        ctx.set_materialize_grads(False)
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do: torch.Tensor | None, dht: torch.Tensor | None):
-        q, k, v, g, beta, initial_state, chunk_offsets, h, v_new = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_train_bwd(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=ctx.scale,
-            initial_state=initial_state,
-            chunk_offsets=chunk_offsets,
-            do=do.contiguous(),
-            dht=None if dht is None else dht.contiguous(),
-            h=h,
-            v_new=v_new,
-            dot_precision=ctx.dot_precision,
-        )
-        grads = {"q": dq, "k": dk, "v": dv, "g": dg, "beta": dbeta, "initial_state": dh0}
-        names = ("q", "k", "v", "g", "beta", "initial_state", "chunk_offsets", "scale", "output_final_state",
-                 "disable_recompute", "dot_precision")
-        return tuple(grads.get(name) for name in names)
+    scale: float
+    output_final_state: bool
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    use_beta_sigmoid_in_kernel: bool
+    allow_neg_eigval: bool
+    safe_gate: bool
+    lower_bound: float | None
+    state_v_first: bool
+    disable_recompute: bool
 
 
 def kda_gate_torch(
     g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None
 ) -> torch.Tensor:
-    """The in-kernel KDA gate as differentiable fp32 torch ops (fla's ``fused_kda_gate`` semantics).
+    """The in-kernel KDA gate as differentiable torch ops (fla's ``fused_kda_gate`` semantics), fp32 (fp64 in).
 
     Args:
         g: ``[B, T, HV, K]`` raw gate input.
@@ -104,7 +60,7 @@ def kda_gate_torch(
             ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (without ``exp(A_log)`` when ``A_log`` is None).
 
     Returns:
-        ``[B, T, HV, K]`` float32 log-space decay.
+        ``[B, T, HV, K]`` log-space decay, float32 (float64 for float64 ``g``).
     """
     HV, K = g.shape[-2:]
     dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
@@ -120,6 +76,119 @@ def kda_gate_torch(
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    # bf16/fp16 callers accept tf32 products; fp32/fp64 callers get IEEE products.
+    return "tf32" if q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda else "ieee"
+
+
+def _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts: KDAOptions, layout: ChunkLayout):
+    """The differentiable prologue: activations and GVA expansion, then the chunked layout ``[NC, HV, C, D]``."""
+    cdt = _compute_dtype(q)
+    HV = v.shape[2]
+    q, k = q.to(cdt), k.to(cdt)
+    if opts.use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    g = kda_gate_torch(g, A_log, dt_bias, opts.lower_bound).to(cdt) if opts.use_gate_in_kernel else g.to(cdt)
+    beta = beta.to(cdt)
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if opts.allow_neg_eigval else 1.0)
+    if HV != q.shape[2]:
+        q, k = q.repeat_interleave(HV // q.shape[2], dim=2), k.repeat_interleave(HV // k.shape[2], dim=2)
+    qc, kc, vc, gc = (to_chunks(x, layout) for x in (q, k, v.to(cdt), g))
+    bc = to_chunks(beta.unsqueeze(-1), layout).squeeze(-1)
+    return qc, kc, vc, gc, bc
+
+
+def _state_in(initial_state: torch.Tensor | None, opts: KDAOptions, cdt: torch.dtype) -> torch.Tensor | None:
+    if initial_state is None:
+        return None
+    h0 = initial_state.transpose(-1, -2) if opts.state_v_first else initial_state
+    return h0.to(cdt).contiguous()
+
+
+def _forward_kernels():
+    """The forward teammate's fused forward, or None when it is not importable."""
+    try:
+        from flashkda.chunk_fwd import chunk_kda_fwd
+    except ImportError:
+        return None
+    return chunk_kda_fwd
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """``(q, k, v, g, beta, A_log, dt_bias, initial_state) -> (o, final_state)`` with fla ``chunk_kda`` math."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions):
+        B, T = q.shape[:2]
+        layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
+        fused_fwd = _forward_kernels()
+        h = v_new = None
+        if fused_fwd is not None and q.dtype != torch.float64 and not opts.disable_recompute:
+            o, ht, _ = fused_fwd(
+                q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
+                initial_state=None if initial_state is None else initial_state.contiguous(),
+                output_final_state=opts.output_final_state, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
+                state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+            )
+        else:
+            cdt = _compute_dtype(q)
+            chunks = _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts, layout)
+            oc, ht, h, v_new = chunk_kda_train_fwd(
+                *chunks, scale=opts.scale, initial_state=_state_in(initial_state, opts, cdt),
+                chunk_offsets=layout.chunk_offsets, output_final_state=opts.output_final_state,
+                keep_states=opts.disable_recompute, dot_precision=_dot_precision(q),
+            )
+            o = from_chunks(oc, layout).to(q.dtype)
+            if ht is not None:
+                ht = ht.float() if cdt == torch.float32 else ht
+                ht = ht.transpose(-1, -2).contiguous() if opts.state_v_first else ht
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new)
+        ctx.layout, ctx.opts = layout, opts
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new = ctx.saved_tensors
+        layout, opts = ctx.layout, ctx.opts
+        cdt, dot_precision = _compute_dtype(q), _dot_precision(q)
+        names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+        inputs = dict(zip(names, (q, k, v, g, beta, A_log, dt_bias)))
+        leaves = {n: x.detach().requires_grad_() for n, x in inputs.items() if x is not None and _needs(ctx, n)}
+        args = {n: leaves.get(n, x) for n, x in inputs.items()}
+        with torch.enable_grad():
+            chunks = _chunked_inputs(*args.values(), opts, layout)
+            local = chunk_local_prepare(*chunks, opts.scale)
+        h0 = _state_in(initial_state, opts, cdt)
+        doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(local.u)
+        dhtc = None
+        if dht is not None:
+            dhtc = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(cdt).contiguous()
+        leaf_grads, dh0 = chunk_kda_train_bwd(
+            local, tuple(leaves.values()), initial_state=h0, chunk_offsets=layout.chunk_offsets, do=doc, dht=dhtc,
+            h=h, v_new=v_new, dot_precision=dot_precision,
+        )
+        grads = dict(zip(leaves, leaf_grads))
+        grads = {n: (torch.zeros_like(leaves[n]) if gx is None else gx.to(leaves[n].dtype)) for n, gx in grads.items()}
+        if dh0 is not None and ctx.needs_input_grad[7]:
+            grads["initial_state"] = (dh0.transpose(-1, -2) if opts.state_v_first else dh0).to(initial_state.dtype)
+        return (*(grads.get(n) for n in names), grads.get("initial_state"), None, None)
+
+
+_INPUT_INDEX = {"q": 0, "k": 1, "v": 2, "g": 3, "beta": 4, "A_log": 5, "dt_bias": 6}
+
+
+def _needs(ctx, name: str) -> bool:
+    return bool(ctx.needs_input_grad[_INPUT_INDEX[name]])
 
 
 def chunk_kda_autograd(
@@ -159,46 +228,41 @@ def chunk_kda_autograd(
         use_gate_in_kernel: compute the gate from raw ``g``, ``A_log``, ``dt_bias`` (see `kda_gate_torch`).
         use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)`` (times 2 with ``allow_neg_eigval``).
         allow_neg_eigval: see above.
-        safe_gate: accepted for fla compatibility; it changes speed in fla, not the math.
+        safe_gate: fla's bounded-gate flag (gates in ``[-5, 0)``); passed to the forward kernels.
         lower_bound: bounded gate floor, e.g. -5.0 (with ``use_gate_in_kernel``).
         state_v_first: states are ``[..., V, K]``.
-        cu_seqlens: ``[N + 1]`` cumulative lengths for varlen (``B == 1``).
+        cu_seqlens: ``[N + 1]`` cumulative lengths for varlen (``B == 1``); read on the host once.
         A_log: ``[HV]`` gate rate, with ``use_gate_in_kernel``.
         dt_bias: ``[HV * K]`` gate bias, with ``use_gate_in_kernel``.
-        disable_recompute: keep the per-chunk states from the forward (more memory, no recompute in backward).
+        disable_recompute: keep the per-chunk states from the forward (more memory, no state recompute).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``q``'s dtype; ``final_state`` float32 or None.
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``q``'s dtype; ``final_state`` float32 (float64 for
+        float64 inputs) or None.
+
+    Example::
+
+        >>> import torch
+        >>> from flashkda.autograd import chunk_kda_autograd
+        >>> q, k = (torch.nn.functional.normalize(torch.randn(1, 70, 2, 32), dim=-1) for _ in range(2))
+        >>> v, beta = torch.randn(1, 70, 2, 32, requires_grad=True), torch.rand(1, 70, 2)
+        >>> g = torch.nn.functional.logsigmoid(torch.randn(1, 70, 2, 32))
+        >>> o, _ = chunk_kda_autograd(q, k, v, g, beta, scale=32 ** -0.5)
+        >>> o.sum().backward(); v.grad.shape
+        torch.Size([1, 70, 2, 32])
     """
-    del safe_gate
-    out_dtype = q.dtype
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    cdt = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
-    # bf16/fp16 callers accept tf32 products; fp32/fp64 callers get IEEE products.
-    dot_precision = "tf32" if q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda else "ieee"
-    q, k = q.to(cdt), k.to(cdt)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    g = kda_gate_torch(g, A_log, dt_bias, lower_bound).to(cdt) if use_gate_in_kernel else g.to(cdt)
-    beta = beta.to(cdt)
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
-    if HV != H:
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
-    qc, kc, vc, gc = (to_chunks(x, layout) for x in (q, k, v.to(cdt), g))
-    bc = to_chunks(beta.unsqueeze(-1), layout).squeeze(-1)
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
-        h0 = h0.to(cdt).contiguous()
-    oc, ht = ChunkKDAFunction.apply(
-        qc, kc, vc, gc, bc, h0, layout.chunk_offsets, scale, output_final_state, disable_recompute, dot_precision
+    opts = KDAOptions(
+        scale=scale,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate,
+        lower_bound=lower_bound,
+        state_v_first=state_v_first,
+        disable_recompute=disable_recompute,
     )
-    o = from_chunks(oc, layout).to(out_dtype)
-    if ht is not None:
-        ht = ht.float() if cdt == torch.float32 else ht
-        if state_v_first:
-            ht = ht.transpose(-1, -2)
-    return o, ht
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
