@@ -193,10 +193,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             for skew in args.skews.split(","):
                 row = _case(args, rank, world, hidden, skew, device)
                 rows.append(row)
-                if rank == 0:
+                if rank == 0:  # written after every case, so a later failure keeps what was measured
                     print(json.dumps(row), flush=True)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(rows))
+                    Path(out_path).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
 
@@ -242,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rows.json")
-        mp.spawn(_worker, args=(args.world, free_port(), args, out_path), nprocs=args.world, join=True)
-        results = json.loads(Path(out_path).read_text())
+        try:
+            mp.spawn(_worker, args=(args.world, free_port(), args, out_path), nprocs=args.world, join=True)
+        except Exception as error:  # keep and report the cases measured before the failure
+            print(f"benchmark workers failed: {error}")
+        results = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else []
+    if not results:
+        return 1
     rows = _to_rows(results, args)
     if not args.no_study:
         rows += planner_study(tokens=args.tokens, top_k=args.topk, num_experts=args.experts)
