@@ -126,6 +126,12 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions):
+        # The chunk-local products must stay fp32 (fp64) even under autocast: they feed a triangular solve.
+        with torch.autocast(q.device.type, enabled=False):
+            return ChunkKDAFunction._forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions):
         B, T = q.shape[:2]
         layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
         fused_fwd = _forward_kernels()
@@ -158,6 +164,11 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        with torch.autocast(ctx.layout.chunk_offsets.device.type, enabled=False):
+            return ChunkKDAFunction._backward(ctx, do, dht)
+
+    @staticmethod
+    def _backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new = ctx.saved_tensors
         layout, opts = ctx.layout, ctx.opts
         cdt, dot_precision = _compute_dtype(q), _dot_precision(q)

@@ -1,0 +1,283 @@
+"""FlashKDA training benchmark: forward + backward of ours vs fla-core 0.6.0 in one run, correctness gates first.
+
+Rows (issue 4): bf16, K = V = 128, K3 flags (in-kernel L2 norm, bounded gate ``lower_bound=-5`` with ``A_log`` and
+``dt_bias``, beta sigmoid), fp32 initial and final state, gradients for every input:
+``B1-T8192-H64``, ``B8-T4096-H32``, ``B1-T32768-H32``, ``varlen1024x8-H64``.
+
+Per row: median ms of ``forward + backward`` for ``flashkda.chunk_kda`` and ``fla.ops.kda.chunk_kda`` (fla's own
+Triton path: ``FLASHKDA_DISABLE=1``, ``FLA_FLASH_KDA=0``), the ratio, and the peak extra memory of each step.
+
+Gates, before any timing: (1) at a small shape, ours vs fp64 autograd through ``flashkda.reference`` (o, final
+state and every gradient, relative RMS error <= 1e-2); (2) at every row, ours vs fla (same bound). A row whose
+gate fails is reported with its error and not timed.
+
+Then a short training loop: a small KDA language model (two ``KimiDeltaAttention`` layers from flashkda vs the same
+model built from ``fla.layers.KimiDeltaAttention`` with copied weights) trained on the same batches; the losses of
+both are recorded step by step.
+
+Usage: ``python -m benchmarks.kda.train [--cases NAME ...] [--rep N] [--no-write] [--steps N] [--profile]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLASHKDA_DISABLE", "1")
+
+from benchmarks.harness import Row, machine_info, machine_line, time_fn, write_results  # noqa: E402
+
+TRAIN_CASES = {
+    "B1-T8192-H64": dict(B=1, T=8192, H=64, lengths=None),
+    "B8-T4096-H32": dict(B=8, T=4096, H=32, lengths=None),
+    "B1-T32768-H32": dict(B=1, T=32768, H=32, lengths=None),
+    "varlen1024x8-H64": dict(B=1, T=8192, H=64, lengths=(1024,) * 8),
+}
+FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+TOL = 1e-2
+
+
+def rms_ratio(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(B: int, T: int, H: int, lengths, device: str, D: int = 128, seed: int = 0):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    N = B if lengths is None else len(lengths)
+    x = dict(q=rn(B, T, H, D), k=rn(B, T, H, D), v=rn(B, T, H, D), g=rn(B, T, H, D), beta=rn(B, T, H))
+    x["A_log"] = torch.log(torch.empty(H, device=device).uniform_(1, 16, generator=gen))
+    x["dt_bias"] = rn(H * D, dtype=torch.float32)
+    x["initial_state"] = rn(N, H, D, D, dtype=torch.float32) * 0.1
+    for t in x.values():
+        t.requires_grad_()
+    extra = {}
+    if lengths is not None:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        extra["cu_seqlens"] = cu.to(device)
+    return x, extra
+
+
+def step(fn, x, extra, do, dht):
+    """One training step of the op: forward, then backward into every input; returns (o, ht, grads)."""
+    import torch
+
+    o, ht = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], A_log=x["A_log"],
+               dt_bias=x["dt_bias"], **FLAGS, **extra)
+    grads = torch.autograd.grad((o, ht), [x[n] for n in GRAD_NAMES], (do, dht))
+    return o, ht, dict(zip(GRAD_NAMES, grads))
+
+
+def peak_extra_mib(fn, device: str) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def gate_vs_reference(ours, device: str) -> dict[str, float]:
+    """Small-shape gate: ours vs fp64 autograd through the reference. Returns name -> relative RMS error."""
+    import torch
+
+    from flashkda.reference import chunk_kda_reference
+
+    x, extra = make_inputs(2, 200, 4, None, device, D=128, seed=1)
+    do = torch.randn(2, 200, 4, 128, device=device, dtype=torch.bfloat16)
+    dht = torch.randn(2, 4, 128, 128, device=device)
+    o, ht, grads = step(ours, x, extra, do, dht)
+    rx = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = chunk_kda_reference(rx["q"], rx["k"], rx["v"], rx["g"], rx["beta"], scale=128**-0.5,
+                                  initial_state=rx["initial_state"], A_log=rx["A_log"], dt_bias=rx["dt_bias"],
+                                  **{k: v for k, v in FLAGS.items() if k != "safe_gate"})
+    rgrads = torch.autograd.grad((ro, rht), [rx[n] for n in GRAD_NAMES], (do.double(), dht.double()))
+    errs = {"o": rms_ratio(o, ro), "final_state": rms_ratio(ht, rht)}
+    errs.update({f"d{n}": rms_ratio(grads[n], r) for n, r in zip(GRAD_NAMES, rgrads)})
+    return errs
+
+
+def run_ops(args, device: str) -> list[Row]:
+    import torch
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from flashkda import chunk_kda as ours
+
+    errs = gate_vs_reference(ours, device)
+    worst = max(errs.values())
+    print(f"gate vs fp64 reference (B2 T200 H4 D128 bf16): worst {worst:.2e} " +
+          " ".join(f"{k}={v:.1e}" for k, v in errs.items()), flush=True)
+    if worst > TOL:
+        print("correctness gate FAILED: no timing", file=sys.stderr)
+        return [Row("gate-vs-fp64", "fp64 reference", None, float("nan"), {}, errs, "gate failed")]
+
+    names = args.cases or list(TRAIN_CASES)
+    rows = []
+    for name in names:
+        rows.append(run_case(name, ours, fla_chunk_kda, args.rep, args.profile and name == names[0], device))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_case(name: str, ours, fla_chunk_kda, rep: int, with_profile: bool, device: str) -> Row:
+    import torch
+
+    c = TRAIN_CASES[name]
+    x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
+    N = c["B"] if c["lengths"] is None else len(c["lengths"])
+    do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
+    dht = torch.randn(N, c["H"], 128, 128, device=device)
+    params = dict(B=c["B"], T=c["T"], H=c["H"], K=128, V=128, dtype="bf16", varlen=c["lengths"] is not None)
+    o, ht, g = step(ours, x, extra, do, dht)
+    fo, fht, fg = step(fla_chunk_kda, x, extra, do, dht)
+    cmp = {"o": rms_ratio(o, fo), "final_state": rms_ratio(ht, fht)}
+    cmp.update({f"d{n}": rms_ratio(g[n], fg[n]) for n in GRAD_NAMES})
+    del o, ht, g, fo, fht, fg
+    worst_name = max(cmp, key=cmp.get)
+    print(f"{name}: ours vs fla " + " ".join(f"{k}={v:.1e}" for k, v in cmp.items()), flush=True)
+    if cmp[worst_name] > TOL:
+        print(f"{name}: ours vs fla gate FAILED ({worst_name} {cmp[worst_name]:.2e}); not timed", flush=True)
+        return Row(name, "fla 0.6.0 chunk_kda fwd+bwd", None, float("nan"), params,
+                   {"worst_err_vs_fla": cmp[worst_name]}, f"gate failed on {worst_name}")
+
+    def run_fla():
+        return step(fla_chunk_kda, x, extra, do, dht)
+
+    def run_ours():
+        return step(ours, x, extra, do, dht)
+
+    t_fla = time_fn(run_fla, device=device, warmup=2, rep=rep)
+    t_ours = time_fn(run_ours, device=device, warmup=2, rep=rep)
+    mem_fla = peak_extra_mib(run_fla, device)
+    mem_ours = peak_extra_mib(run_ours, device)
+    row = Row(name, "fla 0.6.0 chunk_kda fwd+bwd", t_fla.median_ms, t_ours.median_ms, params,
+              {"fla_peak_MiB": round(mem_fla), "ours_peak_MiB": round(mem_ours), "ours_p80_ms": t_ours.p80_ms,
+               "worst_err_vs_fla": cmp[worst_name]}, "")
+    print(f"{name}: fla {t_fla.median_ms:.2f} ms, ours {t_ours.median_ms:.2f} ms ({row.speedup:.2f}x); "
+          f"peak fla {mem_fla:.0f} MiB ours {mem_ours:.0f} MiB", flush=True)
+    if with_profile:
+        profile(run_ours)
+    return row
+
+
+def profile(fn) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "cpu_time_total"):
+        try:
+            print(averages.table(sort_by=key, row_limit=30), flush=True)
+            return
+        except (AttributeError, KeyError, ValueError):
+            continue
+
+
+def training_loop(steps: int, device: str) -> Row:
+    """Train the same small KDA LM with flashkda's and fla's layers; compare the loss curves."""
+    import torch
+    import torch.nn as nn
+    from fla.layers import KimiDeltaAttention as FlaKDA
+
+    from flashkda.layer import KimiDeltaAttention
+
+    vocab, width, T, B = 256, 256, 512, 8
+
+    class TinyLM(nn.Module):
+        def __init__(self, layer_cls):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.norms = nn.ModuleList(nn.RMSNorm(width) for _ in range(2))
+            self.mixers = nn.ModuleList(
+                layer_cls(hidden_size=width, head_dim=64, num_heads=4, lower_bound=-5.0, safe_gate=True,
+                          layer_idx=i) for i in range(2))
+            self.head = nn.Linear(width, vocab)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for norm, mixer in zip(self.norms, self.mixers):
+                h = h + mixer(norm(h))[0]
+            return self.head(h)
+
+    torch.manual_seed(0)
+    ours = TinyLM(KimiDeltaAttention).to(device)
+    theirs = TinyLM(FlaKDA).to(device)
+    theirs.load_state_dict(ours.state_dict())
+    # A learnable stream: each sequence repeats a random 32-token motif, so a recurrent model can copy it.
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        motif = torch.randint(0, vocab, (B, 32), generator=gen, device=device)
+        batches.append(motif.repeat(1, T // 32 + 1)[:, : T + 1])
+    curves = {}
+    for label, model in (("flashkda", ours), ("fla", theirs)):
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        losses = []
+        for ids in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(ids[:, :-1])
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[label] = losses
+    diffs = [abs(a - b) for a, b in zip(curves["flashkda"], curves["fla"])]
+    print("training loop loss (flashkda | fla):", flush=True)
+    for i in range(0, steps, max(1, steps // 10)):
+        print(f"  step {i:3d}: {curves['flashkda'][i]:.4f} | {curves['fla'][i]:.4f}", flush=True)
+    print(f"  final: {curves['flashkda'][-1]:.4f} | {curves['fla'][-1]:.4f}; max |diff| {max(diffs):.4f}", flush=True)
+    return Row("tiny-LM-train-loop", "same model with fla layers", None, float("nan"),
+               dict(steps=steps, layers=2, width=width, T=T, B=B),
+               {"first_loss": curves["flashkda"][0], "final_loss_ours": curves["flashkda"][-1],
+                "final_loss_fla": curves["fla"][-1], "max_abs_loss_diff": max(diffs)},
+               "loss curves, not timing")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(TRAIN_CASES)}")
+    parser.add_argument("--rep", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=60, help="training-loop steps (0 to skip)")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of our first row")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks.kda.train needs a CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    info = machine_info()
+    print(machine_line(info), flush=True)
+    start = time.perf_counter()
+    rows = run_ops(args, "cuda")
+    if args.steps > 0:
+        rows.append(training_loop(args.steps, "cuda"))
+    print(f"total {time.perf_counter() - start:.0f} s", flush=True)
+    if not args.no_write:
+        path = write_results("kda-train", rows, title="FlashKDA training (forward + backward)", info=info)
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
