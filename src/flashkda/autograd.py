@@ -16,6 +16,8 @@ Gradients flow to ``q, k, v, g, beta, A_log, dt_bias, initial_state``, including
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +89,33 @@ def _dot_precision(q: torch.Tensor) -> str:
     return "tf32" if q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda else "ieee"
 
 
+@contextlib.contextmanager
+def _matmul_precision(precision: str) -> Iterator[None]:
+    """Let torch's fp32 matmuls use TF32 tensor cores for the duration (bf16/fp16 callers only), then restore.
+
+    The chunk-local products of a bf16 call are bf16-accurate anyway; IEEE fp32 GEMMs would run on CUDA cores at a
+    fraction of the tensor-core rate. The flag is process-wide, so it is set and restored around our own work only.
+    """
+    matmul = torch.backends.cuda.matmul
+    if precision != "tf32":
+        yield
+        return
+    if hasattr(matmul, "fp32_precision"):
+        old = matmul.fp32_precision
+        matmul.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = old
+    else:
+        old = matmul.allow_tf32
+        matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = old
+
+
 def _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts: KDAOptions, layout: ChunkLayout):
     """The differentiable prologue: activations and GVA expansion, then the chunked layout ``[NC, HV, C, D]``."""
     cdt = _compute_dtype(q)
@@ -127,7 +156,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions):
         # The chunk-local products must stay fp32 (fp64) even under autocast: they feed a triangular solve.
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False), _matmul_precision(_dot_precision(q)):
             return ChunkKDAFunction._forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
 
     @staticmethod
@@ -164,7 +193,8 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        with torch.autocast(ctx.layout.chunk_offsets.device.type, enabled=False):
+        q = ctx.saved_tensors[0]
+        with torch.autocast(q.device.type, enabled=False), _matmul_precision(_dot_precision(q)):
             return ChunkKDAFunction._backward(ctx, do, dht)
 
     @staticmethod

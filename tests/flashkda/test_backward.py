@@ -184,3 +184,33 @@ def test_backward_through_inference_mode_output_raises(device: str) -> None:
         o, _ = chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.K**-0.5)
     with pytest.raises(RuntimeError):
         o.sum().backward()
+
+
+def test_fla_chunk_kda_training_call_is_served_by_flashkda(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the backend registered, fla's own ``chunk_kda`` with grad-requiring inputs runs our autograd path."""
+    pytest.importorskip("fla.ops.kda")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from flashkda.backend import register_with_fla
+
+    monkeypatch.delenv("FLASHKDA_DISABLE", raising=False)
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    assert register_with_fla()
+    case = Case(T=70, H=1, HV=2, initial_state=True, output_final_state=True,
+                opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+                          use_beta_sigmoid_in_kernel=True))
+    torch.manual_seed(5)
+    x = _inputs(case, device)
+    ref_x = {k: v.detach().double().requires_grad_() for k, v in x.items()}
+    do = torch.randn(1, 70, 2, 32, dtype=torch.float64, device=device)
+    dht = torch.randn(1, 2, 32, 32, dtype=torch.float64, device=device)
+
+    def via_fla(q, k, v, g, beta, *, scale, **kw):
+        o, ht = fla_chunk_kda(q, k, v, g, beta, scale=scale, **kw)
+        assert "ChunkKDAFunction" in o.grad_fn.name(), o.grad_fn.name()
+        return o, ht
+
+    _, _, grads = _run(via_fla, x, case, do, dht)
+    _, _, ref_grads = _run(chunk_kda_reference, ref_x, case, do, dht)
+    for name, ref in ref_grads.items():
+        assert _rel_rms(grads[name], ref) <= 1e-4, name

@@ -166,8 +166,10 @@ def test_parameter_names_match_fla_layer() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FLA_LAYERS, reason="flash-linear-attention (fla.layers) not installed")
 @pytest.mark.parametrize("config", CONFIGS[:2])
-def test_layer_matches_fla_layer_with_copied_weights(config: dict) -> None:
+def test_layer_matches_fla_layer_with_copied_weights(config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from fla.layers import KimiDeltaAttention as FlaKDA
+
+    monkeypatch.setenv("FLASHKDA_DISABLE", "1")  # fla's layer must run fla's kernels, not ours via the backend
 
     torch.manual_seed(3)
     ours = KimiDeltaAttention(layer_idx=0, **config).cuda()
