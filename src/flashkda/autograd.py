@@ -7,9 +7,9 @@
   forward of `flashkda.chunk_bwd` instead, the latter keeping the per-chunk states for the backward.
 * backward: rebuilds the differentiable prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``,
   ``dt_bias``, the beta sigmoid, GVA expansion, the chunked layout ``[NC, HV, C, D]`` of
-  `flashkda.chunk_bwd_layout`) and the chunk-local quantities with autograd recording, runs the Triton state
-  passes (`flashkda.chunk_bwd_h`), turns their results into cotangents of the chunk-local quantities, and lets
-  torch autograd pull those back through the prologue in one ``autograd.grad`` call.
+  `flashkda.chunk_bwd_layout`) with autograd recording, runs `flashkda.chunk_bwd.chunk_kda_train_bwd` on its
+  (detached) outputs (Triton state passes + explicit chunk-local chain rule), and lets torch autograd pull the
+  chunked gradients back through the prologue in one ``autograd.grad`` call.
 
 Gradients flow to ``q, k, v, g, beta, A_log, dt_bias, initial_state``, including through the final state.
 """
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
-from flashkda.chunk_bwd_local import chunk_local_prepare
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
@@ -208,16 +207,20 @@ class ChunkKDAFunction(torch.autograd.Function):
         args = {n: leaves.get(n, x) for n, x in inputs.items()}
         with torch.enable_grad():
             chunks = _chunked_inputs(*args.values(), opts, layout)
-            local = chunk_local_prepare(*chunks, opts.scale)
         h0 = _state_in(initial_state, opts, cdt)
-        doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(local.u)
+        doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
         dhtc = None
         if dht is not None:
             dhtc = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(cdt).contiguous()
-        leaf_grads, dh0 = chunk_kda_train_bwd(
-            local, tuple(leaves.values()), initial_state=h0, chunk_offsets=layout.chunk_offsets, do=doc, dht=dhtc,
-            h=h, v_new=v_new, dot_precision=dot_precision,
+        *dchunks, dh0 = chunk_kda_train_bwd(
+            *(c.detach() for c in chunks), scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets,
+            do=doc, dht=dhtc, h=h, v_new=v_new, dot_precision=dot_precision,
         )
+        pairs = [(c, dc) for c, dc in zip(chunks, dchunks) if c.requires_grad]
+        leaf_grads = ()
+        if leaves and pairs:
+            outs, cots = zip(*pairs)
+            leaf_grads = torch.autograd.grad(outs, tuple(leaves.values()), cots, allow_unused=True)
         grads = dict(zip(leaves, leaf_grads))
         grads = {n: (torch.zeros_like(leaves[n]) if gx is None else gx.to(leaves[n].dtype)) for n, gx in grads.items()}
         if dh0 is not None and ctx.needs_input_grad[7]:

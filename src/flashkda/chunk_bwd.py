@@ -1,9 +1,8 @@
 """Training forward and backward of the KDA core on the chunked layout: chains the stages, no kernel here.
 
 Forward: chunk-local quantities (`chunk_local_prepare`) -> state pass (`chunk_kda_fwd_h`, which also writes ``o``).
-Backward (given chunk-local quantities rebuilt by the caller with autograd recording): recompute ``h``, ``v_new``
-unless they were kept -> reverse state pass (`chunk_kda_bwd_dh`) -> pull back to the caller's leaves
-(`chunk_local_bwd`).
+Backward: rebuild the chunk-local quantities -> recompute ``h``, ``v_new`` unless they were kept -> reverse state
+pass (`chunk_kda_bwd_dh`) -> explicit chain rule back to ``q, k, v, g, beta`` (`chunk_local_bwd`).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-from flashkda.chunk_bwd_local import ChunkLocal, chunk_local_bwd, chunk_local_prepare
+from flashkda.chunk_bwd_local import chunk_local_bwd, chunk_local_prepare
 
 __all__ = ["chunk_kda_train_bwd", "chunk_kda_train_fwd"]
 
@@ -63,9 +62,13 @@ def chunk_kda_train_fwd(
 
 
 def chunk_kda_train_bwd(
-    local: ChunkLocal,
-    leaves: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     *,
+    scale: float,
     initial_state: torch.Tensor | None,
     chunk_offsets: torch.Tensor,
     do: torch.Tensor,
@@ -73,32 +76,28 @@ def chunk_kda_train_bwd(
     h: torch.Tensor | None,
     v_new: torch.Tensor | None,
     dot_precision: str,
-) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor | None]:
+) -> tuple[torch.Tensor, ...]:
     """Backward of the chunked KDA core.
 
     Args:
-        local: `ChunkLocal` computed with autograd recording from ``leaves`` (through any differentiable prologue).
-        leaves: the tensors to differentiate (e.g. raw ``q, k, v, g, beta, A_log, dt_bias``).
-        initial_state: ``[N, HV, K, V]`` in the compute dtype, or None.
-        chunk_offsets: ``[N + 1]`` int32 chunk range of every sequence.
-        do: ``[NC, HV, C, V]`` gradient of ``o`` in the chunked layout.
+        q, k, v, g, beta, scale, initial_state, chunk_offsets: as given to `chunk_kda_train_fwd`.
+        do: ``[NC, HV, C, V]`` gradient of ``o``.
         dht: ``[N, HV, K, V]`` gradient of the final state, or None.
         h, v_new: kept by the forward (``keep_states=True``), or None to recompute them.
         dot_precision: Triton ``tl.dot`` input precision.
 
     Returns:
-        ``(grads, dh0)``: one gradient per leaf (None where a leaf does not reach the output) and the
-        ``[N, HV, K, V]`` initial-state gradient (None without ``initial_state``).
+        ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
-    qg, aqk, kend, dec, w, u = (x.detach() for x in local.as_tuple())
+    local = chunk_local_prepare(q, k, v, g, beta, scale)
     if h is None or v_new is None:
         _, _, h, v_new = chunk_kda_fwd_h(
-            w, u, qg, aqk, kend, dec, initial_state, chunk_offsets, store_o=False, store_h=True,
-            store_final_state=False, dot_precision=dot_precision,
+            local.w, local.u, local.qg, local.aqk, local.kend, local.dec, initial_state, chunk_offsets,
+            store_o=False, store_h=True, store_final_state=False, dot_precision=dot_precision,
         )
     dv_new, dhe, dh0 = chunk_kda_bwd_dh(
-        qg, aqk, kend, dec, w, do, dht, chunk_offsets, store_dh0=initial_state is not None,
-        dot_precision=dot_precision,
+        local.qg, local.aqk, local.kend, local.dec, local.w, do, dht, chunk_offsets,
+        store_dh0=initial_state is not None, dot_precision=dot_precision,
     )
-    grads = chunk_local_bwd(local, leaves, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new) if leaves else ()
-    return grads, dh0
+    grads = chunk_local_bwd(q, k, v, g, beta, scale, local, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new)
+    return (*grads, dh0)

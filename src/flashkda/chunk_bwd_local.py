@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot"]
+__all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
 SUB_CHUNK = 16
 
@@ -40,9 +40,8 @@ class ChunkLocal:
     """``T (k * exp(G))``, ``[NC, HV, C, K]``."""
     u: torch.Tensor
     """``T v``, ``[NC, HV, C, V]``."""
-
-    def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (self.qg, self.aqk, self.kend, self.dec, self.w, self.u)
+    akk: torch.Tensor
+    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only."""
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -112,24 +111,64 @@ def chunk_local_prepare(
     rhs = beta.unsqueeze(-1) * torch.cat([kg, v], dim=-1)
     wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
     w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
-    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u)
+    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk)
+
+
+def gated_dot_bwd(
+    dA: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of `gated_dot` w.r.t. ``a`` and ``b`` (``gam``'s gradient is ``a * da - b * db``).
+
+    Args:
+        dA: ``[..., C, C]`` upstream gradient, already zero where `gated_dot` is zero.
+        a, b, gam: as given to `gated_dot`.
+
+    Returns:
+        ``(da, db)``, each ``[..., C, K]``. Uses the same sub-chunk references as the forward, so every
+        exponential stays in range.
+    """
+    C = a.shape[-2]
+    S = SUB_CHUNK
+    da, db = torch.zeros_like(a), torch.zeros_like(b)
+    for j in range(C // S):
+        cols = slice(j * S, (j + 1) * S)
+        ref = gam[..., j * S + S // 2 : j * S + S // 2 + 1, :]
+        e_a = torch.exp(gam[..., cols, :] - ref)
+        e_b = torch.exp(ref - gam[..., cols, :])
+        d_jj = dA[..., cols, cols]
+        da[..., cols, :] += (d_jj @ (b[..., cols, :] * e_b)) * e_a
+        db[..., cols, :] += (d_jj.transpose(-1, -2) @ (a[..., cols, :] * e_a)) * e_b
+        if (j + 1) * S < C:
+            ref = gam[..., (j + 1) * S - 1 : (j + 1) * S, :]
+            rows = slice((j + 1) * S, C)
+            e_r = torch.exp(gam[..., rows, :] - ref)
+            e_c = torch.exp(ref - gam[..., cols, :])
+            d_rj = dA[..., rows, cols]
+            da[..., rows, :] += (d_rj @ (b[..., cols, :] * e_c)) * e_r
+            db[..., cols, :] += (d_rj.transpose(-1, -2) @ (a[..., rows, :] * e_r)) * e_c
+    return da, db
 
 
 def chunk_local_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
     local: ChunkLocal,
-    inputs: tuple[torch.Tensor, ...],
     *,
     h: torch.Tensor,
     v_new: torch.Tensor,
     do: torch.Tensor,
     dhe: torch.Tensor,
     dv_new: torch.Tensor,
-) -> tuple[torch.Tensor | None, ...]:
-    """Pull the state-pass gradients back to the chunk-local inputs.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the chunked inputs from the state-pass results (explicit chain rule, nothing recorded).
 
     Args:
-        local: `ChunkLocal` built with autograd recording from ``inputs``.
-        inputs: the leaves ``(q, k, v, g, beta)`` that ``local`` was computed from.
+        q, k, v, g, beta, scale: the chunked inputs `chunk_local_prepare` was called with.
+        local: its result.
         h: ``[NC, HV, K, V]`` state at each chunk start.
         v_new: ``[NC, HV, C, V]`` ``u - w h``.
         do: ``[NC, HV, C, V]`` gradient of the output.
@@ -137,15 +176,46 @@ def chunk_local_bwd(
         dv_new: ``[NC, HV, C, V]`` total gradient w.r.t. ``v_new``.
 
     Returns:
-        Gradients for ``inputs``, in order (None where an input does not reach the outputs).
+        ``(dq, dk, dv, dg, dbeta)`` in the chunked layout.
     """
+    C, K = k.shape[-2:]
     hT = h.transpose(-1, -2)
-    cotangents = (
-        do @ hT,  # d qg:   o = qg h + ...
-        (do @ v_new.transpose(-1, -2)).tril(),  # d Aqk:  o = ... + Aqk v_new
-        v_new @ dhe.transpose(-1, -2),  # d kend: h' = ... + kend^T v_new
-        (h * dhe).sum(-1),  # d dec:  h' = Diag(dec) h + ...
-        -(dv_new @ hT),  # d w:    v_new = u - w h
-        dv_new,  # d u
-    )
-    return torch.autograd.grad(local.as_tuple(), inputs, cotangents, allow_unused=True)
+    # Cotangents of the chunk-local quantities: o = qg h + Aqk v_new, v_new = u - w h, h' = Diag(dec) h + kend^T v_new.
+    dqg = do @ hT
+    daqk = (do @ v_new.transpose(-1, -2)).tril() * scale
+    dkend = v_new @ dhe.transpose(-1, -2)
+    ddec = (h * dhe).sum(-1)
+    dx = torch.cat([-(dv_new @ hT), dv_new], dim=-1)  # d[w, u]
+
+    # UT transform: (I + Diag(beta) Akk) X = Diag(beta) R with X = [w, u], R = [k * exp(G), v].
+    gam = g.cumsum(-2)
+    eg = torch.exp(gam)
+    kg = k * eg
+    lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
+    y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), dx, upper=True, unitriangular=True)
+    y_w, y_u = y.split([K, v.shape[-1]], dim=-1)
+    dkg = beta.unsqueeze(-1) * y_w
+    dv = beta.unsqueeze(-1) * y_u
+    dl = -(y @ torch.cat([local.w, local.u], dim=-1).transpose(-1, -2)).tril(-1)
+    dbeta = (y_w * kg).sum(-1) + (y_u * v).sum(-1) + (dl * local.akk).sum(-1)
+
+    # Gated products Akk (k with k) and Aqk (q with k).
+    da, db = gated_dot_bwd(beta.unsqueeze(-1) * dl, k, k, gam)
+    dk = da + db
+    dgam = k * (da - db)
+    da, db = gated_dot_bwd(daqk, q, k, gam)
+    dq = da
+    dk += db
+    dgam += q * da - k * db
+
+    # Elementwise gates: qg = scale q exp(G), kg = k exp(G), kend = k exp(G_C - G), dec = exp(G_C).
+    dq += (scale * eg) * dqg
+    dgam += local.qg * dqg
+    dk += eg * dkg
+    dgam += kg * dkg
+    dk += torch.exp(gam[..., -1:, :] - gam) * dkend
+    t = local.kend * dkend
+    dgam -= t
+    dgam[..., -1, :] += t.sum(-2) + local.dec * ddec
+    dg = dgam.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g)
+    return dq, dk, dv, dg, dbeta
