@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from flashkda.autograd import chunk_kda_autograd
 from flashkda.reference import chunk_kda_reference
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ CASES = [
     pytest.param(Case(T=100, H=1, HV=2, K=32, V=32, output_final_state=True), id="GVA-H1-HV2-T100"),
     pytest.param(Case(T=96, K=64, V=64, dtype=torch.bfloat16, initial_state=True, output_final_state=True),
                  id="T96-K64-V64-bf16-state"),
+    pytest.param(Case(T=80, H=1, HV=2, K=64, V=64, dtype=torch.float16, cu_seqlens=(0, 30, 80), output_final_state=True,
+                      opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)),
+                 id="fp16-varlen-GVA-gate"),
     pytest.param(Case(T=70, K=32, V=32, opts=dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)),
                  id="l2norm-beta-sigmoid"),
     pytest.param(Case(T=70, opts=dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
