@@ -92,6 +92,8 @@ class Buffer:
         validate: check values (expert ids, token counts) on every rank before moving data; costs one host
             synchronisation per dispatch. Shapes and dtypes are always checked.
         device: where tensors live (default: ``cuda:<current>`` for NCCL, else CPU).
+        transport: ``"torch"`` (torch.distributed collectives) or ``"nvlink"`` (token rows and combine
+            partials copied straight into peers' symmetric-memory buffers; one node, CUDA only).
 
     Raises:
         ValueError: bad sizes, or ranks disagree on them (raised on every rank).
@@ -119,7 +121,10 @@ class Buffer:
         timeout_s: float = 60.0,
         validate: bool = True,
         device: torch.device | str | None = None,
+        transport: str = "torch",
     ) -> None:
+        if transport not in ("torch", "nvlink"):
+            raise ValueError(f"transport must be 'torch' or 'nvlink', got {transport!r}")
         self.transport = TorchDistTransport(group, timeout_s)
         R = self.transport.world_size
         self.rank, self.num_ranks = self.transport.rank, R
@@ -157,6 +162,13 @@ class Buffer:
             )
         self._destroyed = False
         self._rows_TK: torch.Tensor | None = None
+        if transport == "nvlink":
+            if self.device.type != "cuda":
+                raise ValueError(f"transport='nvlink' needs CUDA tensors, got device {self.device}")
+            from moonep.transports.nvlink import NVLinkTransport
+
+            row_bytes = R * self.S * self.H * torch.empty((), dtype=dtype).element_size()
+            self.transport = NVLinkTransport(group, timeout_s, max(row_bytes, 1 << 20), self.device)
 
     # -- layout ------------------------------------------------------------------------------------------
 
@@ -242,6 +254,7 @@ class Buffer:
             ValueError: any rank passed invalid input (raised on every rank).
             CommError: a peer died or stalled.
         """
+        self._check_alive()
         status = self._status(x, topk_idx, topk_weights)
         stream = self._enter(previous_event, async_finish)
         with _maybe_stream(stream):
@@ -288,6 +301,7 @@ class Buffer:
             ValueError: ``y_CH`` does not have ``C`` rows of width ``H``.
             CommError: a peer died or stalled.
         """
+        self._check_alive()
         if y_CH.dim() != 2 or y_CH.shape != (self.capacity, self.H):
             raise ValueError(f"y_CH must be [{self.capacity}, {self.H}], got {tuple(y_CH.shape)}")
         if weights_C is not None and weights_C.shape != (self.capacity,):
@@ -351,6 +365,7 @@ class Buffer:
         """Free communication resources; the buffer is unusable afterwards (idempotent)."""
         self._destroyed = True
         self.comm_stream = None
+        self.transport.close()
 
     # -- internals ------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def test_dispatch_and_combine_exact_on_two_gpus() -> None:
 def _async_and_layer(rank: int, world: int) -> float:
     torch.cuda.set_device(rank)
     device = f"cuda:{rank}"
-    S, H, K, E = 256, 512, 8, 64
+    S, H, K, E = 256, 2048, 8, 64
     idx, w = (t.to(device) for t in make_routing("lognormal2", S, K, E, world, rank=rank, seed=2))
     x = torch.randn(S, H, device=device).to(torch.bfloat16)
     buffer = Buffer(None, S, H, K, E, device=device)
@@ -44,6 +44,13 @@ def _async_and_layer(rank: int, world: int) -> float:
     event.current_stream_wait()
     ideal = x.float() * w.float().sum(1, keepdim=True)
     assert float((out.float() - ideal).norm() / ideal.norm()) < 1e-2
+    # The NVLink (symmetric memory) transport moves the same bytes to the same places.
+    nv = Buffer(None, S, H, K, E, device=device, transport="nvlink")
+    nv_out = nv.dispatch(x, idx, w)
+    assert torch.equal(nv_out.x_CH, sync.x_CH)
+    nv_y, _ = nv.combine(nv_out.x_CH, nv_out.weights_C, nv_out.handle)
+    assert torch.equal(nv_y, buffer.combine(sync.x_CH, sync.weights_C, sync.handle)[0])
+    nv.destroy()
     buffer.destroy()
     # bf16 layer through torch._grouped_mm against the fp32 reference on the same (bf16-rounded) weights.
     buffer = Buffer(None, S, H, K, E, device=device, num_redundant_slots=E - E // world)

@@ -51,6 +51,10 @@ class TorchDistTransport:
                 f"(a peer died or stalled): {error}. Destroy this Buffer and rebuild the process group."
             ) from error
 
+    def close(self) -> None:
+        """Release transport resources (the process group itself belongs to the caller)."""
+        self.broken = self.broken or "closed"
+
     def _check(self) -> None:
         if self.broken is not None:
             raise CommError(f"this buffer's transport is broken ({self.broken}); destroy it and build a new one")
