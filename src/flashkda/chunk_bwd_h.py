@@ -161,9 +161,13 @@ def chunk_kda_bwd_kernel_dh(
         tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), mask=m_kv)
 
 
-def _block_v(K: int, V: int) -> int:
-    # Keep the [K, BV] fp32 state at <= 8K elements per program so it stays in registers.
-    return max(16, min(triton.next_power_of_2(V), 8192 // K, 64))
+def _block_v(K: int, V: int, programs_per_block: int) -> int:
+    # Keep the [K, BV] fp32 state at <= 8K elements per program so it stays in registers, and split V finer when
+    # (sequences x heads) alone would leave most of the GPU's ~132 SMs idle (each program walks its whole sequence).
+    bv = max(16, min(triton.next_power_of_2(V), 8192 // K, 64))
+    while bv > 16 and programs_per_block * triton.cdiv(V, bv) < 256:
+        bv //= 2
+    return bv
 
 
 def chunk_kda_fwd_h(
@@ -185,7 +189,7 @@ def chunk_kda_fwd_h(
     NC, HV, C, K = w.shape
     V = u.shape[-1]
     N = chunk_offsets.numel() - 1
-    BV = _block_v(K, V)
+    BV = _block_v(K, V, N * HV)
     v_new = torch.empty_like(u)
     o = torch.empty_like(u) if store_o else None
     h = w.new_empty(NC, HV, K, V) if store_h else None
@@ -237,7 +241,7 @@ def chunk_kda_bwd_dh(
     NC, HV, C, K = w.shape
     V = do.shape[-1]
     N = chunk_offsets.numel() - 1
-    BV = _block_v(K, V)
+    BV = _block_v(K, V, N * HV)
     dv_new = torch.empty_like(do)
     dhe = w.new_empty(NC, HV, K, V)
     dh0 = w.new_empty(N, HV, K, V) if store_dh0 else None
