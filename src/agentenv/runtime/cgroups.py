@@ -1,6 +1,8 @@
 """Per-sandbox cgroups (v1 hierarchies): memory, pids, CPU quota and the freezer.
 
-Each sandbox gets `<root>/<controller>/agentenv/<name>` in the memory, pids, cpu and freezer hierarchies.
+Each sandbox gets `<root>/<controller>/<group>/<name>` in the memory, pids, cpu and freezer hierarchies, where
+`group` is ``agentenv-<hash of the data directory>`` so runtimes on different data directories never touch
+each other's groups.
 Processes join by pid; children inherit. Removing a cgroup needs it empty, so `destroy` first kills what is
 left (through the freezer: freeze, SIGKILL, thaw, so nothing forks away meanwhile) and then rmdir's.
 """
@@ -18,7 +20,13 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "pids", "cpu", "freezer")
-GROUP = "agentenv"
+
+
+def group_for(home: str) -> str:
+    """The parent group name for a data directory."""
+    import hashlib
+
+    return "agentenv-" + hashlib.sha256(os.path.realpath(home).encode()).hexdigest()[:12]
 CFS_PERIOD_US = 100_000
 
 
@@ -44,17 +52,20 @@ class Cgroup:
 
     Args:
         name: the leaf name, unique per sandbox (its id).
+        group: the parent group (`group_for(home)`).
         root: where the v1 hierarchies are mounted.
     """
 
-    def __init__(self, name: str, root: Path = CGROUP_ROOT):
-        if not name or "/" in name or name in (".", ".."):
-            raise ValueError(f"name must be a single path component, got {name!r}")
+    def __init__(self, name: str, group: str, root: Path = CGROUP_ROOT):
+        for arg, value in (("name", name), ("group", group)):
+            if not value or "/" in value or value in (".", ".."):
+                raise ValueError(f"{arg} must be a single path component, got {value!r}")
         self.name = name
+        self.group = group
         self.root = root
 
     def path(self, controller: str) -> Path:
-        return self.root / controller / GROUP / self.name
+        return self.root / controller / self.group / self.name
 
     def create(self, limits: CgroupLimits) -> None:
         """Create the groups and write `limits`; existing groups are reused."""
@@ -159,11 +170,11 @@ class Cgroup:
                 log.warning("could not remove cgroup %s", path)
 
 
-def leftover_groups(root: Path = CGROUP_ROOT) -> dict[str, list[str]]:
-    """Names of the agentenv groups per controller (for gc and leak checks)."""
+def leftover_groups(group: str, root: Path = CGROUP_ROOT) -> dict[str, list[str]]:
+    """Names of the sandbox groups under `group`, per controller (for gc and leak checks)."""
     found: dict[str, list[str]] = {}
     for controller in CONTROLLERS:
-        base = root / controller / GROUP
+        base = root / controller / group
         if base.is_dir():
             names = sorted(p.name for p in base.iterdir() if p.is_dir())
             if names:

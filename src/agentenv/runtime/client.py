@@ -33,9 +33,26 @@ class Connection:
             raise errors.SandboxGoneError(f"sandbox {sandbox_id} is not running ({e.strerror})") from e
 
     def peer_pid(self) -> int:
-        """Host pid of the tool server (SO_PEERCRED)."""
-        raw = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", raw)[0]
+        """Host pid of the tool server.
+
+        SO_PEERCRED would name whoever called listen() (the host made the socket), so the tool server sends
+        its pid as SCM_CREDENTIALS, which the kernel checks and translates into our pid namespace.
+        """
+        with self._lock:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            try:
+                protocol.send_msg(self._sock, {"op": "whoami"})
+                size = struct.calcsize("3i")
+                data, ancdata, _, _ = self._sock.recvmsg(1, socket.CMSG_SPACE(size))
+            except OSError as e:
+                self.close()
+                raise errors.SandboxGoneError(f"sandbox {self.sandbox_id} is gone: {e}") from e
+            finally:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                return struct.unpack("3i", payload[:size])[0]
+        raise errors.SandboxError(f"sandbox {self.sandbox_id} did not send its credentials")
 
     def request(
         self,

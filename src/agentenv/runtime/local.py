@@ -62,6 +62,7 @@ class NamespaceBackend(Backend):
             raise errors.SandboxError(f"{HOST_PYTHON} is missing: the in-sandbox tool server runs with it")
         self.store = Store(Path(home) if home is not None else default_home())
         self.cgroup_root = cgroup_root
+        self.cgroup_group = cgroups.group_for(str(self.store.home))
         self._pending: dict[str, Connection] = {}
 
     # ---- records and connections ---------------------------------------------------------------------
@@ -83,7 +84,7 @@ class NamespaceBackend(Backend):
         return Connection(self.store.sock(sandbox_id), sandbox_id)
 
     def _cgroup(self, sid: str) -> cgroups.Cgroup:
-        return cgroups.Cgroup(sid, self.cgroup_root)
+        return cgroups.Cgroup(sid, self.cgroup_group, self.cgroup_root)
 
     def _listener(self, sid: str) -> socket.socket:
         path = self.store.sock(sid)
@@ -386,7 +387,7 @@ class NamespaceBackend(Backend):
                     self._release(rec)
                     removed["records"] += 1
             live = {r.id for r in self.store.all_records()}
-            for names in cgroups.leftover_groups(self.cgroup_root).values():
+            for names in cgroups.leftover_groups(self.cgroup_group, self.cgroup_root).values():
                 for name in names:
                     if name not in live:
                         self._cgroup(name).destroy()

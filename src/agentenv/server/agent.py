@@ -1,0 +1,583 @@
+"""The in-sandbox envd agent: processes, filesystem and watches for the E2B-compatible server.
+
+Why it exists: the runtime's tool server answers one request at a time and runs commands to completion, but
+E2B's process service needs long-running processes that other requests can feed (stdin), signal, list and
+re-attach to while files are read and written. The server therefore starts this agent once per sandbox
+*through* the tool server (so it lives inside the sandbox: its namespaces, cgroup, seccomp filter and
+no_new_privs) and talks to it over TCP on the sandbox's own loopback (the host joins the sandbox's network
+namespace only to create the socket; see `agentenv.server.agents`).
+
+Stdlib only and self-contained: the host sends this file's source on the agent's stdin (nothing is written
+into the sandbox) and runs it with the sandbox's ``python3 -I -S``.
+
+Wire format (both ways): a frame is an 8-byte header (`!II`: JSON length, blob length), a UTF-8 JSON object,
+then the blob (file contents, stdin, output chunks). A request carries `op`; a unary reply carries `ok` and,
+on failure, `code` (a Connect error code) and `message`. Streaming ops (`start`, `connect`, `watch`) send
+event frames (`ev`) and end with one frame carrying `ok`.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import queue
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+HEADER = struct.Struct("!II")
+PORT = 49983
+MAX_JSON = 16 << 20
+SUB_QUEUE = 64
+"""Chunks buffered per subscriber before the process's reader blocks (backpressure on the process)."""
+WATCH_POLL_S = 0.05
+CHUNK = 65536
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class Fault(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def send(sock: socket.socket, obj: dict, blob: bytes = b"") -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    head = HEADER.pack(len(body), len(blob)) + body
+    if len(blob) < 65536:
+        sock.sendall(head + blob)
+    else:
+        sock.sendall(head)
+        sock.sendall(blob)
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("peer closed")
+        got += k
+    return bytes(buf)
+
+
+def recv(sock: socket.socket) -> tuple[dict, bytes]:
+    json_len, blob_len = HEADER.unpack(_exact(sock, HEADER.size))
+    if json_len > MAX_JSON:
+        raise EOFError("frame too large")
+    obj = json.loads(_exact(sock, json_len))
+    return obj, (_exact(sock, blob_len) if blob_len else b"")
+
+
+# ---- users and paths ----------------------------------------------------------------------------------------
+def home_of(user: str | None) -> str:
+    if not user or user == "root":
+        return "/root"
+    try:
+        return pwd.getpwnam(user).pw_dir
+    except KeyError:
+        home = f"/home/{os.path.basename(user)}"
+        os.makedirs(home, exist_ok=True)
+        return home
+
+
+def resolve(path: str, user: str | None) -> str:
+    if not isinstance(path, str) or not path:
+        raise Fault("invalid_argument", "path must be a non-empty string")
+    if path.startswith("~"):
+        path = home_of(user) + path[1:]
+    if not path.startswith("/"):
+        path = os.path.join(home_of(user), path)
+    return os.path.normpath(path)
+
+
+def _name(table, ident: int) -> str:
+    try:
+        return table(ident)[0]
+    except KeyError:
+        return str(ident)
+
+
+def entry_info(path: str) -> dict:
+    st = os.lstat(path)
+    is_link = stat.S_ISLNK(st.st_mode)
+    target = None
+    if is_link:
+        target = os.readlink(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            pass
+    kind = "FILE_TYPE_DIRECTORY" if stat.S_ISDIR(st.st_mode) else "FILE_TYPE_FILE"
+    modified = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(st.st_mtime)) + f".{int(st.st_mtime_ns % 10**9):09d}Z"
+    info = {
+        "name": os.path.basename(path) or "/",
+        "type": kind,
+        "path": path,
+        "size": str(st.st_size),
+        "mode": stat.S_IMODE(st.st_mode) | (0o20000000000 if stat.S_ISDIR(st.st_mode) else 0),
+        "permissions": stat.filemode(st.st_mode),
+        "owner": _name(pwd.getpwuid, st.st_uid),
+        "group": _name(grp.getgrgid, st.st_gid),
+        "modifiedTime": modified,
+        "isSymlink": is_link,
+    }
+    if target is not None:
+        info["symlinkTarget"] = target
+    return info
+
+
+def _os_fault(e: OSError, what: str) -> Fault:
+    import errno
+
+    codes = {errno.ENOENT: "not_found", errno.EEXIST: "already_exists", errno.EACCES: "permission_denied",
+             errno.EPERM: "permission_denied", errno.ENOTDIR: "invalid_argument", errno.EISDIR: "invalid_argument",
+             errno.ENOTEMPTY: "failed_precondition", errno.ENOSPC: "resource_exhausted"}
+    return Fault(codes.get(e.errno, "internal"), f"{what}: {e.strerror}")
+
+
+# ---- processes -----------------------------------------------------------------------------------------------
+class Process:
+    """A running process, its output fanned out to subscribers, each with a bounded queue."""
+
+    def __init__(self, popen: subprocess.Popen, config: dict, tag: str | None):
+        self.popen = popen
+        self.pid = popen.pid
+        self.config = config
+        self.tag = tag
+        self.lock = threading.Lock()
+        self.subs: list[queue.Queue] = []
+        self.end: dict | None = None
+        self.stdin_lock = threading.Lock()
+
+    def subscribe(self) -> queue.Queue:
+        q: queue.Queue = queue.Queue(SUB_QUEUE)
+        with self.lock:
+            if self.end is not None:
+                q.put(("end", self.end))
+            else:
+                self.subs.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.Queue) -> None:
+        with self.lock:
+            if q in self.subs:
+                self.subs.remove(q)
+        while True:  # unblock a reader waiting on this queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                break
+
+    def publish(self, item: tuple) -> None:
+        with self.lock:
+            subs = list(self.subs)
+        for q in subs:
+            while True:
+                try:
+                    q.put(item, timeout=0.5)
+                    break
+                except queue.Full:
+                    with self.lock:
+                        if q not in self.subs:
+                            break  # the subscriber left while we waited
+
+
+class Agent:
+    def __init__(self, listener: socket.socket):
+        self.listener = listener
+        self.procs: dict[int, Process] = {}
+        self.lock = threading.Lock()
+        self.watchers: dict[str, dict] = {}
+
+    def serve(self) -> None:
+        while True:
+            conn, _ = self.listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                req, blob = recv(conn)
+                op = req.get("op", "")
+                method = getattr(self, "op_" + op, None)
+                try:
+                    if method is None:
+                        raise Fault("unimplemented", f"unknown op {op!r}")
+                    reply, out = method(conn, req, blob)
+                    if reply is None:
+                        continue  # a stream that already sent its final frame
+                    send(conn, {"ok": True, **reply}, out)
+                except Fault as e:
+                    send(conn, {"ok": False, "code": e.code, "message": str(e)})
+                except OSError as e:
+                    if isinstance(e, (BrokenPipeError, ConnectionResetError)):
+                        raise
+                    f = _os_fault(e, op)
+                    send(conn, {"ok": False, "code": f.code, "message": str(f)})
+                except Exception as e:
+                    send(conn, {"ok": False, "code": "internal", "message": f"{op}: {type(e).__name__}: {e}"})
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+
+    # ---- process service ---------------------------------------------------------------------------------
+    def _find(self, req: dict) -> Process:
+        with self.lock:
+            if req.get("pid") is not None:
+                proc = self.procs.get(int(req["pid"]))
+            else:
+                proc = next((p for p in self.procs.values() if p.tag is not None and p.tag == req.get("tag")), None)
+        if proc is None:
+            what = f"pid {req.get('pid')}" if req.get("pid") is not None else f"tag {req.get('tag')!r}"
+            raise Fault("not_found", f"process with {what} not found")
+        return proc
+
+    def op_ping(self, conn, req, blob):
+        return {"pid": os.getpid()}, b""
+
+    def op_start(self, conn, req, blob):
+        user = req.get("user")
+        home = home_of(user)
+        env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": user or "root", "LANG": "C.UTF-8", "TERM": "xterm"}
+        env.update(req.get("base_envs") or {})
+        env.update(req.get("envs") or {})
+        cwd = resolve(req["cwd"], user) if req.get("cwd") else home
+        if not os.path.isdir(cwd):
+            raise Fault("invalid_argument", f"cwd {cwd!r} does not exist")
+        argv = [req["cmd"], *(req.get("args") or [])]
+        try:
+            popen = subprocess.Popen(argv, stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                                     start_new_session=True, close_fds=True)
+        except FileNotFoundError as e:
+            raise Fault("not_found", f"command not found: {argv[0]!r}") from e
+        except PermissionError as e:
+            raise Fault("permission_denied", f"command not executable: {argv[0]!r}") from e
+        proc = Process(popen, {"cmd": req["cmd"], "args": req.get("args") or [], "envs": req.get("envs") or {},
+                               "cwd": cwd}, req.get("tag"))
+        q = proc.subscribe()
+        with self.lock:
+            self.procs[proc.pid] = proc
+        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+        send(conn, {"ev": "start", "pid": proc.pid})
+        return self._stream(conn, proc, q)
+
+    def op_connect(self, conn, req, blob):
+        proc = self._find(req)
+        q = proc.subscribe()
+        send(conn, {"ev": "start", "pid": proc.pid})
+        return self._stream(conn, proc, q)
+
+    def _stream(self, conn, proc: Process, q: queue.Queue):
+        try:
+            while True:
+                kind, data = q.get()
+                if kind == "end":
+                    send(conn, {"ok": True, "ev": "end", **data})
+                    return None, b""
+                send(conn, {"ev": kind}, data)
+        finally:
+            proc.unsubscribe(q)
+
+    def _pump(self, proc: Process) -> None:
+        """Read both pipes, publish chunks, then the end event; the process is forgotten once it ended."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.popen.stdout, selectors.EVENT_READ, "stdout")
+        sel.register(proc.popen.stderr, selectors.EVENT_READ, "stderr")
+        open_streams = 2
+        while open_streams:
+            for key, _ in sel.select():
+                chunk = os.read(key.fd, CHUNK)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_streams -= 1
+                    continue
+                proc.publish((key.data, chunk))
+        sel.close()
+        code = proc.popen.wait()
+        proc.popen.stdout.close()
+        proc.popen.stderr.close()
+        if code >= 0:
+            end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
+        else:
+            name = {9: "killed", 15: "terminated", 2: "interrupt", 1: "hangup"}.get(-code, f"signal {-code}")
+            end = {"exitCode": -1, "exited": False, "status": f"signal: {name}"}
+        with self.lock:
+            self.procs.pop(proc.pid, None)
+        with proc.lock:
+            proc.end = end
+            subs = list(proc.subs)
+        for q in subs:
+            try:
+                q.put(("end", end), timeout=5.0)
+            except queue.Full:
+                pass
+        if proc.popen.stdin is not None:
+            try:
+                proc.popen.stdin.close()
+            except OSError:
+                pass
+
+    def op_list(self, conn, req, blob):
+        with self.lock:
+            procs = list(self.procs.values())
+        return {"processes": [{"config": p.config, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
+                              for p in procs]}, b""
+
+    def op_input(self, conn, req, blob):
+        proc = self._find(req)
+        if proc.popen.stdin is None or proc.popen.stdin.closed:
+            raise Fault("failed_precondition", f"stdin of process {proc.pid} is not open (start it with stdin=True)")
+        with proc.stdin_lock:
+            try:
+                proc.popen.stdin.write(blob)
+                proc.popen.stdin.flush()
+            except (BrokenPipeError, ValueError) as e:
+                raise Fault("failed_precondition", f"process {proc.pid} no longer reads stdin") from e
+        return {}, b""
+
+    def op_close_stdin(self, conn, req, blob):
+        proc = self._find(req)
+        with proc.stdin_lock:
+            if proc.popen.stdin is not None and not proc.popen.stdin.closed:
+                proc.popen.stdin.close()
+        return {}, b""
+
+    def op_signal(self, conn, req, blob):
+        proc = self._find(req)
+        sig = int(req.get("signal") or signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError as e:
+                raise Fault("not_found", f"process {proc.pid} already exited") from e
+        return {}, b""
+
+    # ---- filesystem service ------------------------------------------------------------------------------
+    def op_stat(self, conn, req, blob):
+        path = resolve(req["path"], req.get("user"))
+        try:
+            return {"entry": entry_info(path)}, b""
+        except FileNotFoundError as e:
+            raise Fault("not_found", f"path {path!r} does not exist") from e
+
+    def op_list_dir(self, conn, req, blob):
+        root = resolve(req["path"], req.get("user"))
+        depth = int(req.get("depth") or 1)
+        if not os.path.exists(root):
+            raise Fault("not_found", f"directory {root!r} does not exist")
+        if not os.path.isdir(root):
+            raise Fault("invalid_argument", f"path {root!r} is not a directory")
+        entries = []
+
+        def walk(path: str, level: int) -> None:
+            for name in sorted(os.listdir(path)):
+                full = os.path.join(path, name)
+                try:
+                    info = entry_info(full)
+                except FileNotFoundError:
+                    continue
+                entries.append(info)
+                if level < depth and info["type"] == "FILE_TYPE_DIRECTORY" and not info["isSymlink"]:
+                    walk(full, level + 1)
+
+        walk(root, 1)
+        return {"entries": entries}, b""
+
+    def op_make_dir(self, conn, req, blob):
+        path = resolve(req["path"], req.get("user"))
+        if os.path.exists(path):
+            raise Fault("already_exists", f"path {path!r} already exists")
+        os.makedirs(path)
+        return {"entry": entry_info(path)}, b""
+
+    def op_move(self, conn, req, blob):
+        src = resolve(req["source"], req.get("user"))
+        dst = resolve(req["destination"], req.get("user"))
+        if not os.path.lexists(src):
+            raise Fault("not_found", f"path {src!r} does not exist")
+        os.makedirs(os.path.dirname(dst) or "/", exist_ok=True)
+        os.rename(src, dst)
+        return {"entry": entry_info(dst)}, b""
+
+    def op_remove(self, conn, req, blob):
+        path = resolve(req["path"], req.get("user"))
+        if not os.path.lexists(path):
+            raise Fault("not_found", f"path {path!r} does not exist")
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return {}, b""
+
+    def op_read(self, conn, req, blob):
+        path = resolve(req["path"], req.get("user"))
+        if os.path.isdir(path):
+            raise Fault("invalid_argument", f"path {path!r} is a directory")
+        try:
+            with open(path, "rb") as f:
+                return {}, f.read()
+        except FileNotFoundError as e:
+            raise Fault("not_found", f"file {path!r} does not exist") from e
+
+    def op_write(self, conn, req, blob):
+        path = resolve(req["path"], req.get("user"))
+        if os.path.isdir(path):
+            raise Fault("invalid_argument", f"path {path!r} is a directory")
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(blob)
+        return {"name": os.path.basename(path), "type": "file", "path": path}, b""
+
+    # ---- watches (a polling scan: robust on overlayfs and needs nothing beyond the stdlib) ----------------
+    @staticmethod
+    def _scan(root: str, recursive: bool) -> dict[str, tuple]:
+        seen: dict[str, tuple] = {}
+
+        def walk(path: str) -> None:
+            try:
+                names = os.listdir(path)
+            except OSError:
+                return
+            for name in names:
+                full = os.path.join(path, name)
+                try:
+                    st = os.lstat(full)
+                except OSError:
+                    continue
+                seen[full] = (st.st_mtime_ns, st.st_size, st.st_mode, st.st_ino)
+                if recursive and stat.S_ISDIR(st.st_mode):
+                    walk(full)
+
+        walk(root)
+        return seen
+
+    def _diff(self, root: str, before: dict, after: dict, include_entry: bool) -> list[dict]:
+        events = []
+        for path, sig in after.items():
+            old = before.get(path)
+            if old is None:
+                kinds = ["EVENT_TYPE_CREATE"]
+            else:
+                kinds = []
+                if old[0] != sig[0] or old[1] != sig[1]:
+                    kinds.append("EVENT_TYPE_WRITE")
+                if old[2] != sig[2]:
+                    kinds.append("EVENT_TYPE_CHMOD")
+            for kind in kinds:
+                event = {"name": os.path.relpath(path, root), "type": kind}
+                if include_entry:
+                    try:
+                        event["entry"] = entry_info(path)
+                    except OSError:
+                        pass
+                events.append(event)
+        for path in before:
+            if path not in after:
+                events.append({"name": os.path.relpath(path, root), "type": "EVENT_TYPE_REMOVE"})
+        return events
+
+    def _check_dir(self, req: dict) -> str:
+        root = resolve(req["path"], req.get("user"))
+        if not os.path.isdir(root):
+            raise Fault("not_found" if not os.path.exists(root) else "invalid_argument",
+                        f"path {root!r} is not a directory")
+        return root
+
+    def op_watch(self, conn, req, blob):
+        root = self._check_dir(req)
+        recursive = bool(req.get("recursive"))
+        state = self._scan(root, recursive)
+        send(conn, {"ev": "start"})
+        conn.settimeout(WATCH_POLL_S)
+        last_beat = time.monotonic()
+        while True:
+            try:  # the host closes the connection to stop the watch
+                if conn.recv(1) == b"":
+                    return None, b""
+            except TimeoutError:
+                pass
+            conn.settimeout(None)
+            new = self._scan(root, recursive)
+            for event in self._diff(root, state, new, bool(req.get("include_entry"))):
+                send(conn, {"ev": "fs", **event})
+            state = new
+            if time.monotonic() - last_beat > 10:
+                send(conn, {"ev": "keepalive"})
+                last_beat = time.monotonic()
+            conn.settimeout(WATCH_POLL_S)
+
+    def op_watcher_create(self, conn, req, blob):
+        root = self._check_dir(req)
+        wid = os.urandom(8).hex()
+        watcher = {"root": root, "recursive": bool(req.get("recursive")), "include": bool(req.get("include_entry")),
+                   "events": [], "lock": threading.Lock(), "stop": threading.Event()}
+        watcher["state"] = self._scan(root, watcher["recursive"])
+        self.watchers[wid] = watcher
+        threading.Thread(target=self._poll_watcher, args=(watcher,), daemon=True).start()
+        return {"watcherId": wid}, b""
+
+    def _poll_watcher(self, watcher: dict) -> None:
+        while not watcher["stop"].wait(WATCH_POLL_S):
+            new = self._scan(watcher["root"], watcher["recursive"])
+            events = self._diff(watcher["root"], watcher["state"], new, watcher["include"])
+            watcher["state"] = new
+            if events:
+                with watcher["lock"]:
+                    watcher["events"].extend(events)
+                    del watcher["events"][:-10000]  # bounded: a watcher nobody polls keeps the newest events
+
+    def op_watcher_events(self, conn, req, blob):
+        watcher = self.watchers.get(req.get("watcher_id", ""))
+        if watcher is None:
+            raise Fault("not_found", f"watcher {req.get('watcher_id')!r} not found")
+        with watcher["lock"]:
+            events, watcher["events"] = watcher["events"], []
+        return {"events": events}, b""
+
+    def op_watcher_remove(self, conn, req, blob):
+        watcher = self.watchers.pop(req.get("watcher_id", ""), None)
+        if watcher is None:
+            raise Fault("not_found", f"watcher {req.get('watcher_id')!r} not found")
+        watcher["stop"].set()
+        return {}, b""
+
+
+def main() -> None:
+    """Bind the port, fork into the background (so the launching command returns), then serve."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("127.0.0.1", PORT))
+    except OSError:
+        sys.exit(0)  # an agent already serves this sandbox
+    listener.listen(1024)
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid()
+    devnull = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    Agent(listener).serve()
+
+
+if __name__ in ("__main__", "agentenv_envd_agent"):
+    main()

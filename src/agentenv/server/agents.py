@@ -1,0 +1,192 @@
+"""Host side of the in-sandbox envd agent (`agentenv.server.agent`): start it, reach it, talk to it.
+
+The agent listens on the sandbox's own loopback. The host reaches it by creating the socket inside the
+sandbox's network namespace: the calling thread joins that namespace with setns(2), creates the socket, and
+returns to its own namespace at once (a socket keeps the namespace it was created in; setns of a network
+namespace affects only the calling thread). Connections are pooled per sandbox for unary calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from agentenv.server import agent as wire
+
+log = logging.getLogger(__name__)
+
+CLONE_NEWNET = 0x40000000
+AGENT_PYTHON = "/usr/bin/python3"
+START_TIMEOUT_S = 20.0
+POOL_SIZE = 64
+_libc: ctypes.CDLL | None = None
+_AGENT_SOURCE: bytes | None = None
+
+
+class AgentError(Exception):
+    """The agent failed a request; `code` is a Connect error code (``not_found``, ``internal``, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class AgentUnavailable(AgentError):
+    """The agent cannot be reached (sandbox gone, paused, or the agent failed to start)."""
+
+    def __init__(self, message: str):
+        super().__init__("unavailable", message)
+
+
+def _setns(fd: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if _libc.setns(ctypes.c_int(fd), ctypes.c_int(CLONE_NEWNET)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns(net): {os.strerror(err)}")
+
+
+def _agent_source() -> bytes:
+    global _AGENT_SOURCE
+    if _AGENT_SOURCE is None:
+        _AGENT_SOURCE = Path(wire.__file__).read_bytes()
+    return _AGENT_SOURCE
+
+
+def socket_in_netns(pid: int) -> socket.socket:
+    """A TCP socket created in the network namespace of host process `pid` (not yet connected)."""
+    target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _setns(target)
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        finally:
+            _setns(own)  # never leave a server thread in a sandbox's namespace
+    finally:
+        os.close(target)
+        os.close(own)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class AgentLink:
+    """Connections to one sandbox's agent.
+
+    Args:
+        sandbox: the runtime `agentenv.Sandbox` (used to start the agent through the tool server).
+        pid: host pid of the sandbox's tool server (any process in the sandbox's network namespace).
+    """
+
+    def __init__(self, sandbox, pid: int):
+        self.sandbox = sandbox
+        self.pid = pid
+        self._pool: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+
+    def _dial(self) -> socket.socket:
+        sock = socket_in_netns(self.pid)
+        try:
+            sock.connect(("127.0.0.1", wire.PORT))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def open(self) -> socket.socket:
+        """A fresh connection, starting the agent first if it does not answer."""
+        try:
+            return self._dial()
+        except FileNotFoundError as e:
+            raise AgentUnavailable(f"sandbox {self.sandbox.id} is gone") from e
+        except ConnectionRefusedError:
+            pass
+        with self._start_lock:
+            try:
+                return self._dial()
+            except ConnectionRefusedError:
+                self._start()
+            try:
+                return self._dial()
+            except OSError as e:
+                raise AgentUnavailable(f"envd agent of sandbox {self.sandbox.id} does not answer: {e}") from e
+
+    def _start(self) -> None:
+        from agentenv import errors
+
+        boot = "import sys; exec(compile(sys.stdin.buffer.read(), 'agentenv-envd-agent', 'exec'), " \
+               "{'__name__': 'agentenv_envd_agent'})"
+        try:
+            result = self.sandbox.commands.run([AGENT_PYTHON, "-I", "-S", "-c", boot], stdin=_agent_source(),
+                                               timeout=START_TIMEOUT_S)
+        except errors.SandboxError as e:
+            raise AgentUnavailable(f"could not start the envd agent in sandbox {self.sandbox.id}: {e}") from e
+        if result.exit_code != 0:
+            raise AgentUnavailable(f"envd agent of sandbox {self.sandbox.id} failed to start "
+                                   f"(exit {result.exit_code}): {result.stderr[-2000:]}")
+        log.debug("started envd agent in %s", self.sandbox.id)
+
+    def call(self, req: dict, blob: bytes = b"") -> tuple[dict, bytes]:
+        """One unary request on a pooled connection.
+
+        Raises:
+            AgentError: the agent refused the request.
+            AgentUnavailable: the agent cannot be reached.
+        """
+        with self._lock:
+            sock = self._pool.pop() if self._pool else None
+        for attempt in range(2):
+            if sock is None:
+                sock = self.open()
+            try:
+                wire.send(sock, req, blob)
+                reply, out = wire.recv(sock)
+                break
+            except (EOFError, OSError) as e:
+                sock.close()
+                sock = None
+                if attempt == 1:
+                    raise AgentUnavailable(f"envd agent of sandbox {self.sandbox.id} went away: {e}") from e
+        with self._lock:
+            if len(self._pool) < POOL_SIZE:
+                self._pool.append(sock)
+            else:
+                sock.close()
+        if not reply.get("ok"):
+            raise AgentError(str(reply.get("code", "internal")), str(reply.get("message", "request failed")))
+        return reply, out
+
+    def stream(self, req: dict) -> Iterator[tuple[dict, bytes]]:
+        """A streaming request on its own connection: yields event frames, then the final frame.
+
+        Closing the generator closes the connection, which stops a watch and unsubscribes from a process.
+        """
+        sock = self.open()
+        try:
+            wire.send(sock, req)
+            while True:
+                try:
+                    frame, blob = wire.recv(sock)
+                except (EOFError, OSError) as e:
+                    raise AgentUnavailable(f"envd agent of sandbox {self.sandbox.id} went away: {e}") from e
+                if "ok" in frame and not frame["ok"]:
+                    raise AgentError(str(frame.get("code", "internal")), str(frame.get("message", "failed")))
+                yield frame, blob
+                if "ok" in frame:
+                    return
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._pool:
+                sock.close()
+            self._pool.clear()
