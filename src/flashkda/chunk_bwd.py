@@ -43,7 +43,7 @@ def chunk_kda_train_fwd(
     Returns:
         ``(o [NC, HV, C, V], final_state or None, h or None, v_new or None)``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, dot_precision)
     o, ht, h, v_new = chunk_kda_fwd_h(
         local.w,
         local.u,
@@ -89,7 +89,7 @@ def chunk_kda_train_bwd(
     Returns:
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, dot_precision)
     if h is None or v_new is None:
         _, _, h, v_new = chunk_kda_fwd_h(
             local.w, local.u, local.qg, local.aqk, local.kend, local.dec, initial_state, chunk_offsets,
@@ -99,5 +99,7 @@ def chunk_kda_train_bwd(
         local.qg, local.aqk, local.kend, local.dec, local.w, do, dht, chunk_offsets,
         store_dh0=initial_state is not None, dot_precision=dot_precision,
     )
-    grads = chunk_local_bwd(q, k, v, g, beta, scale, local, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new)
+    grads = chunk_local_bwd(
+        q, k, v, g, beta, scale, local, dot_precision=dot_precision, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new
+    )
     return (*grads, dh0)

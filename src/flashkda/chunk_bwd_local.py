@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
+
 __all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
 SUB_CHUNK = 16
@@ -81,8 +83,20 @@ def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bo
     return torch.cat(columns, dim=-1)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    # The Triton gated-dot kernels serve fp32 tiles of power-of-two width; fp64 (tests) takes the torch path.
+    K = x.shape[-1]
+    return x.dtype == torch.float32 and K >= 16 and K & (K - 1) == 0 and not torch.is_grad_enabled()
+
+
 def chunk_local_prepare(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    dot_precision: str = "ieee",
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -93,9 +107,10 @@ def chunk_local_prepare(
         g: ``[NC, HV, C, K]`` log-space gate per token (``<= 0``; zero on padding).
         beta: ``[NC, HV, C]`` write strengths (zero on padding).
         scale: query scale.
+        dot_precision: ``tl.dot`` precision of the fused gated-dot kernel (``"ieee"`` or ``"tf32"``).
 
     Returns:
-        A `ChunkLocal`.
+        A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
     """
     C, K = k.shape[-2:]
     gam = g.cumsum(-2)
@@ -104,8 +119,11 @@ def chunk_local_prepare(
     qg = (scale * q) * torch.exp(gam)
     kend = k * torch.exp(gam_end - gam)
     dec = torch.exp(gam_end.squeeze(-2))
-    akk = gated_dot(k, k, gam, strict=True)
-    aqk = gated_dot(q, k, gam, strict=False) * scale
+    if _fused(q):
+        akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=dot_precision)
+    else:
+        akk = gated_dot(k, k, gam, strict=True)
+        aqk = gated_dot(q, k, gam, strict=False) * scale
     # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform applied without forming T.
     lhs = beta.unsqueeze(-1) * akk + torch.eye(C, dtype=k.dtype, device=k.device)
     rhs = beta.unsqueeze(-1) * torch.cat([kg, v], dim=-1)
@@ -158,6 +176,7 @@ def chunk_local_bwd(
     scale: float,
     local: ChunkLocal,
     *,
+    dot_precision: str = "ieee",
     h: torch.Tensor,
     v_new: torch.Tensor,
     do: torch.Tensor,
@@ -200,13 +219,17 @@ def chunk_local_bwd(
     dbeta = (y_w * kg).sum(-1) + (y_u * v).sum(-1) + (dl * local.akk).sum(-1)
 
     # Gated products Akk (k with k) and Aqk (q with k).
-    da, db = gated_dot_bwd(beta.unsqueeze(-1) * dl, k, k, gam)
-    dk = da + db
-    dgam = k * (da - db)
-    da, db = gated_dot_bwd(daqk, q, k, gam)
-    dq = da
-    dk += db
-    dgam += q * da - k * db
+    dakk = beta.unsqueeze(-1) * dl
+    if _fused(q):
+        dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision=dot_precision)
+    else:
+        da, db = gated_dot_bwd(dakk, k, k, gam)
+        dk = da + db
+        dgam = k * (da - db)
+        da, db = gated_dot_bwd(daqk, q, k, gam)
+        dq = da
+        dk += db
+        dgam += q * da - k * db
 
     # Elementwise gates: qg = scale q exp(G), kg = k exp(G), kend = k exp(G_C - G), dec = exp(G_C).
     dq += (scale * eg) * dqg

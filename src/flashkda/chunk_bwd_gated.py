@@ -1,0 +1,203 @@
+"""Fused gated intra-chunk products for training: ``Akk``/``Aqk`` and their backward, one Triton kernel each.
+
+``Akk[t, i] = sum_d k_td k_id exp(G_td - G_id)`` (``i < t``) and ``Aqk[t, i] = scale * sum_d q_td k_id exp(G_td -
+G_id)`` (``i <= t``) over a chunk of ``C`` tokens, with ``G`` the in-chunk cumulative log-gate. The torch versions
+(`flashkda.chunk_bwd_local.gated_dot` / `gated_dot_bwd`) read and write every ``[C, K]`` operand about ten times
+through exponentials, slices and concatenations; here one program per (chunk, head, 16-row block) keeps its tiles
+in registers and never materialises the scaled operands.
+
+Numerics as in the torch versions: a 16x16 block below the diagonal uses the gate at the last row of its column
+block as the reference (both exponentials ``<= 1``), a diagonal block its middle row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd"]
+
+BC = 16
+
+
+@triton.jit
+def chunk_kda_fwd_kernel_gated_dots(
+    q,
+    k,
+    gam,
+    akk,
+    aqk,
+    scale,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_b, i_r = tl.program_id(0), tl.program_id(1)
+    base = i_b.to(tl.int64) * C * K
+    base_a = i_b.to(tl.int64) * C * C
+    o_k = tl.arange(0, K)
+    o_i = tl.arange(0, BC)
+    o_r = i_r * BC + o_i
+    # [BC, K] rows of this block
+    b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+
+    # diagonal block, reference = middle row
+    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
+    b_e = tl.exp(b_g - b_ref[None, :])
+    b_kinv = b_k * tl.exp(b_ref[None, :] - b_g)
+    b_aqk = tl.dot(b_q * b_e, tl.trans(b_kinv), input_precision=DOT_PRECISION)
+    b_akk = tl.dot(b_k * b_e, tl.trans(b_kinv), input_precision=DOT_PRECISION)
+    m_incl = o_i[:, None] >= o_i[None, :]
+    m_strict = o_i[:, None] > o_i[None, :]
+    p_out = o_r[:, None] * C + (i_r * BC + o_i)[None, :]
+    tl.store(aqk + base_a + p_out, tl.where(m_incl, b_aqk * scale, 0.0).to(aqk.dtype.element_ty))
+    tl.store(akk + base_a + p_out, tl.where(m_strict, b_akk, 0.0).to(akk.dtype.element_ty))
+
+    # blocks left of the diagonal, reference = last row of the column block
+    for i_c in range(0, i_r):
+        o_c = i_c * BC + o_i
+        b_kc = tl.load(k + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_gc = tl.load(gam + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_ref = tl.load(gam + base + (i_c * BC + BC - 1) * K + o_k).to(tl.float32)
+        b_kc = b_kc * tl.exp(b_ref[None, :] - b_gc)
+        b_e = tl.exp(b_g - b_ref[None, :])
+        b_aqk = tl.dot(b_q * b_e, tl.trans(b_kc), input_precision=DOT_PRECISION)
+        b_akk = tl.dot(b_k * b_e, tl.trans(b_kc), input_precision=DOT_PRECISION)
+        p_out = o_r[:, None] * C + o_c[None, :]
+        tl.store(aqk + base_a + p_out, (b_aqk * scale).to(aqk.dtype.element_ty))
+        tl.store(akk + base_a + p_out, b_akk.to(akk.dtype.element_ty))
+
+    # blocks right of the diagonal are zero
+    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_c in range(i_r + 1, C // BC):
+        p_out = o_r[:, None] * C + (i_c * BC + o_i)[None, :]
+        tl.store(aqk + base_a + p_out, b_zero.to(aqk.dtype.element_ty))
+        tl.store(akk + base_a + p_out, b_zero.to(akk.dtype.element_ty))
+
+
+@triton.jit
+def chunk_kda_bwd_kernel_gated_dots(
+    q,
+    k,
+    gam,
+    dakk,
+    daqk,
+    dq,
+    dk,
+    dgam,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Program (chunk, block r) writes rows r of dq, dk, dgam: the "row" side (t in r) sums over column blocks
+    # c <= r, the "column" side (i in r) over row blocks s >= r. daqk carries the scale already.
+    i_b, i_r = tl.program_id(0), tl.program_id(1)
+    base = i_b.to(tl.int64) * C * K
+    base_a = i_b.to(tl.int64) * C * C
+    o_k = tl.arange(0, K)
+    o_i = tl.arange(0, BC)
+    o_r = i_r * BC + o_i
+    b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    m_incl = o_i[:, None] >= o_i[None, :]
+    m_strict = o_i[:, None] > o_i[None, :]
+
+    # diagonal block (reference = middle row): both sides at once
+    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
+    b_e = tl.exp(b_g - b_ref[None, :])
+    b_einv = tl.exp(b_ref[None, :] - b_g)
+    p_d = o_r[:, None] * C + o_r[None, :]
+    b_dakk = tl.where(m_strict, tl.load(dakk + base_a + p_d).to(tl.float32), 0.0)
+    b_daqk = tl.where(m_incl, tl.load(daqk + base_a + p_d).to(tl.float32), 0.0)
+    b_kinv = b_k * b_einv
+    # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
+    b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
+    b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
+    # column side: d(b_i) = sum_t dA_ti a_t exp(G_t - G_i)
+    b_db_kk = tl.dot(tl.trans(b_dakk), b_k * b_e, input_precision=DOT_PRECISION) * b_einv
+    b_db_qk = tl.dot(tl.trans(b_daqk), b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+
+    # row side, column blocks c < r (reference = last row of block c)
+    for i_c in range(0, i_r):
+        o_c = i_c * BC + o_i
+        b_kc = tl.load(k + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_gc = tl.load(gam + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_ref = tl.load(gam + base + (i_c * BC + BC - 1) * K + o_k).to(tl.float32)
+        b_kc = b_kc * tl.exp(b_ref[None, :] - b_gc)
+        b_e = tl.exp(b_g - b_ref[None, :])
+        p_a = o_r[:, None] * C + o_c[None, :]
+        b_da_kk += tl.dot(tl.load(dakk + base_a + p_a).to(tl.float32), b_kc, input_precision=DOT_PRECISION) * b_e
+        b_da_qk += tl.dot(tl.load(daqk + base_a + p_a).to(tl.float32), b_kc, input_precision=DOT_PRECISION) * b_e
+
+    # column side, row blocks s > r (reference = last row of block r, shared by all s)
+    b_ref = tl.load(gam + base + (i_r * BC + BC - 1) * K + o_k).to(tl.float32)
+    b_acc_kk = tl.zeros([BC, K], dtype=tl.float32)
+    b_acc_qk = tl.zeros([BC, K], dtype=tl.float32)
+    for i_s in range(i_r + 1, C // BC):
+        o_s = i_s * BC + o_i
+        b_gs = tl.load(gam + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_es = tl.exp(b_gs - b_ref[None, :])
+        b_ks = tl.load(k + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
+        b_qs = tl.load(q + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
+        p_a = o_s[:, None] * C + o_r[None, :]
+        b_acc_kk += tl.dot(tl.trans(tl.load(dakk + base_a + p_a).to(tl.float32)), b_ks,
+                           input_precision=DOT_PRECISION)
+        b_acc_qk += tl.dot(tl.trans(tl.load(daqk + base_a + p_a).to(tl.float32)), b_qs,
+                           input_precision=DOT_PRECISION)
+    b_einv = tl.exp(b_ref[None, :] - b_g)
+    b_db_kk += b_acc_kk * b_einv
+    b_db_qk += b_acc_qk * b_einv
+
+    p_o = base + o_r[:, None] * K + o_k[None, :]
+    tl.store(dq + p_o, b_da_qk.to(dq.dtype.element_ty))
+    tl.store(dk + p_o, (b_da_kk + b_db_kk + b_db_qk).to(dk.dtype.element_ty))
+    b_dg = b_k * (b_da_kk - b_db_kk) + b_q * b_da_qk - b_k * b_db_qk
+    tl.store(dgam + p_o, b_dg.to(dgam.dtype.element_ty))
+
+
+def _check(*xs: torch.Tensor) -> None:
+    assert all(x.is_contiguous() for x in xs), "gated-dot operands must be contiguous"
+    C, K = xs[0].shape[-2:]
+    assert C % BC == 0 and K == triton.next_power_of_2(K) and K >= 16, f"unsupported tile C={C}, K={K}"
+
+
+def chunk_kda_gated_dots(
+    q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, scale: float, *, dot_precision: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Akk, Aqk)`` ``[..., C, C]`` from ``q, k, gam`` ``[..., C, K]`` (zero where masked; ``Aqk`` scaled)."""
+    _check(q, k, gam)
+    *lead, C, K = q.shape
+    nb = q.numel() // (C * K)
+    akk = q.new_empty(*lead, C, C)
+    aqk = q.new_empty(*lead, C, C)
+    chunk_kda_fwd_kernel_gated_dots[(nb, C // BC)](
+        q, k, gam, akk, aqk, scale, C=C, K=K, BC=BC, DOT_PRECISION=dot_precision, num_warps=4
+    )
+    return akk, aqk
+
+
+def chunk_kda_gated_dots_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gam: torch.Tensor,
+    dakk: torch.Tensor,
+    daqk: torch.Tensor,
+    *,
+    dot_precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of `chunk_kda_gated_dots`: ``(dq, dk, dgam)`` ``[..., C, K]`` from ``dAkk`` and ``dAqk``
+    (``dAqk`` w.r.t. the scaled ``Aqk`` times ``scale``; entries outside the masks are ignored)."""
+    _check(q, k, gam, dakk, daqk)
+    *lead, C, K = q.shape
+    nb = q.numel() // (C * K)
+    dq, dk, dgam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
+    chunk_kda_bwd_kernel_gated_dots[(nb, C // BC)](
+        q, k, gam, dakk, daqk, dq, dk, dgam, C=C, K=K, BC=BC, DOT_PRECISION=dot_precision, num_warps=4
+    )
+    return dq, dk, dgam
