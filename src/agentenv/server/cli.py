@@ -1,0 +1,118 @@
+"""The ``agentenv serve`` and ``agentenv keys`` verbs.
+
+Wire into the ``agentenv`` CLI with one call: ``agentenv.server.cli.add_subcommands(subparsers)``; each
+parser sets ``func`` to a callable taking the parsed args and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and ``keys {create,revoke,list}`` to an argparse subparsers object."""
+    serve = subparsers.add_parser("serve", help="serve the E2B-compatible HTTP API on a loopback address")
+    serve.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=3000, help="TCP port (default 3000; 0 picks a free one)")
+    serve.add_argument("--state-dir", default=None, help="keys and sandbox registry (default <home>/server)")
+    serve.add_argument("--home", default=None, help="runtime data directory (default $AGENTENV_HOME)")
+    serve.add_argument("--kill-on-exit", action="store_true",
+                       help="kill every sandbox on shutdown (default: keep them for the next server to adopt)")
+    serve.add_argument("--create-key", metavar="NAME", default=None,
+                       help="create an API key named NAME at start and print it (for tests and demos)")
+    serve.add_argument("-v", "--verbose", action="store_true")
+    serve.set_defaults(func=cmd_serve)
+
+    keys = subparsers.add_parser("keys", help="manage API keys of `agentenv serve`")
+    keys.add_argument("--state-dir", default=None)
+    sub = keys.add_subparsers(dest="keys_cmd", required=True)
+    create = sub.add_parser("create", help="create a key (printed once)")
+    create.add_argument("name")
+    create.add_argument("--max-sandboxes", type=int, default=64, help="live sandboxes (0 = unlimited)")
+    create.add_argument("--max-cpus", type=float, default=0, help="CPU cores over live sandboxes (0 = unlimited)")
+    create.add_argument("--max-memory-mb", type=int, default=0, help="MiB over live sandboxes (0 = unlimited)")
+    create.set_defaults(func=cmd_keys_create)
+    revoke = sub.add_parser("revoke", help="revoke a key by id (key-...) or by the key itself")
+    revoke.add_argument("key")
+    revoke.set_defaults(func=cmd_keys_revoke)
+    sub.add_parser("list", help="list keys (ids, names, quotas; never the keys)").set_defaults(func=cmd_keys_list)
+
+
+def _state_dir(args):
+    from pathlib import Path
+
+    from agentenv.server.app import default_state_dir
+
+    return Path(args.state_dir) if args.state_dir else default_state_dir()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from agentenv.server.app import Server
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = Server(args.host, args.port, state_dir=args.state_dir, home=args.home)
+    if args.create_key:
+        key, info = server.keys.create(args.create_key)
+        print(json.dumps({"api_key": key, "key_id": info.id}), flush=True)
+    rec = server.recovered
+    print(json.dumps({"url": server.url, "adopted": rec["adopted"], "gone": rec["gone"]}), flush=True)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.registry.start_reaper()
+        server.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+        server.registry.stop(kill_all=args.kill_on_exit)
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from agentenv.server.auth import KeyStore, Quota
+
+    key, info = KeyStore(_state_dir(args)).create(
+        args.name, Quota(args.max_sandboxes, args.max_cpus, args.max_memory_mb))
+    print(json.dumps({"api_key": key, "key_id": info.id, "name": info.name, "quota": info.quota.__dict__}))
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from agentenv.server.auth import KeyStore
+
+    try:
+        info = KeyStore(_state_dir(args)).revoke(args.key)
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 1
+    print(json.dumps({"revoked": info.id, "name": info.name}))
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from agentenv.server.auth import KeyStore
+
+    for info in KeyStore(_state_dir(args)).list():
+        print(json.dumps({"key_id": info.id, "name": info.name, "revoked": info.revoked,
+                          "quota": info.quota.__dict__}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agentenv.server [serve|keys] ...`` (``serve`` when no verb is given)."""
+    parser = argparse.ArgumentParser(prog="agentenv")
+    add_subcommands(parser.add_subparsers(dest="cmd"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    return args.func(args)

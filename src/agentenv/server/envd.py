@@ -1,0 +1,323 @@
+"""The in-sandbox services E2B's SDK calls through the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers.
+
+Port 49983 (envd): the Connect services ``process.Process`` and ``filesystem.Filesystem``, ``/files``
+(download, multipart and octet-stream upload) and ``/health``. Port 49999: the code interpreter's
+``/execute`` (see `agentenv.server.interpreter`). Every call is checked against the sandbox's access token,
+translated to the agent's frames (`agentenv.server.agent`) and the answer back into Connect JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import logging
+import select
+import signal
+
+from agentenv.server import connect
+from agentenv.server.agents import AgentError, AgentLink
+from agentenv.server.connect import ConnectError
+from agentenv.server.httpd import MAX_BODY, Handler, HTTPError
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 30.0
+"""Idle seconds after which a process or watch stream sends a keep-alive event."""
+SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM, 9: signal.SIGKILL,
+           15: signal.SIGTERM}
+
+
+def username(handler: Handler) -> str | None:
+    """The user the SDK names in ``Authorization: Basic base64(user:)`` (None: the default user)."""
+    auth = handler.headers.get("Authorization", "")
+    if not auth.startswith("Basic "):
+        return None
+    try:
+        return base64.b64decode(auth[6:]).decode().split(":", 1)[0] or None
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(value: object, what: str) -> bytes:
+    try:
+        return base64.b64decode(value or "", validate=True)
+    except (binascii.Error, TypeError) as e:
+        raise ConnectError("invalid_argument", f"{what} must be base64") from e
+
+
+def _selector(msg: dict) -> dict:
+    sel = msg.get("process") or {}
+    if sel.get("pid") is not None:
+        return {"pid": int(sel["pid"])}
+    if sel.get("tag") is not None:
+        return {"tag": str(sel["tag"])}
+    raise ConnectError("invalid_argument", "process selector needs a pid or a tag")
+
+
+def _frames(link: AgentLink, req: dict):
+    """Agent stream frames with keep-alive ticks (``{"ev": "keepalive"}``) when idle for `KEEPALIVE_S`."""
+    sock = link.open()
+    from agentenv.server import agent as wire
+
+    try:
+        wire.send(sock, req)
+        while True:
+            ready, _, _ = select.select([sock], [], [], KEEPALIVE_S)
+            if not ready:
+                yield {"ev": "keepalive"}, b""
+                continue
+            try:
+                frame, blob = wire.recv(sock)
+            except (EOFError, OSError) as e:
+                raise ConnectError("unavailable", f"sandbox {link.sandbox.id} stopped answering: {e}") from e
+            if "ok" in frame and not frame["ok"]:
+                raise AgentError(str(frame.get("code", "internal")), str(frame.get("message", "failed")))
+            yield frame, blob
+            if "ok" in frame:
+                return
+    finally:
+        sock.close()
+
+
+class Envd:
+    """Routes one sandbox request (already authenticated) to its service."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    # ---- Connect plumbing --------------------------------------------------------------------------------
+    def rpc(self, h: Handler, entry, service: str, method: str) -> None:
+        streaming = h.headers.get("Content-Type", "").split(";")[0].strip() == connect.STREAM_CONTENT_TYPE
+        fn = getattr(self, f"_{service}_{method}", None)
+        try:
+            if fn is None:
+                raise ConnectError("unimplemented", f"{service}.{method} is not implemented by agentenv")
+            link = self.registry.link(entry.id)
+            if method == "StreamInput":
+                messages = list(connect.iter_envelopes(h.body()))
+                reply = self._process_stream_input(link, messages, entry)
+            else:
+                msg = connect.first_message(h.body(connect.MAX_MESSAGE), streaming)
+                reply = fn(link, msg, username(h), entry)
+        except AgentError as e:
+            self._unary_error(h, streaming, ConnectError(e.code, str(e)))
+            return
+        except ConnectError as e:
+            self._unary_error(h, streaming, e)
+            return
+        if not streaming:
+            h.send_json(200, reply)
+            return
+        h.start_chunked(200, connect.STREAM_CONTENT_TYPE)
+        error = None
+        try:
+            if isinstance(reply, dict):
+                h.write_chunk(connect.envelope(reply))
+            else:
+                for message in reply:
+                    h.write_chunk(connect.envelope(message))
+        except AgentError as e:
+            error = ConnectError(e.code, str(e))
+        except ConnectError as e:
+            error = e
+        finally:
+            if not isinstance(reply, dict):
+                reply.close()  # a client that went away: close the agent stream (unsubscribe / stop the watch)
+        h.write_chunk(connect.end_stream(error))
+        h.end_chunked()
+
+    @staticmethod
+    def _unary_error(h: Handler, streaming: bool, error: ConnectError) -> None:
+        if streaming:  # errors before the first message still travel in the end-stream envelope
+            h.start_chunked(200, connect.STREAM_CONTENT_TYPE)
+            h.write_chunk(connect.end_stream(error))
+            h.end_chunked()
+        else:
+            h.send_json(error.http_status, error.to_json())
+
+    # ---- process.Process ---------------------------------------------------------------------------------
+    @staticmethod
+    def _events(frames):
+        for frame, blob in frames:
+            ev = frame.get("ev")
+            if ev == "start":
+                yield {"event": {"start": {"pid": frame["pid"]}}}
+            elif ev in ("stdout", "stderr"):
+                yield {"event": {"data": {ev: _b64(blob)}}}
+            elif ev == "end":
+                end = {k: frame[k] for k in ("exitCode", "exited", "status") if k in frame}
+                yield {"event": {"end": end}}
+            elif ev == "keepalive":
+                yield {"event": {"keepalive": {}}}
+
+    def _process_Start(self, link, msg, user, entry):
+        config = msg.get("process") or {}
+        if not config.get("cmd"):
+            raise ConnectError("invalid_argument", "process.cmd is required")
+        if msg.get("pty"):
+            raise ConnectError("unimplemented", "PTY sessions are not supported by agentenv (use commands)")
+        req = {"op": "start", "cmd": config["cmd"], "args": config.get("args") or [],
+               "envs": config.get("envs") or {}, "cwd": config.get("cwd"), "stdin": bool(msg.get("stdin")),
+               "tag": msg.get("tag"), "user": user, "base_envs": entry.env_vars}
+        return self._events(_frames(link, req))
+
+    def _process_Connect(self, link, msg, user, entry):
+        return self._events(_frames(link, {"op": "connect", **_selector(msg)}))
+
+    def _process_List(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "list"})
+        return {"processes": reply["processes"]}
+
+    def _process_SendInput(self, link, msg, user, entry):
+        data = msg.get("input") or {}
+        if "pty" in data:
+            raise ConnectError("unimplemented", "PTY input is not supported by agentenv")
+        link.call({"op": "input", **_selector(msg)}, _unb64(data.get("stdin"), "input.stdin"))
+        return {}
+
+    def _process_stream_input(self, link, messages, entry):
+        selector = None
+        for msg in messages:
+            if "start" in msg:
+                selector = _selector(msg["start"])
+            elif "data" in msg:
+                if selector is None:
+                    raise ConnectError("invalid_argument", "StreamInput: the start event must come first")
+                data = (msg["data"].get("input") or {}).get("stdin")
+                link.call({"op": "input", **selector}, _unb64(data, "input.stdin"))
+        return {}
+
+    _process_StreamInput = _process_stream_input
+
+    def _process_SendSignal(self, link, msg, user, entry):
+        sig = SIGNALS.get(msg.get("signal"))
+        if sig is None:
+            raise ConnectError("invalid_argument", f"signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM, "
+                                                   f"got {msg.get('signal')!r}")
+        link.call({"op": "signal", "signal": int(sig), **_selector(msg)})
+        return {}
+
+    def _process_CloseStdin(self, link, msg, user, entry):
+        link.call({"op": "close_stdin", **_selector(msg)})
+        return {}
+
+    # ---- filesystem.Filesystem -----------------------------------------------------------------------------
+    def _filesystem_Stat(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "stat", "path": msg.get("path", ""), "user": user})
+        return {"entry": reply["entry"]}
+
+    def _filesystem_ListDir(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "list_dir", "path": msg.get("path", ""), "depth": msg.get("depth") or 1,
+                              "user": user})
+        return {"entries": reply["entries"]}
+
+    def _filesystem_MakeDir(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "make_dir", "path": msg.get("path", ""), "user": user})
+        return {"entry": reply["entry"]}
+
+    def _filesystem_Move(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "move", "source": msg.get("source", ""),
+                              "destination": msg.get("destination", ""), "user": user})
+        return {"entry": reply["entry"]}
+
+    def _filesystem_Remove(self, link, msg, user, entry):
+        link.call({"op": "remove", "path": msg.get("path", ""), "user": user})
+        return {}
+
+    def _filesystem_WatchDir(self, link, msg, user, entry):
+        req = {"op": "watch", "path": msg.get("path", ""), "recursive": bool(msg.get("recursive")),
+               "include_entry": bool(msg.get("includeEntry")), "user": user}
+
+        def events():
+            for frame, _ in _frames(link, req):
+                if frame.get("ev") == "start":
+                    yield {"start": {}}
+                elif frame.get("ev") == "fs":
+                    yield {"filesystem": {k: frame[k] for k in ("name", "type", "entry") if k in frame}}
+                elif frame.get("ev") == "keepalive":
+                    yield {"keepalive": {}}
+
+        return events()
+
+    def _filesystem_CreateWatcher(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "watcher_create", "path": msg.get("path", ""),
+                              "recursive": bool(msg.get("recursive")),
+                              "include_entry": bool(msg.get("includeEntry")), "user": user})
+        return {"watcherId": reply["watcherId"]}
+
+    def _filesystem_GetWatcherEvents(self, link, msg, user, entry):
+        reply, _ = link.call({"op": "watcher_events", "watcher_id": msg.get("watcherId", "")})
+        return {"events": reply["events"]}
+
+    def _filesystem_RemoveWatcher(self, link, msg, user, entry):
+        link.call({"op": "watcher_remove", "watcher_id": msg.get("watcherId", "")})
+        return {}
+
+    # ---- /files ------------------------------------------------------------------------------------------
+    def files(self, h: Handler, entry) -> None:
+        link = self.registry.link(entry.id)
+        user = h.query.get("username") or username(h)
+        try:
+            if h.command == "GET":
+                path = h.query.get("path")
+                if not path:
+                    raise HTTPError(400, "query parameter 'path' is required")
+                _, data = link.call({"op": "read", "path": path, "user": user})
+                h.send_bytes(200, data)
+                return
+            if h.command != "POST":
+                raise HTTPError(405, f"method {h.command} not allowed on /files")
+            results = []
+            for path, data in self._uploads(h):
+                reply, _ = link.call({"op": "write", "path": path, "user": user}, data)
+                results.append({"name": reply["name"], "type": reply["type"], "path": reply["path"]})
+            h.send_json(200, results)
+        except AgentError as e:
+            raise HTTPError(connect.HTTP_STATUS.get(e.code, 500), str(e)) from e
+
+    @staticmethod
+    def _uploads(h: Handler) -> list[tuple[str, bytes]]:
+        body = h.body(MAX_BODY)
+        if h.headers.get("Content-Encoding", "").lower() == "gzip":
+            try:
+                body = gzip.decompress(body)
+            except (OSError, EOFError) as e:
+                raise HTTPError(400, f"body is not valid gzip: {e}") from e
+        ctype = h.headers.get("Content-Type", "")
+        path = h.query.get("path")
+        if not ctype.startswith("multipart/form-data"):
+            if not path:
+                raise HTTPError(400, "query parameter 'path' is required for an octet-stream upload")
+            return [(path, body)]
+        boundary = next((p.split("=", 1)[1].strip('"') for p in ctype.split(";") if p.strip().startswith("boundary=")),
+                        None)
+        if not boundary:
+            raise HTTPError(400, "multipart upload without a boundary")
+        files = []
+        for part in body.split(b"--" + boundary.encode())[1:]:
+            if part.startswith(b"--"):
+                break
+            head, sep, content = part.partition(b"\r\n\r\n")
+            if not sep:
+                raise HTTPError(400, "malformed multipart part")
+            if content.endswith(b"\r\n"):
+                content = content[:-2]
+            filename = None
+            for line in head.decode(errors="replace").split("\r\n"):
+                if line.lower().startswith("content-disposition"):
+                    for item in line.split(";"):
+                        key, _, value = item.strip().partition("=")
+                        if key == "filename":
+                            filename = value.strip('"')
+            target = path if path and len(files) == 0 else filename
+            if not target:
+                raise HTTPError(400, "multipart part without a filename and no 'path' parameter")
+            files.append((target, content))
+        if path and len(files) > 1:
+            raise HTTPError(400, "'path' names one file but the upload carries several")
+        return files

@@ -1,0 +1,182 @@
+"""A small HTTP/1.1 server on the stdlib: keep-alive, chunked request bodies, streamed chunked responses.
+
+One thread per connection (`ThreadingHTTPServer`); a slow client blocks only its own thread, and a streamed
+response is written as it is produced, so a slow reader slows its producer (backpressure) and nothing is
+buffered without bound. Every failure becomes a JSON error; no traceback ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 << 20
+"""Largest request body read into memory (file uploads included), in bytes."""
+MAX_JSON_BODY = 4 << 20
+"""Largest JSON request body (control plane and RPC), in bytes."""
+
+
+class HTTPError(Exception):
+    """An error answered as ``{"code": status, "message": ...}`` (E2B's error shape)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Reads one request, hands it to ``server.app.handle(self)``, keeps the connection for the next."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "agentenv"
+    sys_version = ""
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _dispatch(self) -> None:
+        url = urlsplit(self.path)
+        self.route = url.path
+        self.query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        self._body: bytes | None = None
+        self.started = False
+        try:
+            self.server.app.handle(self)
+        except HTTPError as e:
+            self._fail(e.status, e.message)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception:
+            log.exception("unhandled error in %s %s", self.command, self.route)
+            self._fail(500, "internal server error (logged on the server)")
+        if self._body is None and not self.close_connection:
+            self._drain()
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
+
+    def _fail(self, status: int, message: str) -> None:
+        if self.started:  # too late for a status line: cut the connection so the client sees the failure
+            self.close_connection = True
+            return
+        try:
+            self.send_json(status, {"code": status, "message": message})
+        except OSError:
+            self.close_connection = True
+
+    # ---- request body ------------------------------------------------------------------------------------
+    def body(self, limit: int = MAX_BODY) -> bytes:
+        """The whole request body (Content-Length or chunked), at most `limit` bytes, else 413."""
+        if self._body is not None:
+            return self._body
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            parts, total = [], 0
+            while True:
+                line = self.rfile.readline(1024)
+                try:
+                    size = int(line.split(b";")[0].strip() or b"0", 16)
+                except ValueError as e:
+                    self.close_connection = True
+                    raise HTTPError(400, "malformed chunked request body") from e
+                if size == 0:
+                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                total += size
+                if total > limit:
+                    self.close_connection = True
+                    raise HTTPError(413, f"request body exceeds {limit} bytes")
+                parts.append(self.rfile.read(size))
+                self.rfile.readline(1024)
+            self._body = b"".join(parts)
+            return self._body
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError as e:
+            self.close_connection = True
+            raise HTTPError(400, "bad Content-Length") from e
+        if length > limit:
+            self.close_connection = True  # the unread body would be taken for the next request
+            raise HTTPError(413, f"request body of {length} bytes exceeds {limit} bytes")
+        self._body = self.rfile.read(length) if length else b""
+        return self._body
+
+    def _drain(self) -> None:
+        try:
+            self.body()
+        except HTTPError:
+            self.close_connection = True
+
+    def json_body(self) -> dict:
+        """The body as a JSON object (empty body: ``{}``); 400 on bad JSON, 413 when too large."""
+        raw = self.body(MAX_JSON_BODY)
+        if not raw.strip():
+            return {}
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HTTPError(400, f"request body is not valid JSON: {e}") from e
+        if not isinstance(obj, dict):
+            raise HTTPError(400, "request body must be a JSON object")
+        return obj
+
+    # ---- responses ---------------------------------------------------------------------------------------
+    def send_bytes(self, status: int, data: bytes, content_type: str = "application/octet-stream",
+                   headers: dict[str, str] | None = None) -> None:
+        self.started = True
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if data and self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_json(self, status: int, obj: object, headers: dict[str, str] | None = None) -> None:
+        self.send_bytes(status, json.dumps(obj, separators=(",", ":")).encode(), "application/json", headers)
+
+    def send_empty(self, status: int = 204) -> None:
+        self.started = True
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def start_chunked(self, status: int, content_type: str) -> None:
+        """Begin a streamed response; follow with `write_chunk` calls and one `end_chunked`."""
+        self.started = True
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+
+    def write_chunk(self, data: bytes) -> None:
+        if data:
+            self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.wfile.flush()
+
+    def end_chunked(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+class HTTPServer(ThreadingHTTPServer):
+    """A threaded server bound to `app` (anything with ``handle(handler)``)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], app):
+        self.app = app
+        super().__init__(address, Handler)
