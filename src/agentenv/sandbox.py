@@ -282,6 +282,8 @@ class Sandbox:
     def _attach(cls, sid: str, backend: Backend) -> Sandbox:
         try:
             return cls(sid, backend, backend.connect(sid))
+        except errors.SandboxNotFoundError:
+            raise
         except errors.SandboxError as e:
             try:
                 backend.destroy(sid)

@@ -1,0 +1,101 @@
+import pytest
+
+from agentenv import Sandbox, SandboxNotFoundError
+
+
+def _track(factory, sandboxes):
+    for sb in sandboxes:
+        factory.track(sb)
+    return sandboxes
+
+
+def test_fork_keeps_python_shell_and_files(sandbox_factory):
+    parent = sandbox_factory()
+    parent.python.run("import collections\ncounter = collections.Counter(a=41)")
+    parent.shell.run("cd /tmp && export LEVEL=deep && hello() { echo hello $1; }")
+    parent.files.write("/root/state.txt", "v1")
+    (child,) = _track(sandbox_factory, parent.fork(1))
+    assert child.id != parent.id
+    assert child.python.run("counter['a'] + 1").value == "42"
+    assert child.shell.run("echo $PWD $LEVEL; hello child").stdout == "/tmp deep\nhello child\n"
+    assert child.files.read("/root/state.txt") == "v1"
+
+
+def test_forks_are_isolated_from_parent_and_each_other(sandbox_factory):
+    parent = sandbox_factory()
+    parent.files.write("/root/f", "parent")
+    parent.python.run("x = 'parent'")
+    kids = _track(sandbox_factory, parent.fork(3))
+    for i, kid in enumerate(kids):
+        kid.files.write("/root/f", f"kid{i}")
+        kid.python.run(f"x = 'kid{i}'")
+    assert parent.files.read("/root/f") == "parent" and parent.python.run("x").value == "'parent'"
+    for i, kid in enumerate(kids):
+        assert kid.files.read("/root/f") == f"kid{i}"
+        assert kid.python.run("x").value == f"'kid{i}'"
+        assert kid.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in ("2", "3", "4")  # own pid ns only
+
+
+def test_parent_keeps_working_after_fork_and_can_fork_again(sandbox_factory):
+    parent = sandbox_factory()
+    parent.files.write("/root/a", "1")
+    _track(sandbox_factory, parent.fork(1))
+    parent.files.write("/root/a", "2")
+    (second,) = _track(sandbox_factory, parent.fork(1))
+    assert second.files.read("/root/a") == "2"
+    (grandchild,) = _track(sandbox_factory, second.fork(1))
+    assert grandchild.files.read("/root/a") == "2"
+
+
+def test_destroying_parent_keeps_forks_alive(sandbox_factory, backend):
+    parent = Sandbox.create(backend=backend)
+    parent.python.run("v = 7")
+    kids = _track(sandbox_factory, parent.fork(2))
+    parent.destroy()
+    assert [k.python.run("v").value for k in kids] == ["7", "7"]
+    with pytest.raises(SandboxNotFoundError):
+        Sandbox.connect(parent.id, backend=backend)
+
+
+def test_snapshot_restores_files_and_interpreter_many_times(sandbox_factory, backend):
+    sb = sandbox_factory()
+    sb.files.write("/root/data", "snap")
+    sb.python.run("seen = ['before']")
+    snap = sb.snapshot()
+    sb.files.write("/root/data", "after")
+    sb.python.run("seen.append('after')")
+    restored = [Sandbox.restore(snap, backend=backend) for _ in range(2)]
+    _track(sandbox_factory, restored)
+    for r in restored:
+        assert r.files.read("/root/data") == "snap"
+        assert r.python.run("seen").value == "['before']"
+    restored[0].files.write("/root/data", "changed")
+    assert restored[1].files.read("/root/data") == "snap"
+    sb.destroy()
+    again = _track(sandbox_factory, [Sandbox.restore(snap, backend=backend)])[0]
+    assert again.files.read("/root/data") == "snap"
+    backend.destroy(snap)
+    with pytest.raises(SandboxNotFoundError):
+        Sandbox.restore(snap, backend=backend)
+
+
+def test_create_from_snapshot_id(sandbox_factory, backend):
+    sb = sandbox_factory()
+    sb.python.run("k = 3")
+    snap = sb.snapshot()
+    other = sandbox_factory(snap)
+    assert other.python.run("k").value == "3"
+    backend.destroy(snap)
+
+
+def test_pause_and_resume(sandbox_factory):
+    sb = sandbox_factory()
+    sb.pause()
+    sb.resume()
+    assert sb.exec("echo thawed").stdout == "thawed\n"
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True])
+def test_bad_fork_count_raises_value_error(sandbox, n):
+    with pytest.raises(ValueError, match="n must"):
+        sandbox.fork(n)
