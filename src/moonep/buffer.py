@@ -87,7 +87,7 @@ class Buffer:
         balanced: plan redundant experts so every rank computes ``s*K`` slots; False: every slot on its
             expert's home rank (plain dedup'd expert parallelism, no weight movement).
         num_redundant_slots: how many redundant experts' weights `prefetch_weight` moves per rank
-            (default ``P``).
+            (default ``min(P, E - P)``).
         timeout_s: seconds a collective may take before `CommError` (gloo; NCCL uses its group's timeout).
         validate: check values (expert ids, token counts) on every rank before moving data; costs one host
             synchronisation per dispatch. Shapes and dtypes are always checked.
@@ -144,7 +144,9 @@ class Buffer:
         self.P = num_experts // R
         self.dtype, self.balanced, self.validate = dtype, balanced, validate
         self.capacity = self.S * self.K * (1 if balanced else R)
-        self.num_redundant_slots = self.P if num_redundant_slots is None else num_redundant_slots
+        self.num_redundant_slots = (
+            min(self.P, num_experts - self.P) if num_redundant_slots is None else num_redundant_slots
+        )
         if not 0 <= self.num_redundant_slots <= num_experts - self.P:
             raise ValueError(f"num_redundant_slots must be in [0, {num_experts - self.P}], got {num_redundant_slots}")
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -374,13 +376,21 @@ class Buffer:
             raise RuntimeError("this Buffer was destroyed; build a new one")
 
     def _enter(self, previous_event: EventOverlap | None, async_finish: bool) -> torch.cuda.Stream | None:
+        """The stream to issue on: the communication stream when ``async_finish``, else the current one.
+
+        The communication stream is only touched when used, so a synchronous call can be captured in a
+        CUDA graph (a stream forked into a capture and never joined back would break it).
+        """
         if self.comm_stream is None:
+            return None
+        if not async_finish:
+            if previous_event is not None:
+                previous_event.current_stream_wait()
             return None
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
-        else:
-            self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return self.comm_stream if async_finish else None
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self.comm_stream
 
     def _leave(
         self, stream: torch.cuda.Stream | None, async_finish: bool, outputs: tuple[torch.Tensor, ...]

@@ -33,4 +33,5 @@ def test_triton_reduce_slots_matches_torch(T, K, C, H, weighted, dtype, device) 
     y, slots, w = _case(T, K, C, H, dtype, device)
     got = reduce_slots_triton(y, slots, w if weighted else None, dtype)
     want = reduce_slots(y.cpu(), slots.cpu(), w.cpu() if weighted else None, dtype)
-    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+    # fp32: the GPU contracts w*y+acc into one FMA, so allow an ulp.
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2)
