@@ -62,6 +62,12 @@ def leftovers(home: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def leak_report():
+    """`leak_report(home)`: what a data directory still holds (see `leftovers`)."""
+    return leftovers
+
+
+@pytest.fixture(scope="session")
 def home():
     path = Path(tempfile.mkdtemp(prefix="agentenv-test-", dir="/tmp"))
     yield path

@@ -1,0 +1,109 @@
+"""The stock `e2b` SDK's filesystem service and /files transfers against our server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+def test_write_read_roundtrip_text_and_bytes(e2b_sandbox):
+    info = e2b_sandbox.files.write("/tmp/a/b/hello.txt", "hello")  # parents are created
+    assert info.path == "/tmp/a/b/hello.txt"
+    assert e2b_sandbox.files.read("/tmp/a/b/hello.txt") == "hello"
+    blob = bytes(range(256)) * 4096
+    e2b_sandbox.files.write("/tmp/blob.bin", blob)
+    assert bytes(e2b_sandbox.files.read("/tmp/blob.bin", format="bytes")) == blob
+
+
+@pytest.mark.parametrize("octet", [False, True], ids=["multipart", "octet-stream"])
+def test_upload_encodings(e2b_sandbox, octet):
+    e2b_sandbox.files.write("/tmp/up.txt", "x" * 1000, use_octet_stream=octet)
+    assert e2b_sandbox.commands.run("wc -c < /tmp/up.txt").stdout.strip() == "1000"
+
+
+def test_write_files_writes_several_in_one_request(e2b_sandbox):
+    infos = e2b_sandbox.files.write_files([{"path": "/tmp/m/1.txt", "data": "one"},
+                                           {"path": "/tmp/m/2.txt", "data": "two"}])
+    assert sorted(i.path for i in infos) == ["/tmp/m/1.txt", "/tmp/m/2.txt"]
+    assert e2b_sandbox.files.read("/tmp/m/2.txt") == "two"
+
+
+def test_relative_paths_resolve_in_the_users_home(e2b_sandbox):
+    e2b_sandbox.files.write("notes.txt", "n")
+    assert e2b_sandbox.commands.run("cat /home/user/notes.txt").stdout == "n"
+
+
+def test_list_stat_make_dir_rename_remove(e2b_sandbox):
+    files = e2b_sandbox.files
+    assert files.make_dir("/tmp/d") is True
+    assert files.make_dir("/tmp/d") is False  # exists already
+    files.write("/tmp/d/x.txt", "12345")
+    entries = files.list("/tmp/d")
+    assert [(e.name, e.type.value, e.size) for e in entries] == [("x.txt", "file", 5)]
+    info = files.get_info("/tmp/d")
+    assert info.type.value == "dir"
+    files.rename("/tmp/d/x.txt", "/tmp/d/y.txt")
+    assert files.exists("/tmp/d/y.txt") and not files.exists("/tmp/d/x.txt")
+    files.remove("/tmp/d")
+    assert not files.exists("/tmp/d")
+
+
+def test_list_depth_walks_subdirectories(e2b_sandbox):
+    e2b_sandbox.files.write("/tmp/t/a/b/c.txt", "c")
+    names = sorted(e.path for e in e2b_sandbox.files.list("/tmp/t", depth=3))
+    assert names == ["/tmp/t/a", "/tmp/t/a/b", "/tmp/t/a/b/c.txt"]
+
+
+def test_missing_file_raises_not_found(e2b_sandbox):
+    from e2b import NotFoundException
+
+    with pytest.raises(NotFoundException):
+        e2b_sandbox.files.read("/tmp/does-not-exist")
+    with pytest.raises(NotFoundException):
+        e2b_sandbox.files.list("/tmp/does-not-exist")
+
+
+def test_watch_dir_reports_create_write_remove(e2b_sandbox):
+    e2b_sandbox.files.make_dir("/tmp/w")
+    handle = e2b_sandbox.files.watch_dir("/tmp/w")
+    try:
+        e2b_sandbox.files.write("/tmp/w/f.txt", "1")
+        time.sleep(0.2)
+        e2b_sandbox.files.write("/tmp/w/f.txt", "22")
+        time.sleep(0.2)
+        e2b_sandbox.files.remove("/tmp/w/f.txt")
+        deadline = time.monotonic() + 5
+        seen: list = []
+        while time.monotonic() < deadline and "remove" not in [e.type.value for e in seen]:
+            seen += handle.get_new_events()
+            time.sleep(0.05)
+    finally:
+        handle.stop()
+    kinds = [e.type.value for e in seen if e.name == "f.txt"]
+    assert kinds[0] == "create" and "write" in kinds and kinds[-1] == "remove", kinds
+
+
+def test_async_watch_stream(e2b_env):
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    async def scenario() -> list:
+        sb = await AsyncSandbox.create(timeout=60)
+        try:
+            await sb.files.make_dir("/tmp/aw")
+            events: list = []
+            handle = await sb.files.watch_dir("/tmp/aw", on_event=events.append)
+            await sb.files.write("/tmp/aw/new.txt", "x")
+            for _ in range(100):
+                if events:
+                    break
+                await asyncio.sleep(0.05)
+            await handle.stop()
+            return events
+        finally:
+            await sb.kill()
+
+    events = asyncio.run(scenario())
+    assert [(e.name, e.type.value) for e in events][:1] == [("new.txt", "create")]
