@@ -80,8 +80,13 @@ def recv(sock: socket.socket) -> tuple[dict, bytes]:
 
 
 # ---- users and paths ----------------------------------------------------------------------------------------
+DEFAULT_USER = "user"
+"""E2B's default user: its home (/home/user) is the working directory and where relative paths resolve."""
+
+
 def home_of(user: str | None) -> str:
-    if not user or user == "root":
+    user = user or DEFAULT_USER
+    if user == "root":
         return "/root"
     try:
         return pwd.getpwnam(user).pw_dir
@@ -251,7 +256,7 @@ class Agent:
     def op_start(self, conn, req, blob):
         user = req.get("user")
         home = home_of(user)
-        env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": user or "root", "LANG": "C.UTF-8", "TERM": "xterm"}
+        env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": user or DEFAULT_USER, "LANG": "C.UTF-8", "TERM": "xterm"}
         env.update(req.get("base_envs") or {})
         env.update(req.get("envs") or {})
         cwd = resolve(req["cwd"], user) if req.get("cwd") else home

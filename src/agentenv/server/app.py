@@ -79,7 +79,9 @@ class App:
             raise HTTPError(404, f"no route {h.command} {h.route}")
 
     def sandbox_traffic(self, h: Handler, sandbox_id: str) -> None:
-        entry = self.registry.get(sandbox_id)
+        entry = self.registry.entries.get(sandbox_id)
+        if entry is None:  # what E2B's edge answers for a sandbox that is not running (the SDK maps it so)
+            raise HTTPError(502, f"sandbox {sandbox_id!r} is not running: it was killed, timed out or never existed")
         token = h.headers.get("X-Access-Token")
         if not token:
             raise HTTPError(401, f"sandbox {sandbox_id}: missing X-Access-Token (the envdAccessToken from create)")

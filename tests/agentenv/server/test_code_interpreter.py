@@ -46,7 +46,7 @@ def test_state_carries_over_a_fork(ci):
 
 
 def test_other_languages_are_refused(ci):
-    from e2b import InvalidArgumentException
+    from e2b import SandboxException
 
-    with pytest.raises(InvalidArgumentException):
+    with pytest.raises(SandboxException, match="only python"):
         ci.run_code("console.log(1)", language="js")
