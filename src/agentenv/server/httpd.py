@@ -19,6 +19,8 @@ MAX_BODY = 64 << 20
 """Largest request body read into memory (file uploads included), in bytes."""
 MAX_JSON_BODY = 4 << 20
 """Largest JSON request body (control plane and RPC), in bytes."""
+MAX_DRAIN = 256 << 20
+"""Oversized bodies up to this size are read and dropped before the 413; larger ones close the connection."""
 
 
 class HTTPError(Exception):
@@ -105,7 +107,16 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise HTTPError(400, "bad Content-Length") from e
         if length > limit:
-            self.close_connection = True  # the unread body would be taken for the next request
+            if length <= MAX_DRAIN:  # read and drop it, so the client gets the 413 instead of a broken pipe
+                left = length
+                while left > 0:
+                    got = self.rfile.read(min(left, 1 << 20))
+                    if not got:
+                        break
+                    left -= len(got)
+                self._body = b""
+            else:
+                self.close_connection = True  # the unread body would be taken for the next request
             raise HTTPError(413, f"request body of {length} bytes exceeds {limit} bytes")
         self._body = self.rfile.read(length) if length else b""
         return self._body

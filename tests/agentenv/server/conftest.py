@@ -134,3 +134,19 @@ def kill_later(e2b_env):
     yield add
     for sid in ids:
         Sandbox.kill(sid)
+
+
+@pytest.fixture(scope="session")
+def second_server():
+    """Another server with its own runtime directory (for spreading sandboxes over servers)."""
+    from agentenv.runtime.local import NamespaceBackend
+
+    home = Path(tempfile.mkdtemp(prefix="agentenv-srv2-", dir="/tmp"))
+    srv = start_server(home, home / "server-state")
+    yield srv
+    srv.stop()
+    try:
+        assert runtime_leftovers(home) == []
+    finally:
+        NamespaceBackend(home).gc(everything=True)
+        shutil.rmtree(home, ignore_errors=True)
