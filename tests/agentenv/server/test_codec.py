@@ -1,0 +1,88 @@
+"""Pure-Python pieces: the Connect envelope codec, API keys and quotas, server argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentenv.server import connect
+from agentenv.server.auth import KeyStore, Quota
+
+pytestmark = pytest.mark.no_runtime
+
+
+def test_envelope_roundtrip_and_end_stream():
+    body = connect.envelope({"a": 1}) + connect.envelope({"b": "x"}) + connect.end_stream()
+    assert list(connect.iter_envelopes(body)) == [{"a": 1}, {"b": "x"}]
+    flags, size = connect.ENVELOPE.unpack_from(connect.end_stream(connect.ConnectError("not_found", "gone")))
+    assert flags == connect.FLAG_END_STREAM
+    tail = connect.end_stream(connect.ConnectError("not_found", "gone"))[connect.ENVELOPE.size:]
+    assert json.loads(tail) == {"error": {"code": "not_found", "message": "gone"}}
+
+
+@pytest.mark.parametrize("body,code", [
+    (b"\x00\x00\x00", "invalid_argument"),
+    (b"\x00\x00\x00\x00\x09{}", "invalid_argument"),
+    (b"\x01\x00\x00\x00\x02{}", "unimplemented"),
+    (b"\x00\x00\x00\x00\x03{x}", "invalid_argument"),
+], ids=["short-prefix", "truncated", "compressed", "bad-json"])
+def test_bad_envelopes_raise_connect_errors(body, code):
+    with pytest.raises(connect.ConnectError) as info:
+        list(connect.iter_envelopes(body))
+    assert info.value.code == code
+
+
+def test_first_message_unary_and_streaming():
+    assert connect.first_message(b'{"path": "/x"}', streaming=False) == {"path": "/x"}
+    assert connect.first_message(connect.envelope({"path": "/y"}), streaming=True) == {"path": "/y"}
+    with pytest.raises(connect.ConnectError):
+        connect.first_message(b"", streaming=True)
+    with pytest.raises(connect.ConnectError):
+        connect.first_message(b"[1]", streaming=False)
+
+
+def test_unknown_codes_become_unknown_with_http_500():
+    error = connect.ConnectError("made_up", "m")
+    assert error.code == "unknown" and error.http_status == 500
+    assert connect.ConnectError("resource_exhausted", "q").http_status == 429
+
+
+def test_keys_are_stored_hashed_and_revocable(tmp_path):
+    store = KeyStore(tmp_path)
+    key, info = store.create("ci", Quota(max_sandboxes=3))
+    assert key.startswith("e2b_") and key not in (tmp_path / "keys.json").read_text()
+    assert store.verify(key).id == info.id and store.verify(key).quota.max_sandboxes == 3
+    assert store.verify("e2b_other") is None and store.verify(None) is None
+    other = KeyStore(tmp_path)  # a second process (the CLI) sees and revokes the same keys
+    other.revoke(info.id)
+    assert store.verify(key) is None
+    with pytest.raises(KeyError):
+        store.revoke("key-missing")
+
+
+@pytest.mark.parametrize("kwargs,arg", [({"max_sandboxes": -1}, "max_sandboxes"), ({"max_cpus": -2}, "max_cpus"),
+                                        ({"max_memory_mb": 1.5}, "max_memory_mb")])
+def test_quota_rejects_bad_values(kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        Quota(**kwargs)
+
+
+def test_key_name_must_be_text(tmp_path):
+    with pytest.raises(ValueError, match="name"):
+        KeyStore(tmp_path).create("  ")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.1", "example.com"])
+def test_server_binds_loopback_only(host):
+    from agentenv.server import Server
+
+    with pytest.raises(ValueError, match="loopback"):
+        Server(host=host, port=0, backend=object())
+
+
+def test_server_rejects_bad_port():
+    from agentenv.server import Server
+
+    with pytest.raises(ValueError, match="port"):
+        Server(port=70000, backend=object())
