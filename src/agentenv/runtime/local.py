@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from agentenv import errors
@@ -64,6 +65,11 @@ class NamespaceBackend(Backend):
         self.cgroup_root = cgroup_root
         self.cgroup_group = cgroups.group_for(str(self.store.home))
         self._pending: dict[str, Connection] = {}
+        # Moving a task between v1 cgroups waits for an RCU grace period (~7 ms here), so new sandboxes join
+        # their cgroups on a worker thread while the host finishes the rest of the fork; every public call
+        # settles the moves before it returns, so limits are in force once a sandbox is handed out.
+        self._attacher: ThreadPoolExecutor | None = None
+        self._attaching: dict[str, Future] = {}
 
     # ---- records and connections ---------------------------------------------------------------------
     def _record(self, sid: str, kinds: tuple[str, ...] = ("sandbox",)) -> Record:
@@ -82,6 +88,22 @@ class NamespaceBackend(Backend):
             return conn
         self._record(sandbox_id)
         return Connection(self.store.sock(sandbox_id), sandbox_id)
+
+    def _attach_later(self, cg: cgroups.Cgroup, pid: int) -> None:
+        if self._attacher is None:
+            self._attacher = ThreadPoolExecutor(1, thread_name_prefix="agentenv-cgroup")
+        self._attaching[cg.name] = self._attacher.submit(cg.add, pid)
+
+    def settle(self, sandbox_id: str | None = None) -> None:
+        """Wait until the cgroup moves of new sandboxes (one, or all) are done."""
+        ids = [sandbox_id] if sandbox_id is not None else list(self._attaching)
+        for sid in ids:
+            future = self._attaching.pop(sid, None)
+            if future is not None:
+                try:
+                    future.result()
+                except OSError as e:  # the process is gone already; its reclaim cleans up
+                    log.debug("cgroup attach of %s failed: %s", sid, e)
 
     def _cgroup(self, sid: str) -> cgroups.Cgroup:
         return cgroups.Cgroup(sid, self.cgroup_group, self.cgroup_root)
@@ -213,24 +235,27 @@ class NamespaceBackend(Backend):
                 fds += [root(child.upper), listener.fileno()]
             conn = Connection(store.sock(parent.id), parent.id)
             try:
-                conn.request({"op": "fork", "rebase": new_parent_upper is not None,
+                reply, _ = conn.request({"op": "fork", "rebase": new_parent_upper is not None,
                               "usr_bind": parent.usr_bind,
                               "children": [{"id": c.id, "deadline": c.expires_at} for c in children]},
                              fds=fds, timeout_s=30.0)
             finally:
                 conn.close()
+            log.debug("fork of %s in the tool server: %s", parent.id, reply.get("phases"))
             for child in children:
                 cconn = Connection(store.sock(child.id), child.id)
                 child.pid = cconn.peer_pid()
                 child.start_time = proc_start_time(child.pid) or 0
                 cg = self._cgroup(child.id)
                 cg.create(cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus))
-                cg.add(child.pid)
+                self._attach_later(cg, child.pid)
                 store.write_record(child)
                 if child.kind == "sandbox":
                     self._pending[child.id] = cconn
                 else:
                     cconn.close()
+            for child in children:
+                self.settle(child.id)
             if new_parent_upper is not None:
                 old_upper = parent.upper
                 parent.lowers, parent.upper = lowers, new_parent_upper
@@ -285,6 +310,7 @@ class NamespaceBackend(Backend):
         with self.store.locked():
             parent = self._record(sandbox_id)
             (snap,) = self._fork(parent, ["snapshot"], Limits.from_dict(parent.limits), rebase=True, ttl_s=None)
+            self.settle(snap.id)
             self._cgroup(snap.id).freeze()
             return snap.id
 
@@ -303,6 +329,7 @@ class NamespaceBackend(Backend):
 
     def pause(self, sandbox_id: str) -> None:
         self._record(sandbox_id)
+        self.settle(sandbox_id)
         self._cgroup(sandbox_id).freeze()
 
     def resume(self, sandbox_id: str) -> None:
@@ -348,6 +375,7 @@ class NamespaceBackend(Backend):
 
     def _reclaim(self, rec: Record) -> None:
         """Kill the tool server (all its processes), remove its cgroup, record and unreferenced layers."""
+        self.settle(rec.id)
         self._cgroup(rec.id).destroy()
         self.store.delete_record(rec.id)
         in_use = self.store.referenced_layers()
@@ -369,6 +397,7 @@ class NamespaceBackend(Backend):
             Counts of what was removed: ``records``, ``cgroups``, ``layers``.
         """
         removed = {"records": 0, "cgroups": 0, "layers": 0}
+        self.settle()
         with self.store.locked():
             for conn in self._pending.values():
                 conn.close()

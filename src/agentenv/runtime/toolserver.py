@@ -323,22 +323,28 @@ class ToolServer:
         rebase = bool(req.get("rebase"))
         children = req["children"]
         at = 0
+        phases = {}
+        start = time.perf_counter()
         try:
             self.shell.dump_state()
             self.shell.close()
+            phases["shell_ms"] = (time.perf_counter() - start) * 1e3
             if rebase:
                 self.kill_agents()
                 rootfs.enter_root(fds[at], usr_bind=req["usr_bind"], hostname=None)
                 at += 1
+            phases["rebase_ms"] = (time.perf_counter() - start) * 1e3 - phases["shell_ms"]
             pids = []
             for child in children:
                 root_fd, listen_fd = fds[at : at + 2]
                 at += 2
                 pids.append(self._fork_child(child, root_fd, listen_fd, req["usr_bind"], conn, fds))
+            phases["children_ms"] = (time.perf_counter() - start) * 1e3 - phases["shell_ms"] - phases["rebase_ms"]
+            phases["last_child"] = getattr(self, "last_child_phases", {})
         finally:
             for fd in fds:
                 os.close(fd)
-        return {"pids": pids}, b""
+        return {"pids": pids, "phases": phases}, b""
 
     def _fork_child(self, child, root_fd, listen_fd, usr_bind, conn, all_fds) -> int:
         r_user, w_user = os.pipe()
@@ -351,15 +357,24 @@ class ToolServer:
                 os.close(r_user)
                 os.close(w_map)
                 os.close(r_ready)
-                sc.unshare(sc.CLONE_NEWUSER)
+                # one unshare for all namespaces: each unshare call costs milliseconds here (RCU grace periods)
+                t0 = time.perf_counter()
+                sc.unshare(sc.CLONE_NEWUSER | NS_SANDBOX)
+                t1 = time.perf_counter()
                 os.write(w_user, b"u")
                 if os.read(r_map, 1) != b"m":
                     os._exit(1)
-                sc.unshare(NS_SANDBOX)
+                t2 = time.perf_counter()
                 if os.fork() != 0:
                     os._exit(0)  # the intermediate: the grandchild is pid 1 of the new pid namespace
+                t3 = time.perf_counter()
                 rootfs.enter_root(root_fd, usr_bind=usr_bind, hostname=child["id"][:63])
+                t4 = time.perf_counter()
                 rootfs.loopback_up()
+                t5 = time.perf_counter()
+                self.fork_phases = {"unshare_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3,
+                                    "pid1_fork_ms": (t3 - t2) * 1e3, "root_ms": (t4 - t3) * 1e3,
+                                    "lo_ms": (t5 - t4) * 1e3}
                 listener = socket.socket(fileno=listen_fd)
                 for fd in all_fds:
                     if fd != listen_fd:
@@ -373,7 +388,7 @@ class ToolServer:
                 self.listener = listener
                 self.own_pidns = os.readlink("/proc/self/ns/pid")
                 self.retired = False
-                os.write(w_ready, b"r")
+                os.write(w_ready, b"r" + json.dumps(self.fork_phases).encode())
                 os.close(w_ready)
                 self.serve()
             except BaseException as e:  # report to the parent; never return into its loop
@@ -398,8 +413,9 @@ class ToolServer:
             os.close(w_map)
             os.close(r_ready)
         os.waitpid(pid, 0)  # the intermediate exits right after forking the new pid 1
-        if status != b"r":
+        if status[:1] != b"r":
             raise RequestError("internal", f"forked child failed: {status[1:].decode(errors='replace')}")
+        self.last_child_phases = json.loads(status[1:] or b"{}")
         return pid
 
     def op_shutdown(self, conn, req, blob, fds):
@@ -410,7 +426,7 @@ class ToolServer:
 def bootstrap(config: dict) -> None:
     """First start on the host: namespaces, uid map via the host, pivot, then serve as pid 1."""
     sync = socket.socket(fileno=config["sync_fd"])
-    sc.unshare(sc.CLONE_NEWUSER)
+    sc.unshare(sc.CLONE_NEWUSER | NS_SANDBOX)
     sync.sendall(b"u")
     if sync.recv(1) != b"m":
         os._exit(1)
@@ -421,7 +437,6 @@ def bootstrap(config: dict) -> None:
     # changing uids cleared "dumpable", which would leave our /proc files owned by the unmapped host root and
     # stop us from writing a forked child's uid_map
     sc.prctl(sc.PR_SET_DUMPABLE, 1)
-    sc.unshare(NS_SANDBOX)
     if os.fork() != 0:
         os._exit(0)
     try:
