@@ -43,7 +43,7 @@ def _gate_block(g, dt_bias_row, b_A, lower_bound, t0, a, eos, i_hv, HV: tl.const
 
 @triton.jit
 def _row_block(q, k, v, g, beta, w, u, qg, kg, dt_bias_row, b_A, lower_bound, scale, t0, a, eos, i_h, i_hv,
-               b_c, b_cn, b_cC, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               b_c, b_s, b_tail, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr,
                HAS_A: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
                BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr, SAFE_GATE: tl.constexpr,
@@ -65,8 +65,10 @@ def _row_block(q, k, v, g, beta, w, u, qg, kg, dt_bias_row, b_A, lower_bound, sc
     b_q = b_q * scale
     b_g = _gate_block(g, dt_bias_row, b_A, lower_bound, t0, a, eos, i_hv, HV, K, BC, BK, USE_GATE, HAS_A,
                       USE_LOWER_BOUND)
-    # [BC, BK] cumulative gate from the chunk start
-    b_G = b_c[None, :] + tl.cumsum(b_g, 0)
+    # [BC, BK] cumulative gate from the sub-chunk start. Exponents are always formed from these local sums and
+    # from sums of whole sub-chunks, never as differences of chunk-level cumulative sums, which lose ~1e-5 of
+    # relative precision in fp32 once a few large gates have pushed the running sum into the hundreds.
+    b_G = tl.cumsum(b_g, 0)
     # [BC]
     b_b = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_b = tl.where(m_t, beta_map(b_b, BETA_SIGMOID, ALLOW_NEG_EIGVAL), 0.0)
@@ -74,26 +76,26 @@ def _row_block(q, k, v, g, beta, w, u, qg, kg, dt_bias_row, b_A, lower_bound, sc
     b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
 
     p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
-    b_eG = tl.exp(b_G)
+    b_eG = tl.exp(b_c[None, :] + b_G)
     tl.store(qg + p_k, (b_q * b_eG).to(qg.dtype.element_ty), mask=m_tk)
-    tl.store(kg + p_k, (b_k * tl.exp(b_cC[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
+    tl.store(kg + p_k, (b_k * tl.exp(b_tail[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
     # Right-hand sides of the WY solve; pass 2 of the kernel overwrites them with w and u.
     tl.store(w + p_k, (b_k * b_eG * b_b[:, None]).to(w.dtype.element_ty), mask=m_tk)
     tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], (b_v * b_b[:, None]).to(u.dtype.element_ty),
              mask=m_tv)
 
     # Row operands relative to the sub-chunk start (factors <= 1).
-    b_eGr = tl.exp(b_G - b_c[None, :])
+    b_eGr = tl.exp(b_G)
     b_qr = b_q * b_eGr
     b_kr = b_k * b_eGr
     # Column operand for later sub-chunks, relative to this sub-chunk's end (factors <= 1).
-    b_kcol = b_k * tl.exp(b_cn[None, :] - b_G)
+    b_kcol = b_k * tl.exp(b_s[None, :] - b_G)
 
     m_lower = o_i[:, None] >= o_i[None, :]
     m_strict = o_i[:, None] > o_i[None, :]
     if SAFE_GATE:
-        # Bounded gate: e^{c - Γ} <= e^{16 * 5} stays in fp32/bf16 range, so one tensor-core product suffices.
-        b_kc = b_k * tl.exp(b_c[None, :] - b_G)
+        # Bounded gate: e^{-G} <= e^{16 * 5} stays in fp32/bf16 range, so one tensor-core product suffices.
+        b_kc = b_k * tl.exp(-b_G)
         b_Aqk = tl.dot(b_qr, tl.trans(b_kc), input_precision=DOT_PREC)
         b_Akk = tl.dot(b_kr, tl.trans(b_kc), input_precision=DOT_PREC)
     else:
@@ -114,9 +116,9 @@ def _row_block(q, k, v, g, beta, w, u, qg, kg, dt_bias_row, b_A, lower_bound, sc
 
 
 @triton.jit
-def _off_diag(b_qr, b_kr, b_b, b_c, b_cb, b_kcol, DOT_PREC: tl.constexpr):
-    """Aqk and L between row sub-chunk a and an earlier column sub-chunk b (b_cb: Γ at the end of b)."""
-    b_s = tl.exp(b_c - b_cb)[None, :]
+def _off_diag(b_qr, b_kr, b_b, b_gap, b_kcol, DOT_PREC: tl.constexpr):
+    """Aqk and L between row sub-chunk a and an earlier column sub-chunk b (b_gap: gate sum strictly between)."""
+    b_s = tl.exp(b_gap)[None, :]
     b_Aqk = tl.dot(b_qr * b_s, tl.trans(b_kcol), input_precision=DOT_PREC)
     b_L = tl.dot(b_kr * b_s, tl.trans(b_kcol), input_precision=DOT_PREC) * b_b[:, None]
     return b_Aqk, b_L
@@ -216,50 +218,50 @@ def chunk_kda_fwd_kernel_intra(
     else:
         b_A = 0.0
 
-    # Cumulative gate at each sub-chunk boundary: c0 = 0 (chunk start) ... c4 = Γ_C (chunk end).
-    b_c0 = tl.zeros([BK], dtype=tl.float32)
-    b_c1 = b_c0 + tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 0, eos, i_hv, HV, K, BC, BK, USE_GATE,
-                                     HAS_A, USE_LOWER_BOUND), 0)
-    b_c2 = b_c1 + tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 1, eos, i_hv, HV, K, BC, BK, USE_GATE,
-                                     HAS_A, USE_LOWER_BOUND), 0)
-    b_c3 = b_c2 + tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 2, eos, i_hv, HV, K, BC, BK, USE_GATE,
-                                     HAS_A, USE_LOWER_BOUND), 0)
-    b_c4 = b_c3 + tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 3, eos, i_hv, HV, K, BC, BK, USE_GATE,
-                                     HAS_A, USE_LOWER_BOUND), 0)
-    tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_c4, mask=m_k)
+    # Gate sums of the four sub-chunks; boundaries and gaps are built from these (see _row_block).
+    b_s0 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 0, eos, i_hv, HV, K, BC, BK, USE_GATE, HAS_A,
+                              USE_LOWER_BOUND), 0)
+    b_s1 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 1, eos, i_hv, HV, K, BC, BK, USE_GATE, HAS_A,
+                              USE_LOWER_BOUND), 0)
+    b_s2 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 2, eos, i_hv, HV, K, BC, BK, USE_GATE, HAS_A,
+                              USE_LOWER_BOUND), 0)
+    b_s3 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 3, eos, i_hv, HV, K, BC, BK, USE_GATE, HAS_A,
+                              USE_LOWER_BOUND), 0)
+    b_zero = tl.zeros([BK], dtype=tl.float32)
+    tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_s0 + b_s1 + b_s2 + b_s3, mask=m_k)
 
     # Pass 1: sub-chunk by sub-chunk, diagonal and off-diagonal blocks of Aqk (stored) and L (kept).
     b_qr0, b_kr0, b_kc0, b_b0, b_A00, b_L00, o_t0, m_t0 = _row_block(
-        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 0, eos, i_h, i_hv, b_c0, b_c1, b_c4,
+        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 0, eos, i_h, i_hv, b_zero, b_s0, b_s0 + b_s1 + b_s2 + b_s3,
         H, HV, K, V, BC, BK, BV, USE_GATE, HAS_A, USE_LOWER_BOUND, USE_L2NORM, BETA_SIGMOID, ALLOW_NEG_EIGVAL,
         SAFE_GATE, DOT_PREC)
     _store_A(Aqk, b_A00, o_t0, m_t0, i_hv, 0, HV, BT, BC)
 
     b_qr1, b_kr1, b_kc1, b_b1, b_A11, b_L11, o_t1, m_t1 = _row_block(
-        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 1, eos, i_h, i_hv, b_c1, b_c2, b_c4,
+        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 1, eos, i_h, i_hv, b_s0, b_s1, b_s1 + b_s2 + b_s3,
         H, HV, K, V, BC, BK, BV, USE_GATE, HAS_A, USE_LOWER_BOUND, USE_L2NORM, BETA_SIGMOID, ALLOW_NEG_EIGVAL,
         SAFE_GATE, DOT_PREC)
-    b_A10, b_L10 = _off_diag(b_qr1, b_kr1, b_b1, b_c1, b_c1, b_kc0, DOT_PREC)
+    b_A10, b_L10 = _off_diag(b_qr1, b_kr1, b_b1, b_zero, b_kc0, DOT_PREC)
     _store_A(Aqk, b_A10, o_t1, m_t1, i_hv, 0, HV, BT, BC)
     _store_A(Aqk, b_A11, o_t1, m_t1, i_hv, 1, HV, BT, BC)
 
     b_qr2, b_kr2, b_kc2, b_b2, b_A22, b_L22, o_t2, m_t2 = _row_block(
-        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 2, eos, i_h, i_hv, b_c2, b_c3, b_c4,
+        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 2, eos, i_h, i_hv, b_s0 + b_s1, b_s2, b_s2 + b_s3,
         H, HV, K, V, BC, BK, BV, USE_GATE, HAS_A, USE_LOWER_BOUND, USE_L2NORM, BETA_SIGMOID, ALLOW_NEG_EIGVAL,
         SAFE_GATE, DOT_PREC)
-    b_A20, b_L20 = _off_diag(b_qr2, b_kr2, b_b2, b_c2, b_c1, b_kc0, DOT_PREC)
-    b_A21, b_L21 = _off_diag(b_qr2, b_kr2, b_b2, b_c2, b_c2, b_kc1, DOT_PREC)
+    b_A20, b_L20 = _off_diag(b_qr2, b_kr2, b_b2, b_s1, b_kc0, DOT_PREC)
+    b_A21, b_L21 = _off_diag(b_qr2, b_kr2, b_b2, b_zero, b_kc1, DOT_PREC)
     _store_A(Aqk, b_A20, o_t2, m_t2, i_hv, 0, HV, BT, BC)
     _store_A(Aqk, b_A21, o_t2, m_t2, i_hv, 1, HV, BT, BC)
     _store_A(Aqk, b_A22, o_t2, m_t2, i_hv, 2, HV, BT, BC)
 
     b_qr3, b_kr3, b_kc3, b_b3, b_A33, b_L33, o_t3, m_t3 = _row_block(
-        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 3, eos, i_h, i_hv, b_c3, b_c4, b_c4,
+        q, k, v, g, beta, w, u, qg, kg, b_bias, b_A, lower_bound, scale, t0, 3, eos, i_h, i_hv, b_s0 + b_s1 + b_s2, b_s3, b_s3,
         H, HV, K, V, BC, BK, BV, USE_GATE, HAS_A, USE_LOWER_BOUND, USE_L2NORM, BETA_SIGMOID, ALLOW_NEG_EIGVAL,
         SAFE_GATE, DOT_PREC)
-    b_A30, b_L30 = _off_diag(b_qr3, b_kr3, b_b3, b_c3, b_c1, b_kc0, DOT_PREC)
-    b_A31, b_L31 = _off_diag(b_qr3, b_kr3, b_b3, b_c3, b_c2, b_kc1, DOT_PREC)
-    b_A32, b_L32 = _off_diag(b_qr3, b_kr3, b_b3, b_c3, b_c3, b_kc2, DOT_PREC)
+    b_A30, b_L30 = _off_diag(b_qr3, b_kr3, b_b3, b_s1 + b_s2, b_kc0, DOT_PREC)
+    b_A31, b_L31 = _off_diag(b_qr3, b_kr3, b_b3, b_s2, b_kc1, DOT_PREC)
+    b_A32, b_L32 = _off_diag(b_qr3, b_kr3, b_b3, b_zero, b_kc2, DOT_PREC)
     _store_A(Aqk, b_A30, o_t3, m_t3, i_hv, 0, HV, BT, BC)
     _store_A(Aqk, b_A31, o_t3, m_t3, i_hv, 1, HV, BT, BC)
     _store_A(Aqk, b_A32, o_t3, m_t3, i_hv, 2, HV, BT, BC)
@@ -291,7 +293,7 @@ def chunk_kda_fwd_kernel_intra(
 
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                        index, work_dtype, dot_prec):
+                        index, work_dtype, dot_prec, num_warps=8):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
@@ -314,6 +316,6 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
             BETA_SIGMOID=use_beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=allow_neg_eigval,
             SAFE_GATE=safe_gate, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
-            num_warps=4,
+            num_warps=num_warps,
         )
     return w, u, qg, kg, Aqk, gC

@@ -61,30 +61,38 @@ def chunk_kda_fwd_kernel_state_o(
     if USE_INITIAL_STATE:
         b_S += tl.load(h0 + i_s + o_s, mask=m_kv, other=0.0).to(tl.float32)
 
+    # Scalar base pointers per (sequence, head) and int32 offsets inside: int64 element pointers for [BT, BK]
+    # tiles cost 128 registers a thread and made the loop spill.
+    Tn = (eos - bos).to(tl.int32)
+    w_h = w + (bos * HV + i_hv) * K
+    qg_h = qg + (bos * HV + i_hv) * K
+    kg_h = kg + (bos * HV + i_hv) * K
+    u_h = u + (bos * HV + i_hv) * V
+    o_h = o + (bos * HV + i_hv) * V
+    A_h = Aqk + (bos * HV + i_hv) * BT
+    m_causal = o_c[:, None] >= o_c[None, :]
     for i_t in range(0, NT):
-        o_t = bos + i_t * BT + o_c
-        m_t = o_t < eos
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
-        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         if STORE_H:
             tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_kv)
+        o_t = i_t * BT + o_c
+        m_t = o_t < Tn
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
         b_Sd = b_S.to(DT)
-        # [BT, BK]
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.0).to(DT)
         # [BT, BV]
-        b_vn = tl.load(u + p_v, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_Sd, input_precision=DOT_PREC)
+        b_vn = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_w = tl.load(w_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT)
+        b_vn -= tl.dot(b_w, b_Sd, input_precision=DOT_PREC)
         b_vnd = b_vn.to(DT)
-        b_qg = tl.load(qg + p_k, mask=m_tk, other=0.0).to(DT)
-        # [BT, BT] causal, only the lower triangle was written
-        b_A = tl.load(Aqk + (o_t[:, None] * HV + i_hv) * BT + o_c[None, :],
-                      mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0).to(DT)
-        b_o = tl.dot(b_qg, b_Sd, input_precision=DOT_PREC) + tl.dot(b_A, b_vnd, input_precision=DOT_PREC)
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+        # [BT, BT] causal; only the lower triangle was written
+        b_A = tl.load(A_h + o_t[:, None] * (HV * BT) + o_c[None, :], mask=m_t[:, None] & m_causal, other=0.0)
+        b_qg = tl.load(qg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT)
+        b_o = tl.dot(b_qg, b_Sd, input_precision=DOT_PREC)
+        b_o += tl.dot(b_A.to(DT), b_vnd, input_precision=DOT_PREC)
+        tl.store(o_h + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         # [BK]
         b_gC = tl.load(gC + ((c0 + i_t) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_kg = tl.load(kg + p_k, mask=m_tk, other=0.0).to(DT)
+        b_kg = tl.load(kg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT)
         b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg), b_vnd, input_precision=DOT_PREC)
 
     if STORE_FINAL_STATE:
@@ -100,7 +108,8 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 
 
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
-                          out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None):
+                          out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
+                          num_warps=4, num_stages=1):
     B, T, HV, K = w.shape
     V = u.shape[-1]
     N = index.num_seqs
@@ -122,6 +131,6 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=max(16, triton.next_power_of_2(K)), BV=block_v,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
         STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, DT=tl.float32,
-        num_warps=4,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return o, ht, h

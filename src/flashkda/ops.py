@@ -10,8 +10,16 @@ L2NORM_EPS = tl.constexpr(1e-6)
 
 
 @triton.jit
+def log1p(z):
+    """Accurate log(1 + z) for z >= 0 (Goldberg's trick): plain log(1 + z) loses all digits below z ~ 1e-7."""
+    u = 1.0 + z
+    return tl.where(u == 1.0, z, tl.log(u) * (z / (u - 1.0)))
+
+
+@triton.jit
 def softplus(x):
-    return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
+    """log(1 + e^x) to full fp32 relative precision; gates like softplus(-12) ~ 6e-6 matter for long memory."""
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x))))
 
 
 @triton.jit
