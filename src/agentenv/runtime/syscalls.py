@@ -159,3 +159,32 @@ def move_mount_fd(mount_fd: int, target: str) -> None:
     """Attach the detached mount `mount_fd` at `target` (move_mount with MOVE_MOUNT_F_EMPTY_PATH)."""
     _check(libc().syscall(ctypes.c_long(_nr("move_mount")), ctypes.c_int(mount_fd), b"", ctypes.c_int(AT_FDCWD),
                           os.fsencode(target), ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount(-> {target!r})")
+
+
+def fork_into_namespaces(flags: int) -> int:
+    """fork(2) straight into new namespaces: clone(2) with CLONE_NEW* `flags` and no new stack.
+
+    One clone replaces unshare + fork (a pid namespace only applies to children), which matters because
+    each fork copies the page tables of the whole interpreter (tens of ms for a few hundred MB here).
+    Python's own fork hooks run around it (PyOS_BeforeFork / AfterFork_*), as for `os.fork`. The
+    caller must be single-threaded. glibc's cached thread id in the child keeps the parent's value, so
+    the child must not use pthread_kill/raise (Python's signal delivery does not).
+
+    Returns:
+        0 in the child (pid 1 of its new pid namespace when CLONE_NEWPID is set), the child's pid in the parent.
+    """
+    nr = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+    if nr is None:
+        raise OSError(38, f"clone: unsupported machine {os.uname().machine}")
+    sigchld = 17
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = libc().syscall(ctypes.c_long(nr), ctypes.c_ulong(flags | sigchld), None, None, None, None)
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    errno = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(errno, f"clone({flags:#x}): {os.strerror(errno)}")
+    return pid

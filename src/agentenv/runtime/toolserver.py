@@ -347,34 +347,23 @@ class ToolServer:
         return {"pids": pids, "phases": phases}, b""
 
     def _fork_child(self, child, root_fd, listen_fd, usr_bind, conn, all_fds) -> int:
-        r_user, w_user = os.pipe()
         r_map, w_map = os.pipe()
         r_ready, w_ready = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: new user namespace, then the rest under a fresh pid namespace
+        t0 = time.perf_counter()
+        pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
+        if pid == 0:  # child: pid 1 of fresh user, mount, pid, net, uts, ipc and cgroup namespaces
             code = 1
             try:
-                os.close(r_user)
+                t1 = time.perf_counter()
                 os.close(w_map)
                 os.close(r_ready)
-                # one unshare for all namespaces: each unshare call costs milliseconds here (RCU grace periods)
-                t0 = time.perf_counter()
-                sc.unshare(sc.CLONE_NEWUSER | NS_SANDBOX)
-                t1 = time.perf_counter()
-                os.write(w_user, b"u")
                 if os.read(r_map, 1) != b"m":
                     os._exit(1)
                 t2 = time.perf_counter()
-                if os.fork() != 0:
-                    os._exit(0)  # the intermediate: the grandchild is pid 1 of the new pid namespace
-                t3 = time.perf_counter()
                 rootfs.enter_root(root_fd, usr_bind=usr_bind, hostname=child["id"][:63])
-                t4 = time.perf_counter()
+                t3 = time.perf_counter()
                 rootfs.loopback_up()
-                t5 = time.perf_counter()
-                self.fork_phases = {"unshare_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3,
-                                    "pid1_fork_ms": (t3 - t2) * 1e3, "root_ms": (t4 - t3) * 1e3,
-                                    "lo_ms": (t5 - t4) * 1e3}
+                t4 = time.perf_counter()
                 listener = socket.socket(fileno=listen_fd)
                 for fd in all_fds:
                     if fd != listen_fd:
@@ -388,7 +377,9 @@ class ToolServer:
                 self.listener = listener
                 self.own_pidns = os.readlink("/proc/self/ns/pid")
                 self.retired = False
-                os.write(w_ready, b"r" + json.dumps(self.fork_phases).encode())
+                phases = {"clone_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3, "root_ms": (t3 - t2) * 1e3,
+                          "lo_ms": (t4 - t3) * 1e3}
+                os.write(w_ready, b"r" + json.dumps(phases).encode())
                 os.close(w_ready)
                 self.serve()
             except BaseException as e:  # report to the parent; never return into its loop
@@ -397,22 +388,17 @@ class ToolServer:
                 except OSError:
                     pass
             os._exit(code)
-        os.close(w_user)
         os.close(r_map)
         os.close(w_ready)
         try:
-            if os.read(r_user, 1) != b"u":
-                raise RequestError("internal", "forked child died before creating its user namespace")
             for name, line in (("uid_map", "0 0 65536\n"), ("gid_map", "0 0 65536\n")):
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(line)
             os.write(w_map, b"m")
             status = os.read(r_ready, 4096)
         finally:
-            os.close(r_user)
             os.close(w_map)
             os.close(r_ready)
-        os.waitpid(pid, 0)  # the intermediate exits right after forking the new pid 1
         if status[:1] != b"r":
             raise RequestError("internal", f"forked child failed: {status[1:].decode(errors='replace')}")
         self.last_child_phases = json.loads(status[1:] or b"{}")
