@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
+from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 
 __all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
@@ -44,6 +45,10 @@ class ChunkLocal:
     """``T v``, ``[NC, HV, C, V]``."""
     akk: torch.Tensor
     """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only."""
+    gam: torch.Tensor
+    """``G``, the in-chunk cumulative log-gate, ``[NC, HV, C, K]``; backward only."""
+    kg: torch.Tensor
+    """``k * exp(G)``, ``[NC, HV, C, K]``; backward only."""
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -129,7 +134,7 @@ def chunk_local_prepare(
     rhs = beta.unsqueeze(-1) * torch.cat([kg, v], dim=-1)
     wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
     w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
-    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk)
+    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg)
 
 
 def gated_dot_bwd(
@@ -207,9 +212,7 @@ def chunk_local_bwd(
     dx = torch.cat([-(dv_new @ hT), dv_new], dim=-1)  # d[w, u]
 
     # UT transform: (I + Diag(beta) Akk) X = Diag(beta) R with X = [w, u], R = [k * exp(G), v].
-    gam = g.cumsum(-2)
-    eg = torch.exp(gam)
-    kg = k * eg
+    gam, kg = local.gam, local.kg
     lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
     y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), dx, upper=True, unitriangular=True)
     y_w, y_u = y.split([K, v.shape[-1]], dim=-1)
@@ -222,16 +225,20 @@ def chunk_local_bwd(
     dakk = beta.unsqueeze(-1) * dl
     if _fused(q):
         dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision=dot_precision)
-    else:
-        da, db = gated_dot_bwd(dakk, k, k, gam)
-        dk = da + db
-        dgam = k * (da - db)
-        da, db = gated_dot_bwd(daqk, q, k, gam)
-        dq = da
-        dk += db
-        dgam += q * da - k * db
+        dq, dk, dg = chunk_kda_bwd_gates(
+            k, gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg.contiguous(), dkend, ddec, scale
+        )
+        return dq, dk, dv, dg, dbeta
+    da, db = gated_dot_bwd(dakk, k, k, gam)
+    dk = da + db
+    dgam = k * (da - db)
+    da, db = gated_dot_bwd(daqk, q, k, gam)
+    dq = da
+    dk += db
+    dgam += q * da - k * db
 
     # Elementwise gates: qg = scale q exp(G), kg = k exp(G), kend = k exp(G_C - G), dec = exp(G_C).
+    eg = torch.exp(gam)
     dq += (scale * eg) * dqg
     dgam += local.qg * dqg
     dk += eg * dkg
