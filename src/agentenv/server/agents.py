@@ -14,7 +14,6 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 from agentenv.server import agent as wire
@@ -134,6 +133,21 @@ class AgentLink:
                                    f"(exit {result.exit_code}): {result.stderr[-2000:]}")
         log.debug("started envd agent in %s", self.sandbox.id)
 
+    def acquire(self) -> socket.socket:
+        """A pooled idle connection, or a new one."""
+        with self._lock:
+            if self._pool:
+                return self._pool.pop()
+        return self.open()
+
+    def release(self, sock: socket.socket) -> None:
+        """Return a connection whose last request ended cleanly (its final frame was read)."""
+        with self._lock:
+            if len(self._pool) < POOL_SIZE:
+                self._pool.append(sock)
+                return
+        sock.close()
+
     def call(self, req: dict, blob: bytes = b"") -> tuple[dict, bytes]:
         """One unary request on a pooled connection.
 
@@ -141,49 +155,20 @@ class AgentLink:
             AgentError: the agent refused the request.
             AgentUnavailable: the agent cannot be reached.
         """
-        with self._lock:
-            sock = self._pool.pop() if self._pool else None
         for attempt in range(2):
-            if sock is None:
-                sock = self.open()
+            sock = self.acquire()
             try:
                 wire.send(sock, req, blob)
                 reply, out = wire.recv(sock)
                 break
             except (EOFError, OSError) as e:
-                sock.close()
-                sock = None
+                sock.close()  # a pooled connection the agent dropped (e.g. restarted after a fork): retry fresh
                 if attempt == 1:
                     raise AgentUnavailable(f"envd agent of sandbox {self.sandbox.id} went away: {e}") from e
-        with self._lock:
-            if len(self._pool) < POOL_SIZE:
-                self._pool.append(sock)
-            else:
-                sock.close()
+        self.release(sock)
         if not reply.get("ok"):
             raise AgentError(str(reply.get("code", "internal")), str(reply.get("message", "request failed")))
         return reply, out
-
-    def stream(self, req: dict) -> Iterator[tuple[dict, bytes]]:
-        """A streaming request on its own connection: yields event frames, then the final frame.
-
-        Closing the generator closes the connection, which stops a watch and unsubscribes from a process.
-        """
-        sock = self.open()
-        try:
-            wire.send(sock, req)
-            while True:
-                try:
-                    frame, blob = wire.recv(sock)
-                except (EOFError, OSError) as e:
-                    raise AgentUnavailable(f"envd agent of sandbox {self.sandbox.id} went away: {e}") from e
-                if "ok" in frame and not frame["ok"]:
-                    raise AgentError(str(frame.get("code", "internal")), str(frame.get("message", "failed")))
-                yield frame, blob
-                if "ok" in frame:
-                    return
-        finally:
-            sock.close()
 
     def close(self) -> None:
         with self._lock:

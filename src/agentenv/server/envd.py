@@ -60,12 +60,22 @@ def _selector(msg: dict) -> dict:
 
 
 def _frames(link: AgentLink, req: dict):
-    """Agent stream frames with keep-alive ticks (``{"ev": "keepalive"}``) when idle for `KEEPALIVE_S`."""
-    sock = link.open()
+    """Agent stream frames with keep-alive ticks (``{"ev": "keepalive"}``) when idle for `KEEPALIVE_S`.
+
+    The connection goes back to the pool only when the final frame was read; a stream abandoned early (the
+    HTTP client left) closes it, which makes the agent drop its subscription or stop its watch.
+    """
     from agentenv.server import agent as wire
 
+    sock = link.acquire()
+    clean = False
     try:
-        wire.send(sock, req)
+        try:
+            wire.send(sock, req)
+        except OSError:  # a stale pooled connection: one retry on a fresh one
+            sock.close()
+            sock = link.open()
+            wire.send(sock, req)
         while True:
             ready, _, _ = select.select([sock], [], [], KEEPALIVE_S)
             if not ready:
@@ -75,13 +85,18 @@ def _frames(link: AgentLink, req: dict):
                 frame, blob = wire.recv(sock)
             except (EOFError, OSError) as e:
                 raise ConnectError("unavailable", f"sandbox {link.sandbox.id} stopped answering: {e}") from e
-            if "ok" in frame and not frame["ok"]:
-                raise AgentError(str(frame.get("code", "internal")), str(frame.get("message", "failed")))
-            yield frame, blob
             if "ok" in frame:
+                clean = True
+                if not frame["ok"]:
+                    raise AgentError(str(frame.get("code", "internal")), str(frame.get("message", "failed")))
+            yield frame, blob
+            if clean:
                 return
     finally:
-        sock.close()
+        if clean:
+            link.release(sock)
+        else:
+            sock.close()
 
 
 class Envd:

@@ -1,0 +1,261 @@
+"""AgentEnv server benchmark: the stock E2B SDK through `agentenv serve` vs our in-process SDK, same run.
+
+Latency rows (p50 and p99 over `--server-reps` calls): create (+kill), ``commands.run("true")``, 1 MB file
+write and read, ``run_code("1 + 1")``. The baseline is the same operation through `agentenv.Sandbox` in this
+process. ``commands.run`` in the SDK is ``/bin/bash -l -c true``, so the in-process baseline runs that exact
+argv (the ``/bin/sh -c true`` that `Sandbox.exec("true")` runs is reported beside it). Throughput rows: C
+concurrent clients (threads spread over worker processes, each a stock `e2b.Sandbox`) loop
+``commands.run("true")`` over a pool of sandboxes for `--server-seconds`; we report requests/s, errors and
+latency quantiles. The server runs in its own process on 127.0.0.1; clients and server share this machine.
+
+Usage: ``python -m benchmarks.env.server [--server-reps N] [--server-clients 64 256] [--server-seconds S]
+[--no-write]``; the env runner calls `run_server_bench(args)` for ``k3infra bench env --server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.harness import Row, Timing, time_fn, write_results
+
+ROOT = Path(__file__).resolve().parents[2]
+MB = 1 << 20
+
+
+@dataclass
+class LoadResult:
+    """Outcome of a load run."""
+
+    clients: int
+    seconds: float
+    ok: int
+    errors: int
+    error_samples: list[str]
+    latency: Timing | None
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    api_key: str
+    proc: subprocess.Popen
+    home: Path
+
+    def sdk_opts(self) -> dict:
+        return {"api_url": self.url, "sandbox_url": self.url, "api_key": self.api_key}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(home: Path) -> ServerHandle:
+    """`agentenv serve` on a free loopback port with a fresh key; sandboxes die with it."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "serve", "--port", "0", "--home", str(home),
+                             "--state-dir", str(home / "server"), "--kill-on-exit", "--create-key", "bench"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    key = json.loads(proc.stdout.readline())["api_key"]
+    url = json.loads(proc.stdout.readline())["url"]
+    return ServerHandle(url, key, proc, home)
+
+
+# ---- load generation ----------------------------------------------------------------------------------------
+def _load_worker(opts: dict, sandbox_ids: list[str], threads: int, seconds: float, offset: int, out) -> None:
+    from e2b import Sandbox
+
+    handles = {sid: Sandbox.connect(sid, **opts) for sid in sandbox_ids}
+    start_barrier = time.time() + 1.0  # every worker starts issuing at the same moment
+    lat: list[float] = []
+    counts = {"ok": 0, "err": 0}
+    samples: list[str] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        sb = handles[sandbox_ids[(offset + i) % len(sandbox_ids)]]
+        mine: list[float] = []
+        ok = err = 0
+        while time.time() < start_barrier:
+            time.sleep(0.001)
+        end = start_barrier + seconds
+        while time.time() < end:
+            t0 = time.perf_counter()
+            try:
+                if sb.commands.run("true").exit_code == 0:
+                    ok += 1
+                    mine.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    err += 1
+            except Exception as e:  # count and sample every failure; the run must report them, not die
+                err += 1
+                if len(samples) < 5:
+                    samples.append(f"{type(e).__name__}: {e}"[:300])
+        with lock:
+            lat.extend(mine)
+            counts["ok"] += ok
+            counts["err"] += err
+
+    workers = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    out.put((counts["ok"], counts["err"], samples, lat))
+
+
+def load(opts: dict, sandbox_ids: list[str], clients: int, seconds: float, processes: int | None = None
+         ) -> LoadResult:
+    """`clients` concurrent stock-SDK clients looping ``commands.run("true")`` for `seconds`.
+
+    Clients are threads spread over `processes` worker processes (default: one per 32 clients, at least 2),
+    each thread bound to one sandbox of `sandbox_ids` (round robin).
+    """
+    if clients < 1 or seconds <= 0 or not sandbox_ids:
+        raise ValueError(f"need clients >= 1, seconds > 0 and sandboxes, got {clients}, {seconds}, {sandbox_ids}")
+    processes = processes or max(2, min(8, (clients + 31) // 32))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    per = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
+    procs, offset = [], 0
+    for n in per:
+        p = ctx.Process(target=_load_worker, args=(opts, sandbox_ids, n, seconds, offset, out))
+        p.start()
+        procs.append(p)
+        offset += n
+    ok = err = 0
+    samples: list[str] = []
+    lat: list[float] = []
+    for _ in procs:
+        o, e, s, lt = out.get(timeout=seconds + 300)
+        ok, err = ok + o, err + e
+        samples += s
+        lat += lt
+    for p in procs:
+        p.join(timeout=30)
+    return LoadResult(clients, seconds, ok, err, samples[:5], Timing.from_samples(lat) if lat else None)
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------------
+def _extra(t: Timing, **more) -> dict:
+    return {"p20_ms": round(t.p20_ms, 3), "p80_ms": round(t.p80_ms, 3), "p99_ms": round(t.p99_ms, 3), "n": t.n,
+            **more}
+
+
+def run_server_bench(args: argparse.Namespace) -> list[Row]:
+    """All rows of the server benchmark (latency vs in-process, then throughput)."""
+    from e2b import Sandbox as E2BSandbox
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    from agentenv import Sandbox
+    from agentenv.runtime.local import NamespaceBackend
+
+    reps = getattr(args, "server_reps", 50)
+    home = Path(tempfile.mkdtemp(prefix="agentenv-bench-srv-", dir="/tmp"))
+    server = start_server(home)
+    backend = NamespaceBackend(home)
+    rows: list[Row] = []
+    try:
+        opts = server.sdk_opts()
+        remote = CodeSandbox.create(timeout=3600, **opts)
+        local = Sandbox.create("host", backend=backend)
+        blob = os.urandom(MB)
+        # correctness gate: both paths must do the same work before anything is timed
+        remote.files.write("/tmp/gate", blob)
+        local.files.write("/tmp/gate", blob)
+        assert bytes(remote.files.read("/tmp/gate", format="bytes")) == blob
+        assert local.files.read("/tmp/gate", text=False) == blob
+        assert remote.commands.run("echo ok").stdout == "ok\n"
+        assert remote.run_code("1 + 1").text == "2" and local.python.run("1 + 1").value == "2"
+
+        cases = [
+            ("create+kill", lambda: E2BSandbox.create(**opts).kill(),
+             lambda: Sandbox.create("host", backend=backend).destroy(), max(10, reps // 4), ""),
+            ('commands.run("true")', lambda: remote.commands.run("true"),
+             lambda: local.exec(["/bin/bash", "-l", "-c", "true"]), reps, "both run /bin/bash -l -c true"),
+            ("files.write 1 MB", lambda: remote.files.write("/tmp/w", blob),
+             lambda: local.files.write("/tmp/w", blob), reps, ""),
+            ("files.read 1 MB", lambda: remote.files.read("/tmp/gate", format="bytes"),
+             lambda: local.files.read("/tmp/gate", text=False), reps, ""),
+            ('run_code("1 + 1")', lambda: remote.run_code("1 + 1"), lambda: local.python.run("1 + 1"), reps, ""),
+        ]
+        for name, ours, base, n, note in cases:
+            t_base = time_fn(base, warmup=3, rep=n)
+            t_ours = time_fn(ours, warmup=3, rep=n)
+            rows.append(Row(case=name, baseline="in-process agentenv SDK", baseline_ms=t_base.median_ms,
+                            ours_ms=t_ours.median_ms, params={"reps": n},
+                            extra=_extra(t_ours, base_p99_ms=round(t_base.p99_ms, 3),
+                                         overhead_p50_ms=round(t_ours.median_ms - t_base.median_ms, 3)),
+                            note=f"ours = stock e2b SDK over HTTP; {note}".rstrip("; ")))
+        sh = time_fn(lambda: local.exec("true"), warmup=3, rep=reps)
+        rows.append(Row(case='exec("true") in-process (/bin/sh -c)', baseline="-", baseline_ms=None,
+                        ours_ms=sh.median_ms, params={"reps": reps}, extra=_extra(sh), note="reference only"))
+        remote.kill()
+        local.destroy()
+
+        seconds = getattr(args, "server_seconds", 10.0)
+        n_sandboxes = getattr(args, "server_sandboxes", 32)
+        pool = [E2BSandbox.create(timeout=3600, **opts) for _ in range(n_sandboxes)]
+        ids = [sb.sandbox_id for sb in pool]
+        for clients in getattr(args, "server_clients", [64, 256]):
+            result = load(opts, ids, clients, seconds)
+            lat = result.latency
+            rows.append(Row(case=f"throughput {clients} clients", baseline="-", baseline_ms=None,
+                            ours_ms=lat.median_ms if lat else float("nan"),
+                            params={"clients": clients, "sandboxes": n_sandboxes, "seconds": seconds},
+                            extra={"req_per_s": round(result.rps, 1), "errors": result.errors,
+                                   "p99_ms": round(lat.p99_ms, 2) if lat else None, "ok": result.ok},
+                            note='stock SDK commands.run("true"); clients and server share the 2 cores'
+                                 + (f"; errors: {result.error_samples}" if result.errors else "")))
+        for sb in pool:
+            sb.kill()
+    finally:
+        server.stop()
+        backend.gc(everything=True)
+        shutil.rmtree(home, ignore_errors=True)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server-reps", type=int, default=50, help="calls per latency case")
+    parser.add_argument("--server-clients", type=int, nargs="+", default=[64, 256], help="concurrency levels")
+    parser.add_argument("--server-seconds", type=float, default=10.0, help="seconds per throughput level")
+    parser.add_argument("--server-sandboxes", type=int, default=32, help="sandboxes shared by the clients")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write results")
+    args = parser.parse_args(argv)
+    rows = run_server_bench(args)
+    for row in rows:
+        print(f"{row.case:42s} ours {row.ours_ms:9.3f} ms  base {row.baseline_ms if row.baseline_ms is not None else '-'}"
+              f"  {row.extra}")
+    if not args.no_write:
+        path = write_results("env-server", rows, title="AgentEnv server: stock E2B SDK vs in-process SDK")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
