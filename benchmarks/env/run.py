@@ -10,6 +10,7 @@ parent changes one file, so every fork seals a layer and re-roots the parent (th
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import tempfile
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.extra.items())
         base = "not run" if row.baseline_ms is None else f"{row.baseline_ms:.2f}"
         print(f"{row.case:34s} ours {row.ours_ms:8.2f} ms  baseline {base:>8}  {extra}")
+    load = os.getloadavg()
+    for row in rows:  # the dev machine is shared: record how busy it was
+        row.params["loadavg_1m_5m_at_end"] = [round(load[0], 1), round(load[1], 1)]
     path = write_results("env", rows, title="AgentEnv (sandbox runtime)", results_dir=args.results_dir,
                          markdown=args.markdown)
     print(f"wrote {path}")
