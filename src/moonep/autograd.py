@@ -43,10 +43,8 @@ def return_rows(
     buffer: Buffer, handle: DispatchHandle, y_CH: torch.Tensor, weights_C: torch.Tensor | None
 ) -> torch.Tensor:
     """Reduce each token's slots on this rank, send partials home, sum them in fp32: ``[C, H] -> [s, H]``."""
-    R, S, H = buffer.num_ranks, buffer.S, y_CH.shape[1]
     partial_TH = reduce_slots(y_CH, handle.recv_slots_TK, weights_C, y_CH.dtype)
-    back_TH = buffer.transport.all_to_all(torch.empty_like(partial_TH), partial_TH, "combine all_to_all")
-    return back_TH.view(R, S, H)[:, : handle.num_tokens].float().sum(0).to(y_CH.dtype)
+    return buffer.transport.sum_partials(partial_TH, handle.num_tokens).to(y_CH.dtype)
 
 
 def return_slot_values(buffer: Buffer, handle: DispatchHandle, v_C: torch.Tensor) -> torch.Tensor:

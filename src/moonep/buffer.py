@@ -92,8 +92,10 @@ class Buffer:
         validate: check values (expert ids, token counts) on every rank before moving data; costs one host
             synchronisation per dispatch. Shapes and dtypes are always checked.
         device: where tensors live (default: ``cuda:<current>`` for NCCL, else CPU).
-        transport: ``"torch"`` (torch.distributed collectives) or ``"nvlink"`` (token rows and combine
-            partials copied straight into peers' symmetric-memory buffers; one node, CUDA only).
+        transport: ``"torch"`` (torch.distributed collectives), ``"nvlink"`` (token rows and combine
+            partials copied straight into peers' symmetric-memory buffers; one node, CUDA only) or
+            ``"hierarchical"`` (rail inter-node + intra-node stages; needs ``ranks_per_node``).
+        ranks_per_node: ranks of one node, numbered node-major (hierarchical transport only).
 
     Raises:
         ValueError: bad sizes, or ranks disagree on them (raised on every rank).
@@ -122,10 +124,18 @@ class Buffer:
         validate: bool = True,
         device: torch.device | str | None = None,
         transport: str = "torch",
+        ranks_per_node: int | None = None,
     ) -> None:
-        if transport not in ("torch", "nvlink"):
-            raise ValueError(f"transport must be 'torch' or 'nvlink', got {transport!r}")
-        self.transport = TorchDistTransport(group, timeout_s)
+        if transport not in ("torch", "nvlink", "hierarchical"):
+            raise ValueError(f"transport must be 'torch', 'nvlink' or 'hierarchical', got {transport!r}")
+        if (transport == "hierarchical") != (ranks_per_node is not None):
+            raise ValueError("ranks_per_node is required with transport='hierarchical' and only there")
+        if transport == "hierarchical":
+            from moonep.transports.hierarchical import HierarchicalTransport
+
+            self.transport: TorchDistTransport = HierarchicalTransport(group, timeout_s, ranks_per_node)
+        else:
+            self.transport = TorchDistTransport(group, timeout_s)
         R = self.transport.world_size
         self.rank, self.num_ranks = self.transport.rank, R
         for name, value in (("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts)):

@@ -105,6 +105,13 @@ class TorchDistTransport:
         inp = inp.contiguous()
         return self._run(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), out, what)
 
+    def sum_partials(self, partial_TH: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Send each source rank its rows of ``partial_TH`` (``[R*S, H]``, rows ``src*S + t``) and sum what
+        comes back over ranks in fp32: returns ``[num_tokens, H]`` fp32 for this rank's tokens."""
+        R = self.world_size
+        back_TH = self.all_to_all(torch.empty_like(partial_TH), partial_TH, "combine all_to_all")
+        return back_TH.view(R, -1, partial_TH.shape[1])[:, :num_tokens].float().sum(0)
+
 
 class _Failed:
     """A work whose issue already failed: waiting re-raises the error."""
