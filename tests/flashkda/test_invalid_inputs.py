@@ -1,0 +1,74 @@
+"""Bad input raises ValueError naming the argument, before any kernel runs."""
+
+import pytest
+import torch
+
+import flashkda
+
+B, T, H, K, V = 1, 8, 2, 16, 16
+
+
+def _good():
+    return dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, V),
+                g=-torch.rand(B, T, H, K), beta=torch.rand(B, T, H))
+
+
+BAD = [
+    ("q", dict(q=torch.randn(B, T, H)), "`q`"),
+    ("k", dict(k=torch.randn(B, T, H, K + 1)), "`k`"),
+    ("v-shape", dict(v=torch.randn(B, T + 1, H, V)), "`v`"),
+    ("v-heads", dict(v=torch.randn(B, T, 3, V)), "`v`"),
+    ("v-dtype", dict(v=torch.randn(B, T, H, V, dtype=torch.float64)), "`v`"),
+    ("q-int", dict(q=torch.ones(B, T, H, K, dtype=torch.int32)), "`q`"),
+    ("g", dict(g=torch.randn(B, T, H, K - 1)), "`g`"),
+    ("beta", dict(beta=torch.rand(B, T)), "`beta`"),
+    ("head-dim", dict(q=torch.randn(B, T, H, 512), k=torch.randn(B, T, H, 512), g=torch.randn(B, T, H, 512)), "`q`"),
+    ("initial_state-shape", dict(initial_state=torch.zeros(B, H, K, V + 1)), "`initial_state`"),
+    ("initial_state-dtype", dict(initial_state=torch.zeros(B, H, K, V, dtype=torch.bfloat16)), "`initial_state`"),
+    ("state_v_first-layout", dict(initial_state=torch.zeros(B, H, K, 8), state_v_first=True), "`initial_state`"),
+    ("cu_seqlens-batch", dict(q=torch.randn(2, T, H, K), k=torch.randn(2, T, H, K), v=torch.randn(2, T, H, V),
+                              g=-torch.rand(2, T, H, K), beta=torch.rand(2, T, H), cu_seqlens=torch.tensor([0, 8])),
+     "`cu_seqlens`"),
+    ("cu_seqlens-end", dict(cu_seqlens=torch.tensor([0, 3, 9])), "`cu_seqlens`"),
+    ("cu_seqlens-order", dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), "`cu_seqlens`"),
+    ("cu_seqlens-dtype", dict(cu_seqlens=torch.tensor([0.0, 8.0])), "`cu_seqlens`"),
+    ("cu_seqlens_cpu-shape", dict(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 4, 8])),
+     "`cu_seqlens_cpu`"),
+    ("cu_seqlens_cpu-alone", dict(cu_seqlens_cpu=torch.tensor([0, 8])), "`cu_seqlens_cpu`"),
+    ("A_log-missing", dict(use_gate_in_kernel=True), "`A_log`"),
+    ("A_log-size", dict(use_gate_in_kernel=True, A_log=torch.zeros(H + 1)), "`A_log`"),
+    ("dt_bias-size", dict(use_gate_in_kernel=True, A_log=torch.zeros(H), dt_bias=torch.zeros(H)), "`dt_bias`"),
+    ("lower_bound-safe", dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0), "`lower_bound`"),
+    ("lower_bound-missing", dict(use_gate_in_kernel=True, safe_gate=True, A_log=torch.zeros(H)), "`lower_bound`"),
+    ("allow_neg_eigval", dict(allow_neg_eigval=True), "`allow_neg_eigval=True` requires"),
+    ("scale", dict(scale="x"), "`scale`"),
+    ("chunk_size", dict(chunk_size=16), "`chunk_size`"),
+    ("cp_context", dict(cp_context=object()), "`cp_context`"),
+    ("return_intermediate_states", dict(return_intermediate_states=True), "`return_intermediate_states`"),
+]
+
+
+@pytest.mark.parametrize("name,override,match", BAD, ids=[b[0] for b in BAD])
+def test_chunk_kda_rejects_bad_argument(name, override, match):
+    kw = {**_good(), **override}
+    with pytest.raises(ValueError, match=match):
+        flashkda.chunk_kda(**kw)
+
+
+@pytest.mark.parametrize("name,override,match", BAD[:12] + BAD[13:20], ids=[b[0] for b in BAD[:12] + BAD[13:20]])
+def test_fused_recurrent_kda_rejects_bad_argument(name, override, match):
+    kw = {**_good(), **override}
+    with pytest.raises(ValueError, match=match):
+        flashkda.fused_recurrent_kda(**kw)
+
+
+def test_fwd_rejects_a_wrong_out_buffer():
+    kw = _good()
+    with pytest.raises(ValueError, match="`out`"):
+        flashkda.fwd(*kw.values(), None, torch.empty(1), torch.zeros(H), None, -5.0)
+
+
+def test_mismatched_devices_are_named():
+    meta = torch.randn(B, T, H, V, device="meta")
+    with pytest.raises(ValueError, match="`v`"):
+        flashkda.chunk_kda(**{**_good(), "v": meta})
