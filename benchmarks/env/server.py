@@ -72,7 +72,7 @@ class ServerHandle:
 def start_server(home: Path) -> ServerHandle:
     """`agentenv serve` on a free loopback port with a fresh key; sandboxes die with it."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "serve", "--port", "0", "--home", str(home),
+    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
                              "--state-dir", str(home / "server"), "--kill-on-exit", "--create-key", "bench"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     key = json.loads(proc.stdout.readline())["api_key"]
@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = run_server_bench(args)
     for row in rows:
-        print(f"{row.case:42s} ours {row.ours_ms:9.3f} ms  base {row.baseline_ms if row.baseline_ms is not None else '-'}"
-              f"  {row.extra}")
+        base = "-" if row.baseline_ms is None else f"{row.baseline_ms:.3f}"
+        print(f"{row.case:42s} ours {row.ours_ms:9.3f} ms  base {base} ms  {row.extra}")
     if not args.no_write:
         path = write_results("env-server", rows, title="AgentEnv server: stock E2B SDK vs in-process SDK")
         print(f"wrote {path}")

@@ -1,7 +1,8 @@
 """The ``agentenv serve`` and ``agentenv keys`` verbs.
 
 Wire into the ``agentenv`` CLI with one call: ``agentenv.server.cli.add_subcommands(subparsers)``; each
-parser sets ``func`` to a callable taking the parsed args and returning an exit code.
+parser sets ``func`` to a callable taking the parsed args and returning an exit code. The runtime's data
+directory comes from the top-level ``--home`` option (``agentenv --home DIR serve``), as for every verb.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=3000, help="TCP port (default 3000; 0 picks a free one)")
     serve.add_argument("--state-dir", default=None, help="keys and sandbox registry (default <home>/server)")
-    serve.add_argument("--home", default=None, help="runtime data directory (default $AGENTENV_HOME)")
     serve.add_argument("--kill-on-exit", action="store_true",
                        help="kill every sandbox on shutdown (default: keep them for the next server to adopt)")
     serve.add_argument("--create-key", metavar="NAME", default=None,
@@ -55,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = Server(args.host, args.port, state_dir=args.state_dir, home=args.home)
+    server = Server(args.host, args.port, state_dir=args.state_dir, home=getattr(args, "home", None))
     if args.create_key:
         key, info = server.keys.create(args.create_key)
         print(json.dumps({"api_key": key, "key_id": info.id}), flush=True)
@@ -108,11 +108,10 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m agentenv.server [serve|keys] ...`` (``serve`` when no verb is given)."""
+    """``python -m agentenv.server [--home DIR] {serve,keys} ...`` (``serve`` when no arguments are given)."""
     parser = argparse.ArgumentParser(prog="agentenv")
-    add_subcommands(parser.add_subparsers(dest="cmd"))
+    parser.add_argument("--home", default=None, help="runtime data directory (default $AGENTENV_HOME)")
+    add_subcommands(parser.add_subparsers(dest="cmd", required=True))
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
-        argv = ["serve", *argv]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv or ["serve"])
     return args.func(args)

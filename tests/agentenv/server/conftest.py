@@ -46,7 +46,7 @@ class ServerProc:
 def start_server(home: Path, state_dir: Path, *, kill_on_exit: bool = True, create_key: bool = True) -> ServerProc:
     """Start ``python -m agentenv.server`` on a free port and wait for its ready line."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "agentenv.server", "serve", "--port", "0", "--home", str(home),
+    cmd = [sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
            "--state-dir", str(state_dir)]
     if kill_on_exit:
         cmd.append("--kill-on-exit")

@@ -86,3 +86,30 @@ def test_server_rejects_bad_port():
 
     with pytest.raises(ValueError, match="port"):
         Server(port=70000, backend=object())
+
+
+def test_cli_verbs_plug_into_a_parser_with_a_global_home():
+    import argparse
+
+    from agentenv.server.cli import add_subcommands, cmd_keys_create, cmd_serve
+
+    parser = argparse.ArgumentParser(prog="agentenv")
+    parser.add_argument("--home", default=None)
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["--home", "/tmp/h", "serve", "--port", "0", "--kill-on-exit"])
+    assert (args.home, args.port, args.kill_on_exit, args.func) == ("/tmp/h", 0, True, cmd_serve)
+    args = parser.parse_args(["keys", "create", "ci", "--max-sandboxes", "4"])
+    assert (args.name, args.max_sandboxes, args.func) == ("ci", 4, cmd_keys_create)
+
+
+def test_keys_cli_creates_lists_and_revokes(tmp_path, capsys):
+    from agentenv.server.cli import main
+
+    assert main(["keys", "--state-dir", str(tmp_path), "create", "ci", "--max-sandboxes", "2"]) == 0
+    created = json.loads(capsys.readouterr().out)
+    assert created["quota"]["max_sandboxes"] == 2 and created["api_key"].startswith("e2b_")
+    assert main(["keys", "--state-dir", str(tmp_path), "list"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["key_id"] == created["key_id"] and "api_key" not in listed
+    assert main(["keys", "--state-dir", str(tmp_path), "revoke", created["key_id"]]) == 0
+    assert main(["keys", "--state-dir", str(tmp_path), "revoke", "key-nope"]) == 1
