@@ -21,6 +21,7 @@ import torch
 
 from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
+from flashkda.chunk_bwd_inverse import unit_lower_inverse
 
 __all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
@@ -49,6 +50,8 @@ class ChunkLocal:
     """``G``, the in-chunk cumulative log-gate, ``[NC, HV, C, K]``; backward only."""
     kg: torch.Tensor
     """``k * exp(G)``, ``[NC, HV, C, K]``; backward only."""
+    minv: torch.Tensor | None = None
+    """``(I + Diag(beta) Akk)^-1``, ``[NC, HV, C, C]``, when formed explicitly (fused path); backward only."""
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -129,12 +132,17 @@ def chunk_local_prepare(
     else:
         akk = gated_dot(k, k, gam, strict=True)
         aqk = gated_dot(q, k, gam, strict=False) * scale
-    # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform applied without forming T.
-    lhs = beta.unsqueeze(-1) * akk + torch.eye(C, dtype=k.dtype, device=k.device)
+    # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform.
     rhs = beta.unsqueeze(-1) * torch.cat([kg, v], dim=-1)
-    wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+    minv = None
+    if _fused(q):
+        minv = unit_lower_inverse((beta.unsqueeze(-1) * akk).contiguous())
+        wu = minv @ rhs
+    else:
+        lhs = beta.unsqueeze(-1) * akk + torch.eye(C, dtype=k.dtype, device=k.device)
+        wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
     w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
-    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg)
+    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg, minv=minv)
 
 
 def gated_dot_bwd(
@@ -213,8 +221,11 @@ def chunk_local_bwd(
 
     # UT transform: (I + Diag(beta) Akk) X = Diag(beta) R with X = [w, u], R = [k * exp(G), v].
     gam, kg = local.gam, local.kg
-    lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
-    y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), dx, upper=True, unitriangular=True)
+    if local.minv is not None:
+        y = local.minv.transpose(-1, -2) @ dx
+    else:
+        lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
+        y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), dx, upper=True, unitriangular=True)
     y_w, y_u = y.split([K, v.shape[-1]], dim=-1)
     dkg = beta.unsqueeze(-1) * y_w
     dv = beta.unsqueeze(-1) * y_u

@@ -63,3 +63,18 @@ def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     torch.testing.assert_close(da, ga)
     torch.testing.assert_close(db, gb)
     torch.testing.assert_close(a.detach() * da - b.detach() * db, gg)
+
+
+def test_unit_lower_inverse_matches_torch(device: str) -> None:
+    from flashkda.chunk_bwd_inverse import unit_lower_inverse
+
+    torch.manual_seed(3)
+    k = F.normalize(torch.randn(5, 64, 32, device=device, dtype=torch.float64), dim=-1)
+    lower = (torch.rand(5, 64, 1, device=device, dtype=torch.float64) * 2 * (k @ k.transpose(1, 2))).tril(-1)
+    noise = torch.randn(5, 64, 64, device=device, dtype=torch.float64).triu()  # must be ignored
+    inv = unit_lower_inverse((lower + noise).float().contiguous())
+    eye = torch.eye(64, device=device, dtype=torch.float64)
+    ref = torch.linalg.solve_triangular(eye + lower, eye.expand(5, 64, 64), upper=False, unitriangular=True)
+    assert torch.isfinite(inv).all()
+    assert _rel(inv, ref) < 1e-5
+    assert not inv.triu(1).any() and bool((inv.diagonal(dim1=-2, dim2=-1) == 1).all())
