@@ -16,7 +16,6 @@ import os
 import selectors
 import shlex
 import signal
-import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -76,9 +75,9 @@ class ShellSession:
         spawn: starts bash with pipes (the tool server's agent launcher: seccomp, no_new_privs).
     """
 
-    def __init__(self, spawn: Callable[..., subprocess.Popen]):
+    def __init__(self, spawn: Callable[..., object]):
         self._spawn = spawn
-        self._proc: subprocess.Popen | None = None
+        self._proc = None
         self._token = os.urandom(8).hex()
         self.saved_state = ""
 
@@ -87,7 +86,7 @@ class ShellSession:
         return None if self._proc is None else self._proc.pid
 
     def _start(self) -> None:
-        self._proc = self._spawn(["/bin/bash", "--noprofile", "--norc"], stdin=subprocess.PIPE)
+        self._proc = self._spawn(["/bin/bash", "--noprofile", "--norc"], stdin_pipe=True)
         if self.saved_state:
             self._send(f"eval {shlex.quote(self.saved_state)} >/dev/null 2>&1")
             self._read_result(10.0, 1 << 20)

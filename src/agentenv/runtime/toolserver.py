@@ -22,12 +22,11 @@ import signal
 import socket
 import stat
 import struct
-import subprocess
 import sys
 import time
 
 from agentenv import protocol
-from agentenv.runtime import rootfs, seccomp, sessions
+from agentenv.runtime import rootfs, seccomp, sessions, spawner
 from agentenv.runtime import syscalls as sc
 
 NS_SANDBOX = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWCGROUP
@@ -43,22 +42,14 @@ class RequestError(Exception):
         self.kind = kind
 
 
-def _agent_preexec() -> None:
-    """Runs in each command's process before exec: default OOM score, agent filter, no_new_privs."""
+def _agent_setup() -> None:
+    """Runs once in the command launcher: default OOM score, agent filter, no_new_privs (inherited by commands)."""
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("0")
     except OSError:
         pass
     seccomp.install(_AGENT_FILTER, no_new_privs=True)
-
-
-def spawn(argv: list[str], *, stdin: int = subprocess.DEVNULL, env: dict | None = None, cwd: str | None = None):
-    base = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
-    return subprocess.Popen(
-        argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**base, **(env or {})},
-        cwd=cwd or "/root", preexec_fn=_agent_preexec, start_new_session=True, close_fds=True,
-    )
 
 
 def _os_error(error: OSError, what: str) -> RequestError:
@@ -74,10 +65,16 @@ class ToolServer:
         self.id = sandbox_id
         self.deadline = ttl_deadline
         self.python = sessions.PythonSession()
-        self.shell = sessions.ShellSession(lambda argv, stdin: spawn(argv, stdin=stdin))
+        self.spawner = spawner.Spawner(_agent_setup)
+        self.shell = sessions.ShellSession(self.spawn)
         self.conns: list[socket.socket] = []
         self.own_pidns = os.readlink("/proc/self/ns/pid")
         self.retired = False
+
+    def spawn(self, argv: list[str], *, stdin_pipe: bool = False, env: dict | None = None, cwd: str | None = None):
+        """Start a command through the launcher (agent seccomp filter, no_new_privs, own session)."""
+        base = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
+        return self.spawner.spawn(argv, stdin_pipe=stdin_pipe, env={**base, **(env or {})}, cwd=cwd or "/root")
 
     # ---- process bookkeeping -------------------------------------------------------------------------
     def _reap(self) -> None:
@@ -110,6 +107,7 @@ class ToolServer:
 
     def kill_agents(self) -> None:
         self.shell.close()
+        self.spawner.forget()
         for _ in range(100):
             pids = self._own_processes()
             if not pids:
@@ -186,14 +184,13 @@ class ToolServer:
         stream = bool(req.get("stream"))
         start = time.monotonic()
         try:
-            proc = spawn(argv, stdin=subprocess.PIPE if blob else subprocess.DEVNULL,
-                         env=req.get("env"), cwd=req.get("cwd"))
-        except FileNotFoundError as e:
-            if req.get("cwd") and not os.path.isdir(req["cwd"]):
-                raise RequestError("not_found", f"cwd {req['cwd']!r} does not exist in the sandbox") from e
-            raise RequestError("command", f"command not found: {argv[0]!r}") from e
-        except PermissionError as e:
-            raise RequestError("command", f"command not executable: {argv[0]!r}") from e
+            proc = self.spawn(argv, stdin_pipe=bool(blob), env=req.get("env"), cwd=req.get("cwd"))
+        except spawner.SpawnError as e:
+            if e.cwd_missing:
+                raise RequestError("not_found", f"cwd {req.get('cwd')!r} does not exist in the sandbox") from e
+            if e.kind in ("not_found", "permission"):
+                raise RequestError("command", f"command not found or not executable: {argv[0]!r}") from e
+            raise RequestError("internal", str(e)) from e
         if blob:
             try:
                 proc.stdin.write(blob)
@@ -372,6 +369,7 @@ class ToolServer:
                 self.listener.close()
                 for c in self.conns:
                     c.close()
+                self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
                 self.listener = listener
