@@ -107,44 +107,59 @@ class CombineFunction(torch.autograd.Function):
         return grad_y, grad_w, None, None
 
 
-def prefetch(buffer: Buffer, plan: Plan, weight_PW: torch.Tensor) -> torch.Tensor:
-    """Home weights plus the weights of this rank's redundant experts: ``[P, *W] -> [P + N, *W]``."""
+def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A row mask shaped to broadcast over ``like``'s trailing dims, in its dtype."""
+    return mask.reshape(-1, *([1] * (like.dim() - 1))).to(like.dtype)
+
+
+def fetch_redundant(buffer: Buffer, plan: Plan, weight_PW: torch.Tensor, out_NW: torch.Tensor) -> torch.Tensor:
+    """Write the weights of this rank's redundant experts into ``out_NW`` (``[N, *W]``; zeros past the
+    number held). Moves ``R*N`` rows per rank (static shape), of which the holders' rows are real."""
     R, P, N, rank = buffer.num_ranks, buffer.P, buffer.num_redundant_slots, buffer.rank
-    if N == 0:
-        return weight_PW.clone()
     ids_RN = plan.redundant_ids_RN[:, :N]
     home_RN = torch.where(ids_RN >= 0, torch.div(ids_RN, P, rounding_mode="floor"), -1)
     mine_RN = home_RN == rank
     # Row n of chunk d: the weight rank d needs in its redundant slot n, if this rank is its home.
-    local = torch.where(mine_RN, ids_RN - rank * P, 0).view(-1)
-    send = weight_PW.index_select(0, local) * mine_RN.view(-1, *([1] * (weight_PW.dim() - 1))).to(weight_PW.dtype)
+    send = weight_PW.index_select(0, torch.where(mine_RN, ids_RN - rank * P, 0).reshape(-1))
+    send.mul_(_rows(mine_RN, send))
     recv = buffer.transport.all_to_all(torch.empty_like(send), send, "prefetch_weight all_to_all")
     recv = recv.view(R, N, *weight_PW.shape[1:])
     src_N = home_RN[rank].clamp(min=0)
-    fetched = recv[src_N, torch.arange(N, device=src_N.device)]
-    fetched = fetched * (home_RN[rank] >= 0).view(-1, *([1] * (weight_PW.dim() - 1))).to(weight_PW.dtype)
-    return torch.cat([weight_PW, fetched])
+    torch.index_select(
+        recv.view(R * N, *weight_PW.shape[1:]), 0, src_N * N + torch.arange(N, device=src_N.device), out=out_NW
+    )
+    return out_NW.mul_(_rows(home_RN[rank] >= 0, out_NW))
 
 
-def reduce_grad(buffer: Buffer, plan: Plan, grad_LW: torch.Tensor) -> torch.Tensor:
-    """Home gradients plus every redundant copy's gradient from the ranks that held it: ``[P+N] -> [P]``."""
+def prefetch(buffer: Buffer, plan: Plan, weight_PW: torch.Tensor) -> torch.Tensor:
+    """Home weights plus the weights of this rank's redundant experts: ``[P, *W] -> [P + N, *W]``."""
+    N = buffer.num_redundant_slots
+    out = weight_PW.new_empty((weight_PW.shape[0] + N, *weight_PW.shape[1:]))
+    out[: weight_PW.shape[0]].copy_(weight_PW)
+    if N:
+        fetch_redundant(buffer, plan, weight_PW, out[weight_PW.shape[0] :])
+    return out
+
+
+def reduce_grad(buffer: Buffer, plan: Plan, grad_LW: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    """Home gradients plus every redundant copy's gradient from the ranks that held it: ``[P+N] -> [P]``.
+
+    With ``inplace`` the result accumulates into ``grad_LW[:P]`` (no copy of the home gradients).
+    """
     R, P, N, rank = buffer.num_ranks, buffer.P, buffer.num_redundant_slots, buffer.rank
-    home_grad = grad_LW[:P]
+    home_grad = grad_LW[:P] if inplace else grad_LW[:P].clone()
     if N == 0:
-        return home_grad.clone()
+        return home_grad
     ids_RN = plan.redundant_ids_RN[:, :N]
     home_RN = torch.where(ids_RN >= 0, torch.div(ids_RN, P, rounding_mode="floor"), -1)
-    shape = (-1, *([1] * (grad_LW.dim() - 1)))
     ranks = torch.arange(R, device=ids_RN.device)
     to_d_RN = home_RN[rank][None, :] == ranks[:, None]
-    send = grad_LW[P:][None].expand(R, *grad_LW[P:].shape).reshape(R * N, *grad_LW.shape[1:])
-    send = send * to_d_RN.reshape(shape).to(grad_LW.dtype)
+    send = grad_LW[P:][None] * _rows(to_d_RN, grad_LW).view(R, N, *([1] * (grad_LW.dim() - 1)))
+    send = send.reshape(R * N, *grad_LW.shape[1:])
     recv = buffer.transport.all_to_all(torch.empty_like(send), send, "reduce_grad all_to_all")
+    # Rows not homed here arrive as zeros (the sender masked them), so adding them to row 0 is harmless.
     from_src = (home_RN == rank).reshape(-1)
-    local = torch.where(from_src, ids_RN.reshape(-1) - rank * P, P)
-    out = torch.cat([home_grad, grad_LW.new_zeros(1, *grad_LW.shape[1:])])
-    out.index_add_(0, local, recv)
-    return out[:P]
+    return home_grad.index_add_(0, torch.where(from_src, ids_RN.reshape(-1) - rank * P, 0), recv)
 
 
 class PrefetchWeightFunction(torch.autograd.Function):

@@ -325,7 +325,7 @@ class Buffer:
 
     # -- redundant experts --------------------------------------------------------------------------------
 
-    def prefetch_weight(self, plan: Plan, weight_P: torch.Tensor) -> torch.Tensor:
+    def prefetch_weight(self, plan: Plan, weight_P: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Fetch the weights of this rank's redundant experts from their home ranks (collective).
 
         Differentiable: its backward is `reduce_grad`, so gradients of redundant copies reach home.
@@ -333,10 +333,12 @@ class Buffer:
         Args:
             plan: the micro-batch's plan.
             weight_P: ``[P, *W]`` this rank's home experts' weights (any dtype).
+            out: optional ``[num_redundant_slots, *W]`` destination for the redundant experts only (no copy
+                of the home weights, no autograd); e.g. the tail of a persistent ``[P + N, *W]`` stack.
 
         Returns:
             ``[P + num_redundant_slots, *W]``: home weights, then the redundant table's experts (zeros past
-            the number this rank holds).
+            the number this rank holds); or ``out`` filled, when given.
 
         Raises:
             ValueError: ``weight_P`` has not ``P`` rows, or (with ``validate``) a rank needs more redundant
@@ -346,6 +348,14 @@ class Buffer:
             raise ValueError(f"weight_P must have {self.P} rows (home experts), got shape {tuple(weight_P.shape)}")
         if self.validate:
             self.check_plan(plan)
+        if out is not None:
+            if out.shape != (self.num_redundant_slots, *weight_P.shape[1:]) or out.dtype != weight_P.dtype:
+                raise ValueError(
+                    f"out must be [{self.num_redundant_slots}, {', '.join(map(str, weight_P.shape[1:]))}] "
+                    f"{weight_P.dtype}, got {tuple(out.shape)} {out.dtype}"
+                )
+            with torch.no_grad():
+                return _ag.fetch_redundant(self, plan, weight_P, out)
         return _ag.PrefetchWeightFunction.apply(weight_P, self, plan)
 
     def check_plan(self, plan: Plan) -> None:
@@ -357,12 +367,13 @@ class Buffer:
                 f"num_redundant_slots={self.num_redundant_slots}; raise it (at most {self.E - self.P})"
             )
 
-    def reduce_grad(self, plan: Plan, grad_L: torch.Tensor) -> torch.Tensor:
+    def reduce_grad(self, plan: Plan, grad_L: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """Sum redundant copies' gradients into their home experts (collective).
 
         Args:
             plan: the plan the weights were prefetched with.
             grad_L: ``[P + num_redundant_slots, *W]`` gradients of the prefetched weights.
+            inplace: accumulate into ``grad_L[:P]`` and return that view (saves a copy of the home rows).
 
         Returns:
             ``[P, *W]`` gradient of this rank's home experts.
@@ -371,7 +382,7 @@ class Buffer:
             raise ValueError(
                 f"grad_L must have {self.P + self.num_redundant_slots} rows, got shape {tuple(grad_L.shape)}"
             )
-        return _ag.reduce_grad(self, plan, grad_L)
+        return _ag.reduce_grad(self, plan, grad_L, inplace=inplace)
 
     def destroy(self) -> None:
         """Free communication resources; the buffer is unusable afterwards (idempotent)."""

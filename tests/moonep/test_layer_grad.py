@@ -110,8 +110,13 @@ def _check_prefetch_reduce(rank: int, world: int) -> None:
     for n, e in enumerate(ids):
         want = [1000.0 * (e // P) + e % P, -1.0] if e >= 0 else [0.0, 0.0]
         assert fetched[P + n].tolist() == want, f"redundant slot {n} (expert {e}) holds {fetched[P + n].tolist()}"
+    into = torch.full((N, 2), float("nan"))
+    assert torch.equal(buffer.prefetch_weight(plan, weight, out=into), fetched[P:])  # the copy-free form
     grad = torch.cat([torch.ones(P, 2), torch.tensor([[2.0**rank, float(n)] for n in range(N)])])
     home_grad = buffer.reduce_grad(plan, grad)
+    in_place = grad.clone()
+    assert torch.equal(buffer.reduce_grad(plan, in_place, inplace=True), home_grad)
+    assert torch.equal(in_place[:P], home_grad)
     for l in range(P):
         e = rank * P + l
         holders = [(r, n) for r in range(world) for n, i in enumerate(plan.redundant_ids_RN[r].tolist()) if i == e]

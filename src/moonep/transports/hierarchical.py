@@ -79,6 +79,6 @@ class HierarchicalTransport(TorchDistTransport):
         # Chunk j of the node exchange: partials of the sources on rail j (every node), [M, S, H].
         send = p_MGSH.transpose(0, 1).contiguous()
         recv = self.node_t.all_to_all(torch.empty_like(send), send, "combine all_to_all (intra-node)")
-        node_sum = recv.view(self.G, self.M, S, H).float().sum(0).to(partial_TH.dtype)  # [M, S, H]
+        node_sum = torch.sum(recv.view(self.G, self.M, S, H), dim=0, dtype=torch.float32).to(partial_TH.dtype)
         back = self.rail_t.all_to_all(torch.empty_like(node_sum), node_sum, "combine all_to_all (inter-node rail)")
-        return back.view(self.M, S, H)[:, :num_tokens].float().sum(0)
+        return torch.sum(back.view(self.M, S, H)[:, :num_tokens], dim=0, dtype=torch.float32)

@@ -110,7 +110,8 @@ class TorchDistTransport:
         comes back over ranks in fp32: returns ``[num_tokens, H]`` fp32 for this rank's tokens."""
         R = self.world_size
         back_TH = self.all_to_all(torch.empty_like(partial_TH), partial_TH, "combine all_to_all")
-        return back_TH.view(R, -1, partial_TH.shape[1])[:, :num_tokens].float().sum(0)
+        # Summing with an fp32 accumulator avoids materialising an fp32 copy of the R partials.
+        return torch.sum(back_TH.view(R, -1, partial_TH.shape[1])[:, :num_tokens], dim=0, dtype=torch.float32)
 
 
 class _Failed:
