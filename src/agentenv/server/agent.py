@@ -36,6 +36,8 @@ import time
 HEADER = struct.Struct("!II")
 PORT = 49983
 MAX_JSON = 16 << 20
+MAX_READ = 1 << 30
+"""Largest file `read` serves (the host refuses larger frames anyway)."""
 SUB_QUEUE = 64
 """Chunks buffered per subscriber before the process's reader blocks (backpressure on the process)."""
 WATCH_POLL_S = 0.05
@@ -71,10 +73,11 @@ def _exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv(sock: socket.socket) -> tuple[dict, bytes]:
+def recv(sock: socket.socket, max_blob: int = 1 << 62) -> tuple[dict, bytes]:
+    """One frame. The host passes `max_blob`: what a sandbox sends must not make the host allocate freely."""
     json_len, blob_len = HEADER.unpack(_exact(sock, HEADER.size))
-    if json_len > MAX_JSON:
-        raise EOFError("frame too large")
+    if json_len > MAX_JSON or blob_len > max_blob:
+        raise EOFError(f"frame too large ({json_len} + {blob_len} bytes)")
     obj = json.loads(_exact(sock, json_len))
     return obj, (_exact(sock, blob_len) if blob_len else b"")
 
@@ -438,6 +441,8 @@ class Agent:
             raise Fault("invalid_argument", f"path {path!r} is a directory")
         try:
             with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size > MAX_READ:
+                    raise Fault("resource_exhausted", f"file {path!r} is larger than {MAX_READ} bytes")
                 return {}, f.read()
         except FileNotFoundError as e:
             raise Fault("not_found", f"file {path!r} does not exist") from e

@@ -24,6 +24,8 @@ CLONE_NEWNET = 0x40000000
 AGENT_PYTHON = "/usr/bin/python3"
 START_TIMEOUT_S = 20.0
 POOL_SIZE = 64
+MAX_BLOB = 1 << 30
+"""Largest payload accepted from an agent (a file read), in bytes: the agent shares its sandbox with untrusted code."""
 _libc: ctypes.CDLL | None = None
 _AGENT_SOURCE: bytes | None = None
 
@@ -159,7 +161,7 @@ class AgentLink:
             sock = self.acquire()
             try:
                 wire.send(sock, req, blob)
-                reply, out = wire.recv(sock)
+                reply, out = wire.recv(sock, MAX_BLOB)
                 break
             except (EOFError, OSError) as e:
                 sock.close()  # a pooled connection the agent dropped (e.g. restarted after a fork): retry fresh

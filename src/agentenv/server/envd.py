@@ -16,7 +16,7 @@ import select
 import signal
 
 from agentenv.server import connect
-from agentenv.server.agents import AgentError, AgentLink
+from agentenv.server.agents import MAX_BLOB, AgentError, AgentLink
 from agentenv.server.connect import ConnectError
 from agentenv.server.httpd import MAX_BODY, Handler, HTTPError
 
@@ -82,7 +82,7 @@ def _frames(link: AgentLink, req: dict):
                 yield {"ev": "keepalive"}, b""
                 continue
             try:
-                frame, blob = wire.recv(sock)
+                frame, blob = wire.recv(sock, MAX_BLOB)
             except (EOFError, OSError) as e:
                 raise ConnectError("unavailable", f"sandbox {link.sandbox.id} stopped answering: {e}") from e
             if "ok" in frame:
