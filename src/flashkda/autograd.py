@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
+from flashkda.chunk_bwd_prologue import chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
@@ -133,6 +134,12 @@ def _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts: KDAOptions, layout: 
     return qc, kc, vc, gc, bc
 
 
+def _fused_prologue(q: torch.Tensor) -> bool:
+    # The Triton prologue handles fp32/bf16/fp16 inputs with power-of-two K (the state passes need that too).
+    K = q.shape[-1]
+    return q.dtype != torch.float64 and K >= 16 and K & (K - 1) == 0
+
+
 def _state_in(initial_state: torch.Tensor | None, opts: KDAOptions, cdt: torch.dtype) -> torch.Tensor | None:
     if initial_state is None:
         return None
@@ -203,29 +210,53 @@ class ChunkKDAFunction(torch.autograd.Function):
         cdt, dot_precision = _compute_dtype(q), _dot_precision(q)
         names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
         inputs = dict(zip(names, (q, k, v, g, beta, A_log, dt_bias)))
-        leaves = {n: x.detach().requires_grad_() for n, x in inputs.items() if x is not None and _needs(ctx, n)}
-        args = {n: leaves.get(n, x) for n, x in inputs.items()}
-        with torch.enable_grad():
-            chunks = _chunked_inputs(*args.values(), opts, layout)
         h0 = _state_in(initial_state, opts, cdt)
-        doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
         dhtc = None
         if dht is not None:
             dhtc = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(cdt).contiguous()
-        *dchunks, dh0 = chunk_kda_train_bwd(
-            *(c.detach() for c in chunks), scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets,
-            do=doc, dht=dhtc, h=h, v_new=v_new, dot_precision=dot_precision,
-        )
-        pairs = [(c, dc) for c, dc in zip(chunks, dchunks) if c.requires_grad]
-        leaf_grads = ()
-        if leaves and pairs:
-            outs, cots = zip(*pairs)
-            leaf_grads = torch.autograd.grad(outs, tuple(leaves.values()), cots, allow_unused=True)
-        grads = dict(zip(leaves, leaf_grads))
-        grads = {n: (torch.zeros_like(leaves[n]) if gx is None else gx.to(leaves[n].dtype)) for n, gx in grads.items()}
+        if _fused_prologue(q):
+            tok = slot_tokens(layout, q.device)
+            raw = tuple(x.contiguous() for x in (q, k, v, g, beta))
+            chunks = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok)
+            doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
+            *dchunks, dh0 = chunk_kda_train_bwd(
+                *chunks, scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets, do=doc, dht=dhtc,
+                h=h, v_new=v_new, dot_precision=dot_precision,
+            )
+            all_grads = chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks)
+            grads = {n: gx for n, gx in zip(names, all_grads) if _needs(ctx, n) and gx is not None}
+        else:
+            grads, dh0 = _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new)
         if dh0 is not None and ctx.needs_input_grad[7]:
             grads["initial_state"] = (dh0.transpose(-1, -2) if opts.state_v_first else dh0).to(initial_state.dtype)
         return (*(grads.get(n) for n in names), grads.get("initial_state"), None, None)
+
+
+def _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new):
+    """Backward with the prologue rebuilt as recorded torch ops (fp64 inputs, or K not a power of two).
+
+    Returns:
+        ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
+    """
+    q = inputs["q"]
+    cdt, dot_precision = _compute_dtype(q), _dot_precision(q)
+    leaves = {n: x.detach().requires_grad_() for n, x in inputs.items() if x is not None and _needs(ctx, n)}
+    args = {n: leaves.get(n, x) for n, x in inputs.items()}
+    with torch.enable_grad():
+        chunks = _chunked_inputs(*args.values(), opts, layout)
+    doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
+    *dchunks, dh0 = chunk_kda_train_bwd(
+        *(c.detach() for c in chunks), scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets,
+        do=doc, dht=dhtc, h=h, v_new=v_new, dot_precision=dot_precision,
+    )
+    pairs = [(c, dc) for c, dc in zip(chunks, dchunks) if c.requires_grad]
+    leaf_grads = ()
+    if leaves and pairs:
+        outs, cots = zip(*pairs)
+        leaf_grads = torch.autograd.grad(outs, tuple(leaves.values()), cots, allow_unused=True)
+    grads = dict(zip(leaves, leaf_grads))
+    grads = {n: (torch.zeros_like(leaves[n]) if gx is None else gx.to(leaves[n].dtype)) for n, gx in grads.items()}
+    return grads, dh0
 
 
 _INPUT_INDEX = {"q": 0, "k": 1, "v": 2, "g": 3, "beta": 4, "A_log": 5, "dt_bias": 6}

@@ -1,0 +1,251 @@
+"""The training prologue as two Triton passes: raw inputs to the chunked fp32 layout, and its backward.
+
+Forward (`chunk_kda_prologue_fwd`): for every (chunk, value head) read the chunk's tokens once and write fp32
+``[NC, HV, C, *]`` tiles of: L2-normalised q and k (of the q/k head the value head belongs to, which is the GVA
+expansion), v, the log-space gate (``-exp(A_log) softplus(g + dt_bias)`` or ``lower_bound * sigmoid(exp(A_log)
+(g + dt_bias))``) and beta (``sigmoid`` times 1 or 2); padding slots get zeros.
+
+Backward (`chunk_kda_prologue_bwd`): the chain rule back to the raw inputs. ``dq``/``dk`` sum the value heads of a
+group and go through the L2 norm; ``dg``/``dbeta`` through the gate and the sigmoid; ``dA_log`` and ``dt_bias``
+sum over tokens through per-chunk partial sums (no atomics, deterministic).
+
+Together they replace about forty torch element-wise passes, layout copies and their autograd backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashkda.chunk_bwd_layout import ChunkLayout
+
+__all__ = ["chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "slot_tokens"]
+
+L2NORM_EPS = 1e-6
+
+
+def slot_tokens(layout: ChunkLayout, device: torch.device) -> torch.Tensor:
+    """``[NC * C]`` int64: the flattened ``B * T`` token of every chunk slot, ``-1`` on padding (no host sync)."""
+    if layout.gather_index is not None:
+        idx = layout.gather_index
+        return torch.where(idx == layout.T, torch.full_like(idx, -1), idx)
+    C, T = layout.C, layout.T
+    nt = layout.num_chunks // max(layout.B, 1)
+    slot = torch.arange(layout.num_chunks * C, device=device)
+    chunk, pos = slot // C, slot % C
+    t = (chunk % nt) * C + pos
+    return torch.where(t < T, (chunk // nt) * T + t, torch.full_like(t, -1))
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def chunk_kda_prologue_fwd_kernel(
+    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, gc, bc,
+    lower_bound, beta_scale,
+    H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
+    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    o_s = tl.arange(0, C)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, BV)
+    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
+    m_t = b_tok >= 0
+    b_tok = tl.where(m_t, b_tok, 0)
+    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    out_k = (i_c.to(tl.int64) * HV + i_hv) * C * K + o_s[:, None] * K + o_k[None, :]
+    out_v = (i_c.to(tl.int64) * HV + i_hv) * C * V + o_s[:, None] * V + o_v[None, :]
+    # [C, K]
+    b_q = tl.load(q + b_tok[:, None] * H * K + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + b_tok[:, None] * H * K + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    if USE_L2:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    tl.store(qc + out_k, b_q)
+    tl.store(kc + out_k, b_k)
+    b_v = tl.load(v + b_tok[:, None] * HV * V + i_hv * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    tl.store(vc + out_v, b_v, mask=o_v[None, :] < V)
+    b_g = tl.load(g + b_tok[:, None] * HV * K + i_hv * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    if USE_GATE:
+        if USE_BIAS:
+            b_g = b_g + tl.load(dt_bias + i_hv * K + o_k).to(tl.float32)[None, :]
+        if USE_LB:
+            if USE_A:
+                b_g = tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * b_g
+            b_g = lower_bound * tl.sigmoid(b_g)
+        else:
+            b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(b_g)
+        b_g = tl.where(m_tk, b_g, 0.0)
+    tl.store(gc + out_k, b_g)
+    b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if USE_SIGMOID:
+        b_b = tl.where(m_t, beta_scale * tl.sigmoid(b_b), 0.0)
+    tl.store(bc + (i_c.to(tl.int64) * HV + i_hv) * C + o_s, b_b)
+
+
+@triton.jit
+def chunk_kda_prologue_bwd_kernel_vgb(
+    v, g, beta, A_log, dt_bias, tok, dvc, dgc, dbc, dv, dg, dbeta, dA_part, dbias_part,
+    lower_bound, beta_scale,
+    HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_LB: tl.constexpr,
+    USE_SIGMOID: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    o_s = tl.arange(0, C)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, BV)
+    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
+    m_t = b_tok >= 0
+    b_tok = tl.where(m_t, b_tok, 0)
+    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    in_k = (i_c.to(tl.int64) * HV + i_hv) * C * K + o_s[:, None] * K + o_k[None, :]
+    in_v = (i_c.to(tl.int64) * HV + i_hv) * C * V + o_s[:, None] * V + o_v[None, :]
+    b_dv = tl.load(dvc + in_v, mask=o_v[None, :] < V, other=0.0)
+    tl.store(dv + b_tok[:, None] * HV * V + i_hv * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+    b_dg = tl.load(dgc + in_k)
+    p_g = b_tok[:, None] * HV * K + i_hv * K + o_k[None, :]
+    if USE_GATE:
+        b_x = tl.load(g + p_g, mask=m_tk, other=0.0).to(tl.float32)
+        if USE_BIAS:
+            b_x = b_x + tl.load(dt_bias + i_hv * K + o_k).to(tl.float32)[None, :]
+        if USE_LB:
+            if USE_A:
+                b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+                b_s = tl.sigmoid(b_a * b_x)
+                b_dy = b_dg * lower_bound * b_s * (1.0 - b_s)
+                b_dA = tl.sum(tl.sum(tl.where(m_tk, b_dy * b_a * b_x, 0.0), axis=1), axis=0)
+                tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, b_dA)
+                b_dx = b_dy * b_a
+            else:
+                b_s = tl.sigmoid(b_x)
+                b_dx = b_dg * lower_bound * b_s * (1.0 - b_s)
+        else:
+            b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+            b_dA = tl.sum(tl.sum(tl.where(m_tk, -b_dg * b_a * _softplus(b_x), 0.0), axis=1), axis=0)
+            tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, b_dA)
+            b_dx = -b_dg * b_a * tl.sigmoid(b_x)
+        b_dx = tl.where(m_tk, b_dx, 0.0)
+        tl.store(dbias_part + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_dx, axis=0))
+    else:
+        b_dx = b_dg
+    tl.store(dg + p_g, b_dx.to(dg.dtype.element_ty), mask=m_tk)
+
+    b_db = tl.load(dbc + (i_c.to(tl.int64) * HV + i_hv) * C + o_s)
+    if USE_SIGMOID:
+        b_s = tl.sigmoid(tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32))
+        b_db = b_db * beta_scale * b_s * (1.0 - b_s)
+    tl.store(dbeta + b_tok * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def chunk_kda_prologue_bwd_kernel_qk(
+    q, k, tok, dqc, dkc, dq, dk,
+    H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, USE_L2: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    G: tl.constexpr = HV // H
+    o_s = tl.arange(0, C)
+    o_k = tl.arange(0, K)
+    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
+    m_t = b_tok >= 0
+    b_tok = tl.where(m_t, b_tok, 0)
+    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    # GVA: the q/k head feeds G value heads, so its gradient is their sum
+    b_dq = tl.zeros([C, K], dtype=tl.float32)
+    b_dk = tl.zeros([C, K], dtype=tl.float32)
+    for i_g in range(G):
+        in_k = (i_c.to(tl.int64) * HV + i_h * G + i_g) * C * K + o_s[:, None] * K + o_k[None, :]
+        b_dq += tl.load(dqc + in_k)
+        b_dk += tl.load(dkc + in_k)
+    p = b_tok[:, None] * H * K + i_h * K + o_k[None, :]
+    if USE_L2:
+        # y = x r, r = (|x|^2 + eps)^-1/2  =>  dx = r (dy - y (y . dy))
+        b_x = tl.load(q + p, mask=m_tk, other=0.0).to(tl.float32)
+        b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
+        b_y = b_x * b_r[:, None]
+        b_dq = b_r[:, None] * (b_dq - b_y * tl.sum(b_y * b_dq, axis=1)[:, None])
+        b_x = tl.load(k + p, mask=m_tk, other=0.0).to(tl.float32)
+        b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + 1e-6)
+        b_y = b_x * b_r[:, None]
+        b_dk = b_r[:, None] * (b_dk - b_y * tl.sum(b_y * b_dk, axis=1)[:, None])
+    tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
+def _flags(opts, A_log, dt_bias) -> dict:
+    return dict(
+        USE_GATE=opts.use_gate_in_kernel,
+        USE_A=A_log is not None,
+        USE_BIAS=dt_bias is not None,
+        USE_LB=opts.lower_bound is not None,
+        USE_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+    )
+
+
+def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor):
+    """Raw ``[B, T, ...]`` inputs to fp32 chunked ``(qc, kc, vc, gc, bc)`` (see the module docstring).
+
+    ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NC, C = layout.num_chunks, layout.C
+    f32 = dict(device=q.device, dtype=torch.float32)
+    qc, kc, gc = (torch.empty(NC, HV, C, K, **f32) for _ in range(3))
+    vc = torch.empty(NC, HV, C, V, **f32)
+    bc = torch.empty(NC, HV, C, **f32)
+    dummy = qc
+    chunk_kda_prologue_fwd_kernel[(NC, HV)](
+        q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
+        qc, kc, vc, gc, bc,
+        float(opts.lower_bound) if opts.lower_bound is not None else 0.0, 2.0 if opts.allow_neg_eigval else 1.0,
+        H=H, HV=HV, C=C, K=K, V=V, BV=triton.next_power_of_2(V), USE_L2=opts.use_qk_l2norm_in_kernel,
+        **_flags(opts, A_log, dt_bias), num_warps=4,
+    )
+    return qc, kc, vc, gc, bc
+
+
+def chunk_kda_prologue_bwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
+                           dqc, dkc, dvc, dgc, dbc):
+    """Chain rule from the chunked gradients back to the raw inputs.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` in the raw inputs' shapes and dtypes (``dA_log``/``ddt_bias``
+        None when those inputs are None or the gate is precomputed).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NC, C = layout.num_chunks, layout.C
+    # Slots map onto tokens one to one, so every token's gradient is written exactly once; padding writes nothing.
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
+    dA_part = torch.zeros(NC, HV, device=q.device, dtype=torch.float32)
+    dbias_part = torch.zeros(NC, HV, K, device=q.device, dtype=torch.float32)
+    dummy = dqc
+    lb = float(opts.lower_bound) if opts.lower_bound is not None else 0.0
+    chunk_kda_prologue_bwd_kernel_vgb[(NC, HV)](
+        v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
+        dvc, dgc, dbc, dv, dg, dbeta, dA_part, dbias_part, lb, 2.0 if opts.allow_neg_eigval else 1.0,
+        HV=HV, C=C, K=K, V=V, BV=triton.next_power_of_2(V), **_flags(opts, A_log, dt_bias), num_warps=4,
+    )
+    chunk_kda_prologue_bwd_kernel_qk[(NC, H)](
+        q, k, tok, dqc, dkc, dq, dk, H=H, HV=HV, C=C, K=K, USE_L2=opts.use_qk_l2norm_in_kernel, num_warps=4,
+    )
+    dA_log = ddt_bias = None
+    if opts.use_gate_in_kernel:
+        if A_log is not None:
+            dA_log = dA_part.sum(0).reshape(A_log.shape).to(A_log.dtype)
+        if dt_bias is not None:
+            ddt_bias = dbias_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias
