@@ -307,6 +307,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     if index.num_chunks > 0:
+        # 8 warps: with 4 the compiled kernel spills ~2 KB a thread (255 registers, sm_90, K = V = 128).
         chunk_kda_fwd_kernel_intra[(index.num_chunks, HV)](
             q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
             w, u, qg, kg, Aqk, gC,

@@ -27,7 +27,7 @@ from flashkda.chunk_intra import CHUNK_SIZE
 @triton.jit(do_not_specialize=["T"])
 def chunk_kda_fwd_kernel_state_o(
     w, u, qg, kg, Aqk, gC, o, h0, ht, h, cu_seqlens, chunk_offsets,
-    T, NTS,
+    T, NTS, PROGRAMS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_H: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DT: tl.constexpr,
@@ -99,6 +99,15 @@ def chunk_kda_fwd_kernel_state_o(
         tl.store(ht + i_s + o_s, b_S, mask=m_kv)
 
 
+#: Tile configurations tried on first use of each shape class on a GPU (V tile, warps); the choice depends on
+#: how many (sequence, head) programs there are, hence the PROGRAMS key.
+STATE_CONFIGS = [(16, 4), (32, 4), (64, 8)]
+chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=1) for bv, nw in STATE_CONFIGS],
+    key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "DOT_PREC"],
+)(chunk_kda_fwd_kernel_state_o)
+
+
 def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
     """Widest V block that still gives at least two programs per SM (down to 16)."""
     BV = min(64, triton.next_power_of_2(V))
@@ -121,16 +130,18 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
     h = torch.empty(index.num_chunks, HV, K, V, dtype=torch.float32, device=w.device) if output_h else None
     if N == 0:
         return o, ht, h
-    if block_v is None:
-        num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
-        block_v = pick_block_v(V, N * HV, num_sms)
-    grid = (triton.cdiv(V, block_v), N, HV)
-    chunk_kda_fwd_kernel_state_o[grid](
-        w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
-        T, index.chunks_per_seq,
-        HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=max(16, triton.next_power_of_2(K)), BV=block_v,
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
-        STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, DT=tl.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
+            T, index.chunks_per_seq, N * HV)
+    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=max(16, triton.next_power_of_2(K)),
+                USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
+                STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, DT=tl.float32)
+    if w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
+        grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), N, HV)  # noqa: E731
+        chunk_kda_fwd_kernel_state_o_tuned[grid](*args, **meta)
+    else:
+        if block_v is None:
+            num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
+            block_v = pick_block_v(V, N * HV, num_sms)
+        grid = (triton.cdiv(V, block_v), N, HV)
+        chunk_kda_fwd_kernel_state_o[grid](*args, BV=block_v, **meta, num_warps=num_warps, num_stages=num_stages)
     return o, ht, h
