@@ -71,7 +71,7 @@ class App:
             raise HTTPError(401, "missing, unknown or revoked API key: send X-API-Key (E2B_API_KEY) with a key "
                                  "from `agentenv keys create`")
         if h.route == "/agentenv/v1/info":
-            mine = [e for e in self.registry.entries.values() if e.key_id == key.id]
+            mine = self.registry.owned(key)
             h.send_json(200, {"sandboxes": len(mine), "gone_after_restart": self.registry.gone,
                               "quota": key.quota.__dict__})
             return

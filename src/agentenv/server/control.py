@@ -64,8 +64,7 @@ class ControlPlane:
         metadata = {}
         if raw.get("metadata"):
             metadata = {unquote(k): unquote(v[-1]) for k, v in parse_qs(raw["metadata"][-1]).items()}
-        entries = sorted((e for e in self.reg.entries.values() if e.key_id == key.id),
-                         key=lambda e: (e.started_at, e.id))
+        entries = sorted(self.reg.owned(key), key=lambda e: (e.started_at, e.id))
         entries = [e for e in entries if (not states or e.state in states)
                    and all(e.metadata.get(k) == v for k, v in metadata.items())]
         if raw.get("order", ["asc"])[-1] == "desc":
@@ -134,7 +133,7 @@ class ControlPlane:
 
     def _metric(self, entry) -> dict:
         """One sample read from the sandbox's cgroups (memory and CPU time) and its limits."""
-        mem_used = _read_int(f"/sys/fs/cgroup/memory/agentenv/{entry.id}/memory.usage_in_bytes")
+        mem_used = _memory_usage(self.reg.backend, entry.id)
         now = time.time()
         return {"timestamp": _iso(now), "timestampUnix": int(now),
                 "cpuCount": max(1, int(round(entry.limits.get("cpus", 1) or 1))),
@@ -143,8 +142,7 @@ class ControlPlane:
 
     def list_snapshots(self, h: Handler, key: KeyInfo) -> None:
         sid = h.query.get("sandboxID")
-        snaps = [s for s in self.reg.snapshots.values() if s["key_id"] == key.id
-                 and (not sid or s["sandboxID"] == sid)]
+        snaps = [s for s in self.reg.owned_snapshots(key) if not sid or s["sandboxID"] == sid]
         snaps.sort(key=lambda s: s["created"])
         limit = int(h.query.get("limit") or MAX_PAGE)
         token = h.query.get("nextToken")
@@ -215,10 +213,15 @@ class ControlPlane:
                           "truncated": False, "info": {}})
 
 
-def _read_int(path: str) -> int:
+def _memory_usage(backend, sandbox_id: str) -> int:
+    """Bytes charged to the sandbox's memory cgroup (0 where the backend has no cgroups)."""
+    group = getattr(backend, "cgroup_group", None)
+    if group is None:
+        return 0
+    from agentenv.runtime import cgroups
+
     try:
-        with open(path) as f:
-            return int(f.read().strip() or 0)
+        return cgroups.Cgroup(sandbox_id, group, backend.cgroup_root).memory_usage()
     except (OSError, ValueError):
         return 0
 

@@ -94,6 +94,7 @@ class Registry:
         self.entries: dict[str, Entry] = {}
         self.snapshots: dict[str, dict] = {}
         self.gone: list[str] = []
+        self._inflight: list[tuple[str, dict]] = []
         self._runtime: dict[str, Sandbox] = {}
         self._links: dict[str, AgentLink] = {}
         self._stop = threading.Event()
@@ -141,6 +142,15 @@ class Registry:
         return {"adopted": adopted, "gone": gone}
 
     # ---- lookups ------------------------------------------------------------------------------------------
+    def owned(self, key: KeyInfo) -> list[Entry]:
+        """The key's live sandboxes (a copy, safe while other threads create and kill)."""
+        with self.lock:
+            return [e for e in self.entries.values() if e.key_id == key.id]
+
+    def owned_snapshots(self, key: KeyInfo) -> list[dict]:
+        with self.lock:
+            return [s for s in self.snapshots.values() if s["key_id"] == key.id]
+
     def get(self, sandbox_id: str, key: KeyInfo | None = None) -> Entry:
         """The entry, checking ownership when `key` is given (404 unknown, 403 another key's)."""
         entry = self.entries.get(sandbox_id)
@@ -172,17 +182,29 @@ class Registry:
         raise HTTPError(500, f"sandbox {sandbox_id} vanished right after it started")
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
-    def _check_quota(self, key: KeyInfo, count: int, limits: Limits) -> None:
-        mine = [e for e in self.entries.values() if e.key_id == key.id]
+    def _reserve(self, key: KeyInfo, count: int, limits: Limits) -> tuple:
+        """Check the key's quota counting live sandboxes and creations in flight, and hold `count` slots.
+
+        Call with `lock` held; release the returned token with `_unreserve` once the sandboxes are
+        registered (or failed), so concurrent creates cannot overrun the quota together.
+        """
+        mine = [e.limits for e in self.owned(key)] + [lim for kid, lim in self._inflight if kid == key.id]
         q = key.quota
         if q.max_sandboxes and len(mine) + count > q.max_sandboxes:
             raise HTTPError(429, f"quota exceeded: API key {key.name!r} may run {q.max_sandboxes} sandboxes "
                                  f"and has {len(mine)} live; kill some first")
-        if q.max_cpus and sum(e.limits.get("cpus", 1) for e in mine) + count * limits.cpus > q.max_cpus:
+        if q.max_cpus and sum(m.get("cpus", 1) for m in mine) + count * limits.cpus > q.max_cpus:
             raise HTTPError(429, f"quota exceeded: API key {key.name!r} may use {q.max_cpus} CPUs in total")
-        if q.max_memory_mb and sum(e.limits.get("memory_mb", 0) for e in mine) + count * limits.memory_mb \
-                > q.max_memory_mb:
+        if q.max_memory_mb and sum(m.get("memory_mb", 0) for m in mine) + count * limits.memory_mb > q.max_memory_mb:
             raise HTTPError(429, f"quota exceeded: API key {key.name!r} may use {q.max_memory_mb} MiB in total")
+        token = tuple((key.id, limits.to_dict()) for _ in range(count))
+        self._inflight.extend(token)
+        return token
+
+    def _unreserve(self, token: tuple) -> None:
+        with self.lock:
+            for item in token:
+                self._inflight.remove(item)
 
     @staticmethod
     def _timeout(timeout: object) -> float:
@@ -222,17 +244,19 @@ class Registry:
         timeout_s = self._timeout(timeout)
         limits = limits or self.limits
         with self.lock:
-            self._check_quota(key, 1, limits)
+            token = self._reserve(key, 1, limits)
             source = self._source(template, key)
         try:
             sb = Sandbox.create(source, limits=limits, backend=self.backend)
+            with self.lock:
+                self._runtime[sb.id] = sb
+            return self._add(sb.id, template, key, timeout_s, limits, metadata or {}, env_vars or {})
         except errors.SandboxNotFoundError as e:
             raise HTTPError(404, f"template {template!r} not found: {e}") from e
         except (errors.SandboxError, ValueError) as e:
             raise HTTPError(500, f"sandbox failed to start: {e}") from e
-        with self.lock:
-            self._runtime[sb.id] = sb
-        return self._add(sb.id, template, key, timeout_s, limits, metadata or {}, env_vars or {})
+        finally:
+            self._unreserve(token)
 
     def kill(self, sandbox_id: str, key: KeyInfo | None = None) -> None:
         with self.lock:
@@ -335,18 +359,22 @@ class Registry:
                 raise HTTPError(409, f"sandbox {sandbox_id} is paused; resume it before forking")
             timeout_s = self._timeout(timeout) if timeout is not None else max(1.0, entry.end_at - time.time())
             limits = Limits.from_dict(entry.limits)
-            self._check_quota(key, count, limits)
-        self._drop_link(sandbox_id)
+            token = self._reserve(key, count, limits)
         try:
-            kids = self.runtime(sandbox_id).fork(count)
-        except errors.SandboxError as e:
-            raise HTTPError(500, f"fork of {sandbox_id} failed: {e}") from e
-        out = []
-        for kid in kids:
-            with self.lock:
-                self._runtime[kid.id] = kid
-            out.append(self._add(kid.id, entry.template, key, timeout_s, limits, entry.metadata, entry.env_vars))
-        return out
+            self._drop_link(sandbox_id)
+            try:
+                kids = self.runtime(sandbox_id).fork(count)
+            except errors.SandboxError as e:
+                raise HTTPError(500, f"fork of {sandbox_id} failed: {e}") from e
+            out = []
+            for kid in kids:
+                with self.lock:
+                    self._runtime[kid.id] = kid
+                out.append(self._add(kid.id, entry.template, key, timeout_s, limits, entry.metadata,
+                                     entry.env_vars))
+            return out
+        finally:
+            self._unreserve(token)
 
     def _drop_link(self, sandbox_id: str) -> None:
         """Forget pooled agent connections: fork and snapshot stop the sandbox's processes (the agent too)."""

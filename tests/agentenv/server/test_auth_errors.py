@@ -125,3 +125,21 @@ def test_sdk_maps_auth_failure(e2b_env):
 
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="e2b_not_a_key")
+
+
+def test_concurrent_creates_cannot_overrun_the_quota(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = subprocess.run([sys.executable, "-m", "agentenv.server", "keys", "--state-dir", str(server.state_dir),
+                          "create", "racer", "--max-sandboxes", "2"], capture_output=True, text=True, check=True)
+    headers = {"X-API-Key": json.loads(out.stdout)["api_key"]}
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: call(server, "POST", "/v2/sandboxes", {"templateID": "base"}, headers),
+                                range(6)))
+    made = [body["sandboxID"] for status, body in results if status == 201]
+    try:
+        assert len(made) == 2
+        assert sorted(status for status, _ in results) == [201, 201, 429, 429, 429, 429]
+    finally:
+        for sid in made:
+            call(server, "DELETE", f"/sandboxes/{sid}", headers=headers)

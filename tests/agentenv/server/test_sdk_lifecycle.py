@@ -114,9 +114,11 @@ def test_fork_copies_files_and_diverges(e2b_sandbox):
             kid.kill()
 
 
-def test_metrics_report_limits(e2b_sandbox):
+def test_metrics_report_limits_and_memory_use(e2b_sandbox):
+    e2b_sandbox.commands.run("true")  # a fresh fork is still charged to its seed; the agent is not
     (metric,) = e2b_sandbox.get_metrics()
     assert metric.cpu_count >= 1 and metric.mem_total == 512 << 20
+    assert 0 < metric.mem_used < metric.mem_total
 
 
 def test_unknown_template_is_not_found(e2b_env):
