@@ -18,26 +18,23 @@ from agentenv import AsyncSandbox, Sandbox, SandboxGoneError, SandboxNotFoundErr
 from agentenv.runtime.local import NamespaceBackend
 
 REPO = Path(__file__).resolve().parents[2]
-leftovers = None  # set from the leak_report fixture
 
 
 @pytest.fixture
 def own_backend(leak_report):
-    global leftovers
-    leftovers = leak_report
     home = Path(tempfile.mkdtemp(prefix="agentenv-own-", dir="/tmp"))
     backend = NamespaceBackend(home)
     yield backend
     backend.gc(everything=True)
-    left = leftovers(home)
+    left = leak_report(home)
     assert not any(left.values()), f"leaked: {left}"
     import shutil
 
     shutil.rmtree(home, ignore_errors=True)
 
 
-def _only_seed_left(backend: NamespaceBackend) -> None:
-    left = leftovers(backend.store.home)
+def _only_seed_left(backend: NamespaceBackend, leak_report) -> None:
+    left = leak_report(backend.store.home)
     assert left["records"] == ["seed-host.json", "seed-host.sock"], left
     assert len(left["layers"]) == 1 and len(left["mounts"]) == 1, left  # the seed's scratch layer
     assert list(left["cgroups"].values()) == [["seed-host"]] * 4, left
@@ -52,15 +49,15 @@ def _cycles(backend: NamespaceBackend, n: int) -> None:
         sb.destroy()
 
 
-def test_create_fork_destroy_cycles_leave_nothing(own_backend):
+def test_create_fork_destroy_cycles_leave_nothing(own_backend, leak_report):
     _cycles(own_backend, 150)
-    _only_seed_left(own_backend)
+    _only_seed_left(own_backend, leak_report)
 
 
 @pytest.mark.slow
-def test_two_thousand_cycles_leave_nothing(own_backend):
+def test_two_thousand_cycles_leave_nothing(own_backend, leak_report):
     _cycles(own_backend, 2000)
-    _only_seed_left(own_backend)
+    _only_seed_left(own_backend, leak_report)
 
 
 _CHURN = """
@@ -79,7 +76,7 @@ while True:
 """
 
 
-def test_killed_runtime_leaves_nothing_gc_cannot_reclaim(own_backend):
+def test_killed_runtime_leaves_nothing_gc_cannot_reclaim(own_backend, leak_report):
     home = own_backend.store.home
     proc = subprocess.Popen([sys.executable, "-c", _CHURN.format(src=str(REPO / "src"), home=str(home))],
                             stdout=subprocess.PIPE, text=True)
@@ -92,18 +89,18 @@ def test_killed_runtime_leaves_nothing_gc_cannot_reclaim(own_backend):
         proc.stdout.close()
     assert own_backend.list()  # its sandboxes outlive it (they are not its children)
     own_backend.gc(everything=True)
-    left = leftovers(home)
+    left = leak_report(home)
     assert not any(left.values()), left
 
 
-def test_ttl_stops_sandbox_and_gc_reclaims_it(own_backend):
+def test_ttl_stops_sandbox_and_gc_reclaims_it(own_backend, leak_report):
     sb = Sandbox.create(backend=own_backend, ttl=0.5)
     assert sb.exec("echo up").stdout == "up\n"
     time.sleep(1.6)
     with pytest.raises(SandboxGoneError):
         sb.exec("true")
     own_backend.gc()
-    _only_seed_left(own_backend)
+    _only_seed_left(own_backend, leak_report)
 
 
 def test_unknown_image_raises_not_found(own_backend):
