@@ -101,7 +101,9 @@ def _run_cases(
 
 
 @pytest.mark.parametrize(
-    ("world", "ranks_per_node"), [(2, None), (4, None), (4, 2)], ids=["R2", "R4", "R4-hierarchical-2x2"]
+    ("world", "ranks_per_node"),
+    [(1, None), (2, None), (4, None), (4, 2)],
+    ids=["R1-local", "R2", "R4", "R4-hierarchical-2x2"],
 )
 def test_dispatch_and_combine_place_every_slot_exactly(world: int, ranks_per_node: int | None) -> None:
     # The hierarchical transport builds node and rail groups per Buffer: a subset of cases keeps CI short.

@@ -100,6 +100,9 @@ def _contract_violations(rank: int, world: int) -> list[str]:
         ({"num_experts": E + 1}, "num_experts"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"num_redundant_slots": E}, "num_redundant_slots"),
+        ({"transport": "bogus"}, "transport"),
+        ({"ranks_per_node": 2}, "ranks_per_node"),
+        ({"transport": "nvlink"}, "transport='nvlink' needs CUDA"),
     ):
         args = {"max_tokens_per_rank": S, "hidden": H, "top_k": K, "num_experts": E, **kwargs}
         _expect_value_error(lambda a=args: Buffer(None, **a), name)
