@@ -133,15 +133,15 @@ def chunk_local_prepare(
         akk = gated_dot(k, k, gam, strict=True)
         aqk = gated_dot(q, k, gam, strict=False) * scale
     # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform.
-    rhs = beta.unsqueeze(-1) * torch.cat([kg, v], dim=-1)
+    b = beta.unsqueeze(-1)
     minv = None
     if _fused(q):
-        minv = unit_lower_inverse((beta.unsqueeze(-1) * akk).contiguous())
-        wu = minv @ rhs
+        minv = unit_lower_inverse((b * akk).contiguous())
+        w, u = minv @ (b * kg), minv @ (b * v)
     else:
-        lhs = beta.unsqueeze(-1) * akk + torch.eye(C, dtype=k.dtype, device=k.device)
-        wu = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
-    w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
+        lhs = b * akk + torch.eye(C, dtype=k.dtype, device=k.device)
+        wu = torch.linalg.solve_triangular(lhs, b * torch.cat([kg, v], dim=-1), upper=False, unitriangular=True)
+        w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
     return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg, minv=minv)
 
 
@@ -217,19 +217,21 @@ def chunk_local_bwd(
     daqk = (do @ v_new.transpose(-1, -2)).tril() * scale
     dkend = v_new @ dhe.transpose(-1, -2)
     ddec = (h * dhe).sum(-1)
-    dx = torch.cat([-(dv_new @ hT), dv_new], dim=-1)  # d[w, u]
+    dw = -(dv_new @ hT)  # v_new = u - w h
 
     # UT transform: (I + Diag(beta) Akk) X = Diag(beta) R with X = [w, u], R = [k * exp(G), v].
     gam, kg = local.gam, local.kg
     if local.minv is not None:
-        y = local.minv.transpose(-1, -2) @ dx
+        mT = local.minv.transpose(-1, -2)
+        y_w, y_u = mT @ dw, mT @ dv_new
     else:
         lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
-        y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), dx, upper=True, unitriangular=True)
-    y_w, y_u = y.split([K, v.shape[-1]], dim=-1)
+        y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), torch.cat([dw, dv_new], dim=-1), upper=True,
+                                          unitriangular=True)
+        y_w, y_u = (x.contiguous() for x in y.split([K, v.shape[-1]], dim=-1))
     dkg = beta.unsqueeze(-1) * y_w
     dv = beta.unsqueeze(-1) * y_u
-    dl = -(y @ torch.cat([local.w, local.u], dim=-1).transpose(-1, -2)).tril(-1)
+    dl = -(y_w @ local.w.transpose(-1, -2) + y_u @ local.u.transpose(-1, -2)).tril(-1)
     dbeta = (y_w * kg).sum(-1) + (y_u * v).sum(-1) + (dl * local.akk).sum(-1)
 
     # Gated products Akk (k with k) and Aqk (q with k).
@@ -237,7 +239,7 @@ def chunk_local_bwd(
     if _fused(q):
         dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision=dot_precision)
         dq, dk, dg = chunk_kda_bwd_gates(
-            k, gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg.contiguous(), dkend, ddec, scale
+            k, gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
         )
         return dq, dk, dv, dg, dbeta
     da, db = gated_dot_bwd(dakk, k, k, gam)
