@@ -8,6 +8,7 @@ and the reference layer `MoELayer` with its `Router`. Importing moonep imports t
 from moonep.buffer import Buffer, DispatchHandle, DispatchOutput
 from moonep.errors import CommError
 from moonep.event import EventOverlap
+from moonep.layer import MoELayer, MoEOutput, Router
 from moonep.plan import Plan, compute_plan, route_tokens
 
 __version__ = "0.1.0"
@@ -18,7 +19,10 @@ __all__ = [
     "DispatchHandle",
     "DispatchOutput",
     "EventOverlap",
+    "MoELayer",
+    "MoEOutput",
     "Plan",
+    "Router",
     "compute_plan",
     "route_tokens",
 ]
