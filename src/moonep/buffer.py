@@ -6,12 +6,15 @@ Shape suffixes used in this module:
     H  hidden     C  slots this rank computes (``S*K`` balanced; ``R*S*K`` unbalanced)   W  weight dims
 
 Data path of `dispatch` (torch.distributed transport):
-    1. every rank's expert histogram (plus a status word) is all-gathered; `compute_plan` runs on device;
-    2. `route_tokens` gives each (token, k) its destination rank and slot; one all-to-all carries, per
+    1. the all-gather of token rows starts (static shape ``[R*S, H]``; it does not depend on the plan);
+    2. every rank's expert histogram (plus a status word) is all-gathered; `compute_plan` runs on device;
+    3. `route_tokens` gives each (token, k) its destination rank and slot; one all-to-all carries, per
        destination, the slot of each (token, k) (-1 if elsewhere) and its gate weight;
-    3. token rows are all-gathered (static shape ``[R*S, H]``) and expanded locally into slots.
-`combine` reduces each token's slots on a rank in fp32 (weighted by the gate), sends one partial row per
-(token, rank) back by all-to-all in the buffer dtype, and sums the ``R`` partials in fp32.
+    4. the received rows are expanded locally into expert-grouped slots.
+`combine` reduces each token's slots on a rank in fp32 (weighted by the gate; Triton on CUDA), sends one
+partial row per (token, rank) back by all-to-all in the buffer dtype, and sums the ``R`` partials with an
+fp32 accumulator. With ``validate=False`` neither step synchronises with the host, so a dispatch+combine
+can be captured in a CUDA graph and replayed with new routing copied into the captured input tensors.
 """
 
 from __future__ import annotations
