@@ -217,11 +217,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         if _fused_prologue(q):
             tok = slot_tokens(layout, q.device)
             raw = tuple(x.contiguous() for x in (q, k, v, g, beta))
-            chunks = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok)
+            chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok)
             doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
             *dchunks, dh0 = chunk_kda_train_bwd(
                 *chunks, scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets, do=doc, dht=dhtc,
-                h=h, v_new=v_new, dot_precision=dot_precision,
+                h=h, v_new=v_new, dot_precision=dot_precision, gate_factors=gate_factors,
             )
             all_grads = chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks)
             grads = {n: gx for n, gx in zip(names, all_grads) if _needs(ctx, n) and gx is not None}

@@ -76,6 +76,7 @@ def chunk_kda_train_bwd(
     h: torch.Tensor | None,
     v_new: torch.Tensor | None,
     dot_precision: str,
+    gate_factors: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Backward of the chunked KDA core.
 
@@ -85,11 +86,12 @@ def chunk_kda_train_bwd(
         dht: ``[N, HV, K, V]`` gradient of the final state, or None.
         h, v_new: kept by the forward (``keep_states=True``), or None to recompute them.
         dot_precision: Triton ``tl.dot`` input precision.
+        gate_factors: ``(G, qg, kg, kend, dec)`` if the caller already has them (see `chunk_local_prepare`).
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale, dot_precision)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, dot_precision, gate_factors)
     if h is None or v_new is None:
         _, _, h, v_new = chunk_kda_fwd_h(
             local.w, local.u, local.qg, local.aqk, local.kend, local.dec, initial_state, chunk_offsets,

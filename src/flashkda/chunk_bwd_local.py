@@ -105,6 +105,7 @@ def chunk_local_prepare(
     beta: torch.Tensor,
     scale: float,
     dot_precision: str = "ieee",
+    gate_factors: tuple[torch.Tensor, ...] | None = None,
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -116,17 +117,22 @@ def chunk_local_prepare(
         beta: ``[NC, HV, C]`` write strengths (zero on padding).
         scale: query scale.
         dot_precision: ``tl.dot`` precision of the fused gated-dot kernel (``"ieee"`` or ``"tf32"``).
+        gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
+            they are computed here from ``g``.
 
     Returns:
         A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
     """
     C, K = k.shape[-2:]
-    gam = g.cumsum(-2)
-    gam_end = gam[..., -1:, :]
-    kg = k * torch.exp(gam)
-    qg = (scale * q) * torch.exp(gam)
-    kend = k * torch.exp(gam_end - gam)
-    dec = torch.exp(gam_end.squeeze(-2))
+    if gate_factors is not None:
+        gam, qg, kg, kend, dec = gate_factors
+    else:
+        gam = g.cumsum(-2)
+        gam_end = gam[..., -1:, :]
+        kg = k * torch.exp(gam)
+        qg = (scale * q) * torch.exp(gam)
+        kend = k * torch.exp(gam_end - gam)
+        dec = torch.exp(gam_end.squeeze(-2))
     if _fused(q):
         akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=dot_precision)
     else:

@@ -45,8 +45,8 @@ def _softplus(x):
 
 @triton.jit
 def chunk_kda_prologue_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, gc, bc,
-    lower_bound, beta_scale,
+    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, gc, bc, gamc, qgc, kgc, kendc, decc,
+    lower_bound, beta_scale, scale,
     H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
     USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr,
@@ -85,6 +85,15 @@ def chunk_kda_prologue_fwd_kernel(
             b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(b_g)
         b_g = tl.where(m_tk, b_g, 0.0)
     tl.store(gc + out_k, b_g)
+    # gate factors of the chunk: G = cumsum(g), qg = scale q e^G, kg = k e^G, kend = k e^(G_C - G), dec = e^G_C
+    b_gam = tl.cumsum(b_g, axis=0)
+    b_gend = tl.sum(b_g, axis=0)
+    b_eg = tl.exp(b_gam)
+    tl.store(gamc + out_k, b_gam)
+    tl.store(qgc + out_k, scale * b_q * b_eg)
+    tl.store(kgc + out_k, b_k * b_eg)
+    tl.store(kendc + out_k, b_k * tl.exp(b_gend[None, :] - b_gam))
+    tl.store(decc + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_gend))
     b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_SIGMOID:
         b_b = tl.where(m_t, beta_scale * tl.sigmoid(b_b), 0.0)
@@ -194,9 +203,13 @@ def _flags(opts, A_log, dt_bias) -> dict:
 
 
 def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor):
-    """Raw ``[B, T, ...]`` inputs to fp32 chunked ``(qc, kc, vc, gc, bc)`` (see the module docstring).
+    """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
     ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
+
+    Returns:
+        ``((qc, kc, vc, gc, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HV, C, *]`` and the chunk's
+        gate factors (``dec`` is ``[NC, HV, K]``), as `flashkda.chunk_bwd_local.chunk_local_prepare` takes them.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -205,15 +218,17 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
     qc, kc, gc = (torch.empty(NC, HV, C, K, **f32) for _ in range(3))
     vc = torch.empty(NC, HV, C, V, **f32)
     bc = torch.empty(NC, HV, C, **f32)
+    gam, qg, kg, kend = (torch.empty(NC, HV, C, K, **f32) for _ in range(4))
+    dec = torch.empty(NC, HV, K, **f32)
     dummy = qc
     chunk_kda_prologue_fwd_kernel[(NC, HV)](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
-        qc, kc, vc, gc, bc,
+        qc, kc, vc, gc, bc, gam, qg, kg, kend, dec,
         float(opts.lower_bound) if opts.lower_bound is not None else 0.0, 2.0 if opts.allow_neg_eigval else 1.0,
-        H=H, HV=HV, C=C, K=K, V=V, BV=triton.next_power_of_2(V), USE_L2=opts.use_qk_l2norm_in_kernel,
-        **_flags(opts, A_log, dt_bias), num_warps=4,
+        opts.scale, H=H, HV=HV, C=C, K=K, V=V, BV=triton.next_power_of_2(V), USE_L2=opts.use_qk_l2norm_in_kernel,
+        **_flags(opts, A_log, dt_bias), num_warps=4 if K * max(K, V) <= 64 * 64 else 8,
     )
-    return qc, kc, vc, gc, bc
+    return (qc, kc, vc, gc, bc), (gam, qg, kg, kend, dec)
 
 
 def chunk_kda_prologue_bwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
