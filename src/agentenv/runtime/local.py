@@ -35,7 +35,11 @@ from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_h
 
 log = logging.getLogger(__name__)
 
-SEED_LIMITS = Limits(memory_mb=1024, pids=4096, cpus=0, disk_mb=16)
+# A new sandbox is cloned inside its seed's cgroup and moved to its own right after; what the kernel charged
+# meanwhile (page tables, namespace objects: about 1 MB a sandbox here) stays on the seed's memory cgroup for
+# the sandbox's lifetime, so the seed gets no memory limit: an OOM kill there would take every sandbox along
+# (their pid namespaces nest in the seed's).
+SEED_LIMITS = Limits(memory_mb=1 << 20, pids=4096, cpus=0, disk_mb=16)
 SEED_START_TIMEOUT_S = 20.0
 MAX_FORK_PER_CALL = 64
 HOST_PYTHON = "/usr/bin/python3"
@@ -429,6 +433,12 @@ class NamespaceBackend(Backend):
             for sock in self.store.records.glob("*.sock"):
                 if sock.stem not in live:
                     sock.unlink(missing_ok=True)
+            if not live:
+                for controller in cgroups.CONTROLLERS:
+                    try:
+                        (self.cgroup_root / controller / self.cgroup_group).rmdir()
+                    except OSError:  # absent, or a sandbox appeared meanwhile
+                        pass
         return removed
 
 

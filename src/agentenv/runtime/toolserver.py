@@ -129,13 +129,16 @@ class ToolServer:
             for key, _ in sel.select(timeout):
                 if key.data is None:
                     conn, _ = self.listener.accept()
+                    conn.set_inheritable(False)
                     sel.register(conn, selectors.EVENT_READ, conn)
+                    self.conns.append(conn)
                     continue
                 conn = key.data
                 try:
                     self.handle(conn)
                 except (protocol.ConnectionClosed, ConnectionError, OSError):
                     sel.unregister(conn)
+                    self.conns.remove(conn)
                     conn.close()
             self._reap()
             if self.deadline is not None and time.time() >= self.deadline and not self.retired:
@@ -369,6 +372,7 @@ class ToolServer:
                 self.listener.close()
                 for c in self.conns:
                     c.close()
+                self.conns = []
                 self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
