@@ -89,6 +89,9 @@ def _frames(link: AgentLink, req: dict):
                 clean = True
                 if not frame["ok"]:
                     raise AgentError(str(frame.get("code", "internal")), str(frame.get("message", "failed")))
+            # hold the message back when more is already waiting or the stream ends here: it then leaves
+            # in one write with what follows (a held message never waits on a process)
+            frame["_hold"] = clean or bool(select.select([sock], [], [], 0)[0])
             yield frame, blob
             if clean:
                 return
@@ -128,14 +131,14 @@ class Envd:
         if not streaming:
             h.send_json(200, reply)
             return
-        h.start_chunked(200, connect.STREAM_CONTENT_TYPE)
+        h.start_chunked(200, connect.STREAM_CONTENT_TYPE, hold=True)
         error = None
         try:
             if isinstance(reply, dict):
-                h.write_chunk(connect.envelope(reply))
+                h.write_chunk(connect.envelope(reply), hold=True)
             else:
-                for message in reply:
-                    h.write_chunk(connect.envelope(message))
+                for message, hold in reply:
+                    h.write_chunk(connect.envelope(message), hold=hold)
         except AgentError as e:
             error = ConnectError(e.code, str(e))
         except ConnectError as e:
@@ -158,17 +161,18 @@ class Envd:
     # ---- process.Process ---------------------------------------------------------------------------------
     @staticmethod
     def _events(frames):
+        """Connect messages, each paired with whether it may be held for the next write."""
         for frame, blob in frames:
-            ev = frame.get("ev")
+            ev, hold = frame.get("ev"), frame.get("_hold", False)
             if ev == "start":
-                yield {"event": {"start": {"pid": frame["pid"]}}}
+                yield {"event": {"start": {"pid": frame["pid"]}}}, hold
             elif ev in ("stdout", "stderr"):
-                yield {"event": {"data": {ev: _b64(blob)}}}
+                yield {"event": {"data": {ev: _b64(blob)}}}, hold
             elif ev == "end":
                 end = {k: frame[k] for k in ("exitCode", "exited", "status") if k in frame}
-                yield {"event": {"end": end}}
+                yield {"event": {"end": end}}, hold
             elif ev == "keepalive":
-                yield {"event": {"keepalive": {}}}
+                yield {"event": {"keepalive": {}}}, False
 
     def _process_Start(self, link, msg, user, entry):
         config = msg.get("process") or {}
@@ -251,11 +255,11 @@ class Envd:
         def events():
             for frame, _ in _frames(link, req):
                 if frame.get("ev") == "start":
-                    yield {"start": {}}
+                    yield {"start": {}}, False
                 elif frame.get("ev") == "fs":
-                    yield {"filesystem": {k: frame[k] for k in ("name", "type", "entry") if k in frame}}
+                    yield {"filesystem": {k: frame[k] for k in ("name", "type", "entry") if k in frame}}, False
                 elif frame.get("ev") == "keepalive":
-                    yield {"keepalive": {}}
+                    yield {"keepalive": {}}, False
 
         return events()
 

@@ -19,6 +19,8 @@ MAX_BODY = 64 << 20
 """Largest request body read into memory (file uploads included), in bytes."""
 MAX_JSON_BODY = 4 << 20
 """Largest JSON request body (control plane and RPC), in bytes."""
+MAX_HELD = 64 << 10
+"""Bytes of a streamed response held back to coalesce writes."""
 MAX_DRAIN = 256 << 20
 """Oversized bodies up to this size are read and dropped before the 413; larger ones close the connection."""
 
@@ -162,22 +164,43 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def start_chunked(self, status: int, content_type: str) -> None:
-        """Begin a streamed response; follow with `write_chunk` calls and one `end_chunked`."""
+    def start_chunked(self, status: int, content_type: str, *, hold: bool = False) -> None:
+        """Begin a streamed response; follow with `write_chunk` calls and one `end_chunked`.
+
+        `hold` keeps the head in memory until the first chunk, so both leave in one write.
+        """
         self.started = True
+        self._pending = b""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        self.wfile.flush()
-
-    def write_chunk(self, data: bytes) -> None:
-        if data:
-            self.wfile.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if hold:
+            self._headers_buffer.append(b"\r\n")
+            self._pending = b"".join(self._headers_buffer)
+            self._headers_buffer = []
+        else:
+            self.end_headers()
             self.wfile.flush()
 
+    def write_chunk(self, data: bytes, *, hold: bool = False) -> None:
+        """Send one chunk; with `hold`, keep it to leave with the next write (fewer syscalls, same order).
+
+        At most `MAX_HELD` bytes are held, so a stream that always has more to send still flows (and a slow
+        reader still blocks the writer: backpressure).
+        """
+        if not data:
+            return
+        piece = self._pending + b"%x\r\n%b\r\n" % (len(data), data)
+        if hold and len(piece) < MAX_HELD:
+            self._pending = piece
+            return
+        self._pending = b""
+        self.wfile.write(piece)
+        self.wfile.flush()
+
     def end_chunked(self) -> None:
-        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.write(self._pending + b"0\r\n\r\n")
+        self._pending = b""
         self.wfile.flush()
 
 
