@@ -82,3 +82,25 @@ def test_unknown_program_reports_exit_127(e2b_sandbox):
     with pytest.raises(CommandExitException) as info:
         e2b_sandbox.commands.run("no-such-program-xyz")
     assert info.value.exit_code == 127
+
+
+def test_async_sdk_runs_commands_concurrently(e2b_env):
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    async def scenario() -> tuple[list[str], float]:
+        sb = await AsyncSandbox.create(timeout=60)
+        try:
+            chunks: list[str] = []
+            first = await sb.commands.run("echo streamed", on_stdout=chunks.append)
+            assert first.stdout == "streamed\n" and chunks == ["streamed\n"]
+            start = time.monotonic()
+            results = await asyncio.gather(*[sb.commands.run(f"sleep 0.5; echo {i}") for i in range(8)])
+            return [r.stdout for r in results], time.monotonic() - start
+        finally:
+            await sb.kill()
+
+    outputs, elapsed = asyncio.run(scenario())
+    assert outputs == [f"{i}\n" for i in range(8)]
+    assert elapsed < 8 * 0.5 / 2  # the eight sleeps overlapped
