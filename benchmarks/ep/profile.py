@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
         def step() -> None:
             o = buffer.dispatch(x, idx, w)
-            buffer.combine(o.x_CH, o.weights_C, o.handle)
+            buffer.combine(o.x_CH, o.handle, o.weights_C)
 
         for _ in range(5):
             step()

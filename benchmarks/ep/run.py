@@ -73,7 +73,7 @@ def _gate(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
     want = torch.stack(xs)[src, tok] * used[:, None]
     if not torch.equal(out.x_CH.cpu(), want.to(torch.bfloat16)):
         return "dispatch slots differ from the reference"
-    combined, _ = buffer.combine(out.x_CH, out.weights_C, out.handle)
+    combined, _ = buffer.combine(out.x_CH, out.handle, out.weights_C)
     ideal = (x.float() * w.float().sum(1, keepdim=True)).cpu()
     rel = float((combined.float().cpu() - ideal).norm() / ideal.norm())
     buffer.destroy()
@@ -115,10 +115,10 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
 
     def ours_both() -> None:
         o = buffer.dispatch(x, idx, w)
-        buffer.combine(o.x_CH, o.weights_C, o.handle)
+        buffer.combine(o.x_CH, o.handle, o.weights_C)
 
     result["dispatch_ms"] = time_fn(lambda: buffer.dispatch(x, idx, w), **timing).median_ms
-    result["combine_ms"] = time_fn(lambda: buffer.combine(out.x_CH, out.weights_C, out.handle), **timing).median_ms
+    result["combine_ms"] = time_fn(lambda: buffer.combine(out.x_CH, out.handle, out.weights_C), **timing).median_ms
     t = time_fn(ours_both, **timing)
     result["ours_ms"], result["ours_p80_ms"] = t.median_ms, t.p80_ms
     result["ours_peak_gib"] = _peak(ours_both, device)
@@ -132,7 +132,7 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
 
     def unbalanced_both() -> None:
         o = unbalanced.dispatch(x, idx, w)
-        unbalanced.combine(o.x_CH, o.weights_C, o.handle)
+        unbalanced.combine(o.x_CH, o.handle, o.weights_C)
 
     result["unbalanced_ms"] = time_fn(unbalanced_both, **timing).median_ms
     unbalanced.destroy()
@@ -170,7 +170,7 @@ def _graphed(args, rank, world, buffer, x, idx, w, device, timing) -> dict:
 
     def step() -> None:
         o = buffer.dispatch(x_s, idx_s, w_s)
-        holder["y"] = buffer.combine(o.x_CH, o.weights_C, o.handle)[0]
+        holder["y"] = buffer.combine(o.x_CH, o.handle, o.weights_C)[0]
 
     try:
         side = torch.cuda.Stream()
@@ -203,7 +203,7 @@ def _graphed(args, rank, world, buffer, x, idx, w, device, timing) -> dict:
 
 def _eager_parts(buffer, x, idx, w):
     o = buffer.dispatch(x, idx, w)
-    return o.x_CH, o.weights_C, o.handle
+    return o.x_CH, o.handle, o.weights_C
 
 
 def _nvlink(args, hidden, x, idx, w, reference_out, device, timing) -> dict:
@@ -213,18 +213,18 @@ def _nvlink(args, hidden, x, idx, w, reference_out, device, timing) -> dict:
         nv = Buffer(None, S, hidden, K, E, device=device, validate=False, transport="nvlink")
         out = nv.dispatch(x, idx, w)
         same = torch.equal(out.x_CH, reference_out.x_CH)
-        y_nv, _ = nv.combine(out.x_CH, out.weights_C, out.handle)
-        y_ref, _ = nv.combine(reference_out.x_CH, reference_out.weights_C, out.handle)
+        y_nv, _ = nv.combine(out.x_CH, out.handle, out.weights_C)
+        y_ref, _ = nv.combine(reference_out.x_CH, out.handle, reference_out.weights_C)
         if not same or not torch.equal(y_nv, y_ref):
             return {"nvlink_note": "nvlink transport gave different slots or combine; not timed"}
 
         def both() -> None:
             o = nv.dispatch(x, idx, w)
-            nv.combine(o.x_CH, o.weights_C, o.handle)
+            nv.combine(o.x_CH, o.handle, o.weights_C)
 
         res = {
             "nvlink_dispatch_ms": time_fn(lambda: nv.dispatch(x, idx, w), **timing).median_ms,
-            "nvlink_combine_ms": time_fn(lambda: nv.combine(out.x_CH, out.weights_C, out.handle), **timing).median_ms,
+            "nvlink_combine_ms": time_fn(lambda: nv.combine(out.x_CH, out.handle, out.weights_C), **timing).median_ms,
             "nvlink_ms": time_fn(both, **timing).median_ms,
         }
         rank, world = nv.rank, nv.num_ranks

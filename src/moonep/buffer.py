@@ -19,6 +19,7 @@ can be captured in a CUDA graph and replayed with new routing copied into the ca
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ class DispatchHandle:
     recv_slots_TK: torch.Tensor
     """``[R*S, K]`` int64 slot on this rank of each received (src, token, k); -1 if computed elsewhere."""
     weights_C: torch.Tensor
-    """``[C]`` fp32 gate weight per slot (0 if unused); detached."""
+    """``[C]`` fp32 gate weight per slot (0 if unused); differentiable w.r.t. ``topk_weights``."""
     local_counts_L: torch.Tensor
     """``[L]`` int64 slots per local expert on this rank (home experts, then redundant table entries)."""
 
@@ -108,7 +109,7 @@ class Buffer:
         buffer = moonep.Buffer(None, max_tokens_per_rank=4096, hidden=7168, top_k=16, num_experts=896)
         out = buffer.dispatch(x_sH, topk_idx_sK, topk_weights_sK)
         y_CH = experts(out.x_CH, out.counts_L)          # grouped GEMM over local experts
-        y_sH = buffer.combine(y_CH, out.weights_C, out.handle)
+        y_sH, _ = buffer.combine(y_CH, out.handle)
         buffer.destroy()
     """
 
@@ -256,7 +257,7 @@ class Buffer:
         Args:
             x: ``[s, H]`` tokens, ``s <= max_tokens_per_rank``, dtype ``self.dtype``.
             topk_idx: ``[s, K]`` int64/int32 expert ids; -1 means no selection.
-            topk_weights: ``[s, K]`` floating gate weights (applied in `combine`).
+            topk_weights: ``[s, K]`` floating gate weights (travel with the handle; applied in `combine`).
             previous_event: wait for this event before starting (CUDA).
             async_finish: run on the buffer's communication stream and return at once; ``event`` then
                 marks completion (use it as ``with event:``).
@@ -284,6 +285,9 @@ class Buffer:
             handle = self._make_handle(plan, topk_idx, topk_weights)
             rows_XH = rows_pending()
             x_CH, w_C = _ag.DispatchFunction.apply(x, topk_weights, handle.weights_C, self, handle, rows_XH)
+            # The handle given to the caller carries the differentiable weights, so combine(y, handle)
+            # trains the router too.
+            handle = dataclasses.replace(handle, weights_C=w_C)
         counts_L = handle.local_counts_L
         offsets_L = counts_L.cumsum(0) - counts_L
         event = self._leave(stream, async_finish, (x_CH, w_C, counts_L, offsets_L))
@@ -294,26 +298,29 @@ class Buffer:
     def combine(
         self,
         y_CH: torch.Tensor,
-        weights_C: torch.Tensor | None,
         handle: DispatchHandle,
+        weights_C: torch.Tensor | None = None,
         *,
+        apply_weights: bool = True,
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
     ) -> tuple[torch.Tensor, EventOverlap]:
         """Return expert outputs to their tokens: ``out[t] = sum_k w[t,k] * y[slot(t,k)]``, summed in fp32.
 
-        Collective. Differentiable in ``y_CH`` and ``weights_C`` (backward is a dispatch with the saved plan).
+        Collective. Differentiable in ``y_CH`` and the gate weights (backward is a dispatch with the
+        saved plan).
 
         Args:
             y_CH: ``[C, H]`` expert outputs in slot order (as `dispatch` laid them out).
-            weights_C: ``[C]`` gate weights per slot (``DispatchOutput.weights_C``), or None for a plain sum.
-            handle: the dispatch's handle.
+            handle: the dispatch's handle (``DispatchOutput.handle``); it carries the slots' gate weights.
+            weights_C: ``[C]`` gate weights per slot to use instead of the handle's.
+            apply_weights: False for a plain sum of the ``K`` outputs (gate applied inside the experts).
 
         Returns:
             ``(out_sH, event)``: ``[s, H]`` in ``y_CH``'s dtype. Each rank's partial sum travels in that dtype.
 
         Raises:
-            ValueError: ``y_CH`` does not have ``C`` rows of width ``H``.
+            ValueError: ``y_CH`` does not have ``C`` rows of width ``H``, or ``weights_C`` not ``C`` rows.
             CommError: a peer died or stalled.
         """
         self._check_alive()
@@ -321,9 +328,13 @@ class Buffer:
             raise ValueError(f"y_CH must be [{self.capacity}, {self.H}], got {tuple(y_CH.shape)}")
         if weights_C is not None and weights_C.shape != (self.capacity,):
             raise ValueError(f"weights_C must be [{self.capacity}] or None, got {tuple(weights_C.shape)}")
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the DispatchHandle from dispatch(), got {type(handle).__name__}")
+        if apply_weights and weights_C is None:
+            weights_C = handle.weights_C
         stream = self._enter(previous_event, async_finish)
         with _maybe_stream(stream):
-            out = _ag.CombineFunction.apply(y_CH, weights_C, self, handle)
+            out = _ag.CombineFunction.apply(y_CH, weights_C if apply_weights else None, self, handle)
         return out, self._leave(stream, async_finish, (out,))
 
     # -- redundant experts --------------------------------------------------------------------------------

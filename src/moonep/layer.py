@@ -138,7 +138,7 @@ class MoELayer(torch.nn.Module):
         # Local experts past the prefetched ones have no slots (prefetch_weight validated the plan).
         counts_L = dispatched.counts_L[: w1_LFH.shape[0]]
         y_CH = grouped_mlp(dispatched.x_CH, counts_L, w1_LFH, w2_LHF)
-        routed_sH, _ = self.buffer.combine(y_CH, dispatched.weights_C, dispatched.handle)
+        routed_sH, _ = self.buffer.combine(y_CH, dispatched.handle)
         return MoEOutput(
             out_sH=shared_sH + routed_sH,
             tokens_per_expert_E=plan.counts_RE.sum(0),

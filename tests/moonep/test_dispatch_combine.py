@@ -90,10 +90,14 @@ def _run_cases(
         scale = torch.zeros(buffer.capacity)
         scale[:used] = _expert_id_of_slots(plan, rank, out.counts_L.cpu()).float() + 1
         y_CH = out.x_CH * scale[:, None].to(device)
-        combined, _ = buffer.combine(y_CH, out.weights_C, out.handle)
+        combined, _ = buffer.combine(y_CH, out.handle, out.weights_C)
         combined = combined.cpu()
         want = x * ((idx.float() + 1) * w).sum(1, keepdim=True) if s_all[rank] else x
         assert torch.equal(combined, want), f"{case_id}: combine differs by {(combined - want).abs().max()}"
+        assert torch.equal(buffer.combine(y_CH, out.handle)[0].cpu(), combined), "handle's weights differ"
+        plain = buffer.combine(y_CH, out.handle, apply_weights=False)[0].cpu()
+        want_plain = x * (idx.float() + 1).clamp(min=0).sum(1, keepdim=True) if s_all[rank] else x
+        assert torch.equal(plain, want_plain), f"{case_id}: unweighted combine"
         checked.append(case_id)
     for buffer in buffers.values():
         buffer.destroy()

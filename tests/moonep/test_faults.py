@@ -82,8 +82,8 @@ def _contract_violations(rank: int, world: int) -> list[str]:
     _expect_value_error(lambda: buffer.dispatch(x_shape, idx, w), "rank 0 passed x/topk_idx/topk_weights with wrong")
     seen.append("shape")
     out = buffer.dispatch(x, idx, w)  # the buffer still works after rejected calls
-    _expect_value_error(lambda: buffer.combine(out.x_CH[:-1], out.weights_C, out.handle), "y_CH must be")
-    _expect_value_error(lambda: buffer.combine(out.x_CH, out.weights_C[:-1], out.handle), "weights_C must be")
+    _expect_value_error(lambda: buffer.combine(out.x_CH[:-1], out.handle, out.weights_C), "y_CH must be")
+    _expect_value_error(lambda: buffer.combine(out.x_CH, out.handle, out.weights_C[:-1]), "weights_C must be")
     _expect_value_error(lambda: buffer.prefetch_weight(out.handle.plan, torch.zeros(P + 1, 3)), "weight_P must")
     _expect_value_error(lambda: buffer.reduce_grad(out.handle.plan, torch.zeros(1, 3)), "grad_L must")
     small = Buffer(None, S, H, K, E, dtype=torch.float32, num_redundant_slots=0)

@@ -40,7 +40,7 @@ def _async_and_layer(rank: int, world: int) -> float:
         side = (x.float() @ x.float().t()).sum()  # overlapped work on the compute stream
     assert torch.isfinite(side)
     assert torch.equal(pending.x_CH, sync.x_CH)
-    out, event = buffer.combine(pending.x_CH, pending.weights_C, pending.handle, async_finish=True)
+    out, event = buffer.combine(pending.x_CH, pending.handle, pending.weights_C, async_finish=True)
     event.current_stream_wait()
     ideal = x.float() * w.float().sum(1, keepdim=True)
     assert float((out.float() - ideal).norm() / ideal.norm()) < 1e-2
@@ -48,8 +48,8 @@ def _async_and_layer(rank: int, world: int) -> float:
     nv = Buffer(None, S, H, K, E, device=device, transport="nvlink")
     nv_out = nv.dispatch(x, idx, w)
     assert torch.equal(nv_out.x_CH, sync.x_CH)
-    nv_y, _ = nv.combine(nv_out.x_CH, nv_out.weights_C, nv_out.handle)
-    assert torch.equal(nv_y, buffer.combine(sync.x_CH, sync.weights_C, sync.handle)[0])
+    nv_y, _ = nv.combine(nv_out.x_CH, nv_out.handle, nv_out.weights_C)
+    assert torch.equal(nv_y, buffer.combine(sync.x_CH, sync.handle, sync.weights_C)[0])
     nv.destroy()
     buffer.destroy()
     # bf16 layer through torch._grouped_mm against the fp32 reference on the same (bf16-rounded) weights.

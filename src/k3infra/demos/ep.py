@@ -26,7 +26,7 @@ def _rank(rank: int, world: int) -> list[tuple[str, float, float, int, bool]]:
         idx, w = make_routing(skew, S, K, E, world, rank=rank, seed=4)
         x = torch.randn(S, H, generator=torch.Generator().manual_seed(rank))
         dispatched = buffer.dispatch(x, idx, w)
-        y, _ = buffer.combine(dispatched.x_CH, dispatched.weights_C, dispatched.handle)
+        y, _ = buffer.combine(dispatched.x_CH, dispatched.handle)
         plan = dispatched.handle.plan
         ref = reference_plan(plan.counts_RE)
         same_plan = all(torch.equal(getattr(plan, k), v) for k, v in ref.items())
