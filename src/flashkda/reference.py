@@ -114,6 +114,32 @@ def _segments(T: int, B: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
+def _over_sequences(segment_fn, q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
+                    cu_seqlens):
+    """Casts to fp64, expands GVA heads, runs ``segment_fn(q, k, v, g, beta, S) -> (o, S)`` per sequence."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+    G = HV // H
+    q = q.double().repeat_interleave(G, dim=2) * scale
+    k = k.double().repeat_interleave(G, dim=2)
+    v, g, beta = v.double(), g.double(), beta.double()
+    outs, finals = [], []
+    for n, (b, bos, eos) in enumerate(_segments(T, B, cu_seqlens)):
+        if initial_state is None:
+            S = q.new_zeros(HV, K, V)
+        else:
+            S = initial_state[n].double()
+            S = S.transpose(-1, -2) if state_v_first else S
+        sl = slice(bos, eos)
+        o, S = segment_fn(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], S)
+        outs.append(o)
+        finals.append(S.transpose(-1, -2) if state_v_first else S)
+    o = torch.cat(outs, 0).reshape(B, T, HV, V) if cu_seqlens is not None else torch.stack(outs, 0)
+    return o, (torch.stack(finals, 0) if output_final_state else None)
+
+
 def _recurrent_segment(q, k, v, g, beta, S):
     """Token loop over one sequence: q/k/v/g ``[L, HV, *]`` float64, S ``[HV, K, V]``."""
     outs = []
@@ -159,26 +185,8 @@ def naive_recurrent_kda(
         ``(o, final_state)``: ``o`` float64 ``[B, T, HV, V]``; ``final_state`` float64 ``[N, HV, K, V]`` (or
         V-first) when ``output_final_state`` else None.
     """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if scale is None:
-        scale = K**-0.5
-    G = HV // H
-    q = q.double().repeat_interleave(G, dim=2) * scale
-    k = k.double().repeat_interleave(G, dim=2)
-    v, g, beta = v.double(), g.double(), beta.double()
-    outs, finals = [], []
-    for n, (b, bos, eos) in enumerate(_segments(T, B, cu_seqlens)):
-        if initial_state is None:
-            S = q.new_zeros(HV, K, V)
-        else:
-            S = initial_state[n].double()
-            S = S.transpose(-1, -2) if state_v_first else S
-        o, S = _recurrent_segment(q[b, bos:eos], k[b, bos:eos], v[b, bos:eos], g[b, bos:eos], beta[b, bos:eos], S)
-        outs.append(o)
-        finals.append(S.transpose(-1, -2) if state_v_first else S)
-    o = torch.cat(outs, 0).reshape(B, T, HV, V) if cu_seqlens is not None else torch.stack(outs, 0)
-    return o, (torch.stack(finals, 0) if output_final_state else None)
+    return _over_sequences(_recurrent_segment, q, k, v, g, beta, scale, initial_state, output_final_state,
+                           state_v_first, cu_seqlens)
 
 
 def _chunk_segment(q, k, v, g, beta, S, chunk_size):
@@ -251,27 +259,8 @@ def naive_chunk_kda(
     Returns:
         ``(o, final_state)`` as in ``naive_recurrent_kda``.
     """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if scale is None:
-        scale = K**-0.5
-    G = HV // H
-    q = q.double().repeat_interleave(G, dim=2) * scale
-    k = k.double().repeat_interleave(G, dim=2)
-    v, g, beta = v.double(), g.double(), beta.double()
-    outs, finals = [], []
-    for n, (b, bos, eos) in enumerate(_segments(T, B, cu_seqlens)):
-        if initial_state is None:
-            S = q.new_zeros(HV, K, V)
-        else:
-            S = initial_state[n].double()
-            S = S.transpose(-1, -2) if state_v_first else S
-        sl = slice(bos, eos)
-        o, S = _chunk_segment(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], S, chunk_size)
-        outs.append(o)
-        finals.append(S.transpose(-1, -2) if state_v_first else S)
-    o = torch.cat(outs, 0).reshape(B, T, HV, V) if cu_seqlens is not None else torch.stack(outs, 0)
-    return o, (torch.stack(finals, 0) if output_final_state else None)
+    return _over_sequences(lambda *a: _chunk_segment(*a, chunk_size), q, k, v, g, beta, scale, initial_state,
+                           output_final_state, state_v_first, cu_seqlens)
 
 
 def chunk_kda_reference(
