@@ -73,7 +73,8 @@ def start_server(home: Path) -> ServerHandle:
     """`agentenv serve` on a free loopback port with a fresh key; sandboxes die with it."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
-                             "--state-dir", str(home / "server"), "--kill-on-exit", "--create-key", "bench"],
+                             "--exit-with-parent", "--state-dir", str(home / "server"), "--kill-on-exit",
+                             "--create-key", "bench"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     key = json.loads(proc.stdout.readline())["api_key"]
     url = json.loads(proc.stdout.readline())["url"]

@@ -24,6 +24,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                        help="kill every sandbox on shutdown (default: keep them for the next server to adopt)")
     serve.add_argument("--create-key", metavar="NAME", default=None,
                        help="create an API key named NAME at start and print it (for tests and demos)")
+    serve.add_argument("--exit-with-parent", action="store_true",
+                       help="shut down (as on SIGTERM) when the process that started the server dies")
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=cmd_serve)
 
@@ -66,6 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    if args.exit_with_parent:
+        _watch_parent()
     try:
         server.registry.start_reaper()
         server.httpd.serve_forever()
@@ -75,6 +79,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.httpd.server_close()
         server.registry.stop(kill_all=args.kill_on_exit)
     return 0
+
+
+def _watch_parent() -> None:
+    """SIGTERM ourselves once our parent is gone (a test runner or benchmark killed without clean-up)."""
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="agentenv-parent-watch", daemon=True).start()
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

@@ -47,7 +47,7 @@ def start_server(home: Path, state_dir: Path, *, kill_on_exit: bool = True, crea
     """Start ``python -m agentenv.server`` on a free port and wait for its ready line."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
-           "--state-dir", str(state_dir)]
+           "--exit-with-parent", "--state-dir", str(state_dir)]
     if kill_on_exit:
         cmd.append("--kill-on-exit")
     if create_key:

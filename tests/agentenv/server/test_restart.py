@@ -91,3 +91,43 @@ print("SDK-OK")
                          cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "SDK-OK"
+
+
+def test_server_started_with_exit_with_parent_cleans_up_when_orphaned():
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from e2b import Sandbox
+
+    from agentenv.runtime.local import NamespaceBackend
+
+    home = Path(tempfile.mkdtemp(prefix="agentenv-orphan-", dir="/tmp"))
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'agentenv.server', '--home', {str(home)!r}, 'serve', "
+        f"'--port', '0', '--exit-with-parent', '--kill-on-exit', '--create-key', 'k', '--state-dir', "
+        f"{str(home / 'state')!r}], stdout=subprocess.PIPE, text=True, env={{'PYTHONPATH': {src!r}}})\n"
+        "print(p.pid, flush=True); print(p.stdout.readline(), end='', flush=True)\n"
+        "print(p.stdout.readline(), end='', flush=True); time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        key = json.loads(parent.stdout.readline())["api_key"]
+        url = json.loads(parent.stdout.readline())["url"]
+        sb = Sandbox.create(timeout=120, **_sdk_env(url, key))
+        assert sb.commands.run("echo up").stdout == "up\n"
+        parent.kill()  # the launcher dies without a word to the server
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{server_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{server_pid}").exists(), "the orphaned server kept running"
+        assert runtime_leftovers(home) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        NamespaceBackend(home).gc(everything=True)
+        shutil.rmtree(home, ignore_errors=True)
