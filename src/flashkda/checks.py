@@ -71,6 +71,9 @@ def check_qkvgb(q, k, v, g, beta) -> KDAShapes:
             raise ValueError(f"`{name}` must be a floating-point tensor, got {x.dtype}")
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         _same_device(name, x, q.device)
+    if T * HV * max(K, V, 64) >= 2**31:
+        raise ValueError(f"`q`: T*HV*max(K, V, 64) = {T * HV * max(K, V, 64)} exceeds the kernels' int32 offsets; "
+                         f"split the batch into calls of fewer tokens")
     return KDAShapes(B=B, T=T, H=H, HV=HV, K=K, V=V, N=B)
 
 
