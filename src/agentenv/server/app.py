@@ -1,8 +1,9 @@
 """`Server`: the E2B-compatible HTTP API over the runtime, and the request router.
 
 Routing: a request with ``E2b-Sandbox-Id`` is sandbox traffic (envd services on port 49983, the code
-interpreter on 49999) and is authorised by the sandbox's access token (``X-Access-Token``); anything else is
-the control plane, authorised by an API key (``X-API-Key`` or ``Authorization: Bearer``).
+interpreter on 49999, any other ``E2b-Sandbox-Port`` proxied to that port inside the sandbox) and is
+authorised by the sandbox's access token (``X-Access-Token``); anything else is the control plane,
+authorised by an API key (``X-API-Key`` or ``Authorization: Bearer``).
 
 Example::
 
@@ -23,7 +24,7 @@ import threading
 from pathlib import Path
 
 from agentenv.limits import Limits
-from agentenv.server import interpreter
+from agentenv.server import interpreter, proxy
 from agentenv.server.auth import KeyStore
 from agentenv.server.control import ControlPlane
 from agentenv.server.envd import Envd
@@ -101,8 +102,10 @@ class App:
                 raise HTTPError(404, f"no route {h.route} on the code interpreter")
             return
         if port != str(ENVD_PORT):
-            raise HTTPError(502, f"nothing listens on port {port} of sandbox {sandbox_id} (only {ENVD_PORT} "
-                                 f"and {INTERPRETER_PORT} are served)")
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise HTTPError(400, f"E2b-Sandbox-Port must be a TCP port number, got {port!r}")
+            proxy.forward(h, entry.pid, sandbox_id, int(port))
+            return
         if h.route == "/health":
             h.send_empty(204)
         elif h.route == "/files":

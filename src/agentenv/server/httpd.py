@@ -66,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
         if self._body is None and not self.close_connection:
             self._drain()
 
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
 
     def _fail(self, status: int, message: str) -> None:
         if self.started:  # too late for a status line: cut the connection so the client sees the failure

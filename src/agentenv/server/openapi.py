@@ -94,6 +94,7 @@ SANDBOX_ROUTES: list[tuple[str, str, str]] = [
     ("post", "/files", "Upload: multipart/form-data or application/octet-stream (?path=)"),
     ("get", "/health", "envd liveness (204)"),
     ("post", "/execute", "Code interpreter (E2b-Sandbox-Port: 49999): NDJSON stream of outputs"),
+    ("get", "/{path}", "Any other E2b-Sandbox-Port: HTTP proxied to 127.0.0.1:<port> inside the sandbox"),
 ]
 
 
@@ -117,7 +118,8 @@ def document() -> dict:
             op["parameters"] = params
         paths.setdefault(path, {})[method] = op
     sandbox_headers = [{"name": "E2b-Sandbox-Id", "in": "header", "required": True, "schema": _STR},
-                       {"name": "E2b-Sandbox-Port", "in": "header", "schema": {"enum": ["49983", "49999"]}}]
+                       {"name": "E2b-Sandbox-Port", "in": "header", "schema": _STR,
+                        "description": "49983 envd (default), 49999 code interpreter, anything else: proxied"}]
     for method, path, summary in SANDBOX_ROUTES:
         key = f"{path} (in-sandbox)"
         content = "application/connect+json or application/json (Connect protocol, JSON codec)" \
