@@ -5,11 +5,12 @@
 * forward: the forward kernels (``flashkda.chunk_fwd.chunk_kda_fwd``: fused gate, L2 norm, beta sigmoid, chunked
   recurrence); only the inputs are saved. fp64 inputs (tests) and ``disable_recompute=True`` use the training
   forward of `flashkda.chunk_bwd` instead, the latter keeping the per-chunk states for the backward.
-* backward: rebuilds the differentiable prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``,
-  ``dt_bias``, the beta sigmoid, GVA expansion, the chunked layout ``[NC, HV, C, D]`` of
-  `flashkda.chunk_bwd_layout`) with autograd recording, runs `flashkda.chunk_bwd.chunk_kda_train_bwd` on its
-  (detached) outputs (Triton state passes + explicit chunk-local chain rule), and lets torch autograd pull the
-  chunked gradients back through the prologue in one ``autograd.grad`` call.
+* backward: rebuilds the prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``, ``dt_bias``, the beta
+  sigmoid, GVA expansion, the chunked fp32 layout ``[NC, HV, C, D]`` of `flashkda.chunk_bwd_layout`) with one
+  Triton pass (`flashkda.chunk_bwd_prologue`), runs `flashkda.chunk_bwd.chunk_kda_train_bwd` (Triton state passes
+  + chunk-local chain rule), and maps the chunked gradients back to the raw inputs with the prologue's backward
+  pass. fp64 inputs (or a K that is not a power of two) rebuild the prologue as recorded torch ops instead and
+  pull back with one ``autograd.grad`` call.
 
 Gradients flow to ``q, k, v, g, beta, A_log, dt_bias, initial_state``, including through the final state.
 """
