@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
+MAX_LIFETIME_S = 24 * 3600
+"""Longest life of a sandbox (E2B's cap too). The runtime gets it as the sandbox's TTL, so a sandbox whose
+server crashed and never came back still ends; `set_timeout` cannot move the deadline past it."""
 MAX_FORK = 64
 TEMPLATE_ALIASES = {"base": "host", "code-interpreter-v1": "host", "code-interpreter": "host", "desktop": "host"}
 """E2B template names mapped to our images (E2B's stock templates are all served by the ``host`` image)."""
@@ -247,7 +250,7 @@ class Registry:
             token = self._reserve(key, 1, limits)
             source = self._source(template, key)
         try:
-            sb = Sandbox.create(source, limits=limits, backend=self.backend)
+            sb = Sandbox.create(source, limits=limits, backend=self.backend, ttl=MAX_LIFETIME_S)
             with self.lock:
                 self._runtime[sb.id] = sb
             return self._add(sb.id, template, key, timeout_s, limits, metadata or {}, env_vars or {})
@@ -276,7 +279,7 @@ class Registry:
         timeout_s = self._timeout(timeout)
         with self.lock:
             entry = self.get(sandbox_id, key)
-            entry.end_at = time.time() + timeout_s
+            entry.end_at = min(time.time() + timeout_s, entry.started_at + MAX_LIFETIME_S)
             self._save()
         return entry
 
@@ -300,7 +303,8 @@ class Registry:
                 self.backend.resume(sandbox_id)
                 entry.state = "running"
             if timeout is not None or was_paused:
-                entry.end_at = max(entry.end_at, time.time() + self._timeout(timeout))
+                entry.end_at = min(max(entry.end_at, time.time() + self._timeout(timeout)),
+                                   entry.started_at + MAX_LIFETIME_S)
             self._save()
             return was_paused
 
@@ -363,7 +367,7 @@ class Registry:
         try:
             self._drop_link(sandbox_id)
             try:
-                kids = self.runtime(sandbox_id).fork(count)
+                kids = self.runtime(sandbox_id).fork(count, ttl=MAX_LIFETIME_S)
             except errors.SandboxError as e:
                 raise HTTPError(500, f"fork of {sandbox_id} failed: {e}") from e
             out = []
