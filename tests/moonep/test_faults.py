@@ -86,6 +86,14 @@ def _contract_violations(rank: int, world: int) -> list[str]:
     _expect_value_error(lambda: buffer.combine(out.x_CH, out.handle, out.weights_C[:-1]), "weights_C must be")
     _expect_value_error(lambda: buffer.prefetch_weight(out.handle.plan, torch.zeros(P + 1, 3)), "weight_P must")
     _expect_value_error(lambda: buffer.reduce_grad(out.handle.plan, torch.zeros(1, 3)), "grad_L must")
+    _expect_value_error(
+        lambda: buffer.prefetch_weight(out.handle.plan, torch.zeros(P, 3), out=torch.zeros(1, 4)), "out must"
+    )
+    try:
+        buffer.combine(out.x_CH, out.handle.plan)
+        raise AssertionError("combine accepted a Plan as its handle")
+    except TypeError as error:
+        assert "handle must be the DispatchHandle" in str(error)
     small = Buffer(None, S, H, K, E, dtype=torch.float32, num_redundant_slots=0)
     hot, hot_w = make_routing("one_expert", S, K, E, world, rank=rank)
     plan = small.dispatch(x, hot, hot_w).handle.plan
