@@ -12,6 +12,7 @@ chunk as blob before its final reply.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from dataclasses import asdict, dataclass, field
@@ -28,11 +29,20 @@ class ConnectionClosed(EOFError):
     """The peer closed the connection (for a tool server: the sandbox is gone)."""
 
 
-def send_msg(sock: socket.socket, obj: dict, blob: bytes = b"", fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Send one frame: header (+ `fds`), JSON `obj`, then `blob`."""
+def send_msg(sock: socket.socket, obj: dict, blob: bytes = b"", fds: list[int] | tuple[int, ...] = (),
+             creds_pid: int | None = None) -> None:
+    """Send one frame: header (+ `fds`, or + SCM_CREDENTIALS naming `creds_pid`), JSON `obj`, then `blob`.
+
+    The kernel checks `creds_pid` (our own, or any pid of a pid namespace we administer) and translates it
+    into the receiver's pid namespace; the receiver needs SO_PASSCRED.
+    """
     body = json.dumps(obj, separators=(",", ":")).encode()
     head = HEADER.pack(len(body), len(blob))
-    if fds:
+    if creds_pid is not None:
+        creds = struct.pack("3i", creds_pid, os.getuid(), os.getgid())
+        sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
+        sock.sendall(body)
+    elif fds:
         if len(fds) > MAX_FDS:
             raise ValueError(f"fds: at most {MAX_FDS} descriptors per frame, got {len(fds)}")
         socket.send_fds(sock, [head], list(fds))
@@ -61,7 +71,25 @@ def recv_msg(sock: socket.socket) -> tuple[dict, bytes, list[int]]:
     Returns:
         `(obj, blob, fds)`; the caller owns (and must close) the received `fds`.
     """
-    data, fds, _flags, _addr = socket.recv_fds(sock, HEADER.size, MAX_FDS)
+    obj, blob, fds, _ = recv_msg_creds(sock)
+    return obj, blob, fds
+
+
+_CREDS = struct.Struct("3i")
+
+
+def recv_msg_creds(sock: socket.socket) -> tuple[dict, bytes, list[int], int | None]:
+    """`recv_msg` that also returns the pid of an SCM_CREDENTIALS message (None without one)."""
+    space = socket.CMSG_SPACE(MAX_FDS * 4) + socket.CMSG_SPACE(_CREDS.size)
+    data, ancdata, _flags, _addr = sock.recvmsg(HEADER.size, space)
+    fds: list[int] = []
+    pid = None
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds += list(struct.unpack(f"{usable // 4}i", payload[:usable]))
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            pid = _CREDS.unpack(payload[: _CREDS.size])[0]
     if not data:
         raise ConnectionClosed("connection closed")
     if len(data) < HEADER.size:
@@ -71,7 +99,7 @@ def recv_msg(sock: socket.socket) -> tuple[dict, bytes, list[int]]:
         raise ValueError(f"frame JSON of {json_len} bytes exceeds {MAX_JSON}")
     obj = json.loads(_recv_exact(sock, json_len)) if json_len else {}
     blob = _recv_exact(sock, blob_len) if blob_len else b""
-    return obj, blob, list(fds)
+    return obj, blob, fds, pid
 
 
 @dataclass

@@ -62,12 +62,15 @@ class Connection:
         fds: list[int] | tuple[int, ...] = (),
         timeout_s: float | None = None,
         on_event: Callable[[str, bytes], None] | None = None,
+        on_child: Callable[[dict, int | None], None] | None = None,
     ) -> tuple[dict, bytes]:
         """Send `obj` (+ `blob`, `fds`) and wait for the final reply.
 
         Args:
             timeout_s: the request's own timeout in seconds; the host waits that plus `REQUEST_MARGIN_S`.
             on_event: called with ``("out" | "err", chunk)`` for streamed output frames.
+            on_child: called with ``(event, host_pid)`` for each ``{"ev": "child"}`` frame of a fork (the pid
+                comes as SCM_CREDENTIALS; SO_PASSCRED is on for the request).
 
         Raises:
             SandboxGoneError: the tool server went away.
@@ -75,12 +78,18 @@ class Connection:
         """
         with self._lock:
             self._sock.settimeout(None if timeout_s is None else timeout_s + REQUEST_MARGIN_S)
+            if on_child is not None:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             try:
                 protocol.send_msg(self._sock, obj, blob, fds)
                 while True:
-                    reply, out, got = protocol.recv_msg(self._sock)
+                    reply, out, got, pid = protocol.recv_msg_creds(self._sock)
                     for fd in got:
                         socket.close(fd)
+                    if reply.get("ev") == "child":
+                        if on_child is not None:
+                            on_child(reply, pid)
+                        continue
                     if "ev" in reply:
                         if on_event is not None:
                             on_event(reply["ev"], out)

@@ -93,10 +93,16 @@ class NamespaceBackend(Backend):
         self._record(sandbox_id)
         return Connection(self.store.sock(sandbox_id), sandbox_id)
 
-    def _attach_later(self, cg: cgroups.Cgroup, pid: int) -> None:
+    def _attach_later(self, cg: cgroups.Cgroup, pid: int, limits: cgroups.CgroupLimits) -> None:
+        """Create `cg` with `limits` and move `pid` into it, on the worker thread."""
         if self._attacher is None:
             self._attacher = ThreadPoolExecutor(1, thread_name_prefix="agentenv-cgroup")
-        self._attaching[cg.name] = self._attacher.submit(cg.add, pid)
+
+        def attach() -> None:
+            cg.create(limits)
+            cg.add(pid)
+
+        self._attaching[cg.name] = self._attacher.submit(attach)
 
     def settle(self, sandbox_id: str | None = None) -> None:
         """Wait until the cgroup moves of new sandboxes (one, or all) are done."""
@@ -165,6 +171,7 @@ class NamespaceBackend(Backend):
                 pass_fds=(sync_child.fileno(), listener.fileno(), root_fd),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 preexec_fn=lambda: cg.add(os.getpid()),
+                env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
             )
             sync_child.close()
             listener.close()
@@ -239,20 +246,29 @@ class NamespaceBackend(Backend):
                 fds += [root(child.upper), listener.fileno()]
             conn = Connection(store.sock(parent.id), parent.id)
             try:
+                cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
+
+                def on_child(event: dict, pid: int | None) -> None:
+                    child = children[int(event["index"])]
+                    if pid is None:
+                        raise errors.SandboxError(f"fork of {parent.id}: no pid for child {child.id}")
+                    child.pid = pid
+                    child.start_time = proc_start_time(pid) or 0
+                    self._attach_later(self._cgroup(child.id), pid, cg_limits)
+
                 reply, _ = conn.request({"op": "fork", "rebase": new_parent_upper is not None,
                               "usr_bind": parent.usr_bind,
                               "children": [{"id": c.id, "deadline": c.expires_at} for c in children]},
-                             fds=fds, timeout_s=30.0)
+                             fds=fds, timeout_s=30.0, on_child=on_child)
             finally:
                 conn.close()
             log.debug("fork of %s in the tool server: %s", parent.id, reply.get("phases"))
             for child in children:
                 cconn = Connection(store.sock(child.id), child.id)
-                child.pid = cconn.peer_pid()
-                child.start_time = proc_start_time(child.pid) or 0
-                cg = self._cgroup(child.id)
-                cg.create(cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus))
-                self._attach_later(cg, child.pid)
+                if not child.pid:  # a tool server that sent no child event: ask the child itself
+                    child.pid = cconn.peer_pid()
+                    child.start_time = proc_start_time(child.pid) or 0
+                    self._attach_later(self._cgroup(child.id), child.pid, cg_limits)
                 store.write_record(child)
                 if child.kind == "sandbox":
                     self._pending[child.id] = cconn

@@ -335,10 +335,10 @@ class ToolServer:
                 at += 1
             phases["rebase_ms"] = (time.perf_counter() - start) * 1e3 - phases["shell_ms"]
             pids = []
-            for child in children:
+            for index, child in enumerate(children):
                 root_fd, listen_fd = fds[at : at + 2]
                 at += 2
-                pids.append(self._fork_child(child, root_fd, listen_fd, req["usr_bind"], conn, fds))
+                pids.append(self._fork_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds))
             phases["children_ms"] = (time.perf_counter() - start) * 1e3 - phases["shell_ms"] - phases["rebase_ms"]
             phases["last_child"] = getattr(self, "last_child_phases", {})
         finally:
@@ -346,7 +346,7 @@ class ToolServer:
                 os.close(fd)
         return {"pids": pids, "phases": phases}, b""
 
-    def _fork_child(self, child, root_fd, listen_fd, usr_bind, conn, all_fds) -> int:
+    def _fork_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds) -> int:
         r_map, w_map = os.pipe()
         r_ready, w_ready = os.pipe()
         t0 = time.perf_counter()
@@ -397,6 +397,9 @@ class ToolServer:
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(line)
             os.write(w_map, b"m")
+            # tell the host the child's pid now (translated by the kernel), so it can move the child into its
+            # cgroup while the child mounts its root
+            protocol.send_msg(conn, {"ev": "child", "index": index}, creds_pid=pid)
             status = os.read(r_ready, 4096)
         finally:
             os.close(w_map)
