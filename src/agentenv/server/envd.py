@@ -318,16 +318,18 @@ class Envd:
         if not boundary:
             raise HTTPError(400, "multipart upload without a boundary")
         files = []
-        for part in body.split(b"--" + boundary.encode())[1:]:
-            if part.startswith(b"--"):
-                break
-            head, sep, content = part.partition(b"\r\n\r\n")
-            if not sep:
-                raise HTTPError(400, "malformed multipart part")
-            if content.endswith(b"\r\n"):
-                content = content[:-2]
+        delim = b"--" + boundary.encode()
+        if not body.startswith(delim):
+            raise HTTPError(400, "multipart body does not start with its boundary")
+        pos = len(delim)
+        while not body.startswith(b"--", pos):  # "--" after a delimiter closes the body
+            head_end = body.find(b"\r\n\r\n", pos)
+            # the long needle (CRLF + delimiter) keeps the scan over a large file fast
+            content_end = body.find(b"\r\n" + delim, head_end + 4) if head_end >= 0 else -1
+            if content_end < 0:
+                raise HTTPError(400, "malformed multipart body (a part is not terminated by the boundary)")
             filename = None
-            for line in head.decode(errors="replace").split("\r\n"):
+            for line in body[pos:head_end].decode(errors="replace").split("\r\n"):
                 if line.lower().startswith("content-disposition"):
                     for item in line.split(";"):
                         key, _, value = item.strip().partition("=")
@@ -336,7 +338,8 @@ class Envd:
             target = path if path and len(files) == 0 else filename
             if not target:
                 raise HTTPError(400, "multipart part without a filename and no 'path' parameter")
-            files.append((target, content))
+            files.append((target, body[head_end + 4 : content_end]))
+            pos = content_end + 2 + len(delim)
         if path and len(files) > 1:
             raise HTTPError(400, "'path' names one file but the upload carries several")
         return files
