@@ -113,3 +113,61 @@ def test_keys_cli_creates_lists_and_revokes(tmp_path, capsys):
     assert listed["key_id"] == created["key_id"] and "api_key" not in listed
     assert main(["keys", "--state-dir", str(tmp_path), "revoke", created["key_id"]]) == 0
     assert main(["keys", "--state-dir", str(tmp_path), "revoke", "key-nope"]) == 1
+
+
+class _FakeUpload:
+    """Just what `Envd._uploads` reads from a request."""
+
+    def __init__(self, body: bytes, content_type: str, query: dict | None = None, encoding: str = ""):
+        self._raw = body
+        self.headers = {"Content-Type": content_type, "Content-Encoding": encoding}
+        self.query = query or {}
+
+    def body(self, limit: int) -> bytes:
+        return self._raw
+
+
+def _multipart(files):
+    import httpx
+
+    req = httpx.Request("POST", "http://x/files", files=[("file", f) for f in files])
+    return req.read(), req.headers["content-type"]
+
+
+def test_multipart_uploads_split_into_files():
+    from agentenv.server.envd import Envd
+
+    big = bytes(range(256)) * 5000
+    body, ctype = _multipart([("/a.txt", b"one"), ("/empty", b""), ("/big.bin", big)])
+    assert Envd._uploads(_FakeUpload(body, ctype)) == [("/a.txt", b"one"), ("/empty", b""), ("/big.bin", big)]
+    body, ctype = _multipart([("ignored-name", b"x")])
+    assert Envd._uploads(_FakeUpload(body, ctype, {"path": "/p"})) == [("/p", b"x")]
+
+
+def test_octet_stream_and_gzip_uploads():
+    import gzip
+
+    from agentenv.server.envd import Envd
+
+    assert Envd._uploads(_FakeUpload(b"raw", "application/octet-stream", {"path": "/r"})) == [("/r", b"raw")]
+    packed = gzip.compress(b"zipped")
+    assert Envd._uploads(_FakeUpload(packed, "application/octet-stream", {"path": "/z"}, "gzip")) == \
+        [("/z", b"zipped")]
+
+
+@pytest.mark.parametrize("case", ["no-boundary", "truncated", "path-with-many", "octet-no-path", "bad-gzip"])
+def test_malformed_uploads_are_400(case):
+    from agentenv.server.envd import Envd
+    from agentenv.server.httpd import HTTPError
+
+    body, ctype = _multipart([("/a", b"1"), ("/b", b"2")])
+    request = {
+        "no-boundary": _FakeUpload(body, "multipart/form-data"),
+        "truncated": _FakeUpload(body[: len(body) // 2], ctype),
+        "path-with-many": _FakeUpload(body, ctype, {"path": "/one"}),
+        "octet-no-path": _FakeUpload(b"x", "application/octet-stream"),
+        "bad-gzip": _FakeUpload(b"not gzip", "application/octet-stream", {"path": "/g"}, "gzip"),
+    }[case]
+    with pytest.raises(HTTPError) as info:
+        Envd._uploads(request)
+    assert info.value.status == 400
