@@ -104,3 +104,14 @@ def test_async_sdk_runs_commands_concurrently(e2b_env):
     outputs, elapsed = asyncio.run(scenario())
     assert outputs == [f"{i}\n" for i in range(8)]
     assert elapsed < 8 * 0.5 / 2  # the eight sleeps overlapped
+
+
+def test_sandbox_envs_reach_every_command(e2b_env):
+    from e2b import Sandbox
+
+    sb = Sandbox.create(envs={"TEAM": "k3", "MODE": "rl"}, timeout=60)
+    try:
+        assert sb.commands.run("echo $TEAM-$MODE").stdout == "k3-rl\n"
+        assert sb.commands.run("echo $MODE", envs={"MODE": "override"}).stdout == "override\n"
+    finally:
+        sb.kill()

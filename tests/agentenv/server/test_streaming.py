@@ -76,3 +76,31 @@ def test_stream_error_arrives_in_end_stream_envelope(server, e2b_sandbox):
     flags, n = connect.ENVELOPE.unpack_from(envelope)
     assert flags == connect.FLAG_END_STREAM
     assert json.loads(envelope[connect.ENVELOPE.size:])["error"]["code"] == "not_found"
+
+
+def test_idle_stream_sends_keepalives(monkeypatch, tmp_path):
+    """A process that prints nothing for longer than the keep-alive interval still shows signs of life."""
+    from e2b import Sandbox
+
+    from agentenv.runtime.local import NamespaceBackend
+    from agentenv.server import Server, envd
+
+    monkeypatch.setattr(envd, "KEEPALIVE_S", 0.2)
+    home = tmp_path / "home"
+    server = Server(port=0, state_dir=tmp_path / "state", home=home).start()  # in-process: the patch applies
+    try:
+        key, _ = server.keys.create("keepalive")
+        sb = Sandbox.create(api_key=key, api_url=server.url, sandbox_url=server.url)
+        sock = _start_stream(server, sb, "sleep 1.2; echo done")
+        data = b""
+        while b"\r\n0\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        sock.close()
+        assert data.count(b'"keepalive"') >= 3
+        assert b"ZG9uZQo=" in data  # base64 of "done\n", after the keep-alives
+    finally:
+        server.stop(kill_all=True)
+        NamespaceBackend(home).gc(everything=True)
