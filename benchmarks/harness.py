@@ -101,10 +101,21 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _commit() -> str:
+    """HEAD's hash; on a copy without git history (the device machine) `K3_COMMIT` or ``.k3_commit``."""
+    head = _git("rev-parse", "HEAD")
+    if len(head) == 40 and all(c in "0123456789abcdef" for c in head):
+        return head
+    marker = ROOT / ".k3_commit"
+    if os.environ.get("K3_COMMIT"):
+        return os.environ["K3_COMMIT"]
+    return marker.read_text().strip() if marker.is_file() else "unknown"
+
+
 def machine_info() -> dict:
     """Commit, date, host, device and library versions, recorded with every result."""
     info: dict = {
-        "commit": _git("rev-parse", "HEAD") or os.environ.get("K3_COMMIT", "unknown"),
+        "commit": _commit(),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),

@@ -2,7 +2,9 @@
 # Runs on the device machine, from the repository root, with .whl carried:
 #   bash benchmarks/device/run.sh <command...>
 # Installs the carried wheels into /tmp/site, puts src/ and the repo on PYTHONPATH, records the machine in
-# $OUT/machine.txt, then runs the command with its output teed to $OUT/log.txt.
+# $OUT/machine.txt, then runs the command with its output teed to $OUT/log.txt. The device copy has no git
+# history: before the call run `git rev-parse HEAD > .k3_commit` here and carry [".whl", ".k3_commit"] so
+# results record the commit they were measured at.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
