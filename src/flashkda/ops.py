@@ -13,7 +13,8 @@ L2NORM_EPS = tl.constexpr(1e-6)
 def log1p(z):
     """Accurate log(1 + z) for z >= 0 (Goldberg's trick): plain log(1 + z) loses all digits below z ~ 1e-7."""
     u = 1.0 + z
-    return tl.where(u == 1.0, z, tl.log(u) * (z / (u - 1.0)))
+    d = tl.where(u == 1.0, 1.0, u - 1.0)  # no 0/0 in the discarded branch
+    return tl.where(u == 1.0, z, tl.log(u) * (z / d))
 
 
 @triton.jit
