@@ -85,6 +85,30 @@ def iter_envelopes(body: bytes) -> Iterator[dict]:
         yield parse_json(payload)
 
 
+def iter_stream(chunks: Iterator[bytes]) -> Iterator[dict]:
+    """Decode enveloped messages as the body arrives in `chunks` (a client stream, message by message).
+
+    Raises:
+        ConnectError: as `iter_envelopes`, or ``invalid_argument`` when the body ends inside an envelope.
+    """
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        while len(buf) >= ENVELOPE.size:
+            flags, size = ENVELOPE.unpack_from(buf)
+            if size > MAX_MESSAGE:
+                raise ConnectError("invalid_argument", f"envelope of {size} bytes is too large")
+            if len(buf) < ENVELOPE.size + size:
+                break
+            frame = bytes(buf[: ENVELOPE.size + size])
+            del buf[: ENVELOPE.size + size]
+            yield from iter_envelopes(frame)
+            if flags & FLAG_END_STREAM:
+                return
+    if buf:
+        raise ConnectError("invalid_argument", "client stream ended inside an envelope")
+
+
 def parse_json(payload: bytes) -> dict:
     """A JSON object from a request body, or ``invalid_argument``."""
     if not payload:

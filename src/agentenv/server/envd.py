@@ -116,9 +116,8 @@ class Envd:
             if fn is None:
                 raise ConnectError("unimplemented", f"{service}.{method} is not implemented by agentenv")
             link = self.registry.link(entry.id)
-            if method == "StreamInput":
-                messages = list(connect.iter_envelopes(h.body()))
-                reply = self._process_stream_input(link, messages, entry)
+            if method == "StreamInput":  # client stream: each message is forwarded as it arrives
+                reply = self._process_stream_input(link, connect.iter_stream(h.iter_body()), entry)
             else:
                 msg = connect.first_message(h.body(connect.MAX_MESSAGE), streaming)
                 reply = fn(link, msg, username(h), entry)

@@ -123,6 +123,45 @@ class Handler(BaseHTTPRequestHandler):
         self._body = self.rfile.read(length) if length else b""
         return self._body
 
+    def iter_body(self, limit: int = MAX_BODY):
+        """The request body piece by piece as it arrives (for client streams); at most `limit` bytes."""
+        if self._body is not None:
+            yield self._body
+            return
+        self._body = b""  # consumed here, nothing left to drain
+        total = 0
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            while True:
+                line = self.rfile.readline(1024)
+                try:
+                    size = int(line.split(b";")[0].strip() or b"0", 16)
+                except ValueError as e:
+                    self.close_connection = True
+                    raise HTTPError(400, "malformed chunked request body") from e
+                if size == 0:
+                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                        pass
+                    return
+                total += size
+                if total > limit:
+                    self.close_connection = True
+                    raise HTTPError(413, f"request body exceeds {limit} bytes")
+                data = self.rfile.read(size)
+                self.rfile.readline(1024)
+                yield data
+        else:
+            left = int(self.headers.get("Content-Length") or 0)
+            if left > limit:
+                self.close_connection = True
+                raise HTTPError(413, f"request body of {left} bytes exceeds {limit} bytes")
+            while left > 0:
+                data = self.rfile.read1(min(left, 65536))
+                if not data:
+                    self.close_connection = True
+                    return
+                left -= len(data)
+                yield data
+
     def _drain(self) -> None:
         try:
             self.body()

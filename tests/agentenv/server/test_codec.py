@@ -171,3 +171,17 @@ def test_malformed_uploads_are_400(case):
     with pytest.raises(HTTPError) as info:
         Envd._uploads(request)
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000], ids=lambda s: f"pieces-of-{s}")
+def test_client_stream_decodes_across_arbitrary_chunking(step):
+    body = connect.envelope({"start": {"pid": 1}}) + connect.envelope({"data": {"x": "y" * 50}}) + \
+        connect.end_stream()
+    pieces = (body[i : i + step] for i in range(0, len(body), step))
+    assert list(connect.iter_stream(pieces)) == [{"start": {"pid": 1}}, {"data": {"x": "y" * 50}}]
+
+
+def test_client_stream_cut_inside_an_envelope_is_invalid():
+    body = connect.envelope({"a": 1})
+    with pytest.raises(connect.ConnectError, match="inside an envelope"):
+        list(connect.iter_stream(iter([body[:-2]])))

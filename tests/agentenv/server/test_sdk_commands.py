@@ -115,3 +115,30 @@ def test_sandbox_envs_reach_every_command(e2b_env):
         assert sb.commands.run("echo $MODE", envs={"MODE": "override"}).stdout == "override\n"
     finally:
         sb.kill()
+
+
+def test_stream_input_delivers_each_chunk_as_it_is_sent(e2b_sandbox):
+    handle = e2b_sandbox.commands.run("while read line; do echo $line >> /tmp/got; done", background=True,
+                                      stdin=True)
+
+    def got() -> str:
+        try:
+            return e2b_sandbox.files.read("/tmp/got")
+        except Exception:
+            return ""
+
+    seen_before_second: list[bool] = []
+
+    def chunks():
+        yield "first\n"
+        deadline = time.monotonic() + 10  # wait for the first chunk to arrive while the stream stays open
+        while "first" not in got() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen_before_second.append("first" in got())
+        yield "second\n"
+
+    e2b_sandbox.commands.stream_input(handle.pid, chunks())
+    assert seen_before_second == [True]  # delivered mid-stream, not when the request body ended
+    e2b_sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().exit_code == 0
+    assert got() == "first\nsecond\n"
