@@ -83,26 +83,9 @@ class Handler(BaseHTTPRequestHandler):
         if self._body is not None:
             return self._body
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            parts, total = [], 0
-            while True:
-                line = self.rfile.readline(1024)
-                try:
-                    size = int(line.split(b";")[0].strip() or b"0", 16)
-                except ValueError as e:
-                    self.close_connection = True
-                    raise HTTPError(400, "malformed chunked request body") from e
-                if size == 0:
-                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                total += size
-                if total > limit:
-                    self.close_connection = True
-                    raise HTTPError(413, f"request body exceeds {limit} bytes")
-                parts.append(self.rfile.read(size))
-                self.rfile.readline(1024)
-            self._body = b"".join(parts)
-            return self._body
+            data = b"".join(self.iter_body(limit))
+            self._body = data
+            return data
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError as e:

@@ -143,3 +143,17 @@ def test_concurrent_creates_cannot_overrun_the_quota(server):
     finally:
         for sid in made:
             call(server, "DELETE", f"/sandboxes/{sid}", headers=headers)
+
+
+def test_chunked_request_body_is_read(server):
+    u = urlsplit(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    pieces = iter([b'{"templateID": ', b'"base", "timeout": 30}'])
+    conn.request("POST", "/v2/sandboxes", pieces, {"X-API-Key": server.api_key, "Content-Type": "application/json",
+                                                    "Transfer-Encoding": "chunked"}, encode_chunked=True)
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    assert resp.status == 201, body
+    conn.request("DELETE", f"/sandboxes/{body['sandboxID']}", headers={"X-API-Key": server.api_key})
+    assert conn.getresponse().status == 204  # the same kept-alive connection still works
+    conn.close()

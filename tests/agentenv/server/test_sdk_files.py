@@ -107,3 +107,11 @@ def test_async_watch_stream(e2b_env):
 
     events = asyncio.run(scenario())
     assert [(e.name, e.type.value) for e in events][:1] == [("new.txt", "create")]
+
+
+def test_streamed_upload_from_a_file_object(e2b_sandbox):
+    import io
+
+    blob = bytes(range(256)) * 2048  # 512 KiB, sent as a streamed (chunked) octet-stream body
+    e2b_sandbox.files.write("/tmp/streamed.bin", io.BytesIO(blob))
+    assert bytes(e2b_sandbox.files.read("/tmp/streamed.bin", format="bytes")) == blob
