@@ -257,6 +257,18 @@ class AgentEnv:
             await self._run(run_tool, self.handle, call, ctx)
         self.recoveries += 1
 
+    async def score(self) -> Verdict:
+        """Run the verifier on the current state without ending the episode (e.g. for a mid-episode reward).
+
+        Raises:
+            RuntimeError: `reset` was not called.
+        """
+        if self.task is None or self.handle is None:
+            raise RuntimeError("call reset() before score()")
+        if self.done and self.verdict is not None:
+            return self.verdict
+        return await self._verify()
+
     async def _verify(self) -> Verdict:
         try:
             return await self._run(self.task.verifier, self.handle, self.answer, self.task)
