@@ -57,6 +57,7 @@ def chunk_kda_fwd_kernel_h(
     STORE_O: tl.constexpr,
     STORE_HT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DT: tl.constexpr,
 ):
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -81,18 +82,19 @@ def chunk_kda_fwd_kernel_h(
         b_w = tl.load(w + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
         # [C, BV]
         b_u = tl.load(u + i_ch * C * V + o_c[:, None] * V + o_v[None, :], mask=m_cv, other=0.0).to(tl.float32)
-        b_vn = b_u - tl.dot(b_w, b_h, input_precision=DOT_PRECISION)
+        b_vn = b_u - tl.dot(b_w.to(DT), b_h.to(DT), input_precision=DOT_PRECISION)
         tl.store(v_new + i_ch * C * V + o_c[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_cv)
         if STORE_O:
             # [C, K], [C, C]
             b_q = tl.load(qg + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
             b_a = tl.load(aqk + i_ch * C * C + o_c[:, None] * C + o_c[None, :]).to(tl.float32)
-            b_o = tl.dot(b_q, b_h, input_precision=DOT_PRECISION) + tl.dot(b_a, b_vn, input_precision=DOT_PRECISION)
+            b_o = tl.dot(b_q.to(DT), b_h.to(DT), input_precision=DOT_PRECISION)
+            b_o += tl.dot(b_a.to(DT), b_vn.to(DT), input_precision=DOT_PRECISION)
             tl.store(o + i_ch * C * V + o_c[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_cv)
         # [C, K], [K]
         b_ke = tl.load(kend + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
         b_d = tl.load(dec + i_ch * K + o_k).to(tl.float32)
-        b_h = b_h * b_d[:, None] + tl.dot(tl.trans(b_ke), b_vn, input_precision=DOT_PRECISION)
+        b_h = b_h * b_d[:, None] + tl.dot(tl.trans(b_ke.to(DT)), b_vn.to(DT), input_precision=DOT_PRECISION)
     if STORE_HT:
         p_ht = ht + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_kv)
@@ -119,6 +121,7 @@ def chunk_kda_bwd_kernel_dh(
     USE_DHT: tl.constexpr,
     STORE_DH0: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DT: tl.constexpr,
 ):
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -142,9 +145,8 @@ def chunk_kda_bwd_kernel_dh(
         b_do = tl.load(do + i_ch * C * V + o_c[:, None] * V + o_v[None, :], mask=m_cv, other=0.0).to(tl.float32)
         b_a = tl.load(aqk + i_ch * C * C + o_c[:, None] * C + o_c[None, :]).to(tl.float32)
         b_ke = tl.load(kend + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        b_dvn = tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PRECISION) + tl.dot(
-            b_ke, b_dh, input_precision=DOT_PRECISION
-        )
+        b_dvn = tl.dot(tl.trans(b_a.to(DT)), b_do.to(DT), input_precision=DOT_PRECISION)
+        b_dvn += tl.dot(b_ke.to(DT), b_dh.to(DT), input_precision=DOT_PRECISION)
         tl.store(
             dv_new + i_ch * C * V + o_c[:, None] * V + o_v[None, :], b_dvn.to(dv_new.dtype.element_ty), mask=m_cv
         )
@@ -153,8 +155,8 @@ def chunk_kda_bwd_kernel_dh(
         b_d = tl.load(dec + i_ch * K + o_k).to(tl.float32)
         b_dh = (
             b_dh * b_d[:, None]
-            + tl.dot(tl.trans(b_q), b_do, input_precision=DOT_PRECISION)
-            - tl.dot(tl.trans(b_w), b_dvn, input_precision=DOT_PRECISION)
+            + tl.dot(tl.trans(b_q.to(DT)), b_do.to(DT), input_precision=DOT_PRECISION)
+            - tl.dot(tl.trans(b_w.to(DT)), b_dvn.to(DT), input_precision=DOT_PRECISION)
         )
     if STORE_DH0:
         p_dh0 = dh0 + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -168,6 +170,14 @@ def _block_v(K: int, V: int, programs_per_block: int) -> int:
     while bv > 16 and programs_per_block * triton.cdiv(V, bv) < 256:
         bv //= 2
     return bv
+
+
+def _operands(dot_precision: str) -> dict:
+    # "tf32" marks a bf16/fp16 caller: the state-pass products then take bf16 operands with fp32 accumulation (the
+    # configuration the forward kernels run on Hopper), otherwise exact fp32 products.
+    if dot_precision == "tf32":
+        return dict(DOT_PRECISION="ieee", DT=tl.bfloat16)
+    return dict(DOT_PRECISION=dot_precision, DT=tl.float32)
 
 
 def chunk_kda_fwd_h(
@@ -218,8 +228,8 @@ def chunk_kda_fwd_h(
         STORE_H=store_h,
         STORE_O=store_o,
         STORE_HT=store_final_state,
-        DOT_PRECISION=dot_precision,
-        num_warps=4 if K <= 64 else 8,
+        **_operands(dot_precision),
+        num_warps=4 if K <= 64 or BV <= 32 else 8,
         # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
         # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
         num_stages=1,
@@ -268,8 +278,8 @@ def chunk_kda_bwd_dh(
         BV=BV,
         USE_DHT=dht is not None,
         STORE_DH0=store_dh0,
-        DOT_PRECISION=dot_precision,
-        num_warps=4 if K <= 64 else 8,
+        **_operands(dot_precision),
+        num_warps=4 if K <= 64 or BV <= 32 else 8,
         # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
         # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
         num_stages=1,

@@ -78,3 +78,29 @@ def test_unit_lower_inverse_matches_torch(device: str) -> None:
     assert torch.isfinite(inv).all()
     assert _rel(inv, ref) < 1e-5
     assert not inv.triu(1).any() and bool((inv.diagonal(dim1=-2, dim2=-1) == 1).all())
+
+
+@pytest.mark.gpu
+def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> None:
+    """The bf16-operand mode of the state passes (used for bf16 callers on GPUs) stays within bf16 accuracy.
+
+    GPU only: Triton's CPU interpreter has no bf16 matrix product (numpy has no bf16 type).
+    """
+    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
+
+    torch.manual_seed(4)
+    NC, HV, C, K, V = 4, 2, 64, 32, 32
+    w, qg, kend = (0.1 * torch.randn(NC, HV, C, K, device=device) for _ in range(3))
+    u, do = (torch.randn(NC, HV, C, V, device=device) for _ in range(2))
+    aqk = 0.1 * torch.randn(NC, HV, C, C, device=device).tril()
+    dec = torch.rand(NC, HV, K, device=device)
+    h0, dht = (torch.randn(2, HV, K, V, device=device) for _ in range(2))
+    offsets = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+    out = {}
+    for mode in ("ieee", "tf32"):
+        fwd = chunk_kda_fwd_h(w, u, qg, aqk, kend, dec, h0, offsets, store_o=True, store_h=True,
+                              store_final_state=True, dot_precision=mode)
+        bwd = chunk_kda_bwd_dh(qg, aqk, kend, dec, w, do, dht, offsets, store_dh0=True, dot_precision=mode)
+        out[mode] = (*fwd, *bwd)
+    for name, exact, approx in zip(("o", "ht", "h", "v_new", "dv_new", "dhe", "dh0"), out["ieee"], out["tf32"]):
+        assert _rel(approx, exact.double()) < 2e-2, name
