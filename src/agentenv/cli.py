@@ -119,18 +119,7 @@ def cmd_image(args: argparse.Namespace) -> int:
         print(f"{args.name}: layers {', '.join(manifest['layers'])}")
         return 0
     if args.image_cmd == "template":
-        from agentenv.sandbox import Sandbox
-
-        with Sandbox.create(args.image, backend=backend) as sb:
-            for cmd in args.run:
-                result = sb.exec(cmd, timeout=args.timeout)
-                if result.exit_code != 0:
-                    print(result.stdout + result.stderr, file=sys.stderr)
-                    raise SystemExit(f"agentenv image template: {cmd!r} exited with {result.exit_code}")
-            snap = sb.snapshot()
-        base = store.load_image(args.image) or {}
-        store.save_image(args.name, {"name": args.name, "layers": [], "usr_bind": base.get("usr_bind", False),
-                                     "template": snap, "from": args.image, "setup": args.run})
+        snap = backend.template(args.name, args.image, args.run, timeout_s=args.timeout)
         print(f"{args.name}: template snapshot {snap}")
         return 0
     raise SystemExit("agentenv image: expected build, ls or template")

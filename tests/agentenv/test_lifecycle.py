@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import AsyncSandbox, Sandbox, SandboxGoneError, SandboxNotFoundError
+from agentenv import AsyncSandbox, Sandbox, SandboxError, SandboxGoneError, SandboxNotFoundError
 from agentenv.runtime.local import NamespaceBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,6 +132,17 @@ def test_images_from_directory_and_tarball_are_content_addressed(own_backend, tm
     assert len(b["layers"]) == 1
     with pytest.raises(FileNotFoundError):
         images.build_from_path(own_backend.store, "x", tmp_path / "missing")
+
+
+def test_template_runs_setup_once_and_sandboxes_start_from_it(own_backend):
+    snap = own_backend.template("tpl", "host", ["echo ready > /root/setup.txt", "mkdir -p /opt/tool"])
+    with Sandbox.create("tpl", backend=own_backend) as a, Sandbox.create("tpl", backend=own_backend) as b:
+        assert a.files.read("/root/setup.txt") == "ready\n" and b.files.exists("/opt/tool")
+        a.files.write("/root/setup.txt", "changed")
+        assert b.files.read("/root/setup.txt") == "ready\n"
+    with pytest.raises(SandboxError, match="exited with 3"):
+        own_backend.template("bad", "host", ["exit 3"])
+    own_backend.destroy(snap)
 
 
 def test_async_sandbox_create_exec_fork(own_backend):

@@ -124,7 +124,7 @@ class Cgroup:
     def memory_usage(self) -> int:
         return int((self.path("memory") / "memory.usage_in_bytes").read_text())
 
-    def kill_all(self, timeout_s: float = 5.0) -> None:
+    def kill_all(self, timeout_s: float = 30.0) -> None:
         """SIGKILL every process in the group and wait until it is empty."""
         freezer = self.path("freezer")
         if not freezer.exists():
