@@ -4,6 +4,7 @@
 (``stdout``, ``stderr``, ``result``, ``error``, ``end_of_execution``). It runs in the sandbox's persistent
 Python session (the runtime's `Sandbox.python`), so variables, imports and functions survive between calls,
 snapshots and forks. The session is one interpreter per sandbox: only the default context exists.
+``env_vars`` apply to one execution and are restored afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,21 @@ from agentenv import errors
 from agentenv.server.httpd import Handler, HTTPError
 
 RUN_TIMEOUT_S = 3600.0
+_SAVE, _RESTORE = "__agentenv_env_save", "__agentenv_env_restore"
+_SAVER = f"""
+def {_SAVE}(keys):
+    import os
+    globals()['__agentenv_env_saved'] = {{k: os.environ.get(k) for k in keys}}
+
+def {_RESTORE}():
+    import os
+    for k, v in globals().pop('__agentenv_env_saved', {{}}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+"""
+"""Helpers defined in the session so that per-execution ``env_vars`` are undone after the call."""
 
 
 def _line(obj: dict) -> bytes:
@@ -38,10 +54,18 @@ def execute(h: Handler, sandbox) -> None:
         raise HTTPError(400, f"language {req.get('language')!r} is not supported: only python runs here")
     if req.get("context_id") not in (None, "default"):
         raise HTTPError(404, f"context {req.get('context_id')!r} not found: only the default context exists")
-    if req.get("env_vars"):
-        raise HTTPError(400, "env_vars are not supported by the persistent session; set os.environ in code")
+    envs = req.get("env_vars") or {}
+    if not isinstance(envs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
+        raise HTTPError(400, "env_vars must map strings to strings")
     try:
-        result = sandbox.python.run(code, timeout=RUN_TIMEOUT_S)
+        if envs:  # for this execution only: set on one prefixed line (tracebacks shift by one), restored after
+            code = f"{_SAVE}({list(envs)!r}); __import__('os').environ.update({envs!r})\n" + code
+            sandbox.python.run(_SAVER, timeout=RUN_TIMEOUT_S)
+        try:
+            result = sandbox.python.run(code, timeout=RUN_TIMEOUT_S)
+        finally:
+            if envs:
+                sandbox.python.run(f"{_RESTORE}()", timeout=RUN_TIMEOUT_S)
     except errors.SandboxTimeoutError as e:
         raise HTTPError(504, f"code ran past {RUN_TIMEOUT_S} s: {e}") from e
     except errors.SandboxError as e:

@@ -50,3 +50,12 @@ def test_other_languages_are_refused(ci):
 
     with pytest.raises(SandboxException, match="only python"):
         ci.run_code("console.log(1)", language="js")
+
+
+def test_env_vars_apply_to_one_execution(ci):
+    ci.run_code("import os")
+    assert ci.run_code("os.environ.get('RUN_MODE')", envs={"RUN_MODE": "eval"}).text == "'eval'"
+    assert ci.run_code("os.environ.get('RUN_MODE')").text is None
+    failed = ci.run_code("raise ValueError(os.environ['RUN_MODE'])", envs={"RUN_MODE": "boom"})
+    assert failed.error.value == "boom"
+    assert ci.run_code("os.environ.get('RUN_MODE')").text is None
