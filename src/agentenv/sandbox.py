@@ -32,7 +32,18 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 def default_backend(home: Path | str | None = None) -> Backend:
-    """The embedded namespace backend on the data directory `home` (default `$AGENTENV_HOME`)."""
+    """The embedded namespace backend on the data directory `home` (default `$AGENTENV_HOME`).
+
+    One backend per data directory and process, so sandboxes made without an explicit backend share its
+    connections and worker thread.
+    """
+    from agentenv.runtime.store import default_home
+
+    return _backend_for(str(Path(home if home is not None else default_home()).resolve()))
+
+
+@functools.cache
+def _backend_for(home: str) -> Backend:
     from agentenv.runtime.local import NamespaceBackend
 
     return NamespaceBackend(home)

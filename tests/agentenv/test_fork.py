@@ -100,3 +100,12 @@ def test_pause_and_resume(sandbox_factory):
 def test_bad_fork_count_raises_value_error(sandbox, n):
     with pytest.raises(ValueError, match="n must"):
         sandbox.fork(n)
+
+
+@pytest.mark.slow
+def test_fork_depth_limit_gives_a_clear_error_and_sandbox_survives(sandbox_factory):
+    current = sandbox_factory()
+    with pytest.raises(ValueError, match="fork depth limit"):
+        for _ in range(40):
+            (current,) = _track(sandbox_factory, current.fork(1))
+    assert current.exec("echo still here").stdout == "still here\n"

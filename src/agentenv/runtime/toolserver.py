@@ -350,7 +350,17 @@ class ToolServer:
         r_map, w_map = os.pipe()
         r_ready, w_ready = os.pipe()
         t0 = time.perf_counter()
-        pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
+        try:
+            pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
+        except OSError as e:
+            os.close(r_map)
+            os.close(w_map)
+            os.close(r_ready)
+            os.close(w_ready)
+            if e.errno in (errno.ENOSPC, errno.EUSERS):
+                raise RequestError("invalid", "fork depth limit: forked sandboxes nest their user and pid "
+                                   "namespaces (at most 32 levels); fork from an earlier generation instead") from e
+            raise
         if pid == 0:  # child: pid 1 of fresh user, mount, pid, net, uts, ipc and cgroup namespaces
             code = 1
             try:
