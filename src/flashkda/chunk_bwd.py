@@ -43,7 +43,7 @@ def chunk_kda_train_fwd(
     Returns:
         ``(o [NC, HV, C, V], final_state or None, h or None, v_new or None)``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale, dot_precision)
+    local = chunk_local_prepare(q, k, v, g, beta, scale)
     o, ht, h, v_new = chunk_kda_fwd_h(
         local.w,
         local.u,
@@ -91,7 +91,7 @@ def chunk_kda_train_bwd(
     Returns:
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale, dot_precision, gate_factors)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors)
     if h is None or v_new is None:
         _, _, h, v_new = chunk_kda_fwd_h(
             local.w, local.u, local.qg, local.aqk, local.kend, local.dec, initial_state, chunk_offsets,
@@ -102,6 +102,6 @@ def chunk_kda_train_bwd(
         store_dh0=initial_state is not None, dot_precision=dot_precision,
     )
     grads = chunk_local_bwd(
-        q, k, v, g, beta, scale, local, dot_precision=dot_precision, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new
+        q, k, v, g, beta, scale, local, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new
     )
     return (*grads, dh0)

@@ -26,6 +26,8 @@ from flashkda.chunk_bwd_inverse import unit_lower_inverse
 __all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
 SUB_CHUNK = 16
+# The 16-row gated products are small (M = 16) and feed the UT inverse: exact fp32 products cost little there.
+GATED_DOT_PRECISION = "ieee"
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,6 @@ def chunk_local_prepare(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float,
-    dot_precision: str = "ieee",
     gate_factors: tuple[torch.Tensor, ...] | None = None,
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
@@ -116,7 +117,6 @@ def chunk_local_prepare(
         g: ``[NC, HV, C, K]`` log-space gate per token (``<= 0``; zero on padding).
         beta: ``[NC, HV, C]`` write strengths (zero on padding).
         scale: query scale.
-        dot_precision: ``tl.dot`` precision of the fused gated-dot kernel (``"ieee"`` or ``"tf32"``).
         gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
             they are computed here from ``g``.
 
@@ -134,7 +134,7 @@ def chunk_local_prepare(
         kend = k * torch.exp(gam_end - gam)
         dec = torch.exp(gam_end.squeeze(-2))
     if _fused(q):
-        akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=dot_precision)
+        akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=GATED_DOT_PRECISION)
     else:
         akk = gated_dot(k, k, gam, strict=True)
         aqk = gated_dot(q, k, gam, strict=False) * scale
@@ -195,7 +195,6 @@ def chunk_local_bwd(
     scale: float,
     local: ChunkLocal,
     *,
-    dot_precision: str = "ieee",
     h: torch.Tensor,
     v_new: torch.Tensor,
     do: torch.Tensor,
@@ -243,7 +242,7 @@ def chunk_local_bwd(
     # Gated products Akk (k with k) and Aqk (q with k).
     dakk = beta.unsqueeze(-1) * dl
     if _fused(q):
-        dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision=dot_precision)
+        dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision=GATED_DOT_PRECISION)
         dq, dk, dg = chunk_kda_bwd_gates(
             k, gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
         )
