@@ -94,6 +94,10 @@ SANDBOX_ROUTES: list[tuple[str, str, str]] = [
     ("post", "/files", "Upload: multipart/form-data or application/octet-stream (?path=)"),
     ("get", "/health", "envd liveness (204)"),
     ("post", "/execute", "Code interpreter (E2b-Sandbox-Port: 49999): NDJSON stream of outputs"),
+    ("get", "/contexts", "Code interpreter contexts (namespaces in the persistent session)"),
+    ("post", "/contexts", "Create a context {cwd, language}"),
+    ("delete", "/contexts/{contextID}", "Remove a context"),
+    ("post", "/contexts/{contextID}/restart", "Clear a context's namespace"),
     ("get", "/{path}", "Any other E2b-Sandbox-Port: HTTP proxied to 127.0.0.1:<port> inside the sandbox"),
 ]
 

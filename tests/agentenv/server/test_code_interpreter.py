@@ -59,3 +59,33 @@ def test_env_vars_apply_to_one_execution(ci):
     failed = ci.run_code("raise ValueError(os.environ['RUN_MODE'])", envs={"RUN_MODE": "boom"})
     assert failed.error.value == "boom"
     assert ci.run_code("os.environ.get('RUN_MODE')").text is None
+
+
+def test_contexts_are_separate_namespaces(ci):
+    ci.run_code("shared = 'default'")
+    ctx = ci.create_code_context(cwd="/tmp")
+    ci.run_code("shared = 'ctx'\nimport os", context=ctx)
+    assert ci.run_code("shared", context=ctx).text == "'ctx'"
+    assert ci.run_code("os.getcwd()", context=ctx).text == "'/tmp'"
+    assert ci.run_code("shared").text == "'default'"
+    assert ctx.id in [c.id for c in ci.list_code_contexts()]
+    ci.restart_code_context(ctx)
+    assert ci.run_code("shared", context=ctx).error.name == "NameError"
+    ci.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in ci.list_code_contexts()]
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException, match="not found"):
+        ci.run_code("1", context=ctx)
+
+
+def test_context_state_survives_a_fork(ci):
+    ctx = ci.create_code_context()
+    ci.run_code("inside = 7", context=ctx)
+    (kid,) = ci.fork(count=1)
+    try:
+        from e2b_code_interpreter import Sandbox
+
+        assert Sandbox.connect(kid.sandbox_id).run_code("inside * 6", context=ctx).text == "42"
+    finally:
+        kid.kill()
