@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from flashkda.chunk_bwd_layout import ChunkLayout
+from flashkda.ops import softplus
 
 __all__ = ["chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "slot_tokens"]
 
@@ -36,11 +37,6 @@ def slot_tokens(layout: ChunkLayout, device: torch.device) -> torch.Tensor:
     chunk, pos = slot // C, slot % C
     t = (chunk % nt) * C + pos
     return torch.where(t < T, (chunk // nt) * T + t, torch.full_like(t, -1))
-
-
-@triton.jit
-def _softplus(x):
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
@@ -82,7 +78,7 @@ def chunk_kda_prologue_fwd_kernel(
                 b_g = tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * b_g
             b_g = lower_bound * tl.sigmoid(b_g)
         else:
-            b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(b_g)
+            b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus(b_g)
         b_g = tl.where(m_tk, b_g, 0.0)
     tl.store(gc + out_k, b_g)
     # gate factors of the chunk: G = cumsum(g), qg = scale q e^G, kg = k e^G, kend = k e^(G_C - G), dec = e^G_C
@@ -141,7 +137,7 @@ def chunk_kda_prologue_bwd_kernel_vgb(
                 b_dx = b_dg * lower_bound * b_s * (1.0 - b_s)
         else:
             b_a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-            b_dA = tl.sum(tl.sum(tl.where(m_tk, -b_dg * b_a * _softplus(b_x), 0.0), axis=1), axis=0)
+            b_dA = tl.sum(tl.sum(tl.where(m_tk, -b_dg * b_a * softplus(b_x), 0.0), axis=1), axis=0)
             tl.store(dA_part + i_c.to(tl.int64) * HV + i_hv, b_dA)
             b_dx = -b_dg * b_a * tl.sigmoid(b_x)
         b_dx = tl.where(m_tk, b_dx, 0.0)

@@ -54,6 +54,8 @@ CASES = [
                                       use_qk_l2norm_in_kernel=True)), id="neg-eigval"),
     pytest.param(Case(T=80, HV=2, H=2, opts=dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)),
                  id="gate-softplus"),
+    pytest.param(Case(T=80, opts=dict(use_gate_in_kernel=True, gate_shift=-12.0, use_qk_l2norm_in_kernel=True)),
+                 id="gate-softplus-tiny-decay"),
     pytest.param(Case(T=80, HV=2, H=1, opts=dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
                                                  use_qk_l2norm_in_kernel=True)), id="gate-lower-bound-GVA"),
     pytest.param(Case(T=66, opts=dict(use_gate_in_kernel=True, lower_bound=-5.0, no_A_log=True,
@@ -87,7 +89,7 @@ def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:
     if not opts.get("use_qk_l2norm_in_kernel"):
         x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
     if opts.get("use_gate_in_kernel"):
-        x["g"] = torch.randn(B, T, HV, K)
+        x["g"] = torch.randn(B, T, HV, K) + opts.get("gate_shift", 0.0)
         if not opts.get("no_A_log"):
             x["A_log"] = torch.log(torch.empty(HV).uniform_(1, 4))
         x["dt_bias"] = 0.5 * torch.randn(HV * K)
@@ -110,7 +112,7 @@ def _rel_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _run(fn, x: dict[str, torch.Tensor], case: Case, do, dht, **kw):
-    opts = {k: v for k, v in case.opts.items() if k != "no_A_log"}
+    opts = {k: v for k, v in case.opts.items() if k not in ("no_A_log", "gate_shift")}
     cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, device=x["q"].device)
     tensors = {k: v for k, v in x.items() if k not in ("q", "k", "v", "g", "beta")}
     o, ht = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.K**-0.5, cu_seqlens=cu,
