@@ -316,6 +316,9 @@ def chunk_kda_autograd(
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``q``'s dtype; ``final_state`` float32 (float64 for
         float64 inputs) or None.
 
+    Raises:
+        ValueError: ``K`` is not a power of two in 16..256 (the training kernels tile K whole).
+
     Example::
 
         >>> import torch
@@ -327,6 +330,9 @@ def chunk_kda_autograd(
         >>> o.sum().backward(); v.grad.shape
         torch.Size([1, 70, 2, 32])
     """
+    K = q.shape[-1]
+    if K < 16 or K > 256 or K & (K - 1):
+        raise ValueError(f"training (inputs requiring grad) needs a head dim K in 16, 32, 64, 128, 256; got K={K}")
     opts = KDAOptions(
         scale=scale,
         output_final_state=output_final_state,

@@ -71,6 +71,8 @@ CASES = [
                  id="disable-recompute"),
     pytest.param(Case(T=20, K=128, V=32, output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True)),
                  id="K128-T20"),
+    pytest.param(Case(T=40, K=32, V=48, HV=2, H=1, initial_state=True, output_final_state=True,
+                      opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)), id="V48-not-power-of-two"),
     pytest.param(Case(T=17, K=32, V=256, initial_state=True, opts=dict(use_qk_l2norm_in_kernel=True)),
                  id="V256-T17"),
     pytest.param(Case(T=9, K=256, V=128, initial_state=True, output_final_state=True,
@@ -184,6 +186,13 @@ def test_disable_recompute_gives_identical_gradients(device: str) -> None:
     _, _, g_kept = _run(chunk_kda_autograd, x, case, do, dht, disable_recompute=True)
     for name in x:
         torch.testing.assert_close(g_recompute[name], g_kept[name], rtol=1e-5, atol=1e-6)
+
+
+def test_head_dim_that_is_not_a_power_of_two_is_rejected_for_training(device: str) -> None:
+    case = Case(T=20, K=48)
+    x = _inputs(case, device)
+    with pytest.raises(ValueError, match="K=48"):
+        chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=48**-0.5)
 
 
 def test_backward_through_inference_mode_output_raises(device: str) -> None:
