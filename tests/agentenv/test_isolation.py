@@ -106,6 +106,16 @@ def test_no_new_privileges_and_unprivileged_host_uid(sandbox, backend):
     assert all(int(u) >= 100_000 for u in uid_line.split()[1:])
 
 
+def test_agents_cannot_reach_into_the_tool_server(sandbox):
+    for probe in ("exec 3</proc/1/mem", "cat /proc/1/environ", "ls /proc/1/fd", "readlink /proc/1/root"):
+        assert sandbox.exec(f"{probe} >/dev/null 2>&1").exit_code != 0, probe
+    (kid,) = sandbox.fork(1)
+    try:
+        assert kid.exec("cat /proc/1/environ >/dev/null 2>&1").exit_code != 0
+    finally:
+        kid.destroy()
+
+
 def test_sandboxes_cannot_see_each_other(sandbox_factory):
     a, b = sandbox_factory(), sandbox_factory()
     a.files.write("/root/mine", "a")

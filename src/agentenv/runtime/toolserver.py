@@ -351,8 +351,12 @@ class ToolServer:
         r_ready, w_ready = os.pipe()
         t0 = time.perf_counter()
         try:
+            # the child must be dumpable while we write its uid map (else its /proc files belong to the host's
+            # root); otherwise tool servers stay non-dumpable, so agents cannot open /proc/1/mem or /proc/1/fd
+            sc.prctl(sc.PR_SET_DUMPABLE, 1)
             pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
         except OSError as e:
+            sc.prctl(sc.PR_SET_DUMPABLE, 0)
             os.close(r_map)
             os.close(w_map)
             os.close(r_ready)
@@ -369,6 +373,7 @@ class ToolServer:
                 os.close(r_ready)
                 if os.read(r_map, 1) != b"m":
                     os._exit(1)
+                sc.prctl(sc.PR_SET_DUMPABLE, 0)
                 t2 = time.perf_counter()
                 rootfs.enter_root(root_fd, usr_bind=usr_bind, hostname=child["id"][:63])
                 t3 = time.perf_counter()
@@ -406,6 +411,7 @@ class ToolServer:
             for name, line in (("uid_map", "0 0 65536\n"), ("gid_map", "0 0 65536\n")):
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(line)
+            sc.prctl(sc.PR_SET_DUMPABLE, 0)
             os.write(w_map, b"m")
             # tell the host the child's pid now (translated by the kernel), so it can move the child into its
             # cgroup while the child mounts its root
@@ -434,10 +440,7 @@ def bootstrap(config: dict) -> None:
     # become the mapped root: our credentials still carry host uid 0, which is unmapped in the new namespace
     os.setgroups([])
     os.setresgid(0, 0, 0)
-    os.setresuid(0, 0, 0)
-    # changing uids cleared "dumpable", which would leave our /proc files owned by the unmapped host root and
-    # stop us from writing a forked child's uid_map
-    sc.prctl(sc.PR_SET_DUMPABLE, 1)
+    os.setresuid(0, 0, 0)  # (this also cleared "dumpable": the tool server stays non-dumpable, see _fork_child)
     if os.fork() != 0:
         os._exit(0)
     try:
