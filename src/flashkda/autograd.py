@@ -183,11 +183,17 @@ class ChunkKDAFunction(torch.autograd.Function):
             )
         else:
             cdt = _compute_dtype(q)
-            chunks = _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts, layout)
+            gate_factors = None
+            if _fused_prologue(q):
+                raw = tuple(x.contiguous() for x in (q, k, v, g, beta))
+                tok = slot_tokens(layout, q.device)
+                chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok)
+            else:
+                chunks = _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts, layout)
             oc, ht, h, v_new = chunk_kda_train_fwd(
                 *chunks, scale=opts.scale, initial_state=_state_in(initial_state, opts, cdt),
                 chunk_offsets=layout.chunk_offsets, output_final_state=opts.output_final_state,
-                keep_states=opts.disable_recompute, dot_precision=_dot_precision(q),
+                keep_states=opts.disable_recompute, dot_precision=_dot_precision(q), gate_factors=gate_factors,
             )
             o = from_chunks(oc, layout).to(q.dtype)
             if ht is not None:

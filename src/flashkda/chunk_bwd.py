@@ -28,6 +28,7 @@ def chunk_kda_train_fwd(
     output_final_state: bool,
     keep_states: bool,
     dot_precision: str,
+    gate_factors: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Forward of the chunked KDA core.
 
@@ -39,11 +40,12 @@ def chunk_kda_train_fwd(
         output_final_state: also return ``[N, HV, K, V]`` final states.
         keep_states: also return ``h`` ``[NC, HV, K, V]`` and ``v_new`` for the backward (no recompute).
         dot_precision: Triton ``tl.dot`` input precision (``"ieee"`` or ``"tf32"``).
+        gate_factors: ``(G, qg, kg, kend, dec)`` if the caller already has them (see `chunk_local_prepare`).
 
     Returns:
         ``(o [NC, HV, C, V], final_state or None, h or None, v_new or None)``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors)
     o, ht, h, v_new = chunk_kda_fwd_h(
         local.w,
         local.u,
