@@ -392,7 +392,10 @@ class Registry:
         def loop() -> None:
             while not self._stop.wait(period_s):
                 now = time.time()
-                for sid in [e.id for e in list(self.entries.values()) if e.end_at <= now]:
+                # a paused sandbox's clock stands still (as on E2B) until its lifetime cap
+                due = [e.id for e in list(self.entries.values())
+                       if (e.end_at <= now and e.state != "paused") or e.started_at + MAX_LIFETIME_S <= now]
+                for sid in due:
                     log.info("sandbox %s reached its timeout; killing it", sid)
                     try:
                         self.kill(sid)

@@ -126,3 +126,26 @@ def test_unknown_template_is_not_found(e2b_env):
 
     with pytest.raises(SandboxException, match="not found"):
         Sandbox.create("no-such-template")
+
+
+def test_paused_sandbox_does_not_time_out(e2b_env):
+    from e2b import Sandbox
+
+    sb = Sandbox.create(timeout=60)
+    try:
+        sb.set_timeout(1)
+        sb.pause()
+        time.sleep(2.5)  # past its deadline while paused: the reaper must leave it alone
+        resumed = Sandbox.connect(sb.sandbox_id, timeout=30)
+        assert resumed.commands.run("echo still-here").stdout == "still-here\n"
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_connect_to_a_killed_sandbox_is_not_found(e2b_env):
+    from e2b import Sandbox, SandboxNotFoundException
+
+    sb = Sandbox.create(timeout=60)
+    sb.kill()
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sb.sandbox_id)
