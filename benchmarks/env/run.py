@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
 
+    load_start = os.getloadavg()
     home = Path(tempfile.mkdtemp(prefix="agentenv-bench-", dir="/tmp"))
     backend = NamespaceBackend(home)
     rows: list[Row] = []
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.case:34s} ours {row.ours_ms:8.2f} ms  baseline {base:>8}  {extra}")
     load = os.getloadavg()
     for row in rows:  # the dev machine is shared: record how busy it was
-        row.params["loadavg_1m_5m_at_end"] = [round(load[0], 1), round(load[1], 1)]
+        row.params["loadavg_1m_at_start_and_end"] = [round(load_start[0], 1), round(load[0], 1)]
     path = write_results("env", rows, title="AgentEnv (sandbox runtime)", results_dir=args.results_dir,
                          markdown=args.markdown)
     print(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""The `agentenv` command: create | exec | fork | snapshot | restore | ls | rm | gc | image.
+"""The `agentenv` command: create | exec | fork | snapshot | restore | ls | rm | gc | image (| serve | keys).
 
 State lives in the data directory (`--home`, default `$AGENTENV_HOME` or /var/lib/agentenv) and in the
 sandboxes' tool servers, so every invocation is independent: `agentenv create` prints an id that later
@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run", action="append", default=[], help="a setup command (repeatable)")
     t.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=cmd_image)
+    from agentenv.server.cli import add_subcommands  # `serve` and `keys`: the E2B-compatible HTTP server
+
+    add_subcommands(sub)
     return parser
 
 
