@@ -15,7 +15,7 @@ import torch.nn as nn
 from flashkda.autograd import chunk_kda_autograd
 from flashkda.reference import chunk_kda_reference
 
-D, H, K, T = 32, 2, 32, 80
+D, H, K, T = 32, 2, 16, 80
 
 
 class _Mixer(nn.Module):
@@ -39,8 +39,8 @@ def _train(op, dtype: torch.dtype, device: str, steps: int = 4) -> list[float]:
     torch.manual_seed(0)
     model = _Mixer().to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, T, D, generator=gen).to(device=device, dtype=dtype)
-    target = torch.randn(2, T, D, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(1, T, D, generator=gen).to(device=device, dtype=dtype)
+    target = torch.randn(1, T, D, generator=gen).to(device=device, dtype=dtype)
     opt = torch.optim.Adam(model.parameters(), lr=5e-2)
     losses = []
     for _ in range(steps):
