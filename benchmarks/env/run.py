@@ -13,6 +13,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +80,19 @@ def _mem_available_kb() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `k3infra bench env --server` / `--rl` run the server and RL benchmarks (their own sections and JSON).
+    if "--server" in argv:
+        from benchmarks.env import server
+
+        return server.main([a for a in argv if a != "--server"])
+    if "--rl" in argv:
+        from benchmarks.env import rl
+
+        return rl.main([a for a in argv if a != "--rl"])
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--server", action="store_true", help="run the E2B server benchmark instead")
+    parser.add_argument("--rl", action="store_true", help="run the RL environment benchmark instead")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per case")
     parser.add_argument("--live", type=int, default=1000, help="sandboxes to keep alive for the density row")
     parser.add_argument("--results-dir", type=Path, default=None)
