@@ -48,6 +48,7 @@ class KDAOptions:
     lower_bound: float | None
     state_v_first: bool
     disable_recompute: bool
+    forward_impl: str = "kernels"
 
 
 def kda_gate_torch(
@@ -172,7 +173,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
         fused_fwd = _forward_kernels()
         h = v_new = None
-        if fused_fwd is not None and q.dtype != torch.float64 and not opts.disable_recompute:
+        use_kernels = opts.forward_impl == "kernels" and not opts.disable_recompute
+        if fused_fwd is not None and q.dtype != torch.float64 and use_kernels:
             o, ht, _ = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),
@@ -294,6 +296,7 @@ def chunk_kda_autograd(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     disable_recompute: bool = False,
+    forward_impl: str = "kernels",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Differentiable chunked KDA with fla ``chunk_kda`` semantics (inputs already validated by the caller).
 
@@ -317,6 +320,8 @@ def chunk_kda_autograd(
         A_log: ``[HV]`` gate rate, with ``use_gate_in_kernel``.
         dt_bias: ``[HV * K]`` gate bias, with ``use_gate_in_kernel``.
         disable_recompute: keep the per-chunk states from the forward (more memory, no state recompute).
+        forward_impl: ``"kernels"`` runs the forward kernels (``flashkda.chunk_fwd``); ``"training"`` runs the
+            backward's own pipeline forward (`flashkda.chunk_bwd.chunk_kda_train_fwd`), for comparing the two.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``q``'s dtype; ``final_state`` float32 (float64 for
@@ -336,6 +341,8 @@ def chunk_kda_autograd(
         >>> o.sum().backward(); v.grad.shape
         torch.Size([1, 70, 2, 32])
     """
+    if forward_impl not in ("kernels", "training"):
+        raise ValueError(f"forward_impl must be 'kernels' or 'training', got {forward_impl!r}")
     K = q.shape[-1]
     if K < 16 or K > 256 or K & (K - 1):
         raise ValueError(f"training (inputs requiring grad) needs a head dim K in 16, 32, 64, 128, 256; got K={K}")
@@ -350,6 +357,7 @@ def chunk_kda_autograd(
         lower_bound=lower_bound,
         state_v_first=state_v_first,
         disable_recompute=disable_recompute,
+        forward_impl=forward_impl,
     )
     if not use_gate_in_kernel:
         A_log = dt_bias = None

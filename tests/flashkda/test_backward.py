@@ -188,6 +188,23 @@ def test_disable_recompute_gives_identical_gradients(device: str) -> None:
         torch.testing.assert_close(g_recompute[name], g_kept[name], rtol=1e-5, atol=1e-6)
 
 
+def test_training_pipeline_forward_matches_the_forward_kernels(device: str) -> None:
+    case = Case(T=100, H=1, HV=2, initial_state=True, output_final_state=True,
+                opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                          use_beta_sigmoid_in_kernel=True))
+    torch.manual_seed(6)
+    x = _inputs(case, device)
+    do = torch.randn(1, 100, 2, 32, dtype=torch.float64, device=device)
+    dht = torch.randn(1, 2, 32, 32, dtype=torch.float64, device=device)
+    o1, ht1, g1 = _run(chunk_kda_autograd, x, case, do, dht, forward_impl="kernels")
+    o2, ht2, g2 = _run(chunk_kda_autograd, x, case, do, dht, forward_impl="training")
+    assert _rel_rms(o2, o1) <= 1e-5 and _rel_rms(ht2, ht1) <= 1e-5
+    for name in x:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="forward_impl"):
+        chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.1, forward_impl="cuda")
+
+
 def test_head_dim_that_is_not_a_power_of_two_is_rejected_for_training(device: str) -> None:
     case = Case(T=20, K=48)
     x = _inputs(case, device)
