@@ -100,6 +100,22 @@ class SandboxHandle(abc.ABC):
         """Kill the sandbox (idempotent)."""
 
 
+TEMPLATE_MEMORY_MB = 8192
+TEMPLATE_PIDS = 4096
+
+
+def _template_limits(limits: Limits | None) -> Limits:
+    """Limits of the sandbox a template is built (and snapshotted) in: roomy memory and pids.
+
+    Every restore forks the snapshot's frozen tool server, and a child is charged to the snapshot's cgroup
+    until the runtime moves it to its own; with the task's small limits, a burst of a few hundred restores
+    OOM-kills (or pid-exhausts) the snapshot and every later restore fails. Restores get the task's limits.
+    """
+    base = limits or Limits()
+    return Limits(memory_mb=max(base.memory_mb, TEMPLATE_MEMORY_MB), pids=max(base.pids, TEMPLATE_PIDS),
+                  cpus=base.cpus, disk_mb=base.disk_mb)
+
+
 class SandboxProvider(abc.ABC):
     """Makes sandboxes and owns the snapshots it took for task templates.
 
@@ -148,7 +164,7 @@ class SandboxProvider(abc.ABC):
             with self._template_lock:
                 if key in self._templates:
                     return self._templates[key]
-            handle = self.create(source, limits)
+            handle = self.create(source, _template_limits(limits))
             try:
                 setup(handle)
                 snap = handle.snapshot()

@@ -118,7 +118,7 @@ class AgentEnv:
 
         Returns:
             ``(obs, info)``: obs ``{"content": instruction, ...}``; info has ``task_id``, ``sandbox_id``,
-            ``start_snapshot``, ``trajectory_id``, ``tools`` (schemas) and ``max_steps``.
+            ``start_snapshot``, ``trajectory_id``, ``tools`` (schemas, at reset only) and ``max_steps``.
 
         Raises:
             ValueError: `task` is not a `TaskSpec` or `seed` is not an int.
@@ -138,7 +138,7 @@ class AgentEnv:
                                "seed": seed, "start_snapshot": self.start_snapshot, "sandbox_id": self.handle.id,
                                "location": self.handle.location, "parent": None, "created": time.time()})
         obs = {"content": task.instruction, "tool": None, "call_id": "", "error": None, "truncated": False}
-        return obs, self._info()
+        return obs, self._info(tools=self.tools)
 
     async def _start(self) -> SandboxHandle:
         assert self.task is not None
@@ -165,7 +165,7 @@ class AgentEnv:
     def _info(self, **extra: Any) -> dict:
         assert self.task is not None and self.handle is not None
         return {"task_id": self.task.id, "sandbox_id": self.handle.id, "start_snapshot": self.start_snapshot,
-                "trajectory_id": self.writer.id if self.writer else None, "tools": self.tools,
+                "trajectory_id": self.writer.id if self.writer else None,
                 "max_steps": self.task.max_steps, "steps": self.steps, **extra}
 
     # ---- step ------------------------------------------------------------------------------------------------

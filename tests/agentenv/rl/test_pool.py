@@ -89,3 +89,21 @@ def test_percentile_nearest_rank():
     assert percentile([5.0], 50) == 5.0
     values = [float(i) for i in range(1, 101)]
     assert percentile(values, 50) in (50.0, 51.0) and percentile(values, 99) == 99.0
+
+
+def test_burst_of_restores_keeps_template_alive(provider, live):
+    """Hundreds of restores of one task's template at once (small task limits) must all succeed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    task = TaskSpec(id="burst", instruction="x", verifier=CommandVerifier("true"))
+    snap = provider.template(task.image, task.setup, task.limits)
+    before = live()
+    with ThreadPoolExecutor(32) as ex:
+        handles = list(ex.map(lambda _: provider.restore(snap, task.limits), range(300)))
+    try:
+        assert len({h.id for h in handles}) == 300
+        assert handles[-1].python("1 + 1", timeout_s=30).value == "2"
+    finally:
+        with ThreadPoolExecutor(16) as ex:
+            list(ex.map(lambda h: h.destroy(), handles))
+    assert live() <= before

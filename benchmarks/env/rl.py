@@ -1,0 +1,243 @@
+"""AgentEnv RL benchmark: tool calls/s and step latency at 64/256/1000 concurrent environments, through the
+Python API and through the server, and fork-branching rollouts (1 -> 16) per second.
+
+Run: `k3infra bench env --rl` (the env runner calls `run_rl_bench`) or `python -m benchmarks.env.rl`
+(root, cgroup v1). Every case first passes a correctness gate (a suite task solved in-process and through
+the server). A burst of restores from a snapshot with small memory/pids limits kills that snapshot (its
+restored children are charged to its cgroup until moved), so the server here runs with roomy default limits
+(8 GiB, 4096 pids); in-process, `SandboxProvider.template` builds templates with such limits itself.
+Baselines in the same run: for the API rows, the same sandboxes driven by the raw SDK
+(`Sandbox.python.run`, no environment layer) with the same concurrency; for the server rows, the in-process
+API row of the same size; for fork rollouts, 16 fresh resets that re-run the shared prefix.
+Each step is one `run_python` tool call (``counter += 1``) on an `AgentEnv`; latency is per step, as seen by
+the caller; all environments step at once (``--inflight`` worker threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from agentenv.limits import Limits
+from agentenv.rl import AgentEnv, CommandVerifier, LocalProvider, RemoteProvider, TaskSpec, load_suite, rollout
+from agentenv.rl.policy import ScriptedPolicy, tool_call
+from agentenv.rl.pool import percentile
+from agentenv.runtime.local import NamespaceBackend
+from benchmarks.harness import Row, write_results
+
+TASK = TaskSpec(id="bench", instruction="count", verifier=CommandVerifier("true"), max_steps=10_000,
+                step_timeout_s=60)
+STEP = tool_call("run_python", code="counter = globals().get('counter', 0) + 1")
+
+
+def add_rl_args(parser: argparse.ArgumentParser) -> None:
+    """The RL benchmark's options (the env runner adds them next to its `--rl` flag)."""
+    parser.add_argument("--rl-envs", default="64,256,1000", help="comma-separated concurrent environment counts")
+    parser.add_argument("--rl-steps", type=int, default=10, help="tool calls per environment per case")
+    parser.add_argument("--rl-inflight", type=int, default=64, help="worker threads (sandbox calls in flight)")
+    parser.add_argument("--rl-fork-reps", type=int, default=5, help="repetitions of the 1 -> 16 fork rollout")
+    parser.add_argument("--rl-no-server", action="store_true", help="skip the server rows")
+
+
+def _gate(provider) -> None:
+    (task,) = load_suite(["fix-median"])
+
+    async def main():
+        async with AgentEnv(provider) as env:
+            return await rollout(env, ScriptedPolicy(task), task)
+
+    result = asyncio.run(main())
+    if result.reward != 1.0:
+        raise SystemExit(f"correctness gate failed on {provider.location}: {result}")
+
+
+async def _env_case(provider, n: int, steps: int, executor) -> tuple[float, list[float], int]:
+    envs = [AgentEnv(provider, executor=executor) for _ in range(n)]
+    await asyncio.gather(*(e.reset(task=TASK) for e in envs))
+    latencies: list[float] = []
+    errors = 0
+
+    async def drive(env: AgentEnv) -> None:
+        nonlocal errors
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            obs, *_ = await env.step(STEP)
+            latencies.append((time.perf_counter() - t0) * 1e3)
+            errors += obs["error"] is not None
+
+    start = time.perf_counter()
+    await asyncio.gather(*(drive(e) for e in envs))
+    wall = time.perf_counter() - start
+    await asyncio.gather(*(e.close() for e in envs))
+    return wall, latencies, errors
+
+
+async def _sdk_case(provider: LocalProvider, n: int, steps: int, executor) -> tuple[float, list[float]]:
+    loop = asyncio.get_running_loop()
+    snap = provider.template(TASK.image, TASK.setup, TASK.limits)
+    handles = await asyncio.gather(*(loop.run_in_executor(executor, provider.restore, snap, TASK.limits)
+                                     for _ in range(n)))
+    latencies: list[float] = []
+
+    async def drive(handle) -> None:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            await loop.run_in_executor(executor, handle.sb.python.run, "counter = globals().get('counter', 0) + 1")
+            latencies.append((time.perf_counter() - t0) * 1e3)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(drive(h) for h in handles))
+    wall = time.perf_counter() - start
+    await asyncio.gather(*(loop.run_in_executor(executor, h.destroy) for h in handles))
+    return wall, latencies
+
+
+def _fork_case(provider, reps: int, executor) -> tuple[list[float], list[float]]:
+    (task,) = load_suite(["prime-sum"])
+    answer = tool_call("submit", answer="5736396")
+
+    async def forked() -> float:
+        async with AgentEnv(provider, executor=executor) as env:
+            await env.reset(task=task)
+            await env.step(task.solution[0])  # the shared prefix: the sieve, in interpreter state
+            start = time.perf_counter()
+            kids = await env.fork(16)
+            results = await asyncio.gather(*(k.step(task.solution[1]) for k in kids))
+            finals = await asyncio.gather(*(k.step(answer) for k in kids))
+            took = time.perf_counter() - start
+            await asyncio.gather(*(k.close() for k in kids))
+        assert all(r[0]["content"] == "5736396" for r in results) and all(f[1] == 1.0 for f in finals)
+        return took
+
+    async def fresh() -> float:
+        envs = [AgentEnv(provider, executor=executor) for _ in range(16)]
+        start = time.perf_counter()
+        await asyncio.gather(*(e.reset(task=task) for e in envs))
+        await asyncio.gather(*(e.step(task.solution[0]) for e in envs))  # each re-runs the prefix
+        await asyncio.gather(*(e.step(task.solution[1]) for e in envs))
+        finals = await asyncio.gather(*(e.step(answer) for e in envs))
+        took = time.perf_counter() - start
+        await asyncio.gather(*(e.close() for e in envs))
+        assert all(f[1] == 1.0 for f in finals)
+        return took
+
+    ours = [asyncio.run(forked()) for _ in range(reps)]
+    base = [asyncio.run(fresh()) for _ in range(reps)]
+    return ours, base
+
+
+def _guarded(what: str, fn) -> list[Row]:
+    """Rows of one case; a case that fails is reported on stderr and skipped (the other rows stay)."""
+    try:
+        rows = fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark keeps the rows it measured before a failure
+        print(f"case {what} FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
+    for r in rows:
+        print(f"{r.case:<22} ours p50 {r.ours_ms:8.2f} ms  baseline {r.baseline_ms or float('nan'):8.2f} ms  "
+              + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items()),
+              flush=True)
+    return rows
+
+
+def _api_rows(local, n: int, args, executor) -> list[Row]:
+    base_wall, base_lat = asyncio.run(_sdk_case(local, n, args.rl_steps, executor))
+    wall, lat, errors = asyncio.run(_env_case(local, n, args.rl_steps, executor))
+    params = {"envs": n, "steps_per_env": args.rl_steps, "inflight": args.rl_inflight}
+    return [Row(f"api-{n}envs", "raw SDK python.run, same concurrency", percentile(base_lat, 50),
+                percentile(lat, 50), params,
+                {"calls_per_s": len(lat) / wall, "p99_ms": percentile(lat, 99), "errors": errors,
+                 "baseline_calls_per_s": len(base_lat) / base_wall, "baseline_p99_ms": percentile(base_lat, 99)})]
+
+
+def _server_rows(remote, n: int, api: list[Row], args, executor) -> list[Row]:
+    wall, lat, errors = asyncio.run(_env_case(remote, n, args.rl_steps, executor))
+    params = {"envs": n, "steps_per_env": args.rl_steps, "inflight": args.rl_inflight}
+    return [Row(f"server-{n}envs", "in-process API (row above)", api[0].ours_ms if api else None,
+                percentile(lat, 50), params,
+                {"calls_per_s": len(lat) / wall, "p99_ms": percentile(lat, 99), "errors": errors})]
+
+
+def _fork_rows(provider, name: str, args, executor) -> list[Row]:
+    ours, base = _fork_case(provider, args.rl_fork_reps, executor)
+    med, bmed = sorted(ours)[len(ours) // 2] * 1e3, sorted(base)[len(base) // 2] * 1e3
+    return [Row(f"fork-1to16-{name}", "16 fresh resets re-running the prefix", bmed, med,
+                {"branches": 16, "reps": args.rl_fork_reps},
+                {"rollouts_per_s": 16 / (med / 1e3), "baseline_rollouts_per_s": 16 / (bmed / 1e3)})]
+
+
+def run_rl_bench(args: argparse.Namespace) -> list[Row]:
+    """Measure and return the rows (the caller writes them with `write_results`)."""
+    sizes = [int(x) for x in str(args.rl_envs).split(",") if x]
+    home = Path(tempfile.mkdtemp(prefix="agentenv-rl-bench-", dir="/tmp"))
+    backend = NamespaceBackend(home / "runtime")
+    executor = ThreadPoolExecutor(args.rl_inflight, thread_name_prefix="rl-bench")
+    rows: list[Row] = []
+    server = None
+    try:
+        local = LocalProvider(backend)
+        _gate(local)
+        remote = None
+        if not args.rl_no_server:
+            from agentenv.server import Server
+            from agentenv.server.auth import Quota
+
+            # Roomy default limits: the server builds task templates with its defaults, and a burst of restores
+            # from a snapshot with small memory/pids limits kills that snapshot (see the module docstring).
+            server = Server(port=0, state_dir=home / "server", backend=backend,
+                            limits=Limits(memory_mb=8192, pids=4096)).start()
+            remote = RemoteProvider(server.url, server.keys.create("bench", Quota(max_sandboxes=0))[0],
+                                    connections=args.rl_inflight, request_timeout_s=300)
+            _gate(remote)
+        warm = min(16, min(sizes))  # warm-up: thread pool, connections, template snapshot, page cache
+        asyncio.run(_sdk_case(local, warm, 3, executor))
+        asyncio.run(_env_case(local, warm, 3, executor))
+        if remote is not None:
+            asyncio.run(_env_case(remote, warm, 3, executor))
+        for n in sizes:
+            api = _guarded(f"api {n} envs", lambda n=n: _api_rows(local, n, args, executor))
+            rows += api
+            if remote is not None:
+                rows += _guarded(f"server {n} envs", lambda n=n, api=api: _server_rows(remote, n, api, args, executor))
+        for name, provider in (("api", local), ("server", remote)):
+            if provider is not None and args.rl_fork_reps > 0:
+                rows += _guarded(f"fork {name}", lambda p=provider, name=name: _fork_rows(p, name, args, executor))
+        local.close()
+        if remote is not None:
+            remote.close()
+    finally:
+        executor.shutdown(wait=True)
+        if server is not None:
+            server.stop(kill_all=True)
+        backend.gc(everything=True)
+        shutil.rmtree(home, ignore_errors=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_rl_args(parser)
+    parser.add_argument("--component", default="env-rl", help="results name (BENCHMARKS.md section key)")
+    parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("the RL benchmark needs root (the sandbox runtime)")
+    rows = run_rl_bench(args)
+    if not rows:
+        raise SystemExit("no case completed")
+    path = write_results(args.component, rows, title="AgentEnv RL (environments, pool, server, fork rollouts)",
+                         results_dir=args.results_dir, markdown=args.markdown)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
