@@ -1,0 +1,129 @@
+"""Offline sm_90 resource report of the FlashKDA forward intra-chunk kernel(s): registers, spills, shared memory.
+
+Compiles the Triton kernels for an H100/H200 (``GPUTarget("cuda", 90, 32)``) on a machine without a GPU, with the
+ptxas that ships in Triton's wheel, and prints one line per (kernel, configuration). Nothing runs on a device, so
+these numbers predict occupancy only; they are no timing.
+
+Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass]``.
+Configurations: bf16 input (tf32 products, bf16 w/kg) and fp32 input (ieee products), K = V = 128, fixed-length,
+in-kernel gate with ``lower_bound`` + ``safe_gate`` (the benchmark setting) or the softplus gate (pair-by-pair
+diagonal path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from flashkda import chunk_intra
+
+TARGET = GPUTarget("cuda", 90, 32)
+#: Registers per SM and the per-thread cap on sm_90; used to report resident CTAs per SM.
+REGS_PER_SM = 65536
+MAX_SMEM = 227 * 1024
+
+
+def intra_configs(dtype: str, gate: str):
+    """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting."""
+    work = "bf16" if dtype == "bf16" else "fp32"
+    prec = "tf32" if dtype == "bf16" else "ieee"
+    bounded = gate == "bounded"
+    common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=chunk_intra.SLICE,
+                  BVC=chunk_intra.SLICE, USE_GATE=True, HAS_A=True, HAS_BIAS=True, USE_LOWER_BOUND=bounded,
+                  USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
+                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3")
+    return [(fn, {name: types.get(name, "constexpr") for name in fn.arg_names},
+             {name: common[name] for name in fn.arg_names if name in common})
+            for fn, types in kernel_signatures(work)]
+
+
+def kernel_signatures(work: str):
+    """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype)."""
+    io = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
+              cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
+              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", scale="fp32", lower_bound="fp32", T="i32",
+              NTS="i32")
+    return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
+
+
+def compile_one(fn, signature, constexprs, num_warps: int):
+    src = ASTSource(fn, signature, constexprs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+
+
+def ctas_per_sm(n_regs: int, num_warps: int, smem: int) -> int:
+    by_regs = REGS_PER_SM // (max(n_regs, 1) * 32 * num_warps)
+    by_smem = MAX_SMEM // smem if smem else 32
+    return max(0, min(by_regs, by_smem, 64 // num_warps))
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def ptxas_usage(kernel) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) from ``ptxas -v`` on the kernel's PTX (the ptxas Triton uses)."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+
+
+def sass_counts(kernel) -> dict[str, int]:
+    """Counts of a few SASS opcodes (local-memory traffic, tensor-core ops) via the wheel's cuobjdump."""
+    cuobjdump = _tool("cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = ("LDL", "STL", "HMMA", "HGMMA", "BAR", "SHFL")
+    return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--gate", nargs="+", default=["bounded", "softplus"])
+    ap.add_argument("--sass", action="store_true", help="also count LDL/STL/HMMA/HGMMA/BAR/SHFL in the SASS")
+    args = ap.parse_args(argv)
+    print(f"target sm_90 | triton {triton.__version__} | K = V = 128, BT = 64, BC = 16 | no device timing")
+    head = (f"{'kernel':<40} {'dtype':<5} {'gate':<9} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem B':>7} "
+            f"{'CTA/SM':>6}")
+    print(head)
+    print("-" * len(head))
+    for dtype in args.dtype:
+        for gate in args.gate:
+            for fn, sig, cx in intra_configs(dtype, gate):
+                for nw in args.warps:
+                    try:
+                        kern = compile_one(fn, sig, cx, nw)
+                    except Exception as e:  # noqa: BLE001 - report and continue with the other configurations
+                        print(f"{fn.__name__:<40} {dtype:<5} {gate:<9} {nw:>5} compile failed: {e!r}"[:200])
+                        continue
+                    md = kern.metadata
+                    n_regs, n_spills = ptxas_usage(kern)
+                    line = (f"{fn.__name__:<40} {dtype:<5} {gate:<9} {nw:>5} {n_regs:>5} {n_spills:>8} "
+                            f"{md.shared:>7} {ctas_per_sm(n_regs, nw, md.shared):>6}")
+                    if args.sass:
+                        line += "  " + " ".join(f"{k}={v}" for k, v in sass_counts(kern).items())
+                    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
