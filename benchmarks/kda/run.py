@@ -192,7 +192,13 @@ def fp64_gate(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--train" in argv:  # `k3infra bench kda --train`: forward + backward rows
+        from benchmarks.kda import train
+
+        return train.main([a for a in argv if a != "--train"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", action="store_true", help="run the forward+backward benchmark instead")
     parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(CASES)}")
     parser.add_argument("--rep", type=int, default=20)
     parser.add_argument("--no-write", action="store_true")

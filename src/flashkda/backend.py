@@ -49,9 +49,12 @@ def chunk_kda_verifier(
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False, f"{q.device.type} tensors need TRITON_INTERPRET=1"
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
-    if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state) and importlib.util.find_spec(
-            "flashkda.autograd") is None:
-        return False, "inputs require grad and flashkda.autograd is not available"
+    if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        if importlib.util.find_spec("flashkda.autograd") is None:
+            return False, "inputs require grad and flashkda.autograd is not available"
+        K = q.shape[-1]
+        if K < 16 or K > 256 or K & (K - 1):
+            return False, f"training needs K in 16, 32, 64, 128, 256; got K={K}"
     try:
         s = checks.check_qkvgb(q, k, v, g, beta)
         s = checks.check_cu_seqlens(s, cu_seqlens, cu_seqlens_cpu, q.device)
