@@ -78,6 +78,8 @@ def ptxas_usage(kernel) -> tuple[int, int]:
             f.write(kernel.asm["ptx"])
         err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
                              capture_output=True, text=True).stderr
+    # Only the entry function's block counts: called helpers (fp32 division, sqrt slow paths) print their own.
+    err = err[err.find(f"Function properties for {kernel.metadata.name}"):]
     regs = re.search(r"Used (\d+) registers", err)
     spill = re.search(r"(\d+) bytes spill stores", err)
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1

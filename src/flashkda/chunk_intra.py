@@ -6,13 +6,20 @@ and causal ``Aqk = (q kᵀ ⊙ e^{Γ_i-Γ_j})``, the block solve ``(I + L)⁻¹`
 ``w = (I + L)⁻¹ (β k e^Γ)``, ``u = (I + L)⁻¹ (β v)``. Outputs for the state stage: ``w``, ``u``,
 ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}``, ``Aqk`` (lower triangle only) and ``Γ_C`` per chunk.
 
-Numerics: every ``e^{Γ_i - Γ_j}`` with ``i`` and ``j`` in different sub-chunks is factored through the cumulative
-gate at the end of ``j``'s sub-chunk, so both factors are ``<= 1`` (no overflow for any gate ``<= 0``). Inside a
-sub-chunk the bounded gate (``safe_gate``, ``g >= -5``) factors through the sub-chunk start (``<= e^80``, inside
-fp32 range) and uses tensor cores; any other gate is computed pair by pair, exactly.
+Shape of the work: the chunk is handled as whole ``[BT, 16]`` slices of K (then of V), so one slice of q/k/g is
+live at a time; ``Aqk`` and ``Akk`` accumulate over the slices as one ``[BT, BT]`` tile for the off-diagonal
+sub-chunk blocks (Hopper wgmma, M = 64) and a ``[4, BC, BC]`` batch for the diagonal blocks. The solve uses no
+serial row loop: the diagonal inverses by the product form ``(I - L)(I + L²)(I + L⁴)(I + L⁸)`` (batched), the
+off-diagonal coupling ``N = (I + D)⁻¹ E`` by ``(I + N)⁻¹ = I - N + N² - N³`` (N is nilpotent over four blocks).
+
+Numerics: every ``e^{Γ_i - Γ_j}`` with ``i`` and ``j`` in different sub-chunks is split at a sub-chunk boundary
+between them, so both factors are ``<= 1`` (no overflow for any gate ``<= 0``). Inside a sub-chunk the bounded
+gate (``safe_gate``, ``g >= -5``) factors through the sub-chunk start (``<= e^80``, inside fp32 range) and uses
+tensor cores; any other gate is computed pair by pair, exactly.
 
 Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 KiB) and writes w, u, qg, kg, Aqk
-(74 KiB); the stage is bound by HBM bandwidth when enough (chunk, head) programs run.
+(74 KiB); the stage is bound by HBM bandwidth when enough (chunk, head) programs run. q and k are read twice
+(L2 norms first) and the w right-hand side makes one round trip, mostly from L2.
 """
 
 import torch
@@ -25,150 +32,71 @@ from flashkda.ops import L2NORM_EPS, beta_map, kda_gate
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
 #: Width of the K and V slices the kernel walks (one slice of q/k/g/v live at a time).
-SLICE = 32
+SLICE = 16
 
 
 @triton.jit
-def _gate_block(g, b_bias, b_A, lower_bound, t0, a, eos, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr,
-                BC: tl.constexpr, USE_GATE: tl.constexpr, HAS_A: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """Log-space gate of sub-chunk ``a`` on the channels ``o_k``: ``[BC, BKC]`` fp32, zero on padded rows."""
-    o_t = t0 + a * BC + tl.arange(0, BC)
-    m = (o_t < eos)[:, None] & (o_k < K)[None, :]
-    # [BC, BKC]
-    b_g = tl.load(g + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-    if USE_GATE:
-        b_g = kda_gate(b_g, b_bias[None, :], b_A, lower_bound, HAS_A, USE_LOWER_BOUND)
-    # Padded rows must not decay the state, whatever the activation of 0 is.
-    return tl.where(m, b_g, 0.0)
+def _tile(x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+    """Loads the chunk's ``[BT, len(o_c)]`` tile of a ``[.., T, NX, C]`` tensor as fp32 (zero past ``eos``)."""
+    # 64-bit scalar base, 32-bit tile offsets: int64 offset tensors would cost two registers an element.
+    o_t = tl.arange(0, BT)
+    m = (o_t < eos - t0)[:, None] & (o_c < C)[None, :]
+    return tl.load(x + (t0 * NX + i_x) * C + o_t[:, None] * (NX * C) + o_c[None, :], mask=m,
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _rows(x, t0, a, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """Loads rows of sub-chunk ``a`` of a ``[.., T, NX, C]`` tensor on the columns ``o_c`` as fp32."""
-    o_t = t0 + a * BC + tl.arange(0, BC)
-    m = (o_t < eos)[:, None] & (o_c < C)[None, :]
-    return tl.load(x + (o_t[:, None] * NX + i_x) * C + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+def _put_tile(x, b_x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    m = (o_t < eos - t0)[:, None] & (o_c < C)[None, :]
+    tl.store(x + (t0 * NX + i_x) * C + o_t[:, None] * (NX * C) + o_c[None, :], b_x.to(x.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _put_rows(x, b_x, t0, a, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    o_t = t0 + a * BC + tl.arange(0, BC)
-    m = (o_t < eos)[:, None] & (o_c < C)[None, :]
-    tl.store(x + (o_t[:, None] * NX + i_x) * C + o_c[None, :], b_x.to(x.dtype.element_ty), mask=m)
+def _per_row(b_x4, BC: tl.constexpr, BKC: tl.constexpr):
+    """Broadcasts a per-sub-chunk ``[4, BKC]`` value to the ``[4 * BC, BKC]`` rows of the chunk."""
+    return tl.reshape(tl.broadcast_to(b_x4[:, None, :], [4, BC, BKC]), [4 * BC, BKC])
 
 
 @triton.jit
-def _inv_norm(x, t0, a, eos, i_x, NX: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr,
-              USE_L2NORM: tl.constexpr):
-    """``[BC]`` reciprocal row norms ``1 / sqrt(|x|² + eps)`` of sub-chunk ``a`` (ones without the L2 norm)."""
-    b_ss = tl.zeros([BC], dtype=tl.float32)
-    if USE_L2NORM:
-        for i_k in range(0, tl.cdiv(K, BKC)):
-            b_x = _rows(x, t0, a, eos, i_x, i_k * BKC + tl.arange(0, BKC), NX, K, BC)
-            b_ss += tl.sum(b_x * b_x, 1)
-        return 1.0 / tl.sqrt(b_ss + L2NORM_EPS)
-    else:
-        return b_ss + 1.0
+def _sub_sums(b_s4, m):
+    """``[4, BKC]``: row ``a`` holds Σ_b m[a, b] s_b over the sub-chunk gate sums ``b_s4`` (``m``: ``[4, 4]``).
 
-
-@triton.jit
-def _row_slice(q, k, g, w, qg, kg, b_bias, b_A, lower_bound, b_rq, b_rk, b_b, b_c, b_tail, t0, a, eos, i_h,
-               i_hv, o_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_A: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-               SAFE_GATE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One K slice of sub-chunk ``a``: stores qg, kg and the w right-hand side; returns its row operands and the
-    slice's contribution to the diagonal blocks of Aqk and Akk.
-
-    ``b_c``: gate sum of the earlier sub-chunks; ``b_tail``: gate sum from this sub-chunk to the chunk end.
+    Sums are formed directly, never as differences of running sums, which drift by ~1e-5 relative once large
+    gates push them into the hundreds.
     """
-    o_i = tl.arange(0, BC)
-    # [BC, BKC]
-    b_q = _rows(q, t0, a, eos, i_h, o_k, H, K, BC) * b_rq[:, None]
-    b_k = _rows(k, t0, a, eos, i_h, o_k, H, K, BC) * b_rk[:, None]
-    b_g = _gate_block(g, b_bias, b_A, lower_bound, t0, a, eos, i_hv, o_k, HV, K, BC, USE_GATE, HAS_A,
-                      USE_LOWER_BOUND)
-    # Cumulative gate from the sub-chunk start. Exponents are always formed from these local sums and from sums
-    # of whole sub-chunks, never as differences of chunk-level cumulative sums, which lose ~1e-5 of relative
-    # precision in fp32 once a few large gates have pushed the running sum into the hundreds.
-    b_G = tl.cumsum(b_g, 0)
-    b_eG = tl.exp(b_c[None, :] + b_G)
-    _put_rows(qg, b_q * b_eG, t0, a, eos, i_hv, o_k, HV, K, BC)
-    _put_rows(kg, b_k * tl.exp(b_tail[None, :] - b_G), t0, a, eos, i_hv, o_k, HV, K, BC)
-    # Right-hand side of the WY solve for w; pass 2 of the kernel overwrites it with w.
-    _put_rows(w, b_k * b_eG * b_b[:, None], t0, a, eos, i_hv, o_k, HV, K, BC)
-    # Row operands relative to the sub-chunk start (factors <= 1).
-    b_eGr = tl.exp(b_G)
-    b_qr = b_q * b_eGr
-    b_kr = b_k * b_eGr
-    # Column operand for later sub-chunks, relative to this sub-chunk's end (factors <= 1).
-    b_kcol = b_k * tl.exp(tl.sum(b_g, 0)[None, :] - b_G)
-    if SAFE_GATE:
-        # Bounded gate: e^{-G} <= e^{16 * 5} stays in fp32 range, so one tensor-core product suffices.
-        b_kc = b_k * tl.exp(-b_G)
-        b_Aqk = tl.dot(b_qr, tl.trans(b_kc), input_precision=DOT_PREC)
-        b_Akk = tl.dot(b_kr, tl.trans(b_kc), input_precision=DOT_PREC)
-    else:
-        b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
-        b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(BC):
-            m_j = o_i == j
-            b_kj = tl.sum(tl.where(m_j[:, None], b_k, 0.0), 0)
-            b_gj = tl.sum(tl.where(m_j[:, None], b_G, 0.0), 0)
-            # [BC, BKC] exact e^{Γ_i - Γ_j} for i >= j, zero above
-            b_d = tl.exp(tl.where((o_i >= j)[:, None], b_G - b_gj[None, :], float("-inf")))
-            b_kd = b_kj[None, :] * b_d
-            b_Aqk += tl.where(m_j[None, :], tl.sum(b_q * b_kd, 1)[:, None], 0.0)
-            b_Akk += tl.where(m_j[None, :], tl.sum(b_k * b_kd, 1)[:, None], 0.0)
-    return b_qr, b_kr, b_kcol, b_Aqk, b_Akk
+    return tl.sum(tl.where(m[:, :, None], b_s4[None, :, :], 0.0), 1)
 
 
 @triton.jit
-def _off_diag(b_qr, b_kr, b_gap, b_kcol, DOT_PREC: tl.constexpr):
-    """Aqk and Akk slices between row sub-chunk a and an earlier column sub-chunk b (b_gap: gate sum between)."""
-    b_s = tl.exp(b_gap)[None, :]
-    b_Aqk = tl.dot(b_qr * b_s, tl.trans(b_kcol), input_precision=DOT_PREC)
-    b_Akk = tl.dot(b_kr * b_s, tl.trans(b_kcol), input_precision=DOT_PREC)
-    return b_Aqk, b_Akk
-
-
-@triton.jit
-def _store_A(Aqk, b_A, t0, a, b, eos, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    o_t = t0 + a * BC + tl.arange(0, BC)
-    o_c = b * BC + tl.arange(0, BC)
-    tl.store(Aqk + (o_t[:, None] * HV + i_hv) * BT + o_c[None, :], b_A.to(Aqk.dtype.element_ty),
-             mask=(o_t < eos)[:, None])
+def _bdot(b_a, b_b, PREC: tl.constexpr):
+    return tl.dot(b_a, b_b, input_precision=PREC)
 
 
 @triton.jit
 def _inv_unit_lower(b_L, BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)⁻¹ of a strictly lower ``[BC, BC]`` block by the product form (I - L)(I + L²)(I + L⁴)(I + L⁸).
+    """(I + L)⁻¹ of a batch ``[4, BC, BC]`` of strictly lower blocks by (I - L)(I + L²)(I + L⁴)(I + L⁸).
 
-    L is nilpotent (L¹⁶ = 0 for BC = 16), so the product is exact in exact arithmetic: six small tensor-core
+    L is nilpotent (L¹⁶ = 0 for BC = 16), so the product is exact in exact arithmetic: six batched tensor-core
     products instead of sixteen dependent row steps with a cross-thread reduction each.
     """
     tl.static_assert(BC == 16, "the product form is written out for 16 x 16 blocks")
     o_i = tl.arange(0, BC)
-    b_X = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0) - b_L
-    b_P = tl.dot(b_L, b_L, input_precision=PREC)
-    b_X += tl.dot(b_X, b_P, input_precision=PREC)
-    b_P = tl.dot(b_P, b_P, input_precision=PREC)
-    b_X += tl.dot(b_X, b_P, input_precision=PREC)
-    b_P = tl.dot(b_P, b_P, input_precision=PREC)
-    b_X += tl.dot(b_X, b_P, input_precision=PREC)
+    b_X = tl.where((o_i[:, None] == o_i[None, :])[None, :, :], 1.0, 0.0) - b_L
+    b_P = _bdot(b_L, b_L, PREC)
+    b_X += _bdot(b_X, b_P, PREC)
+    b_P = _bdot(b_P, b_P, PREC)
+    b_X += _bdot(b_X, b_P, PREC)
+    b_P = _bdot(b_P, b_P, PREC)
+    b_X += _bdot(b_X, b_P, PREC)
     return b_X
 
 
 @triton.jit
-def _wy_slice(b_r0, b_r1, b_r2, b_r3, b_T00, b_T10, b_T11, b_T20, b_T21, b_T22, b_T30, b_T31, b_T32, b_T33,
-              DOT_PREC: tl.constexpr):
-    """Row blocks of T r for the block lower-triangular T and the four right-hand-side blocks of one slice."""
-    b_x0 = tl.dot(b_T00, b_r0, input_precision=DOT_PREC)
-    b_x1 = tl.dot(b_T10, b_r0, input_precision=DOT_PREC) + tl.dot(b_T11, b_r1, input_precision=DOT_PREC)
-    b_x2 = (tl.dot(b_T20, b_r0, input_precision=DOT_PREC) + tl.dot(b_T21, b_r1, input_precision=DOT_PREC)
-            + tl.dot(b_T22, b_r2, input_precision=DOT_PREC))
-    b_x3 = (tl.dot(b_T30, b_r0, input_precision=DOT_PREC) + tl.dot(b_T31, b_r1, input_precision=DOT_PREC)
-            + tl.dot(b_T32, b_r2, input_precision=DOT_PREC) + tl.dot(b_T33, b_r3, input_precision=DOT_PREC))
-    return b_x0, b_x1, b_x2, b_x3
+def _solve(b_D, b_M, b_r, BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``(I + L)⁻¹ r = M (D⁻¹ r)`` for one ``[BT, BKC]`` slice (``b_D``: the batched diagonal inverses)."""
+    b_y = tl.reshape(_bdot(b_D, tl.reshape(b_r, [4, BC, BKC]), DOT_PREC), [BT, BKC])
+    return tl.dot(b_M, b_y, input_precision=DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["T", "lower_bound", "scale"])
@@ -198,181 +126,148 @@ def chunk_kda_fwd_kernel_intra(
         bos = i_n.to(tl.int64) * T
         eos = bos + T
     t0 = bos + i_j.to(tl.int64) * BT
-    o_i = tl.arange(0, BC)
+    o_r = tl.arange(0, BT)
+    m_r = o_r < eos - t0
+    # [BT] sub-chunk of each row
+    o_blk = o_r // BC
     if HAS_A:
         b_A = tl.load(A_log + i_hv).to(tl.float32)
     else:
         b_A = 0.0
 
-    # [BC] per sub-chunk: reciprocal L2 norms of q (with the scale) and k, and the activated beta.
-    b_rq0 = _inv_norm(q, t0, 0, eos, i_h, H, K, BC, BKC, USE_L2NORM) * scale
-    b_rq1 = _inv_norm(q, t0, 1, eos, i_h, H, K, BC, BKC, USE_L2NORM) * scale
-    b_rq2 = _inv_norm(q, t0, 2, eos, i_h, H, K, BC, BKC, USE_L2NORM) * scale
-    b_rq3 = _inv_norm(q, t0, 3, eos, i_h, H, K, BC, BKC, USE_L2NORM) * scale
-    b_rk0 = _inv_norm(k, t0, 0, eos, i_h, H, K, BC, BKC, USE_L2NORM)
-    b_rk1 = _inv_norm(k, t0, 1, eos, i_h, H, K, BC, BKC, USE_L2NORM)
-    b_rk2 = _inv_norm(k, t0, 2, eos, i_h, H, K, BC, BKC, USE_L2NORM)
-    b_rk3 = _inv_norm(k, t0, 3, eos, i_h, H, K, BC, BKC, USE_L2NORM)
-    b_b0 = beta_map(tl.load(beta + (t0 + o_i) * HV + i_hv, mask=t0 + o_i < eos, other=0.0).to(tl.float32),
-                    BETA_SIGMOID, ALLOW_NEG_EIGVAL)
-    b_b0 = tl.where(t0 + o_i < eos, b_b0, 0.0)
-    b_b1 = beta_map(tl.load(beta + (t0 + BC + o_i) * HV + i_hv, mask=t0 + BC + o_i < eos, other=0.0)
-                    .to(tl.float32), BETA_SIGMOID, ALLOW_NEG_EIGVAL)
-    b_b1 = tl.where(t0 + BC + o_i < eos, b_b1, 0.0)
-    b_b2 = beta_map(tl.load(beta + (t0 + 2 * BC + o_i) * HV + i_hv, mask=t0 + 2 * BC + o_i < eos, other=0.0)
-                    .to(tl.float32), BETA_SIGMOID, ALLOW_NEG_EIGVAL)
-    b_b2 = tl.where(t0 + 2 * BC + o_i < eos, b_b2, 0.0)
-    b_b3 = beta_map(tl.load(beta + (t0 + 3 * BC + o_i) * HV + i_hv, mask=t0 + 3 * BC + o_i < eos, other=0.0)
-                    .to(tl.float32), BETA_SIGMOID, ALLOW_NEG_EIGVAL)
-    b_b3 = tl.where(t0 + 3 * BC + o_i < eos, b_b3, 0.0)
+    # [BT] reciprocal L2 norms of q (with the scale) and k, and the activated beta.
+    b_sq = tl.zeros([BT], dtype=tl.float32)
+    b_sk = tl.zeros([BT], dtype=tl.float32)
+    if USE_L2NORM:
+        for i_k in range(0, tl.cdiv(K, BKC)):
+            o_k = i_k * BKC + tl.arange(0, BKC)
+            b_x = _tile(q, t0, eos, i_h, o_k, H, K, BT)
+            b_sq += tl.sum(b_x * b_x, 1)
+            b_x = _tile(k, t0, eos, i_h, o_k, H, K, BT)
+            b_sk += tl.sum(b_x * b_x, 1)
+        b_rq = scale / tl.sqrt(b_sq + L2NORM_EPS)
+        b_rk = 1.0 / tl.sqrt(b_sk + L2NORM_EPS)
+    else:
+        b_rq = b_sq + scale
+        b_rk = b_sk + 1.0
+    b_b = tl.load(beta + t0 * HV + i_hv + o_r * HV, mask=m_r, other=0.0).to(tl.float32)
+    b_b = tl.where(m_r, beta_map(b_b, BETA_SIGMOID, ALLOW_NEG_EIGVAL), 0.0)
 
-    # Pass 1, K slice by K slice (every exponent is per channel, so the [BC, BC] blocks are sums over slices and
-    # only one slice of q/k/g is live at a time): Aqk and Akk blocks accumulate; qg, kg, the w right-hand side
-    # and Γ_C are stored slice by slice.
-    b_A00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A10 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A20 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A21 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A30 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A31 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A32 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A33 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L10 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L20 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L21 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L30 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L31 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L32 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_L33 = tl.zeros([BC, BC], dtype=tl.float32)
+    # Pass 1, K slice by K slice (every exponent is per channel, so Aqk and Akk are sums over slices and only one
+    # [BT, BKC] slice of q/k/g is live at a time). Each e^{Γ_i - Γ_j} is split into two factors <= 1 at a
+    # sub-chunk boundary between i and j, one product per row set x column set so that every product accumulates
+    # in place: the start of i's sub-chunk for the adjacent pairs (1,0) and (3,2), the chunk middle for (2|3, 0|1).
+    # The diagonal blocks are batched [4, BC, BC] products: the bounded gate factors through the sub-chunk start
+    # (<= e^80, fp32 range); any other gate is computed pair by pair, exactly.
+    # [4, 4] sub-chunk pairs (a, b) for the gate sums
+    o_a = tl.arange(0, 4)[:, None]
+    o_b = tl.arange(0, 4)[None, :]
+    o_i3 = tl.arange(0, BC)[None, :, None]
+    o_j3 = tl.arange(0, BC)[None, None, :]
+    # [BT, BT] off-diagonal blocks (zero elsewhere); [4, BC, BC] diagonal blocks
+    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Aqk3 = tl.zeros([4, BC, BC], dtype=tl.float32)
+    b_Akk3 = tl.zeros([4, BC, BC], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BKC)):
         o_k = i_k * BKC + tl.arange(0, BKC)
-        if HAS_BIAS:
-            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+        m_k = o_k < K
+        # [BT, BKC]
+        b_g = _tile(g, t0, eos, i_hv, o_k, HV, K, BT)
+        if USE_GATE:
+            if HAS_BIAS:
+                b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            else:
+                b_bias = tl.zeros([BKC], dtype=tl.float32)
+            b_g = kda_gate(b_g, b_bias[None, :], b_A, lower_bound, HAS_A, USE_LOWER_BOUND)
+        # Padded rows must not decay the state, whatever the activation of 0 is.
+        b_g = tl.where(m_r[:, None] & m_k[None, :], b_g, 0.0)
+        # [4, BC, BKC] -> [BT, BKC] cumulative gate from each sub-chunk's start; [4, BKC] sub-chunk sums.
+        b_g3 = tl.reshape(b_g, [4, BC, BKC])
+        b_G = tl.reshape(tl.cumsum(b_g3, 1), [BT, BKC])
+        b_s4 = tl.sum(b_g3, 1)
+        tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_s4, 0), mask=m_k)
+        b_q = _tile(q, t0, eos, i_h, o_k, H, K, BT) * b_rq[:, None]
+        b_k = _tile(k, t0, eos, i_h, o_k, H, K, BT) * b_rk[:, None]
+        # Γ_i relative to the chunk start (qg, w) and Γ_C - Γ_i (kg), each from sub-chunk sums.
+        b_eG = tl.exp(_per_row(_sub_sums(b_s4, o_b < o_a), BC, BKC) + b_G)
+        _put_tile(qg, b_q * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
+        _put_tile(kg, b_k * tl.exp(_per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC) - b_G), t0, eos, i_hv, o_k,
+                  HV, K, BT)
+        # Right-hand side of the WY solve for w; pass 2 overwrites it with w.
+        _put_tile(w, b_k * b_eG * b_b[:, None], t0, eos, i_hv, o_k, HV, K, BT)
+
+        # Row operands relative to their sub-chunk's start (factors <= 1).
+        b_eGr = tl.exp(b_G)
+        b_qr = b_q * b_eGr
+        b_kr = b_k * b_eGr
+        # Columns relative to the end of their sub-chunk (factors <= 1).
+        b_kc = b_k * tl.exp(_per_row(b_s4, BC, BKC) - b_G)
+        for a in tl.static_range(1, 4, 2):
+            # adjacent pair (a, a - 1)
+            m_row = (o_blk == a)[:, None]
+            m_col = (o_blk == a - 1)[:, None]
+            b_Aqk += tl.dot(tl.where(m_row, b_qr, 0.0), tl.trans(tl.where(m_col, b_kc, 0.0)),
+                            input_precision=DOT_PREC)
+            b_Akk += tl.dot(tl.where(m_row, b_kr, 0.0), tl.trans(tl.where(m_col, b_kc, 0.0)),
+                            input_precision=DOT_PREC)
+        # Far pairs through the chunk middle: rows of sub-chunk 3 gain e^{s_2}, columns of sub-chunk 0 e^{s_1}.
+        m_row = (o_blk >= 2)[:, None]
+        m_col = (o_blk < 2)[:, None]
+        b_rs = tl.where(m_row, tl.exp(_per_row(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a)), BC, BKC)), 0.0)
+        b_kc = tl.where(m_col, b_kc * tl.exp(_per_row(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2)), BC, BKC)), 0.0)
+        b_Aqk += tl.dot(b_qr * b_rs, tl.trans(b_kc), input_precision=DOT_PREC)
+        b_Akk += tl.dot(b_kr * b_rs, tl.trans(b_kc), input_precision=DOT_PREC)
+        # [4, BC, BKC]
+        b_q3 = tl.reshape(b_q, [4, BC, BKC])
+        b_k3 = tl.reshape(b_k, [4, BC, BKC])
+        b_G3 = tl.reshape(b_G, [4, BC, BKC])
+        if SAFE_GATE:
+            # Bounded gate: e^{-G} <= e^{16 * 5} stays in fp32 range, so one tensor-core product suffices.
+            b_kc3 = tl.permute(b_k3 * tl.exp(-b_G3), (0, 2, 1))
+            b_Aqk3 += _bdot(tl.reshape(b_qr, [4, BC, BKC]), b_kc3, DOT_PREC)
+            b_Akk3 += _bdot(tl.reshape(b_kr, [4, BC, BKC]), b_kc3, DOT_PREC)
         else:
-            b_bias = tl.zeros([BKC], dtype=tl.float32)
-        # [BKC] gate sums of the four sub-chunks; boundaries and gaps are built from these.
-        b_s0 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 0, eos, i_hv, o_k, HV, K, BC, USE_GATE, HAS_A,
-                                  USE_LOWER_BOUND), 0)
-        b_s1 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 1, eos, i_hv, o_k, HV, K, BC, USE_GATE, HAS_A,
-                                  USE_LOWER_BOUND), 0)
-        b_s2 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 2, eos, i_hv, o_k, HV, K, BC, USE_GATE, HAS_A,
-                                  USE_LOWER_BOUND), 0)
-        b_s3 = tl.sum(_gate_block(g, b_bias, b_A, lower_bound, t0, 3, eos, i_hv, o_k, HV, K, BC, USE_GATE, HAS_A,
-                                  USE_LOWER_BOUND), 0)
-        b_zero = tl.zeros([BKC], dtype=tl.float32)
-        tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_s0 + b_s1 + b_s2 + b_s3, mask=o_k < K)
+            for j in range(BC):
+                # [4, BKC] row j of every sub-chunk
+                b_kj = tl.sum(tl.where(o_i3 == j, b_k3, 0.0), 1)
+                b_gj = tl.sum(tl.where(o_i3 == j, b_G3, 0.0), 1)
+                # [4, BC, BKC] exact e^{Γ_i - Γ_j} for i >= j inside the sub-chunk, zero above
+                b_kd = b_kj[:, None, :] * tl.exp(tl.where(o_i3 >= j, b_G3 - b_gj[:, None, :], float("-inf")))
+                b_Aqk3 += tl.where(o_j3 == j, tl.sum(b_q3 * b_kd, 2)[:, :, None], 0.0)
+                b_Akk3 += tl.where(o_j3 == j, tl.sum(b_k3 * b_kd, 2)[:, :, None], 0.0)
 
-        b_qr, b_kr, b_kc0, b_dq, b_dk = _row_slice(
-            q, k, g, w, qg, kg, b_bias, b_A, lower_bound, b_rq0, b_rk0, b_b0, b_zero, b_s0 + b_s1 + b_s2 + b_s3,
-            t0, 0, eos, i_h, i_hv, o_k, H, HV, K, BC, USE_GATE, HAS_A, USE_LOWER_BOUND, SAFE_GATE, DOT_PREC)
-        b_A00 += b_dq
-        b_L00 += b_dk
+    # Aqk: causal; the off-diagonal lower blocks and the diagonal blocks (the state stage never reads the others).
+    p_A = Aqk + (t0 * HV + i_hv) * BT
+    tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], b_Aqk.to(Aqk.dtype.element_ty),
+             mask=m_r[:, None] & (o_blk[None, :] < o_blk[:, None]))
+    o_a3 = tl.arange(0, 4)[:, None, None]
+    o_t3 = o_a3 * BC + o_i3
+    tl.store(p_A + o_t3 * (HV * BT) + o_a3 * BC + o_j3, tl.where(o_i3 >= o_j3, b_Aqk3, 0.0).to(Aqk.dtype.element_ty),
+             mask=o_t3 < eos - t0)
 
-        b_qr, b_kr, b_kc1, b_dq, b_dk = _row_slice(
-            q, k, g, w, qg, kg, b_bias, b_A, lower_bound, b_rq1, b_rk1, b_b1, b_s0, b_s1 + b_s2 + b_s3,
-            t0, 1, eos, i_h, i_hv, o_k, H, HV, K, BC, USE_GATE, HAS_A, USE_LOWER_BOUND, SAFE_GATE, DOT_PREC)
-        b_A11 += b_dq
-        b_L11 += b_dk
-        b_dq, b_dk = _off_diag(b_qr, b_kr, b_zero, b_kc0, DOT_PREC)
-        b_A10 += b_dq
-        b_L10 += b_dk
+    # Solve with L = Diag(β) Akk strictly lower = D + E (D: the diagonal 16 x 16 blocks):
+    # (I + L)⁻¹ = (I + N)⁻¹ D̃ with D̃ = (I + D)⁻¹ (batched product form) and N = D̃ E, strictly block-lower
+    # over four blocks, so (I + N)⁻¹ = I - N + N² - N³ exactly.
+    b_b3 = tl.reshape(b_b, [4, BC])[:, :, None]
+    b_D = _inv_unit_lower(tl.where(o_i3 > o_j3, b_Akk3, 0.0) * b_b3, BC, INV_PREC)
+    b_N = tl.reshape(_bdot(b_D, tl.reshape(b_Akk * b_b[:, None], [4, BC, BT]), DOT_PREC), [BT, BT])
+    b_N2 = tl.dot(b_N, b_N, input_precision=DOT_PREC)
+    b_M = (tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - b_N + b_N2
+           - tl.dot(b_N2, b_N, input_precision=DOT_PREC))
 
-        b_qr, b_kr, b_kc2, b_dq, b_dk = _row_slice(
-            q, k, g, w, qg, kg, b_bias, b_A, lower_bound, b_rq2, b_rk2, b_b2, b_s0 + b_s1, b_s2 + b_s3,
-            t0, 2, eos, i_h, i_hv, o_k, H, HV, K, BC, USE_GATE, HAS_A, USE_LOWER_BOUND, SAFE_GATE, DOT_PREC)
-        b_A22 += b_dq
-        b_L22 += b_dk
-        b_dq, b_dk = _off_diag(b_qr, b_kr, b_s1, b_kc0, DOT_PREC)
-        b_A20 += b_dq
-        b_L20 += b_dk
-        b_dq, b_dk = _off_diag(b_qr, b_kr, b_zero, b_kc1, DOT_PREC)
-        b_A21 += b_dq
-        b_L21 += b_dk
-
-        b_qr, b_kr, b_kc3, b_dq, b_dk = _row_slice(
-            q, k, g, w, qg, kg, b_bias, b_A, lower_bound, b_rq3, b_rk3, b_b3, b_s0 + b_s1 + b_s2, b_s3,
-            t0, 3, eos, i_h, i_hv, o_k, H, HV, K, BC, USE_GATE, HAS_A, USE_LOWER_BOUND, SAFE_GATE, DOT_PREC)
-        b_A33 += b_dq
-        b_L33 += b_dk
-        b_dq, b_dk = _off_diag(b_qr, b_kr, b_s1 + b_s2, b_kc0, DOT_PREC)
-        b_A30 += b_dq
-        b_L30 += b_dk
-        b_dq, b_dk = _off_diag(b_qr, b_kr, b_s2, b_kc1, DOT_PREC)
-        b_A31 += b_dq
-        b_L31 += b_dk
-        b_dq, b_dk = _off_diag(b_qr, b_kr, b_zero, b_kc2, DOT_PREC)
-        b_A32 += b_dq
-        b_L32 += b_dk
-
-    m_lower = o_i[:, None] >= o_i[None, :]
-    _store_A(Aqk, tl.where(m_lower, b_A00, 0.0), t0, 0, 0, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, b_A10, t0, 1, 0, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, tl.where(m_lower, b_A11, 0.0), t0, 1, 1, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, b_A20, t0, 2, 0, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, b_A21, t0, 2, 1, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, tl.where(m_lower, b_A22, 0.0), t0, 2, 2, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, b_A30, t0, 3, 0, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, b_A31, t0, 3, 1, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, b_A32, t0, 3, 2, eos, i_hv, HV, BT, BC)
-    _store_A(Aqk, tl.where(m_lower, b_A33, 0.0), t0, 3, 3, eos, i_hv, HV, BT, BC)
-
-    # Block solve of (I + L)⁻¹ with L = Diag(β) Akk (strictly lower): T_aa = (I + L_aa)⁻¹,
-    # T_ab = -T_aa Σ_{b<=c<a} L_ac T_cb.
-    m_strict = o_i[:, None] > o_i[None, :]
-    b_T00 = _inv_unit_lower(tl.where(m_strict, b_L00, 0.0) * b_b0[:, None], BC, INV_PREC)
-    b_T11 = _inv_unit_lower(tl.where(m_strict, b_L11, 0.0) * b_b1[:, None], BC, INV_PREC)
-    b_T22 = _inv_unit_lower(tl.where(m_strict, b_L22, 0.0) * b_b2[:, None], BC, INV_PREC)
-    b_T33 = _inv_unit_lower(tl.where(m_strict, b_L33, 0.0) * b_b3[:, None], BC, INV_PREC)
-    b_L10 = b_L10 * b_b1[:, None]
-    b_L20 = b_L20 * b_b2[:, None]
-    b_L21 = b_L21 * b_b2[:, None]
-    b_L30 = b_L30 * b_b3[:, None]
-    b_L31 = b_L31 * b_b3[:, None]
-    b_L32 = b_L32 * b_b3[:, None]
-    b_T10 = -tl.dot(b_T11, tl.dot(b_L10, b_T00, input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_T21 = -tl.dot(b_T22, tl.dot(b_L21, b_T11, input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_T20 = -tl.dot(b_T22, tl.dot(b_L20, b_T00, input_precision=DOT_PREC)
-                    + tl.dot(b_L21, b_T10, input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_T32 = -tl.dot(b_T33, tl.dot(b_L32, b_T22, input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_T31 = -tl.dot(b_T33, tl.dot(b_L31, b_T11, input_precision=DOT_PREC)
-                    + tl.dot(b_L32, b_T21, input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_T30 = -tl.dot(b_T33, tl.dot(b_L30, b_T00, input_precision=DOT_PREC)
-                    + tl.dot(b_L31, b_T10, input_precision=DOT_PREC)
-                    + tl.dot(b_L32, b_T20, input_precision=DOT_PREC), input_precision=DOT_PREC)
-
-    # Pass 2, column slice by column slice: w = T rhs over the stored right-hand sides (every thread must see
-    # them: barrier first, and again before a slice is overwritten), u = T (β v) straight from v.
+    # Pass 2, slice by slice: w over the stored right-hand sides (every thread must see them: barrier first, and
+    # again before a slice is overwritten), u = T (β v) straight from v.
     tl.debug_barrier()
     for i_k in range(0, tl.cdiv(K, BKC)):
         o_k = i_k * BKC + tl.arange(0, BKC)
-        b_r0 = _rows(w, t0, 0, eos, i_hv, o_k, HV, K, BC)
-        b_r1 = _rows(w, t0, 1, eos, i_hv, o_k, HV, K, BC)
-        b_r2 = _rows(w, t0, 2, eos, i_hv, o_k, HV, K, BC)
-        b_r3 = _rows(w, t0, 3, eos, i_hv, o_k, HV, K, BC)
-        b_w0, b_w1, b_w2, b_w3 = _wy_slice(b_r0, b_r1, b_r2, b_r3, b_T00, b_T10, b_T11, b_T20, b_T21, b_T22,
-                                           b_T30, b_T31, b_T32, b_T33, DOT_PREC)
+        b_x = _solve(b_D, b_M, _tile(w, t0, eos, i_hv, o_k, HV, K, BT), BT, BC, BKC, DOT_PREC)
         tl.debug_barrier()
-        _put_rows(w, b_w0, t0, 0, eos, i_hv, o_k, HV, K, BC)
-        _put_rows(w, b_w1, t0, 1, eos, i_hv, o_k, HV, K, BC)
-        _put_rows(w, b_w2, t0, 2, eos, i_hv, o_k, HV, K, BC)
-        _put_rows(w, b_w3, t0, 3, eos, i_hv, o_k, HV, K, BC)
+        _put_tile(w, b_x, t0, eos, i_hv, o_k, HV, K, BT)
     for i_v in range(0, tl.cdiv(V, BVC)):
         o_v = i_v * BVC + tl.arange(0, BVC)
-        b_r0 = _rows(v, t0, 0, eos, i_hv, o_v, HV, V, BC) * b_b0[:, None]
-        b_r1 = _rows(v, t0, 1, eos, i_hv, o_v, HV, V, BC) * b_b1[:, None]
-        b_r2 = _rows(v, t0, 2, eos, i_hv, o_v, HV, V, BC) * b_b2[:, None]
-        b_r3 = _rows(v, t0, 3, eos, i_hv, o_v, HV, V, BC) * b_b3[:, None]
-        b_u0, b_u1, b_u2, b_u3 = _wy_slice(b_r0, b_r1, b_r2, b_r3, b_T00, b_T10, b_T11, b_T20, b_T21, b_T22,
-                                           b_T30, b_T31, b_T32, b_T33, DOT_PREC)
-        _put_rows(u, b_u0, t0, 0, eos, i_hv, o_v, HV, V, BC)
-        _put_rows(u, b_u1, t0, 1, eos, i_hv, o_v, HV, V, BC)
-        _put_rows(u, b_u2, t0, 2, eos, i_hv, o_v, HV, V, BC)
-        _put_rows(u, b_u3, t0, 3, eos, i_hv, o_v, HV, V, BC)
+        b_x = _solve(b_D, b_M, _tile(v, t0, eos, i_hv, o_v, HV, V, BT) * b_b[:, None], BT, BC, BVC, DOT_PREC)
+        _put_tile(u, b_x, t0, eos, i_hv, o_v, HV, V, BT)
 
 
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
@@ -391,8 +286,8 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     if index.num_chunks > 0:
-        # 4 warps and 32-wide K/V slices: see benchmarks/kda/NOTES.md ("Offline resource work") for the sm_90
-        # register counts behind this choice.
+        # 4 warps (one warpgroup: the [64, 64] products map onto wgmma) and 16-wide K/V slices: see
+        # benchmarks/kda/NOTES.md ("Offline resource work") for the sm_90 register counts behind this choice.
         chunk_kda_fwd_kernel_intra[(index.num_chunks, HV)](
             q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
             w, u, qg, kg, Aqk, gC,
