@@ -55,9 +55,12 @@ def kernel_signatures(work: str):
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
 
-def compile_one(fn, signature, constexprs, num_warps: int):
+def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None):
     src = ASTSource(fn, signature, constexprs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    options = dict(num_warps=num_warps, num_stages=1)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def ctas_per_sm(n_regs: int, num_warps: int, smem: int) -> int:
@@ -96,34 +99,42 @@ def sass_counts(kernel) -> dict[str, int]:
     return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
 
 
+def report(fn, sig, cx, dtype: str, gate: str, nw: int, cap: int, sass: bool) -> None:
+    name = fn.__name__.removeprefix("chunk_kda_fwd_kernel_")
+    try:
+        kern = compile_one(fn, sig, cx, nw, cap or None)
+    except Exception as e:  # noqa: BLE001 - report and continue with the other configurations
+        print(f"{name:<32} {dtype:<5} {gate:<9} {nw:>5} {cap:>4} compile failed: {e!r}"[:200])
+        return
+    n_regs, n_spills = ptxas_usage(kern)
+    smem = kern.metadata.shared
+    line = (f"{name:<32} {dtype:<5} {gate:<9} {nw:>5} {cap:>4} {n_regs:>5} {n_spills:>8} {smem:>7} "
+            f"{ctas_per_sm(n_regs, nw, smem):>6}")
+    if sass:
+        line += "  " + " ".join(f"{k}={v}" for k, v in sass_counts(kern).items())
+    print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--gate", nargs="+", default=["bounded", "softplus"])
+    ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
+                    help="register caps per thread to try (0: none, as the launcher's default)")
     ap.add_argument("--sass", action="store_true", help="also count LDL/STL/HMMA/HGMMA/BAR/SHFL in the SASS")
     args = ap.parse_args(argv)
     print(f"target sm_90 | triton {triton.__version__} | K = V = 128, BT = 64, BC = 16 | no device timing")
-    head = (f"{'kernel':<40} {'dtype':<5} {'gate':<9} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem B':>7} "
-            f"{'CTA/SM':>6}")
+    head = (f"{'kernel':<32} {'dtype':<5} {'gate':<9} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} "
+            f"{'smem B':>7} {'CTA/SM':>6}")
     print(head)
     print("-" * len(head))
     for dtype in args.dtype:
         for gate in args.gate:
             for fn, sig, cx in intra_configs(dtype, gate):
                 for nw in args.warps:
-                    try:
-                        kern = compile_one(fn, sig, cx, nw)
-                    except Exception as e:  # noqa: BLE001 - report and continue with the other configurations
-                        print(f"{fn.__name__:<40} {dtype:<5} {gate:<9} {nw:>5} compile failed: {e!r}"[:200])
-                        continue
-                    md = kern.metadata
-                    n_regs, n_spills = ptxas_usage(kern)
-                    line = (f"{fn.__name__:<40} {dtype:<5} {gate:<9} {nw:>5} {n_regs:>5} {n_spills:>8} "
-                            f"{md.shared:>7} {ctas_per_sm(n_regs, nw, md.shared):>6}")
-                    if args.sass:
-                        line += "  " + " ".join(f"{k}={v}" for k, v in sass_counts(kern).items())
-                    print(line, flush=True)
+                    for cap in args.maxnreg:
+                        report(fn, sig, cx, dtype, gate, nw, cap, args.sass)
     return 0
 
 

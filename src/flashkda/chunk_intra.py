@@ -272,7 +272,7 @@ def chunk_kda_fwd_kernel_intra(
 
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                        index, work_dtype, dot_prec, num_warps=4):
+                        index, work_dtype, dot_prec, num_warps=4, maxnreg=None):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
@@ -301,5 +301,8 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             # products per product when the rest of the stage uses tf32.
             INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3",
             num_warps=num_warps,
+            # Register cap per thread (None: ptxas decides, 255 today). Offline, 8 warps capped at 128 spill
+            # 272 B a thread but fit two CTAs (16 warps) per SM; which wins is a device question (NOTES.md).
+            maxnreg=maxnreg,
         )
     return w, u, qg, kg, Aqk, gC
