@@ -72,6 +72,9 @@ def cmd_info(_: argparse.Namespace) -> int:
 
 def cmd_demo(_: argparse.Namespace) -> int:
     device = _device()
+    if device == "cpu":
+        # Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before kernels are defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     print(f"k3infra demo on {device}")
     rows: list[DemoRow] = []
     for component in COMPONENTS:

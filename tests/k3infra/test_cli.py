@@ -76,3 +76,14 @@ def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{_root()}:{_root() / 'src'}"
     return env
+
+
+def test_demo_runs_every_component_and_passes():
+    env = _env()
+    env.pop("TRITON_INTERPRET", None)  # the demo must choose the interpreter itself on a CPU-only machine
+    done = subprocess.run([sys.executable, "-m", "k3infra.cli", "demo"], capture_output=True, text=True, env=env,
+                          cwd=_root(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for component in ("kda ", "ep ", "env ", "env-rl "):
+        assert f"\n{component}" in done.stdout, done.stdout
+    assert " NO " not in done.stdout

@@ -1,4 +1,5 @@
-"""AgentEnv demo: a sandbox, its sessions, a fork with interpreter state, a snapshot/restore, one escape attempt.
+"""AgentEnv demo: a sandbox, its sessions, a fork with interpreter state, a snapshot/restore, one escape attempt,
+then a short rollout of the RL task suite with a scripted policy (agentenv.rl.demo).
 
 Needs root and cgroup v1 (as on the dev and CI machines); elsewhere it says so in one row. Uses its own
 temporary data directory and leaves nothing behind (checked).
@@ -70,4 +71,7 @@ def run(device: str) -> list[DemoRow]:
         shutil.rmtree(home, ignore_errors=True)
     rows.append(DemoRow("env", "cleanup (gc): no layers, cgroups or processes left", "clean" if not leftover
                         else f"left {leftover}", not leftover))
+    from agentenv.rl.demo import run_demo
+
+    rows.extend(run_demo(device))  # a short scripted rollout of the task suite
     return rows
