@@ -158,16 +158,19 @@ class Cgroup:
         self.kill_all()
         for controller in CONTROLLERS:
             path = self.path(controller)
-            for _ in range(200):
+            # EBUSY while the last task is being torn down; on a loaded host that can take well over 0.4 s
+            deadline = time.monotonic() + 5.0
+            while True:
                 try:
                     path.rmdir()
                     break
                 except FileNotFoundError:
                     break
-                except OSError:  # EBUSY while the last task is being torn down
+                except OSError:
+                    if time.monotonic() > deadline:
+                        log.warning("could not remove cgroup %s", path)
+                        break
                     time.sleep(0.002)
-            else:
-                log.warning("could not remove cgroup %s", path)
 
 
 def leftover_groups(group: str, root: Path = CGROUP_ROOT) -> dict[str, list[str]]:
