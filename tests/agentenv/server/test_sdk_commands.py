@@ -103,7 +103,7 @@ def test_async_sdk_runs_commands_concurrently(e2b_env):
 
     outputs, elapsed = asyncio.run(scenario())
     assert outputs == [f"{i}\n" for i in range(8)]
-    assert elapsed < 8 * 0.5 / 2  # the eight sleeps overlapped
+    assert elapsed < 8 * 0.5 - 1.0  # the eight sleeps overlapped (in sequence they take >= 4 s); margin for load
 
 
 def test_sandbox_envs_reach_every_command(e2b_env):
