@@ -22,8 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import http.client
 import json
 import threading
@@ -31,6 +29,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from agentenv import errors
+from agentenv._aio import AsyncProxy
 
 
 class ServerError(errors.SandboxError):
@@ -285,30 +284,14 @@ class Cluster:
         return self.client_for(sandbox).reset(sandbox, snapshot)
 
 
-class _Async:
-    def __init__(self, target: object):
-        self.sync = target
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.sync, name)
-        if not callable(attr):
-            return attr
-
-        @functools.wraps(attr)
-        async def call(*args, **kwargs):
-            return await asyncio.to_thread(attr, *args, **kwargs)
-
-        return call
-
-
-class AsyncClient(_Async):
+class AsyncClient(AsyncProxy):
     """`Client` with every method awaited (each runs in a worker thread with its own connection)."""
 
     def __init__(self, url: str, api_key: str, **kwargs):
         super().__init__(Client(url, api_key, **kwargs))
 
 
-class AsyncCluster(_Async):
+class AsyncCluster(AsyncProxy):
     """`Cluster` with every method awaited."""
 
     def __init__(self, clients: list[Client]):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentenv import errors
+from agentenv._aio import AsyncProxy
 from agentenv.limits import Limits
 from agentenv.protocol import CommandResult, EntryInfo, PythonResult
 from agentenv.runtime.backend import Backend
@@ -365,22 +366,6 @@ class Sandbox:
         return f"Sandbox(id={self.id!r})"
 
 
-class _AsyncNamespace:
-    def __init__(self, target: object):
-        self._target = target
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._target, name)
-        if not callable(attr):
-            return attr
-
-        @functools.wraps(attr)
-        async def call(*args, **kwargs):
-            return await asyncio.to_thread(attr, *args, **kwargs)
-
-        return call
-
-
 class AsyncSandbox:
     """The asyncio face of `Sandbox`: the same methods, awaited (each runs in a worker thread).
 
@@ -394,10 +379,10 @@ class AsyncSandbox:
     def __init__(self, sandbox: Sandbox):
         self.sync = sandbox
         self.id = sandbox.id
-        self.commands = _AsyncNamespace(sandbox.commands)
-        self.files = _AsyncNamespace(sandbox.files)
-        self.shell = _AsyncNamespace(sandbox.shell)
-        self.python = _AsyncNamespace(sandbox.python)
+        self.commands = AsyncProxy(sandbox.commands)
+        self.files = AsyncProxy(sandbox.files)
+        self.shell = AsyncProxy(sandbox.shell)
+        self.python = AsyncProxy(sandbox.python)
 
     @classmethod
     async def create(cls, source: str = "host", **kwargs) -> AsyncSandbox:
