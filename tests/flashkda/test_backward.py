@@ -8,6 +8,7 @@ float64, and checks ``o``, the final state and every gradient by name (relative 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -128,7 +129,7 @@ def _run(fn, x: dict[str, torch.Tensor], case: Case, do, dht, **kw):
 
 @pytest.mark.parametrize("case", CASES)
 def test_gradients_match_fp64_reference(case: Case, device: str) -> None:
-    torch.manual_seed(hash(str(case)) % 2**31)
+    torch.manual_seed(zlib.crc32(str(case).encode()))  # per case and reproducible (str hashes vary per process)
     x = _inputs(case, device)
     ref_x = {k: v.detach().double().requires_grad_() for k, v in x.items()}
     B, T, HV, K, V = case.B, case.T, case.HV, case.K, case.V
