@@ -102,13 +102,14 @@ def _git(*args: str) -> str:
 
 
 def _commit() -> str:
-    """HEAD's hash; on a copy without git history (the device machine) `K3_COMMIT` or ``.k3_commit``."""
+    """``K3_COMMIT`` when set (benchmarks/device/run.sh sets it from ``.k3_commit``: the device copy's git state is
+    not the working tree's), else HEAD's hash, else ``.k3_commit``."""
+    if os.environ.get("K3_COMMIT"):
+        return os.environ["K3_COMMIT"]
     head = _git("rev-parse", "HEAD")
     if len(head) == 40 and all(c in "0123456789abcdef" for c in head):
         return head
     marker = ROOT / ".k3_commit"
-    if os.environ.get("K3_COMMIT"):
-        return os.environ["K3_COMMIT"]
     return marker.read_text().strip() if marker.is_file() else "unknown"
 
 
@@ -116,7 +117,7 @@ def machine_info() -> dict:
     """Commit, date, host, device and library versions, recorded with every result."""
     info: dict = {
         "commit": _commit(),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "dirty": False if os.environ.get("K3_COMMIT") else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
