@@ -15,7 +15,10 @@ Then a short training loop: a small KDA language model (two ``KimiDeltaAttention
 model built from ``fla.layers.KimiDeltaAttention`` with copied weights) trained on the same batches; the losses of
 both are recorded step by step.
 
-Usage: ``python -m benchmarks.kda.train [--cases NAME ...] [--rep N] [--no-write] [--steps N] [--profile]``.
+Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile]
+[--no-gate] [--training-fwd]``. ``--cases`` with no name runs no op row (only the training loop). Every phase prints
+its elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
+after every row, so a run cut by a time cap keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -110,24 +113,39 @@ def gate_vs_reference(ours, device: str) -> dict[str, float]:
     return errs
 
 
-def run_ops(args, device: str) -> list[Row]:
+class Progress:
+    """Prints ``[elapsed s] message`` lines, so a run cut by a cap shows where its time went."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:6.1f} s] {message}", flush=True)
+
+
+def run_ops(args, device: str, log: Progress, save) -> list[Row]:
+    """The fp64 gate (unless ``--no-gate``), then the op rows in order; ``save(rows)`` after every row."""
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from flashkda import chunk_kda as ours
 
-    errs = gate_vs_reference(ours, device)
-    worst = max(errs.values())
-    print(f"gate vs fp64 reference (B2 T200 H4 D128 bf16): worst {worst:.2e} " +
-          " ".join(f"{k}={v:.1e}" for k, v in errs.items()), flush=True)
-    if worst > TOL:
-        print("correctness gate FAILED: no timing", file=sys.stderr)
-        return [Row("gate-vs-fp64", "fp64 reference", None, float("nan"), {}, errs, "gate failed")]
+    names = list(TRAIN_CASES) if args.cases is None else args.cases
+    if not names:
+        return []
+    if not args.no_gate:
+        errs = gate_vs_reference(ours, device)
+        worst = max(errs.values())
+        log(f"gate vs fp64 reference (B2 T200 H4 D128 bf16): worst {worst:.2e} " +
+            " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+        if worst > TOL:
+            print("correctness gate FAILED: no timing", file=sys.stderr)
+            return [Row("gate-vs-fp64", "fp64 reference", None, float("nan"), {}, errs, "gate failed")]
 
-    names = args.cases or list(TRAIN_CASES)
     rows = []
     for name in names:
-        rows.append(run_case(name, ours, fla_chunk_kda, args.rep, args.profile and name == names[0], device))
+        rows.append(run_case(name, ours, fla_chunk_kda, args, args.profile and name == names[0], device, log))
+        save(rows)
         torch.cuda.empty_cache()
     return rows
 
@@ -139,7 +157,11 @@ def ours_training_forward(q, k, v, g, beta, **kw):
     return chunk_kda_autograd(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, forward_impl="training", **kw)
 
 
-def run_case(name: str, ours, fla_chunk_kda, rep: int, with_profile: bool, device: str) -> Row:
+def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: str, log: Progress) -> Row:
+    """One row: ours first (compile, time, peak memory, profile), then fla, then the gate ours vs fla.
+
+    Ours is measured before fla's first call (which autotunes), so a row cut short by a cap still printed ours.
+    """
     import torch
 
     c = TRAIN_CASES[name]
@@ -148,17 +170,6 @@ def run_case(name: str, ours, fla_chunk_kda, rep: int, with_profile: bool, devic
     do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
     dht = torch.randn(N, c["H"], 128, 128, device=device)
     params = dict(B=c["B"], T=c["T"], H=c["H"], K=128, V=128, dtype="bf16", varlen=c["lengths"] is not None)
-    o, ht, g = step(ours, x, extra, do, dht)
-    fo, fht, fg = step(fla_chunk_kda, x, extra, do, dht)
-    cmp = {"o": rms_ratio(o, fo), "final_state": rms_ratio(ht, fht)}
-    cmp.update({f"d{n}": rms_ratio(g[n], fg[n]) for n in GRAD_NAMES})
-    del o, ht, g, fo, fht, fg
-    worst_name = max(cmp, key=cmp.get)
-    print(f"{name}: ours vs fla " + " ".join(f"{k}={v:.1e}" for k, v in cmp.items()), flush=True)
-    if cmp[worst_name] > TOL:
-        print(f"{name}: ours vs fla gate FAILED ({worst_name} {cmp[worst_name]:.2e}); not timed", flush=True)
-        return Row(name, "fla 0.6.0 chunk_kda fwd+bwd", None, float("nan"), params,
-                   {"worst_err_vs_fla": cmp[worst_name]}, f"gate failed on {worst_name}")
 
     def run_fla():
         return step(fla_chunk_kda, x, extra, do, dht)
@@ -166,22 +177,43 @@ def run_case(name: str, ours, fla_chunk_kda, rep: int, with_profile: bool, devic
     def run_ours():
         return step(ours, x, extra, do, dht)
 
-    def run_ours_training_fwd():
-        return step(ours_training_forward, x, extra, do, dht)
-
-    t_fla = time_fn(run_fla, device=device, warmup=2, rep=rep)
-    t_ours = time_fn(run_ours, device=device, warmup=2, rep=rep)
-    t_ours_tf = time_fn(run_ours_training_fwd, device=device, warmup=2, rep=rep)
-    mem_fla = peak_extra_mib(run_fla, device)
+    log(f"{name}: first call of ours")
+    o, ht, g = run_ours()
+    torch.cuda.synchronize()
+    log(f"{name}: timing ours")
+    t_ours = time_fn(run_ours, device=device, warmup=2, rep=args.rep)
     mem_ours = peak_extra_mib(run_ours, device)
-    row = Row(name, "fla 0.6.0 chunk_kda fwd+bwd", t_fla.median_ms, t_ours.median_ms, params,
-              {"fla_peak_MiB": round(mem_fla), "ours_peak_MiB": round(mem_ours), "ours_p80_ms": t_ours.p80_ms,
-               "ours_training_fwd_ms": t_ours_tf.median_ms, "worst_err_vs_fla": cmp[worst_name]},
-              "ours = forward kernels + training backward; ours_training_fwd = backward's own forward pipeline")
-    print(f"{name}: fla {t_fla.median_ms:.2f} ms, ours {t_ours.median_ms:.2f} ms ({row.speedup:.2f}x); "
-          f"peak fla {mem_fla:.0f} MiB ours {mem_ours:.0f} MiB", flush=True)
+    log(f"{name}: ours {t_ours.median_ms:.2f} ms (p20-p80 {t_ours.p20_ms:.2f}-{t_ours.p80_ms:.2f}), "
+        f"peak {mem_ours:.0f} MiB")
+    extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms}
+    if args.training_fwd:
+        log(f"{name}: first call of ours with forward_impl='training'")
+        t_tf = time_fn(lambda: step(ours_training_forward, x, extra, do, dht), device=device, warmup=2, rep=args.rep)
+        extras["ours_training_fwd_ms"] = t_tf.median_ms
+        log(f"{name}: ours with the training forward {t_tf.median_ms:.2f} ms")
     if with_profile:
         profile(run_ours)
+    log(f"{name}: first call of fla (autotunes)")
+    fo, fht, fg = run_fla()
+    torch.cuda.synchronize()
+    cmp = {"o": rms_ratio(o, fo), "final_state": rms_ratio(ht, fht)}
+    cmp.update({f"d{n}": rms_ratio(g[n], fg[n]) for n in GRAD_NAMES})
+    del o, ht, g, fo, fht, fg
+    worst_name = max(cmp, key=cmp.get)
+    extras["worst_err_vs_fla"] = cmp[worst_name]
+    log(f"{name}: ours vs fla " + " ".join(f"{k}={v:.1e}" for k, v in cmp.items()))
+    if cmp[worst_name] > TOL:
+        log(f"{name}: ours vs fla gate FAILED ({worst_name} {cmp[worst_name]:.2e}); fla not timed")
+        return Row(name, "fla 0.6.0 chunk_kda fwd+bwd", None, float("nan"), params, extras,
+                   f"gate failed on {worst_name}")
+    log(f"{name}: timing fla")
+    t_fla = time_fn(run_fla, device=device, warmup=2, rep=args.rep)
+    mem_fla = peak_extra_mib(run_fla, device)
+    extras["fla_peak_MiB"] = round(mem_fla)
+    row = Row(name, "fla 0.6.0 chunk_kda fwd+bwd", t_fla.median_ms, t_ours.median_ms, params, extras,
+              "ours = forward kernels + training backward (recomputes h)")
+    log(f"{name}: fla {t_fla.median_ms:.2f} ms, ours {t_ours.median_ms:.2f} ms ({row.speedup:.2f}x); "
+        f"peak fla {mem_fla:.0f} MiB ours {mem_ours:.0f} MiB")
     return row
 
 
@@ -204,7 +236,7 @@ def profile(fn) -> None:
             continue
 
 
-def training_loop(steps: int, device: str) -> Row:
+def training_loop(steps: int, device: str, log: Progress) -> Row:
     """Train the same small KDA LM with flashkda's and fla's layers; compare the loss curves."""
     import torch
     import torch.nn as nn
@@ -242,6 +274,7 @@ def training_loop(steps: int, device: str) -> Row:
         batches.append(motif.repeat(1, T // 32 + 1)[:, : T + 1])
     curves = {}
     for label, model in (("flashkda", ours), ("fla", theirs)):
+        log(f"training loop: {steps} steps with {label} layers")
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         losses = []
         for ids in batches:
@@ -267,27 +300,38 @@ def training_loop(steps: int, device: str) -> Row:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(TRAIN_CASES)}")
+    parser.add_argument("--cases", nargs="*", default=None,
+                        help=f"subset of {list(TRAIN_CASES)} in this order (none: no op row)")
     parser.add_argument("--rep", type=int, default=10)
     parser.add_argument("--steps", type=int, default=60, help="training-loop steps (0 to skip)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of our first row")
+    parser.add_argument("--no-gate", action="store_true", help="skip the fp64 reference gate (rows still check fla)")
+    parser.add_argument("--training-fwd", action="store_true",
+                        help="also time ours with forward_impl='training' (the backward's own forward pipeline)")
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         print("benchmarks.kda.train needs a CUDA device; nothing measured", file=sys.stderr)
         return 2
+    unknown = [name for name in args.cases or () if name not in TRAIN_CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {list(TRAIN_CASES)}")
     info = machine_info()
     print(machine_line(info), flush=True)
-    start = time.perf_counter()
-    rows = run_ops(args, "cuda")
+    log = Progress()
+
+    def save(rows: list[Row]) -> None:
+        if rows and not args.no_write:
+            path = write_results("kda-train", rows, title="FlashKDA training (forward + backward)", info=info)
+            log(f"wrote {path}")
+
+    rows = run_ops(args, "cuda", log, save)
     if args.steps > 0:
-        rows.append(training_loop(args.steps, "cuda"))
-    print(f"total {time.perf_counter() - start:.0f} s", flush=True)
-    if not args.no_write:
-        path = write_results("kda-train", rows, title="FlashKDA training (forward + backward)", info=info)
-        print(f"wrote {path}", flush=True)
+        rows.append(training_loop(args.steps, "cuda", log))
+        save(rows)
+    log("done")
     return 0
 
 
