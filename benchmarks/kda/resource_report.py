@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from flashkda import chunk_intra
+from flashkda import chunk_intra, chunk_state
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Registers per SM and the per-thread cap on sm_90; used to report resident CTAs per SM.
@@ -38,7 +38,7 @@ def intra_configs(dtype: str, gate: str):
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
     common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=chunk_intra.SLICE,
-                  BVC=chunk_intra.SLICE, USE_GATE=True, HAS_A=True, HAS_BIAS=True, USE_LOWER_BOUND=bounded,
+                  BVC=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True, HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3")
     return [(fn, {name: types.get(name, "constexpr") for name in fn.arg_names},
@@ -55,9 +55,24 @@ def kernel_signatures(work: str):
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
 
-def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None):
+def state_config(dtype: str, block_v: int, prefetch: bool):
+    """(kernel, runtime-argument types, constexprs) of the state + output kernel (K = V = 128, initial and final
+    state, fixed length)."""
+    work = "bf16" if dtype == "bf16" else "fp32"
+    fn = chunk_state.chunk_kda_fwd_kernel_state_o
+    types = dict(w=f"*{work}", u="*fp32", qg="*fp32", kg=f"*{work}", Aqk="*fp32", gC="*fp32", o="*bf16",
+                 h0="*fp32", ht="*fp32", h="*fp32", cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32",
+                 PROGRAMS="i32")
+    cx = dict(HV=1, K=128, V=128, BT=64, BK=128, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
+              STORE_H=False, STATE_V_FIRST=False, IS_VARLEN=False, DOT_PREC="tf32" if dtype == "bf16" else "ieee",
+              DT=triton.language.float32, PREFETCH=prefetch)
+    return fn, {name: types.get(name, "constexpr") for name in fn.arg_names}, {
+        name: cx[name] for name in fn.arg_names if name in cx}
+
+
+def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None, num_stages: int = 1):
     src = ASTSource(fn, signature, constexprs)
-    options = dict(num_warps=num_warps, num_stages=1)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg
     return triton.compile(src, target=TARGET, options=options)
@@ -99,10 +114,11 @@ def sass_counts(kernel) -> dict[str, int]:
     return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
 
 
-def report(fn, sig, cx, dtype: str, gate: str, nw: int, cap: int, sass: bool) -> None:
-    name = fn.__name__.removeprefix("chunk_kda_fwd_kernel_")
+def report(fn, sig, cx, dtype: str, gate: str, nw: int, cap: int, sass: bool, num_stages: int = 1,
+           name: str | None = None) -> None:
+    name = name or fn.__name__.removeprefix("chunk_kda_fwd_kernel_")
     try:
-        kern = compile_one(fn, sig, cx, nw, cap or None)
+        kern = compile_one(fn, sig, cx, nw, cap or None, num_stages)
     except Exception as e:  # noqa: BLE001 - report and continue with the other configurations
         print(f"{name:<32} {dtype:<5} {gate:<9} {nw:>5} {cap:>4} compile failed: {e!r}"[:200])
         return
@@ -123,13 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                     help="register caps per thread to try (0: none, as the launcher's default)")
     ap.add_argument("--sass", action="store_true", help="also count LDL/STL/HMMA/HGMMA/BAR/SHFL in the SASS")
+    ap.add_argument("--state", nargs="*", default=[], metavar="BV:WARPS:STAGES:PREFETCH",
+                    help="also (or with --no-intra, only) the state + output kernel at these configurations")
+    ap.add_argument("--no-intra", action="store_true")
     args = ap.parse_args(argv)
     print(f"target sm_90 | triton {triton.__version__} | K = V = 128, BT = 64, BC = 16 | no device timing")
     head = (f"{'kernel':<32} {'dtype':<5} {'gate':<9} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} "
             f"{'smem B':>7} {'CTA/SM':>6}")
     print(head)
     print("-" * len(head))
-    for dtype in args.dtype:
+    for spec in args.state:
+        bv, nw, ns, pf = (int(p) for p in spec.split(":"))
+        for dtype in args.dtype:
+            fn, sig, cx = state_config(dtype, bv, bool(pf))
+            report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"state_o {spec}")
+    for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
             for fn, sig, cx in intra_configs(dtype, gate):
                 for nw in args.warps:

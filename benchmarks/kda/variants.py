@@ -1,10 +1,16 @@
-"""FlashKDA forward: launch-configuration sweep of our two stages on one row, for benchmarks/kda/NOTES.md.
+"""FlashKDA forward: launch-configuration sweep of our two stages, for benchmarks/kda/NOTES.md.
 
-Times the intra-chunk stage at every (num_warps, maxnreg) pair and the state + output stage at every V tile, each
-checked against the default configuration's outputs first (a variant that disagrees is reported, not timed).
-Nothing here is a comparison with fla: ``benchmarks.kda.run`` does that.
+Times the intra-chunk stage at every (num_warps, maxnreg) pair and the state + output stage at every
+(V tile, warps, pipeline stages, register prefetch) configuration, each checked against the default configuration's
+outputs first (a variant that disagrees is reported, not timed). Nothing here is a comparison with fla:
+``benchmarks.kda.run`` does that.
 
-Usage: ``python -m benchmarks.kda.variants [--case H64-T8192] [--rep N]`` (CUDA only).
+The intra stage leaves the blocks of ``Aqk`` above the diagonal unwritten (the state stage never reads them), so
+its outputs are compared where they are defined; the whole-buffer difference is printed too, because a comparison
+of the whole buffer reads whatever the allocator left there.
+
+Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N] [--warps 4 8] [--maxnreg 0 168]
+[--state BV:WARPS:STAGES:PREFETCH ...]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -13,15 +19,41 @@ import argparse
 import sys
 import time
 
+#: State-stage configurations swept by default: (V tile, warps, pipeline stages, register prefetch).
+STATE_SWEEP = ["32:4:1:0", "64:8:1:0", "16:4:2:0", "32:4:2:0", "32:8:2:0", "64:8:2:0",
+               "16:4:1:1", "32:4:1:1", "32:8:1:1", "64:8:1:1"]
+
+
+def defined_region(Aqk, BT: int = 64, BC: int = 16):
+    """``Aqk`` ``[B, T, HV, BT]`` with the entries the kernel never writes (blocks above the diagonal) zeroed."""
+    import torch
+
+    o_t = torch.arange(Aqk.shape[1], device=Aqk.device) % BT
+    o_c = torch.arange(BT, device=Aqk.device)
+    written = (o_c[None, :] // BC <= o_t[:, None] // BC)  # [T, BT]
+    return torch.where(written[None, :, None, :], Aqk, torch.zeros((), dtype=Aqk.dtype, device=Aqk.device))
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="H64-T8192")
+    parser.add_argument("--cases", nargs="*", default=["H64-T8192"])
     parser.add_argument("--rep", type=int, default=20)
     parser.add_argument("--warps", type=int, nargs="*", default=[4, 8])
-    parser.add_argument("--maxnreg", type=int, nargs="*", default=[0, 128, 168])
-    parser.add_argument("--block-v", type=int, nargs="*", default=[16, 32, 64])
+    parser.add_argument("--maxnreg", type=int, nargs="*", default=[0])
+    parser.add_argument("--state", nargs="*", default=STATE_SWEEP)
     args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("variants needs a CUDA device", file=sys.stderr)
+        return 1
+    for name in args.cases:
+        sweep_case(name, args)
+        torch.cuda.empty_cache()  # the case's inputs are gone with sweep_case's frame
+    return 0
+
+
+def sweep_case(name: str, args) -> None:
     import torch
 
     from benchmarks.harness import time_fn
@@ -32,10 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from flashkda.chunk_state import chunk_kda_fwd_state_o
     from flashkda.index import build_chunk_index
 
-    if not torch.cuda.is_available():
-        print("variants needs a CUDA device", file=sys.stderr)
-        return 1
-    x = make_inputs(CASES[args.case], "cuda")
+    print(f"--- {name}", flush=True)
+    x = make_inputs(CASES[name], "cuda")
     q = x["q"]
     index = build_chunk_index(q.shape[0], q.shape[1], x.get("cu_seqlens"), CHUNK_SIZE)
     prec = dot_precision_for(q.dtype)
@@ -49,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         a, b = a.double(), b.double()
         return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
+    def rel_defined(out, ref):
+        return max(rel(defined_region(a) if i == 4 else a, defined_region(b) if i == 4 else b)
+                   for i, (a, b) in enumerate(zip(out, ref)))
+
     with torch.inference_mode():
         ref = intra()
         for warps in args.warps:
@@ -56,27 +90,34 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.time()
                 try:
                     out = intra(warps, cap or None)
-                    err = max(rel(a, b) for a, b in zip(out, ref))
+                    err, err_all = rel_defined(out, ref), max(rel(a, b) for a, b in zip(out, ref))
                     if err > 1e-3:
-                        print(f"intra warps={warps} maxnreg={cap}: DISAGREES rel {err:.1e}", flush=True)
+                        print(f"intra warps={warps} maxnreg={cap}: DISAGREES rel {err:.1e} (whole buffers "
+                              f"{err_all:.1e})", flush=True)
                         continue
-                    t = time_fn(lambda: intra(warps, cap or None), device="cuda", rep=args.rep)
+                    t = time_fn(lambda w=warps, c=cap: intra(w, c or None), device="cuda", rep=args.rep)
                     print(f"intra warps={warps} maxnreg={cap}: {t.median_ms:.3f} ms "
-                          f"(p20-p80 {t.p20_ms:.3f}-{t.p80_ms:.3f}; rel {err:.1e}; {time.time() - t0:.0f}s)",
-                          flush=True)
+                          f"(p20-p80 {t.p20_ms:.3f}-{t.p80_ms:.3f}; rel {err:.1e}, whole buffers incl. unwritten "
+                          f"Aqk blocks {err_all:.1e}; {time.time() - t0:.0f}s)", flush=True)
                 except Exception as exc:  # a configuration that does not compile or launch is reported, not fatal
                     print(f"intra warps={warps} maxnreg={cap}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
-        o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec)[0]
-        for bv in args.block_v:
+        o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=32)[0]
+        for spec in args.state:
+            bv, nw, ns, pf = (int(p) for p in spec.split(":"))
+            t0 = time.time()
             try:
-                state = lambda: chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec,
-                                                      block_v=bv)
+                state = lambda bv=bv, nw=nw, ns=ns, pf=pf: chunk_kda_fwd_state_o(
+                    *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw,
+                    num_stages=ns, prefetch=bool(pf))
                 err = rel(state()[0], o_ref)
+                if err > 1e-3:
+                    print(f"state {spec}: DISAGREES rel {err:.1e}", flush=True)
+                    continue
                 t = time_fn(state, device="cuda", rep=args.rep)
-                print(f"state block_v={bv}: {t.median_ms:.3f} ms (rel {err:.1e})", flush=True)
+                print(f"state BV:warps:stages:prefetch={spec}: {t.median_ms:.3f} ms (rel {err:.1e}; "
+                      f"{time.time() - t0:.0f}s)", flush=True)
             except Exception as exc:
-                print(f"state block_v={bv}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
-    return 0
+                print(f"state {spec}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,19 @@ SLICE = 16
 
 
 @triton.jit
-def _tile(x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
-    """Loads the chunk's ``[BT, len(o_c)]`` tile of a ``[.., T, NX, C]`` tensor as fp32 (zero past ``eos``)."""
+def _raw_tile(x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+    """Loads the chunk's ``[BT, len(o_c)]`` tile of a ``[.., T, NX, C]`` tensor in its own dtype (zero past
+    ``eos`` and past ``C``)."""
     # 64-bit scalar base, 32-bit tile offsets: int64 offset tensors would cost two registers an element.
     o_t = tl.arange(0, BT)
     m = (o_t < eos - t0)[:, None] & (o_c < C)[None, :]
-    return tl.load(x + (t0 * NX + i_x) * C + o_t[:, None] * (NX * C) + o_c[None, :], mask=m,
-                   other=0.0).to(tl.float32)
+    return tl.load(x + (t0 * NX + i_x) * C + o_t[:, None] * (NX * C) + o_c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _tile(x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+    """``_raw_tile`` as fp32."""
+    return _raw_tile(x, t0, eos, i_x, o_c, NX, C, BT).to(tl.float32)
 
 
 @triton.jit
@@ -105,7 +111,7 @@ def chunk_kda_fwd_kernel_intra(
     w, u, qg, kg, Aqk, gC,
     scale, lower_bound, T, NTS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr, BKN: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
@@ -135,12 +141,13 @@ def chunk_kda_fwd_kernel_intra(
     else:
         b_A = 0.0
 
-    # [BT] reciprocal L2 norms of q (with the scale) and k, and the activated beta.
+    # [BT] reciprocal L2 norms of q (with the scale) and k, and the activated beta. Nothing else is live yet, so
+    # the norms read BKN-wide slices (fewer dependent trips to memory than the BKC slices of the passes below).
     b_sq = tl.zeros([BT], dtype=tl.float32)
     b_sk = tl.zeros([BT], dtype=tl.float32)
     if USE_L2NORM:
-        for i_k in range(0, tl.cdiv(K, BKC)):
-            o_k = i_k * BKC + tl.arange(0, BKC)
+        for i_k in range(0, tl.cdiv(K, BKN)):
+            o_k = i_k * BKN + tl.arange(0, BKN)
             b_x = _tile(q, t0, eos, i_h, o_k, H, K, BT)
             b_sq += tl.sum(b_x * b_x, 1)
             b_x = _tile(k, t0, eos, i_h, o_k, H, K, BT)
@@ -169,11 +176,22 @@ def chunk_kda_fwd_kernel_intra(
     b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_Aqk3 = tl.zeros([4, BC, BC], dtype=tl.float32)
     b_Akk3 = tl.zeros([4, BC, BC], dtype=tl.float32)
+    # Software pipelining by hand: the next slice's g/q/k loads are issued before this slice's work, so each
+    # slice waits on memory once per program instead of once per slice (raw dtype: 4 registers a tile).
+    o_k = tl.arange(0, BKC)
+    b_gn = _raw_tile(g, t0, eos, i_hv, o_k, HV, K, BT)
+    b_qn = _raw_tile(q, t0, eos, i_h, o_k, H, K, BT)
+    b_kn = _raw_tile(k, t0, eos, i_h, o_k, H, K, BT)
     for i_k in range(0, tl.cdiv(K, BKC)):
         o_k = i_k * BKC + tl.arange(0, BKC)
         m_k = o_k < K
         # [BT, BKC]
-        b_g = _tile(g, t0, eos, i_hv, o_k, HV, K, BT)
+        b_g = b_gn.to(tl.float32)
+        b_q = b_qn.to(tl.float32) * b_rq[:, None]
+        b_k = b_kn.to(tl.float32) * b_rk[:, None]
+        b_gn = _raw_tile(g, t0, eos, i_hv, o_k + BKC, HV, K, BT)
+        b_qn = _raw_tile(q, t0, eos, i_h, o_k + BKC, H, K, BT)
+        b_kn = _raw_tile(k, t0, eos, i_h, o_k + BKC, H, K, BT)
         if USE_GATE:
             if HAS_BIAS:
                 b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -187,8 +205,6 @@ def chunk_kda_fwd_kernel_intra(
         b_G = tl.reshape(tl.cumsum(b_g3, 1), [BT, BKC])
         b_s4 = tl.sum(b_g3, 1)
         tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_s4, 0), mask=m_k)
-        b_q = _tile(q, t0, eos, i_h, o_k, H, K, BT) * b_rq[:, None]
-        b_k = _tile(k, t0, eos, i_h, o_k, H, K, BT) * b_rk[:, None]
         # Γ_i relative to the chunk start (qg, w) and Γ_C - Γ_i (kg), each from sub-chunk sums.
         b_eG = tl.exp(_per_row(_sub_sums(b_s4, o_b < o_a), BC, BKC) + b_G)
         _put_tile(qg, b_q * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
@@ -257,16 +273,25 @@ def chunk_kda_fwd_kernel_intra(
            - tl.dot(b_N2, b_N, input_precision=DOT_PREC))
 
     # Pass 2, slice by slice: w over the stored right-hand sides (every thread must see them: barrier first, and
-    # again before a slice is overwritten), u = T (β v) straight from v.
+    # again before a slice is overwritten), u = T (β v) straight from v. Loads run one slice ahead as in pass 1;
+    # a prefetched w slice is consumed before the barrier that precedes its overwrite.
     tl.debug_barrier()
+    o_k = tl.arange(0, BKC)
+    b_xn = _raw_tile(w, t0, eos, i_hv, o_k, HV, K, BT)
     for i_k in range(0, tl.cdiv(K, BKC)):
         o_k = i_k * BKC + tl.arange(0, BKC)
-        b_x = _solve(b_D, b_M, _tile(w, t0, eos, i_hv, o_k, HV, K, BT), BT, BC, BKC, DOT_PREC)
+        b_x = b_xn.to(tl.float32)
+        b_xn = _raw_tile(w, t0, eos, i_hv, o_k + BKC, HV, K, BT)
+        b_x = _solve(b_D, b_M, b_x, BT, BC, BKC, DOT_PREC)
         tl.debug_barrier()
         _put_tile(w, b_x, t0, eos, i_hv, o_k, HV, K, BT)
+    o_v = tl.arange(0, BVC)
+    b_xn = _raw_tile(v, t0, eos, i_hv, o_v, HV, V, BT)
     for i_v in range(0, tl.cdiv(V, BVC)):
         o_v = i_v * BVC + tl.arange(0, BVC)
-        b_x = _solve(b_D, b_M, _tile(v, t0, eos, i_hv, o_v, HV, V, BT) * b_b[:, None], BT, BC, BVC, DOT_PREC)
+        b_x = b_xn.to(tl.float32) * b_b[:, None]
+        b_xn = _raw_tile(v, t0, eos, i_hv, o_v + BVC, HV, V, BT)
+        b_x = _solve(b_D, b_M, b_x, BT, BC, BVC, DOT_PREC)
         _put_tile(u, b_x, t0, eos, i_hv, o_v, HV, V, BT)
 
 
@@ -292,7 +317,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
             w, u, qg, kg, Aqk, gC,
             scale, 0.0 if lower_bound is None else float(lower_bound), T, index.chunks_per_seq,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=SLICE, BVC=SLICE,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=SLICE, BVC=SLICE, BKN=min(64, triton.next_power_of_2(K)),
             USE_GATE=use_gate_in_kernel, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
             USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
             BETA_SIGMOID=use_beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=allow_neg_eigval,

@@ -24,6 +24,24 @@ import triton.language as tl
 from flashkda.chunk_intra import CHUNK_SIZE
 
 
+@triton.jit
+def _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t, Tn, o_c, o_k, o_v, m_k, m_v, m_causal,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Chunk ``i_t``'s tiles in their stored dtypes: u ``[BT, BV]``, w ``[BT, BK]``, Aqk ``[BT, BT]`` (causal),
+    qg and kg ``[BT, BK]``, Γ_C ``[BK]`` (all zero past the sequence end)."""
+    o_t = i_t * BT + o_c
+    m_t = o_t < Tn
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_u = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_w = tl.load(w_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+    # only the lower triangle was written
+    b_A = tl.load(A_h + o_t[:, None] * (HV * BT) + o_c[None, :], mask=m_t[:, None] & m_causal, other=0.0)
+    b_qg = tl.load(qg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+    b_kg = tl.load(kg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+    b_gC = tl.load(gC_c + i_t * (HV * K) + o_k, mask=m_k & (i_t * BT + 0 * o_k < Tn), other=0.0)
+    return b_u, b_w, b_A, b_qg, b_kg, b_gC
+
+
 @triton.jit(do_not_specialize=["T"])
 def chunk_kda_fwd_kernel_state_o(
     w, u, qg, kg, Aqk, gC, o, h0, ht, h, cu_seqlens, chunk_offsets,
@@ -31,6 +49,7 @@ def chunk_kda_fwd_kernel_state_o(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_H: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:
@@ -71,39 +90,45 @@ def chunk_kda_fwd_kernel_state_o(
     o_h = o + (bos * HV + i_hv) * V
     A_h = Aqk + (bos * HV + i_hv) * BT
     m_causal = o_c[:, None] >= o_c[None, :]
+    gC_c = gC + (c0 * HV + i_hv) * K
+    if PREFETCH:
+        # The next chunk's tiles are loaded while this chunk computes (registers, not shared memory): the chain
+        # of chunks then waits on memory once per program instead of several times per chunk.
+        b_un, b_wn, b_An, b_qgn, b_kgn, b_gCn = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, 0, Tn, o_c, o_k, o_v,
+                                                            m_k, m_v, m_causal, HV, K, V, BT)
     for i_t in range(0, NT):
         if STORE_H:
             tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_kv)
+        if PREFETCH:
+            b_u, b_w, b_A, b_qg, b_kg, b_gC = b_un, b_wn, b_An, b_qgn, b_kgn, b_gCn
+            b_un, b_wn, b_An, b_qgn, b_kgn, b_gCn = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t + 1, Tn, o_c,
+                                                                o_k, o_v, m_k, m_v, m_causal, HV, K, V, BT)
+        else:
+            b_u, b_w, b_A, b_qg, b_kg, b_gC = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t, Tn, o_c, o_k, o_v,
+                                                          m_k, m_v, m_causal, HV, K, V, BT)
         o_t = i_t * BT + o_c
-        m_t = o_t < Tn
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
+        m_tv = (o_t < Tn)[:, None] & m_v[None, :]
         b_Sd = b_S.to(DT)
         # [BT, BV]
-        b_vn = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_w = tl.load(w_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT)
-        b_vn -= tl.dot(b_w, b_Sd, input_precision=DOT_PREC)
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(DT), b_Sd, input_precision=DOT_PREC)
         b_vnd = b_vn.to(DT)
-        # [BT, BT] causal; only the lower triangle was written
-        b_A = tl.load(A_h + o_t[:, None] * (HV * BT) + o_c[None, :], mask=m_t[:, None] & m_causal, other=0.0)
-        b_qg = tl.load(qg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT)
-        b_o = tl.dot(b_qg, b_Sd, input_precision=DOT_PREC)
+        b_o = tl.dot(b_qg.to(DT), b_Sd, input_precision=DOT_PREC)
         b_o += tl.dot(b_A.to(DT), b_vnd, input_precision=DOT_PREC)
         tl.store(o_h + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        # [BK]
-        b_gC = tl.load(gC + ((c0 + i_t) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_kg = tl.load(kg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0).to(DT)
-        b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg), b_vnd, input_precision=DOT_PREC)
+        # [BK, BV]
+        b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_vnd, input_precision=DOT_PREC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_s + o_s, b_S, mask=m_kv)
 
 
-#: Tile configurations tried on first use of each shape class on a GPU (V tile, warps); the choice depends on
-#: how many (sequence, head) programs there are, hence the PROGRAMS key.
-STATE_CONFIGS = [(16, 4), (32, 4), (64, 8)]
+#: Tile configurations tried on first use of each shape class on a GPU (V tile, warps, pipeline stages, register
+#: prefetch of the next chunk); the choice depends on how many (sequence, head) programs there are, hence the
+#: PROGRAMS key. Configurations that do not fit in shared memory or registers are skipped by the autotuner.
+STATE_CONFIGS = [(32, 4, 1, False), (64, 8, 1, False), (32, 4, 2, False), (32, 8, 1, True), (64, 8, 1, True)]
 chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
-    configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=1) for bv, nw in STATE_CONFIGS],
+    configs=[triton.Config({"BV": bv, "PREFETCH": pf}, num_warps=nw, num_stages=ns)
+             for bv, nw, ns, pf in STATE_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "DOT_PREC"],
 )(chunk_kda_fwd_kernel_state_o)
 
@@ -118,7 +143,7 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
                           out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
-                          num_warps=4, num_stages=1):
+                          num_warps=4, num_stages=1, prefetch=False):
     B, T, HV, K = w.shape
     V = u.shape[-1]
     N = index.num_seqs
@@ -143,5 +168,6 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
             num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
             block_v = pick_block_v(V, N * HV, num_sms)
         grid = (triton.cdiv(V, block_v), N, HV)
-        chunk_kda_fwd_kernel_state_o[grid](*args, BV=block_v, **meta, num_warps=num_warps, num_stages=num_stages)
+        chunk_kda_fwd_kernel_state_o[grid](*args, BV=block_v, PREFETCH=prefetch, **meta, num_warps=num_warps,
+                                           num_stages=num_stages)
     return o, ht, h
