@@ -1,0 +1,34 @@
+"""The state + output stage gives the same result in every launch configuration the autotuner may pick (V tile,
+register prefetch of the next chunk, pipeline stages), against the fp64 oracle, with a varlen tail chunk."""
+
+import pytest
+import torch
+
+from flashkda import reference
+from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
+from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
+from flashkda.chunk_state import STATE_CONFIGS, chunk_kda_fwd_state_o
+from flashkda.index import build_chunk_index
+from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
+
+CASE = KDACase(T=150, H=1, HV=2, K=64, V=64, dtype=torch.float32, gate="bounded", beta_logits=True,
+               lengths=(70, 0, 80))
+
+
+@pytest.mark.parametrize("config", STATE_CONFIGS,
+                         ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}-pf{int(c[3])}" for c in STATE_CONFIGS])
+def test_state_stage_configs_match_fp64(config, device):
+    block_v, num_warps, num_stages, prefetch = config
+    args, kw = make_call(CASE, device)
+    q, k, v, g, beta = args
+    index = build_chunk_index(1, CASE.T, kw["cu_seqlens"], CHUNK_SIZE)
+    prec = dot_precision_for(q.dtype)
+    with torch.no_grad():
+        mid = chunk_kda_fwd_intra(q, k, v, g, beta, kw["A_log"], kw["dt_bias"], CASE.K ** -0.5, kw["lower_bound"],
+                                  True, True, True, False, True, index, work_dtype_for(q.dtype), prec)
+        o, s, _ = chunk_kda_fwd_state_o(*mid, kw["initial_state"], True, False, index, q.dtype, prec,
+                                        block_v=min(block_v, CASE.V), num_warps=num_warps, num_stages=num_stages,
+                                        prefetch=prefetch)
+    ro, rs = reference.chunk_kda_reference(*args, **kw)
+    assert_close("o", ro, o, TOL[CASE.dtype])
+    assert_close("final_state", rs, s, TOL[CASE.dtype])
