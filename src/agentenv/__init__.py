@@ -1,6 +1,6 @@
 """AgentEnv: isolated sandboxes for agent RL with millisecond snapshot, restore and fork.
 
-Public API: `Sandbox` / `AsyncSandbox` (SDK), `Limits`, the result types, and the `SandboxError` family.
+Public API: `Sandbox` / `AsyncSandbox` (SDK), `Limits`, `Network`, the result types, and the `SandboxError` family.
 Names resolve lazily (PEP 562): importing the package does no work, never imports torch, and keeps the
 in-sandbox tool server (which imports `agentenv.protocol`) from loading the SDK.
 """
@@ -15,6 +15,7 @@ _EXPORTS = {
     "AsyncSandbox": "agentenv.sandbox",
     "Sandbox": "agentenv.sandbox",
     "Limits": "agentenv.limits",
+    "Network": "agentenv.limits",
     "CommandResult": "agentenv.protocol",
     "EntryInfo": "agentenv.protocol",
     "PythonResult": "agentenv.protocol",

@@ -22,9 +22,10 @@ def _backend(args: argparse.Namespace):
 
 
 def _limits(args: argparse.Namespace):
-    from agentenv.limits import Limits
+    from agentenv.limits import Limits, Network
 
-    return Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus, disk_mb=args.disk_mb)
+    return Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus, disk_mb=args.disk_mb,
+                  network=Network(allow=tuple(args.allow)))
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -136,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pids", type=int, default=256)
         p.add_argument("--cpus", type=float, default=1.0)
         p.add_argument("--disk-mb", type=int, default=1024)
+        p.add_argument("--allow", action="append", default=[], metavar="CIDR[:PORT]",
+                       help="opt into egress to this IPv4 destination (repeatable; default: loopback only)")
 
     p = sub.add_parser("create", help="start a sandbox from an image, template or snapshot; prints its id")
     p.add_argument("source", nargs="?", default="host")

@@ -28,7 +28,7 @@ from pathlib import Path
 from agentenv import errors
 from agentenv.limits import Limits
 from agentenv.protocol import SandboxInfo
-from agentenv.runtime import cgroups, images, rootfs
+from agentenv.runtime import cgroups, egress, images, rootfs
 from agentenv.runtime.backend import Backend
 from agentenv.runtime.client import Connection
 from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, proc_start_time
@@ -58,9 +58,12 @@ class NamespaceBackend(Backend):
     Args:
         home: data directory (default `$AGENTENV_HOME` or /var/lib/agentenv).
         cgroup_root: where the cgroup v1 hierarchies are mounted.
+        egress_range: private IPv4 range the veths of sandboxes with egress take their /30s from
+            (default `egress.EGRESS_RANGE`); give each data directory on one host its own.
     """
 
-    def __init__(self, home: Path | str | None = None, cgroup_root: Path = cgroups.CGROUP_ROOT):
+    def __init__(self, home: Path | str | None = None, cgroup_root: Path = cgroups.CGROUP_ROOT,
+                 egress_range: str = egress.EGRESS_RANGE):
         if os.geteuid() != 0:
             raise errors.SandboxError("the namespace backend needs root (it mounts, maps uids and writes cgroups)")
         if not Path(HOST_PYTHON).exists():
@@ -68,6 +71,7 @@ class NamespaceBackend(Backend):
         self.store = Store(Path(home) if home is not None else default_home())
         self.cgroup_root = cgroup_root
         self.cgroup_group = cgroups.group_for(str(self.store.home))
+        self.egress = egress.Egress(self.cgroup_group, self.store.home, egress_range)
         self._pending: dict[str, Connection] = {}
         # Moving a task between v1 cgroups waits for an RCU grace period (~7 ms here), so new sandboxes join
         # their cgroups on a worker thread while the host finishes the rest of the fork; every public call
@@ -220,6 +224,9 @@ class NamespaceBackend(Backend):
         store = self.store
         new_parent_upper = None
         lowers = list(parent.lowers)
+        with_net = limits.network.egress and "sandbox" in kinds
+        if with_net:
+            self.egress.check()  # before anything is made
         if rebase and not store.is_empty(parent.upper):
             new_parent_upper = store.new_writable_layer(int(parent.limits.get("disk_mb", 1024)) << 20)
             lowers = [parent.upper, *lowers]
@@ -263,12 +270,18 @@ class NamespaceBackend(Backend):
             finally:
                 conn.close()
             log.debug("fork of %s in the tool server: %s", parent.id, reply.get("phases"))
+            used = {r.net["slot"] for r in store.all_records() if r.net} if with_net else set()
             for child in children:
                 cconn = Connection(store.sock(child.id), child.id)
                 if not child.pid:  # a tool server that sent no child event: ask the child itself
                     child.pid = cconn.peer_pid()
                     child.start_time = proc_start_time(child.pid) or 0
                     self._attach_later(self._cgroup(child.id), child.pid, cg_limits)
+                if with_net and child.kind == "sandbox":
+                    slot = self.egress.allocate(used)
+                    used.add(slot.index)
+                    child.net = {"slot": slot.index}
+                    self.egress.attach(slot, child.pid, limits.network)
                 store.write_record(child)
                 if child.kind == "sandbox":
                     self._pending[child.id] = cconn
@@ -423,8 +436,12 @@ class NamespaceBackend(Backend):
     def _reclaim(self, rec: Record) -> None:
         """Kill the tool server (all its processes), remove its cgroup, record and unreferenced layers."""
         self.settle(rec.id)
+        if rec.net:  # unplug first: no packet of a dying sandbox re-creates conntrack state after the flush
+            self.egress.detach(rec.net["slot"])
         self._cgroup(rec.id).destroy()
         self.store.delete_record(rec.id)
+        if rec.net and not any(r.net for r in self.store.all_records()):
+            self.egress.teardown()
         in_use = self.store.referenced_layers()
         for layer in [rec.upper, *rec.lowers]:
             if layer not in in_use and not layer.startswith("i"):
@@ -441,7 +458,7 @@ class NamespaceBackend(Backend):
         """Reclaim dead, expired and orphaned state; with `everything`, stop every sandbox and seed too.
 
         Returns:
-            Counts of what was removed: ``records``, ``cgroups``, ``layers``.
+            Counts of what was removed: ``records``, ``cgroups``, ``layers``, ``network`` (egress slots).
         """
         removed = {"records": 0, "cgroups": 0, "layers": 0}
         self.settle()
@@ -473,6 +490,7 @@ class NamespaceBackend(Backend):
                 if layer not in in_use and (not layer.startswith("i") or layer.startswith(".")):
                     self.store.remove_layer(layer)
                     removed["layers"] += 1
+            removed["network"] = self.egress.reconcile({r.net["slot"] for r in self.store.all_records() if r.net})
             for sock in self.store.records.glob("*.sock"):
                 if sock.stem not in live:
                     sock.unlink(missing_ok=True)

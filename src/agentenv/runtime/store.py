@@ -60,6 +60,8 @@ class Record:
     limits: dict = field(default_factory=dict)
     created: float = 0.0
     expires_at: float | None = None
+    net: dict | None = None
+    """``{"slot": n}`` when the sandbox has egress (see `agentenv.runtime.egress`), else None."""
 
 
 def proc_start_time(pid: int) -> int | None:
