@@ -1,16 +1,16 @@
 """FlashKDA forward: launch-configuration sweep of our two stages, for benchmarks/kda/NOTES.md.
 
 Times the intra-chunk stage at every (num_warps, maxnreg) pair and the state + output stage at every
-(V tile, warps, pipeline stages, register prefetch) configuration, each checked against the default configuration's
-outputs first (a variant that disagrees is reported, not timed). Nothing here is a comparison with fla:
-``benchmarks.kda.run`` does that.
+(V tile, warps, pipeline stages, register prefetch, bf16 hi/lo split) configuration, each checked against the
+default configuration's outputs first (a variant that disagrees is reported, not timed). Nothing here is a
+comparison with fla: ``benchmarks.kda.run`` does that.
 
 The intra stage leaves the blocks of ``Aqk`` above the diagonal unwritten (the state stage never reads them), so
 its outputs are compared where they are defined; the whole-buffer difference is printed too, because a comparison
 of the whole buffer reads whatever the allocator left there.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N] [--warps 4 8] [--maxnreg 0 168]
-[--state BV:WARPS:STAGES:PREFETCH ...]`` (CUDA only).
+[--state BV:WARPS:STAGES:PREFETCH:SPLIT ...]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import argparse
 import sys
 import time
 
-#: State-stage configurations swept by default: (V tile, warps, pipeline stages, register prefetch).
-STATE_SWEEP = ["32:4:1:0", "64:8:1:0", "16:4:2:0", "32:4:2:0", "32:8:2:0", "64:8:2:0",
-               "16:4:1:1", "32:4:1:1", "32:8:1:1", "64:8:1:1"]
+#: State-stage configurations swept by default: (V tile, warps, pipeline stages, register prefetch, bf16 split).
+STATE_SWEEP = ["32:4:1:0:0", "64:8:1:0:0", "16:4:2:0:0", "32:4:2:0:0", "32:8:2:0:0", "32:8:1:1:0", "64:8:1:1:0",
+               "32:4:1:0:1", "32:4:2:0:1", "32:8:2:0:1", "64:8:2:0:1", "32:8:1:1:1", "16:4:1:0:1"]
 
 
 def defined_region(Aqk, BT: int = 64, BC: int = 16):
@@ -103,18 +103,18 @@ def sweep_case(name: str, args) -> None:
                     print(f"intra warps={warps} maxnreg={cap}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
         o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=32)[0]
         for spec in args.state:
-            bv, nw, ns, pf = (int(p) for p in spec.split(":"))
+            bv, nw, ns, pf, sp = (int(p) for p in spec.split(":"))
             t0 = time.time()
             try:
-                state = lambda bv=bv, nw=nw, ns=ns, pf=pf: chunk_kda_fwd_state_o(
+                state = lambda bv=bv, nw=nw, ns=ns, pf=pf, sp=sp: chunk_kda_fwd_state_o(
                     *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw,
-                    num_stages=ns, prefetch=bool(pf))
+                    num_stages=ns, prefetch=bool(pf), split=bool(sp))
                 err = rel(state()[0], o_ref)
                 if err > 1e-3:
                     print(f"state {spec}: DISAGREES rel {err:.1e}", flush=True)
                     continue
                 t = time_fn(state, device="cuda", rep=args.rep)
-                print(f"state BV:warps:stages:prefetch={spec}: {t.median_ms:.3f} ms (rel {err:.1e}; "
+                print(f"state BV:warps:stages:prefetch:split={spec}: {t.median_ms:.3f} ms (rel {err:.1e}; "
                       f"{time.time() - t0:.0f}s)", flush=True)
             except Exception as exc:
                 print(f"state {spec}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
