@@ -3,7 +3,8 @@
 Shape suffixes: R ranks, S max tokens per rank, s tokens this call, K top-k, H hidden, C slots on this
 rank, T = R*S received rows, P home experts, N redundant weight slots (``num_redundant_slots``), W weight dims.
 
-- dispatch: ``x_sH -> x_CH`` (rows all-gathered, expanded into slots); backward = unweighted combine.
+- dispatch: ``x_sH -> x_CH`` (rows all-gathered and stored into slots by the buffer, which passes the
+  work in as ``produce``); backward = unweighted combine.
   The gate weights ride along (``topk_weights_sK -> weights_C``); their gradient travels back per hit.
 - combine: ``(y_CH, weights_C) -> out_sH``; backward = dispatch of ``grad_out`` with the saved plan.
 - prefetch: ``weight_PW -> weight_(P+N)W``; backward = `reduce_grad` (redundant gradients go home).
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moonep.ops import expand_rows, reduce_slots
+from moonep.ops import expand_rows, reduce_slots, sum_ranks
 from moonep.plan import Plan
 
 if TYPE_CHECKING:
@@ -42,9 +43,29 @@ def gather_rows(buffer: Buffer, handle: DispatchHandle, x_sH: torch.Tensor) -> t
 def return_rows(
     buffer: Buffer, handle: DispatchHandle, y_CH: torch.Tensor, weights_C: torch.Tensor | None
 ) -> torch.Tensor:
-    """Reduce each token's slots on this rank, send partials home, sum them in fp32: ``[C, H] -> [s, H]``."""
-    partial_TH = reduce_slots(y_CH, handle.recv_slots_TK, weights_C, y_CH.dtype)
-    return buffer.transport.sum_partials(partial_TH, handle.num_tokens).to(y_CH.dtype)
+    """Reduce each token's slots on this rank, send partials home, sum them in fp32: ``[C, H] -> [s, H]``.
+
+    Token chunk by chunk: a chunk's partials travel while the next chunk is reduced. Every rank sends
+    every chunk (static shapes), also chunks past its own ``s``.
+    """
+    transport = buffer.transport
+    if not transport.chunked_combine:
+        partial_TH = reduce_slots(y_CH, handle.recv_slots_TK, weights_C, y_CH.dtype)
+        return transport.sum_partials(partial_TH, handle.num_tokens).to(y_CH.dtype)
+    R, S, K, H, s = buffer.num_ranks, buffer.S, buffer.K, y_CH.shape[1], handle.num_tokens
+    slots_RSK = handle.recv_slots_TK.view(R, S, K)
+    pending = []
+    for first, size in buffer.chunks:
+        partial_nH = reduce_slots(y_CH, slots_RSK[:, first : first + size].reshape(R * size, K), weights_C, y_CH.dtype)
+        finish = transport.start_all_to_all(torch.empty_like(partial_nH), partial_nH, "combine all_to_all")
+        pending.append((first, size, partial_nH, finish))
+    out_sH = y_CH.new_empty(s, H)
+    for first, size, _, finish in pending:
+        back_RnH = finish().view(R, size, H)
+        mine = min(max(s - first, 0), size)
+        if mine:
+            sum_ranks(back_RnH, out_sH[first : first + mine])
+    return out_sH
 
 
 def return_slot_values(buffer: Buffer, handle: DispatchHandle, v_C: torch.Tensor) -> torch.Tensor:
@@ -66,10 +87,10 @@ class DispatchFunction(torch.autograd.Function):
         weights_C: torch.Tensor,
         buffer: Buffer,
         handle: DispatchHandle,
-        rows_XH: torch.Tensor,
+        produce: Callable[[], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.buffer, ctx.handle, ctx.w_dtype = buffer, handle, topk_weights_sK.dtype
-        return expand_rows(rows_XH, handle.slot_src_C), weights_C.clone()
+        return produce(), weights_C.clone()
 
     @staticmethod
     def backward(ctx: Any, grad_x_CH: torch.Tensor, grad_w_C: torch.Tensor) -> tuple[Any, ...]:

@@ -6,15 +6,19 @@ Shape suffixes used in this module:
     H  hidden     C  slots this rank computes (``S*K`` balanced; ``R*S*K`` unbalanced)   W  weight dims
 
 Data path of `dispatch` (torch.distributed transport):
-    1. the all-gather of token rows starts (static shape ``[R*S, H]``; it does not depend on the plan);
-    2. every rank's expert histogram (plus a status word) is all-gathered; `compute_plan` runs on device;
-    3. `route_tokens` gives each (token, k) its destination rank and slot; one all-to-all carries, per
-       destination, the slot of each (token, k) (-1 if elsewhere) and its gate weight;
-    4. the received rows are expanded locally into expert-grouped slots.
-`combine` reduces each token's slots on a rank in fp32 (weighted by the gate; Triton on CUDA), sends one
-partial row per (token, rank) back by all-to-all in the buffer dtype, and sums the ``R`` partials with an
-fp32 accumulator. With ``validate=False`` neither step synchronises with the host, so a dispatch+combine
-can be captured in a CUDA graph and replayed with new routing copied into the captured input tensors.
+    1. layout exchange (`moonep.layout`): every rank's ``topk_idx`` and gate weights (plus a status word)
+       are all-gathered in one small collective;
+    2. the all-gather of token rows starts, in ``num_chunks`` token chunks (static shapes; the rows do not
+       depend on the plan);
+    3. while they travel, every rank computes the same `Plan` on the device and places the hits it
+       computes (`route_received`), then stores its own tokens into their slots;
+    4. as each chunk lands, its rows are stored into their slots (each row read once, written once per
+       hit: `ops.scatter_rows`).
+`combine` reduces each token's slots on a rank in fp32 (weighted by the gate; Triton on CUDA) one token
+chunk at a time, sends each chunk's partial rows back by all-to-all in the buffer dtype while the next
+chunk is reduced, and sums the ``R`` partials with an fp32 accumulator. With ``validate=False`` neither
+step synchronises with the host, so a dispatch+combine can be captured in a CUDA graph and replayed with
+new routing copied into the captured input tensors.
 """
 
 from __future__ import annotations
@@ -27,37 +31,16 @@ import torch
 import torch.distributed as dist
 
 from moonep import autograd as _ag
+from moonep import layout as _lay
 from moonep.event import EventOverlap
-from moonep.plan import Plan, compute_plan, histogram, route_tokens
+from moonep.layout import DispatchHandle, Layout
+from moonep.ops import new_slot_rows, scatter_rows
+from moonep.plan import Plan
 from moonep.transports.torch_dist import TorchDistTransport
 
 logger = logging.getLogger(__name__)
 
-_STATUS_OK, _STATUS_TOO_MANY, _STATUS_SHAPE, _STATUS_DTYPE, _STATUS_IDS = 0, 1, 2, 3, 4
-_STATUS_TEXT = {
-    _STATUS_TOO_MANY: "passed more tokens than max_tokens_per_rank",
-    _STATUS_SHAPE: "passed x/topk_idx/topk_weights with wrong shapes",
-    _STATUS_DTYPE: "passed tensors of the wrong dtype or device",
-    _STATUS_IDS: "passed expert ids outside [-1, num_experts)",
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class DispatchHandle:
-    """Everything combine (and the backward passes) need; produced by `Buffer.dispatch`, never edited."""
-
-    plan: Plan
-    rank: int
-    num_tokens: int
-    """``s``: tokens this rank dispatched."""
-    slot_src_C: torch.Tensor
-    """``[C]`` int64 received-row index (``src*S + t``) of each slot; ``R*S`` (a zero row) if unused."""
-    recv_slots_TK: torch.Tensor
-    """``[R*S, K]`` int64 slot on this rank of each received (src, token, k); -1 if computed elsewhere."""
-    weights_C: torch.Tensor
-    """``[C]`` fp32 gate weight per slot (0 if unused); differentiable w.r.t. ``topk_weights``."""
-    local_counts_L: torch.Tensor
-    """``[L]`` int64 slots per local expert on this rank (home experts, then redundant table entries)."""
+__all__ = ["Buffer", "DispatchHandle", "DispatchOutput"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +83,9 @@ class Buffer:
             partials copied straight into peers' symmetric-memory buffers; one node, CUDA only) or
             ``"hierarchical"`` (rail inter-node + intra-node stages; needs ``ranks_per_node``).
         ranks_per_node: ranks of one node, numbered node-major (hierarchical transport only).
+        num_chunks: token chunks the dispatch all-gather and the combine all-to-all are split into, so
+            the wire of one chunk overlaps the slot stores (dispatch) or the reduction (combine) of
+            another (at most ``max_tokens_per_rank``).
 
     Raises:
         ValueError: bad sizes, or ranks disagree on them (raised on every rank).
@@ -129,6 +115,7 @@ class Buffer:
         device: torch.device | str | None = None,
         transport: str = "torch",
         ranks_per_node: int | None = None,
+        num_chunks: int = 4,
     ) -> None:
         if transport not in ("torch", "nvlink", "hierarchical"):
             raise ValueError(f"transport must be 'torch', 'nvlink' or 'hierarchical', got {transport!r}")
@@ -151,6 +138,8 @@ class Buffer:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({R})")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if self.transport.backend == "nccl" else "cpu"
         self.device = torch.device(device)
@@ -165,7 +154,7 @@ class Buffer:
             raise ValueError(f"num_redundant_slots must be in [0, {num_experts - self.P}], got {num_redundant_slots}")
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         config = torch.tensor(
-            [max_tokens_per_rank, hidden, top_k, num_experts, int(balanced), self.num_redundant_slots],
+            [max_tokens_per_rank, hidden, top_k, num_experts, int(balanced), self.num_redundant_slots, num_chunks],
             dtype=torch.long,
             device=self.device,
         )
@@ -174,10 +163,21 @@ class Buffer:
         if not bool((rows == rows[0]).all()):
             raise ValueError(
                 "ranks disagree on Buffer sizes (max_tokens_per_rank, hidden, top_k, num_experts, balanced, "
-                f"num_redundant_slots) per rank: {rows.tolist()}; build the Buffer with the same sizes everywhere"
+                f"num_redundant_slots, num_chunks) per rank: {rows.tolist()}; build the Buffer with the same sizes "
+                "everywhere"
             )
         self._destroyed = False
-        self._rows_TK: torch.Tensor | None = None
+        self.layout = Layout(R, self.S, self.K, self.E, self.rank, self.capacity, balanced, self.device)
+        n = max(1, min(num_chunks, self.S))
+        sizes = [self.S // n + (i < self.S % n) for i in range(n)]
+        self.chunks = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+        """``(first token, tokens)`` of each chunk of the ``S`` token positions."""
+        self._chunk_rows = []  # received-row index of each row of a gathered chunk; -1 for this rank's own
+        for first, size in self.chunks:
+            ranks, tokens = torch.arange(R, device=self.device), torch.arange(size, device=self.device)
+            rows = ranks[:, None] * self.S + first + tokens[None, :]
+            rows[self.rank] = -1
+            self._chunk_rows.append(rows.reshape(-1))
         if transport == "nvlink":
             if self.device.type != "cuda":
                 raise ValueError(f"transport='nvlink' needs CUDA tensors, got device {self.device}")
@@ -190,54 +190,60 @@ class Buffer:
 
     def _status(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
         if x.dim() != 2 or x.shape[1] != self.H or topk_idx.dim() != 2 or topk_idx.shape[1] != self.K:
-            return _STATUS_SHAPE
+            return _lay.STATUS_SHAPE
         if topk_weights.shape != topk_idx.shape or topk_idx.shape[0] != x.shape[0]:
-            return _STATUS_SHAPE
+            return _lay.STATUS_SHAPE
         if x.shape[0] > self.S:
-            return _STATUS_TOO_MANY
+            return _lay.STATUS_TOO_MANY
         if x.dtype != self.dtype or topk_idx.dtype not in (torch.int64, torch.int32):
-            return _STATUS_DTYPE
+            return _lay.STATUS_DTYPE
         if not topk_weights.is_floating_point():
-            return _STATUS_DTYPE
+            return _lay.STATUS_DTYPE
         if any(t.device != self.device for t in (x, topk_idx, topk_weights)):
-            return _STATUS_DTYPE
-        return _STATUS_OK
+            return _lay.STATUS_DTYPE
+        return _lay.STATUS_OK
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, *, status: int = _STATUS_OK) -> Plan:
-        """Exchange expert histograms and plan the micro-batch (collective; no host sync unless validating).
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None) -> Plan:
+        """Exchange every rank's routing and plan the micro-batch (collective; no host sync unless validating).
 
         Args:
-            topk_idx: ``[s, K]`` int64 expert ids, -1 for no selection.
+            topk_idx: ``[s, K]`` int64/int32 expert ids, -1 for no selection.
+            topk_weights: ``[s, K]`` gate weights (default: ones); only `dispatch` uses them.
 
         Returns:
             The `Plan`, identical on every rank.
 
         Raises:
-            ValueError: on every rank, when any rank passed invalid input (and ``validate`` is on, or the
-                problem is in shapes/dtypes of this rank).
+            ValueError: on every rank, when any rank passed invalid input (and ``validate`` is on).
         """
         self._check_alive()
-        ok = status == _STATUS_OK
-        idx = topk_idx.reshape(-1).long() if ok else torch.zeros(0, dtype=torch.long, device=self.device)
-        bad_ids = ((idx < -1) | (idx >= self.E)).any().long().view(1)
-        counts = histogram(torch.where((idx >= 0) & (idx < self.E), idx, self.E), self.E + 1)
-        row = torch.cat([counts[: self.E], bad_ids, torch.full((1,), status, dtype=torch.long, device=self.device)])
+        if topk_weights is None:
+            topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        s = topk_idx.shape[0] if topk_idx.dim() else 0
+        x_probe = torch.empty((s, self.H), dtype=self.dtype, device=self.device)
+        status = self._status(x_probe, topk_idx, topk_weights)
+        return self._exchange_layout(topk_idx, topk_weights, status)[0]
+
+    def _exchange_layout(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, status: int, before_plan=None
+    ) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+        """Layout all-gather, the checks (if validating), ``before_plan()`` (issues the token rows), the plan."""
+        if status == _lay.STATUS_OK:
+            row = _lay.layout_row(topk_idx, topk_weights, self.S, self.E)
+        else:
+            row = _lay.empty_row(status, self.S, self.K, self.device)
         gathered = self.transport.all_gather(row.new_empty(self.num_ranks * row.numel()), row, "layout exchange")
         gathered = gathered.view(self.num_ranks, -1)
-        if self.validate or status != _STATUS_OK:
-            flags = gathered[:, self.E :].cpu()
-            problems = []
-            for r, (bad, code) in enumerate(flags.tolist()):
-                if code:
-                    problems.append(f"rank {r} {_STATUS_TEXT[code]}")
-                elif bad:
-                    problems.append(f"rank {r} {_STATUS_TEXT[_STATUS_IDS]}")
-            if problems:
+        if self.validate or status != _lay.STATUS_OK:
+            found = _lay.problems(gathered, self.S, self.K, self.E)
+            if found:
                 raise ValueError(
-                    "; ".join(problems) + f" (buffer: max_tokens_per_rank={self.S}, hidden={self.H}, top_k={self.K}, "
+                    "; ".join(found) + f" (buffer: max_tokens_per_rank={self.S}, hidden={self.H}, top_k={self.K}, "
                     f"num_experts={self.E}, dtype={self.dtype}, device={self.device})"
                 )
-        return compute_plan(gathered[:, : self.E], balanced=self.balanced)
+        if before_plan is not None:
+            before_plan()
+        return self.layout.plan(gathered)
 
     # -- dispatch / combine -----------------------------------------------------------------------------
 
@@ -274,17 +280,18 @@ class Buffer:
         status = self._status(x, topk_idx, topk_weights)
         stream = self._enter(previous_event, async_finish)
         with _maybe_stream(stream):
-            # Token rows do not depend on the plan: start moving them first, plan while they travel.
-            # Every rank must issue the same collectives, so a rank with invalid input sends zeros here
-            # and learns (with the others) of the problem from the layout exchange right after.
-            ok = status == _STATUS_OK
-            rows_pending = _ag.start_row_gather(
-                self, x.detach() if ok else torch.zeros(self.S, self.H, dtype=self.dtype, device=self.device)
+            pending: list = []
+            # Token rows do not depend on the plan: they start moving right after the layout exchange
+            # (and its checks), and the plan is computed while they travel.
+            plan, expert_T, weight_T = self._exchange_layout(
+                topk_idx, topk_weights, status, lambda: pending.extend(self._start_token_gather(x))
             )
-            plan = self.get_dispatch_layout(topk_idx, status=status)
-            handle = self._make_handle(plan, topk_idx, topk_weights)
-            rows_XH = rows_pending()
-            x_CH, w_C = _ag.DispatchFunction.apply(x, topk_weights, handle.weights_C, self, handle, rows_XH)
+            handle = self.layout.handle(plan, expert_T, weight_T, x.shape[0])
+
+            def produce() -> torch.Tensor:
+                return self._store_rows(x.detach(), handle, pending)
+
+            x_CH, w_C = _ag.DispatchFunction.apply(x, topk_weights, handle.weights_C, self, handle, produce)
             # The handle given to the caller carries the differentiable weights, so combine(y, handle)
             # trains the router too.
             handle = dataclasses.replace(handle, weights_C=w_C)
@@ -439,34 +446,27 @@ class Buffer:
             tensor.record_stream(current)
         return EventOverlap(event, outputs)
 
-    def _make_handle(self, plan: Plan, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
-        R, S, K, C = self.num_ranks, self.S, self.K, self.capacity
-        s = topk_idx.shape[0]
-        dest_sK, slot_sK = route_tokens(plan, self.rank, topk_idx)
-        ranks = torch.arange(R, device=self.device).view(R, 1, 1)
-        meta = torch.full((R, S, K, 2), -1, dtype=torch.int32, device=self.device)
-        meta[:, :s, :, 0] = torch.where(dest_sK[None] == ranks, slot_sK[None], -1).int()
-        meta[:, :s, :, 1] = topk_weights.detach().float().view(torch.int32)[None].expand(R, s, K)
-        recv = self.transport.all_to_all(torch.empty_like(meta), meta, "dispatch metadata all_to_all")
-        recv_slots = recv[..., 0].reshape(R * S, K).long()
-        if self._rows_TK is None:
-            self._rows_TK = torch.arange(R * S, device=self.device).repeat_interleave(K)
-        recv_w = recv[..., 1].contiguous().view(torch.float32).reshape(R * S, K)
-        valid = recv_slots >= 0
-        target = torch.where(valid, recv_slots, C).view(-1)
-        slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=self.device).scatter_(0, target, self._rows_TK)
-        weights = torch.zeros(C + 1, dtype=torch.float32, device=self.device).scatter_(
-            0, target, torch.where(valid, recv_w, 0.0).view(-1)
-        )
-        return DispatchHandle(
-            plan=plan,
-            rank=self.rank,
-            num_tokens=s,
-            slot_src_C=slot_src[:C],
-            recv_slots_TK=recv_slots,
-            weights_C=weights[:C],
-            local_counts_L=plan.local_counts_RL[self.rank],
-        )
+    def _start_token_gather(self, x_sH: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+        """Issue the chunked all-gather of token rows: per chunk ``(rows_n, gathered [R*n, H], finish)``."""
+        s, H = x_sH.shape
+        x_SH = x_sH.detach() if s == self.S else torch.cat([x_sH.detach(), x_sH.new_zeros(self.S - s, H)])
+        pending = []
+        for (first, size), rows in zip(self.chunks, self._chunk_rows):
+            out = x_SH.new_empty(self.num_ranks * size, H)
+            finish = self.transport.start_all_gather(out, x_SH[first : first + size], "dispatch token all_gather")
+            pending.append((rows, out, finish))
+        return pending
+
+    def _store_rows(self, x_sH: torch.Tensor, handle: DispatchHandle, pending: list) -> torch.Tensor:
+        """``[C, H]`` slots: this rank's tokens first, then each gathered chunk's rows as it lands."""
+        x_CH = new_slot_rows(self.capacity, self.H, handle.local_counts_L.sum(), self.dtype, self.device)
+        s = x_sH.shape[0]
+        own = self.rank * self.S + torch.arange(s, device=self.device)
+        scatter_rows(x_CH, x_sH.contiguous(), own, handle.recv_slots_TK)
+        for rows, out, finish in pending:
+            finish()
+            scatter_rows(x_CH, out, rows, handle.recv_slots_TK)
+        return x_CH
 
 
 class _NullContext:

@@ -4,8 +4,7 @@ Shape suffixes: R ranks, S max tokens per rank, K top-k, H hidden, C slot capaci
 
 A received token row ``src * S + t`` is expanded into the slots it hits on this rank; combine reduces a
 token's slots on this rank into one fp32 partial sum that travels back (one row per token and rank).
-On CUDA the reduction runs as a Triton kernel (`moonep.kernels`), imported on first use; elsewhere as
-torch ops.
+On CUDA these run as Triton kernels (`moonep.kernels`), imported on first use; elsewhere as torch ops.
 """
 
 from __future__ import annotations
@@ -24,6 +23,50 @@ def expand_rows(rows_XH: torch.Tensor, slot_src_C: torch.Tensor) -> torch.Tensor
         ``[C, H]`` slot rows.
     """
     return rows_XH.index_select(0, slot_src_C)
+
+
+def new_slot_rows(C: int, H: int, used: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[C, H]`` slot buffer whose rows from ``used`` (0-d int64 device tensor) on are zero; the others are
+    left for `scatter_rows` to fill (no host synchronisation)."""
+    if torch.device(device).type != "cuda":
+        return torch.zeros((C, H), dtype=dtype, device=device)
+    from moonep.kernels import zero_rows_from_triton
+
+    out = torch.empty((C, H), dtype=dtype, device=device)
+    zero_rows_from_triton(out, used)
+    return out
+
+
+def scatter_rows(dst_CH: torch.Tensor, src_nH: torch.Tensor, rows_n: torch.Tensor, recv_slots_TK: torch.Tensor) -> None:
+    """Store each source row into every slot it hits on this rank.
+
+    Args:
+        dst_CH: ``[C, H]`` slot rows, written in place.
+        src_nH: ``[n, H]`` token rows (a rank's ``x``, or a chunk of the all-gathered rows).
+        rows_n: ``[n]`` int64 received-row index (``src*S + t``) of each source row; -1 skips it.
+        recv_slots_TK: ``[R*S, K]`` int64 slot on this rank of each received (row, k); -1 if elsewhere.
+    """
+    if dst_CH.is_cuda:
+        from moonep.kernels import scatter_rows_triton
+
+        scatter_rows_triton(dst_CH, src_nH, rows_n, recv_slots_TK)
+        return
+    keep = rows_n >= 0
+    slots_nK = torch.where(keep[:, None], recv_slots_TK[rows_n.clamp(min=0)], -1)
+    for k in range(slots_nK.shape[1]):
+        use = slots_nK[:, k] >= 0
+        dst_CH.index_copy_(0, slots_nK[use, k], src_nH[use])
+
+
+def sum_ranks(src_RnH: torch.Tensor, out_mH: torch.Tensor) -> None:
+    """``out[t] = sum_r src[r, t]`` for ``t < m``, accumulated in fp32, stored in ``out``'s dtype."""
+    if src_RnH.is_cuda:
+        from moonep.kernels import sum_ranks_triton
+
+        sum_ranks_triton(src_RnH, out_mH)
+        return
+    m = out_mH.shape[0]
+    out_mH.copy_(torch.sum(src_RnH[:, :m], dim=0, dtype=torch.float32))
 
 
 def reduce_slots(

@@ -103,7 +103,12 @@ class Plan:
 
 
 def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    return x.cumsum(dim) - x
+    # CUDA scans along an outer dim of a short tensor run one thread per column (~40 us at [2, 896]);
+    # scanning a transposed contiguous copy along its last dim is one fast inner scan.
+    if dim in (-1, x.dim() - 1):
+        return x.cumsum(-1) - x
+    inner = x.transpose(dim, -1).contiguous()
+    return (inner.cumsum(-1) - inner).transpose(dim, -1)
 
 
 def compute_plan(counts_RE: torch.Tensor, *, balanced: bool = True) -> Plan:
@@ -148,10 +153,14 @@ def compute_plan(counts_RE: torch.Tensor, *, balanced: bool = True) -> Plan:
 
     # Home-local layout, smallest expert first, so the slots past the target belong to the largest
     # experts: fewer experts overflow, so fewer redundant copies (and fewer weights to prefetch).
+    # Expert q precedes p on their home rank when (load_q, q) < (load_p, p); p starts after the loads of
+    # all its predecessors. One [R, P, P] comparison instead of a segmented sort, gather and scatter.
     load_RP = load_E.view(R, P)
-    order_RP = torch.sort(load_RP, dim=1, stable=True).indices
-    start_RP = torch.empty_like(load_RP).scatter_(1, order_RP, _exclusive_cumsum(load_RP.gather(1, order_RP), 1))
-    start_E = start_RP.view(E)
+    experts_P = torch.arange(P, device=device)
+    before_PP = experts_P[None, :] < experts_P[:, None]  # [p, q]: q < p
+    smaller_RPP = load_RP[:, None, :] < load_RP[:, :, None]
+    precedes_RPP = smaller_RPP | ((load_RP[:, None, :] == load_RP[:, :, None]) & before_PP[None])
+    start_E = (precedes_RPP * load_RP[:, None, :]).sum(-1).view(E)
     target_E = target_R[home_E]
     keep_E = torch.minimum((target_E - start_E).clamp(min=0), load_E)
     over_E = load_E - keep_E
@@ -237,11 +246,42 @@ def route_tokens(plan: Plan, rank: int, topk_idx: torch.Tensor) -> tuple[torch.T
         ``(dest_sK, slot_sK)``: int64 ``[s, K]``; the destination rank and the slot index on it, both -1
         where ``topk_idx`` is -1.
     """
-    E, P = plan.num_experts, plan.experts_per_rank
+    E = plan.num_experts
     flat = topk_idx.reshape(-1).long()
     valid = flat >= 0
     e = flat.clamp(min=0)
     j = plan.src_prefix_RE[rank, e] + occurrence_index(torch.where(valid, e, E), E)
+    dest, slot = _place(plan, e, j)
+    minus_one = torch.full_like(flat, -1)
+    return torch.where(valid, dest, minus_one).view_as(topk_idx), torch.where(valid, slot, minus_one).view_as(topk_idx)
+
+
+def route_received(plan: Plan, rank: int, expert_T: torch.Tensor) -> torch.Tensor:
+    """Slot on ``rank`` of every hit of every source rank (-1 where computed elsewhere or no hit).
+
+    Every rank knows every rank's ``topk_idx`` (the layout exchange gathers them), so it can place the
+    hits it computes without being told. Hits in flat ``(source rank, token, k)`` order are exactly an
+    expert's slot order, so the occurrence index over all sources is the position inside the expert.
+
+    Args:
+        plan: the micro-batch's plan.
+        rank: the destination rank.
+        expert_T: ``[R*S*K]`` int64 expert id of each hit in ``(source, token, k)`` order; ``num_experts``
+            where there is no hit.
+
+    Returns:
+        ``[R*S*K]`` int64 slot on ``rank``, or -1.
+    """
+    E = plan.num_experts
+    valid = expert_T < E
+    e = torch.where(valid, expert_T, 0)
+    dest, slot = _place(plan, e, occurrence_index(expert_T, E))
+    return torch.where(valid & (dest == rank), slot, -1)
+
+
+def _place(plan: Plan, e: torch.Tensor, j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination rank, slot) of the ``j``-th slot of expert ``e`` (both ``[T]`` int64, ``e`` valid)."""
+    P = plan.experts_per_rank
     home = torch.div(e, P, rounding_mode="floor")
     keep = plan.keep_E[e]
     in_home = j < keep
@@ -250,6 +290,4 @@ def route_tokens(plan: Plan, rank: int, topk_idx: torch.Tensor) -> tuple[torch.T
     dest = torch.where(in_home, home, spare_dest)
     pos = torch.where(in_home, j, q - torch.maximum(plan.ovf_start_E[e], plan.spare_start_R[dest]))
     local = torch.where(dest == home, e - home * P, P + plan.redundant_idx_ER[e, dest])
-    slot = plan.local_offsets_RL[dest, local] + pos
-    minus_one = torch.full_like(flat, -1)
-    return torch.where(valid, dest, minus_one).view_as(topk_idx), torch.where(valid, slot, minus_one).view_as(topk_idx)
+    return dest, plan.local_offsets_RL[dest, local] + pos

@@ -1,10 +1,12 @@
-"""Faults: a peer that dies or stalls mid-dispatch makes every survivor raise `CommError` within the
-timeout; contract violations on one rank raise `ValueError` on every rank; bad arguments name themselves."""
+"""Faults: a peer that dies or stalls mid-dispatch or mid-combine makes every survivor raise `CommError`
+within the timeout; contract violations on one rank raise `ValueError` on every rank; bad arguments name
+themselves."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,39 +17,67 @@ from moonep.skew import make_routing
 
 pytestmark = pytest.mark.multiproc
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 1.0
 S, H, K, P = 6, 4, 2, 2
+# Collective the faulty rank breaks: the token rows (after the layout exchange), or combine's partials.
+FAULT_POINTS = {"dispatch": ("start_all_gather", "dispatch token"), "combine": ("start_all_to_all", "combine")}
 
 
-def _fault_mid_dispatch(rank: int, world: int, fault: str) -> tuple[str, float]:
+class _Stalled(Exception):
+    """Raised on the stalled rank once the survivors are done, so that the test ends without waiting."""
+
+
+def _fault(rank: int, world: int, fault: str, where: str, flags: str) -> tuple[str, float]:
     buffer = Buffer(None, S, H, K, P * world, dtype=torch.float32, timeout_s=TIMEOUT_S)
     idx, w = make_routing("uniform", S, K, P * world, world, rank=rank)
+    x = torch.randn(S, H)
+    out = buffer.dispatch(x, idx, w) if where == "combine" else None  # every rank completes one dispatch
     if rank == 1:
-        original = buffer.transport.all_to_all
+        method, prefix = FAULT_POINTS[where]
+        original = getattr(buffer.transport, method)
 
-        def faulty(*args, **kwargs):  # fault injection: after the layout exchange, before the token data
+        def faulty(out_t, inp, what="", *args, **kwargs):
+            if not what.startswith(prefix):
+                return original(out_t, inp, what, *args, **kwargs)
             if fault == "die":
                 os._exit(3)
-            time.sleep(4 * TIMEOUT_S)
-            return original(*args, **kwargs)
+            # Stall: neither join the collective nor leave, until every survivor has reported (at most 30 s).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(list(Path(flags).iterdir())) < world - 1:
+                time.sleep(0.05)
+            raise _Stalled
 
-        buffer.transport.all_to_all = faulty
+        setattr(buffer.transport, method, faulty)
     start = time.monotonic()
     try:
-        buffer.dispatch(torch.randn(S, H), idx, w)
+        if where == "dispatch":
+            buffer.dispatch(x, idx, w)
+        else:
+            buffer.combine(out.x_CH, out.handle)
+        outcome = "no error"
     except CommError:
-        return "CommError", time.monotonic() - start
-    return "no error", time.monotonic() - start
+        outcome = "CommError"
+    except _Stalled:
+        return "stalled", time.monotonic() - start
+    elapsed = time.monotonic() - start
+    Path(flags, f"rank{rank}").touch()
+    return outcome, elapsed
 
 
+@pytest.mark.parametrize("where", ["dispatch", "combine"])
 @pytest.mark.parametrize("fault", ["die", "stall"])
-def test_peer_fault_mid_dispatch_raises_comm_error_on_every_survivor(fault: str) -> None:
-    results = run_ranks(_fault_mid_dispatch, 3, fault, timeout_s=60, pg_timeout_s=30, allow_failures=True)
+def test_peer_fault_raises_comm_error_on_every_survivor(fault: str, where: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    results = run_ranks(_fault, 3, fault, where, str(tmp_path), timeout_s=60, pg_timeout_s=30, allow_failures=True)
     for rank in (0, 2):
         assert not isinstance(results[rank], RankFailure), results[rank]
         outcome, elapsed = results[rank]
         assert outcome == "CommError", f"rank {rank}: {outcome}"
         assert elapsed < TIMEOUT_S + 3.0, f"rank {rank} took {elapsed:.1f} s to notice"
+    if fault == "stall":
+        assert results[1][0] == "stalled", results[1]
+        # The stalled rank is released as soon as the survivors raised: no test waits out a long sleep.
+        assert time.monotonic() - start < 30, "the stall test itself took too long"
 
 
 def _expect_value_error(fn, match: str) -> None:

@@ -34,6 +34,8 @@ class HierarchicalTransport(TorchDistTransport):
         ranks_per_node: ``G``; must divide the group size.
     """
 
+    chunked_combine = False  # combine goes through the two-stage `sum_partials`
+
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, ranks_per_node: int) -> None:
         super().__init__(group, timeout_s)
         R, G = self.world_size, ranks_per_node

@@ -83,3 +83,11 @@ class NVLinkTransport(TorchDistTransport):
         chunks = list(inp.contiguous().chunk(self.world_size))
         mine = self._exchange(chunks, chunks[0].numel())
         return out.copy_(mine.view(out.shape))
+
+    def start_all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all"
+    ) -> Callable[[], torch.Tensor]:
+        if not self._fits(out) or self.world_size == 1:
+            return super().start_all_to_all(out, inp, what)
+        done = self.all_to_all(out, inp, what)
+        return lambda: done

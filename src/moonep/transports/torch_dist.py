@@ -28,6 +28,9 @@ class TorchDistTransport:
         timeout_s: seconds a collective may take on gloo before `CommError`.
     """
 
+    chunked_combine = True
+    """Combine may send its partials in token chunks through `start_all_to_all` (else: `sum_partials`)."""
+
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -104,6 +107,26 @@ class TorchDistTransport:
             return out.copy_(inp)
         inp = inp.contiguous()
         return self._run(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), out, what)
+
+    def start_all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all"
+    ) -> Callable[[], torch.Tensor]:
+        """Issue `all_to_all` now; the returned function waits for it (raising `CommError`) and returns ``out``."""
+        self._check()
+        if self.world_size == 1:
+            out.copy_(inp)
+            return lambda: out
+        inp = inp.contiguous()
+        try:
+            work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        except RuntimeError as error:
+            work = _Failed(error)
+
+        def finish() -> torch.Tensor:
+            self._wait(work, what)
+            return out
+
+        return finish
 
     def sum_partials(self, partial_TH: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Send each source rank its rows of ``partial_TH`` (``[R*S, H]``, rows ``src*S + t``) and sum what

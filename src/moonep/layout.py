@@ -1,0 +1,129 @@
+"""The layout exchange: one all-gather of every rank's routing, from which every rank plans and places.
+
+Shape suffixes used in this module:
+    R  ranks      S  max tokens per rank     s  tokens this call (<= S)      K  top-k      E  routed experts
+    T  hits of all ranks (``R*S*K``, flat in (source rank, token, k) order)   C  slots this rank computes
+
+Each rank sends one int32 row ``[status, topk_idx (S*K, -1 padded), topk_weights' fp32 bits (S*K, 0
+padded)]``. From the gathered ``[R, 1 + 2*S*K]`` every rank computes the expert histogram of every source,
+the same `Plan`, and, for the hits it computes itself, their slots and gate weights: no second exchange
+of per-hit metadata is needed, so the token rows can start moving right after this one small collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moonep.plan import Plan, compute_plan, histogram, route_received
+
+STATUS_OK, STATUS_TOO_MANY, STATUS_SHAPE, STATUS_DTYPE, STATUS_IDS = 0, 1, 2, 3, 4
+STATUS_TEXT = {
+    STATUS_TOO_MANY: "passed more tokens than max_tokens_per_rank",
+    STATUS_SHAPE: "passed x/topk_idx/topk_weights with wrong shapes",
+    STATUS_DTYPE: "passed tensors of the wrong dtype or device",
+    STATUS_IDS: "passed expert ids outside [-1, num_experts)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchHandle:
+    """Everything combine (and the backward passes) need; produced by `Buffer.dispatch`, never edited."""
+
+    plan: Plan
+    rank: int
+    num_tokens: int
+    """``s``: tokens this rank dispatched."""
+    slot_src_C: torch.Tensor
+    """``[C]`` int64 received-row index (``src*S + t``) of each slot; ``R*S`` (a zero row) if unused."""
+    recv_slots_TK: torch.Tensor
+    """``[R*S, K]`` int64 slot on this rank of each received (src, token, k); -1 if computed elsewhere."""
+    weights_C: torch.Tensor
+    """``[C]`` fp32 gate weight per slot (0 if unused); differentiable w.r.t. ``topk_weights``."""
+    local_counts_L: torch.Tensor
+    """``[L]`` int64 slots per local expert on this rank (home experts, then redundant table entries)."""
+
+
+def layout_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, S: int, E: int) -> torch.Tensor:
+    """``[1 + 2*S*K]`` int32 row of a rank whose input passed the local checks (status OK).
+
+    Ids are clamped to ``[-2, E]`` first so that int32 keeps out-of-range ids out of range.
+    """
+    K = topk_idx.shape[1]
+    idx = topk_idx.reshape(-1).clamp(-2, E).to(torch.int32)
+    w = topk_weights.detach().reshape(-1).to(torch.float32).view(torch.int32)
+    pad = S * K - idx.numel()
+    status_1 = idx.new_full((1,), STATUS_OK)
+    return torch.cat([status_1, idx, idx.new_full((pad,), -1), w, w.new_zeros(pad)])
+
+
+def empty_row(status: int, S: int, K: int, device: torch.device) -> torch.Tensor:
+    """The row of a rank whose input was rejected: its status, no hits."""
+    row = torch.full((1 + 2 * S * K,), -1, dtype=torch.int32, device=device)
+    row[0] = status
+    row[1 + S * K :] = 0
+    return row
+
+
+def problems(gathered_RX: torch.Tensor, S: int, K: int, E: int) -> list[str]:
+    """What each rank did wrong, from the gathered rows (one host synchronisation); empty if nothing."""
+    idx_RT = gathered_RX[:, 1 : 1 + S * K]
+    bad_R = ((idx_RT < -1) | (idx_RT >= E)).any(1)
+    flags = torch.stack([gathered_RX[:, 0].long(), bad_R.long()], 1).cpu().tolist()
+    found = []
+    for r, (code, bad) in enumerate(flags):
+        if code:
+            found.append(f"rank {r} {STATUS_TEXT[code]}")
+        elif bad:
+            found.append(f"rank {r} {STATUS_TEXT[STATUS_IDS]}")
+    return found
+
+
+class Layout:
+    """Turns the gathered rows into the plan and this rank's handle (static shapes, no host sync).
+
+    Args:
+        R, S, K, E: ranks, max tokens per rank, top-k, routed experts.
+        rank: this rank.
+        capacity: ``C``, slot rows of this rank.
+        balanced: as in `compute_plan`.
+        device: where the gathered rows live.
+    """
+
+    def __init__(
+        self, R: int, S: int, K: int, E: int, rank: int, capacity: int, balanced: bool, device: torch.device
+    ) -> None:
+        self.R, self.S, self.K, self.E, self.rank, self.C, self.balanced = R, S, K, E, rank, capacity, balanced
+        ranks_T = torch.arange(R, device=device).repeat_interleave(S * K)
+        self.bin_base_T = ranks_T * (E + 1)  # histogram bin of (source, expert) is source*(E+1) + expert
+        self.rows_T = torch.arange(R * S, device=device).repeat_interleave(K)
+
+    def plan(self, gathered_RX: torch.Tensor) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+        """``(plan, expert_T, weight_T)``: the plan, every hit's expert (``E`` for none), its fp32 weight."""
+        R, S, K, E = self.R, self.S, self.K, self.E
+        idx_T = gathered_RX[:, 1 : 1 + S * K].reshape(-1).long()
+        weight_T = gathered_RX[:, 1 + S * K :].contiguous().view(torch.float32).reshape(-1)
+        expert_T = torch.where((idx_T >= 0) & (idx_T < E), idx_T, E)
+        counts_RE = histogram(self.bin_base_T + expert_T, R * (E + 1)).view(R, E + 1)[:, :E]
+        return compute_plan(counts_RE, balanced=self.balanced), expert_T, weight_T
+
+    def handle(self, plan: Plan, expert_T: torch.Tensor, weight_T: torch.Tensor, num_tokens: int) -> DispatchHandle:
+        """This rank's `DispatchHandle`: the slot of each hit it computes, each slot's source row and weight."""
+        R, S, K, C = self.R, self.S, self.K, self.C
+        recv_T = route_received(plan, self.rank, expert_T)
+        valid = recv_T >= 0
+        target = torch.where(valid, recv_T, C)
+        slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=recv_T.device).scatter_(0, target, self.rows_T)
+        weights = torch.zeros(C + 1, dtype=torch.float32, device=recv_T.device).scatter_(
+            0, target, torch.where(valid, weight_T, 0.0)
+        )
+        return DispatchHandle(
+            plan=plan,
+            rank=self.rank,
+            num_tokens=num_tokens,
+            slot_src_C=slot_src[:C],
+            recv_slots_TK=recv_T.view(R * S, K),
+            weights_C=weights[:C],
+            local_counts_L=plan.local_counts_RL[self.rank],
+        )
