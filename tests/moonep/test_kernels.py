@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep.ops import reduce_slots
+from moonep.ops import reduce_slots, scatter_rows, sum_ranks
 
 pytest.importorskip("triton")
 
@@ -35,3 +35,63 @@ def test_triton_reduce_slots_matches_torch(T, K, C, H, weighted, dtype, device) 
     want = reduce_slots(y.cpu(), slots.cpu(), w.cpu() if weighted else None, dtype)
     # fp32: the GPU contracts w*y+acc into one FMA, so allow an ulp.
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+SCATTER_CASES = [
+    # (n, T, K, C, H, dtype)
+    pytest.param(5, 9, 3, 14, 7, torch.float32, id="n5-T9-K3-C14-H7-fp32"),
+    pytest.param(4, 4, 2, 8, 40, torch.bfloat16, id="n4-T4-K2-C8-H40-bf16"),
+    pytest.param(0, 3, 2, 4, 8, torch.float32, id="n0-empty"),
+]
+
+
+def _scatter_case(n: int, T: int, K: int, C: int, H: int, dtype: torch.dtype):
+    """Source rows, their received-row ids (-1: skipped) and a slot table where every slot is hit at most once."""
+    gen = torch.Generator().manual_seed(n * 17 + C)
+    src = torch.randn(n, H, generator=gen).to(dtype)
+    rows = torch.randperm(T, generator=gen)[:n]
+    rows[::3] = -1  # rows of this rank's own tokens are skipped in a gathered chunk
+    flat = torch.full((T * K,), -1, dtype=torch.long)
+    hits = torch.randperm(T * K, generator=gen)[: min(C, T * K)]
+    flat[hits] = torch.randperm(C, generator=gen)[: hits.numel()]
+    return src, rows, flat.view(T, K)
+
+
+@pytest.mark.parametrize(("n", "T", "K", "C", "H", "dtype"), SCATTER_CASES)
+def test_triton_scatter_rows_matches_torch(n, T, K, C, H, dtype, device) -> None:
+    from moonep.kernels import scatter_rows_triton, zero_rows_from_triton
+
+    src, rows, slots = _scatter_case(n, T, K, C, H, dtype)
+    want = torch.zeros(C, H, dtype=dtype)
+    scatter_rows(want, src, rows, slots)
+    got = torch.full((C, H), 7.0, dtype=dtype, device=device)
+    scatter_rows_triton(got, src.to(device), rows.to(device), slots.to(device))
+    hit = slots[rows[rows >= 0]]
+    written = torch.zeros(C, dtype=torch.bool)
+    written[hit[hit >= 0]] = True
+    assert torch.equal(got.cpu()[written], want[written])
+    assert bool((got.cpu()[~written] == 7).all()), "a slot no row hits was written"
+    used = C // 2  # rows from `used` on are zeroed, the others kept
+    zero_rows_from_triton(got, torch.tensor(used, device=device))
+    assert bool((got.cpu()[used:] == 0).all())
+    assert torch.equal(got.cpu()[:used][written[:used]], want[:used][written[:used]])
+
+
+@pytest.mark.parametrize(
+    ("R", "n", "m", "H", "dtype"),
+    [
+        pytest.param(2, 5, 5, 9, torch.float32, id="R2-n5-m5-H9-fp32"),
+        pytest.param(4, 6, 3, 33, torch.bfloat16, id="R4-n6-m3-H33-bf16"),
+        pytest.param(3, 2, 0, 8, torch.float32, id="m0-empty"),
+    ],
+)
+def test_triton_sum_ranks_matches_torch(R, n, m, H, dtype, device) -> None:
+    from moonep.kernels import sum_ranks_triton
+
+    gen = torch.Generator().manual_seed(R * 7 + n)
+    src = torch.randn(R, n, H, generator=gen).to(dtype)
+    want = torch.empty(m, H, dtype=dtype)
+    sum_ranks(src, want)
+    got = torch.empty(m, H, dtype=dtype, device=device)
+    sum_ranks_triton(src.to(device), got)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep import compute_plan, route_tokens
+from moonep.plan import route_received
 from moonep.reference import reference_plan
 
 
@@ -47,3 +48,13 @@ def test_plan_equals_reference_balances_and_routes_bijectively(routing, balanced
             assert 0 <= c < int(plan.load_R[d]) and (d, c) not in taken
             taken.add((d, c))
     assert len(taken) == total
+    # Each destination places the hits it computes from everyone's routing, as the sources route them.
+    S = max(i.shape[0] for i in idx)
+    E = counts.shape[1]
+    K = idx[0].shape[1] if idx[0].dim() == 2 else 1
+    padded = [torch.cat([i.view(-1, K), torch.full((S - i.shape[0], K), -1, dtype=torch.long)]) for i in idx]
+    expert_T = torch.cat([torch.where(i >= 0, i, E).view(-1) for i in padded])
+    routes = [route_tokens(plan, src, i) for src, i in enumerate(padded)]
+    for d in range(R):
+        want = torch.cat([torch.where(dest == d, slot, -1).view(-1) for dest, slot in routes])
+        assert torch.equal(route_received(plan, d, expert_T), want), f"destination {d}"
