@@ -55,7 +55,7 @@ def kernel_signatures(work: str):
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
 
-def state_config(dtype: str, block_v: int, prefetch: bool, split: bool = False):
+def state_config(dtype: str, block_v: int):
     """(kernel, runtime-argument types, constexprs) of the state + output kernel (K = V = 128, initial and final
     state, fixed length)."""
     work = "bf16" if dtype == "bf16" else "fp32"
@@ -65,7 +65,7 @@ def state_config(dtype: str, block_v: int, prefetch: bool, split: bool = False):
                  PROGRAMS="i32")
     cx = dict(HV=1, K=128, V=128, BT=64, BK=128, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
               STORE_H=False, STATE_V_FIRST=False, IS_VARLEN=False, DOT_PREC="tf32" if dtype == "bf16" else "ieee",
-              DT=triton.language.float32, PREFETCH=prefetch, SPLIT=split and dtype == "bf16")
+              DT=triton.language.float32)
     return fn, {name: types.get(name, "constexpr") for name in fn.arg_names}, {
         name: cx[name] for name in fn.arg_names if name in cx}
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                     help="register caps per thread to try (0: none, as the launcher's default)")
     ap.add_argument("--sass", action="store_true", help="also count LDL/STL/HMMA/HGMMA/BAR/SHFL in the SASS")
-    ap.add_argument("--state", nargs="*", default=[], metavar="BV:WARPS:STAGES:PREFETCH:SPLIT",
+    ap.add_argument("--state", nargs="*", default=[], metavar="BV:WARPS:STAGES",
                     help="also (or with --no-intra, only) the state + output kernel at these configurations")
     ap.add_argument("--no-intra", action="store_true")
     args = ap.parse_args(argv)
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("-" * len(head))
     for spec in args.state:
-        bv, nw, ns, pf, sp = (int(p) for p in spec.split(":"))
+        bv, nw, ns = (int(p) for p in spec.split(":"))
         for dtype in args.dtype:
-            fn, sig, cx = state_config(dtype, bv, bool(pf), bool(sp))
+            fn, sig, cx = state_config(dtype, bv)
             report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"state_o {spec}")
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:

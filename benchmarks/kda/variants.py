@@ -1,7 +1,7 @@
 """FlashKDA forward: launch-configuration sweep of our two stages, for benchmarks/kda/NOTES.md.
 
 Times the intra-chunk stage at every (num_warps, maxnreg) pair and the state + output stage at every
-(V tile, warps, pipeline stages, register prefetch, bf16 hi/lo split) configuration, each checked against the
+(V tile, warps, pipeline stages) configuration, each checked against the
 default configuration's outputs first (a variant that disagrees is reported, not timed). Nothing here is a
 comparison with fla: ``benchmarks.kda.run`` does that.
 
@@ -10,7 +10,7 @@ its outputs are compared where they are defined; the whole-buffer difference is 
 of the whole buffer reads whatever the allocator left there.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N] [--warps 4 8] [--maxnreg 0 168]
-[--state BV:WARPS:STAGES:PREFETCH:SPLIT ...]`` (CUDA only).
+[--state BV:WARPS:STAGES ...]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import argparse
 import sys
 import time
 
-#: State-stage configurations swept by default: (V tile, warps, pipeline stages, register prefetch, bf16 split).
-STATE_SWEEP = ["32:4:1:0:0", "64:8:1:0:0", "16:4:2:0:0", "32:4:2:0:0", "32:8:2:0:0", "32:8:1:1:0", "64:8:1:1:0",
-               "32:4:1:0:1", "32:4:2:0:1", "32:8:2:0:1", "64:8:2:0:1", "32:8:1:1:1", "16:4:1:0:1"]
+#: State-stage configurations swept by default: (V tile, warps, pipeline stages).
+STATE_SWEEP = ["32:4:1", "64:8:1", "16:4:1", "64:4:1", "32:8:1", "32:4:2"]
 
 
 def defined_region(Aqk, BT: int = 64, BC: int = 16):
@@ -103,18 +102,18 @@ def sweep_case(name: str, args) -> None:
                     print(f"intra warps={warps} maxnreg={cap}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
         o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=32)[0]
         for spec in args.state:
-            bv, nw, ns, pf, sp = (int(p) for p in spec.split(":"))
+            bv, nw, ns = (int(p) for p in spec.split(":"))
             t0 = time.time()
             try:
-                state = lambda bv=bv, nw=nw, ns=ns, pf=pf, sp=sp: chunk_kda_fwd_state_o(
+                state = lambda bv=bv, nw=nw, ns=ns: chunk_kda_fwd_state_o(
                     *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw,
-                    num_stages=ns, prefetch=bool(pf), split=bool(sp))
+                    num_stages=ns)
                 err = rel(state()[0], o_ref)
                 if err > 1e-3:
                     print(f"state {spec}: DISAGREES rel {err:.1e}", flush=True)
                     continue
                 t = time_fn(state, device="cuda", rep=args.rep)
-                print(f"state BV:warps:stages:prefetch:split={spec}: {t.median_ms:.3f} ms (rel {err:.1e}; "
+                print(f"state BV:warps:stages={spec}: {t.median_ms:.3f} ms (rel {err:.1e}; "
                       f"{time.time() - t0:.0f}s)", flush=True)
             except Exception as exc:
                 print(f"state {spec}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)

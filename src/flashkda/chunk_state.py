@@ -49,7 +49,6 @@ def chunk_kda_fwd_kernel_state_o(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_H: tl.constexpr,
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, DT: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_VARLEN:
@@ -91,68 +90,34 @@ def chunk_kda_fwd_kernel_state_o(
     A_h = Aqk + (bos * HV + i_hv) * BT
     m_causal = o_c[:, None] >= o_c[None, :]
     gC_c = gC + (c0 * HV + i_hv) * K
-    if PREFETCH:
-        # The next chunk's tiles are loaded while this chunk computes (registers, not shared memory): the chain
-        # of chunks then waits on memory once per program instead of several times per chunk.
-        b_un, b_wn, b_An, b_qgn, b_kgn, b_gCn = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, 0, Tn, o_c, o_k, o_v,
-                                                            m_k, m_v, m_causal, HV, K, V, BT)
     for i_t in range(0, NT):
         if STORE_H:
             tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_kv)
-        if PREFETCH:
-            b_u, b_w, b_A, b_qg, b_kg, b_gC = b_un, b_wn, b_An, b_qgn, b_kgn, b_gCn
-            b_un, b_wn, b_An, b_qgn, b_kgn, b_gCn = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t + 1, Tn, o_c,
-                                                                o_k, o_v, m_k, m_v, m_causal, HV, K, V, BT)
-        else:
-            b_u, b_w, b_A, b_qg, b_kg, b_gC = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t, Tn, o_c, o_k, o_v,
-                                                          m_k, m_v, m_causal, HV, K, V, BT)
+        b_u, b_w, b_A, b_qg, b_kg, b_gC = _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t, Tn, o_c, o_k, o_v, m_k,
+                                                      m_v, m_causal, HV, K, V, BT)
         o_t = i_t * BT + o_c
         m_tv = (o_t < Tn)[:, None] & m_v[None, :]
         b_Sd = b_S.to(DT)
-        if SPLIT:
-            # The chain S -> v_new -> S with w and kg in bf16 as stored (exact) and the fp32 operand split into
-            # bf16 high and low parts: two bf16 products each, more accurate than one tf32 product, and w/kg stay
-            # 16-bit in registers and shared memory.
-            b_Sh = b_S.to(tl.bfloat16)
-            b_Sl = (b_S - b_Sh.to(tl.float32)).to(tl.bfloat16)
-            # [BT, BV]
-            b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_Sh) - tl.dot(b_w, b_Sl)
-        else:
-            b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(DT), b_Sd, input_precision=DOT_PREC)
+        # [BT, BV]
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(DT), b_Sd, input_precision=DOT_PREC)
         b_vnd = b_vn.to(DT)
         b_o = tl.dot(b_qg.to(DT), b_Sd, input_precision=DOT_PREC)
         b_o += tl.dot(b_A.to(DT), b_vnd, input_precision=DOT_PREC)
         tl.store(o_h + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         # [BK, BV]
-        if SPLIT:
-            b_vh = b_vn.to(tl.bfloat16)
-            b_vl = (b_vn - b_vh.to(tl.float32)).to(tl.bfloat16)
-            b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg), b_vh) + tl.dot(tl.trans(b_kg), b_vl)
-        else:
-            b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_vnd, input_precision=DOT_PREC)
+        b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_vnd, input_precision=DOT_PREC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_s + o_s, b_S, mask=m_kv)
 
 
-#: Tile configurations tried on first use of each shape class on a GPU (V tile, warps, pipeline stages, register
-#: prefetch of the next chunk, bf16 hi/lo split of the chain products); the choice depends on how many (sequence,
-#: head) programs there are, hence the PROGRAMS key. Configurations that do not fit in shared memory are skipped
-#: by the autotuner; the split applies only where w and kg are bf16.
-STATE_CONFIGS = [(32, 4, 1, False, False), (64, 8, 1, False, False), (32, 4, 2, False, False),
-                 (32, 8, 1, True, False), (32, 4, 1, False, True), (32, 4, 2, False, True)]
-
-
-def _prune_split(configs, named_args, **kwargs):
-    """Drops the bf16-split configurations unless w and kg are bf16."""
-    half_w = named_args["w"].dtype == torch.bfloat16 and named_args["kg"].dtype == torch.bfloat16
-    return [c for c in configs if half_w or not c.kwargs["SPLIT"]]
-
-
+#: Tile configurations tried on first use of each shape class on a GPU (V tile, warps, pipeline stages); the choice
+#: depends on how many (sequence, head) programs there are, hence the PROGRAMS key. Measured at H64-T8192
+#: (benchmarks/kda/NOTES.md): 2 stages, a register prefetch of the next chunk and a bf16 hi/lo split of the chain
+#: products were all slower or failed, so none of them is offered.
+STATE_CONFIGS = [(16, 4, 1), (32, 4, 1), (64, 8, 1)]
 chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
-    configs=[triton.Config({"BV": bv, "PREFETCH": pf, "SPLIT": sp}, num_warps=nw, num_stages=ns)
-             for bv, nw, ns, pf, sp in STATE_CONFIGS],
-    prune_configs_by={"early_config_prune": _prune_split},
+    configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "DOT_PREC"],
 )(chunk_kda_fwd_kernel_state_o)
 
@@ -167,7 +132,7 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
                           out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
-                          num_warps=4, num_stages=1, prefetch=False, split=False):
+                          num_warps=4, num_stages=1):
     B, T, HV, K = w.shape
     V = u.shape[-1]
     N = index.num_seqs
@@ -184,7 +149,6 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=max(16, triton.next_power_of_2(K)),
                 USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
                 STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, DT=tl.float32)
-    half_w = w.dtype == torch.bfloat16 and kg.dtype == torch.bfloat16
     if w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), N, HV)  # noqa: E731
         chunk_kda_fwd_kernel_state_o_tuned[grid](*args, **meta)
@@ -193,6 +157,5 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
             num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
             block_v = pick_block_v(V, N * HV, num_sms)
         grid = (triton.cdiv(V, block_v), N, HV)
-        chunk_kda_fwd_kernel_state_o[grid](*args, BV=block_v, PREFETCH=prefetch, SPLIT=split and half_w, **meta,
-                                           num_warps=num_warps, num_stages=num_stages)
+        chunk_kda_fwd_kernel_state_o[grid](*args, BV=block_v, **meta, num_warps=num_warps, num_stages=num_stages)
     return o, ht, h

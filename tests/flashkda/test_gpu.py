@@ -80,17 +80,17 @@ def test_fused_recurrent_decode_matches_fp64_on_gpu(dtype):
 
 
 @pytest.mark.parametrize("config", STATE_CONFIGS,
-                         ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}-pf{int(c[3])}-split{int(c[4])}" for c in STATE_CONFIGS])
+                         ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in STATE_CONFIGS])
 def test_state_stage_configs_match_fp64_on_gpu(config, monkeypatch):
     """Every configuration the state-stage autotuner may pick, forced one at a time, on bf16 input."""
     import flashkda.chunk_state as cs
 
     case = CASES[0]
     args, kw = make_call(case, "cuda")
-    block_v, num_warps, num_stages, prefetch, split = config
+    block_v, num_warps, num_stages = config
     launch = cs.chunk_kda_fwd_state_o
     monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: launch(
-        *a, **{**k, "block_v": block_v}, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, split=split))
+        *a, **{**k, "block_v": block_v}, num_warps=num_warps, num_stages=num_stages))
     fwd_kw = {n: kw[n] for n in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
                                  "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate",
                                  "lower_bound", "A_log", "dt_bias") if n in kw}
