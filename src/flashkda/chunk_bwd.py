@@ -104,6 +104,6 @@ def chunk_kda_train_bwd(
         store_dh0=initial_state is not None, dot_precision=dot_precision,
     )
     grads = chunk_local_bwd(
-        q, k, v, g, beta, scale, local, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new
+        q, k, v, g, beta, scale, local, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new, dot_precision=dot_precision
     )
     return (*grads, dh0)

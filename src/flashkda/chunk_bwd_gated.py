@@ -86,6 +86,8 @@ def chunk_kda_bwd_kernel_gated_dots(
     gam,
     dakk,
     daqk,
+    dakk_rs,
+    daqk_scale,
     dq,
     dk,
     dgam,
@@ -93,15 +95,21 @@ def chunk_kda_bwd_kernel_gated_dots(
     K: tl.constexpr,
     BC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_RS: tl.constexpr,
 ):
     # Program (chunk, block r) writes rows r of dq, dk, dgam: the "row" side (t in r) sums over column blocks
-    # c <= r, the "column" side (i in r) over row blocks s >= r. daqk carries the scale already.
+    # c <= r, the "column" side (i in r) over row blocks s >= r. The gradients used are dAkk[t, i] * dakk_rs[t]
+    # (row scale, when HAS_RS) and dAqk * daqk_scale; entries outside the masks are never read or are masked.
     i_b, i_r = tl.program_id(0), tl.program_id(1)
     base = i_b.to(tl.int64) * C * K
     base_a = i_b.to(tl.int64) * C * C
     o_k = tl.arange(0, K)
     o_i = tl.arange(0, BC)
     o_r = i_r * BC + o_i
+    # [BC] row scale of dAkk for the rows of this block
+    b_rs = tl.full([BC], 1.0, dtype=tl.float32)
+    if HAS_RS:
+        b_rs = tl.load(dakk_rs + i_b.to(tl.int64) * C + o_r).to(tl.float32)
     b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
     b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
     b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
@@ -113,7 +121,7 @@ def chunk_kda_bwd_kernel_gated_dots(
     b_e = tl.exp(b_g - b_ref[None, :])
     b_einv = tl.exp(b_ref[None, :] - b_g)
     p_d = o_r[:, None] * C + o_r[None, :]
-    b_dakk = tl.where(m_strict, tl.load(dakk + base_a + p_d).to(tl.float32), 0.0)
+    b_dakk = tl.where(m_strict, tl.load(dakk + base_a + p_d).to(tl.float32) * b_rs[:, None], 0.0)
     b_daqk = tl.where(m_incl, tl.load(daqk + base_a + p_d).to(tl.float32), 0.0)
     b_kinv = b_k * b_einv
     # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
@@ -132,7 +140,8 @@ def chunk_kda_bwd_kernel_gated_dots(
         b_kc = b_kc * tl.exp(b_ref[None, :] - b_gc)
         b_e = tl.exp(b_g - b_ref[None, :])
         p_a = o_r[:, None] * C + o_c[None, :]
-        b_da_kk += tl.dot(tl.load(dakk + base_a + p_a).to(tl.float32), b_kc, input_precision=DOT_PRECISION) * b_e
+        b_dakk_c = tl.load(dakk + base_a + p_a).to(tl.float32) * b_rs[:, None]
+        b_da_kk += tl.dot(b_dakk_c, b_kc, input_precision=DOT_PRECISION) * b_e
         b_da_qk += tl.dot(tl.load(daqk + base_a + p_a).to(tl.float32), b_kc, input_precision=DOT_PRECISION) * b_e
 
     # column side, row blocks s > r (reference = last row of block r, shared by all s)
@@ -146,14 +155,18 @@ def chunk_kda_bwd_kernel_gated_dots(
         b_ks = tl.load(k + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
         b_qs = tl.load(q + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
         p_a = o_s[:, None] * C + o_r[None, :]
-        b_acc_kk += tl.dot(tl.trans(tl.load(dakk + base_a + p_a).to(tl.float32)), b_ks,
-                           input_precision=DOT_PRECISION)
+        b_dakk_s = tl.load(dakk + base_a + p_a).to(tl.float32)
+        if HAS_RS:
+            b_dakk_s = b_dakk_s * tl.load(dakk_rs + i_b.to(tl.int64) * C + o_s).to(tl.float32)[:, None]
+        b_acc_kk += tl.dot(tl.trans(b_dakk_s), b_ks, input_precision=DOT_PRECISION)
         b_acc_qk += tl.dot(tl.trans(tl.load(daqk + base_a + p_a).to(tl.float32)), b_qs,
                            input_precision=DOT_PRECISION)
     b_einv = tl.exp(b_ref[None, :] - b_g)
     b_db_kk += b_acc_kk * b_einv
     b_db_qk += b_acc_qk * b_einv
 
+    b_da_qk = b_da_qk * daqk_scale
+    b_db_qk = b_db_qk * daqk_scale
     p_o = base + o_r[:, None] * K + o_k[None, :]
     tl.store(dq + p_o, b_da_qk.to(dq.dtype.element_ty))
     tl.store(dk + p_o, (b_da_kk + b_db_kk + b_db_qk).to(dk.dtype.element_ty))
@@ -190,14 +203,25 @@ def chunk_kda_gated_dots_bwd(
     daqk: torch.Tensor,
     *,
     dot_precision: str,
+    dakk_row_scale: torch.Tensor | None = None,
+    daqk_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of `chunk_kda_gated_dots`: ``(dq, dk, dgam)`` ``[..., C, K]`` from ``dAkk`` and ``dAqk``
-    (``dAqk`` w.r.t. the scaled ``Aqk`` times ``scale``; entries outside the masks are ignored)."""
+    """Backward of `chunk_kda_gated_dots`: ``(dq, dk, dgam)`` ``[..., C, K]`` from the gradients of ``Akk`` and
+    ``Aqk``, which are ``dakk * dakk_row_scale[..., :, None]`` (``dakk`` alone without a row scale) and
+    ``daqk * daqk_scale`` (w.r.t. the scaled ``Aqk``, times ``scale``). ``dakk``, ``daqk`` ``[..., C, C]`` and
+    ``dakk_row_scale`` ``[..., C]`` fp32; entries outside the masks (``i < t``, ``i <= t``) are ignored."""
     _check(q, k, gam, dakk, daqk)
     *lead, C, K = q.shape
     nb = q.numel() // (C * K)
+    has_rs = dakk_row_scale is not None
+    if has_rs:
+        assert dakk_row_scale.is_contiguous() and dakk_row_scale.shape == dakk.shape[:-1], "dakk_row_scale: [..., C]"
     dq, dk, dgam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
+    # tf32 products run on tensor cores (offline sm_90 compile, Triton 3.9: 160 registers, no spills at 8 warps,
+    # 255 at 4); the exact fp32 products (FMA loops, fp32 callers only) keep the 4 warps they were run with.
+    num_warps = 8 if dot_precision == "tf32" else 4
     chunk_kda_bwd_kernel_gated_dots[(nb, C // BC)](
-        q, k, gam, dakk, daqk, dq, dk, dgam, C=C, K=K, BC=BC, DOT_PRECISION=dot_precision, num_warps=4
+        q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, daqk_scale, dq, dk, dgam, C=C, K=K, BC=BC,
+        DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=num_warps,
     )
     return dq, dk, dgam

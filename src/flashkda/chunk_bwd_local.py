@@ -21,12 +21,14 @@ import torch
 
 from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
-from flashkda.chunk_bwd_inverse import unit_lower_inverse
+from flashkda.chunk_bwd_inverse import ut_inverse
+from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
 
 __all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
 SUB_CHUNK = 16
-# The 16-row gated products are small (M = 16) and feed the UT inverse: exact fp32 products cost little there.
+# The recomputed Akk/Aqk feed the UT inverse: exact fp32 products (cheap next to the kernel's exponentials). Their
+# backward takes the caller's precision (tf32 for bf16/fp16 callers on a GPU).
 GATED_DOT_PRECISION = "ieee"
 
 
@@ -142,8 +144,8 @@ def chunk_local_prepare(
     b = beta.unsqueeze(-1)
     minv = None
     if _fused(q):
-        minv = unit_lower_inverse((b * akk).contiguous())
-        w, u = minv @ (b * kg), minv @ (b * v)
+        minv, minv_b = ut_inverse(akk, beta.contiguous())
+        w, u = minv_b @ kg, minv_b @ v
     else:
         lhs = b * akk + torch.eye(C, dtype=k.dtype, device=k.device)
         wu = torch.linalg.solve_triangular(lhs, b * torch.cat([kg, v], dim=-1), upper=False, unitriangular=True)
@@ -200,6 +202,7 @@ def chunk_local_bwd(
     do: torch.Tensor,
     dhe: torch.Tensor,
     dv_new: torch.Tensor,
+    dot_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the chunked inputs from the state-pass results (explicit chain rule, nothing recorded).
 
@@ -211,12 +214,15 @@ def chunk_local_bwd(
         do: ``[NC, HV, C, V]`` gradient of the output.
         dhe: ``[NC, HV, K, V]`` gradient w.r.t. the state at each chunk end.
         dv_new: ``[NC, HV, C, V]`` total gradient w.r.t. ``v_new``.
+        dot_precision: Triton product precision of the fused gated-product backward (``"ieee"`` or ``"tf32"``).
 
     Returns:
         ``(dq, dk, dv, dg, dbeta)`` in the chunked layout.
     """
     C, K = k.shape[-2:]
     hT = h.transpose(-1, -2)
+    if local.minv is not None:
+        return _chunk_local_bwd_fused(q, k, v, beta, scale, local, hT, v_new, do, dhe, dv_new, h, dot_precision)
     # Cotangents of the chunk-local quantities: o = qg h + Aqk v_new, v_new = u - w h, h' = Diag(dec) h + kend^T v_new.
     dqg = do @ hT
     daqk = (do @ v_new.transpose(-1, -2)).tril() * scale
@@ -226,14 +232,10 @@ def chunk_local_bwd(
 
     # UT transform: (I + Diag(beta) Akk) X = Diag(beta) R with X = [w, u], R = [k * exp(G), v].
     gam, kg = local.gam, local.kg
-    if local.minv is not None:
-        mT = local.minv.transpose(-1, -2)
-        y_w, y_u = mT @ dw, mT @ dv_new
-    else:
-        lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
-        y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), torch.cat([dw, dv_new], dim=-1), upper=True,
-                                          unitriangular=True)
-        y_w, y_u = (x.contiguous() for x in y.split([K, v.shape[-1]], dim=-1))
+    lhs = beta.unsqueeze(-1) * local.akk + torch.eye(C, dtype=k.dtype, device=k.device)
+    y = torch.linalg.solve_triangular(lhs.transpose(-1, -2), torch.cat([dw, dv_new], dim=-1), upper=True,
+                                      unitriangular=True)
+    y_w, y_u = (x.contiguous() for x in y.split([K, v.shape[-1]], dim=-1))
     dkg = beta.unsqueeze(-1) * y_w
     dv = beta.unsqueeze(-1) * y_u
     dl = -(y_w @ local.w.transpose(-1, -2) + y_u @ local.u.transpose(-1, -2)).tril(-1)
@@ -241,12 +243,6 @@ def chunk_local_bwd(
 
     # Gated products Akk (k with k) and Aqk (q with k).
     dakk = beta.unsqueeze(-1) * dl
-    if _fused(q):
-        dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision=GATED_DOT_PRECISION)
-        dq, dk, dg = chunk_kda_bwd_gates(
-            k, gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
-        )
-        return dq, dk, dv, dg, dbeta
     da, db = gated_dot_bwd(dakk, k, k, gam)
     dk = da + db
     dgam = k * (da - db)
@@ -266,4 +262,25 @@ def chunk_local_bwd(
     dgam -= t
     dgam[..., -1, :] += t.sum(-2) + local.dec * ddec
     dg = dgam.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g)
+    return dq, dk, dv, dg, dbeta
+
+
+def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, do, dhe, dv_new, h, dot_precision):
+    """`chunk_local_bwd` with Triton kernels and the UT shortcut of `flashkda.chunk_bwd_ut` (fp32 operands)."""
+    v_newT = v_new.transpose(-1, -2)
+    dqg = do @ hT
+    dkend = v_new @ dhe.transpose(-1, -2)
+    ddec = (h * dhe).sum(-1)
+    y_u = local.minv.transpose(-1, -2) @ dv_new
+    # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
+    y_wn = y_u @ hT
+    p = y_u @ v_newT
+    dv, dkg, dbeta = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta)
+    dq, dk, dgam = chunk_kda_gated_dots_bwd(
+        q, k, local.gam, p, do @ v_newT, dot_precision=dot_precision,
+        dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
+    )
+    dq, dk, dg = chunk_kda_bwd_gates(
+        k, local.gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
+    )
     return dq, dk, dv, dg, dbeta
