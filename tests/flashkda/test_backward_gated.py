@@ -52,6 +52,51 @@ def test_fused_gated_dots_match_fp64_torch(K: int, gate: str, device: str) -> No
         assert _rel(ours, ref) < 1e-5, f"{name}: {_rel(ours, ref):.2e}"
 
 
+
+def test_gated_dots_backward_row_scale_and_aqk_scale_equal_prescaled_gradients(device: str) -> None:
+    """``dakk_row_scale``/``daqk_scale`` give the same result as scaling full, unmasked gradients beforehand."""
+    torch.manual_seed(5)
+    nb, C, K = 2, 64, 32
+    q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
+    gam = F.logsigmoid(torch.randn(nb, C, K, device=device)).cumsum(1)
+    p, s = torch.randn(nb, C, C, device=device), torch.randn(nb, C, C, device=device)  # full: masks are the kernel's
+    rs = -torch.rand(nb, C, device=device)
+    got = chunk_kda_gated_dots_bwd(q, k, gam, p, s, dot_precision="ieee", dakk_row_scale=rs, daqk_scale=0.3)
+    ref = chunk_kda_gated_dots_bwd(q, k, gam, (rs[..., None] * p).tril(-1), (0.3 * s).tril(), dot_precision="ieee")
+    for name, a, b in zip(("dq", "dk", "dgam"), got, ref):
+        assert _rel(a, b.double()) < 1e-6, name
+
+
+def test_ut_inverse_and_its_beta_scaled_copy(device: str) -> None:
+    from flashkda.chunk_bwd_inverse import ut_inverse
+
+    torch.manual_seed(6)
+    k = F.normalize(torch.randn(4, 64, 32, device=device, dtype=torch.float64), dim=-1)
+    akk = (k @ k.transpose(1, 2)).tril(-1)
+    beta = torch.rand(4, 64, device=device, dtype=torch.float64)
+    noise = torch.randn(4, 64, 64, device=device, dtype=torch.float64).triu()  # must be ignored
+    m, mb = ut_inverse((akk + noise).float().contiguous(), beta.float().contiguous())
+    eye = torch.eye(64, device=device, dtype=torch.float64)
+    ref = torch.linalg.inv(eye + beta[..., None] * akk)
+    assert _rel(m, ref) < 1e-5 and _rel(mb, ref * beta[:, None, :]) < 1e-5
+
+
+def test_ut_backward_pass_matches_torch(device: str) -> None:
+    """`chunk_kda_bwd_ut` equals the torch expressions it replaces, for a V that is not a multiple of its tile."""
+    from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
+
+    torch.manual_seed(7)
+    nb, C, K, V = 3, 64, 32, 48
+    y_u, v = torch.randn(nb, C, V, device=device), torch.randn(nb, C, V, device=device)
+    y_wn, kg = torch.randn(nb, C, K, device=device), torch.randn(nb, C, K, device=device)
+    p, akk = torch.randn(nb, C, C, device=device), torch.randn(nb, C, C, device=device).tril(-1)
+    beta = torch.rand(nb, C, device=device)
+    dv, dkg, dbeta = chunk_kda_bwd_ut(y_u, y_wn, p, kg, v, akk + torch.randn_like(akk).triu(), beta)
+    b = beta.double()[..., None]
+    ref_dbeta = ((y_u * v).sum(-1) - (y_wn * kg).sum(-1) - (p * akk).sum(-1)).double()
+    assert _rel(dv, b * y_u.double()) < 1e-6 and _rel(dkg, -b * y_wn.double()) < 1e-6
+    assert _rel(dbeta, ref_dbeta) < 1e-5
+
 def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     """The torch oracle's own backward (`gated_dot_bwd`) equals autograd through `gated_dot` in fp64."""
     torch.manual_seed(0)
