@@ -109,3 +109,19 @@ def test_fork_depth_limit_gives_a_clear_error_and_sandbox_survives(sandbox_facto
         for _ in range(40):
             (current,) = _track(sandbox_factory, current.fork(1))
     assert current.exec("echo still here").stdout == "still here\n"
+
+
+def test_snapshot_of_unchanged_sandbox_and_snapshot_of_a_restore(sandbox_factory, backend):
+    sb = sandbox_factory()
+    sb.python.run("depth = 0")
+    first = sb.snapshot()  # nothing written yet: no layer to seal
+    restored = _track(sandbox_factory, [Sandbox.restore(first, backend=backend)])[0]
+    restored.files.write("/root/level", "1")
+    restored.python.run("depth += 1")
+    second = restored.snapshot()
+    restored.files.write("/root/level", "changed after the snapshot")
+    again = _track(sandbox_factory, [Sandbox.restore(second, backend=backend)])[0]
+    assert again.files.read("/root/level") == "1" and again.python.run("depth").value == "1"
+    assert "sleep" not in again.exec("ps -eo comm").stdout
+    for snap in (second, first):
+        backend.destroy(snap)

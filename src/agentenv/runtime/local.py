@@ -8,7 +8,8 @@ ipc and cgroup namespaces, rooted in an overlayfs stack of read-only layers plus
   sandbox, so it costs a fork, not an interpreter start.
 * `fork(n)` seals the sandbox's writable layer as a read-only layer (no copy), moves the parent onto a fresh
   writable layer over it, and forks the tool server n times, each child over its own fresh layer.
-* `snapshot()` is a fork whose child is frozen (cgroup freezer); `restore()` thaws it, forks it, refreezes.
+* `snapshot()` is a fork whose child keeps the sealed root it was cloned in and serves nothing but forks
+  (no agents run in it, so its state cannot change); `restore()` forks it.
 
 Forked pid and user namespaces nest inside their parent's, so a tool server stays alive (``retired``) while
 sandboxes forked from it live, and its record goes when the last one is destroyed.
@@ -78,6 +79,8 @@ class NamespaceBackend(Backend):
         # settles the moves before it returns, so limits are in force once a sandbox is handed out.
         self._attacher: ThreadPoolExecutor | None = None
         self._attaching: dict[str, Future] = {}
+        self.last_fork_phases: dict = {}
+        """Where the last fork (create, fork, snapshot, restore) spent its time, in ms: host steps + tool server's."""
 
     # ---- records and connections ---------------------------------------------------------------------
     def _record(self, sid: str, kinds: tuple[str, ...] = ("sandbox",)) -> Record:
@@ -222,6 +225,7 @@ class NamespaceBackend(Backend):
     def _fork(self, parent: Record, kinds: list[str], limits: Limits, *, rebase: bool, ttl_s: float | None,
               image: str | None = None) -> list[Record]:
         store = self.store
+        clock = _Clock()
         new_parent_upper = None
         lowers = list(parent.lowers)
         with_net = limits.network.egress and "sandbox" in kinds
@@ -242,15 +246,19 @@ class NamespaceBackend(Backend):
                                        parent.usr_bind, limits.to_dict(), now,
                                        None if ttl_s is None else now + ttl_s))
                 listeners.append(self._listener(cid))
+            clock.mark("layers_ms")
 
             def root(upper: str) -> int:
                 fd = self._overlay(lowers, upper)
                 opened.append(fd)
                 return fd
 
+            # a snapshot cloned before its parent moves off the sealed layer stays in the sealed root
+            own_root = [c.kind == "sandbox" or new_parent_upper is None for c in children]
             fds = [] if new_parent_upper is None else [root(new_parent_upper)]
-            for child, listener in zip(children, listeners):
-                fds += [root(child.upper), listener.fileno()]
+            for child, listener, own in zip(children, listeners, own_root):
+                fds += [root(child.upper), listener.fileno()] if own else [listener.fileno()]
+            clock.mark("overlays_ms")
             conn = Connection(store.sock(parent.id), parent.id)
             try:
                 cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
@@ -265,11 +273,12 @@ class NamespaceBackend(Backend):
 
                 reply, _ = conn.request({"op": "fork", "rebase": new_parent_upper is not None,
                               "usr_bind": parent.usr_bind,
-                              "children": [{"id": c.id, "deadline": c.expires_at} for c in children]},
+                              "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
+                                           for c, own in zip(children, own_root)]},
                              fds=fds, timeout_s=30.0, on_child=on_child)
             finally:
                 conn.close()
-            log.debug("fork of %s in the tool server: %s", parent.id, reply.get("phases"))
+            clock.mark("request_ms")
             used = {r.net["slot"] for r in store.all_records() if r.net} if with_net else set()
             for child in children:
                 cconn = Connection(store.sock(child.id), child.id)
@@ -287,13 +296,16 @@ class NamespaceBackend(Backend):
                     self._pending[child.id] = cconn
                 else:
                     cconn.close()
+            clock.mark("records_ms")
             for child in children:
                 self.settle(child.id)
+            clock.mark("settle_ms")
             if new_parent_upper is not None:
-                old_upper = parent.upper
                 parent.lowers, parent.upper = lowers, new_parent_upper
                 store.write_record(parent)
-                log.debug("sealed layer %s of %s", old_upper, parent.id)
+            clock.mark("parent_ms")
+            self.last_fork_phases = {**clock.phases, "tool_server": reply.get("phases")}
+            log.debug("fork of %s (%d lower layers): %s", parent.id, len(lowers), self.last_fork_phases)
         except BaseException:
             for child in children:
                 self._reclaim(child)
@@ -343,21 +355,14 @@ class NamespaceBackend(Backend):
         with self.store.locked():
             parent = self._record(sandbox_id)
             (snap,) = self._fork(parent, ["snapshot"], Limits.from_dict(parent.limits), rebase=True, ttl_s=None)
-            self.settle(snap.id)
-            self._cgroup(snap.id).freeze()
             return snap.id
 
     def restore(self, snapshot_id: str, limits: Limits | None = None, *, ttl_s: float | None = None) -> str:
         _check_ttl(ttl_s)
         with self.store.locked():
             snap = self._record(snapshot_id, ("snapshot",))
-            cg = self._cgroup(snap.id)
-            cg.thaw()
-            try:
-                (child,) = self._fork(snap, ["sandbox"], limits or Limits.from_dict(snap.limits), rebase=False,
-                                      ttl_s=ttl_s)
-            finally:
-                cg.freeze()
+            (child,) = self._fork(snap, ["sandbox"], limits or Limits.from_dict(snap.limits), rebase=False,
+                                  ttl_s=ttl_s)
             return child.id
 
     def template(self, name: str, image: str = "host", setup: list[str] | tuple[str, ...] = (),
@@ -501,6 +506,19 @@ class NamespaceBackend(Backend):
                     except OSError:  # absent, or a sandbox appeared meanwhile
                         pass
         return removed
+
+
+class _Clock:
+    """Milliseconds between successive `mark` calls."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round((now - self._last) * 1e3, 3)
+        self._last = now
 
 
 def _check_ttl(ttl_s: float | None) -> None:

@@ -316,37 +316,66 @@ class ToolServer:
         return {}, b""
 
     def op_fork(self, conn, req, blob, fds):
-        """Fork one sandbox per entry of `children`.
+        """Fork one sandbox per entry of `children`, then (if `rebase`) move onto a new writable layer.
 
-        fds: the parent's new root mount if `rebase`, then per child its root mount and listening socket.
+        fds: the parent's new root mount if `rebase`, then per child its root mount (unless the child's
+        ``own_root`` is false) and its listening socket. Children are cloned before the parent moves, so a
+        child without its own root (a snapshot: it never serves agents, only forks) keeps the sealed root
+        it was cloned in, and no agent of the parent runs meanwhile to change it. The parent moves while
+        its children mount their roots, and answers once all of them are ready.
         """
         rebase = bool(req.get("rebase"))
         children = req["children"]
-        at = 0
+        clock = [time.perf_counter()]
         phases = {}
-        start = time.perf_counter()
+
+        def mark(name: str) -> None:
+            now = time.perf_counter()
+            phases[name] = (now - clock[0]) * 1e3
+            clock[0] = now
+
+        started: list[tuple[int, int, dict]] = []
         try:
             self.shell.dump_state()
             self.shell.close()
-            phases["shell_ms"] = (time.perf_counter() - start) * 1e3
             if rebase:
                 self.kill_agents()
-                rootfs.enter_root(fds[at], usr_bind=req["usr_bind"], hostname=None)
-                at += 1
-            phases["rebase_ms"] = (time.perf_counter() - start) * 1e3 - phases["shell_ms"]
-            pids = []
+            mark("shell_ms")
+            at = 1 if rebase else 0
             for index, child in enumerate(children):
-                root_fd, listen_fd = fds[at : at + 2]
-                at += 2
-                pids.append(self._fork_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds))
-            phases["children_ms"] = (time.perf_counter() - start) * 1e3 - phases["shell_ms"] - phases["rebase_ms"]
+                root_fd = None
+                if child.get("own_root", True):
+                    root_fd = fds[at]
+                    at += 1
+                listen_fd = fds[at]
+                at += 1
+                started.append(self._clone_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds,
+                                                 [r for _, r, _ in started]))
+            mark("children_ms")
+            if rebase:
+                rootfs.enter_root(fds[0], usr_bind=req["usr_bind"], hostname=None)
+            mark("rebase_ms")
+            pids = [pid for pid, _, _ in started]
+            failures = []
+            while started:
+                failures.append(self._await_child(*started.pop(0)))
+            mark("ready_ms")
+            if any(failures):
+                raise RequestError("internal", f"forked child failed: {next(f for f in failures if f)}")
             phases["last_child"] = getattr(self, "last_child_phases", {})
         finally:
             for fd in fds:
                 os.close(fd)
+            for _, r_ready, _ in started:
+                os.close(r_ready)
         return {"pids": pids, "phases": phases}, b""
 
-    def _fork_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds) -> int:
+    def _clone_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds, siblings) -> tuple:
+        """Clone one child into fresh namespaces, write its id maps, name it to the host.
+
+        Returns:
+            ``(pid, ready_fd, timings)``; `_await_child` reads the child's readiness from ``ready_fd``.
+        """
         r_map, w_map = os.pipe()
         r_ready, w_ready = os.pipe()
         t0 = time.perf_counter()
@@ -371,13 +400,19 @@ class ToolServer:
                 t1 = time.perf_counter()
                 os.close(w_map)
                 os.close(r_ready)
+                for fd in siblings:  # earlier siblings' readiness pipes
+                    os.close(fd)
                 if os.read(r_map, 1) != b"m":
                     os._exit(1)
                 sc.prctl(sc.PR_SET_DUMPABLE, 0)
                 t2 = time.perf_counter()
-                rootfs.enter_root(root_fd, usr_bind=usr_bind, hostname=child["id"][:63])
+                if root_fd is not None:
+                    rootfs.enter_root(root_fd, usr_bind=usr_bind, hostname=child["id"][:63])
+                else:  # the parent's /proc shows the parent's pid namespace; ours is needed to map our children
+                    sc.mount("proc", "/proc", "proc", sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC)
                 t3 = time.perf_counter()
-                rootfs.loopback_up()
+                if root_fd is not None:
+                    rootfs.loopback_up()
                 t4 = time.perf_counter()
                 listener = socket.socket(fileno=listen_fd)
                 for fd in all_fds:
@@ -394,8 +429,9 @@ class ToolServer:
                 self.listener = listener
                 self.own_pidns = os.readlink("/proc/self/ns/pid")
                 self.retired = False
-                phases = {"clone_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3, "root_ms": (t3 - t2) * 1e3,
-                          "lo_ms": (t4 - t3) * 1e3}
+                # child_ms: from before the clone until the child runs (page tables, namespaces, scheduling)
+                phases = {"child_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3, "root_ms": (t3 - t2) * 1e3,
+                          "lo_ms": (t4 - t3) * 1e3, "setup_ms": (time.perf_counter() - t4) * 1e3}
                 os.write(w_ready, b"r" + json.dumps(phases).encode())
                 os.close(w_ready)
                 self.serve()
@@ -405,6 +441,7 @@ class ToolServer:
                 except OSError:
                     pass
             os._exit(code)
+        t_clone = time.perf_counter()
         os.close(r_map)
         os.close(w_ready)
         try:
@@ -416,14 +453,26 @@ class ToolServer:
             # tell the host the child's pid now (translated by the kernel), so it can move the child into its
             # cgroup while the child mounts its root
             protocol.send_msg(conn, {"ev": "child", "index": index}, creds_pid=pid)
-            status = os.read(r_ready, 4096)
+        except BaseException:
+            os.close(r_ready)
+            raise
         finally:
             os.close(w_map)
+        t_sent = time.perf_counter()
+        return pid, r_ready, {"clone_ms": (t_clone - t0) * 1e3, "maps_ms": (t_sent - t_clone) * 1e3, "sent": t_sent}
+
+    def _await_child(self, pid: int, r_ready: int, timings: dict) -> str:
+        """Wait for a cloned child to serve (closes `r_ready`); returns its error message, or "" when ready."""
+        try:
+            status = os.read(r_ready, 4096)
+        finally:
             os.close(r_ready)
         if status[:1] != b"r":
-            raise RequestError("internal", f"forked child failed: {status[1:].decode(errors='replace')}")
-        self.last_child_phases = json.loads(status[1:] or b"{}")
-        return pid
+            return status[1:].decode(errors="replace") or f"child {pid} exited during setup"
+        sent = timings.pop("sent")
+        self.last_child_phases = {**json.loads(status[1:] or b"{}"), **timings,
+                                  "wait_ms": (time.perf_counter() - sent) * 1e3}
+        return ""
 
     def op_shutdown(self, conn, req, blob, fds):
         protocol.send_msg(conn, {"ok": True})
