@@ -50,6 +50,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--no-study", action="store_true")
+    p.add_argument("--chunk-sweep", default="1,2,8", help="num_chunks values also timed (graph) on uniform routing")
     p.add_argument("--no-write", action="store_true", help="print only; do not write results/BENCHMARKS.md")
     return p.parse_args(argv)
 
@@ -123,17 +124,18 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
     result["ours_ms"], result["ours_p80_ms"] = t.median_ms, t.p80_ms
     result["ours_peak_gib"] = _peak(ours_both, device)
     if device.startswith("cuda"):
-        result.update(_graphed(args, rank, world, buffer, x, idx, w, device, timing))
+        result.update(_graphed(args, rank, world, buffer, x, idx, w, device, timing, parts=True))
         if hp_group is not None:  # the same, on a process group whose NCCL stream has high priority
             hp = Buffer(hp_group, S, hidden, K, E, device=device, validate=False)
             graphed = _graphed(args, rank, world, hp, x, idx, w, device, timing)
             result.update({f"hp_{k}": v for k, v in graphed.items()})
             hp.destroy()
-        if skew == "uniform":  # ablation: one chunk, so no transfer overlaps the slot stores or the reduction
-            one = Buffer(None, S, hidden, K, E, device=device, validate=False, num_chunks=1)
-            graphed = _graphed(args, rank, world, one, x, idx, w, device, timing)
-            result.update({f"chunks1_{k}": v for k, v in graphed.items()})
-            one.destroy()
+        # Ablation on uniform routing: other chunk counts (1: no transfer overlaps the stores or the reduction).
+        for chunks in [int(c) for c in args.chunk_sweep.split(",") if c] if skew == "uniform" else []:
+            other = Buffer(None, S, hidden, K, E, device=device, validate=False, num_chunks=chunks)
+            graphed = _graphed(args, rank, world, other, x, idx, w, device, timing)
+            result.update({f"chunks{chunks}_{k}": v for k, v in graphed.items()})
+            other.destroy()
         result.update(_nvlink(args, hidden, x, idx, w, out, device, timing))
     buffer.destroy()
 
@@ -166,7 +168,7 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
     return result
 
 
-def _graphed(args, rank, world, buffer, x, idx, w, device, timing) -> dict:
+def _graphed(args, rank, world, buffer, x, idx, w, device, timing, parts: bool = False) -> dict:
     """Dispatch+combine captured once in a CUDA graph (static shapes, no host sync), replayed per step.
 
     The routing lives in static tensors: a new micro-batch copies its ``topk_idx``/``topk_weights`` in and
@@ -205,9 +207,33 @@ def _graphed(args, rank, world, buffer, x, idx, w, device, timing) -> dict:
         idx_s.copy_(idx)
         w_s.copy_(w)
         t = time_fn(graph.replay, **timing)
-        return {"graph_ms": t.median_ms, "graph_p80_ms": t.p80_ms}
+        result = {"graph_ms": t.median_ms, "graph_p80_ms": t.p80_ms}
     except Exception as error:  # capture support depends on the NCCL/torch build: record why not
         return {"graph_note": f"CUDA-graph capture failed: {type(error).__name__}: {error}"[:300]}
+    del graph
+    if parts:
+        result.update(_graphed_parts(buffer, x_s, idx_s, w_s, timing))
+    return result
+
+
+def _graphed_parts(buffer, x_s, idx_s, w_s, timing) -> dict:
+    """Dispatch alone and combine alone (of one captured dispatch's output), each as its own CUDA graph."""
+    try:
+        held: dict = {}
+        dispatch_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dispatch_graph):
+            held["o"] = buffer.dispatch(x_s, idx_s, w_s)
+        dispatch_graph.replay()
+        o = held["o"]
+        combine_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(combine_graph):
+            buffer.combine(o.x_CH, o.handle, o.weights_C)
+        return {
+            "graph_dispatch_ms": time_fn(dispatch_graph.replay, **timing).median_ms,
+            "graph_combine_ms": time_fn(combine_graph.replay, **timing).median_ms,
+        }
+    except Exception as error:  # a breakdown only: record why it is missing
+        return {"graph_parts_note": f"split capture failed: {type(error).__name__}: {error}"[:300]}
 
 
 def _eager_parts(buffer, x, idx, w):
@@ -327,7 +353,9 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
             "eager ms": r["ours_ms"],
             "graph ms": r.get("graph_ms"),
             "graph ms (high-prio NCCL stream)": r.get("hp_graph_ms"),
-            "graph ms (num_chunks=1)": r.get("chunks1_graph_ms"),
+            "graph dispatch ms": r.get("graph_dispatch_ms"),
+            "graph combine ms": r.get("graph_combine_ms"),
+            **{f"graph ms (num_chunks={c})": r.get(f"chunks{c}_graph_ms") for c in args.chunk_sweep.split(",") if c},
             "nvlink eager ms": r.get("nvlink_ms"),
             "nvlink graph ms": r.get("nvlink_graph_ms"),
             "nvlink disp ms": r.get("nvlink_dispatch_ms"),
@@ -349,7 +377,8 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
             how = "ours = CUDA-graph replay (NCCL" + (", high-priority NCCL stream)" if hp else ")")
         else:
             how = "ours = eager (NCCL)"
-        notes = [how, r["note"], r.get("graph_note", ""), r.get("hp_graph_note", ""), r.get("chunks1_graph_note", "")]
+        notes = [how, r["note"], r.get("graph_note", ""), r.get("hp_graph_note", ""), r.get("graph_parts_note", "")]
+        notes += [v for k, v in r.items() if k.startswith("chunks") and k.endswith("_graph_note")]
         notes += [r.get("nvlink_note", ""), r.get("nvlink_graph_note", "")]
         rows.append(Row(r["case"], BASELINE, r["naive_ms"], ours, params, extra, "; ".join(filter(None, notes))))
     return rows

@@ -104,20 +104,25 @@ def scatter_rows_triton(
 
 
 @triton.jit
-def zero_rows_from_kernel(dst_ptr, used_ptr, H, BH: tl.constexpr):
+def zero_rows_from_kernel(dst_ptr, used_ptr, C, H, BC: tl.constexpr, BH: tl.constexpr):
+    # Blocks of BC rows: one program per (row block, column block), so that a buffer whose rows are
+    # all used costs a few thousand programs whose stores are masked off, not one program per row.
     i_c, i_h = tl.program_id(0), tl.program_id(1)
+    o_c = i_c.to(tl.int64) * BC + tl.arange(0, BC)
     o_h = i_h * BH + tl.arange(0, BH)
     b_used = tl.load(used_ptr)
-    m_h = (o_h < H) & ((tl.zeros([BH], dtype=tl.int64) + i_c) >= b_used)  # [BH]
-    tl.store(dst_ptr + i_c.to(tl.int64) * H + o_h, tl.zeros([BH], dtype=dst_ptr.dtype.element_ty), mask=m_h)
+    m_c = (o_c >= b_used) & (o_c < C)  # [BC]
+    p_dst = dst_ptr + o_c[:, None] * H + o_h[None, :]  # [BC, BH]
+    tl.store(p_dst, tl.zeros([BC, BH], dtype=dst_ptr.dtype.element_ty), mask=m_c[:, None] & (o_h < H)[None, :])
 
 
 def zero_rows_from_triton(dst_CH: torch.Tensor, used: torch.Tensor) -> None:
     C, H = dst_CH.shape
     if C == 0:
         return
-    BH = min(1024, triton.next_power_of_2(H))
-    zero_rows_from_kernel[(C, triton.cdiv(H, BH))](dst_CH, used.reshape(1).long(), H, BH=BH, num_warps=4)
+    BC, BH = 16, min(256, triton.next_power_of_2(H))
+    grid = (triton.cdiv(C, BC), triton.cdiv(H, BH))
+    zero_rows_from_kernel[grid](dst_CH, used.reshape(1).long(), C, H, BC=BC, BH=BH, num_warps=4)
 
 
 @triton.jit

@@ -228,9 +228,11 @@ def occurrence_index(expert_T: torch.Tensor, num_experts: int) -> torch.Tensor:
         ``[T]`` int64.
     """
     T = expert_T.numel()
-    sorted_T, perm_T = torch.sort(expert_T, stable=True)
+    # Radix sort passes scale with the key width: 16-bit keys take 2 passes where int64 takes 8.
+    narrow = torch.int16 if num_experts < 2**15 else torch.int32
+    sorted_T, perm_T = torch.sort(expert_T.to(narrow), stable=True)
     start = _exclusive_cumsum(histogram(expert_T, num_experts + 1))
-    occ_sorted = torch.arange(T, device=expert_T.device) - start[sorted_T]
+    occ_sorted = torch.arange(T, device=expert_T.device) - start[sorted_T.long()]
     return torch.empty_like(occ_sorted).scatter_(0, perm_T, occ_sorted)
 
 
