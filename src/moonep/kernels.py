@@ -8,6 +8,8 @@ rank. Bytes: ``n*H*2`` read, one ``H*2`` write per used slot; at ``C = 65536``, 
 once per slot (another 0.94 GB: rows are reused ``K`` times, ``R*S*H*2`` = 117 MB does not stay in L2).
 `zero_rows_from_triton`: zeroes slot rows past the used count (a device scalar: no host synchronisation).
 `sum_ranks_triton`: ``out[t] = sum_r partial[r, t]`` in fp32, stored once in the output dtype.
+`place_hits_triton`: the per-hit placement of `moonep.plan` and the handle's scatters in one kernel (about
+30 small torch kernels otherwise, each a few microseconds on the critical path of dispatch).
 
 `reduce_slots_triton`: ``partial[t] = sum_k w[slot[t,k]] * y[slot[t,k]]`` over the hits of row ``t`` that
 this rank computed (``slot >= 0``), in fp32, written once in the wire dtype. Bytes: each used slot row is
@@ -143,3 +145,82 @@ def sum_ranks_triton(src_RnH: torch.Tensor, out_mH: torch.Tensor) -> None:
         return
     BH = min(1024, triton.next_power_of_2(H))
     sum_ranks_kernel[(m, triton.cdiv(H, BH))](src_RnH.contiguous(), out_mH, n, H, R=R, BH=BH, num_warps=4)
+
+
+@triton.jit
+def place_hits_kernel(
+    expert_ptr,
+    occ_ptr,
+    weight_ptr,
+    keep_ptr,
+    ovf_start_ptr,
+    spare_start_ptr,
+    spare_end_ptr,
+    red_idx_ptr,
+    offsets_ptr,
+    recv_ptr,
+    slot_src_ptr,
+    weights_ptr,
+    T,
+    rank,
+    stride_red_e,
+    stride_red_r,
+    stride_off_r,
+    stride_off_l,
+    E: tl.constexpr,
+    P: tl.constexpr,
+    R: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+):
+    # The steps of `plan._place` for BT hits, then the hits this rank computes are written into the handle.
+    i_t = tl.program_id(0)
+    o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_e = tl.load(expert_ptr + o_t, mask=m_t, other=E)  # [BT]
+    m_hit = m_t & (b_e < E)
+    b_e = tl.where(m_hit, b_e, 0)
+    b_j = tl.load(occ_ptr + o_t, mask=m_hit, other=0)
+    b_home = b_e // P
+    b_keep = tl.load(keep_ptr + b_e, mask=m_hit, other=0)
+    b_ovf = tl.load(ovf_start_ptr + b_e, mask=m_hit, other=0)
+    m_in_home = b_j < b_keep
+    b_q = b_ovf + (b_j - b_keep)
+    # searchsorted(spare_end, q, right=True), clamped to R - 1: how many ranks' spare ends at or before q.
+    b_spare = tl.zeros([BT], dtype=tl.int64)
+    for r in tl.static_range(R):
+        b_spare += (tl.load(spare_end_ptr + r) <= b_q).to(tl.int64)
+    b_spare = tl.minimum(b_spare, R - 1)
+    b_dest = tl.where(m_in_home, b_home, b_spare)
+    b_spare_start = tl.load(spare_start_ptr + b_dest, mask=m_hit, other=0)
+    b_pos = tl.where(m_in_home, b_j, b_q - tl.maximum(b_ovf, b_spare_start))
+    b_red = tl.load(red_idx_ptr + b_e * stride_red_e + b_dest * stride_red_r, mask=m_hit, other=0)
+    b_local = tl.where(b_dest == b_home, b_e - b_home * P, P + b_red)
+    b_slot = tl.load(offsets_ptr + b_dest * stride_off_r + b_local * stride_off_l, mask=m_hit, other=0) + b_pos
+    m_mine = m_hit & (b_dest == rank)
+    tl.store(recv_ptr + o_t, tl.where(m_mine, b_slot, -1), mask=m_t)
+    b_slot = tl.where(m_mine, b_slot, 0)
+    tl.store(slot_src_ptr + b_slot, o_t // K, mask=m_mine)
+    tl.store(weights_ptr + b_slot, tl.load(weight_ptr + o_t, mask=m_mine, other=0.0), mask=m_mine)
+
+
+def place_hits_triton(
+    plan, rank: int, expert_T: torch.Tensor, occ_T: torch.Tensor, weight_T: torch.Tensor, C: int, K: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(recv_T, slot_src_C, weights_C)`` as `moonep.layout.Layout.handle` computes them with torch ops."""
+    T = expert_T.numel()
+    R, E = plan.num_ranks, plan.num_experts
+    recv = torch.empty(T, dtype=torch.long, device=expert_T.device)
+    slot_src = torch.full((C,), T // K, dtype=torch.long, device=expert_T.device)
+    weights = torch.zeros(C, dtype=torch.float32, device=expert_T.device)
+    if T == 0:
+        return recv, slot_src, weights
+    red, offsets = plan.redundant_idx_ER, plan.local_offsets_RL
+    BT = 1024
+    place_hits_kernel[(triton.cdiv(T, BT),)](
+        expert_T.contiguous(), occ_T.contiguous(), weight_T.contiguous(), plan.keep_E.contiguous(),
+        plan.ovf_start_E.contiguous(), plan.spare_start_R.contiguous(), plan.spare_end_R.contiguous(), red,
+        offsets, recv, slot_src, weights, T, rank, red.stride(0), red.stride(1), offsets.stride(0),
+        offsets.stride(1), E=E, P=E // R, R=R, K=K, BT=BT, num_warps=4,
+    )  # fmt: skip
+    return recv, slot_src, weights

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moonep.plan import Plan, compute_plan, histogram, route_received
+from moonep.plan import Plan, compute_plan, histogram, occurrence_index, route_received
 
 STATUS_OK, STATUS_TOO_MANY, STATUS_SHAPE, STATUS_DTYPE, STATUS_IDS = 0, 1, 2, 3, 4
 STATUS_TEXT = {
@@ -111,19 +111,25 @@ class Layout:
     def handle(self, plan: Plan, expert_T: torch.Tensor, weight_T: torch.Tensor, num_tokens: int) -> DispatchHandle:
         """This rank's `DispatchHandle`: the slot of each hit it computes, each slot's source row and weight."""
         R, S, K, C = self.R, self.S, self.K, self.C
-        recv_T = route_received(plan, self.rank, expert_T)
-        valid = recv_T >= 0
-        target = torch.where(valid, recv_T, C)
-        slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=recv_T.device).scatter_(0, target, self.rows_T)
-        weights = torch.zeros(C + 1, dtype=torch.float32, device=recv_T.device).scatter_(
-            0, target, torch.where(valid, weight_T, 0.0)
-        )
+        if expert_T.is_cuda:
+            from moonep.kernels import place_hits_triton
+
+            occ_T = occurrence_index(expert_T, self.E)
+            recv_T, slot_src_C, weights_C = place_hits_triton(plan, self.rank, expert_T, occ_T, weight_T, C, K)
+        else:
+            recv_T = route_received(plan, self.rank, expert_T)
+            valid = recv_T >= 0
+            target = torch.where(valid, recv_T, C)
+            slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=recv_T.device)
+            slot_src_C = slot_src.scatter_(0, target, self.rows_T)[:C]
+            weights = torch.zeros(C + 1, dtype=torch.float32, device=recv_T.device)
+            weights_C = weights.scatter_(0, target, torch.where(valid, weight_T, 0.0))[:C]
         return DispatchHandle(
             plan=plan,
             rank=self.rank,
             num_tokens=num_tokens,
-            slot_src_C=slot_src[:C],
+            slot_src_C=slot_src_C,
             recv_slots_TK=recv_T.view(R * S, K),
-            weights_C=weights[:C],
+            weights_C=weights_C,
             local_counts_L=plan.local_counts_RL[self.rank],
         )

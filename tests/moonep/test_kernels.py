@@ -95,3 +95,36 @@ def test_triton_sum_ranks_matches_torch(R, n, m, H, dtype, device) -> None:
     got = torch.empty(m, H, dtype=dtype, device=device)
     sum_ranks_triton(src.to(device), got)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("R", "S", "K", "P", "balanced"),
+    [
+        pytest.param(3, 5, 3, 2, True, id="R3-S5-K3-P2-bal"),
+        pytest.param(2, 7, 2, 3, False, id="R2-S7-K2-P3-unbal"),
+        pytest.param(4, 4, 4, 1, True, id="R4-S4-K4-P1-bal"),
+    ],
+)
+def test_triton_place_hits_matches_torch_handle(R, S, K, P, balanced, device) -> None:
+    from moonep.kernels import place_hits_triton
+    from moonep.layout import Layout
+    from moonep.plan import compute_plan, histogram, occurrence_index
+
+    E = R * P
+    gen = torch.Generator().manual_seed(R * 100 + S)
+    hot = torch.randint(0, E, (R * S * K,), generator=gen) % max(1, E // 3)  # skewed towards low ids
+    expert_T = torch.where(torch.rand(R * S * K, generator=gen) < 0.15, E, hot)  # E: no hit
+    weight_T = torch.rand(R * S * K, generator=gen)
+    bins = torch.arange(R).repeat_interleave(S * K) * (E + 1) + expert_T
+    counts = histogram(bins, R * (E + 1)).view(R, E + 1)[:, :E]
+    plan = compute_plan(counts, balanced=balanced)
+    C = S * K * (1 if balanced else R)
+    occ = occurrence_index(expert_T, E)
+    for rank in range(R):
+        want = Layout(R, S, K, E, rank, C, balanced, torch.device("cpu")).handle(plan, expert_T, weight_T, S)
+        on = {k: v.to(device) for k, v in {"e": expert_T, "o": occ, "w": weight_T}.items()}
+        dev_plan = compute_plan(counts.to(device), balanced=balanced)
+        recv, slot_src, weights = place_hits_triton(dev_plan, rank, on["e"], on["o"], on["w"], C, K)
+        assert torch.equal(recv.cpu().view(R * S, K), want.recv_slots_TK), f"rank {rank}: slots"
+        assert torch.equal(slot_src.cpu(), want.slot_src_C), f"rank {rank}: slot sources"
+        assert torch.equal(weights.cpu(), want.weights_C), f"rank {rank}: weights"
