@@ -38,7 +38,8 @@ def intra_configs(dtype: str, gate: str):
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
     common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=chunk_intra.SLICE,
-                  BVC=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True, HAS_BIAS=True, USE_LOWER_BOUND=bounded,
+                  BS=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
+                  HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3")
     return [(fn, {name: types.get(name, "constexpr") for name in fn.arg_names},

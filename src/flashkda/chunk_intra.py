@@ -31,7 +31,8 @@ from flashkda.ops import L2NORM_EPS, beta_map, kda_gate
 #: Tokens per chunk and per sub-chunk; the kernel is written out for exactly four sub-chunks.
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
-#: Width of the K and V slices the kernel walks (one slice of q/k/g/v live at a time).
+#: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
+#: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
 
 
@@ -113,7 +114,7 @@ def chunk_kda_fwd_kernel_intra(
     w, u, qg, kg, Aqk, gC,
     scale, lower_bound, T, NTS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr, BKN: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
@@ -273,36 +274,46 @@ def chunk_kda_fwd_kernel_intra(
     b_N2 = tl.dot(b_N, b_N, input_precision=DOT_PREC)
     b_M = (tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - b_N + b_N2
            - tl.dot(b_N2, b_N, input_precision=DOT_PREC))
-    # [BT, BT] the whole inverse (I + L)⁻¹ = M D̃, formed once (at the inverses' precision), so each slice of w
-    # and u below is one [BT, BT] x [BT, 16] product instead of a batched diagonal product plus that one.
-    b_T = tl.dot(b_M, _block_diag(b_D, BT, BC), input_precision=INV_PREC)
+    # [BT, BT] the whole inverse (I + L)⁻¹ = M D̃, formed once, so each slice of w and u below is one product
+    # instead of a batched diagonal product plus one (D̃ is rounded to the product precision either way).
+    b_T = tl.dot(b_M, _block_diag(b_D, BT, BC), input_precision=DOT_PREC)
 
     # Pass 2, slice by slice: w over the stored right-hand sides (every thread must see them: barrier first, and
     # again before a slice is overwritten), u = T (β v) straight from v. Loads run one slice ahead as in pass 1;
     # a prefetched w slice is consumed before the barrier that precedes its overwrite.
+    # The pass-1 accumulators are dead here, so the slices (BS) may be wider than in pass 1.
     tl.debug_barrier()
-    o_k = tl.arange(0, BKC)
+    o_k = tl.arange(0, BS)
     b_xn = _raw_tile(w, t0, eos, i_hv, o_k, HV, K, BT)
-    for i_k in range(0, tl.cdiv(K, BKC)):
-        o_k = i_k * BKC + tl.arange(0, BKC)
+    for i_k in range(0, tl.cdiv(K, BS)):
+        o_k = i_k * BS + tl.arange(0, BS)
         b_x = b_xn.to(tl.float32)
-        b_xn = _raw_tile(w, t0, eos, i_hv, o_k + BKC, HV, K, BT)
+        b_xn = _raw_tile(w, t0, eos, i_hv, o_k + BS, HV, K, BT)
         b_x = tl.dot(b_T, b_x, input_precision=DOT_PREC)
         tl.debug_barrier()
         _put_tile(w, b_x, t0, eos, i_hv, o_k, HV, K, BT)
-    o_v = tl.arange(0, BVC)
+    o_v = tl.arange(0, BS)
     b_xn = _raw_tile(v, t0, eos, i_hv, o_v, HV, V, BT)
-    for i_v in range(0, tl.cdiv(V, BVC)):
-        o_v = i_v * BVC + tl.arange(0, BVC)
+    for i_v in range(0, tl.cdiv(V, BS)):
+        o_v = i_v * BS + tl.arange(0, BS)
         b_x = b_xn.to(tl.float32) * b_b[:, None]
-        b_xn = _raw_tile(v, t0, eos, i_hv, o_v + BVC, HV, V, BT)
+        b_xn = _raw_tile(v, t0, eos, i_hv, o_v + BS, HV, V, BT)
         b_x = tl.dot(b_T, b_x, input_precision=DOT_PREC)
         _put_tile(u, b_x, t0, eos, i_hv, o_v, HV, V, BT)
 
 
+#: Launch configurations tried on first use of each shape class on a GPU (pass-2 slice width, warps): 4 warps (one
+#: warpgroup: the [64, 64] products map onto wgmma); 8 warps measured 1.8x slower (NOTES.md).
+INTRA_CONFIGS = [(16, 4), (64, 4)]
+chunk_kda_fwd_kernel_intra_tuned = triton.autotune(
+    configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=1) for bs, nw in INTRA_CONFIGS],
+    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC"],
+)(chunk_kda_fwd_kernel_intra)
+
+
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                        index, work_dtype, dot_prec, num_warps=4, maxnreg=None):
+                        index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
@@ -315,24 +326,26 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     u = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
     Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
-    if index.num_chunks > 0:
-        # 4 warps (one warpgroup: the [64, 64] products map onto wgmma) and 16-wide K/V slices: see
-        # benchmarks/kda/NOTES.md ("Offline resource work") for the sm_90 register counts behind this choice.
-        chunk_kda_fwd_kernel_intra[(index.num_chunks, HV)](
-            q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
-            w, u, qg, kg, Aqk, gC,
-            scale, 0.0 if lower_bound is None else float(lower_bound), T, index.chunks_per_seq,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=SLICE, BVC=SLICE, BKN=min(64, triton.next_power_of_2(K)),
-            USE_GATE=use_gate_in_kernel, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-            USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
-            BETA_SIGMOID=use_beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=allow_neg_eigval,
-            SAFE_GATE=safe_gate, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
-            # The diagonal inverses keep fp32 accuracy (they were exact fp32 row steps before): three tf32
-            # products per product when the rest of the stage uses tf32.
-            INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3",
-            num_warps=num_warps,
-            # Register cap per thread (None: ptxas decides, 255 today). Offline, 8 warps capped at 128 spill
-            # 272 B a thread but fit two CTAs (16 warps) per SM; which wins is a device question (NOTES.md).
-            maxnreg=maxnreg,
-        )
+    if index.num_chunks == 0:
+        return w, u, qg, kg, Aqk, gC
+    args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
+            w, u, qg, kg, Aqk, gC, scale, 0.0 if lower_bound is None else float(lower_bound), T,
+            index.chunks_per_seq)
+    meta = dict(
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=SLICE, BKN=min(64, triton.next_power_of_2(K)),
+        USE_GATE=use_gate_in_kernel, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
+        BETA_SIGMOID=use_beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=allow_neg_eigval,
+        SAFE_GATE=safe_gate, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
+        # The diagonal inverses keep fp32 accuracy (they were exact fp32 row steps before): three tf32
+        # products per product when the rest of the stage uses tf32.
+        INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3",
+    )
+    grid = (index.num_chunks, HV)
+    if q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None:
+        chunk_kda_fwd_kernel_intra_tuned[grid](*args, **meta)
+    else:
+        # Register cap per thread (None: ptxas decides, 255 today): a device question (NOTES.md).
+        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=solve_slice or SLICE, num_warps=num_warps or 4,
+                                         maxnreg=maxnreg)
     return w, u, qg, kg, Aqk, gC

@@ -7,6 +7,7 @@ import torch
 import flashkda
 from flashkda import reference
 from flashkda.chunk_fwd import chunk_kda_fwd
+from flashkda.chunk_intra import INTRA_CONFIGS
 from flashkda.chunk_state import STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
@@ -31,19 +32,6 @@ def test_chunk_matches_fp64_on_gpu(case):
         ro, rs = reference.chunk_kda_reference(*args, **kw)
     assert_close("o", ro, o, TOL[case.dtype])
     assert_close("final_state", rs, s, TOL[case.dtype])
-
-
-@pytest.mark.parametrize("case", CASES[:2] + CASES[-1:], ids=[c.id() for c in CASES[:2] + CASES[-1:]])
-def test_chunk_matches_fla_on_gpu(case, monkeypatch):
-    monkeypatch.setenv("FLASHKDA_DISABLE", "1")
-    monkeypatch.setenv("FLA_FLASH_KDA", "0")
-    fla_kda = pytest.importorskip("fla.ops.kda")
-    args, kw = make_call(case, "cuda")
-    with torch.inference_mode():
-        o, s = flashkda.chunk_kda(*args, **kw)
-        fo, fs = fla_kda.chunk_kda(*args, **kw)
-    assert_close("o vs fla", fo, o, 1e-2)
-    assert_close("final_state vs fla", fs, s, 1e-2)
 
 
 def test_varlen_runs_without_host_sync_and_in_a_cuda_graph():
@@ -79,18 +67,16 @@ def test_fused_recurrent_decode_matches_fp64_on_gpu(dtype):
     assert_close("final_state", rs, s, TOL[dtype])
 
 
-@pytest.mark.parametrize("config", STATE_CONFIGS,
-                         ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in STATE_CONFIGS])
-def test_state_stage_configs_match_fp64_on_gpu(config, monkeypatch):
-    """Every configuration the state-stage autotuner may pick, forced one at a time, on bf16 input."""
+def _forced_forward(monkeypatch, intra_kw, state_kw):
+    """chunk_kda_fwd on CASES[0] with one stage forced to one launch configuration, and the fp64 reference."""
+    import flashkda.chunk_intra as ci
     import flashkda.chunk_state as cs
 
     case = CASES[0]
     args, kw = make_call(case, "cuda")
-    block_v, num_warps, num_stages = config
-    launch = cs.chunk_kda_fwd_state_o
-    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: launch(
-        *a, **{**k, "block_v": block_v}, num_warps=num_warps, num_stages=num_stages))
+    intra, state = ci.chunk_kda_fwd_intra, cs.chunk_kda_fwd_state_o
+    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_intra", lambda *a, **k: intra(*a, **k, **intra_kw))
+    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: state(*a, **{**k, **state_kw}))
     fwd_kw = {n: kw[n] for n in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
                                  "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate",
                                  "lower_bound", "A_log", "dt_bias") if n in kw}
@@ -99,3 +85,30 @@ def test_state_stage_configs_match_fp64_on_gpu(config, monkeypatch):
         ro, rs = reference.chunk_kda_reference(*args, **kw)
     assert_close("o", ro, o, TOL[case.dtype])
     assert_close("final_state", rs, s, TOL[case.dtype])
+
+
+@pytest.mark.parametrize("config", STATE_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in STATE_CONFIGS])
+def test_state_stage_configs_match_fp64_on_gpu(config, monkeypatch):
+    """Every configuration the state-stage autotuner may pick, forced one at a time, on bf16 input."""
+    block_v, num_warps, num_stages = config
+    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages))
+
+
+@pytest.mark.parametrize("config", INTRA_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in INTRA_CONFIGS])
+def test_intra_stage_configs_match_fp64_on_gpu(config, monkeypatch):
+    """Every configuration the intra-stage autotuner may pick, forced one at a time, on bf16 input."""
+    solve_slice, num_warps = config
+    _forced_forward(monkeypatch, dict(solve_slice=solve_slice, num_warps=num_warps), {})
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[-1:], ids=[c.id() for c in CASES[:2] + CASES[-1:]])
+def test_chunk_matches_fla_on_gpu(case, monkeypatch):
+    monkeypatch.setenv("FLASHKDA_DISABLE", "1")
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    args, kw = make_call(case, "cuda")
+    with torch.inference_mode():
+        o, s = flashkda.chunk_kda(*args, **kw)
+        fo, fs = fla_kda.chunk_kda(*args, **kw)
+    assert_close("o vs fla", fo, o, 1e-2)
+    assert_close("final_state vs fla", fs, s, 1e-2)
