@@ -4,7 +4,10 @@ Run: `k3infra bench env [--reps N] [--live N]` (root, cgroup v1; on the 2-core d
 the same process: bubblewrap starting the same command (`true`), and `runsc checkpoint/restore` when runsc
 is installed (it is not on this image: recorded as not run). The state-carrying cases use a sandbox whose
 Python session holds 200 MB and whose writable layer holds 1 GB of files; before each fork or snapshot the
-parent changes one file, so every fork seals a layer and re-roots the parent (the slow path).
+parent changes one file, so every fork seals a layer and re-roots the parent (the slow path). The snapshot,
+restore and fork(1) rows record the median of each phase (`backend.last_fork_phases`: host steps and the
+tool server's) in `params.phases_ms_median`. With `nft` installed, a `create with egress` row times a
+sandbox with an allow list (veth + nftables; no packet is sent).
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from agentenv import Limits, Sandbox
+from agentenv import Limits, Network, Sandbox
 from agentenv.runtime.local import NamespaceBackend
 from benchmarks.harness import Row, Timing, time_fn, write_results
 
@@ -28,8 +32,10 @@ BWRAP = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/u
 BIG = Limits(memory_mb=2048, pids=256, cpus=0, disk_mb=1536)
 
 
-def _samples(fn, reps: int, setup=None, teardown=None) -> tuple[Timing, list]:
-    out, samples = [], []
+def _samples(fn, reps: int, setup=None, teardown=None, backend: NamespaceBackend | None = None
+             ) -> tuple[Timing, list, dict]:
+    """Time `fn` `reps` times; with `backend`, also the median of each phase of its forks (ms)."""
+    out, samples, phases = [], [], []
     for _ in range(reps):
         if setup is not None:
             setup()
@@ -37,9 +43,23 @@ def _samples(fn, reps: int, setup=None, teardown=None) -> tuple[Timing, list]:
         value = fn()
         samples.append((time.perf_counter() - start) * 1e3)
         out.append(value)
+        if backend is not None:
+            phases.append(_flat(backend.last_fork_phases))
         if teardown is not None:
             teardown(value)
-    return Timing.from_samples(samples), out
+    medians = {k: round(statistics.median(p.get(k, 0.0) for p in phases), 3) for k in phases[0]} if phases else {}
+    return Timing.from_samples(samples), out, medians
+
+
+def _flat(phases: dict, prefix: str = "") -> dict:
+    """`{"a": 1, "tool_server": {"b": 2}}` -> `{"a": 1, "tool_server.b": 2}` (numbers only)."""
+    out = {}
+    for key, value in (phases or {}).items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        elif isinstance(value, (int, float)):
+            out[prefix + key] = value
+    return out
 
 
 def _extra(t: Timing) -> dict:
@@ -60,6 +80,14 @@ def _gate(backend: NamespaceBackend) -> None:
             kid.destroy()
     if not ok:
         raise SystemExit("correctness gate failed: fork did not carry state or was not isolated; not timing")
+
+
+def _egress_create(backend: NamespaceBackend, reps: int) -> Row:
+    """Create with opt-in egress: the seed fork plus a veth pair, addresses and the nftables allow list."""
+    policy = Limits(network=Network(allow=("192.0.2.0/24:443",)))  # TEST-NET-1; no packet is sent
+    t, _, _ = _samples(lambda: Sandbox.create(backend=backend, limits=policy), reps, teardown=lambda s: s.destroy())
+    return Row("create with egress", "none", None, t.median_ms, {"allow": list(policy.network.allow)}, _extra(t),
+               "ours: create + veth pair + address/route inside + nftables chain (ip, nsenter, nft processes)")
 
 
 def _pss_kb(pid: int) -> tuple[int, int]:
@@ -130,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row("create", "bwrap start of `true`", bw_ms, t.median_ms, {"limits": "default"},
                         {**_extra(t), "baseline_p99_ms": bw.p99_ms if bw else None},
                         bw_note or "ours: sandbox ready for requests (seed fork + cgroup)"))
+        if shutil.which("nft") is not None:
+            rows.append(_egress_create(backend, max(3, args.reps // 3)))
 
         sb = Sandbox.create(backend=backend)
         exec_samples: list[float] = []
@@ -164,22 +194,26 @@ def main(argv: list[str] | None = None) -> int:
             counter[0] += 1
             heavy.files.write("/root/step", str(counter[0]))
 
-        t, snaps = _samples(heavy.snapshot, args.reps, setup=dirty)
-        rows.append(Row("snapshot", "runsc checkpoint", None, t.median_ms, params, _extra(t),
-                        "runsc not installed here: not run. ours: seal layer (no copy) + frozen fork"))
-        t, restored = _samples(lambda: Sandbox.restore(snaps[-1], backend=backend), args.reps,
-                               teardown=lambda s: s.destroy())
+        t, snaps, phases = _samples(heavy.snapshot, args.reps, setup=dirty, backend=backend)
+        rows.append(Row("snapshot", "runsc checkpoint", None, t.median_ms, {**params, "phases_ms_median": phases},
+                        _extra(t),
+                        "runsc not installed here: not run. ours: seal layer (no copy) + fork kept in the sealed root"))
+        t, restored, phases = _samples(lambda: Sandbox.restore(snaps[-1], backend=backend), args.reps,
+                                       teardown=lambda s: s.destroy(), backend=backend)
         check = Sandbox.restore(snaps[0], backend=backend)
         assert check.python.run("len(state)").value == str(200 << 20)
         assert check.exec("du -sm /root/data | cut -f1").stdout.strip() in ("1000", "1001")
         check.destroy()
-        rows.append(Row("restore", "runsc restore", None, t.median_ms, params, _extra(t),
+        rows.append(Row("restore", "runsc restore", None, t.median_ms, {**params, "phases_ms_median": phases},
+                        _extra(t),
                         "runsc not installed here: not run"))
         for snap in snaps:
             backend.destroy(snap)
 
-        t, kids = _samples(lambda: heavy.fork(1), args.reps, setup=dirty, teardown=lambda ks: [k.destroy() for k in ks])
-        rows.append(Row("fork(1)", "none (no live-fork baseline on this host)", None, t.median_ms, params, _extra(t),
+        t, kids, phases = _samples(lambda: heavy.fork(1), args.reps, setup=dirty,
+                                   teardown=lambda ks: [k.destroy() for k in ks], backend=backend)
+        rows.append(Row("fork(1)", "none (no live-fork baseline on this host)", None, t.median_ms,
+                        {**params, "phases_ms_median": phases}, _extra(t),
                         "child carries the 200 MB interpreter and 1 GB of files"))
         per_child = []
         for _ in range(max(3, args.reps // 10)):
