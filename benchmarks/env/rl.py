@@ -10,15 +10,30 @@ Baselines in the same run: for the API rows, the same sandboxes driven by the ra
 (`Sandbox.python.run`, no environment layer) with the same concurrency; for the server rows, the in-process
 API row of the same size; for fork rollouts, 16 fresh resets that re-run the shared prefix.
 Each step is one `run_python` tool call (``counter += 1``) on an `AgentEnv`; latency is per step, as seen by
-the caller; all environments step at once (``--inflight`` worker threads).
+the caller. Two kinds of rows:
+
+- saturated (``api-N``, ``server-N``): every environment steps again as soon as its last step returned (no
+  policy time), with ``--inflight`` worker threads. This measures the most tool calls per second; its latency
+  is queueing by construction (Little's law: mean latency = N / calls per second, so 256 environments at
+  1,000 calls/s wait 256 ms on average whatever the server does).
+- paced (``server-N-paced``): each environment steps on its own clock, one step every N / ``--rl-paced-rate``
+  seconds from a random phase (a policy that takes that long per turn), so the offered load is
+  ``--rl-paced-rate`` calls/s in total. This is the step latency a trainer sees at that load; a step that
+  comes due while the previous one still runs starts when it returns.
+
+The server runs as its own process (``agentenv serve``, as deployed), so clients and server do not share a
+GIL; ``--rl-server-inproc`` serves from a thread of this process instead (the first runs did).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +59,11 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rl-inflight", type=int, default=64, help="worker threads (sandbox calls in flight)")
     parser.add_argument("--rl-fork-reps", type=int, default=5, help="repetitions of the 1 -> 16 fork rollout")
     parser.add_argument("--rl-no-server", action="store_true", help="skip the server rows")
+    parser.add_argument("--rl-server-inproc", action="store_true",
+                        help="serve from a thread of this process (default: an `agentenv serve` subprocess)")
+    parser.add_argument("--rl-paced-rate", type=float, default=1000.0,
+                        help="offered tool calls/s of the paced server rows (0 skips them)")
+    parser.add_argument("--rl-paced-seconds", type=float, default=10.0, help="duration of a paced row")
 
 
 def _gate(provider) -> None:
@@ -58,7 +78,9 @@ def _gate(provider) -> None:
         raise SystemExit(f"correctness gate failed on {provider.location}: {result}")
 
 
-async def _env_case(provider, n: int, steps: int, executor) -> tuple[float, list[float], int]:
+async def _env_case(provider, n: int, steps: int, executor, server_pid: int | None = None
+                    ) -> tuple[float, list[float], int, tuple[float, float]]:
+    """Saturated stepping; returns (wall s, latencies ms, errors, (client, server) CPU s while stepping)."""
     envs = [AgentEnv(provider, executor=executor) for _ in range(n)]
     await asyncio.gather(*(e.reset(task=TASK) for e in envs))
     latencies: list[float] = []
@@ -72,11 +94,13 @@ async def _env_case(provider, n: int, steps: int, executor) -> tuple[float, list
             latencies.append((time.perf_counter() - t0) * 1e3)
             errors += obs["error"] is not None
 
+    c0, s0 = time.process_time(), _cpu_s(server_pid)
     start = time.perf_counter()
     await asyncio.gather(*(drive(e) for e in envs))
     wall = time.perf_counter() - start
+    cpu = (time.process_time() - c0, _cpu_s(server_pid) - s0)
     await asyncio.gather(*(e.close() for e in envs))
-    return wall, latencies, errors
+    return wall, latencies, errors, cpu
 
 
 async def _sdk_case(provider: LocalProvider, n: int, steps: int, executor) -> tuple[float, list[float]]:
@@ -97,6 +121,33 @@ async def _sdk_case(provider: LocalProvider, n: int, steps: int, executor) -> tu
     wall = time.perf_counter() - start
     await asyncio.gather(*(loop.run_in_executor(executor, h.destroy) for h in handles))
     return wall, latencies
+
+
+async def _paced_case(provider, n: int, rate: float, seconds: float, executor) -> tuple[float, list[float], int]:
+    """`n` environments, each stepping every ``n / rate`` s from a random phase, for `seconds`."""
+    envs = [AgentEnv(provider, executor=executor) for _ in range(n)]
+    await asyncio.gather(*(e.reset(task=TASK) for e in envs))
+    period = n / rate
+    rng = random.Random(0)
+    latencies: list[float] = []
+    errors = 0
+    start = time.perf_counter() + 0.5
+    end = start + seconds
+
+    async def drive(env: AgentEnv, due: float) -> None:
+        nonlocal errors
+        while due < end:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            t0 = time.perf_counter()
+            obs, *_ = await env.step(STEP)
+            latencies.append((time.perf_counter() - t0) * 1e3)
+            errors += obs["error"] is not None
+            due += period
+
+    await asyncio.gather(*(drive(e, start + rng.random() * period) for e in envs))
+    wall = time.perf_counter() - start
+    await asyncio.gather(*(e.close() for e in envs))
+    return wall, latencies, errors
 
 
 def _fork_case(provider, reps: int, executor) -> tuple[list[float], list[float]]:
@@ -149,7 +200,7 @@ def _guarded(what: str, fn) -> list[Row]:
 
 def _api_rows(local, n: int, args, executor) -> list[Row]:
     base_wall, base_lat = asyncio.run(_sdk_case(local, n, args.rl_steps, executor))
-    wall, lat, errors = asyncio.run(_env_case(local, n, args.rl_steps, executor))
+    wall, lat, errors, _ = asyncio.run(_env_case(local, n, args.rl_steps, executor))
     params = {"envs": n, "steps_per_env": args.rl_steps, "inflight": args.rl_inflight}
     return [Row(f"api-{n}envs", "raw SDK python.run, same concurrency", percentile(base_lat, 50),
                 percentile(lat, 50), params,
@@ -157,12 +208,53 @@ def _api_rows(local, n: int, args, executor) -> list[Row]:
                  "baseline_calls_per_s": len(base_lat) / base_wall, "baseline_p99_ms": percentile(base_lat, 99)})]
 
 
-def _server_rows(remote, n: int, api: list[Row], args, executor) -> list[Row]:
-    wall, lat, errors = asyncio.run(_env_case(remote, n, args.rl_steps, executor))
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` (all threads); 0 when there is no such process."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_rows(remote, n: int, api: list[Row], args, executor, server_pid: int | None) -> list[Row]:
+    wall, lat, errors, (client_s, server_s) = asyncio.run(_env_case(remote, n, args.rl_steps, executor, server_pid))
+    client_ms, server_ms = client_s * 1e3 / len(lat), server_s * 1e3 / len(lat)
     params = {"envs": n, "steps_per_env": args.rl_steps, "inflight": args.rl_inflight}
+    extra = {"calls_per_s": len(lat) / wall, "p99_ms": percentile(lat, 99), "errors": errors,
+             "client_cpu_ms_per_call": client_ms}
+    if server_pid is not None:  # in-process, the server's CPU is in the client's figure
+        extra["server_cpu_ms_per_call"] = server_ms
     return [Row(f"server-{n}envs", "in-process API (row above)", api[0].ours_ms if api else None,
+                percentile(lat, 50), params, extra)]
+
+
+def _paced_rows(local, remote, n: int, args, executor) -> list[Row]:
+    rate, seconds = args.rl_paced_rate, args.rl_paced_seconds
+    _, base_lat, _ = asyncio.run(_paced_case(local, n, rate, seconds, executor))
+    wall, lat, errors = asyncio.run(_paced_case(remote, n, rate, seconds, executor))
+    params = {"envs": n, "offered_calls_per_s": rate, "seconds": seconds, "inflight": args.rl_inflight}
+    return [Row(f"server-{n}envs-paced", "in-process API, same pacing", percentile(base_lat, 50),
                 percentile(lat, 50), params,
-                {"calls_per_s": len(lat) / wall, "p99_ms": percentile(lat, 99), "errors": errors})]
+                {"calls_per_s": len(lat) / wall, "p99_ms": percentile(lat, 99), "errors": errors,
+                 "baseline_p99_ms": percentile(base_lat, 99)},
+                f"each env steps every {n / rate * 1e3:.0f} ms (policy time), {rate:.0f} calls/s offered")]
+
+
+def _serve(home: Path) -> tuple[subprocess.Popen, str, str]:
+    """`agentenv serve` in its own process on a free port; returns (process, url, API key).
+
+    Roomy default limits (see the module docstring) and a key without a sandbox quota (1,000 environments).
+    """
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home / "server-runtime"),
+                             "serve", "--port", "0", "--state-dir", str(home / "server"), "--exit-with-parent",
+                             "--kill-on-exit", "--create-key", "bench", "--key-max-sandboxes", "0",
+                             "--memory-mb", "8192", "--pids", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    key = json.loads(proc.stdout.readline())["api_key"]
+    url = json.loads(proc.stdout.readline())["url"]
+    return proc, url, key
 
 
 def _fork_rows(provider, name: str, args, executor) -> list[Row]:
@@ -180,21 +272,25 @@ def run_rl_bench(args: argparse.Namespace) -> list[Row]:
     backend = NamespaceBackend(home / "runtime")
     executor = ThreadPoolExecutor(args.rl_inflight, thread_name_prefix="rl-bench")
     rows: list[Row] = []
-    server = None
+    server = server_proc = None
+    load_start = os.getloadavg()
     try:
         local = LocalProvider(backend)
         _gate(local)
         remote = None
         if not args.rl_no_server:
-            from agentenv.server import Server
-            from agentenv.server.auth import Quota
+            if args.rl_server_inproc:
+                from agentenv.server import Server
+                from agentenv.server.auth import Quota
 
-            # Roomy default limits: the server builds task templates with its defaults, and a burst of restores
-            # from a snapshot with small memory/pids limits kills that snapshot (see the module docstring).
-            server = Server(port=0, state_dir=home / "server", backend=backend,
-                            limits=Limits(memory_mb=8192, pids=4096)).start()
-            remote = RemoteProvider(server.url, server.keys.create("bench", Quota(max_sandboxes=0))[0],
-                                    connections=args.rl_inflight, request_timeout_s=300)
+                # Roomy default limits: the server builds task templates with its defaults, and a burst of
+                # restores from a snapshot with small memory/pids limits kills that snapshot (module docstring).
+                server = Server(port=0, state_dir=home / "server", backend=backend,
+                                limits=Limits(memory_mb=8192, pids=4096)).start()
+                url, key = server.url, server.keys.create("bench", Quota(max_sandboxes=0))[0]
+            else:
+                server_proc, url, key = _serve(home)
+            remote = RemoteProvider(url, key, connections=args.rl_inflight, request_timeout_s=300)
             _gate(remote)
         warm = min(16, min(sizes))  # warm-up: thread pool, connections, template snapshot, page cache
         asyncio.run(_sdk_case(local, warm, 3, executor))
@@ -205,7 +301,12 @@ def run_rl_bench(args: argparse.Namespace) -> list[Row]:
             api = _guarded(f"api {n} envs", lambda n=n: _api_rows(local, n, args, executor))
             rows += api
             if remote is not None:
-                rows += _guarded(f"server {n} envs", lambda n=n, api=api: _server_rows(remote, n, api, args, executor))
+                pid = server_proc.pid if server_proc is not None else None
+                rows += _guarded(f"server {n} envs",
+                                 lambda n=n, api=api, pid=pid: _server_rows(remote, n, api, args, executor, pid))
+                if args.rl_paced_rate > 0:
+                    rows += _guarded(f"server {n} envs paced",
+                                     lambda n=n: _paced_rows(local, remote, n, args, executor))
         for name, provider in (("api", local), ("server", remote)):
             if provider is not None and args.rl_fork_reps > 0:
                 rows += _guarded(f"fork {name}", lambda p=provider, name=name: _fork_rows(p, name, args, executor))
@@ -216,8 +317,20 @@ def run_rl_bench(args: argparse.Namespace) -> list[Row]:
         executor.shutdown(wait=True)
         if server is not None:
             server.stop(kill_all=True)
+        if server_proc is not None:
+            server_proc.terminate()  # --kill-on-exit: the server kills its sandboxes first
+            try:
+                server_proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                server_proc.kill()
+                server_proc.wait()
+            NamespaceBackend(home / "server-runtime").gc(everything=True)
         backend.gc(everything=True)
         shutil.rmtree(home, ignore_errors=True)
+    load = os.getloadavg()
+    for row in rows:  # the dev machine is shared: record how busy it was
+        row.params["loadavg_1m_at_start_and_end"] = [round(load_start[0], 1), round(load[0], 1)]
+        row.params["server"] = "in-process thread" if args.rl_server_inproc else "agentenv serve subprocess"
     return rows
 
 

@@ -24,6 +24,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                        help="kill every sandbox on shutdown (default: keep them for the next server to adopt)")
     serve.add_argument("--create-key", metavar="NAME", default=None,
                        help="create an API key named NAME at start and print it (for tests and demos)")
+    serve.add_argument("--memory-mb", type=int, default=None,
+                       help="default memory limit of a new sandbox in MiB (default: agentenv.Limits)")
+    serve.add_argument("--pids", type=int, default=None, help="default task limit of a new sandbox")
+    serve.add_argument("--key-max-sandboxes", type=int, default=64,
+                       help="live-sandbox quota of the --create-key key (0 = unlimited; default 64)")
     serve.add_argument("--exit-with-parent", action="store_true",
                        help="shut down (as on SIGTERM) when the process that started the server dies")
     serve.add_argument("-v", "--verbose", action="store_true")
@@ -57,9 +62,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = Server(args.host, args.port, state_dir=args.state_dir, home=getattr(args, "home", None))
+    from agentenv.limits import Limits
+    from agentenv.server.auth import Quota
+
+    limits = Limits(**{k: v for k, v in (("memory_mb", args.memory_mb), ("pids", args.pids)) if v is not None})
+    server = Server(args.host, args.port, state_dir=args.state_dir, home=getattr(args, "home", None), limits=limits)
     if args.create_key:
-        key, info = server.keys.create(args.create_key)
+        key, info = server.keys.create(args.create_key, Quota(max_sandboxes=args.key_max_sandboxes))
         print(json.dumps({"api_key": key, "key_id": info.id}), flush=True)
     rec = server.recovered
     print(json.dumps({"url": server.url, "adopted": rec["adopted"], "gone": rec["gone"]}), flush=True)
