@@ -3,7 +3,8 @@
 # tests, forward rows against fla, then the training gate and rows. Each step has its own time cap, so a step that
 # hangs or crashes costs its cap, not the call. Steps and caps come from the environment:
 #   KDA_VARIANTS=s KDA_TESTS=s KDA_FWD=s KDA_TRAIN=s (seconds, 0 skips), KDA_VARIANTS_ARGS, KDA_FWD_CASES,
-#   KDA_TRAIN_CASES, KDA_TEST_PATHS, KDA_TEST_K (a pytest -k expression).
+#   KDA_TRAIN_CASES, KDA_TEST_PATHS, KDA_TEST_K (a pytest -k expression; it sees the path too, so "not fla"
+#   deselects everything under tests/flashkda: use "not matches_fla").
 # The Triton cache lives in $TRITON_CACHE_DIR (default .triton-cache, git-ignored; a warm machine keeps it between
 # calls). KDA_PACK_CACHE=1 also packs it into $OUT/triton-cache.tgz (often too big to come back).
 set -u
