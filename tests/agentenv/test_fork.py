@@ -103,12 +103,17 @@ def test_bad_fork_count_raises_value_error(sandbox, n):
 
 
 @pytest.mark.slow
-def test_fork_depth_limit_gives_a_clear_error_and_sandbox_survives(sandbox_factory):
+def test_fork_depth_limit_gives_a_clear_error_and_sandbox_survives(sandbox_factory, backend):
     current = sandbox_factory()
     with pytest.raises(ValueError, match="fork depth limit"):
-        for _ in range(40):
+        for level in range(40):
+            current.files.write("/root/level", str(level))  # every fork seals a layer and moves the parent
             (current,) = _track(sandbox_factory, current.fork(1))
     assert current.exec("echo still here").stdout == "still here\n"
+    # the failed fork did not move the sandbox: its record still names the layer it writes to
+    current.files.write("/root/after", "x")
+    upper = backend.store.read_record(current.id).upper
+    assert (backend.store.diff(upper) / "root" / "after").read_text() == "x"
 
 
 def test_snapshot_of_unchanged_sandbox_and_snapshot_of_a_restore(sandbox_factory, backend):

@@ -17,6 +17,7 @@ sandboxes forked from it live, and its record goes when the last one is destroye
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -238,6 +239,8 @@ class NamespaceBackend(Backend):
         children: list[Record] = []
         listeners: list[socket.socket] = []
         opened: list[int] = []
+        conns: dict[str, Connection] = {}
+        rebased = False
         try:
             for kind in kinds:
                 cid = _new_id("snap" if kind == "snapshot" else "sb")
@@ -260,9 +263,11 @@ class NamespaceBackend(Backend):
                 fds += [root(child.upper), listener.fileno()] if own else [listener.fileno()]
             clock.mark("overlays_ms")
             conn = Connection(store.sock(parent.id), parent.id)
+            moved = dataclasses.replace(parent, lowers=lowers, upper=new_parent_upper) if new_parent_upper else None
             try:
                 cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
 
+                # the host's bookkeeping runs here, while the tool server sets its children up
                 def on_child(event: dict, pid: int | None) -> None:
                     child = children[int(event["index"])]
                     if pid is None:
@@ -270,28 +275,40 @@ class NamespaceBackend(Backend):
                     child.pid = pid
                     child.start_time = proc_start_time(pid) or 0
                     self._attach_later(self._cgroup(child.id), pid, cg_limits)
+                    store.write_record(child)
+                    conns[child.id] = Connection(store.sock(child.id), child.id)
+                    if moved is not None and int(event["index"]) == 0:
+                        store.write_record(moved)  # reverted below if the tool server does not move
 
                 reply, _ = conn.request({"op": "fork", "rebase": new_parent_upper is not None,
                               "usr_bind": parent.usr_bind,
                               "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
                                            for c, own in zip(children, own_root)]},
                              fds=fds, timeout_s=30.0, on_child=on_child)
+                rebased = True
             finally:
                 conn.close()
             clock.mark("request_ms")
+            if moved is not None:
+                parent.lowers, parent.upper = lowers, new_parent_upper
+                if not children or not children[0].pid:
+                    store.write_record(parent)
+            if reply.get("failed"):  # the parent moved, but some children did not come up
+                raise errors.SandboxError(f"fork of {parent.id}: {'; '.join(reply['failed'])}")
             used = {r.net["slot"] for r in store.all_records() if r.net} if with_net else set()
             for child in children:
-                cconn = Connection(store.sock(child.id), child.id)
+                cconn = conns.pop(child.id, None) or Connection(store.sock(child.id), child.id)
                 if not child.pid:  # a tool server that sent no child event: ask the child itself
                     child.pid = cconn.peer_pid()
                     child.start_time = proc_start_time(child.pid) or 0
                     self._attach_later(self._cgroup(child.id), child.pid, cg_limits)
+                    store.write_record(child)
                 if with_net and child.kind == "sandbox":
                     slot = self.egress.allocate(used)
                     used.add(slot.index)
                     child.net = {"slot": slot.index}
+                    store.write_record(child)  # before the veth exists, so gc finds the slot if we die
                     self.egress.attach(slot, child.pid, limits.network)
-                store.write_record(child)
                 if child.kind == "sandbox":
                     self._pending[child.id] = cconn
                 else:
@@ -300,16 +317,16 @@ class NamespaceBackend(Backend):
             for child in children:
                 self.settle(child.id)
             clock.mark("settle_ms")
-            if new_parent_upper is not None:
-                parent.lowers, parent.upper = lowers, new_parent_upper
-                store.write_record(parent)
-            clock.mark("parent_ms")
             self.last_fork_phases = {**clock.phases, "tool_server": reply.get("phases")}
             log.debug("fork of %s (%d lower layers): %s", parent.id, len(lowers), self.last_fork_phases)
         except BaseException:
+            for cconn in conns.values():
+                cconn.close()
             for child in children:
                 self._reclaim(child)
-            if new_parent_upper is not None and store.read_record(parent.id).upper != new_parent_upper:
+            if new_parent_upper is not None and not rebased:
+                parent.lowers, parent.upper = lowers[1:], lowers[0]
+                store.write_record(parent)
                 store.remove_layer(new_parent_upper)
             raise
         finally:

@@ -322,7 +322,7 @@ class ToolServer:
         ``own_root`` is false) and its listening socket. Children are cloned before the parent moves, so a
         child without its own root (a snapshot: it never serves agents, only forks) keeps the sealed root
         it was cloned in, and no agent of the parent runs meanwhile to change it. The parent moves while
-        its children mount their roots, and answers once all of them are ready.
+        its children mount their roots, and answers once all of them are ready (or failed: ``failed``).
         """
         rebase = bool(req.get("rebase"))
         children = req["children"]
@@ -360,15 +360,15 @@ class ToolServer:
             while started:
                 failures.append(self._await_child(*started.pop(0)))
             mark("ready_ms")
-            if any(failures):
-                raise RequestError("internal", f"forked child failed: {next(f for f in failures if f)}")
             phases["last_child"] = getattr(self, "last_child_phases", {})
         finally:
             for fd in fds:
                 os.close(fd)
             for _, r_ready, _ in started:
                 os.close(r_ready)
-        return {"pids": pids, "phases": phases}, b""
+        # we have moved (if asked to): failed children are reported, not raised, so the host knows
+        failed = [f"child {children[i]['id']} failed: {f}" for i, f in enumerate(failures) if f]
+        return {"pids": pids, "phases": phases, "failed": failed}, b""
 
     def _clone_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds, siblings) -> tuple:
         """Clone one child into fresh namespaces, write its id maps, name it to the host.
