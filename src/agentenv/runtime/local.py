@@ -218,9 +218,11 @@ class NamespaceBackend(Backend):
                 if proc.stderr is not None:
                     proc.stderr.close()
 
-    def _overlay(self, lowers: list[str], upper: str) -> int:
-        return rootfs.overlay_fd([str(self.store.diff(layer)) for layer in lowers], str(self.store.diff(upper)),
-                                 str(self.store.work(upper)))
+    def _overlay(self, lowers: list[str] | tuple[str, ...], upper: str) -> int:
+        """A detached overlay of layer ids `lowers` (top first) under writable layer `upper`."""
+        base = str(self.store.layers)
+        return rootfs.overlay_fd([f"{base}/{layer}/diff" for layer in lowers], f"{base}/{upper}/diff",
+                                 f"{base}/{upper}/work")
 
     # ---- fork: the one primitive behind create, fork, snapshot and restore ----------------------------
     def _fork(self, parent: Record, kinds: list[str], limits: Limits, *, rebase: bool, ttl_s: float | None,

@@ -139,14 +139,16 @@ def fsmount_detached(fstype: str, options: list[tuple[str, str | None]], attrs: 
     lib = libc()
     fs = _check(lib.syscall(ctypes.c_long(_nr("fsopen")), fstype.encode(), ctypes.c_uint(1)), f"fsopen({fstype!r})")
     try:
+        # one call per option (a fork's overlay has one per layer): convert the constant arguments once
+        syscall, nr, fd, zero = lib.syscall, ctypes.c_long(_nr("fsconfig")), ctypes.c_int(fs), ctypes.c_int(0)
+        set_flag, set_string = ctypes.c_uint(FSCONFIG_SET_FLAG), ctypes.c_uint(FSCONFIG_SET_STRING)
         for key, value in options:
             if value is None:
-                res = lib.syscall(ctypes.c_long(_nr("fsconfig")), ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_SET_FLAG),
-                                  key.encode(), None, ctypes.c_int(0))
+                res = syscall(nr, fd, set_flag, key.encode(), None, zero)
             else:
-                res = lib.syscall(ctypes.c_long(_nr("fsconfig")), ctypes.c_int(fs),
-                                  ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(), os.fsencode(value), ctypes.c_int(0))
-            _check(res, f"fsconfig({fstype}, {key}={value!r})")
+                res = syscall(nr, fd, set_string, key.encode(), os.fsencode(value), zero)
+            if res < 0:
+                _check(res, f"fsconfig({fstype}, {key}={value!r})")
         _check(lib.syscall(ctypes.c_long(_nr("fsconfig")), ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_CMD_CREATE),
                            None, None, ctypes.c_int(0)), f"fsconfig({fstype}, create)")
         return _check(lib.syscall(ctypes.c_long(_nr("fsmount")), ctypes.c_int(fs), ctypes.c_uint(1),
