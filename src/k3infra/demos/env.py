@@ -20,6 +20,33 @@ def _ms(start: float) -> str:
     return f"{(time.perf_counter() - start) * 1e3:.1f} ms"
 
 
+_CONNECT = ("import socket, sys\ns = socket.socket()\ns.settimeout(2)\n"
+            "print('open' if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 'blocked')")
+
+
+def _egress_row(backend) -> DemoRow:
+    """Opt-in egress to one local listener: that listener is reachable, another port on the same host is not."""
+    import socket
+
+    from agentenv import Limits, Network, Sandbox
+
+    what = "egress allow list (veth, host-side nftables)"
+    if shutil.which("nft") is None:
+        return DemoRow("env", what, "skipped: nft (nftables) is not installed", True)
+    host_ip = backend.egress.allocate(set()).host_ip  # the host side of the next sandbox's veth
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        port = probe.getsockname()[1]
+    start = time.perf_counter()
+    with Sandbox.create(backend=backend, limits=Limits(network=Network(allow=(f"{host_ip}:{port}",)))) as sb:
+        took = _ms(start)
+        with socket.create_server((host_ip, port)), socket.create_server((host_ip, 0)) as other:
+            allowed = sb.exec(["/usr/bin/python3", "-c", _CONNECT, host_ip, str(port)]).stdout.strip()
+            denied = sb.exec(["/usr/bin/python3", "-c", _CONNECT, host_ip, str(other.getsockname()[1])]).stdout.strip()
+    return DemoRow("env", what, f"create {took}; allowed {allowed}, other port {denied}",
+                   allowed == "open" and denied == "blocked")
+
+
 def run(device: str) -> list[DemoRow]:
     """Runs on the host CPU whatever ``device`` is."""
     from agentenv import Sandbox
@@ -65,6 +92,7 @@ def run(device: str) -> list[DemoRow]:
         for s in [*kids, back, sb]:
             s.destroy()
         backend.destroy(snap)
+        rows.append(_egress_row(backend))
     finally:
         backend.gc(everything=True)
         leftover = [p.name for p in (home / "layers").iterdir() if not p.name.startswith("i")]
