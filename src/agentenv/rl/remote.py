@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import base64
 import hashlib
-import http.client
 import json
 import logging
 import posixpath
@@ -31,6 +30,7 @@ from urllib.parse import urlsplit
 from agentenv import errors
 from agentenv.limits import Limits
 from agentenv.rl.backends import Entry, ExecResult, PyResult, SandboxHandle, SandboxProvider
+from agentenv.rl.http11 import Connection
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RemoteProvider(SandboxProvider):
         self.url = url.rstrip("/")
         self._host, self._port = parts.hostname, parts.port or 80
         self._headers = {"X-API-Key": api_key, "Content-Type": "application/json"}
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[Connection] = []
         self._idle_lock = threading.Lock()
         self._max_idle = connections
         self.request_timeout_s = request_timeout_s
@@ -96,31 +96,31 @@ class RemoteProvider(SandboxProvider):
         data = json.dumps(body or {}).encode() if method != "DELETE" and method != "GET" else None
         with self._idle_lock:
             conn = self._idle.pop() if self._idle else None
+        wait_s = self.request_timeout_s + (timeout_s or 0)
         for attempt in range(2):  # a kept-alive connection the server closed gets one fresh retry
-            if conn is None:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=self.request_timeout_s)
-            conn.timeout = self.request_timeout_s + (timeout_s or 0)
             try:
-                conn.request(method, path, body=data, headers=self._headers)
-                resp = conn.getresponse()
-                raw = resp.read()
+                if conn is None:
+                    conn = Connection(self._host, self._port, timeout_s=self.request_timeout_s)
+                status, _, raw = conn.request(method, path, data, self._headers, timeout_s=wait_s)
                 break
-            except (ConnectionError, http.client.HTTPException, OSError) as e:
-                conn.close()
+            except OSError as e:  # includes ProtocolError (a ConnectionError) and TimeoutError
+                if conn is not None:
+                    conn.close()
                 conn = None
                 if attempt == 1 or isinstance(e, TimeoutError):
                     raise errors.SandboxError(f"server {self.url} unreachable ({method} {path}): {e}") from e
         with self._idle_lock:
-            if len(self._idle) < self._max_idle and not resp.will_close:
+            if len(self._idle) < self._max_idle and not conn.will_close:
                 self._idle.append(conn)
-            else:
-                conn.close()
-        if resp.status >= 400:
+                conn = None
+        if conn is not None:
+            conn.close()
+        if status >= 400:
             try:
                 message = json.loads(raw).get("message", raw.decode(errors="replace"))
             except (ValueError, AttributeError):
                 message = raw.decode(errors="replace")
-            raise _status_error(resp.status, f"{method} {path}: {message}")
+            raise _status_error(status, f"{method} {path}: {message}")
         return json.loads(raw) if raw else None
 
     # ---- lifecycle -----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -62,6 +63,12 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=1024)
+def _cached_digest(key: str) -> str:
+    """`_digest` of a key presented again (every request presents one; a few keys present it thousands of times)."""
+    return _digest(key)
+
+
 class KeyStore:
     """The keys of one server (a JSON file under `state_dir`, rewritten atomically on change).
 
@@ -71,6 +78,7 @@ class KeyStore:
 
     def __init__(self, state_dir: Path | str):
         self.path = Path(state_dir) / "keys.json"
+        self._path_str = str(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._keys: dict[str, KeyInfo] = {}
@@ -79,7 +87,7 @@ class KeyStore:
 
     def _load(self) -> None:
         try:
-            mtime = self.path.stat().st_mtime
+            mtime = os.stat(self._path_str).st_mtime
         except FileNotFoundError:
             self._keys, self._mtime = {}, -1.0
             return
@@ -129,9 +137,9 @@ class KeyStore:
 
     def verify(self, key: str | None) -> KeyInfo | None:
         """The live key's info, or None for a missing, unknown or revoked key."""
-        if not key:
+        if not key or not isinstance(key, str):
             return None
-        digest = _digest(key)
+        digest = _cached_digest(key)
         with self._lock:
             self._load()  # keys created or revoked by the CLI take effect without a restart
             for info in self._keys.values():

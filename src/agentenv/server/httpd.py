@@ -292,7 +292,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         for key, value in (headers or {}).items():
             self.send_header(key, value)
-        self.end_headers()
+        self._headers_buffer.append(b"\r\n")
+        if data and self.command != "HEAD" and len(data) <= MAX_HELD:  # head and a small body in one write
+            self._headers_buffer.append(data)
+            data = b""
+        self.flush_headers()
         if data and self.command != "HEAD":
             self.wfile.write(data)
 
