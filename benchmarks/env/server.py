@@ -43,6 +43,10 @@ class LoadResult:
     errors: int
     error_samples: list[str]
     latency: Timing | None
+    cpu_s: dict[str, float] | None = None
+    """CPU seconds spent while the clients issued calls: ``sdk_clients`` (the stock SDK worker processes),
+    ``server``, ``agents`` (the in-sandbox envd agents), ``commands`` (their children: the commands run),
+    ``machine`` (every CPU of the host, other jobs included)."""
 
     @property
     def rps(self) -> float:
@@ -81,12 +85,55 @@ def start_server(home: Path) -> ServerHandle:
     return ServerHandle(url, key, proc, home)
 
 
+# ---- CPU accounting ---------------------------------------------------------------------------------------
+AGENT_MARK = b"agentenv-envd-agent"
+"""In the command line of every in-sandbox envd agent (see `agentenv.server.agents`)."""
+
+
+def _proc_cpu(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) CPU seconds of process `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    hz = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / hz, (int(fields[13]) + int(fields[14])) / hz
+
+
+def _agents_cpu() -> tuple[float, float]:
+    """Summed (own, children's) CPU seconds of every envd agent on this host."""
+    own = kids = 0.0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if AGENT_MARK not in Path(f"/proc/{name}/cmdline").read_bytes():
+                continue
+            a, b = _proc_cpu(int(name))
+        except OSError:  # exited meanwhile
+            continue
+        own, kids = own + a, kids + b
+    return own, kids
+
+
+def _machine_busy_s() -> float:
+    """Busy CPU seconds of the whole host since boot (all CPUs, /proc/stat)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _snapshot(server_pid: int | None) -> dict[str, float]:
+    agents, commands = _agents_cpu()
+    return {"server": _proc_cpu(server_pid)[0] if server_pid else 0.0, "agents": agents, "commands": commands,
+            "machine": _machine_busy_s()}
+
+
 # ---- load generation ----------------------------------------------------------------------------------------
-def _load_worker(opts: dict, sandbox_ids: list[str], threads: int, seconds: float, offset: int, out) -> None:
+def _load_worker(opts: dict, sandbox_ids: list[str], threads: int, seconds: float, offset: int, ready, go,
+                 out) -> None:
     from e2b import Sandbox
 
     handles = {sid: Sandbox.connect(sid, **opts) for sid in sandbox_ids}
-    start_barrier = time.time() + 1.0  # every worker starts issuing at the same moment
+    ready.put(1)
+    go.wait()  # every worker starts issuing at the same moment (the parent's CPU window starts then)
+    start_barrier = time.time()
     lat: list[float] = []
     counts = {"ok": 0, "err": 0}
     samples: list[str] = []
@@ -96,8 +143,6 @@ def _load_worker(opts: dict, sandbox_ids: list[str], threads: int, seconds: floa
         sb = handles[sandbox_ids[(offset + i) % len(sandbox_ids)]]
         mine: list[float] = []
         ok = err = 0
-        while time.time() < start_barrier:
-            time.sleep(0.001)
         end = start_barrier + seconds
         while time.time() < end:
             t0 = time.perf_counter()
@@ -117,19 +162,21 @@ def _load_worker(opts: dict, sandbox_ids: list[str], threads: int, seconds: floa
             counts["err"] += err
 
     workers = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
+    cpu0 = time.process_time()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    out.put((counts["ok"], counts["err"], samples, lat))
+    out.put((counts["ok"], counts["err"], samples, lat, time.process_time() - cpu0))
 
 
-def load(opts: dict, sandbox_ids: list[str], clients: int, seconds: float, processes: int | None = None
-         ) -> LoadResult:
+def load(opts: dict, sandbox_ids: list[str], clients: int, seconds: float, processes: int | None = None,
+         server_pid: int | None = None) -> LoadResult:
     """`clients` concurrent stock-SDK clients looping ``commands.run("true")`` for `seconds`.
 
     Clients are threads spread over `processes` worker processes (default: one per 32 clients, at least 2),
-    each thread bound to one sandbox of `sandbox_ids` (round robin).
+    each thread bound to one sandbox of `sandbox_ids` (round robin). CPU is accounted over the window in which
+    the clients issue calls (`LoadResult.cpu_s`); `server_pid` names the server process to account.
     """
     if clients < 1 or seconds <= 0 or not sandbox_ids:
         raise ValueError(f"need clients >= 1, seconds > 0 and sandboxes, got {clients}, {seconds}, {sandbox_ids}")
@@ -137,23 +184,34 @@ def load(opts: dict, sandbox_ids: list[str], clients: int, seconds: float, proce
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     per = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
+    ready, go = ctx.Queue(), ctx.Event()
     procs, offset = [], 0
     for n in per:
-        p = ctx.Process(target=_load_worker, args=(opts, sandbox_ids, n, seconds, offset, out))
+        p = ctx.Process(target=_load_worker, args=(opts, sandbox_ids, n, seconds, offset, ready, go, out))
         p.start()
         procs.append(p)
         offset += n
+    for _ in procs:  # workers import the SDK and connect before the clock starts
+        ready.get(timeout=300)
+    before = _snapshot(server_pid)
+    go.set()
+    time.sleep(seconds)
+    after = _snapshot(server_pid)
     ok = err = 0
     samples: list[str] = []
     lat: list[float] = []
+    client_cpu = 0.0
     for _ in procs:
-        o, e, s, lt = out.get(timeout=seconds + 300)
+        o, e, s, lt, c = out.get(timeout=seconds + 300)
         ok, err = ok + o, err + e
         samples += s
         lat += lt
+        client_cpu += c
     for p in procs:
         p.join(timeout=30)
-    return LoadResult(clients, seconds, ok, err, samples[:5], Timing.from_samples(lat) if lat else None)
+    cpu = {k: after[k] - before[k] for k in before}
+    cpu["sdk_clients"] = client_cpu
+    return LoadResult(clients, seconds, ok, err, samples[:5], Timing.from_samples(lat) if lat else None, cpu)
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------------
@@ -217,15 +275,20 @@ def run_server_bench(args: argparse.Namespace) -> list[Row]:
         n_sandboxes = getattr(args, "server_sandboxes", 32)
         pool = [E2BSandbox.create(timeout=3600, **opts) for _ in range(n_sandboxes)]
         ids = [sb.sandbox_id for sb in pool]
+        for sb in pool:  # every agent started and every pooled connection open before the clock runs
+            sb.commands.run("true")
         for clients in getattr(args, "server_clients", [64, 256]):
-            result = load(opts, ids, clients, seconds)
+            result = load(opts, ids, clients, seconds, server_pid=server.proc.pid)
             lat = result.latency
+            per_req = {f"cpu_ms_{k}": round(v * 1e3 / max(1, result.ok), 3) for k, v in result.cpu_s.items()}
             rows.append(Row(case=f"throughput {clients} clients", baseline="-", baseline_ms=None,
                             ours_ms=lat.median_ms if lat else float("nan"),
-                            params={"clients": clients, "sandboxes": n_sandboxes, "seconds": seconds},
+                            params={"clients": clients, "sandboxes": n_sandboxes, "seconds": seconds,
+                                    "loadavg_1m": round(os.getloadavg()[0], 1)},
                             extra={"req_per_s": round(result.rps, 1), "errors": result.errors,
-                                   "p99_ms": round(lat.p99_ms, 2) if lat else None, "ok": result.ok},
-                            note='stock SDK commands.run("true"); clients and server share the 2 cores'
+                                   "p99_ms": round(lat.p99_ms, 2) if lat else None, "ok": result.ok, **per_req},
+                            note='stock SDK commands.run("true"); clients and server share the 2 cores; cpu_ms_*: '
+                                 "CPU per call by process (machine = whole host, other jobs included)"
                                  + (f"; errors: {result.error_samples}" if result.errors else "")))
         for sb in pool:
             sb.kill()
