@@ -44,21 +44,21 @@ def chunk_kda_bwd_kernel_gates(
     p = i_b.to(tl.int64) * C * K + o_c[:, None] * K + o_k[None, :]
     p_vec = i_b.to(tl.int64) * K + o_k
     # [C, BK]
-    b_gam = tl.load(gam + p).to(tl.float32)
-    b_gam_end = tl.load(gam + i_b.to(tl.int64) * C * K + (C - 1) * K + o_k).to(tl.float32)
+    b_gam = tl.load(gam + p).to(dgam_in.dtype.element_ty)
+    b_gam_end = tl.load(gam + i_b.to(tl.int64) * C * K + (C - 1) * K + o_k).to(dgam_in.dtype.element_ty)
     b_eg = tl.exp(b_gam)
-    b_k = tl.load(k + p).to(tl.float32)
-    b_dqg = tl.load(dqg + p).to(tl.float32)
-    b_dkg = tl.load(dkg + p).to(tl.float32)
-    b_dkend = tl.load(dkend + p).to(tl.float32)
-    b_kend = tl.load(kend + p).to(tl.float32)
+    b_k = tl.load(k + p).to(dgam_in.dtype.element_ty)
+    b_dqg = tl.load(dqg + p).to(dgam_in.dtype.element_ty)
+    b_dkg = tl.load(dkg + p).to(dgam_in.dtype.element_ty)
+    b_dkend = tl.load(dkend + p).to(dgam_in.dtype.element_ty)
+    b_kend = tl.load(kend + p).to(dgam_in.dtype.element_ty)
 
-    b_dq = tl.load(dq_in + p).to(tl.float32) + scale * b_eg * b_dqg
-    b_dk = tl.load(dk_in + p).to(tl.float32) + b_eg * b_dkg + tl.exp(b_gam_end[None, :] - b_gam) * b_dkend
+    b_dq = tl.load(dq_in + p).to(dgam_in.dtype.element_ty) + scale * b_eg * b_dqg
+    b_dk = tl.load(dk_in + p).to(dgam_in.dtype.element_ty) + b_eg * b_dkg + tl.exp(b_gam_end[None, :] - b_gam) * b_dkend
     b_t = b_kend * b_dkend
-    b_dgam = tl.load(dgam_in + p).to(tl.float32) + tl.load(qg + p).to(tl.float32) * b_dqg + b_k * b_eg * b_dkg - b_t
+    b_dgam = tl.load(dgam_in + p).to(dgam_in.dtype.element_ty) + tl.load(qg + p).to(dgam_in.dtype.element_ty) * b_dqg + b_k * b_eg * b_dkg - b_t
     # G_C also feeds kend (every row) and dec
-    b_end = tl.sum(b_t, axis=0) + tl.load(dec + p_vec).to(tl.float32) * tl.load(ddec + p_vec).to(tl.float32)
+    b_end = tl.sum(b_t, axis=0) + tl.load(dec + p_vec).to(dgam_in.dtype.element_ty) * tl.load(ddec + p_vec).to(dgam_in.dtype.element_ty)
     b_dgam = tl.where(o_c[:, None] == C - 1, b_dgam + b_end[None, :], b_dgam)
     b_dg = tl.cumsum(b_dgam, axis=0, reverse=True)
     tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
@@ -83,7 +83,9 @@ def chunk_kda_bwd_gates(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dg)`` ``[..., C, K]``: the gated-product gradients plus the gate-factor terms, ``dg = revcumsum(dG)``.
 
-    Shapes: every ``[..., C, K]`` operand contiguous; ``dec``, ``ddec`` ``[..., K]``.
+    Shapes: every ``[..., C, K]`` operand contiguous; ``dec``, ``ddec`` ``[..., K]``. The terms are added and
+    summed in ``dgam_in``'s dtype (fp64 for fp32 callers, see `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_bwd`);
+    the outputs have ``k``'s dtype.
     """
     xs = (k, gam, qg, kend, dec, dq_in, dk_in, dgam_in, dqg, dkg, dkend, ddec)
     assert all(x.is_contiguous() for x in xs), "gate-chain operands must be contiguous"

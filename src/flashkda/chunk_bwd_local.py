@@ -276,9 +276,11 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
     y_wn = y_u @ hT
     p = y_u @ v_newT
     dv, dkg, dbeta = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta)
+    # Exact-product callers (fp32) assemble dG in fp64: see chunk_kda_gated_dots_bwd.
+    fp64_sums = dot_precision == "ieee"
     dq, dk, dgam = chunk_kda_gated_dots_bwd(
         q, k, local.gam, p, do @ v_newT, dot_precision=dot_precision,
-        dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
+        dakk_row_scale=(-beta).contiguous(), daqk_scale=scale, fp64_sums=fp64_sums,
     )
     dq, dk, dg = chunk_kda_bwd_gates(
         k, local.gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
