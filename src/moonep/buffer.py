@@ -226,7 +226,7 @@ class Buffer:
 
     def _exchange_layout(
         self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, status: int, before_plan=None
-    ) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layout all-gather, the checks (if validating), ``before_plan()`` (issues the token rows), the plan."""
         if status == _lay.STATUS_OK:
             row = _lay.layout_row(topk_idx, topk_weights, self.S, self.E)
@@ -283,10 +283,10 @@ class Buffer:
             pending: list = []
             # Token rows do not depend on the plan: they start moving right after the layout exchange
             # (and its checks), and the plan is computed while they travel.
-            plan, expert_T, weight_T = self._exchange_layout(
+            plan, expert_T, weight_T, occ_T = self._exchange_layout(
                 topk_idx, topk_weights, status, lambda: pending.extend(self._start_token_gather(x))
             )
-            handle = self.layout.handle(plan, expert_T, weight_T, x.shape[0])
+            handle = self.layout.handle(plan, expert_T, weight_T, occ_T, x.shape[0])
 
             def produce() -> torch.Tensor:
                 return self._store_rows(x.detach(), handle, pending)

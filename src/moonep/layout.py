@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moonep.plan import Plan, compute_plan, histogram, occurrence_index, route_received
+from moonep.plan import Plan, compute_plan, counts_and_occurrence, route_received
 
 STATUS_OK, STATUS_TOO_MANY, STATUS_SHAPE, STATUS_DTYPE, STATUS_IDS = 0, 1, 2, 3, 4
 STATUS_TEXT = {
@@ -95,29 +95,29 @@ class Layout:
         self, R: int, S: int, K: int, E: int, rank: int, capacity: int, balanced: bool, device: torch.device
     ) -> None:
         self.R, self.S, self.K, self.E, self.rank, self.C, self.balanced = R, S, K, E, rank, capacity, balanced
-        ranks_T = torch.arange(R, device=device).repeat_interleave(S * K)
-        self.bin_base_T = ranks_T * (E + 1)  # histogram bin of (source, expert) is source*(E+1) + expert
         self.rows_T = torch.arange(R * S, device=device).repeat_interleave(K)
 
-    def plan(self, gathered_RX: torch.Tensor) -> tuple[Plan, torch.Tensor, torch.Tensor]:
-        """``(plan, expert_T, weight_T)``: the plan, every hit's expert (``E`` for none), its fp32 weight."""
-        R, S, K, E = self.R, self.S, self.K, self.E
+    def plan(self, gathered_RX: torch.Tensor) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(plan, expert_T, weight_T, occ_T)``: the plan, every hit's expert (``E`` for none), its fp32
+        weight, and its position among the hits of its expert (flat order)."""
+        S, K, E = self.S, self.K, self.E
         idx_T = gathered_RX[:, 1 : 1 + S * K].reshape(-1).long()
         weight_T = gathered_RX[:, 1 + S * K :].contiguous().view(torch.float32).reshape(-1)
         expert_T = torch.where((idx_T >= 0) & (idx_T < E), idx_T, E)
-        counts_RE = histogram(self.bin_base_T + expert_T, R * (E + 1)).view(R, E + 1)[:, :E]
-        return compute_plan(counts_RE, balanced=self.balanced), expert_T, weight_T
+        counts_RE, occ_T = counts_and_occurrence(expert_T, self.R, E)
+        return compute_plan(counts_RE, balanced=self.balanced), expert_T, weight_T, occ_T
 
-    def handle(self, plan: Plan, expert_T: torch.Tensor, weight_T: torch.Tensor, num_tokens: int) -> DispatchHandle:
+    def handle(
+        self, plan: Plan, expert_T: torch.Tensor, weight_T: torch.Tensor, occ_T: torch.Tensor, num_tokens: int
+    ) -> DispatchHandle:
         """This rank's `DispatchHandle`: the slot of each hit it computes, each slot's source row and weight."""
         R, S, K, C = self.R, self.S, self.K, self.C
         if expert_T.is_cuda:
             from moonep.kernels import place_hits_triton
 
-            occ_T = occurrence_index(expert_T, self.E)
             recv_T, slot_src_C, weights_C = place_hits_triton(plan, self.rank, expert_T, occ_T, weight_T, C, K)
         else:
-            recv_T = route_received(plan, self.rank, expert_T)
+            recv_T = route_received(plan, self.rank, expert_T, occ_T)
             valid = recv_T >= 0
             target = torch.where(valid, recv_T, C)
             slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=recv_T.device)

@@ -5,8 +5,9 @@ Shape suffixes used in this module:
     P  experts per rank (home experts, E / R)  N  redundant-expert table width (E - P)
     L  local expert slots on a rank (P + N)    S  max tokens per rank        K  top-k
 
-A *slot* is one (token, k) hit. Every rank's routing histogram is all-gathered (``counts_RE``); from it
-every rank computes the same `Plan`, with torch ops only (no host synchronisation, static shapes):
+A *slot* is one (token, k) hit. Every rank's routing is all-gathered, and its histogram (``counts_RE``,
+`counts_and_occurrence`) gives every rank the same `Plan`, computed with torch ops only (no host
+synchronisation, static shapes):
 
 1. The slots of an expert are ordered by source rank, then by (token, k) inside a source rank.
 2. Each rank's target is an equal share of all slots (``total // R``, the first ``total % R`` ranks one
@@ -227,13 +228,39 @@ def occurrence_index(expert_T: torch.Tensor, num_experts: int) -> torch.Tensor:
     Returns:
         ``[T]`` int64.
     """
-    T = expert_T.numel()
+    return counts_and_occurrence(expert_T, 1, num_experts)[1]
+
+
+def counts_and_occurrence(
+    expert_T: torch.Tensor, num_ranks: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hits per (source rank, expert) and the occurrence index of every hit, from one stable sort.
+
+    No atomics: a histogram by ``scatter_add_`` serialises on one address when every hit goes to one
+    expert. A stable sort by expert keeps flat order inside an expert, and flat order is source-major, so
+    the sorted ``(expert, source)`` pairs are sorted too; binary searches then find every group's start.
+
+    Args:
+        expert_T: ``[T]`` int64 expert ids in (source rank, ...) flat order, ``T`` a multiple of
+            ``num_ranks``; ``num_experts`` for "no hit".
+
+    Returns:
+        ``(counts_RE, occ_T)``: ``[R, E]`` int64 hits of each expert from each source; ``[T]`` int64
+        hits of the same expert before each hit in flat order (arbitrary for "no hit").
+    """
+    T, R, E = expert_T.numel(), num_ranks, num_experts
+    device = expert_T.device
+    if T == 0:
+        return torch.zeros((R, E), dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
     # Radix sort passes scale with the key width: 16-bit keys take 2 passes where int64 takes 8.
-    narrow = torch.int16 if num_experts < 2**15 else torch.int32
+    narrow = torch.int16 if E < 2**15 else torch.int32
     sorted_T, perm_T = torch.sort(expert_T.to(narrow), stable=True)
-    start = _exclusive_cumsum(histogram(expert_T, num_experts + 1))
-    occ_sorted = torch.arange(T, device=expert_T.device) - start[sorted_T.long()]
-    return torch.empty_like(occ_sorted).scatter_(0, perm_T, occ_sorted)
+    sorted_T = sorted_T.long()
+    key_T = sorted_T * R + torch.div(perm_T, T // R, rounding_mode="floor")
+    starts = torch.searchsorted(key_T, torch.arange((E + 1) * R + 1, device=device))
+    counts_RE = (starts[1:] - starts[:-1]).view(E + 1, R)[:E].t().contiguous()
+    occ_sorted = torch.arange(T, device=device) - starts[sorted_T * R]
+    return counts_RE, torch.empty_like(occ_sorted).scatter_(0, perm_T, occ_sorted)
 
 
 def route_tokens(plan: Plan, rank: int, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +285,7 @@ def route_tokens(plan: Plan, rank: int, topk_idx: torch.Tensor) -> tuple[torch.T
     return torch.where(valid, dest, minus_one).view_as(topk_idx), torch.where(valid, slot, minus_one).view_as(topk_idx)
 
 
-def route_received(plan: Plan, rank: int, expert_T: torch.Tensor) -> torch.Tensor:
+def route_received(plan: Plan, rank: int, expert_T: torch.Tensor, occ_T: torch.Tensor | None = None) -> torch.Tensor:
     """Slot on ``rank`` of every hit of every source rank (-1 where computed elsewhere or no hit).
 
     Every rank knows every rank's ``topk_idx`` (the layout exchange gathers them), so it can place the
@@ -270,6 +297,7 @@ def route_received(plan: Plan, rank: int, expert_T: torch.Tensor) -> torch.Tenso
         rank: the destination rank.
         expert_T: ``[R*S*K]`` int64 expert id of each hit in ``(source, token, k)`` order; ``num_experts``
             where there is no hit.
+        occ_T: `occurrence_index` of ``expert_T`` when already known.
 
     Returns:
         ``[R*S*K]`` int64 slot on ``rank``, or -1.
@@ -277,7 +305,7 @@ def route_received(plan: Plan, rank: int, expert_T: torch.Tensor) -> torch.Tenso
     E = plan.num_experts
     valid = expert_T < E
     e = torch.where(valid, expert_T, 0)
-    dest, slot = _place(plan, e, occurrence_index(expert_T, E))
+    dest, slot = _place(plan, e, occurrence_index(expert_T, E) if occ_T is None else occ_T)
     return torch.where(valid & (dest == rank), slot, -1)
 
 

@@ -121,7 +121,8 @@ def test_triton_place_hits_matches_torch_handle(R, S, K, P, balanced, device) ->
     C = S * K * (1 if balanced else R)
     occ = occurrence_index(expert_T, E)
     for rank in range(R):
-        want = Layout(R, S, K, E, rank, C, balanced, torch.device("cpu")).handle(plan, expert_T, weight_T, S)
+        layout = Layout(R, S, K, E, rank, C, balanced, torch.device("cpu"))
+        want = layout.handle(plan, expert_T, weight_T, occ, S)
         on = {k: v.to(device) for k, v in {"e": expert_T, "o": occ, "w": weight_T}.items()}
         dev_plan = compute_plan(counts.to(device), balanced=balanced)
         recv, slot_src, weights = place_hits_triton(dev_plan, rank, on["e"], on["o"], on["w"], C, K)

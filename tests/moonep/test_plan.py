@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep import compute_plan, route_tokens
-from moonep.plan import route_received
+from moonep.plan import counts_and_occurrence, route_received
 from moonep.reference import reference_plan
 
 
@@ -58,3 +58,7 @@ def test_plan_equals_reference_balances_and_routes_bijectively(routing, balanced
     for d in range(R):
         want = torch.cat([torch.where(dest == d, slot, -1).view(-1) for dest, slot in routes])
         assert torch.equal(route_received(plan, d, expert_T), want), f"destination {d}"
+    counts_RE, occ_T = counts_and_occurrence(expert_T, R, E)  # sort-based, as the buffer plans
+    assert torch.equal(counts_RE, counts), "sorted counts differ from bincount"
+    for d in range(R):
+        assert torch.equal(route_received(plan, d, expert_T, occ_T), route_received(plan, d, expert_T))
