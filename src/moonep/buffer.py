@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -225,7 +226,11 @@ class Buffer:
         return self._exchange_layout(topk_idx, topk_weights, status)[0]
 
     def _exchange_layout(
-        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, status: int, before_plan=None
+        self,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        status: int,
+        before_plan: Callable[[], object] | None = None,
     ) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layout all-gather, the checks (if validating), ``before_plan()`` (issues the token rows), the plan."""
         if status == _lay.STATUS_OK:
@@ -446,7 +451,9 @@ class Buffer:
             tensor.record_stream(current)
         return EventOverlap(event, outputs)
 
-    def _start_token_gather(self, x_sH: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+    def _start_token_gather(
+        self, x_sH: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]]:
         """Issue the chunked all-gather of token rows: per chunk ``(rows_n, gathered [R*n, H], finish)``."""
         s, H = x_sH.shape
         x_SH = x_sH.detach() if s == self.S else torch.cat([x_sH.detach(), x_sH.new_zeros(self.S - s, H)])
