@@ -270,12 +270,11 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
     v_newT = v_new.transpose(-1, -2)
     dqg = do @ hT
     dkend = v_new @ dhe.transpose(-1, -2)
-    ddec = (h * dhe).sum(-1)
     y_u = local.minv.transpose(-1, -2) @ dv_new
     # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
     y_wn = y_u @ hT
     p = y_u @ v_newT
-    dv, dkg, dbeta = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta)
+    dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
     # Exact-product callers (fp32) assemble dG in fp64: see chunk_kda_gated_dots_bwd.
     fp64_sums = dot_precision == "ieee"
     dq, dk, dgam = chunk_kda_gated_dots_bwd(

@@ -91,11 +91,12 @@ def test_ut_backward_pass_matches_torch(device: str) -> None:
     y_wn, kg = torch.randn(nb, C, K, device=device), torch.randn(nb, C, K, device=device)
     p, akk = torch.randn(nb, C, C, device=device), torch.randn(nb, C, C, device=device).tril(-1)
     beta = torch.rand(nb, C, device=device)
-    dv, dkg, dbeta = chunk_kda_bwd_ut(y_u, y_wn, p, kg, v, akk + torch.randn_like(akk).triu(), beta)
+    h, dhe = torch.randn(nb, K, V, device=device), torch.randn(nb, K, V, device=device)
+    dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, kg, v, akk + torch.randn_like(akk).triu(), beta, h, dhe)
     b = beta.double()[..., None]
     ref_dbeta = ((y_u * v).sum(-1) - (y_wn * kg).sum(-1) - (p * akk).sum(-1)).double()
     assert _rel(dv, b * y_u.double()) < 1e-6 and _rel(dkg, -b * y_wn.double()) < 1e-6
-    assert _rel(dbeta, ref_dbeta) < 1e-5
+    assert _rel(dbeta, ref_dbeta) < 1e-5 and _rel(ddec, (h.double() * dhe.double()).sum(-1)) < 1e-6
 
 def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     """The torch oracle's own backward (`gated_dot_bwd`) equals autograd through `gated_dot` in fp64."""
