@@ -70,6 +70,10 @@ class ToolServer:
         self.conns: list[socket.socket] = []
         self.own_pidns = os.readlink("/proc/self/ns/pid")
         self.retired = False
+        self.broken = False
+        self._sel: selectors.BaseSelector | None = None
+        self._pending_move: tuple[int, bool] | None = None
+        self.last_move_ms = 0.0
 
     def spawn(self, argv: list[str], *, stdin_pipe: bool = False, env: dict | None = None, cwd: str | None = None):
         """Start a command through the launcher (agent seccomp filter, no_new_privs, own session)."""
@@ -122,7 +126,7 @@ class ToolServer:
 
     # ---- serving --------------------------------------------------------------------------------------
     def serve(self) -> None:
-        sel = selectors.DefaultSelector()
+        sel = self._sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
         while True:
             timeout = 1.0 if self.deadline is None else max(0.0, min(1.0, self.deadline - time.time()))
@@ -154,6 +158,8 @@ class ToolServer:
         self.listener.close()
 
     def handle(self, conn: socket.socket) -> None:
+        if self.broken:  # see _finish_move: drop every connection
+            raise ConnectionError("this sandbox stopped serving")
         req, blob, fds = protocol.recv_msg(conn)
         op = req.get("op", "")
         if op == "whoami":  # one byte with our pid as SCM_CREDENTIALS (the kernel translates it for the host)
@@ -176,6 +182,27 @@ class ToolServer:
             if op != "fork":
                 for fd in fds:
                     os.close(fd)
+            if self._pending_move is not None:
+                self._finish_move()
+
+    def _finish_move(self) -> None:
+        """Enter the new root a fork prepared, after answering it; if that fails, stop serving for good.
+
+        Nothing of ours runs meanwhile (agents were killed for the fork and requests wait), so a
+        request after a fork or snapshot always sees the new writable layer.
+        """
+        fd, usr_bind = self._pending_move
+        self._pending_move = None
+        start = time.perf_counter()
+        try:
+            rootfs.enter_root(fd, usr_bind=usr_bind, hostname=None)
+        except BaseException:
+            # still on the sealed layer, which the forks and snapshots now read: never write to it again
+            self.broken = True
+            self._expire(self._sel)
+        finally:
+            os.close(fd)
+        self.last_move_ms = (time.perf_counter() - start) * 1e3
 
     def op_ping(self, conn, req, blob, fds):
         return {"id": self.id, "pid": os.getpid()}, b""
@@ -321,8 +348,9 @@ class ToolServer:
         fds: the parent's new root mount if `rebase`, then per child its root mount (unless the child's
         ``own_root`` is false) and its listening socket. Children are cloned before the parent moves, so a
         child without its own root (a snapshot: it never serves agents, only forks) keeps the sealed root
-        it was cloned in, and no agent of the parent runs meanwhile to change it. The parent moves while
-        its children mount their roots, and answers once all of them are ready (or failed: ``failed``).
+        it was cloned in, and no agent of the parent runs meanwhile to change it. We answer once every
+        child is ready (or failed: ``failed``) and move right after answering (`_finish_move`), before
+        any further request; the reply's ``previous_move_ms`` is how long the last move took.
         """
         rebase = bool(req.get("rebase"))
         children = req["children"]
@@ -352,21 +380,21 @@ class ToolServer:
                 started.append(self._clone_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds,
                                                  [r for _, r, _ in started]))
             mark("children_ms")
-            if rebase:
-                rootfs.enter_root(fds[0], usr_bind=req["usr_bind"], hostname=None)
-            mark("rebase_ms")
             pids = [pid for pid, _, _ in started]
             failures = []
             while started:
                 failures.append(self._await_child(*started.pop(0)))
             mark("ready_ms")
+            phases["previous_move_ms"] = self.last_move_ms
             phases["last_child"] = getattr(self, "last_child_phases", {})
+            if rebase:
+                self._pending_move = (fds[0], bool(req["usr_bind"]))
         finally:
-            for fd in fds:
+            for fd in fds[1:] if self._pending_move is not None else fds:
                 os.close(fd)
             for _, r_ready, _ in started:
                 os.close(r_ready)
-        # we have moved (if asked to): failed children are reported, not raised, so the host knows
+        # we move after answering (if asked to): failed children are reported, not raised, so the host knows
         failed = [f"child {children[i]['id']} failed: {f}" for i, f in enumerate(failures) if f]
         return {"pids": pids, "phases": phases, "failed": failed}, b""
 
