@@ -59,9 +59,13 @@ def _run_cases(
         idx, w = routes[rank]
         x = _payload(rank, s_all[rank])
         transport = {"transport": "hierarchical", "ranks_per_node": ranks_per_node} if ranks_per_node else {}
-        key = (S, K, E, balanced)
+        # Token chunks of the all-gather and of combine's all-to-all: uneven (S=5: 2,1,1,1), three, or one.
+        chunks = 1 if case_id == "s0-all-ranks" else (4 if balanced else 3)
+        key = (S, K, E, balanced, chunks)
         if key not in buffers:
-            buffers[key] = Buffer(None, S, H, K, E, dtype=torch.float32, balanced=balanced, device=device, **transport)
+            buffers[key] = Buffer(
+                None, S, H, K, E, dtype=torch.float32, balanced=balanced, device=device, num_chunks=chunks, **transport
+            )
         buffer = buffers[key]
         out = buffer.dispatch(x.to(device), idx.to(device), w.to(device))
         out_x, out_w = out.x_CH.cpu(), out.weights_C.cpu()

@@ -139,6 +139,7 @@ def _contract_violations(rank: int, world: int) -> list[str]:
         ({"timeout_s": 0}, "timeout_s"),
         ({"num_redundant_slots": E}, "num_redundant_slots"),
         ({"transport": "bogus"}, "transport"),
+        ({"num_chunks": 0}, "num_chunks"),
         ({"ranks_per_node": 2}, "ranks_per_node"),
         ({"transport": "nvlink"}, "transport='nvlink' needs CUDA"),
     ):
