@@ -101,19 +101,33 @@ class NamespaceBackend(Backend):
         self._record(sandbox_id)
         return Connection(self.store.sock(sandbox_id), sandbox_id)
 
-    def _attach_later(self, cg: cgroups.Cgroup, pid: int, limits: cgroups.CgroupLimits) -> None:
-        """Create `cg` with `limits` and move `pid` into it, on the worker thread."""
+    def _worker(self) -> ThreadPoolExecutor:
         if self._attacher is None:
             self._attacher = ThreadPoolExecutor(1, thread_name_prefix="agentenv-cgroup")
+        return self._attacher
+
+    def _prepare_later(self, cgs: list[cgroups.Cgroup], limits: cgroups.CgroupLimits) -> None:
+        """Before a fork: start the grace period the children's moves will wait for, and create their groups."""
+        worker = self._worker()
+        worker.submit(cgroups.warm_migration_lock, self.cgroup_root)
+        for cg in cgs:
+            self._attaching[cg.name] = worker.submit(cg.create, limits)
+
+    def _attach_later(self, cg: cgroups.Cgroup, pid: int, limits: cgroups.CgroupLimits) -> None:
+        """Create `cg` with `limits` (unless `_prepare_later` did) and move `pid` into it, on the worker thread."""
+        prepared = self._attaching.pop(cg.name, None)
 
         def attach() -> None:
-            cg.create(limits)
+            if prepared is None:
+                cg.create(limits)
+            else:
+                prepared.result()  # the worker ran it already (one thread, in order); re-raise its error
             cg.add(pid)
 
-        self._attaching[cg.name] = self._attacher.submit(attach)
+        self._attaching[cg.name] = self._worker().submit(attach)
 
     def settle(self, sandbox_id: str | None = None) -> None:
-        """Wait until the cgroup moves of new sandboxes (one, or all) are done."""
+        """Wait until the cgroup work (creation, moves) of new sandboxes (one, or all) is done."""
         ids = [sandbox_id] if sandbox_id is not None else list(self._attaching)
         for sid in ids:
             future = self._attaching.pop(sid, None)
@@ -251,6 +265,8 @@ class NamespaceBackend(Backend):
                                        parent.usr_bind, limits.to_dict(), now,
                                        None if ttl_s is None else now + ttl_s))
                 listeners.append(self._listener(cid))
+            cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
+            self._prepare_later([self._cgroup(c.id) for c in children], cg_limits)
             clock.mark("layers_ms")
 
             def root(upper: str) -> int:
@@ -267,8 +283,6 @@ class NamespaceBackend(Backend):
             conn = Connection(store.sock(parent.id), parent.id)
             moved = dataclasses.replace(parent, lowers=lowers, upper=new_parent_upper) if new_parent_upper else None
             try:
-                cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
-
                 # the host's bookkeeping runs here, while the tool server sets its children up
                 def on_child(event: dict, pid: int | None) -> None:
                     child = children[int(event["index"])]
