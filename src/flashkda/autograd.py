@@ -227,7 +227,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             tok = slot_tokens(layout, q.device)
             raw = tuple(x.contiguous() for x in (q, k, v, g, beta))
             chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok)
-            doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
+            doc = to_chunks(do, layout, cdt) if do is not None else torch.zeros_like(chunks[2])
             *dchunks, dh0 = chunk_kda_train_bwd(
                 *chunks, scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets, do=doc, dht=dhtc,
                 h=h, v_new=v_new, dot_precision=dot_precision, gate_factors=gate_factors,
@@ -253,7 +253,7 @@ def _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h,
     args = {n: leaves.get(n, x) for n, x in inputs.items()}
     with torch.enable_grad():
         chunks = _chunked_inputs(*args.values(), opts, layout)
-    doc = to_chunks(do.to(cdt), layout) if do is not None else torch.zeros_like(chunks[2])
+    doc = to_chunks(do, layout, cdt) if do is not None else torch.zeros_like(chunks[2])
     *dchunks, dh0 = chunk_kda_train_bwd(
         *(c.detach() for c in chunks), scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets,
         do=doc, dht=dhtc, h=h, v_new=v_new, dot_precision=dot_precision,

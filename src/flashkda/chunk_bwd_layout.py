@@ -77,17 +77,25 @@ def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device:
     )
 
 
-def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-    """``[B, T, HV, D]`` to ``[NC, HV, C, D]`` (zero padded, contiguous). Differentiable."""
+def to_chunks(x: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[B, T, HV, D]`` to ``[NC, HV, C, D]`` (zero padded, contiguous), in ``dtype`` (default ``x``'s): the
+    conversion happens in the final layout copy, not as a pass of its own. Differentiable."""
     B, T, HV, D = x.shape
     C = layout.C
+    dtype = dtype or x.dtype
     if layout.gather_index is None:
         pad = layout.num_chunks // max(B, 1) * C - T
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        return x.reshape(B, -1, C, HV, D).transpose(2, 3).reshape(layout.num_chunks, HV, C, D).contiguous()
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return _contiguous(x.reshape(B, -1, C, HV, D).transpose(2, 3), dtype).view(layout.num_chunks, HV, C, D)
     x = torch.cat([x[0], x.new_zeros(1, HV, D)], dim=0)
     x = x.index_select(0, layout.gather_index)
-    return x.reshape(layout.num_chunks, C, HV, D).transpose(1, 2).contiguous()
+    return _contiguous(x.reshape(layout.num_chunks, C, HV, D).transpose(1, 2), dtype)
+
+
+def _contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # One copy either way (`.to` returns a strided `x` unchanged when the dtype already matches).
+    return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
 
 
 def from_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
