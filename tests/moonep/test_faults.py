@@ -67,7 +67,6 @@ def _fault(rank: int, world: int, fault: str, where: str, flags: str) -> tuple[s
 @pytest.mark.parametrize("where", ["dispatch", "combine"])
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_peer_fault_raises_comm_error_on_every_survivor(fault: str, where: str, tmp_path: Path) -> None:
-    start = time.monotonic()
     results = run_ranks(_fault, 3, fault, where, str(tmp_path), timeout_s=60, pg_timeout_s=30, allow_failures=True)
     for rank in (0, 2):
         assert not isinstance(results[rank], RankFailure), results[rank]
@@ -75,9 +74,10 @@ def test_peer_fault_raises_comm_error_on_every_survivor(fault: str, where: str, 
         assert outcome == "CommError", f"rank {rank}: {outcome}"
         assert elapsed < TIMEOUT_S + 3.0, f"rank {rank} took {elapsed:.1f} s to notice"
     if fault == "stall":
-        assert results[1][0] == "stalled", results[1]
-        # The stalled rank is released as soon as the survivors raised: no test waits out a long sleep.
-        assert time.monotonic() - start < 30, "the stall test itself took too long"
+        # The stalled rank is released as soon as both survivors raised: the test never waits out a sleep
+        # (its wall time is the three processes' start-up plus about one timeout).
+        outcome, stalled_for = results[1]
+        assert outcome == "stalled" and stalled_for < TIMEOUT_S + 5.0, results[1]
 
 
 def _expect_value_error(fn, match: str) -> None:
