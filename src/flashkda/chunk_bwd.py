@@ -7,6 +7,8 @@ pass (`chunk_kda_bwd_dh`) -> explicit chain rule back to ``q, k, v, g, beta`` (`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
@@ -103,6 +105,9 @@ def chunk_kda_train_bwd(
         local.qg, local.aqk, local.kend, local.dec, local.w, do, dht, chunk_offsets,
         store_dh0=initial_state is not None, dot_precision=dot_precision,
     )
+    if local.minv is not None:
+        # The fused chain rule reads neither w, u nor Aqk: release them (0.7 GB at B1-T8192-H64) before it allocates.
+        local = dataclasses.replace(local, w=None, u=None, aqk=None)
     grads = chunk_local_bwd(
         q, k, v, g, beta, scale, local, h=h, v_new=v_new, do=do, dhe=dhe, dv_new=dv_new, dot_precision=dot_precision
     )

@@ -85,14 +85,15 @@ def chunk_kda_bwd_gates(
 
     Shapes: every ``[..., C, K]`` operand contiguous; ``dec``, ``ddec`` ``[..., K]``. The terms are added and
     summed in ``dgam_in``'s dtype (fp64 for fp32 callers, see `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_bwd`);
-    the outputs have ``k``'s dtype.
+    the outputs have ``k``'s dtype. ``dq`` and ``dk`` are written into ``dq_in`` and ``dk_in``, ``dg`` into
+    ``dgam_in`` when that has ``k``'s dtype (each program reads its tile before writing it).
     """
     xs = (k, gam, qg, kend, dec, dq_in, dk_in, dgam_in, dqg, dkg, dkend, ddec)
     assert all(x.is_contiguous() for x in xs), "gate-chain operands must be contiguous"
     *lead, C, K = k.shape
     nb = k.numel() // (C * K)
     BK = min(K, 32)
-    dq, dk, dg = torch.empty_like(k), torch.empty_like(k), torch.empty_like(k)
+    dq, dk, dg = (x if x.dtype == k.dtype else torch.empty_like(k) for x in (dq_in, dk_in, dgam_in))
     chunk_kda_bwd_kernel_gates[(nb, triton.cdiv(K, BK))](
         *xs, dq, dk, dg, scale, C=C, K=K, BK=BK, num_warps=4
     )

@@ -38,15 +38,16 @@ class ChunkLocal:
 
     qg: torch.Tensor
     """``scale * q * exp(G)``, ``[NC, HV, C, K]``."""
-    aqk: torch.Tensor
-    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``."""
+    aqk: torch.Tensor | None
+    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``;
+    ``w``, ``u`` and ``aqk`` are dropped (None) before the fused chain rule, which does not read them."""
     kend: torch.Tensor
     """``k * exp(G_C - G)``, ``[NC, HV, C, K]``."""
     dec: torch.Tensor
     """``exp(G_C)``, the decay over the whole chunk, ``[NC, HV, K]``."""
-    w: torch.Tensor
+    w: torch.Tensor | None
     """``T (k * exp(G))``, ``[NC, HV, C, K]``."""
-    u: torch.Tensor
+    u: torch.Tensor | None
     """``T v``, ``[NC, HV, C, V]``."""
     akk: torch.Tensor
     """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only."""
@@ -275,6 +276,7 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
     y_wn = y_u @ hT
     p = y_u @ v_newT
     dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
+    del y_u, y_wn  # before the gated-product backward allocates (peak memory)
     # Exact-product callers (fp32) assemble dG in fp64: see chunk_kda_gated_dots_bwd.
     fp64_sums = dot_precision == "ieee"
     dq, dk, dgam = chunk_kda_gated_dots_bwd(
