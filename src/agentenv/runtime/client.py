@@ -109,5 +109,14 @@ class Connection:
             raise errors.from_reply(reply)
         return reply, out
 
+    def send(self, obj: dict, *, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send one frame that gets no reply (the `move` that follows a fork's answer)."""
+        with self._lock:
+            try:
+                protocol.send_msg(self._sock, obj, b"", fds)
+            except OSError as e:
+                self.close()
+                raise errors.SandboxGoneError(f"sandbox {self.sandbox_id} is gone: {e}") from e
+
     def close(self) -> None:
         self._sock.close()

@@ -243,20 +243,22 @@ class NamespaceBackend(Backend):
               image: str | None = None) -> list[Record]:
         store = self.store
         clock = _Clock()
-        new_parent_upper = None
         lowers = list(parent.lowers)
         with_net = limits.network.egress and "sandbox" in kinds
         if with_net:
             self.egress.check()  # before anything is made
-        if rebase and not store.is_empty(parent.upper):
-            new_parent_upper = store.new_writable_layer(int(parent.limits.get("disk_mb", 1024)) << 20)
+        # moving: the parent's writable layer is sealed (becomes the top lower of every child) and the parent
+        # moves onto a new one, which the host prepares while the tool server clones (see `move` below)
+        moving = rebase and not store.is_empty(parent.upper)
+        if moving:
             lowers = [parent.upper, *lowers]
+        new_parent_upper: str | None = None
         now = time.time()
         children: list[Record] = []
         listeners: list[socket.socket] = []
         opened: list[int] = []
         conns: dict[str, Connection] = {}
-        rebased = False
+        answered = False
         try:
             for kind in kinds:
                 cid = _new_id("snap" if kind == "snapshot" else "sb")
@@ -275,13 +277,21 @@ class NamespaceBackend(Backend):
                 return fd
 
             # a snapshot cloned before its parent moves off the sealed layer stays in the sealed root
-            own_root = [c.kind == "sandbox" or new_parent_upper is None for c in children]
-            fds = [] if new_parent_upper is None else [root(new_parent_upper)]
+            own_root = [c.kind == "sandbox" or not moving for c in children]
+            fds: list[int] = []
             for child, listener, own in zip(children, listeners, own_root):
                 fds += [root(child.upper), listener.fileno()] if own else [listener.fileno()]
             clock.mark("overlays_ms")
+            move_fd = -1
+
+            def prepare_move() -> None:
+                nonlocal new_parent_upper, move_fd
+                new_parent_upper = store.new_writable_layer(int(parent.limits.get("disk_mb", 1024)) << 20)
+                move_fd = root(new_parent_upper)
+                # written now, reverted below if the tool server does not answer the fork
+                store.write_record(dataclasses.replace(parent, lowers=lowers, upper=new_parent_upper))
+
             conn = Connection(store.sock(parent.id), parent.id)
-            moved = dataclasses.replace(parent, lowers=lowers, upper=new_parent_upper) if new_parent_upper else None
             try:
                 # the host's bookkeeping runs here, while the tool server sets its children up
                 def on_child(event: dict, pid: int | None) -> None:
@@ -293,23 +303,25 @@ class NamespaceBackend(Backend):
                     self._attach_later(self._cgroup(child.id), pid, cg_limits)
                     store.write_record(child)
                     conns[child.id] = Connection(store.sock(child.id), child.id)
-                    if moved is not None and int(event["index"]) == 0:
-                        store.write_record(moved)  # reverted below if the tool server does not move
+                    if moving and new_parent_upper is None:
+                        prepare_move()
 
-                reply, _ = conn.request({"op": "fork", "rebase": new_parent_upper is not None,
-                              "usr_bind": parent.usr_bind,
-                              "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
-                                           for c, own in zip(children, own_root)]},
-                             fds=fds, timeout_s=30.0, on_child=on_child)
-                rebased = True
+                reply, _ = conn.request({"op": "fork", "rebase": moving, "usr_bind": parent.usr_bind,
+                                         "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
+                                                      for c, own in zip(children, own_root)]},
+                                        fds=fds, timeout_s=30.0, on_child=on_child)
+                answered = True
+                if moving:
+                    if new_parent_upper is None:
+                        prepare_move()
+                    # the tool server reads this before any other request and moves onto the new layer
+                    conn.send({"op": "move"}, fds=[move_fd])
             finally:
                 conn.close()
             clock.mark("request_ms")
-            if moved is not None:
+            if moving:
                 parent.lowers, parent.upper = lowers, new_parent_upper
-                if not children or not children[0].pid:
-                    store.write_record(parent)
-            if reply.get("failed"):  # the parent moved, but some children did not come up
+            if reply.get("failed"):  # the parent moves, but some children did not come up
                 raise errors.SandboxError(f"fork of {parent.id}: {'; '.join(reply['failed'])}")
             used = {r.net["slot"] for r in store.all_records() if r.net} if with_net else set()
             for child in children:
@@ -340,9 +352,8 @@ class NamespaceBackend(Backend):
                 cconn.close()
             for child in children:
                 self._reclaim(child)
-            if new_parent_upper is not None and not rebased:
-                parent.lowers, parent.upper = lowers[1:], lowers[0]
-                store.write_record(parent)
+            if new_parent_upper is not None and not answered:
+                store.write_record(parent)  # the parent did not move: its record as before the fork
                 store.remove_layer(new_parent_upper)
             raise
         finally:

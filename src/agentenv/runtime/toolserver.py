@@ -72,7 +72,7 @@ class ToolServer:
         self.retired = False
         self.broken = False
         self._sel: selectors.BaseSelector | None = None
-        self._pending_move: tuple[int, bool] | None = None
+        self._pending_move: tuple[socket.socket, bool] | None = None
         self.last_move_ms = 0.0
 
     def spawn(self, argv: list[str], *, stdin_pipe: bool = False, env: dict | None = None, cwd: str | None = None):
@@ -186,22 +186,28 @@ class ToolServer:
                 self._finish_move()
 
     def _finish_move(self) -> None:
-        """Enter the new root a fork prepared, after answering it; if that fails, stop serving for good.
+        """After answering a fork: read the host's ``move`` (our new root) on that connection and enter it.
 
-        Nothing of ours runs meanwhile (agents were killed for the fork and requests wait), so a
-        request after a fork or snapshot always sees the new writable layer.
+        Nothing of ours runs meanwhile (agents were killed for the fork, and no other request is read
+        first), so every request after a fork or snapshot sees the new writable layer. If the move does
+        not come or fails, we stop serving for good rather than write to the sealed layer.
         """
-        fd, usr_bind = self._pending_move
+        conn, usr_bind = self._pending_move
         self._pending_move = None
         start = time.perf_counter()
+        fds: list[int] = []
         try:
-            rootfs.enter_root(fd, usr_bind=usr_bind, hostname=None)
+            req, _, fds = protocol.recv_msg(conn)
+            if req.get("op") != "move" or len(fds) != 1:
+                raise RequestError("invalid", f"expected the move after a fork, got {req.get('op')!r}")
+            rootfs.enter_root(fds[0], usr_bind=usr_bind, hostname=None)
         except BaseException:
             # still on the sealed layer, which the forks and snapshots now read: never write to it again
             self.broken = True
             self._expire(self._sel)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         self.last_move_ms = (time.perf_counter() - start) * 1e3
 
     def op_ping(self, conn, req, blob, fds):
@@ -345,12 +351,13 @@ class ToolServer:
     def op_fork(self, conn, req, blob, fds):
         """Fork one sandbox per entry of `children`, then (if `rebase`) move onto a new writable layer.
 
-        fds: the parent's new root mount if `rebase`, then per child its root mount (unless the child's
-        ``own_root`` is false) and its listening socket. Children are cloned before the parent moves, so a
-        child without its own root (a snapshot: it never serves agents, only forks) keeps the sealed root
-        it was cloned in, and no agent of the parent runs meanwhile to change it. We answer once every
-        child is ready (or failed: ``failed``) and move right after answering (`_finish_move`), before
-        any further request; the reply's ``previous_move_ms`` is how long the last move took.
+        fds: per child its root mount (unless the child's ``own_root`` is false) and its listening socket;
+        with `rebase`, the host sends our own new root in a ``move`` frame after our answer (it builds
+        that root while we clone). Children are cloned before the parent moves, so a child without its own
+        root (a snapshot: it never serves agents, only forks) keeps the sealed root it was cloned in, and no
+        agent of the parent runs meanwhile to change it. We answer once every child is ready (or failed:
+        ``failed``) and move right after answering (`_finish_move`), before any further request; the
+        reply's ``previous_move_ms`` is how long the last move took.
         """
         rebase = bool(req.get("rebase"))
         children = req["children"]
@@ -369,7 +376,7 @@ class ToolServer:
             if rebase:
                 self.kill_agents()
             mark("shell_ms")
-            at = 1 if rebase else 0
+            at = 0
             for index, child in enumerate(children):
                 root_fd = None
                 if child.get("own_root", True):
@@ -388,9 +395,9 @@ class ToolServer:
             phases["previous_move_ms"] = self.last_move_ms
             phases["last_child"] = getattr(self, "last_child_phases", {})
             if rebase:
-                self._pending_move = (fds[0], bool(req["usr_bind"]))
+                self._pending_move = (conn, bool(req["usr_bind"]))
         finally:
-            for fd in fds[1:] if self._pending_move is not None else fds:
+            for fd in fds:
                 os.close(fd)
             for _, r_ready, _ in started:
                 os.close(r_ready)
