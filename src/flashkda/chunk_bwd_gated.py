@@ -107,22 +107,22 @@ def chunk_kda_bwd_kernel_gated_dots(
     o_i = tl.arange(0, BC)
     o_r = i_r * BC + o_i
     # [BC] row scale of dAkk for the rows of this block
-    b_rs = tl.full([BC], 1.0, dtype=dgam.dtype.element_ty)
+    b_rs = tl.full([BC], 1.0, dtype=tl.float32)
     if HAS_RS:
-        b_rs = tl.load(dakk_rs + i_b.to(tl.int64) * C + o_r).to(dgam.dtype.element_ty)
-    b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty)
-    b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty)
-    b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty)
+        b_rs = tl.load(dakk_rs + i_b.to(tl.int64) * C + o_r).to(tl.float32)
+    b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
+    b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
     m_incl = o_i[:, None] >= o_i[None, :]
     m_strict = o_i[:, None] > o_i[None, :]
 
     # diagonal block (reference = middle row): both sides at once
-    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(dgam.dtype.element_ty)
+    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
     b_e = tl.exp(b_g - b_ref[None, :])
     b_einv = tl.exp(b_ref[None, :] - b_g)
     p_d = o_r[:, None] * C + o_r[None, :]
-    b_dakk = tl.where(m_strict, tl.load(dakk + base_a + p_d).to(dgam.dtype.element_ty) * b_rs[:, None], 0.0)
-    b_daqk = tl.where(m_incl, tl.load(daqk + base_a + p_d).to(dgam.dtype.element_ty), 0.0)
+    b_dakk = tl.where(m_strict, tl.load(dakk + base_a + p_d).to(tl.float32) * b_rs[:, None], 0.0)
+    b_daqk = tl.where(m_incl, tl.load(daqk + base_a + p_d).to(tl.float32), 0.0)
     b_kinv = b_k * b_einv
     # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
     b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
@@ -134,32 +134,32 @@ def chunk_kda_bwd_kernel_gated_dots(
     # row side, column blocks c < r (reference = last row of block c)
     for i_c in range(0, i_r):
         o_c = i_c * BC + o_i
-        b_kc = tl.load(k + base + o_c[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty)
-        b_gc = tl.load(gam + base + o_c[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty)
-        b_ref = tl.load(gam + base + (i_c * BC + BC - 1) * K + o_k).to(dgam.dtype.element_ty)
+        b_kc = tl.load(k + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_gc = tl.load(gam + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        b_ref = tl.load(gam + base + (i_c * BC + BC - 1) * K + o_k).to(tl.float32)
         b_kc = b_kc * tl.exp(b_ref[None, :] - b_gc)
         b_e = tl.exp(b_g - b_ref[None, :])
         p_a = o_r[:, None] * C + o_c[None, :]
-        b_dakk_c = tl.load(dakk + base_a + p_a).to(dgam.dtype.element_ty) * b_rs[:, None]
+        b_dakk_c = tl.load(dakk + base_a + p_a).to(tl.float32) * b_rs[:, None]
         b_da_kk += tl.dot(b_dakk_c, b_kc, input_precision=DOT_PRECISION) * b_e
-        b_da_qk += tl.dot(tl.load(daqk + base_a + p_a).to(dgam.dtype.element_ty), b_kc, input_precision=DOT_PRECISION) * b_e
+        b_da_qk += tl.dot(tl.load(daqk + base_a + p_a).to(tl.float32), b_kc, input_precision=DOT_PRECISION) * b_e
 
     # column side, row blocks s > r (reference = last row of block r, shared by all s)
-    b_ref = tl.load(gam + base + (i_r * BC + BC - 1) * K + o_k).to(dgam.dtype.element_ty)
-    b_acc_kk = tl.zeros([BC, K], dtype=dgam.dtype.element_ty)
-    b_acc_qk = tl.zeros([BC, K], dtype=dgam.dtype.element_ty)
+    b_ref = tl.load(gam + base + (i_r * BC + BC - 1) * K + o_k).to(tl.float32)
+    b_acc_kk = tl.zeros([BC, K], dtype=tl.float32)
+    b_acc_qk = tl.zeros([BC, K], dtype=tl.float32)
     for i_s in range(i_r + 1, C // BC):
         o_s = i_s * BC + o_i
-        b_gs = tl.load(gam + base + o_s[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty)
+        b_gs = tl.load(gam + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32)
         b_es = tl.exp(b_gs - b_ref[None, :])
-        b_ks = tl.load(k + base + o_s[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty) * b_es
-        b_qs = tl.load(q + base + o_s[:, None] * K + o_k[None, :]).to(dgam.dtype.element_ty) * b_es
+        b_ks = tl.load(k + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
+        b_qs = tl.load(q + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
         p_a = o_s[:, None] * C + o_r[None, :]
-        b_dakk_s = tl.load(dakk + base_a + p_a).to(dgam.dtype.element_ty)
+        b_dakk_s = tl.load(dakk + base_a + p_a).to(tl.float32)
         if HAS_RS:
-            b_dakk_s = b_dakk_s * tl.load(dakk_rs + i_b.to(tl.int64) * C + o_s).to(dgam.dtype.element_ty)[:, None]
+            b_dakk_s = b_dakk_s * tl.load(dakk_rs + i_b.to(tl.int64) * C + o_s).to(tl.float32)[:, None]
         b_acc_kk += tl.dot(tl.trans(b_dakk_s), b_ks, input_precision=DOT_PRECISION)
-        b_acc_qk += tl.dot(tl.trans(tl.load(daqk + base_a + p_a).to(dgam.dtype.element_ty)), b_qs,
+        b_acc_qk += tl.dot(tl.trans(tl.load(daqk + base_a + p_a).to(tl.float32)), b_qs,
                            input_precision=DOT_PRECISION)
     b_einv = tl.exp(b_ref[None, :] - b_g)
     b_db_kk += b_acc_kk * b_einv
@@ -205,26 +205,18 @@ def chunk_kda_gated_dots_bwd(
     dot_precision: str,
     dakk_row_scale: torch.Tensor | None = None,
     daqk_scale: float = 1.0,
-    fp64_sums: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of `chunk_kda_gated_dots`: ``(dq, dk, dgam)`` ``[..., C, K]`` from the gradients of ``Akk`` and
     ``Aqk``, which are ``dakk * dakk_row_scale[..., :, None]`` (``dakk`` alone without a row scale) and
     ``daqk * daqk_scale`` (w.r.t. the scaled ``Aqk``, times ``scale``). ``dakk``, ``daqk`` ``[..., C, C]`` and
-    ``dakk_row_scale`` ``[..., C]`` fp32; entries outside the masks (``i < t``, ``i <= t``) are ignored.
-
-    ``fp64_sums`` (fp32 callers) computes in fp64 and returns ``dgam`` in fp64: every pair ``(t, i)`` adds ``+x`` to
-    ``dG_t`` and ``-x`` to ``dG_i``, and ``dA_log = sum_t G_t dG_t`` weights the rounding left by that cancellation
-    with cumulative gates of up to ~100 nats (see the notes); ``dq``, ``dk`` stay fp32."""
+    ``dakk_row_scale`` ``[..., C]`` fp32; entries outside the masks (``i < t``, ``i <= t``) are ignored."""
     _check(q, k, gam, dakk, daqk)
     *lead, C, K = q.shape
     nb = q.numel() // (C * K)
     has_rs = dakk_row_scale is not None
     if has_rs:
         assert dakk_row_scale.is_contiguous() and dakk_row_scale.shape == dakk.shape[:-1], "dakk_row_scale: [..., C]"
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dgam = torch.empty_like(gam, dtype=torch.float64 if fp64_sums else gam.dtype)
-    if fp64_sums:
-        dot_precision = "ieee"
+    dq, dk, dgam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     # tf32 products run on tensor cores (offline sm_90 compile, Triton 3.9: 160 registers, no spills at 8 warps,
     # 255 at 4); the exact fp32 products (FMA loops, fp32 callers only) keep the 4 warps they were run with.
     num_warps = 8 if dot_precision == "tf32" else 4

@@ -277,13 +277,32 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
     p = y_u @ v_newT
     dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
     del y_u, y_wn  # before the gated-product backward allocates (peak memory)
-    # Exact-product callers (fp32) assemble dG in fp64: see chunk_kda_gated_dots_bwd.
-    fp64_sums = dot_precision == "ieee"
-    dq, dk, dgam = chunk_kda_gated_dots_bwd(
-        q, k, local.gam, p, do @ v_newT, dot_precision=dot_precision,
-        dakk_row_scale=(-beta).contiguous(), daqk_scale=scale, fp64_sums=fp64_sums,
-    )
+    if dot_precision == "ieee":
+        dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * (do @ v_newT))
+    else:
+        dq, dk, dgam = chunk_kda_gated_dots_bwd(
+            q, k, local.gam, p, do @ v_newT, dot_precision=dot_precision,
+            dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
+        )
     dq, dk, dg = chunk_kda_bwd_gates(
         k, local.gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
     )
     return dq, dk, dv, dg, dbeta
+
+
+def _gated_dots_bwd_fp64(q, k, gam, dakk, daqk):
+    """``(dq, dk, dG)`` of the gated products for exact-product (fp32) callers, assembled in fp64 by the torch oracle.
+
+    Every pair ``(t, i)`` adds ``+x`` to ``dG_t`` and ``-x`` to ``dG_i`` on two different summation paths, and
+    ``dA_log = sum_s G_s dG_s`` weights what fp32 leaves of that cancellation by cumulative gates of up to ~100
+    nats: ``dA_log`` reached 1.6e-4 against the fp64 reference with fp32 sums (benchmarks/kda/NOTES.md). ``dG`` stays
+    fp64 for `chunk_kda_bwd_gates`, which then sums in fp64 too. (Triton's fp64 ``tl.dot`` is not relied on: not
+    every Triton release lowers it on NVIDIA.)
+    """
+    q64, k64, g64 = q.double(), k.double(), gam.double()
+    mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device)
+    da, db = gated_dot_bwd(dakk.double().masked_fill(~mask.tril(-1), 0.0), k64, k64, g64)
+    dk, dgam = da + db, k64 * (da - db)
+    da, db = gated_dot_bwd(daqk.double().masked_fill(~mask.tril(), 0.0), q64, k64, g64)
+    dgam += q64 * da - k64 * db
+    return da.to(q.dtype), (dk + db).to(k.dtype), dgam
