@@ -16,10 +16,11 @@ the caller. Two kinds of rows:
   policy time), with ``--inflight`` worker threads. This measures the most tool calls per second; its latency
   is queueing by construction (Little's law: mean latency = N / calls per second, so 256 environments at
   1,000 calls/s wait 256 ms on average whatever the server does).
-- paced (``server-N-paced``): each environment steps on its own clock, one step every N / ``--rl-paced-rate``
-  seconds from a random phase (a policy that takes that long per turn), so the offered load is
-  ``--rl-paced-rate`` calls/s in total. This is the step latency a trainer sees at that load; a step that
-  comes due while the previous one still runs starts when it returns.
+- paced (``server-N-paced``, for N in ``--rl-paced-envs``): each environment steps on its own clock, one
+  step every N / ``--rl-paced-rate`` seconds from a random phase (a policy that takes that long per turn), so
+  the offered load is ``--rl-paced-rate`` calls/s in total; the baseline is the in-process API, same pacing.
+  This is the step latency a trainer sees at that load; a step that comes due while the previous one still
+  runs starts when it returns.
 
 The server runs as its own process (``agentenv serve``, as deployed), so clients and server do not share a
 GIL; ``--rl-server-inproc`` serves from a thread of this process instead (the first runs did).
@@ -64,6 +65,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rl-paced-rate", type=float, default=1000.0,
                         help="offered tool calls/s of the paced server rows (0 skips them)")
     parser.add_argument("--rl-paced-seconds", type=float, default=10.0, help="duration of a paced row")
+    parser.add_argument("--rl-paced-envs", default="256",
+                        help="comma-separated environment counts that also get a paced row (the goal's 256)")
 
 
 def _gate(provider) -> None:
@@ -304,7 +307,7 @@ def run_rl_bench(args: argparse.Namespace) -> list[Row]:
                 pid = server_proc.pid if server_proc is not None else None
                 rows += _guarded(f"server {n} envs",
                                  lambda n=n, api=api, pid=pid: _server_rows(remote, n, api, args, executor, pid))
-                if args.rl_paced_rate > 0:
+                if args.rl_paced_rate > 0 and str(n) in str(args.rl_paced_envs).split(","):
                     rows += _guarded(f"server {n} envs paced",
                                      lambda n=n: _paced_rows(local, remote, n, args, executor))
         for name, provider in (("api", local), ("server", remote)):
