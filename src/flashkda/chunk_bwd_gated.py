@@ -217,11 +217,8 @@ def chunk_kda_gated_dots_bwd(
     if has_rs:
         assert dakk_row_scale.is_contiguous() and dakk_row_scale.shape == dakk.shape[:-1], "dakk_row_scale: [..., C]"
     dq, dk, dgam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
-    # tf32 products run on tensor cores (offline sm_90 compile, Triton 3.9: 160 registers, no spills at 8 warps,
-    # 255 at 4); the exact fp32 products (FMA loops, fp32 callers only) keep the 4 warps they were run with.
-    num_warps = 8 if dot_precision == "tf32" else 4
     chunk_kda_bwd_kernel_gated_dots[(nb, C // BC)](
         q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, daqk_scale, dq, dk, dgam, C=C, K=K, BC=BC,
-        DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=num_warps,
+        DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=4,
     )
     return dq, dk, dgam

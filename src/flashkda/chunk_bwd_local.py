@@ -27,8 +27,10 @@ from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
 __all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
 
 SUB_CHUNK = 16
-# The recomputed Akk/Aqk feed the UT inverse: exact fp32 products (cheap next to the kernel's exponentials). Their
-# backward takes the caller's precision (tf32 for bf16/fp16 callers on a GPU).
+# The 16-row gated products: exact fp32 (FMA loops). tf32 would use tensor cores (offline sm_90 compile of the
+# backward: 170 registers, no spills at 8 warps against 255 and 668 B of spills), but that is the configuration
+# (tf32, a transposed fp32 operand, 8 warps, 16-wide tiles) of the state-pass launch that hit an illegal memory
+# access on the device before (NOTES.md), so it waits for a device run that can test it.
 GATED_DOT_PRECISION = "ieee"
 
 
@@ -215,7 +217,7 @@ def chunk_local_bwd(
         do: ``[NC, HV, C, V]`` gradient of the output.
         dhe: ``[NC, HV, K, V]`` gradient w.r.t. the state at each chunk end.
         dv_new: ``[NC, HV, C, V]`` total gradient w.r.t. ``v_new``.
-        dot_precision: Triton product precision of the fused gated-product backward (``"ieee"`` or ``"tf32"``).
+        dot_precision: the caller's product precision: ``"ieee"`` (fp32 callers) assembles ``dG`` in fp64.
 
     Returns:
         ``(dq, dk, dv, dg, dbeta)`` in the chunked layout.
@@ -281,7 +283,7 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
         dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * (do @ v_newT))
     else:
         dq, dk, dgam = chunk_kda_gated_dots_bwd(
-            q, k, local.gam, p, do @ v_newT, dot_precision=dot_precision,
+            q, k, local.gam, p, do @ v_newT, dot_precision=GATED_DOT_PRECISION,
             dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
         )
     dq, dk, dg = chunk_kda_bwd_gates(
