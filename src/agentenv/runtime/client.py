@@ -63,7 +63,6 @@ class Connection:
         timeout_s: float | None = None,
         on_event: Callable[[str, bytes], None] | None = None,
         on_child: Callable[[dict, int | None], None] | None = None,
-        follow: Callable[[], tuple[dict, list[int]] | None] | None = None,
     ) -> tuple[dict, bytes]:
         """Send `obj` (+ `blob`, `fds`) and wait for the final reply.
 
@@ -72,8 +71,6 @@ class Connection:
             on_event: called with ``("out" | "err", chunk)`` for streamed output frames.
             on_child: called with ``(event, host_pid)`` for each ``{"ev": "child"}`` frame of a fork (the pid
                 comes as SCM_CREDENTIALS; SO_PASSCRED is on for the request).
-            follow: called right after the request is sent; the frame (object, fds) it returns, if any, is sent
-                next, before any reply is read (a fork's children's roots, built while the sandbox clones).
 
         Raises:
             SandboxGoneError: the tool server went away.
@@ -85,12 +82,6 @@ class Connection:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             try:
                 protocol.send_msg(self._sock, obj, blob, fds)
-                try:
-                    extra = follow() if follow is not None else None
-                except OSError as e:  # the host's own work failed, not the connection
-                    raise errors.SandboxError(f"{obj.get('op')} of {self.sandbox_id}: {e}") from e
-                if extra is not None:
-                    protocol.send_msg(self._sock, extra[0], b"", extra[1])
                 while True:
                     reply, out, got, pid = protocol.recv_msg_creds(self._sock)
                     for fd in got:

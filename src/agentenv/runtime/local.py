@@ -278,16 +278,10 @@ class NamespaceBackend(Backend):
 
             # a snapshot cloned before its parent moves off the sealed layer stays in the sealed root
             own_root = [c.kind == "sandbox" or not moving for c in children]
-            overlays_ms = 0.0
-
-            def roots() -> tuple[dict, list[int]] | None:
-                """The children's roots, built while the tool server clones (it reads them after its first clone)."""
-                nonlocal overlays_ms
-                start = time.perf_counter()
-                fds = [root(child.upper) for child, own in zip(children, own_root) if own]
-                overlays_ms = (time.perf_counter() - start) * 1e3
-                return ({"op": "roots"}, fds) if fds else None
-
+            fds: list[int] = []
+            for child, listener, own in zip(children, listeners, own_root):
+                fds += [root(child.upper), listener.fileno()] if own else [listener.fileno()]
+            clock.mark("overlays_ms")
             move_fd = -1
 
             def prepare_move() -> None:
@@ -315,8 +309,7 @@ class NamespaceBackend(Backend):
                 reply, _ = conn.request({"op": "fork", "rebase": moving, "usr_bind": parent.usr_bind,
                                          "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
                                                       for c, own in zip(children, own_root)]},
-                                        fds=[listener.fileno() for listener in listeners], timeout_s=30.0,
-                                        on_child=on_child, follow=roots)
+                                        fds=fds, timeout_s=30.0, on_child=on_child)
                 answered = True
                 if moving:
                     if new_parent_upper is None:
@@ -352,8 +345,7 @@ class NamespaceBackend(Backend):
             for child in children:
                 self.settle(child.id)
             clock.mark("settle_ms")
-            self.last_fork_phases = {**clock.phases, "overlays_in_request_ms": round(overlays_ms, 3),
-                                     "tool_server": reply.get("phases")}
+            self.last_fork_phases = {**clock.phases, "tool_server": reply.get("phases")}
             log.debug("fork of %s (%d lower layers): %s", parent.id, len(lowers), self.last_fork_phases)
         except BaseException:
             for cconn in conns.values():

@@ -351,14 +351,13 @@ class ToolServer:
     def op_fork(self, conn, req, blob, fds):
         """Fork one sandbox per entry of `children`, then (if `rebase`) move onto a new writable layer.
 
-        fds: per child its listening socket. The children's root mounts (for those whose ``own_root`` is
-        not false) follow in a ``roots`` frame, which the host builds while we clone; with `rebase`, the
-        host sends our own new root in a ``move`` frame after our answer. Children are cloned before the
-        parent moves, so a child without its own root (a snapshot: it never serves agents, only forks)
-        keeps the sealed root it was cloned in, and no agent of the parent runs meanwhile to change it. We
-        answer once every child is ready (or failed: ``failed``) and move right after answering
-        (`_finish_move`), before any further request; the reply's ``previous_move_ms`` is how long the last
-        move took.
+        fds: per child its root mount (unless the child's ``own_root`` is false) and its listening socket;
+        with `rebase`, the host sends our own new root in a ``move`` frame after our answer (it builds
+        that root while we clone). Children are cloned before the parent moves, so a child without its own
+        root (a snapshot: it never serves agents, only forks) keeps the sealed root it was cloned in, and no
+        agent of the parent runs meanwhile to change it. We answer once every child is ready (or failed:
+        ``failed``) and move right after answering (`_finish_move`), before any further request; the
+        reply's ``previous_move_ms`` is how long the last move took.
         """
         rebase = bool(req.get("rebase"))
         children = req["children"]
@@ -371,28 +370,21 @@ class ToolServer:
             clock[0] = now
 
         started: list[tuple[int, int, dict]] = []
-        held = list(fds)  # every fd a child must close: listeners, then the roots once they came
-        roots: list[int] = []
-
-        def root_for(index: int) -> int | None:
-            if not children[index].get("own_root", True):
-                return None
-            if not roots:
-                frame, _, got = protocol.recv_msg(conn)
-                held.extend(got)
-                if frame.get("op") != "roots" or len(got) != sum(c.get("own_root", True) for c in children):
-                    raise RequestError("invalid", f"expected the children's roots, got {frame.get('op')!r}")
-                roots.extend(got)
-            return roots[sum(c.get("own_root", True) for c in children[:index])]
-
         try:
             self.shell.dump_state()
             self.shell.close()
             if rebase:
                 self.kill_agents()
             mark("shell_ms")
+            at = 0
             for index, child in enumerate(children):
-                started.append(self._clone_child(index, child, root_for, fds[index], req["usr_bind"], conn, held,
+                root_fd = None
+                if child.get("own_root", True):
+                    root_fd = fds[at]
+                    at += 1
+                listen_fd = fds[at]
+                at += 1
+                started.append(self._clone_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds,
                                                  [r for _, r, _ in started]))
             mark("children_ms")
             pids = [pid for pid, _, _ in started]
@@ -405,7 +397,7 @@ class ToolServer:
             if rebase:
                 self._pending_move = (conn, bool(req["usr_bind"]))
         finally:
-            for fd in held:
+            for fd in fds:
                 os.close(fd)
             for _, r_ready, _ in started:
                 os.close(r_ready)
@@ -413,16 +405,13 @@ class ToolServer:
         failed = [f"child {children[i]['id']} failed: {f}" for i, f in enumerate(failures) if f]
         return {"pids": pids, "phases": phases, "failed": failed}, b""
 
-    def _clone_child(self, index, child, root_for, listen_fd, usr_bind, conn, all_fds, siblings) -> tuple:
-        """Clone one child into fresh namespaces, write its id maps, hand it its root, name it to the host.
-
-        `root_for(index)` gives the child's root mount (None: it keeps the root it was cloned in); the
-        child gets it with the go-ahead over a socket pair, since it may arrive after the clone.
+    def _clone_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds, siblings) -> tuple:
+        """Clone one child into fresh namespaces, write its id maps, name it to the host.
 
         Returns:
             ``(pid, ready_fd, timings)``; `_await_child` reads the child's readiness from ``ready_fd``.
         """
-        p_map, c_map = socket.socketpair()  # go-ahead (+ root) from us to the child
+        r_map, w_map = os.pipe()
         r_ready, w_ready = os.pipe()
         t0 = time.perf_counter()
         try:
@@ -432,8 +421,8 @@ class ToolServer:
             pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
         except OSError as e:
             sc.prctl(sc.PR_SET_DUMPABLE, 0)
-            p_map.close()
-            c_map.close()
+            os.close(r_map)
+            os.close(w_map)
             os.close(r_ready)
             os.close(w_ready)
             if e.errno in (errno.ENOSPC, errno.EUSERS):
@@ -444,15 +433,12 @@ class ToolServer:
             code = 1
             try:
                 t1 = time.perf_counter()
-                p_map.close()
+                os.close(w_map)
                 os.close(r_ready)
                 for fd in siblings:  # earlier siblings' readiness pipes
                     os.close(fd)
-                go, got, _, _ = socket.recv_fds(c_map, 1, 1)
-                c_map.close()
-                if go != b"m":
+                if os.read(r_map, 1) != b"m":
                     os._exit(1)
-                root_fd = got[0] if got else None
                 sc.prctl(sc.PR_SET_DUMPABLE, 0)
                 t2 = time.perf_counter()
                 if root_fd is not None:
@@ -467,8 +453,6 @@ class ToolServer:
                 for fd in all_fds:
                     if fd != listen_fd:
                         os.close(fd)
-                if root_fd is not None:
-                    os.close(root_fd)
                 conn.close()
                 self.listener.close()
                 for c in self.conns:
@@ -493,15 +477,14 @@ class ToolServer:
                     pass
             os._exit(code)
         t_clone = time.perf_counter()
-        c_map.close()
+        os.close(r_map)
         os.close(w_ready)
         try:
             for name, line in (("uid_map", "0 0 65536\n"), ("gid_map", "0 0 65536\n")):
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(line)
             sc.prctl(sc.PR_SET_DUMPABLE, 0)
-            root_fd = root_for(index)
-            socket.send_fds(p_map, [b"m"], [] if root_fd is None else [root_fd])
+            os.write(w_map, b"m")
             # tell the host the child's pid now (translated by the kernel), so it can move the child into its
             # cgroup while the child mounts its root
             protocol.send_msg(conn, {"ev": "child", "index": index}, creds_pid=pid)
@@ -509,7 +492,7 @@ class ToolServer:
             os.close(r_ready)
             raise
         finally:
-            p_map.close()
+            os.close(w_map)
         t_sent = time.perf_counter()
         return pid, r_ready, {"clone_ms": (t_clone - t0) * 1e3, "maps_ms": (t_sent - t_clone) * 1e3, "sent": t_sent}
 
