@@ -43,8 +43,9 @@ class ServerProc:
                 self.proc.wait()
 
 
-def start_server(home: Path, state_dir: Path, *, kill_on_exit: bool = True, create_key: bool = True) -> ServerProc:
-    """Start ``python -m agentenv.server`` on a free port and wait for its ready line."""
+def start_server(home: Path, state_dir: Path, *, kill_on_exit: bool = True, create_key: bool = True,
+                 extra: tuple[str, ...] = ()) -> ServerProc:
+    """Start ``python -m agentenv.server`` on a free port (`extra`: more ``serve`` options); wait until ready."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
            "--exit-with-parent", "--state-dir", str(state_dir)]
@@ -52,6 +53,7 @@ def start_server(home: Path, state_dir: Path, *, kill_on_exit: bool = True, crea
         cmd.append("--kill-on-exit")
     if create_key:
         cmd += ["--create-key", "tests"]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines = []
     deadline = time.monotonic() + 60
