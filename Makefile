@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := iproute2 bubblewrap util-linux procps python3
+APT_PACKAGES := iproute2 bubblewrap util-linux procps python3 nftables
 
 .PHONY: demo test install apt lint clean
 
