@@ -114,6 +114,9 @@ def server_case(src: Path, clients: int, seconds: float) -> dict:
             sb.kill()
     finally:
         server.stop()
+        from agentenv.runtime.local import NamespaceBackend
+
+        NamespaceBackend(home).gc(everything=True)  # the server's runtime seed outlives the server otherwise
         shutil.rmtree(home, ignore_errors=True)
     out = {"calls_per_s": result.rps, "errors": result.errors, "p50_ms": result.latency.median_ms,
            "p99_ms": result.latency.p99_ms}
