@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VERL_STAMP := $(VENV)/.verl-installed
 APT_PACKAGES := iproute2 bubblewrap util-linux procps python3 nftables
 
 .PHONY: demo test install apt lint clean
@@ -24,12 +25,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[all,test]'
 	@touch $(STAMP)
 
+# verl for its agent-loop adapter test only, without its requirement list (see requirements/verl-test.txt).
+$(VERL_STAMP): requirements/verl-test.txt $(STAMP)
+	$(PY) -m pip install -q --no-deps -r requirements/verl-test.txt
+	@touch $(VERL_STAMP)
+
 install: apt $(STAMP)
 
 demo: install
 	$(VENV)/bin/k3infra demo
 
-test: install
+test: install $(VERL_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
 
