@@ -107,9 +107,10 @@ TEMPLATE_PIDS = 4096
 def _template_limits(limits: Limits | None) -> Limits:
     """Limits of the sandbox a template is built (and snapshotted) in: roomy memory and pids.
 
-    Every restore forks the snapshot's frozen tool server, and a child is charged to the snapshot's cgroup
-    until the runtime moves it to its own; with the task's small limits, a burst of a few hundred restores
-    OOM-kills (or pid-exhausts) the snapshot and every later restore fails. Restores get the task's limits.
+    Every restore forks the snapshot's tool server (kept in its sealed root), and a child is charged to the
+    snapshot's cgroup until the runtime moves it to its own; with the task's small limits, a burst of a few
+    hundred restores OOM-kills (or pid-exhausts) the snapshot and every later restore fails. Restores get the
+    task's limits.
     """
     base = limits or Limits()
     return Limits(memory_mb=max(base.memory_mb, TEMPLATE_MEMORY_MB), pids=max(base.pids, TEMPLATE_PIDS),
