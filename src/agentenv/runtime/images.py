@@ -114,6 +114,29 @@ def build_host(store: Store, name: str = "host") -> dict:
     return manifest
 
 
+def _copy_special_aware(src: str, dst: str) -> None:
+    """`copytree`'s copy function: regular files by content, FIFOs re-created, device nodes and sockets skipped.
+
+    A plain `copy2` opens a device node and reads it, forever for `/dev/zero` (a debootstrap root holds such nodes):
+    sandboxes get their own `/dev` and every root is mounted nodev, so image layers never need device nodes.
+    """
+    mode = os.lstat(src).st_mode
+    if stat.S_ISREG(mode):
+        shutil.copy2(src, dst)
+    elif stat.S_ISFIFO(mode):
+        os.mkfifo(dst, stat.S_IMODE(mode))
+        shutil.copystat(src, dst)
+    else:
+        log.debug("image build: skipping special file %s", src)
+
+
+def _tar_filter_no_devices(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+    """tarfile's "tar" filter, and device members dropped (see `_copy_special_aware`)."""
+    if member.ischr() or member.isblk():
+        return None
+    return tarfile.tar_filter(member, path)
+
+
 def build_from_path(store: Store, name: str, source: Path, *, usr_bind: bool = False) -> dict:
     """An image from a directory or a tarball (`.tar`, `.tar.gz`, ...): one layer holding its files.
 
@@ -128,10 +151,10 @@ def build_from_path(store: Store, name: str, source: Path, *, usr_bind: bool = F
         root = _staging(store)
         try:
             if source.is_dir():
-                shutil.copytree(source, root, symlinks=True, dirs_exist_ok=True)
+                shutil.copytree(source, root, symlinks=True, dirs_exist_ok=True, copy_function=_copy_special_aware)
             elif tarfile.is_tarfile(source):
                 with tarfile.open(source) as tar:
-                    tar.extractall(root, filter="tar")
+                    tar.extractall(root, filter=_tar_filter_no_devices)
             else:
                 raise ValueError(f"source {str(source)!r} is neither a directory nor a tarball")
             layer = _commit_layer(store, root)
