@@ -192,3 +192,18 @@ def test_egress_without_nft_fails_clearly_and_leaves_nothing(egress_backend, mon
     monkeypatch.undo()
     left = leak_report(egress_backend.store.home)
     assert [r for r in left["records"] if not r.startswith("seed-")] == []
+
+
+def test_fork_past_the_range_reclaims_every_child_and_its_connection(egress_backend):
+    # a /28 holds 4 slots: the parent takes one, so the fourth child of fork(4) finds the range exhausted
+    backend = NamespaceBackend(egress_backend.store.home, egress_range="10.243.255.240/28")
+    sb = Sandbox.create(backend=backend, limits=Limits(network=Network(allow=["192.0.2.0/24"])))
+    try:
+        before = {r.id for r in backend.store.all_records()}
+        with pytest.raises(SandboxError, match="exhausted"):
+            sb.fork(4)
+        assert backend._pending == {}  # the children handed out before the failure are closed, not kept
+        assert {r.id for r in backend.store.all_records() if r.kind == "sandbox"} <= before
+        assert [r.net for r in backend.store.all_records() if r.net] == [{"slot": 0}]
+    finally:
+        sb.destroy()

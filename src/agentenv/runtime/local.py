@@ -350,7 +350,10 @@ class NamespaceBackend(Backend):
         except BaseException:
             for cconn in conns.values():
                 cconn.close()
-            for child in children:
+            for child in children:  # children handed to _pending before a later child failed (egress, settle)
+                pending = self._pending.pop(child.id, None)
+                if pending is not None:
+                    pending.close()
                 self._reclaim(child)
             if new_parent_upper is not None and not answered:
                 store.write_record(parent)  # the parent did not move: its record as before the fork
