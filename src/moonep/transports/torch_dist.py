@@ -62,14 +62,20 @@ class TorchDistTransport:
         if self.broken is not None:
             raise CommError(f"this buffer's transport is broken ({self.broken}); destroy it and build a new one")
 
-    def _run(self, issue: Callable[[], dist.Work | None], out: torch.Tensor, what: str) -> torch.Tensor:
-        self._check()
+    def _start(
+        self, issue: Callable[[], dist.Work | None], out: torch.Tensor, what: str
+    ) -> Callable[[], torch.Tensor]:
+        """Issue a collective now; the returned function waits for it (raising `CommError`) and returns ``out``."""
         try:
             work = issue()
         except RuntimeError as error:
             work = _Failed(error)
-        self._wait(work, what)
-        return out
+
+        def finish() -> torch.Tensor:
+            self._wait(work, what)
+            return out
+
+        return finish
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
         """``out`` (``[R * n, ...]``) receives every rank's ``inp`` (``[n, ...]``) in rank order."""
@@ -89,24 +95,11 @@ class TorchDistTransport:
         inp = inp.contiguous()
         # torch >= 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        try:
-            work = gather(out, inp, group=self.group, async_op=True)
-        except RuntimeError as error:
-            work = _Failed(error)
-
-        def finish() -> torch.Tensor:
-            self._wait(work, what)
-            return out
-
-        return finish
+        return self._start(lambda: gather(out, inp, group=self.group, async_op=True), out, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all") -> torch.Tensor:
         """Equal splits: chunk ``i`` of ``inp`` (dim 0) goes to rank ``i``; ``out``'s chunk ``j`` comes from ``j``."""
-        if self.world_size == 1:
-            self._check()
-            return out.copy_(inp)
-        inp = inp.contiguous()
-        return self._run(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), out, what)
+        return self.start_all_to_all(out, inp, what)()
 
     def start_all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all"
@@ -117,16 +110,7 @@ class TorchDistTransport:
             out.copy_(inp)
             return lambda: out
         inp = inp.contiguous()
-        try:
-            work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
-        except RuntimeError as error:
-            work = _Failed(error)
-
-        def finish() -> torch.Tensor:
-            self._wait(work, what)
-            return out
-
-        return finish
+        return self._start(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), out, what)
 
     def sum_partials(self, partial_TH: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Send each source rank its rows of ``partial_TH`` (``[R*S, H]``, rows ``src*S + t``) and sum what
