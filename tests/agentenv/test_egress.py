@@ -207,3 +207,22 @@ def test_fork_past_the_range_reclaims_every_child_and_its_connection(egress_back
         assert [r.net for r in backend.store.all_records() if r.net] == [{"slot": 0}]
     finally:
         sb.destroy()
+
+
+def test_table_rebuilt_after_a_cut_teardown_still_guards_forwarding(egress_backend):
+    backend = egress_backend
+    guard = 'iifname != "ae*" oifname != "ae*" drop'
+    if IP_FORWARD.read_text().strip() != "0":
+        pytest.skip("IPv4 forwarding is already on here: the runtime neither turns it on nor guards it")
+    sb, _ = _egress_sandbox(backend, ["192.0.2.0/24"])
+    try:
+        assert backend.egress.flag.exists()
+        # a teardown cut short after deleting the table: forwarding still on, our flag still there
+        subprocess.run(["nft", "delete", "table", "inet", backend.egress.table], check=True)
+        again, _ = _egress_sandbox(backend, ["192.0.2.0/24"])
+        again.destroy()  # not the last egress sandbox: the table stays
+        rules = subprocess.run(["nft", "list", "table", "inet", backend.egress.table], capture_output=True,
+                               text=True).stdout
+        assert guard in rules
+    finally:
+        sb.destroy()

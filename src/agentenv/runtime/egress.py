@@ -192,6 +192,8 @@ class Egress:
             return
         t, ours = self.table, f'"{self.prefix}*"'
         enable_forwarding = IP_FORWARD.read_text().strip() == "0"
+        # our flag without our table: a teardown cut short after deleting the table left forwarding on for us
+        guard = enable_forwarding or self.flag.exists()
         lines = [f"add table inet {t}",
                  f"add map inet {t} egress_if {{ type ifname : verdict ; }}",
                  f"add chain inet {t} input {{ type filter hook input priority -5 ; policy accept ; }}",
@@ -203,7 +205,7 @@ class Egress:
                  f"add rule inet {t} forward iifname vmap @egress_if",
                  f"add rule inet {t} forward iifname {ours} drop",
                  f"add rule inet {t} postrouting ip saddr {self.range} oifname != {ours} masquerade"]
-        if enable_forwarding:
+        if guard:
             # forwarding was off: keep it off for everything but sandboxes (of any agentenv data directory)
             lines.append(f'add rule inet {t} forward iifname != "ae*" oifname != "ae*" drop')
         _run(["nft", "-f", "-"], "\n".join(lines))
