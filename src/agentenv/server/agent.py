@@ -61,7 +61,7 @@ def send(sock: socket.socket, obj: dict, blob: bytes = b"") -> None:
         sock.sendall(blob)
 
 
-def _exact(sock: socket.socket, n: int) -> bytes:
+def _exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -70,11 +70,15 @@ def _exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise EOFError("peer closed")
         got += k
-    return bytes(buf)
+    return buf
 
 
-def recv(sock: socket.socket, max_blob: int = 1 << 62) -> tuple[dict, bytes]:
-    """One frame. The host passes `max_blob`: what a sandbox sends must not make the host allocate freely."""
+def recv(sock: socket.socket, max_blob: int = 1 << 62) -> tuple[dict, bytearray | bytes]:
+    """One frame. The host passes `max_blob`: what a sandbox sends must not make the host allocate freely.
+
+    The blob comes back as the `bytearray` it was received into (copying a 1 MB file into `bytes` once more
+    cost ~0.1 ms per transfer).
+    """
     json_len, blob_len = HEADER.unpack(_exact(sock, HEADER.size))
     if json_len > MAX_JSON or blob_len > max_blob:
         raise EOFError(f"frame too large ({json_len} + {blob_len} bytes)")

@@ -299,7 +299,7 @@ class Envd:
             raise HTTPError(connect.HTTP_STATUS.get(e.code, 500), str(e)) from e
 
     @staticmethod
-    def _uploads(h: Handler) -> list[tuple[str, bytes]]:
+    def _uploads(h: Handler) -> list[tuple[str, bytes | memoryview]]:
         body = h.body(MAX_BODY)
         if h.headers.get("Content-Encoding", "").lower() == "gzip":
             try:
@@ -317,6 +317,7 @@ class Envd:
         if not boundary:
             raise HTTPError(400, "multipart upload without a boundary")
         files = []
+        view = memoryview(body)
         delim = b"--" + boundary.encode()
         if not body.startswith(delim):
             raise HTTPError(400, "multipart body does not start with its boundary")
@@ -337,7 +338,7 @@ class Envd:
             target = path if path and len(files) == 0 else filename
             if not target:
                 raise HTTPError(400, "multipart part without a filename and no 'path' parameter")
-            files.append((target, body[head_end + 4 : content_end]))
+            files.append((target, view[head_end + 4 : content_end]))  # no copy of the file's bytes
             pos = content_end + 2 + len(delim)
         if path and len(files) > 1:
             raise HTTPError(400, "'path' names one file but the upload carries several")

@@ -3,15 +3,14 @@
 The runtime (`agentenv.Sandbox` over a `Backend`) does the work; the registry adds what E2B's API promises on
 top: an owner key per sandbox, a timeout that can be moved (`set_timeout`) and is enforced by a reaper
 thread, per-key quotas, an access token per sandbox, paused state, named snapshots. It is written to
-``<state_dir>/sandboxes.json`` after every change, so a restarted server re-adopts the sandboxes that are
-still alive and drops (and logs) the ones that are gone; nothing is left running without an owner.
+``<state_dir>/sandboxes.json`` (and its second slot, see `agentenv.server.state`) after every change, so a
+restarted server re-adopts the sandboxes that are still alive and drops (and logs) the ones that are gone;
+nothing is left running without an owner.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from agentenv.sandbox import Sandbox
 from agentenv.server.agents import AgentLink
 from agentenv.server.auth import KeyInfo, new_access_token
 from agentenv.server.httpd import HTTPError
+from agentenv.server.state import StateFile
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Registry:
         self.backend = backend
         self.path = Path(state_dir) / "sandboxes.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.state = StateFile(self.path)
         self.limits = limits or Limits()
         self.lock = threading.RLock()
         self.entries: dict[str, Entry] = {}
@@ -105,10 +106,7 @@ class Registry:
 
     # ---- persistence and recovery --------------------------------------------------------------------------
     def _save(self) -> None:
-        data = {"sandboxes": {k: asdict(v) for k, v in self.entries.items()}, "snapshots": self.snapshots}
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)
+        self.state.save({"sandboxes": {k: asdict(v) for k, v in self.entries.items()}, "snapshots": self.snapshots})
 
     def adopt(self) -> dict[str, list[str]]:
         """Load the state file; keep what is still alive in the runtime, drop and report the rest.
@@ -116,9 +114,8 @@ class Registry:
         Returns:
             ``{"adopted": [...], "gone": [...]}`` sandbox and snapshot ids.
         """
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        data = self.state.load()
+        if data is None:
             return {"adopted": [], "gone": []}
         live = {info.id: info for info in self.backend.list() if info.alive}
         adopted, gone = [], []
@@ -179,6 +176,11 @@ class Registry:
             return link
 
     def _pid(self, sandbox_id: str) -> int:
+        store = getattr(self.backend, "store", None)
+        if store is not None:  # the namespace backend: read the one record, not every record (`list`)
+            record = store.read_record(sandbox_id)
+            if record is not None and record.pid:
+                return record.pid
         for info in self.backend.list():
             if info.id == sandbox_id:
                 return info.pid
@@ -427,3 +429,4 @@ class Registry:
                     self.backend.destroy(snap_id)
                 except errors.SandboxError as e:
                     log.warning("deleting snapshot %s: %s", snap_id, e)
+        self.state.close()
