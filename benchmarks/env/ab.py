@@ -95,21 +95,15 @@ def server_case(src: Path, clients: int, seconds: float) -> dict:
     """Throughput and CPU per call of `commands.run("true")` against the server of tree `src`."""
     from e2b import Sandbox
 
-    from benchmarks.env.server import ServerHandle, load
+    from benchmarks.env.server import load, start_server
 
     home = Path(tempfile.mkdtemp(prefix="agentenv-ab-srv-", dir="/tmp"))
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
-                             "--exit-with-parent", "--state-dir", str(home / "server"), "--kill-on-exit",
-                             "--create-key", "ab"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                            text=True)
-    key = json.loads(proc.stdout.readline())["api_key"]
-    server = ServerHandle(json.loads(proc.stdout.readline())["url"], key, proc, home)
+    server = start_server(home, src, "ab")
     try:
         pool = [Sandbox.create(timeout=3600, **server.sdk_opts()) for _ in range(32)]
         for sb in pool:
             sb.commands.run("true")
-        result = load(server.sdk_opts(), [sb.sandbox_id for sb in pool], clients, seconds, server_pid=proc.pid)
+        result = load(server.sdk_opts(), [sb.sandbox_id for sb in pool], clients, seconds, server_pid=server.proc.pid)
         for sb in pool:
             sb.kill()
     finally:

@@ -73,12 +73,12 @@ class ServerHandle:
                 self.proc.wait()
 
 
-def start_server(home: Path) -> ServerHandle:
-    """`agentenv serve` on a free loopback port with a fresh key; sandboxes die with it."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def start_server(home: Path, src: Path = ROOT / "src", key_name: str = "bench") -> ServerHandle:
+    """`agentenv serve` from source tree `src` on a free loopback port with a fresh key; sandboxes die with it."""
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
                              "--exit-with-parent", "--state-dir", str(home / "server"), "--kill-on-exit",
-                             "--create-key", "bench"],
+                             "--create-key", key_name],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     key = json.loads(proc.stdout.readline())["api_key"]
     url = json.loads(proc.stdout.readline())["url"]
