@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -248,16 +247,11 @@ def _serve(home: Path) -> tuple[subprocess.Popen, str, str]:
 
     Roomy default limits (see the module docstring) and a key without a sandbox quota (1,000 environments).
     """
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home / "server-runtime"),
-                             "serve", "--port", "0", "--state-dir", str(home / "server"), "--exit-with-parent",
-                             "--kill-on-exit", "--create-key", "bench", "--key-max-sandboxes", "0",
-                             "--memory-mb", "8192", "--pids", "4096"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-    key = json.loads(proc.stdout.readline())["api_key"]
-    url = json.loads(proc.stdout.readline())["url"]
-    return proc, url, key
+    from benchmarks.env.server import start_server
+
+    server = start_server(home, runtime_home=home / "server-runtime",
+                          serve_args=("--key-max-sandboxes", "0", "--memory-mb", "8192", "--pids", "4096"))
+    return server.proc, server.url, server.api_key
 
 
 def _fork_rows(provider, name: str, args, executor) -> list[Row]:

@@ -73,12 +73,17 @@ class ServerHandle:
                 self.proc.wait()
 
 
-def start_server(home: Path, src: Path = ROOT / "src", key_name: str = "bench") -> ServerHandle:
-    """`agentenv serve` from source tree `src` on a free loopback port with a fresh key; sandboxes die with it."""
+def start_server(home: Path, src: Path = ROOT / "src", key_name: str = "bench", *, runtime_home: Path | None = None,
+                 serve_args: tuple[str, ...] = ()) -> ServerHandle:
+    """`agentenv serve` from source tree `src` on a free loopback port with a fresh key; sandboxes die with it.
+
+    The server keeps its state in ``home/server`` and its sandboxes' runtime in `runtime_home` (default `home`);
+    `serve_args` are further ``agentenv serve`` options.
+    """
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
-                             "--exit-with-parent", "--state-dir", str(home / "server"), "--kill-on-exit",
-                             "--create-key", key_name],
+    proc = subprocess.Popen([sys.executable, "-m", "agentenv.server", "--home", str(runtime_home or home), "serve",
+                             "--port", "0", "--exit-with-parent", "--state-dir", str(home / "server"), "--kill-on-exit",
+                             "--create-key", key_name, *serve_args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     key = json.loads(proc.stdout.readline())["api_key"]
     url = json.loads(proc.stdout.readline())["url"]
