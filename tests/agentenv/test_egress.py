@@ -226,3 +226,19 @@ def test_table_rebuilt_after_a_cut_teardown_still_guards_forwarding(egress_backe
         assert guard in rules
     finally:
         sb.destroy()
+
+
+def test_destroyed_parent_with_live_forks_gives_up_its_veth(egress_backend):
+    backend = egress_backend
+    sb, index = _egress_sandbox(backend, ["192.0.2.0/24"])
+    (kid,) = sb.fork(1)
+    try:
+        kid_index = backend.store.read_record(kid.id).net["slot"]
+        sb.destroy()  # retired: its tool server stays while the fork nests below it
+        assert backend.store.read_record(sb.id).kind == "retired"
+        left = _state(backend, index)
+        assert not left["veth"] and not left["chain"] and not left["element"], left
+        assert _state(backend, kid_index)["veth"] and _state(backend, kid_index)["chain"]
+    finally:
+        kid.destroy()
+    assert not any(_state(backend, kid_index).values())

@@ -481,9 +481,15 @@ class NamespaceBackend(Backend):
                 conn.close()
         except errors.SandboxError as e:
             log.debug("retiring %s: %s", rec.id, e)
+        unplugged = rec.net is not None
+        if unplugged:  # nothing runs in it any more: its veth, rules and slot go now, not with its last fork
+            self.egress.detach(rec.net["slot"])
+            rec.net = None
         rec.kind = "retired"
         self.store.write_record(rec)
         self.store.sock(rec.id).unlink(missing_ok=True)
+        if unplugged and not any(r.net for r in self.store.all_records()):
+            self.egress.teardown()
 
     def _reclaim(self, rec: Record) -> None:
         """Kill the tool server (all its processes), remove its cgroup, record and unreferenced layers."""
