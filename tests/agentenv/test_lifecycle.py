@@ -93,6 +93,22 @@ def test_killed_runtime_leaves_nothing_gc_cannot_reclaim(own_backend, leak_repor
     assert not any(left.values()), left
 
 
+def test_gc_removes_a_record_write_cut_by_a_kill(own_backend, leak_report):
+    records = own_backend.store.records
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a writer that died inside write_record left its temporary file behind
+    cut = records / f".sb-000000000000.json.{dead.pid}.1.tmp"
+    cut.write_text("{")
+    writing = records / f".sb-000000000001.json.{os.getpid()}.1.tmp"  # a live writer's: not touched
+    writing.write_text("{")
+    try:
+        own_backend.gc()
+        assert not cut.exists() and writing.exists()
+    finally:
+        writing.unlink()
+    assert leak_report(own_backend.store.home)["records"] == []
+
+
 def test_ttl_stops_sandbox_and_gc_reclaims_it(own_backend, leak_report):
     sb = Sandbox.create(backend=own_backend, ttl=0.5)
     assert sb.exec("echo up").stdout == "up\n"

@@ -537,6 +537,7 @@ class NamespaceBackend(Backend):
                 elif expired or (rec.kind == "retired" and not self._children(rec.id)):
                     self._release(rec)
                     removed["records"] += 1
+            self.store.remove_dead_writes()  # a runtime killed inside write_record
             live = {r.id for r in self.store.all_records()}
             for names in cgroups.leftover_groups(self.cgroup_group, self.cgroup_root).values():
                 for name in names:

@@ -186,6 +186,16 @@ class Store:
         except FileNotFoundError:
             return None
 
+    def remove_dead_writes(self) -> int:
+        """Delete the temporary files of record writes whose writer was killed mid-write; returns how many."""
+        removed = 0
+        for tmp in self.records.glob(".*.tmp"):  # `_atomic_write`: .<name>.<pid>.<thread>.tmp
+            pid = tmp.name.split(".")[-3]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                tmp.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
     def delete_record(self, sid: str) -> None:
         for path in (self.records / f"{sid}.json", self.sock(sid)):
             try:
