@@ -7,6 +7,8 @@ argv (the ``/bin/sh -c true`` that `Sandbox.exec("true")` runs is reported besid
 concurrent clients (threads spread over worker processes, each a stock `e2b.Sandbox`) loop
 ``commands.run("true")`` over a pool of sandboxes for `--server-seconds`; we report requests/s, errors and
 latency quantiles. The server runs in its own process on 127.0.0.1; clients and server share this machine.
+Two more rows time create+kill and the 1 MB upload as bare `http.client` requests (`RawClient`): what the
+server and HTTP cost without the SDK's own work.
 
 Usage: ``python -m benchmarks.env.server [--server-reps N] [--server-clients 64 256] [--server-seconds S]
 [--no-write]``; the env runner calls `run_server_bench(args)` for ``k3infra bench env --server``.
@@ -15,6 +17,7 @@ Usage: ``python -m benchmarks.env.server [--server-reps N] [--server-clients 64 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import multiprocessing
 import os
@@ -26,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from benchmarks.harness import Row, Timing, time_fn, write_results
 
@@ -219,6 +223,43 @@ def load(opts: dict, sandbox_ids: list[str], clients: int, seconds: float, proce
     return LoadResult(clients, seconds, ok, err, samples[:5], Timing.from_samples(lat) if lat else None, cpu)
 
 
+# ---- a minimal HTTP client (what the server costs without the SDK's own work) -------------------------------
+class RawClient:
+    """The SDK's create/kill and 1 MB multipart upload as bare `http.client` requests on one kept-alive
+    connection: the gap between this and the stock SDK is spent in the SDK, not in the server."""
+
+    BOUNDARY = "agentenvbench"
+
+    def __init__(self, server: ServerHandle):
+        u = urlsplit(server.url)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        self.key = server.api_key
+
+    def _call(self, method: str, path: str, body: bytes | None, headers: dict, status: int) -> bytes:
+        self.conn.request(method, path, body, headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != status:
+            raise RuntimeError(f"{method} {path}: HTTP {resp.status} {data[:300]!r}")
+        return data
+
+    def create_kill(self) -> None:
+        created = self._call("POST", "/v2/sandboxes", json.dumps({"templateID": "base", "timeout": 300}).encode(),
+                             {"X-API-Key": self.key, "Content-Type": "application/json"}, 201)
+        self._call("DELETE", f"/sandboxes/{json.loads(created)['sandboxID']}", None, {"X-API-Key": self.key}, 204)
+
+    def write(self, sandbox_id: str, token: str, path: str, data: bytes) -> None:
+        head = (f'--{self.BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{path}"\r\n'
+                f"Content-Type: application/octet-stream\r\n\r\n").encode()
+        body = b"".join((head, data, f"\r\n--{self.BOUNDARY}--\r\n".encode()))
+        self._call("POST", "/files", body, {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983",
+                                            "X-Access-Token": token,
+                                            "Content-Type": f"multipart/form-data; boundary={self.BOUNDARY}"}, 200)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 # ---- the benchmark ------------------------------------------------------------------------------------------
 def _extra(t: Timing, **more) -> dict:
     return {"p20_ms": round(t.p20_ms, 3), "p80_ms": round(t.p80_ms, 3), "p99_ms": round(t.p99_ms, 3), "n": t.n,
@@ -270,6 +311,16 @@ def run_server_bench(args: argparse.Namespace) -> list[Row]:
                             extra=_extra(t_ours, base_p99_ms=round(t_base.p99_ms, 3),
                                          overhead_p50_ms=round(t_ours.median_ms - t_base.median_ms, 3)),
                             note=f"ours = stock e2b SDK over HTTP; {note}".rstrip("; ")))
+        raw = RawClient(server)
+        token = remote._envd_access_token or ""
+        raw_cases = [("create+kill", raw.create_kill, max(10, reps // 4)),
+                     ("files.write 1 MB", lambda: raw.write(remote.sandbox_id, token, "/tmp/w", blob), reps)]
+        for name, fn, n in raw_cases:  # same server, same run: splits the SDK's overhead into ours and its own
+            t_raw = time_fn(fn, warmup=3, rep=n)
+            rows.append(Row(case=f"{name} (bare http.client)", baseline="-", baseline_ms=None, ours_ms=t_raw.median_ms,
+                            params={"reps": n}, extra=_extra(t_raw),
+                            note="the same requests as the stock SDK sends, without the SDK: server + HTTP only"))
+        raw.close()
         sh = time_fn(lambda: local.exec("true"), warmup=3, rep=reps)
         rows.append(Row(case='exec("true") in-process (/bin/sh -c)', baseline="-", baseline_ms=None,
                         ours_ms=sh.median_ms, params={"reps": reps}, extra=_extra(sh), note="reference only"))
