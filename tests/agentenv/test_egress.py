@@ -80,11 +80,17 @@ def _egress_sandbox(backend: NamespaceBackend, allow: list[str]) -> tuple[Sandbo
     return sb, backend.store.read_record(sb.id).net["slot"]
 
 
-def test_allowed_listener_is_reachable_and_nothing_else(egress_backend):
-    backend = egress_backend
+def _sandbox_allowed_one_port(backend: NamespaceBackend) -> tuple[Sandbox, int, str, int]:
+    """A sandbox allowed to reach one free port on the host side of the veth it gets: (sandbox, slot, ip, port)."""
     host_ip = backend.egress.allocate(set()).host_ip  # the host side of the veth the next sandbox gets
     port = _free_port()
     sb, index = _egress_sandbox(backend, [f"{host_ip}:{port}"])
+    return sb, index, host_ip, port
+
+
+def test_allowed_listener_is_reachable_and_nothing_else(egress_backend):
+    backend = egress_backend
+    sb, index, host_ip, port = _sandbox_allowed_one_port(backend)
     listeners = []
     try:
         assert backend.egress.slot(index).host_ip == host_ip
@@ -112,9 +118,7 @@ def test_allowed_listener_is_reachable_and_nothing_else(egress_backend):
 
 def test_default_policy_has_no_route_to_an_egress_veth(egress_backend):
     backend = egress_backend
-    host_ip = backend.egress.allocate(set()).host_ip
-    port = _free_port()
-    sb, _ = _egress_sandbox(backend, [f"{host_ip}:{port}"])
+    sb, _, host_ip, port = _sandbox_allowed_one_port(backend)
     plain = Sandbox.create(backend=backend)
     try:
         with socket.create_server((host_ip, port)), socket.create_server(("0.0.0.0", 0)) as any_addr:
@@ -130,9 +134,7 @@ def test_default_policy_has_no_route_to_an_egress_veth(egress_backend):
 
 def test_fork_and_restore_get_their_own_veth_and_the_same_policy(egress_backend):
     backend = egress_backend
-    host_ip = backend.egress.allocate(set()).host_ip
-    port = _free_port()
-    sb, index = _egress_sandbox(backend, [f"{host_ip}:{port}"])
+    sb, index, host_ip, port = _sandbox_allowed_one_port(backend)
     made = [sb]
     try:
         (kid,) = sb.fork(1)
@@ -159,9 +161,7 @@ def test_fork_and_restore_get_their_own_veth_and_the_same_policy(egress_backend)
 
 def test_destroy_and_gc_remove_veth_rules_and_conntrack(egress_backend):
     backend = egress_backend
-    host_ip = backend.egress.allocate(set()).host_ip
-    port = _free_port()
-    sb, index = _egress_sandbox(backend, [f"{host_ip}:{port}"])
+    sb, index, host_ip, port = _sandbox_allowed_one_port(backend)
     with socket.create_server((host_ip, port)):
         assert _connect(sb, host_ip, port) == "CONNECTED"
         assert _state(backend, index) == {"veth": True, "chain": True, "element": True, "conntrack": True,
