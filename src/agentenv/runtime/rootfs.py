@@ -1,4 +1,4 @@
-"""Entering a sandbox root: overlayfs stack, /dev, /proc, optional read-only host /usr, pivot_root.
+"""Entering a sandbox root: overlayfs stack, /dev (own devpts), /proc, optional read-only host /usr, pivot_root.
 
 Stdlib only; used by the tool server at first start and when it forks. The host builds each overlay as a
 *detached* mount (fsopen/fsmount, as real root, from layer paths the sandbox cannot see) and passes the
@@ -59,6 +59,10 @@ def enter_root(
                 sc.mount(source, f"dev/{name}", None, sc.MS_BIND)
         os.mkdir("dev/shm", 0o1777)
         os.mkdir("dev/pts", 0o755)
+        # a private devpts instance (PTYs for `sandbox.pty`): the sandbox sees only its own terminals, and
+        # /dev/ptmx opens this instance's multiplexer
+        sc.mount("devpts", "dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+        os.symlink("pts/ptmx", "dev/ptmx")
         for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                              ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
             os.symlink(target, f"dev/{link}")

@@ -7,8 +7,9 @@ re-attach to while files are read and written. The server therefore starts this 
 no_new_privs) and talks to it over TCP on the sandbox's own loopback (the host joins the sandbox's network
 namespace only to create the socket; see `agentenv.server.agents`).
 
-Stdlib only and self-contained: the host sends this file's source on the agent's stdin (nothing is written
-into the sandbox) and runs it with the sandbox's ``python3 -I -S``.
+Stdlib only: the host sends this file's source on the agent's stdin, preceded by `agentenv.server.watch`
+(nothing is written into the sandbox), and runs it with the sandbox's ``python3 -I -S``. PTY sessions need
+the sandbox's own devpts (mounted by `agentenv.runtime.rootfs`).
 
 Wire format (both ways): a frame is an 8-byte header (`!II`: JSON length, blob length), a UTF-8 JSON object,
 then the blob (file contents, stdin, output chunks). A request carries `op`; a unary reply carries `ok` and,
@@ -33,6 +34,11 @@ import sys
 import threading
 import time
 
+try:  # in the sandbox the boot program loads `agentenv.server.watch` under this name ahead of this file
+    import agentenv_envd_watch as watching
+except ImportError:
+    from agentenv.server import watch as watching
+
 HEADER = struct.Struct("!II")
 PORT = 49983
 MAX_JSON = 16 << 20
@@ -40,7 +46,10 @@ MAX_READ = 1 << 30
 """Largest file `read` serves (the host refuses larger frames anyway)."""
 SUB_QUEUE = 64
 """Chunks buffered per subscriber before the process's reader blocks (backpressure on the process)."""
-WATCH_POLL_S = 0.05
+WATCH_KEEPALIVE_S = 10.0
+"""Idle seconds after which a watch stream sends a keep-alive frame."""
+WATCHER_STOP_CHECK_S = 0.5
+"""How often an inotify watcher's thread checks whether the watcher was removed."""
 CHUNK = 65536
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -159,11 +168,63 @@ def _os_fault(e: OSError, what: str) -> Fault:
 
 
 # ---- processes -----------------------------------------------------------------------------------------------
+PTY_EXIT_CHECK_MS = 200
+"""How often a PTY's pump checks whether its process ended while a background child still holds the terminal."""
+
+
+def _set_size(fd: int, size: dict) -> None:
+    import fcntl
+    import termios
+
+    rows, cols = int(size["rows"]), int(size["cols"])  # checked by the host (envd._pty_size)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _take_terminal() -> None:
+    """In the child, after setsid: make its stdin (the PTY's slave) the controlling terminal."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _spawn_on_pty(argv: list, env: dict, cwd: str, size: dict) -> tuple[subprocess.Popen, int]:
+    """Start `argv` as the session leader of a new PTY of `size` ({rows, cols}); returns it and the master fd."""
+    try:
+        master, slave = os.openpty()
+    except OSError as e:
+        raise Fault("failed_precondition", f"no PTY available in this sandbox: {e.strerror}") from e
+    try:
+        _set_size(slave, size)
+        # preexec_fn costs the vfork fast path; PTY sessions are rare next to commands
+        popen = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+                                 start_new_session=True, close_fds=True, preexec_fn=_take_terminal)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    return popen, master
+
+
+def _write_all(proc: Process, data: bytes) -> None:
+    """Write PTY input to the master side; the caller holds `proc.stdin_lock`."""
+    if proc.master < 0:
+        raise Fault("not_found", f"process {proc.pid} already exited")
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(proc.master, view):]
+        except OSError as e:
+            raise Fault("failed_precondition", f"PTY of process {proc.pid} no longer reads input: {e}") from e
+
 class Process:
     """A running process, its output fanned out to subscribers, each with a bounded queue."""
 
-    def __init__(self, popen: subprocess.Popen, config: dict, tag: str | None):
+    def __init__(self, popen: subprocess.Popen, config: dict, tag: str | None, master: int | None = None):
         self.popen = popen
+        self.master = master
+        """The PTY's master side (None: the process has pipes)."""
         self.pid = popen.pid
         self.config = config
         self.tag = tag
@@ -270,16 +331,20 @@ class Agent:
         if not os.path.isdir(cwd):
             raise Fault("invalid_argument", f"cwd {cwd!r} does not exist")
         argv = [req["cmd"], *(req.get("args") or [])]
+        master = None
         try:
-            popen = subprocess.Popen(argv, stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-                                     start_new_session=True, close_fds=True)
+            if req.get("pty") is not None:
+                popen, master = _spawn_on_pty(argv, env, cwd, req["pty"])
+            else:
+                popen = subprocess.Popen(argv, stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                                         start_new_session=True, close_fds=True)
         except FileNotFoundError as e:
             raise Fault("not_found", f"command not found: {argv[0]!r}") from e
         except PermissionError as e:
             raise Fault("permission_denied", f"command not executable: {argv[0]!r}") from e
         proc = Process(popen, {"cmd": req["cmd"], "args": req.get("args") or [], "envs": req.get("envs") or {},
-                               "cwd": cwd}, req.get("tag"))
+                               "cwd": cwd}, req.get("tag"), master)
         with self.lock:
             self.procs[proc.pid] = proc
         try:
@@ -319,12 +384,21 @@ class Agent:
         import select
 
         poller = select.poll()
-        kinds = {proc.popen.stdout.fileno(): "stdout", proc.popen.stderr.fileno(): "stderr"}
+        if proc.master is not None:
+            kinds = {proc.master: "pty"}
+        else:
+            kinds = {proc.popen.stdout.fileno(): "stdout", proc.popen.stderr.fileno(): "stderr"}
         for fd in kinds:
             poller.register(fd, select.POLLIN)
         while kinds:
-            for fd, _ in poller.poll():
-                chunk = os.read(fd, CHUNK)
+            ready = poller.poll(PTY_EXIT_CHECK_MS if proc.master is not None else None)
+            if not ready and proc.popen.poll() is not None:
+                break  # the PTY's process ended while a child it left behind still holds the terminal
+            for fd, _ in ready:
+                try:
+                    chunk = os.read(fd, CHUNK)
+                except OSError:  # EIO: the PTY's last slave descriptor closed
+                    chunk = b""
                 if not chunk:
                     poller.unregister(fd)
                     del kinds[fd]
@@ -337,8 +411,13 @@ class Agent:
                 if proc.subs:
                     proc.publish((kinds[fd], chunk))
         code = proc.popen.wait()
-        proc.popen.stdout.close()
-        proc.popen.stderr.close()
+        if proc.master is not None:
+            with proc.stdin_lock:
+                os.close(proc.master)
+                proc.master = -1  # closed: input and resize now fail as for an ended process
+        else:
+            proc.popen.stdout.close()
+            proc.popen.stderr.close()
         if code >= 0:
             end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
         else:
@@ -375,6 +454,12 @@ class Agent:
 
     def op_input(self, conn, req, blob):
         proc = self._find(req)
+        if proc.master is not None:
+            with proc.stdin_lock:
+                _write_all(proc, blob)
+            return {}, b""
+        if req.get("pty"):
+            raise Fault("failed_precondition", f"process {proc.pid} has no PTY (start it with a pty)")
         if proc.popen.stdin is None or proc.popen.stdin.closed:
             raise Fault("failed_precondition", f"stdin of process {proc.pid} is not open (start it with stdin=True)")
         with proc.stdin_lock:
@@ -383,6 +468,16 @@ class Agent:
                 proc.popen.stdin.flush()
             except (BrokenPipeError, ValueError) as e:
                 raise Fault("failed_precondition", f"process {proc.pid} no longer reads stdin") from e
+        return {}, b""
+
+    def op_resize(self, conn, req, blob):
+        proc = self._find(req)
+        if proc.master is None:
+            raise Fault("failed_precondition", f"process {proc.pid} has no PTY to resize")
+        with proc.stdin_lock:
+            if proc.master < 0:
+                raise Fault("not_found", f"process {proc.pid} already exited")
+            _set_size(proc.master, req)  # the kernel sends SIGWINCH to the terminal's foreground group
         return {}, b""
 
     def op_close_stdin(self, conn, req, blob):
@@ -482,54 +577,7 @@ class Agent:
             f.write(blob)
         return {"name": os.path.basename(path), "type": "file", "path": path}, b""
 
-    # ---- watches (a polling scan: robust on overlayfs and needs nothing beyond the stdlib) ----------------
-    @staticmethod
-    def _scan(root: str, recursive: bool) -> dict[str, tuple]:
-        seen: dict[str, tuple] = {}
-
-        def walk(path: str) -> None:
-            try:
-                names = os.listdir(path)
-            except OSError:
-                return
-            for name in names:
-                full = os.path.join(path, name)
-                try:
-                    st = os.lstat(full)
-                except OSError:
-                    continue
-                seen[full] = (st.st_mtime_ns, st.st_size, st.st_mode, st.st_ino)
-                if recursive and stat.S_ISDIR(st.st_mode):
-                    walk(full)
-
-        walk(root)
-        return seen
-
-    def _diff(self, root: str, before: dict, after: dict, include_entry: bool) -> list[dict]:
-        events = []
-        for path, sig in after.items():
-            old = before.get(path)
-            if old is None:
-                kinds = ["EVENT_TYPE_CREATE"]
-            else:
-                kinds = []
-                if old[0] != sig[0] or old[1] != sig[1]:
-                    kinds.append("EVENT_TYPE_WRITE")
-                if old[2] != sig[2]:
-                    kinds.append("EVENT_TYPE_CHMOD")
-            for kind in kinds:
-                event = {"name": os.path.relpath(path, root), "type": kind}
-                if include_entry:
-                    try:
-                        event["entry"] = entry_info(path)
-                    except OSError:
-                        pass
-                events.append(event)
-        for path in before:
-            if path not in after:
-                events.append({"name": os.path.relpath(path, root), "type": "EVENT_TYPE_REMOVE"})
-        return events
-
+    # ---- watches (inotify, or a polling scan where inotify is unavailable: `agentenv.server.watch`) ----------
     def _check_dir(self, req: dict) -> str:
         root = resolve(req["path"], req.get("user"))
         if not os.path.isdir(root):
@@ -537,51 +585,71 @@ class Agent:
                         f"path {root!r} is not a directory")
         return root
 
+    @staticmethod
+    def _fs_events(w, include_entry: bool) -> list[dict]:
+        events = []
+        for name, kind in w.events():
+            event = {"name": name, "type": kind}
+            if include_entry and kind != "EVENT_TYPE_REMOVE":
+                try:
+                    event["entry"] = entry_info(os.path.join(w.root, name))
+                except OSError:
+                    pass  # gone again (or renamed away): E2B leaves the entry out
+            events.append(event)
+        return events
+
     def op_watch(self, conn, req, blob):
+        import select
+
         root = self._check_dir(req)
-        recursive = bool(req.get("recursive"))
-        state = self._scan(root, recursive)
-        send(conn, {"ev": "start"})
-        conn.settimeout(WATCH_POLL_S)
-        last_beat = time.monotonic()
-        while True:
-            try:  # the host closes the connection to stop the watch
-                if conn.recv(1) == b"":
+        include = bool(req.get("include_entry"))
+        with watching.DirWatch(root, bool(req.get("recursive"))) as w:
+            send(conn, {"ev": "start"})
+            last_beat = time.monotonic()
+            fds = [conn] if w.fd < 0 else [conn, w.fd]
+            while True:
+                ready, _, _ = select.select(fds, [], [], w.interval or WATCH_KEEPALIVE_S)
+                if conn in ready and conn.recv(1) == b"":  # the host closes the connection to stop the watch
                     return None, b""
-            except TimeoutError:
-                pass
-            conn.settimeout(None)
-            new = self._scan(root, recursive)
-            for event in self._diff(root, state, new, bool(req.get("include_entry"))):
-                send(conn, {"ev": "fs", **event})
-            state = new
-            if time.monotonic() - last_beat > 10:
-                send(conn, {"ev": "keepalive"})
-                last_beat = time.monotonic()
-            conn.settimeout(WATCH_POLL_S)
+                for event in self._fs_events(w, include):
+                    send(conn, {"ev": "fs", **event})
+                if time.monotonic() - last_beat > WATCH_KEEPALIVE_S:
+                    send(conn, {"ev": "keepalive"})
+                    last_beat = time.monotonic()
 
     def op_watcher_create(self, conn, req, blob):
-        root = self._check_dir(req)
+        w = watching.DirWatch(self._check_dir(req), bool(req.get("recursive")))
         wid = os.urandom(8).hex()
-        watcher = {"root": root, "recursive": bool(req.get("recursive")), "include": bool(req.get("include_entry")),
-                   "events": [], "lock": threading.Lock(), "stop": threading.Event()}
-        watcher["state"] = self._scan(root, watcher["recursive"])
-        self.watchers[wid] = watcher
-        threading.Thread(target=self._poll_watcher, args=(watcher,), daemon=True).start()
+        watcher = {"watch": w, "include": bool(req.get("include_entry")), "events": [], "lock": threading.Lock(),
+                   "stop": threading.Event()}
+        with self.lock:
+            self.watchers[wid] = watcher
+        threading.Thread(target=self._run_watcher, args=(watcher,), daemon=True).start()
         return {"watcherId": wid}, b""
 
-    def _poll_watcher(self, watcher: dict) -> None:
-        while not watcher["stop"].wait(WATCH_POLL_S):
-            new = self._scan(watcher["root"], watcher["recursive"])
-            events = self._diff(watcher["root"], watcher["state"], new, watcher["include"])
-            watcher["state"] = new
-            if events:
+    def _run_watcher(self, watcher: dict) -> None:
+        """Collect events as they come (a recursive watch must add a new directory's watch before the directory
+        fills), until the watcher is removed; the watch is closed here, so no select ever sees a closed fd."""
+        import select
+
+        w, stop = watcher["watch"], watcher["stop"]
+        try:
+            while not stop.is_set():
+                if w.fd >= 0:
+                    select.select([w.fd], [], [], WATCHER_STOP_CHECK_S)
+                else:
+                    stop.wait(w.interval)
                 with watcher["lock"]:
-                    watcher["events"].extend(events)
+                    if stop.is_set():
+                        break
+                    watcher["events"].extend(self._fs_events(w, watcher["include"]))
                     del watcher["events"][:-10000]  # bounded: a watcher nobody polls keeps the newest events
+        finally:
+            w.close()
 
     def op_watcher_events(self, conn, req, blob):
-        watcher = self.watchers.get(req.get("watcher_id", ""))
+        with self.lock:
+            watcher = self.watchers.get(req.get("watcher_id", ""))
         if watcher is None:
             raise Fault("not_found", f"watcher {req.get('watcher_id')!r} not found")
         with watcher["lock"]:
@@ -589,10 +657,11 @@ class Agent:
         return {"events": events}, b""
 
     def op_watcher_remove(self, conn, req, blob):
-        watcher = self.watchers.pop(req.get("watcher_id", ""), None)
+        with self.lock:
+            watcher = self.watchers.pop(req.get("watcher_id", ""), None)
         if watcher is None:
             raise Fault("not_found", f"watcher {req.get('watcher_id')!r} not found")
-        watcher["stop"].set()
+        watcher["stop"].set()  # its thread closes the watch within WATCHER_STOP_CHECK_S
         return {}, b""
 
 

@@ -55,9 +55,13 @@ def _setns(fd: int) -> None:
 
 
 def _agent_source() -> bytes:
+    """What the boot program reads on stdin: the watch module's length (10 digits), its source, the agent's."""
     global _AGENT_SOURCE
     if _AGENT_SOURCE is None:
-        _AGENT_SOURCE = Path(wire.__file__).read_bytes()
+        from agentenv.server import watch
+
+        helper = Path(watch.__file__).read_bytes()
+        _AGENT_SOURCE = b"%010d" % len(helper) + helper + Path(wire.__file__).read_bytes()
     return _AGENT_SOURCE
 
 
@@ -123,8 +127,10 @@ class AgentLink:
     def _start(self) -> None:
         from agentenv import errors
 
-        boot = "import sys; exec(compile(sys.stdin.buffer.read(), 'agentenv-envd-agent', 'exec'), " \
-               "{'__name__': 'agentenv_envd_agent'})"
+        boot = ("import sys, types; src = sys.stdin.buffer.read(); n = int(src[:10]) + 10; "
+                "m = sys.modules['agentenv_envd_watch'] = types.ModuleType('agentenv_envd_watch'); "
+                "exec(compile(src[10:n], 'agentenv-envd-watch', 'exec'), m.__dict__); "
+                "exec(compile(src[n:], 'agentenv-envd-agent', 'exec'), {'__name__': 'agentenv_envd_agent'})")
         try:
             result = self.sandbox.commands.run([AGENT_PYTHON, "-I", "-S", "-c", boot], stdin=_agent_source(),
                                                timeout=START_TIMEOUT_S)

@@ -59,6 +59,25 @@ def _selector(msg: dict) -> dict:
     raise ConnectError("invalid_argument", "process selector needs a pid or a tag")
 
 
+def _pty_size(pty: object) -> dict:
+    """``{rows, cols}`` from a Connect ``process.PTY`` message (a PTY without a size gets 24x80)."""
+    size = (pty.get("size") if isinstance(pty, dict) else None) or {}
+    try:
+        rows, cols = int(size.get("rows") or 24), int(size.get("cols") or 80)
+    except (TypeError, ValueError) as e:
+        raise ConnectError("invalid_argument", f"pty.size must hold integer rows and cols, got {size!r}") from e
+    if not (0 < rows < 65536 and 0 < cols < 65536):
+        raise ConnectError("invalid_argument", f"pty.size must be 1..65535 rows and cols, got {rows}x{cols}")
+    return {"rows": rows, "cols": cols}
+
+
+def _input(selector: dict, data: dict) -> tuple[dict, bytes]:
+    """The agent request for a ``process.ProcessInput`` (``stdin`` or ``pty`` bytes, base64 in JSON)."""
+    if "pty" in data:
+        return {"op": "input", "pty": True, **selector}, _unb64(data["pty"], "input.pty")
+    return {"op": "input", **selector}, _unb64(data.get("stdin"), "input.stdin")
+
+
 def _frames(link: AgentLink, req: dict):
     """Agent stream frames with keep-alive ticks (``{"ev": "keepalive"}``) when idle for `KEEPALIVE_S`.
 
@@ -165,7 +184,7 @@ class Envd:
             ev, hold = frame.get("ev"), frame.get("_hold", False)
             if ev == "start":
                 yield {"event": {"start": {"pid": frame["pid"]}}}, hold
-            elif ev in ("stdout", "stderr"):
+            elif ev in ("stdout", "stderr", "pty"):
                 yield {"event": {"data": {ev: _b64(blob)}}}, hold
             elif ev == "end":
                 end = {k: frame[k] for k in ("exitCode", "exited", "status") if k in frame}
@@ -177,11 +196,11 @@ class Envd:
         config = msg.get("process") or {}
         if not config.get("cmd"):
             raise ConnectError("invalid_argument", "process.cmd is required")
-        if msg.get("pty"):
-            raise ConnectError("unimplemented", "PTY sessions are not supported by agentenv (use commands)")
         req = {"op": "start", "cmd": config["cmd"], "args": config.get("args") or [],
                "envs": config.get("envs") or {}, "cwd": config.get("cwd"), "stdin": bool(msg.get("stdin")),
                "tag": msg.get("tag"), "user": user, "base_envs": entry.env_vars}
+        if msg.get("pty") is not None:
+            req["pty"] = _pty_size(msg["pty"])
         return self._events(_frames(link, req))
 
     def _process_Connect(self, link, msg, user, entry):
@@ -192,10 +211,7 @@ class Envd:
         return {"processes": reply["processes"]}
 
     def _process_SendInput(self, link, msg, user, entry):
-        data = msg.get("input") or {}
-        if "pty" in data:
-            raise ConnectError("unimplemented", "PTY input is not supported by agentenv")
-        link.call({"op": "input", **_selector(msg)}, _unb64(data.get("stdin"), "input.stdin"))
+        link.call(*_input(_selector(msg), msg.get("input") or {}))
         return {}
 
     def _process_stream_input(self, link, messages, entry):
@@ -206,8 +222,7 @@ class Envd:
             elif "data" in msg:
                 if selector is None:
                     raise ConnectError("invalid_argument", "StreamInput: the start event must come first")
-                data = (msg["data"].get("input") or {}).get("stdin")
-                link.call({"op": "input", **selector}, _unb64(data, "input.stdin"))
+                link.call(*_input(selector, msg["data"].get("input") or {}))
         return {}
 
     _process_StreamInput = _process_stream_input
@@ -218,6 +233,12 @@ class Envd:
             raise ConnectError("invalid_argument", f"signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM, "
                                                    f"got {msg.get('signal')!r}")
         link.call({"op": "signal", "signal": int(sig), **_selector(msg)})
+        return {}
+
+    def _process_Update(self, link, msg, user, entry):
+        if msg.get("pty") is None:
+            raise ConnectError("invalid_argument", "Update needs pty.size (the only process setting that changes)")
+        link.call({"op": "resize", **_selector(msg), **_pty_size(msg["pty"])})
         return {}
 
     def _process_CloseStdin(self, link, msg, user, entry):

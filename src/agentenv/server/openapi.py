@@ -74,10 +74,12 @@ ROUTES: list[tuple[str, str, str, str, dict | None, dict[int, dict | None]]] = [
 ]
 
 SANDBOX_ROUTES: list[tuple[str, str, str]] = [
-    ("post", "/process.Process/Start", "Start a process; server stream of start, data, end events"),
+    ("post", "/process.Process/Start", "Start a process (on a PTY when `pty` is set); server stream of start, "
+                                        "data, end events"),
     ("post", "/process.Process/Connect", "Re-attach to a process's output stream"),
     ("post", "/process.Process/List", "Running processes"),
-    ("post", "/process.Process/SendInput", "Write to a process's stdin"),
+    ("post", "/process.Process/SendInput", "Write to a process's stdin or PTY"),
+    ("post", "/process.Process/Update", "Resize a process's PTY"),
     ("post", "/process.Process/StreamInput", "Client stream of stdin writes"),
     ("post", "/process.Process/SendSignal", "SIGTERM or SIGKILL a process group"),
     ("post", "/process.Process/CloseStdin", "Close a process's stdin"),
