@@ -12,11 +12,12 @@ state and every gradient, relative RMS error <= 1e-2); (2) at every row, ours vs
 gate fails is reported with its error and not timed.
 
 Then a short training loop: a small KDA language model (two ``KimiDeltaAttention`` layers from flashkda vs the same
-model built from ``fla.layers.KimiDeltaAttention`` with copied weights) trained on the same batches; the losses of
-both are recorded step by step.
+model built from ``fla.layers.KimiDeltaAttention`` with copied weights, and fla's from another init as the noise
+yardstick) trained on the same batches; the row keeps the curves' summary.
 
 Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile]
-[--no-gate] [--training-fwd]``. ``--cases`` with no name runs no op row (only the training loop). Every phase prints
+[--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...]``. ``--cases`` with no name runs
+no op row (only the training loop). Every phase prints
 its elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
 after every row, so a run cut by a time cap keeps the rows it finished.
 """
@@ -24,6 +25,7 @@ after every row, so a run cut by a time cap keeps the rows it finished.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -31,7 +33,14 @@ import time
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 os.environ.setdefault("FLASHKDA_DISABLE", "1")
 
-from benchmarks.harness import Row, machine_info, machine_line, time_fn, write_results  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    Row,
+    machine_info,
+    machine_line,
+    time_fn,
+    update_markdown,
+    write_results,
+)
 
 # Rows with the same head count are adjacent: fla autotunes per head count (over 100 s for its first training
 # call on the device), and the next row with that count reuses the result.
@@ -135,7 +144,7 @@ def run_ops(args, device: str, log: Progress, save) -> list[Row]:
     names = list(TRAIN_CASES) if args.cases is None else args.cases
     if not names:
         return []
-    if not args.no_gate:
+    if not args.no_gate and not args.warmup:
         errs = gate_vs_reference(ours, device)
         worst = max(errs.values())
         log(f"gate vs fp64 reference (B2 T200 H4 D128 bf16): worst {worst:.2e} " +
@@ -146,10 +155,29 @@ def run_ops(args, device: str, log: Progress, save) -> list[Row]:
 
     rows = []
     for name in names:
+        if args.warmup:
+            warm_case(name, ours if args.warmup == "ours" else fla_chunk_kda, device, log)
+            continue
         rows.append(run_case(name, ours, fla_chunk_kda, args, args.profile and name == names[0], device, log))
         save(rows)
         torch.cuda.empty_cache()
     return rows
+
+
+def warm_case(name: str, fn, device: str, log: Progress) -> None:
+    """``--warmup``: one forward + backward at the row's shape, to fill Triton's on-disk cache (compiled kernels and,
+    with ``TRITON_CACHE_AUTOTUNING=1``, fla's autotune choices) from a parallel process before the timed run."""
+    import torch
+
+    c = TRAIN_CASES[name]
+    x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
+    N = c["B"] if c["lengths"] is None else len(c["lengths"])
+    do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
+    dht = torch.randn(N, c["H"], 128, 128, device=device)
+    log(f"{name}: warm-up call")
+    step(fn, x, extra, do, dht)
+    torch.cuda.synchronize()
+    log(f"{name}: warm")
 
 
 def ours_training_forward(q, k, v, g, beta, **kw):
@@ -166,11 +194,17 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     """
     import torch
 
+    from flashkda import autograd
+    from flashkda.chunk_bwd_local import gated_dot_precision
+
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
     do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
     dht = torch.randn(N, c["H"], 128, 128, device=device)
+    gated_dots = gated_dot_precision("tf32")
+    NC = sum(-(-n // 64) for n in c["lengths"]) if c["lengths"] else c["B"] * -(-c["T"] // 64)
+    slices = autograd.backward_head_slices(N, NC, c["H"], 1, 64, 128, 128)
     params = dict(B=c["B"], T=c["T"], H=c["H"], K=128, V=128, dtype="bf16", varlen=c["lengths"] is not None)
 
     def run_fla():
@@ -187,14 +221,27 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     mem_ours = peak_extra_mib(run_ours, device)
     log(f"{name}: ours {t_ours.median_ms:.2f} ms (p20-p80 {t_ours.p20_ms:.2f}-{t_ours.p80_ms:.2f}), "
         f"peak {mem_ours:.0f} MiB")
-    extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms}
+    extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
+              "ours_gated_dots": gated_dots, "ours_head_slices": len(slices)}
+    for n in args.slices if with_profile else ():
+        autograd.BWD_HEAD_SLICES = n
+        try:
+            t_n = time_fn(run_ours, device=device, warmup=2, rep=args.rep)
+            mem_n = peak_extra_mib(run_ours, device)
+        finally:
+            autograd.BWD_HEAD_SLICES = None
+        extras[f"ours_ms_{n}_slices"], extras[f"ours_peak_MiB_{n}_slices"] = t_n.median_ms, round(mem_n)
+        log(f"{name}: ours with {n} head slices {t_n.median_ms:.2f} ms, peak {mem_n:.0f} MiB")
     if args.training_fwd:
         log(f"{name}: first call of ours with forward_impl='training'")
         t_tf = time_fn(lambda: step(ours_training_forward, x, extra, do, dht), device=device, warmup=2, rep=args.rep)
         extras["ours_training_fwd_ms"] = t_tf.median_ms
         log(f"{name}: ours with the training forward {t_tf.median_ms:.2f} ms")
     if with_profile:
-        profile(run_ours)
+        extras["ours_profile_top"] = profile(run_ours)
+    if args.ours_only:
+        return Row(name, "fla 0.6.0 chunk_kda fwd+bwd", None, t_ours.median_ms, params, extras,
+                   "ours only (--ours-only)")
     log(f"{name}: first call of fla (autotunes)")
     fo, fht, fg = run_fla()
     torch.cuda.synchronize()
@@ -219,7 +266,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     return row
 
 
-def profile(fn) -> None:
+def profile(fn, top: int = 25) -> list[list]:
+    """CUDA kernel profile of one call of ``fn``: prints the table, returns ``[[kernel, ms, calls], ...]`` (top)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -230,16 +278,26 @@ def profile(fn) -> None:
         fn()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total", "cpu_time_total"):
+    for key in ("self_device_time_total", "self_cuda_time_total"):
         try:
             print(averages.table(sort_by=key, row_limit=30), flush=True)
-            return
         except (AttributeError, KeyError, ValueError):
             continue
+        rows = sorted(((e.key, getattr(e, key) / 1e3, e.count) for e in averages), key=lambda r: -r[1])
+        total = sum(r[1] for r in rows)
+        print(f"profiled CUDA time {total:.2f} ms", flush=True)
+        return [["total", round(total, 3), sum(r[2] for r in rows)]] + [[n, round(ms, 3), c] for n, ms, c in
+                                                                        rows[:top]]
+    return []
 
 
-def training_loop(steps: int, device: str, log: Progress) -> Row:
-    """Train the same small KDA LM with flashkda's and fla's layers; compare the loss curves."""
+def training_loop(steps: int, device: str, log: Progress, warmup: bool = False) -> Row | None:
+    """Train the same small KDA LM with flashkda's and fla's layers (same init, same batches); compare the losses.
+
+    A third run, fla's layers from another initialisation (seed 1) on the same batches, is the noise yardstick: the
+    gap ours-fla at equal init should be well inside the gap between two inits of the same model.
+    With ``warmup`` every model runs two steps and nothing is returned (fills the Triton cache).
+    """
     import torch
     import torch.nn as nn
     from fla.layers import KimiDeltaAttention as FlaKDA
@@ -264,21 +322,25 @@ def training_loop(steps: int, device: str, log: Progress) -> Row:
                 h = h + mixer(norm(h))[0]
             return self.head(h)
 
+    steps = 2 if warmup else steps
     torch.manual_seed(0)
     ours = TinyLM(KimiDeltaAttention).to(device)
     theirs = TinyLM(FlaKDA).to(device)
     theirs.load_state_dict(ours.state_dict())
+    torch.manual_seed(1)
+    theirs_seed1 = TinyLM(FlaKDA).to(device)
     # A learnable stream: each sequence repeats a random 32-token motif, so a recurrent model can copy it.
     gen = torch.Generator(device=device).manual_seed(0)
     batches = []
     for _ in range(steps):
         motif = torch.randint(0, vocab, (B, 32), generator=gen, device=device)
         batches.append(motif.repeat(1, T // 32 + 1)[:, : T + 1])
-    curves = {}
-    for label, model in (("flashkda", ours), ("fla", theirs)):
+    curves, seconds = {}, {}
+    for label, model in (("flashkda", ours), ("fla", theirs), ("fla_seed1", theirs_seed1)):
         log(f"training loop: {steps} steps with {label} layers")
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         losses = []
+        start = time.perf_counter()
         for ids in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(ids[:, :-1])
@@ -287,17 +349,58 @@ def training_loop(steps: int, device: str, log: Progress) -> Row:
             loss.backward()
             opt.step()
             losses.append(loss.item())
+        seconds[label] = time.perf_counter() - start
         curves[label] = losses
-    diffs = [abs(a - b) for a, b in zip(curves["flashkda"], curves["fla"])]
-    print("training loop loss (flashkda | fla):", flush=True)
-    for i in range(0, steps, max(1, steps // 10)):
-        print(f"  step {i:3d}: {curves['flashkda'][i]:.4f} | {curves['fla'][i]:.4f}", flush=True)
-    print(f"  final: {curves['flashkda'][-1]:.4f} | {curves['fla'][-1]:.4f}; max |diff| {max(diffs):.4f}", flush=True)
-    return Row("tiny-LM-train-loop", "same model with fla layers", None, float("nan"),
-               dict(steps=steps, layers=2, width=width, T=T, B=B),
-               {"first_loss": curves["flashkda"][0], "final_loss_ours": curves["flashkda"][-1],
-                "final_loss_fla": curves["fla"][-1], "max_abs_loss_diff": max(diffs)},
-               "loss curves, not timing")
+    if warmup:
+        return None
+    return loss_row(curves, seconds, dict(steps=steps, layers=2, width=width, heads=4, head_dim=64, T=T, B=B))
+
+
+def loss_row(curves: dict[str, list[float]], seconds: dict[str, float], params: dict) -> Row:
+    """Summary of the three loss curves (printed, and kept in the row: every 25th step, window means, gaps)."""
+    ours, fla, fla1 = curves["flashkda"], curves["fla"], curves["fla_seed1"]
+    steps = len(ours)
+    last = max(1, min(50, steps // 4))
+
+    def mean_abs_gap(a, b, window=slice(None)):
+        pairs = list(zip(a[window], b[window]))
+        return sum(abs(x - y) for x, y in pairs) / len(pairs)
+
+    summary = {
+        "first_loss": ours[0], "final_loss_ours": ours[-1], "final_loss_fla": fla[-1],
+        "final_loss_fla_seed1": fla1[-1], "max_abs_loss_diff": max(abs(a - b) for a, b in zip(ours, fla)),
+        f"mean_loss_last{last}_ours": sum(ours[-last:]) / last, f"mean_loss_last{last}_fla": sum(fla[-last:]) / last,
+        f"mean_loss_last{last}_fla_seed1": sum(fla1[-last:]) / last,
+        "mean_abs_gap_ours_fla": mean_abs_gap(ours, fla),
+        "mean_abs_gap_fla_seed0_seed1": mean_abs_gap(fla, fla1),
+        f"mean_abs_gap_last{last}_ours_fla": mean_abs_gap(ours, fla, slice(-last, None)),
+        f"mean_abs_gap_last{last}_fla_seed0_seed1": mean_abs_gap(fla, fla1, slice(-last, None)),
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "curve_every_25": {k: [round(x, 4) for x in v[::25]] + [round(v[-1], 4)] for k, v in curves.items()},
+    }
+    print("training loop loss (flashkda | fla | fla from seed 1):", flush=True)
+    for i in range(0, steps, max(1, steps // 12)):
+        print(f"  step {i:3d}: {ours[i]:.4f} | {fla[i]:.4f} | {fla1[i]:.4f}", flush=True)
+    print(f"  final: {ours[-1]:.4f} | {fla[-1]:.4f} | {fla1[-1]:.4f}; mean |ours - fla| "
+          f"{summary['mean_abs_gap_ours_fla']:.4f} (last {last}: {summary[f'mean_abs_gap_last{last}_ours_fla']:.4f}); "
+          f"mean |fla seed 0 - seed 1| {summary['mean_abs_gap_fla_seed0_seed1']:.4f} "
+          f"(last {last}: {summary[f'mean_abs_gap_last{last}_fla_seed0_seed1']:.4f}); seconds {summary['seconds']}",
+          flush=True)
+    return Row("tiny-LM-train-loop", "same model with fla layers", None, float("nan"), params, summary,
+               "loss curves, not timing; fla_seed1 = fla layers from another init (noise yardstick)")
+
+
+MARKDOWN_LOSS_KEYS = ("first_loss", "final_loss_ours", "final_loss_fla", "final_loss_fla_seed1",
+                      "mean_abs_gap_ours_fla", "mean_abs_gap_fla_seed0_seed1")
+
+
+def markdown_row(row: Row) -> Row:
+    """``row`` with the extras a table cell can hold (numbers, strings; a few for the loss row)."""
+    keep = MARKDOWN_LOSS_KEYS if row.case == "tiny-LM-train-loop" else None
+    extra = {k: v for k, v in row.extra.items()
+             if isinstance(v, (int, float, str)) and (keep is None or k in keep)
+             and not (k.endswith("_slices") and k != "ours_head_slices")}
+    return dataclasses.replace(row, extra=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="*", default=None,
                         help=f"subset of {list(TRAIN_CASES)} in this order (none: no op row)")
     parser.add_argument("--rep", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=60, help="training-loop steps (0 to skip)")
+    parser.add_argument("--steps", type=int, default=300, help="training-loop steps (0 to skip)")
+    parser.add_argument("--ours-only", action="store_true", help="time only ours (no fla call in the op rows)")
+    parser.add_argument("--warmup", choices=("ours", "fla"), default=None,
+                        help="one untimed call per row (and 2 training steps) of one side, nothing written: fills "
+                             "Triton's on-disk cache from a parallel process")
+    parser.add_argument("--slices", type=int, nargs="*", default=[],
+                        help="also time ours at the first row with these fixed backward head-slice counts")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of our first row")
     parser.add_argument("--no-gate", action="store_true", help="skip the fp64 reference gate (rows still check fla)")
@@ -326,13 +435,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(rows: list[Row]) -> None:
         if rows and not args.no_write:
-            path = write_results("kda-train", rows, title="FlashKDA training (forward + backward)", info=info)
+            title = "FlashKDA training (forward + backward)"
+            path = write_results("kda-train", rows, title=title, info=info)
+            # BENCHMARKS.md gets the scalar columns only (the profile and the loss curves stay in the JSON)
+            update_markdown("kda-train", [markdown_row(r) for r in rows], info, title=title, json_name=path.name)
             log(f"wrote {path}")
 
+    if args.warmup:
+        args.no_write = True
     rows = run_ops(args, "cuda", log, save)
-    if args.steps > 0:
-        rows.append(training_loop(args.steps, "cuda", log))
-        save(rows)
+    if args.steps > 0 and not args.ours_only:
+        row = training_loop(args.steps, "cuda", log, warmup=args.warmup is not None)
+        if row is not None:
+            rows.append(row)
+            save(rows)
     log("done")
     return 0
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
-from flashkda.chunk_bwd_prologue import chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
+from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
@@ -216,7 +216,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def _backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new = ctx.saved_tensors
         layout, opts = ctx.layout, ctx.opts
-        cdt, dot_precision = _compute_dtype(q), _dot_precision(q)
+        cdt = _compute_dtype(q)
         names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
         inputs = dict(zip(names, (q, k, v, g, beta, A_log, dt_bias)))
         h0 = _state_in(initial_state, opts, cdt)
@@ -224,21 +224,88 @@ class ChunkKDAFunction(torch.autograd.Function):
         if dht is not None:
             dhtc = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(cdt).contiguous()
         if _fused_prologue(q):
-            tok = slot_tokens(layout, q.device)
-            raw = tuple(x.contiguous() for x in (q, k, v, g, beta))
-            chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok)
-            doc = to_chunks(do, layout, cdt) if do is not None else torch.zeros_like(chunks[2])
-            *dchunks, dh0 = chunk_kda_train_bwd(
-                *chunks, scale=opts.scale, initial_state=h0, chunk_offsets=layout.chunk_offsets, do=doc, dht=dhtc,
-                h=h, v_new=v_new, dot_precision=dot_precision, gate_factors=gate_factors,
-            )
-            all_grads = chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks)
-            grads = {n: gx for n, gx in zip(names, all_grads) if _needs(ctx, n) and gx is not None}
+            grads, dh0 = _backward_in_head_slices(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new)
         else:
             grads, dh0 = _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new)
         if dh0 is not None and ctx.needs_input_grad[7]:
             grads["initial_state"] = (dh0.transpose(-1, -2) if opts.state_v_first else dh0).to(initial_state.dtype)
         return (*(grads.get(n) for n in names), grads.get("initial_state"), None, None)
+
+
+def backward_head_slices(N: int, NC: int, HV: int, G: int, C: int, K: int, V: int) -> list[tuple[int, int]]:
+    """Value-head ranges the fused backward runs one after the other (whole GVA groups of ``G`` heads).
+
+    Every chunked intermediate of the backward is per (chunk, head), so a slice of ``HV / n`` heads keeps ``1 / n``
+    of them alive. The slices halve while the intermediates exceed `BWD_SLICE_BYTES` and each slice still gives the
+    state passes (one program per sequence, head and V block, each walking its whole sequence) at least
+    `BWD_MIN_STATE_PROGRAMS` (sequence, head) pairs: below that they leave SMs idle and run ``n`` times as long.
+
+    Args:
+        N: sequences; NC: chunks of ``C`` tokens over all sequences; HV: value heads; G: value heads per q/k head;
+            K, V: head dims.
+
+    Returns:
+        ``[(hv0, hv1), ...]`` covering ``0 .. HV``, equal widths; `BWD_HEAD_SLICES` (if set, and a divisor of the
+        GVA group count) fixes the count instead.
+    """
+    groups = HV // G
+    if BWD_HEAD_SLICES is not None and groups % BWD_HEAD_SLICES == 0:
+        width = HV // BWD_HEAD_SLICES
+        return [(hv, hv + width) for hv in range(0, HV, width)]
+    per_head = NC * 4 * C * (_BWD_CK_TENSORS * K + _BWD_CV_TENSORS * V + 2 * K * V // C + 6 * max(K, V))
+    n = 1
+    while (groups % (2 * n) == 0 and per_head * HV > n * BWD_SLICE_BYTES
+           and N * HV >= 2 * n * BWD_MIN_STATE_PROGRAMS):
+        n *= 2
+    width = HV // n
+    return [(hv, hv + width) for hv in range(0, HV, width)]
+
+
+# fp32 [NC, HV, C, K] / [NC, HV, C, V] tensors alive at the backward's peak: q, k, G, qg, kg, kend / v, v_new,
+# dv_new, do; plus h and dhe ([K, V] per chunk) and ~6 [C, max(K, V)] chain-rule temporaries (see backward_head_slices)
+_BWD_CK_TENSORS, _BWD_CV_TENSORS = 6, 4
+BWD_SLICE_BYTES = 2 * 2**30
+BWD_MIN_STATE_PROGRAMS = 32
+BWD_HEAD_SLICES: int | None = None  # a fixed slice count (benchmarks compare counts with it); None: the rule above
+
+
+def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new):
+    """Fused backward (Triton prologue, state passes, chain rule, prologue backward), slice by slice of heads.
+
+    Returns:
+        ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
+    """
+    q, k, v, g, beta = (inputs[n].contiguous() for n in ("q", "k", "v", "g", "beta"))
+    A_log, dt_bias = inputs["A_log"], inputs["dt_bias"]
+    cdt, dot_precision = _compute_dtype(q), _dot_precision(q)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    N = layout.chunk_offsets.numel() - 1
+    tok = slot_tokens(layout, q.device)
+    raw = (q, k, v, g, beta)
+    out = RawGrads.empty_like_inputs(*raw, layout.num_chunks)
+    dh0 = None if h0 is None else torch.empty_like(h0)
+    slices = backward_head_slices(N, layout.num_chunks, HV, HV // q.shape[2], layout.C, K, V)
+    for hv0, hv1 in slices:
+        def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
+            return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
+
+        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
+        if do is not None:
+            doc = to_chunks(do[:, :, hv0:hv1], layout, cdt)
+        else:
+            doc = torch.zeros_like(chunks[2])
+        *dchunks, dh0_s = chunk_kda_train_bwd(
+            *chunks, scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, do=doc,
+            dht=part(dhtc), h=part(h), v_new=part(v_new), dot_precision=dot_precision, gate_factors=gate_factors,
+        )
+        del chunks, gate_factors, doc
+        chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks, out=out, heads=(hv0, hv1))
+        del dchunks
+        if dh0_s is not None:
+            dh0[:, hv0:hv1] = dh0_s
+    all_grads = out.finish(A_log, dt_bias, opts)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    return {n: gx for n, gx in zip(names, all_grads) if _needs(ctx, n) and gx is not None}, dh0
 
 
 def _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new):

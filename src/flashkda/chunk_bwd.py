@@ -21,7 +21,7 @@ def chunk_kda_train_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | None,
     beta: torch.Tensor,
     *,
     scale: float,
@@ -35,7 +35,8 @@ def chunk_kda_train_fwd(
     """Forward of the chunked KDA core.
 
     Args:
-        q, k, g: ``[NC, HV, C, K]``; v: ``[NC, HV, C, V]``; beta: ``[NC, HV, C]`` (one float dtype).
+        q, k, g: ``[NC, HV, C, K]``; v: ``[NC, HV, C, V]``; beta: ``[NC, HV, C]`` (one float dtype); ``g`` is not
+            read (may be None) when ``gate_factors`` are given.
         scale: query scale.
         initial_state: ``[N, HV, K, V]`` or None (zeros).
         chunk_offsets: ``[N + 1]`` int32 chunk range of every sequence.
@@ -47,7 +48,7 @@ def chunk_kda_train_fwd(
     Returns:
         ``(o [NC, HV, C, V], final_state or None, h or None, v_new or None)``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors, dot_precision)
     o, ht, h, v_new = chunk_kda_fwd_h(
         local.w,
         local.u,
@@ -69,7 +70,7 @@ def chunk_kda_train_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | None,
     beta: torch.Tensor,
     *,
     scale: float,
@@ -95,7 +96,7 @@ def chunk_kda_train_bwd(
     Returns:
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors, dot_precision)
     if h is None or v_new is None:
         _, _, h, v_new = chunk_kda_fwd_h(
             local.w, local.u, local.qg, local.aqk, local.kend, local.dec, initial_state, chunk_offsets,

@@ -15,6 +15,7 @@ always safe).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +25,26 @@ from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
 
-__all__ = ["SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd"]
+__all__ = [
+    "SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
+    "gated_dot_precision",
+]
 
 SUB_CHUNK = 16
-# The 16-row gated products: exact fp32 (FMA loops). tf32 would use tensor cores (offline sm_90 compile of the
-# backward: 170 registers, no spills at 8 warps against 255 and 668 B of spills), but that is the configuration
-# (tf32, a transposed fp32 operand, 8 warps, 16-wide tiles) of the state-pass launch that hit an illegal memory
-# access on the device before (NOTES.md), so it waits for a device run that can test it.
-GATED_DOT_PRECISION = "ieee"
+# Product precision of the 16-row gated products (recompute of Akk/Aqk and their backward) for bf16/fp16 callers,
+# read once from FLASHKDA_BWD_GATED_DOTS like fla's FLA_TRIL_PRECISION: "ieee" (default, exact fp32 FMA loops) or
+# "tf32" (tensor cores; offline sm_90 compile of the backward: 170 registers, no spills at 8 warps, against 255 and
+# 668 B of spills). tf32 is opt-in until a device run has shown it correct and faster: it is the configuration (tf32,
+# a transposed fp32 operand, 16-wide tiles) of a state-pass launch that once hit an illegal memory access
+# (benchmarks/kda/NOTES.md). fp32 callers always get exact products.
+GATED_DOT_PRECISION = os.environ.get("FLASHKDA_BWD_GATED_DOTS", "ieee")
+if GATED_DOT_PRECISION not in ("ieee", "tf32"):
+    raise ValueError(f"FLASHKDA_BWD_GATED_DOTS must be 'ieee' or 'tf32', got {GATED_DOT_PRECISION!r}")
+
+
+def gated_dot_precision(dot_precision: str) -> str:
+    """The gated products' precision for a caller whose other products run at ``dot_precision``."""
+    return GATED_DOT_PRECISION if dot_precision == "tf32" else "ieee"
 
 
 @dataclass(frozen=True)
@@ -108,10 +121,11 @@ def chunk_local_prepare(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | None,
     beta: torch.Tensor,
     scale: float,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
+    dot_precision: str = "ieee",
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -119,11 +133,13 @@ def chunk_local_prepare(
         q: ``[NC, HV, C, K]`` queries (L2-normalised, GVA-expanded), fp32 or fp64.
         k: ``[NC, HV, C, K]`` keys.
         v: ``[NC, HV, C, V]`` values.
-        g: ``[NC, HV, C, K]`` log-space gate per token (``<= 0``; zero on padding).
+        g: ``[NC, HV, C, K]`` log-space gate per token (``<= 0``; zero on padding); not read (may be None) when
+            ``gate_factors`` are given.
         beta: ``[NC, HV, C]`` write strengths (zero on padding).
         scale: query scale.
         gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
             they are computed here from ``g``.
+        dot_precision: the caller's product precision (``"tf32"`` for bf16/fp16 callers, see `gated_dot_precision`).
 
     Returns:
         A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
@@ -139,7 +155,7 @@ def chunk_local_prepare(
         kend = k * torch.exp(gam_end - gam)
         dec = torch.exp(gam_end.squeeze(-2))
     if _fused(q):
-        akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=GATED_DOT_PRECISION)
+        akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
     else:
         akk = gated_dot(k, k, gam, strict=True)
         aqk = gated_dot(q, k, gam, strict=False) * scale
@@ -283,7 +299,7 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
         dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * (do @ v_newT))
     else:
         dq, dk, dgam = chunk_kda_gated_dots_bwd(
-            q, k, local.gam, p, do @ v_newT, dot_precision=GATED_DOT_PRECISION,
+            q, k, local.gam, p, do @ v_newT, dot_precision=gated_dot_precision(dot_precision),
             dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
         )
     dq, dk, dg = chunk_kda_bwd_gates(

@@ -2,8 +2,10 @@
 
 Forward (`chunk_kda_prologue_fwd`): for every (chunk, value head) read the chunk's tokens once and write fp32
 ``[NC, HV, C, *]`` tiles of: L2-normalised q and k (of the q/k head the value head belongs to, which is the GVA
-expansion), v, the log-space gate (``-exp(A_log) softplus(g + dt_bias)`` or ``lower_bound * sigmoid(exp(A_log)
-(g + dt_bias))``) and beta (``sigmoid`` times 1 or 2); padding slots get zeros.
+expansion), v, beta (``sigmoid`` times 1 or 2) and the factors of the log-space gate (``-exp(A_log) softplus(g +
+dt_bias)`` or ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``): its in-chunk cumulative sum and the gated
+copies of q and k; padding slots get zeros. Both passes can work on a slice of the value heads (whole GVA groups),
+so the backward can run head slice by head slice with 1/n of the chunked intermediates alive.
 
 Backward (`chunk_kda_prologue_bwd`): the chain rule back to the raw inputs. ``dq``/``dk`` sum the value heads of a
 group and go through the L2 norm; ``dg``/``dbeta`` through the gate and the sigmoid; ``dA_log`` and ``dt_bias``
@@ -14,6 +16,8 @@ Together they replace about forty torch element-wise passes, layout copies and t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +25,7 @@ import triton.language as tl
 from flashkda.chunk_bwd_layout import ChunkLayout
 from flashkda.ops import softplus
 
-__all__ = ["chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "slot_tokens"]
+__all__ = ["RawGrads", "chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "slot_tokens"]
 
 L2NORM_EPS = 1e-6
 
@@ -41,13 +45,15 @@ def slot_tokens(layout: ChunkLayout, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def chunk_kda_prologue_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, gc, bc, gamc, qgc, kgc, kendc, decc,
-    lower_bound, beta_scale, scale,
-    H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
+    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, bc, gamc, qgc, kgc, kendc, decc,
+    lower_bound, beta_scale, scale, hv0,
+    H: tl.constexpr, HV: tl.constexpr, HVS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
     USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    # value head i_hv of the raw inputs (HV heads) is head i_s of the chunked slice (HVS heads from hv0)
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    i_hv = hv0 + i_s
     i_h = i_hv // (HV // H)
     o_s = tl.arange(0, C)
     o_k = tl.arange(0, K)
@@ -57,8 +63,8 @@ def chunk_kda_prologue_fwd_kernel(
     b_tok = tl.where(m_t, b_tok, 0)
     m_tk = m_t[:, None] & (o_k[None, :] < K)
     m_tv = m_t[:, None] & (o_v[None, :] < V)
-    out_k = (i_c.to(tl.int64) * HV + i_hv) * C * K + o_s[:, None] * K + o_k[None, :]
-    out_v = (i_c.to(tl.int64) * HV + i_hv) * C * V + o_s[:, None] * V + o_v[None, :]
+    out_k = (i_c.to(tl.int64) * HVS + i_s) * C * K + o_s[:, None] * K + o_k[None, :]
+    out_v = (i_c.to(tl.int64) * HVS + i_s) * C * V + o_s[:, None] * V + o_v[None, :]
     # [C, K]
     b_q = tl.load(q + b_tok[:, None] * H * K + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + b_tok[:, None] * H * K + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -80,7 +86,6 @@ def chunk_kda_prologue_fwd_kernel(
         else:
             b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus(b_g)
         b_g = tl.where(m_tk, b_g, 0.0)
-    tl.store(gc + out_k, b_g)
     # gate factors of the chunk: G = cumsum(g), qg = scale q e^G, kg = k e^G, kend = k e^(G_C - G), dec = e^G_C
     b_gam = tl.cumsum(b_g, axis=0)
     b_gend = tl.sum(b_g, axis=0)
@@ -89,22 +94,23 @@ def chunk_kda_prologue_fwd_kernel(
     tl.store(qgc + out_k, scale * b_q * b_eg)
     tl.store(kgc + out_k, b_k * b_eg)
     tl.store(kendc + out_k, b_k * tl.exp(b_gend[None, :] - b_gam))
-    tl.store(decc + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.exp(b_gend))
+    tl.store(decc + (i_c.to(tl.int64) * HVS + i_s) * K + o_k, tl.exp(b_gend))
     b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_SIGMOID:
         b_b = tl.where(m_t, beta_scale * tl.sigmoid(b_b), 0.0)
-    tl.store(bc + (i_c.to(tl.int64) * HV + i_hv) * C + o_s, b_b)
+    tl.store(bc + (i_c.to(tl.int64) * HVS + i_s) * C + o_s, b_b)
 
 
 @triton.jit
 def chunk_kda_prologue_bwd_kernel_vgb(
     v, g, beta, A_log, dt_bias, tok, dvc, dgc, dbc, dv, dg, dbeta, dA_part, dbias_part,
-    lower_bound, beta_scale,
-    HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    lower_bound, beta_scale, hv0,
+    HV: tl.constexpr, HVS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_LB: tl.constexpr,
     USE_SIGMOID: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    i_hv = hv0 + i_s
     o_s = tl.arange(0, C)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, BV)
@@ -113,8 +119,8 @@ def chunk_kda_prologue_bwd_kernel_vgb(
     b_tok = tl.where(m_t, b_tok, 0)
     m_tk = m_t[:, None] & (o_k[None, :] < K)
     m_tv = m_t[:, None] & (o_v[None, :] < V)
-    in_k = (i_c.to(tl.int64) * HV + i_hv) * C * K + o_s[:, None] * K + o_k[None, :]
-    in_v = (i_c.to(tl.int64) * HV + i_hv) * C * V + o_s[:, None] * V + o_v[None, :]
+    in_k = (i_c.to(tl.int64) * HVS + i_s) * C * K + o_s[:, None] * K + o_k[None, :]
+    in_v = (i_c.to(tl.int64) * HVS + i_s) * C * V + o_s[:, None] * V + o_v[None, :]
     b_dv = tl.load(dvc + in_v, mask=o_v[None, :] < V, other=0.0)
     tl.store(dv + b_tok[:, None] * HV * V + i_hv * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
@@ -146,7 +152,7 @@ def chunk_kda_prologue_bwd_kernel_vgb(
         b_dx = b_dg
     tl.store(dg + p_g, b_dx.to(dg.dtype.element_ty), mask=m_tk)
 
-    b_db = tl.load(dbc + (i_c.to(tl.int64) * HV + i_hv) * C + o_s)
+    b_db = tl.load(dbc + (i_c.to(tl.int64) * HVS + i_s) * C + o_s)
     if USE_SIGMOID:
         b_s = tl.sigmoid(tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32))
         b_db = b_db * beta_scale * b_s * (1.0 - b_s)
@@ -155,10 +161,12 @@ def chunk_kda_prologue_bwd_kernel_vgb(
 
 @triton.jit
 def chunk_kda_prologue_bwd_kernel_qk(
-    q, k, tok, dqc, dkc, dq, dk,
-    H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, USE_L2: tl.constexpr,
+    q, k, tok, dqc, dkc, dq, dk, h0,
+    H: tl.constexpr, HV: tl.constexpr, HVS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, USE_L2: tl.constexpr,
 ):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    # q/k head h0 + i_s of the raw inputs; its value heads are i_s * G ... of the chunked slice (HVS heads)
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    i_h = h0 + i_s
     G: tl.constexpr = HV // H
     o_s = tl.arange(0, C)
     o_k = tl.arange(0, K)
@@ -170,7 +178,7 @@ def chunk_kda_prologue_bwd_kernel_qk(
     b_dq = tl.zeros([C, K], dtype=tl.float32)
     b_dk = tl.zeros([C, K], dtype=tl.float32)
     for i_g in range(G):
-        in_k = (i_c.to(tl.int64) * HV + i_h * G + i_g) * C * K + o_s[:, None] * K + o_k[None, :]
+        in_k = (i_c.to(tl.int64) * HVS + i_s * G + i_g) * C * K + o_s[:, None] * K + o_k[None, :]
         b_dq += tl.load(dqc + in_k)
         b_dk += tl.load(dkc + in_k)
     p = b_tok[:, None] * H * K + i_h * K + o_k[None, :]
@@ -198,65 +206,98 @@ def _flags(opts, A_log, dt_bias) -> dict:
     )
 
 
-def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor):
+def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
+                           heads: tuple[int, int] | None = None):
     """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
     ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
+    ``heads=(hv0, hv1)`` restricts the output to value heads ``hv0 <= hv < hv1`` (whole GVA groups); default all.
 
     Returns:
-        ``((qc, kc, vc, gc, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HV, C, *]`` and the chunk's
-        gate factors (``dec`` is ``[NC, HV, K]``), as `flashkda.chunk_bwd_local.chunk_local_prepare` takes them.
+        ``((qc, kc, vc, None, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HS, C, *]`` (``HS`` heads of
+        the slice; the gate itself is not written, only its in-chunk cumulative sum ``G``) and the chunk's gate
+        factors (``dec`` is ``[NC, HS, K]``), as `flashkda.chunk_bwd_local.chunk_local_prepare` takes them.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    hv0, hv1 = heads if heads is not None else (0, HV)
+    HS = hv1 - hv0
     NC, C = layout.num_chunks, layout.C
     f32 = dict(device=q.device, dtype=torch.float32)
-    qc, kc, gc = (torch.empty(NC, HV, C, K, **f32) for _ in range(3))
-    vc = torch.empty(NC, HV, C, V, **f32)
-    bc = torch.empty(NC, HV, C, **f32)
-    gam, qg, kg, kend = (torch.empty(NC, HV, C, K, **f32) for _ in range(4))
-    dec = torch.empty(NC, HV, K, **f32)
+    qc, kc = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
+    vc = torch.empty(NC, HS, C, V, **f32)
+    bc = torch.empty(NC, HS, C, **f32)
+    gam, qg, kg, kend = (torch.empty(NC, HS, C, K, **f32) for _ in range(4))
+    dec = torch.empty(NC, HS, K, **f32)
     dummy = qc
-    chunk_kda_prologue_fwd_kernel[(NC, HV)](
+    chunk_kda_prologue_fwd_kernel[(NC, HS)](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
-        qc, kc, vc, gc, bc, gam, qg, kg, kend, dec,
+        qc, kc, vc, bc, gam, qg, kg, kend, dec,
         float(opts.lower_bound) if opts.lower_bound is not None else 0.0, 2.0 if opts.allow_neg_eigval else 1.0,
-        opts.scale, H=H, HV=HV, C=C, K=K, V=V, BV=triton.next_power_of_2(V), USE_L2=opts.use_qk_l2norm_in_kernel,
-        **_flags(opts, A_log, dt_bias), num_warps=4 if K * max(K, V) <= 64 * 64 else 8,
+        opts.scale, hv0, H=H, HV=HV, HVS=HS, C=C, K=K, V=V, BV=triton.next_power_of_2(V),
+        USE_L2=opts.use_qk_l2norm_in_kernel, **_flags(opts, A_log, dt_bias),
+        num_warps=4 if K * max(K, V) <= 64 * 64 else 8,
     )
-    return (qc, kc, vc, gc, bc), (gam, qg, kg, kend, dec)
+    return (qc, kc, vc, None, bc), (gam, qg, kg, kend, dec)
+
+
+@dataclass
+class RawGrads:
+    """Gradients of the raw inputs, filled head slice by head slice by `chunk_kda_prologue_bwd`."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dA_part: torch.Tensor
+    """``[NC, HV]`` per-chunk partial sums of ``dA_log``."""
+    dbias_part: torch.Tensor
+    """``[NC, HV, K]`` per-chunk partial sums of ``ddt_bias``."""
+
+    @classmethod
+    def empty_like_inputs(cls, q, k, v, g, beta, num_chunks: int) -> RawGrads:
+        K, HV = q.shape[-1], v.shape[2]
+        f32 = dict(device=q.device, dtype=torch.float32)
+        return cls(torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+                   torch.empty_like(beta), torch.zeros(num_chunks, HV, **f32), torch.zeros(num_chunks, HV, K, **f32))
+
+    def finish(self, A_log, dt_bias, opts) -> tuple[torch.Tensor | None, ...]:
+        """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` (the last two None where there is no such input)."""
+        dA_log = ddt_bias = None
+        if opts.use_gate_in_kernel:
+            if A_log is not None:
+                dA_log = self.dA_part.sum(0).reshape(A_log.shape).to(A_log.dtype)
+            if dt_bias is not None:
+                ddt_bias = self.dbias_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+        return self.dq, self.dk, self.dv, self.dg, self.dbeta, dA_log, ddt_bias
 
 
 def chunk_kda_prologue_bwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
-                           dqc, dkc, dvc, dgc, dbc):
-    """Chain rule from the chunked gradients back to the raw inputs.
+                           dqc, dkc, dvc, dgc, dbc, out: RawGrads | None = None, heads: tuple[int, int] | None = None):
+    """Chain rule from the chunked gradients (of value heads ``heads``, default all) back to the raw inputs.
 
-    Returns:
-        ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` in the raw inputs' shapes and dtypes (``dA_log``/``ddt_bias``
-        None when those inputs are None or the gate is precomputed).
+    With ``out`` the slice's gradients are written into it (each token and head exactly once) and ``out`` is
+    returned; call `RawGrads.finish` after the last slice. Without it, all heads are expected and the finished tuple
+    ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` is returned in the raw inputs' shapes and dtypes (``dA_log`` /
+    ``ddt_bias`` None when those inputs are None or the gate is precomputed).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    hv0, hv1 = heads if heads is not None else (0, HV)
+    HS, G = hv1 - hv0, HV // H
     NC, C = layout.num_chunks, layout.C
-    # Slots map onto tokens one to one, so every token's gradient is written exactly once; padding writes nothing.
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
-    dA_part = torch.zeros(NC, HV, device=q.device, dtype=torch.float32)
-    dbias_part = torch.zeros(NC, HV, K, device=q.device, dtype=torch.float32)
+    grads = out if out is not None else RawGrads.empty_like_inputs(q, k, v, g, beta, NC)
     dummy = dqc
     lb = float(opts.lower_bound) if opts.lower_bound is not None else 0.0
-    chunk_kda_prologue_bwd_kernel_vgb[(NC, HV)](
+    chunk_kda_prologue_bwd_kernel_vgb[(NC, HS)](
         v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
-        dvc, dgc, dbc, dv, dg, dbeta, dA_part, dbias_part, lb, 2.0 if opts.allow_neg_eigval else 1.0,
-        HV=HV, C=C, K=K, V=V, BV=triton.next_power_of_2(V), **_flags(opts, A_log, dt_bias), num_warps=4,
+        dvc, dgc, dbc, grads.dv, grads.dg, grads.dbeta, grads.dA_part, grads.dbias_part, lb,
+        2.0 if opts.allow_neg_eigval else 1.0, hv0,
+        HV=HV, HVS=HS, C=C, K=K, V=V, BV=triton.next_power_of_2(V), **_flags(opts, A_log, dt_bias), num_warps=4,
     )
-    chunk_kda_prologue_bwd_kernel_qk[(NC, H)](
-        q, k, tok, dqc, dkc, dq, dk, H=H, HV=HV, C=C, K=K, USE_L2=opts.use_qk_l2norm_in_kernel, num_warps=4,
+    chunk_kda_prologue_bwd_kernel_qk[(NC, HS // G)](
+        q, k, tok, dqc, dkc, grads.dq, grads.dk, hv0 // G, H=H, HV=HV, HVS=HS, C=C, K=K,
+        USE_L2=opts.use_qk_l2norm_in_kernel, num_warps=4,
     )
-    dA_log = ddt_bias = None
-    if opts.use_gate_in_kernel:
-        if A_log is not None:
-            dA_log = dA_part.sum(0).reshape(A_log.shape).to(A_log.dtype)
-        if dt_bias is not None:
-            ddt_bias = dbias_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
-    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias
+    return grads if out is not None else grads.finish(A_log, dt_bias, opts)

@@ -205,6 +205,43 @@ def test_disable_recompute_gives_identical_gradients(device: str) -> None:
         torch.testing.assert_close(g_recompute[name], g_kept[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("disable_recompute", [False, True], ids=["recompute", "kept-states"])
+def test_backward_in_head_slices_equals_one_pass(disable_recompute: bool, device: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forcing the fused backward to run GVA group by group (4 value heads, 2 per q/k head: two slices, the second
+    starting at head 2) gives the gradients of the single pass, over varlen, in-kernel gate and state in/out."""
+    import flashkda.autograd as autograd
+
+    case = Case(T=100, H=2, HV=4, cu_seqlens=(0, 37, 100), initial_state=True, output_final_state=True,
+                opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                          use_beta_sigmoid_in_kernel=True, disable_recompute=disable_recompute))
+    torch.manual_seed(7)
+    x = _inputs(case, device)
+    do = torch.randn(1, 100, 4, 32, dtype=torch.float64, device=device)
+    dht = torch.randn(2, 4, 32, 32, dtype=torch.float64, device=device)
+    _, _, one = _run(chunk_kda_autograd, x, case, do, dht)
+    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    assert autograd.backward_head_slices(2, 3, 4, 2, 64, 32, 32) == [(0, 2), (2, 4)]
+    _, _, sliced = _run(chunk_kda_autograd, x, case, do, dht)
+    for name in x:
+        torch.testing.assert_close(sliced[name], one[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_head_slices_follow_memory_and_state_pass_parallelism() -> None:
+    """B1-T8192-H64 (5.4 GB of fp32 intermediates) halves once, to keep 32 (sequence, head) pairs per state pass;
+    B8-T4096-H32 halves down to 4 heads; B1-T32768-H32 has only 32 pairs and stays whole; varlen 8 x 1024 H64 goes
+    to 16 heads (or 32 with GVA groups of 32); small calls stay whole."""
+    from flashkda.autograd import backward_head_slices
+
+    assert backward_head_slices(1, 128, 64, 1, 64, 128, 128) == [(0, 32), (32, 64)]
+    assert backward_head_slices(8, 512, 32, 1, 64, 128, 128) == [(h, h + 4) for h in range(0, 32, 4)]
+    assert backward_head_slices(1, 512, 32, 1, 64, 128, 128) == [(0, 32)]
+    assert backward_head_slices(8, 128, 64, 16, 64, 128, 128) == [(h, h + 16) for h in range(0, 64, 16)]
+    assert backward_head_slices(8, 128, 64, 32, 64, 128, 128) == [(0, 32), (32, 64)]  # whole GVA groups of 32
+    assert backward_head_slices(2, 4, 8, 1, 64, 64, 64) == [(0, 8)]
+
+
 def test_training_pipeline_forward_matches_the_forward_kernels(device: str) -> None:
     case = Case(T=100, H=1, HV=2, initial_state=True, output_final_state=True,
                 opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
