@@ -36,13 +36,18 @@ BENCH_SKEWS = ("uniform", "lognormal1", "lognormal2", "hot_rank", "one_expert")
 BASELINE = "naive all_to_all (token x K copies, host-synced splits)"
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The K3 layer shapes and routings every EP benchmark takes: tokens per rank, hiddens, E, K, skews."""
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hiddens", default="7168,3584")
     p.add_argument("--experts", type=int, default=896)
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--skews", default=",".join(BENCH_SKEWS))
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
     p.add_argument("--expert-width", type=int, default=512, help="F of the SwiGLU experts whose weights move")
     p.add_argument("--gate-tokens", type=int, default=128)
     p.add_argument("--warmup", type=int, default=5)

@@ -89,6 +89,9 @@ class Buffer:
         num_chunks: token chunks the dispatch all-gather and the combine all-to-all are split into, so
             the wire of one chunk overlaps the slot stores (dispatch) or the reduction (combine) of
             another (at most ``max_tokens_per_rank``).
+        planner: how the plan and this rank's slots are computed from the gathered routing: ``"auto"``
+            (fused Triton kernels on CUDA where they fit, else torch ops), ``"fused"`` or ``"torch"``
+            (`moonep.layout.Layout`); every choice gives the same plan and slots.
 
     Raises:
         ValueError: bad sizes, or ranks disagree on them (raised on every rank).
@@ -119,6 +122,7 @@ class Buffer:
         transport: str = "torch",
         ranks_per_node: int | None = None,
         num_chunks: int = 4,
+        planner: str = "auto",
     ) -> None:
         if transport not in ("torch", "nvlink", "hierarchical"):
             raise ValueError(f"transport must be 'torch', 'nvlink' or 'hierarchical', got {transport!r}")
@@ -170,7 +174,7 @@ class Buffer:
                 "everywhere"
             )
         self._destroyed = False
-        self.layout = Layout(R, self.S, self.K, self.E, self.rank, self.capacity, balanced, self.device)
+        self.layout = Layout(R, self.S, self.K, self.E, self.rank, self.capacity, balanced, self.device, planner)
         n = max(1, min(num_chunks, self.S))
         sizes = [self.S // n + (i < self.S % n) for i in range(n)]
         self.chunks = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
@@ -233,10 +237,10 @@ class Buffer:
         topk_weights: torch.Tensor,
         status: int,
         before_plan: Callable[[], object] | None = None,
-    ) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Plan, _lay.FlatHits | _lay.SortedHits]:
         """Layout all-gather, the checks (if validating), ``before_plan()`` (issues the token rows), the plan."""
         if status == _lay.STATUS_OK:
-            row = _lay.layout_row(topk_idx, topk_weights, self.S, self.E)
+            row = self.layout.row(topk_idx, topk_weights)
         else:
             row = _lay.empty_row(status, self.S, self.K, self.device)
         gathered = self.transport.all_gather(row.new_empty(self.num_ranks * row.numel()), row, "layout exchange")
@@ -290,10 +294,10 @@ class Buffer:
             pending: list = []
             # Token rows do not depend on the plan: they start moving right after the layout exchange
             # (and its checks), and the plan is computed while they travel.
-            plan, expert_T, weight_T, occ_T = self._exchange_layout(
+            plan, hits = self._exchange_layout(
                 topk_idx, topk_weights, status, lambda: pending.extend(self._start_token_gather(x))
             )
-            handle = self.layout.handle(plan, expert_T, weight_T, occ_T, x.shape[0])
+            handle = self.layout.handle(plan, hits, x.shape[0])
 
             def produce() -> torch.Tensor:
                 return self._store_rows(x.detach(), handle, pending)

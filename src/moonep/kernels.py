@@ -148,6 +148,44 @@ def sum_ranks_triton(src_RnH: torch.Tensor, out_mH: torch.Tensor) -> None:
 
 
 @triton.jit
+def place_hit(
+    b_e,
+    b_j,
+    m_hit,
+    keep_ptr,
+    ovf_start_ptr,
+    spare_start_ptr,
+    spare_end_ptr,
+    red_idx_ptr,
+    offsets_ptr,
+    stride_red_e,
+    stride_red_r,
+    stride_off_r,
+    stride_off_l,
+    P: tl.constexpr,
+    R: tl.constexpr,
+):
+    """`plan._place` for a block of hits: ``(dest, slot)`` of the ``b_j``-th slot of expert ``b_e`` (int64)."""
+    b_home = b_e // P
+    b_keep = tl.load(keep_ptr + b_e, mask=m_hit, other=0)
+    b_ovf = tl.load(ovf_start_ptr + b_e, mask=m_hit, other=0)
+    m_in_home = b_j < b_keep
+    b_q = b_ovf + (b_j - b_keep)
+    # searchsorted(spare_end, q, right=True), clamped to R - 1: how many ranks' spare ends at or before q.
+    b_spare = tl.zeros_like(b_e)
+    for r in tl.static_range(R):
+        b_spare += (tl.load(spare_end_ptr + r) <= b_q).to(tl.int64)
+    b_spare = tl.minimum(b_spare, R - 1)
+    b_dest = tl.where(m_in_home, b_home, b_spare)
+    b_spare_start = tl.load(spare_start_ptr + b_dest, mask=m_hit, other=0)
+    b_pos = tl.where(m_in_home, b_j, b_q - tl.maximum(b_ovf, b_spare_start))
+    b_red = tl.load(red_idx_ptr + b_e * stride_red_e + b_dest * stride_red_r, mask=m_hit, other=0)
+    b_local = tl.where(b_dest == b_home, b_e - b_home * P, P + b_red)
+    b_slot = tl.load(offsets_ptr + b_dest * stride_off_r + b_local * stride_off_l, mask=m_hit, other=0) + b_pos
+    return b_dest, b_slot
+
+
+@triton.jit
 def place_hits_kernel(
     expert_ptr,
     occ_ptr,
@@ -181,22 +219,10 @@ def place_hits_kernel(
     m_hit = m_t & (b_e < E)
     b_e = tl.where(m_hit, b_e, 0)
     b_j = tl.load(occ_ptr + o_t, mask=m_hit, other=0)
-    b_home = b_e // P
-    b_keep = tl.load(keep_ptr + b_e, mask=m_hit, other=0)
-    b_ovf = tl.load(ovf_start_ptr + b_e, mask=m_hit, other=0)
-    m_in_home = b_j < b_keep
-    b_q = b_ovf + (b_j - b_keep)
-    # searchsorted(spare_end, q, right=True), clamped to R - 1: how many ranks' spare ends at or before q.
-    b_spare = tl.zeros([BT], dtype=tl.int64)
-    for r in tl.static_range(R):
-        b_spare += (tl.load(spare_end_ptr + r) <= b_q).to(tl.int64)
-    b_spare = tl.minimum(b_spare, R - 1)
-    b_dest = tl.where(m_in_home, b_home, b_spare)
-    b_spare_start = tl.load(spare_start_ptr + b_dest, mask=m_hit, other=0)
-    b_pos = tl.where(m_in_home, b_j, b_q - tl.maximum(b_ovf, b_spare_start))
-    b_red = tl.load(red_idx_ptr + b_e * stride_red_e + b_dest * stride_red_r, mask=m_hit, other=0)
-    b_local = tl.where(b_dest == b_home, b_e - b_home * P, P + b_red)
-    b_slot = tl.load(offsets_ptr + b_dest * stride_off_r + b_local * stride_off_l, mask=m_hit, other=0) + b_pos
+    b_dest, b_slot = place_hit(
+        b_e, b_j, m_hit, keep_ptr, ovf_start_ptr, spare_start_ptr, spare_end_ptr, red_idx_ptr, offsets_ptr,
+        stride_red_e, stride_red_r, stride_off_r, stride_off_l, P, R,
+    )  # fmt: skip
     m_mine = m_hit & (b_dest == rank)
     tl.store(recv_ptr + o_t, tl.where(m_mine, b_slot, -1), mask=m_t)
     b_slot = tl.where(m_mine, b_slot, 0)

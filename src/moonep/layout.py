@@ -13,10 +13,14 @@ of per-hit metadata is needed, so the token rows can start moving right after th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moonep.plan import Plan, compute_plan, counts_and_occurrence, route_received
+
+if TYPE_CHECKING:  # triton is imported only on the fused path
+    from moonep.fused_plan import SortedHits
 
 STATUS_OK, STATUS_TOO_MANY, STATUS_SHAPE, STATUS_DTYPE, STATUS_IDS = 0, 1, 2, 3, 4
 STATUS_TEXT = {
@@ -80,6 +84,21 @@ def problems(gathered_RX: torch.Tensor, S: int, K: int, E: int) -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class FlatHits:
+    """Every hit in flat (source rank, token, k) order, as the torch path leaves them for `Layout.handle`."""
+
+    expert_T: torch.Tensor
+    """``[T]`` int64 expert id (``E``: no hit)."""
+    weight_T: torch.Tensor
+    """``[T]`` fp32 gate weight."""
+    occ_T: torch.Tensor
+    """``[T]`` int64 position among the hits of the same expert (flat order)."""
+
+
+PLANNERS = ("auto", "fused", "torch")
+
+
 class Layout:
     """Turns the gathered rows into the plan and this rank's handle (static shapes, no host sync).
 
@@ -89,41 +108,79 @@ class Layout:
         capacity: ``C``, slot rows of this rank.
         balanced: as in `compute_plan`.
         device: where the gathered rows live.
+        planner: ``"fused"``: `moonep.fused_plan` (a sort and four Triton kernels; on CPU tensors only under
+            ``TRITON_INTERPRET=1``); ``"torch"``: `counts_and_occurrence` + `compute_plan` (torch ops) and,
+            on CUDA, `moonep.kernels.place_hits_triton`; ``"auto"``: fused on CUDA where
+            `moonep.fused_plan.fits`, else torch. Both give the same plan and handle.
     """
 
     def __init__(
-        self, R: int, S: int, K: int, E: int, rank: int, capacity: int, balanced: bool, device: torch.device
+        self,
+        R: int,
+        S: int,
+        K: int,
+        E: int,
+        rank: int,
+        capacity: int,
+        balanced: bool,
+        device: torch.device,
+        planner: str = "auto",
     ) -> None:
+        if planner not in PLANNERS:
+            raise ValueError(f"planner must be one of {PLANNERS}, got {planner!r}")
         self.R, self.S, self.K, self.E, self.rank, self.C, self.balanced = R, S, K, E, rank, capacity, balanced
         self.rows_T = torch.arange(R * S, device=device).repeat_interleave(K)
+        if planner == "auto":
+            fused = False
+            if torch.device(device).type == "cuda":
+                from moonep.fused_plan import fits
 
-    def plan(self, gathered_RX: torch.Tensor) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(plan, expert_T, weight_T, occ_T)``: the plan, every hit's expert (``E`` for none), its fp32
-        weight, and its position among the hits of its expert (flat order)."""
+                fused = fits(R, E, R * S * K)
+            planner = "fused" if fused else "torch"
+        self.planner = planner
+
+    def row(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """This rank's layout row (`layout_row`; one kernel on the fused path)."""
+        if self.planner == "fused" and topk_idx.numel():
+            from moonep.fused_plan import layout_row as fused_layout_row
+
+            return fused_layout_row(topk_idx, topk_weights, self.S, self.E)
+        return layout_row(topk_idx, topk_weights, self.S, self.E)
+
+    def plan(self, gathered_RX: torch.Tensor) -> tuple[Plan, FlatHits | SortedHits]:
+        """``(plan, hits)``: the plan, and every hit's expert, weight and order for `handle`."""
         S, K, E = self.S, self.K, self.E
+        if self.planner == "fused":
+            from moonep.fused_plan import plan_sorted
+
+            return plan_sorted(gathered_RX, S, K, E, balanced=self.balanced)
         idx_T = gathered_RX[:, 1 : 1 + S * K].reshape(-1).long()
         weight_T = gathered_RX[:, 1 + S * K :].contiguous().view(torch.float32).reshape(-1)
         expert_T = torch.where((idx_T >= 0) & (idx_T < E), idx_T, E)
         counts_RE, occ_T = counts_and_occurrence(expert_T, self.R, E)
-        return compute_plan(counts_RE, balanced=self.balanced), expert_T, weight_T, occ_T
+        return compute_plan(counts_RE, balanced=self.balanced), FlatHits(expert_T, weight_T, occ_T)
 
-    def handle(
-        self, plan: Plan, expert_T: torch.Tensor, weight_T: torch.Tensor, occ_T: torch.Tensor, num_tokens: int
-    ) -> DispatchHandle:
+    def handle(self, plan: Plan, hits: FlatHits | SortedHits, num_tokens: int) -> DispatchHandle:
         """This rank's `DispatchHandle`: the slot of each hit it computes, each slot's source row and weight."""
         R, S, K, C = self.R, self.S, self.K, self.C
-        if expert_T.is_cuda:
+        if not isinstance(hits, FlatHits):
+            from moonep.fused_plan import place_sorted
+
+            recv_T, slot_src_C, weights_C = place_sorted(plan, hits, self.rank, S, K, C)
+        elif hits.expert_T.is_cuda:
             from moonep.kernels import place_hits_triton
 
-            recv_T, slot_src_C, weights_C = place_hits_triton(plan, self.rank, expert_T, occ_T, weight_T, C, K)
+            recv_T, slot_src_C, weights_C = place_hits_triton(
+                plan, self.rank, hits.expert_T, hits.occ_T, hits.weight_T, C, K
+            )
         else:
-            recv_T = route_received(plan, self.rank, expert_T, occ_T)
+            recv_T = route_received(plan, self.rank, hits.expert_T, hits.occ_T)
             valid = recv_T >= 0
             target = torch.where(valid, recv_T, C)
             slot_src = torch.full((C + 1,), R * S, dtype=torch.long, device=recv_T.device)
             slot_src_C = slot_src.scatter_(0, target, self.rows_T)[:C]
             weights = torch.zeros(C + 1, dtype=torch.float32, device=recv_T.device)
-            weights_C = weights.scatter_(0, target, torch.where(valid, weight_T, 0.0))[:C]
+            weights_C = weights.scatter_(0, target, torch.where(valid, hits.weight_T, 0.0))[:C]
         return DispatchHandle(
             plan=plan,
             rank=self.rank,

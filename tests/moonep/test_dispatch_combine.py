@@ -43,7 +43,12 @@ HIERARCHICAL_CASES = ("uniform-S12-K3-bal", "hot_rank-S12-K3-bal", "repeated-S12
 
 
 def _run_cases(
-    rank: int, world: int, device: str = "cpu", ranks_per_node: int | None = None, only: tuple[str, ...] = ()
+    rank: int,
+    world: int,
+    device: str = "cpu",
+    ranks_per_node: int | None = None,
+    only: tuple[str, ...] = (),
+    planner: str = "auto",
 ) -> list[str]:
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -64,8 +69,9 @@ def _run_cases(
         key = (S, K, E, balanced, chunks)
         if key not in buffers:
             buffers[key] = Buffer(
-                None, S, H, K, E, dtype=torch.float32, balanced=balanced, device=device, num_chunks=chunks, **transport
-            )
+                None, S, H, K, E, dtype=torch.float32, balanced=balanced, device=device, num_chunks=chunks,
+                planner=planner, **transport,
+            )  # fmt: skip
         buffer = buffers[key]
         out = buffer.dispatch(x.to(device), idx.to(device), w.to(device))
         out_x, out_w = out.x_CH.cpu(), out.weights_C.cpu()
@@ -109,12 +115,13 @@ def _run_cases(
 
 
 @pytest.mark.parametrize(
-    ("world", "ranks_per_node"),
-    [(1, None), (2, None), (4, None), (4, 2)],
-    ids=["R1-local", "R2", "R4", "R4-hierarchical-2x2"],
+    ("world", "ranks_per_node", "planner"),
+    [(1, None, "auto"), (2, None, "auto"), (4, None, "auto"), (4, 2, "auto"), (2, None, "fused")],
+    ids=["R1-local", "R2", "R4", "R4-hierarchical-2x2", "R2-fused-planner"],
 )
-def test_dispatch_and_combine_place_every_slot_exactly(world: int, ranks_per_node: int | None) -> None:
+def test_dispatch_and_combine_place_every_slot_exactly(world: int, ranks_per_node: int | None, planner: str) -> None:
     # The hierarchical transport builds node and rail groups per Buffer: a subset of cases keeps CI short.
+    # planner="fused" runs the Triton planner kernels in Triton's interpreter (CPU) or on the GPU.
     only = HIERARCHICAL_CASES if ranks_per_node else ()
-    results = run_ranks(_run_cases, world, "cpu", ranks_per_node, only, timeout_s=240)
+    results = run_ranks(_run_cases, world, "cpu", ranks_per_node, only, planner, timeout_s=240)
     assert all(r == [c[0] for c in CASES if not only or c[0] in only] for r in results)

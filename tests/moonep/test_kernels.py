@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -107,7 +109,7 @@ def test_triton_sum_ranks_matches_torch(R, n, m, H, dtype, device) -> None:
 )
 def test_triton_place_hits_matches_torch_handle(R, S, K, P, balanced, device) -> None:
     from moonep.kernels import place_hits_triton
-    from moonep.layout import Layout
+    from moonep.layout import FlatHits, Layout
     from moonep.plan import compute_plan, histogram, occurrence_index
 
     E = R * P
@@ -122,10 +124,71 @@ def test_triton_place_hits_matches_torch_handle(R, S, K, P, balanced, device) ->
     occ = occurrence_index(expert_T, E)
     for rank in range(R):
         layout = Layout(R, S, K, E, rank, C, balanced, torch.device("cpu"))
-        want = layout.handle(plan, expert_T, weight_T, occ, S)
+        want = layout.handle(plan, FlatHits(expert_T, weight_T, occ), S)
         on = {k: v.to(device) for k, v in {"e": expert_T, "o": occ, "w": weight_T}.items()}
         dev_plan = compute_plan(counts.to(device), balanced=balanced)
         recv, slot_src, weights = place_hits_triton(dev_plan, rank, on["e"], on["o"], on["w"], C, K)
         assert torch.equal(recv.cpu().view(R * S, K), want.recv_slots_TK), f"rank {rank}: slots"
         assert torch.equal(slot_src.cpu(), want.slot_src_C), f"rank {rank}: slot sources"
         assert torch.equal(weights.cpu(), want.weights_C), f"rank {rank}: weights"
+
+
+FUSED_CASES = [
+    # (R, S, K, P, balanced, routing): routing "skew" sends ~2/3 of hits to the lowest third of the experts
+    pytest.param(2, 6, 4, 3, True, "skew", id="R2-S6-K4-P3-bal-skew"),
+    pytest.param(3, 5, 3, 2, True, "one", id="R3-S5-K3-P2-bal-one-expert"),
+    pytest.param(4, 4, 2, 3, True, "uniform", id="R4-S4-K2-P3-bal-uniform"),
+    pytest.param(2, 7, 2, 5, False, "skew", id="R2-S7-K2-P5-unbal-skew"),
+    pytest.param(3, 3, 5, 1, True, "skew", id="R3-S3-K5-P1-bal-repeats"),
+]
+
+
+def _gathered(R: int, S: int, K: int, E: int, routing: str, seed: int) -> tuple[torch.Tensor, list]:
+    """Layout rows of R ranks (torch `layout_row`), each with fewer tokens than S, some -1 ids."""
+    from moonep.layout import layout_row
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, routes = [], []
+    for r in range(R):
+        s = S - r % 2
+        if routing == "one":
+            idx = torch.full((s, K), E - 1, dtype=torch.long)
+        elif routing == "skew":
+            idx = torch.where(torch.rand(s, K, generator=gen) < 0.66, torch.randint(0, max(1, E // 3), (s, K)), -1)
+            idx = torch.where(idx < 0, torch.randint(-1, E, (s, K), generator=gen), idx)
+        else:
+            idx = torch.randint(0, E, (s, K), generator=gen)
+        w = torch.rand(s, K, generator=gen)
+        routes.append((idx, w))
+        rows.append(layout_row(idx, w, S, E))
+    return torch.stack(rows), routes
+
+
+@pytest.mark.parametrize(("R", "S", "K", "P", "balanced", "routing"), FUSED_CASES)
+def test_fused_planner_equals_torch_planner_and_handle(R, S, K, P, balanced, routing, device) -> None:
+    from moonep.fused_plan import layout_row as fused_layout_row
+    from moonep.layout import Layout, layout_row
+    from moonep.reference import reference_plan
+
+    E = R * P
+    gathered, routes = _gathered(R, S, K, E, routing, seed=R * 10 + S)
+    for idx, w in routes:  # the one-kernel row equals the torch row
+        assert torch.equal(fused_layout_row(idx.to(device), w.to(device), S, E).cpu(), layout_row(idx, w, S, E))
+    C = S * K * (1 if balanced else R)
+    for rank in range(R):
+        torch_layout = Layout(R, S, K, E, rank, C, balanced, torch.device("cpu"), planner="torch")
+        fused_layout = Layout(R, S, K, E, rank, C, balanced, torch.device(device), planner="fused")
+        want_plan, want_hits = torch_layout.plan(gathered)
+        got_plan, got_hits = fused_layout.plan(gathered.to(device))
+        for name in [f.name for f in dataclasses.fields(want_plan)]:
+            want, got = getattr(want_plan, name), getattr(got_plan, name)
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got.cpu(), want), f"rank {rank}: plan.{name}"
+            else:
+                assert got == want, f"rank {rank}: plan.{name}"
+        for name, value in reference_plan(want_plan.counts_RE, balanced=balanced).items():
+            assert torch.equal(got_plan.__getattribute__(name).cpu(), value), f"rank {rank}: reference {name}"
+        want = torch_layout.handle(want_plan, want_hits, S)
+        got = fused_layout.handle(got_plan, got_hits, S)
+        for name in ("recv_slots_TK", "slot_src_C", "weights_C", "local_counts_L"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), f"rank {rank}: handle.{name}"
