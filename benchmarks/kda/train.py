@@ -16,10 +16,10 @@ model built from ``fla.layers.KimiDeltaAttention`` with copied weights, and fla'
 yardstick) trained on the same batches; the row keeps the curves' summary.
 
 Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile]
-[--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...]``. ``--cases`` with no name runs
-no op row (only the training loop). Every phase prints
-its elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
-after every row, so a run cut by a time cap keeps the rows it finished.
+[--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]``. ``--cases``
+with no name runs no op row (only the training loop). Every phase prints its elapsed seconds (first calls include
+Triton compilation and fla's autotuning), and the results file is rewritten after every row, so a run cut by a time
+cap keeps the rows it finished. ``benchmarks/kda/train_round.sh`` is the device call that runs it.
 """
 
 from __future__ import annotations
@@ -155,8 +155,11 @@ def run_ops(args, device: str, log: Progress, save) -> list[Row]:
 
     rows = []
     for name in names:
-        if args.warmup:
-            warm_case(name, ours if args.warmup == "ours" else fla_chunk_kda, device, log)
+        if args.warmup == "ours":
+            warm_case(name, ours, device, log, args.slices)
+            continue
+        if args.warmup == "fla":
+            warm_case(name, fla_chunk_kda, device, log)
             continue
         rows.append(run_case(name, ours, fla_chunk_kda, args, args.profile and name == names[0], device, log))
         save(rows)
@@ -164,19 +167,27 @@ def run_ops(args, device: str, log: Progress, save) -> list[Row]:
     return rows
 
 
-def warm_case(name: str, fn, device: str, log: Progress) -> None:
+def warm_case(name: str, fn, device: str, log: Progress, slices: list[int] = ()) -> None:
     """``--warmup``: one forward + backward at the row's shape, to fill Triton's on-disk cache (compiled kernels and,
-    with ``TRITON_CACHE_AUTOTUNING=1``, fla's autotune choices) from a parallel process before the timed run."""
+    with ``TRITON_CACHE_AUTOTUNING=1``, fla's autotune choices) from a parallel process before the timed run; for
+    ours also once per head-slice count of ``slices`` (the slice width is a compile-time constant of some kernels)."""
     import torch
+
+    from flashkda import autograd
 
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
     do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
     dht = torch.randn(N, c["H"], 128, 128, device=device)
-    log(f"{name}: warm-up call")
-    step(fn, x, extra, do, dht)
-    torch.cuda.synchronize()
+    for n in (None, *slices):
+        log(f"{name}: warm-up call" + ("" if n is None else f" with {n} head slices"))
+        autograd.BWD_HEAD_SLICES = n
+        try:
+            step(fn, x, extra, do, dht)
+            torch.cuda.synchronize()
+        finally:
+            autograd.BWD_HEAD_SLICES = None
     log(f"{name}: warm")
 
 
@@ -223,7 +234,7 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
         f"peak {mem_ours:.0f} MiB")
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
               "ours_gated_dots": gated_dots, "ours_head_slices": len(slices)}
-    for n in args.slices if with_profile else ():
+    for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:
             t_n = time_fn(run_ours, device=device, warmup=2, rep=args.rep)
@@ -413,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", choices=("ours", "fla"), default=None,
                         help="one untimed call per row (and 2 training steps) of one side, nothing written: fills "
                              "Triton's on-disk cache from a parallel process")
+    parser.add_argument("--loop-first", action="store_true", help="run the training loop before the op rows")
     parser.add_argument("--slices", type=int, nargs="*", default=[],
-                        help="also time ours at the first row with these fixed backward head-slice counts")
+                        help="also time ours at every row with these fixed backward head-slice counts")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of our first row")
     parser.add_argument("--no-gate", action="store_true", help="skip the fp64 reference gate (rows still check fla)")
@@ -443,12 +455,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.warmup:
         args.no_write = True
-    rows = run_ops(args, "cuda", log, save)
-    if args.steps > 0 and not args.ours_only:
-        row = training_loop(args.steps, "cuda", log, warmup=args.warmup is not None)
-        if row is not None:
-            rows.append(row)
-            save(rows)
+    rows: list[Row] = []
+    loop = args.steps > 0 and not args.ours_only
+    if loop and args.loop_first:
+        rows += filter(None, [training_loop(args.steps, "cuda", log, warmup=args.warmup is not None)])
+        save(rows)
+    rows += run_ops(args, "cuda", log, lambda op_rows: save(rows + op_rows))
+    if loop and not args.loop_first:
+        rows += filter(None, [training_loop(args.steps, "cuda", log, warmup=args.warmup is not None)])
+        save(rows)
     log("done")
     return 0
 

@@ -45,12 +45,17 @@ def chunk_kda_fwd_kernel_gated_dots(
     b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
     b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
 
+    # The right-hand operands are read transposed straight from memory (cached re-reads) rather than transposed in
+    # registers, so no dot takes a transposed fp32 operand (the pattern of an illegal memory access under tf32 seen
+    # in another kernel, NOTES.md).
     # diagonal block, reference = middle row
     b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
     b_e = tl.exp(b_g - b_ref[None, :])
-    b_kinv = b_k * tl.exp(b_ref[None, :] - b_g)
-    b_aqk = tl.dot(b_q * b_e, tl.trans(b_kinv), input_precision=DOT_PRECISION)
-    b_akk = tl.dot(b_k * b_e, tl.trans(b_kinv), input_precision=DOT_PRECISION)
+    # [K, BC]
+    p_t = base + o_r[None, :] * K + o_k[:, None]
+    b_kinv_t = tl.load(k + p_t).to(tl.float32) * tl.exp(b_ref[:, None] - tl.load(gam + p_t).to(tl.float32))
+    b_aqk = tl.dot(b_q * b_e, b_kinv_t, input_precision=DOT_PRECISION)
+    b_akk = tl.dot(b_k * b_e, b_kinv_t, input_precision=DOT_PRECISION)
     m_incl = o_i[:, None] >= o_i[None, :]
     m_strict = o_i[:, None] > o_i[None, :]
     p_out = o_r[:, None] * C + (i_r * BC + o_i)[None, :]
@@ -60,13 +65,13 @@ def chunk_kda_fwd_kernel_gated_dots(
     # blocks left of the diagonal, reference = last row of the column block
     for i_c in range(0, i_r):
         o_c = i_c * BC + o_i
-        b_kc = tl.load(k + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        b_gc = tl.load(gam + base + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+        # [K, BC]
+        p_t = base + o_c[None, :] * K + o_k[:, None]
         b_ref = tl.load(gam + base + (i_c * BC + BC - 1) * K + o_k).to(tl.float32)
-        b_kc = b_kc * tl.exp(b_ref[None, :] - b_gc)
+        b_kc_t = tl.load(k + p_t).to(tl.float32) * tl.exp(b_ref[:, None] - tl.load(gam + p_t).to(tl.float32))
         b_e = tl.exp(b_g - b_ref[None, :])
-        b_aqk = tl.dot(b_q * b_e, tl.trans(b_kc), input_precision=DOT_PRECISION)
-        b_akk = tl.dot(b_k * b_e, tl.trans(b_kc), input_precision=DOT_PRECISION)
+        b_aqk = tl.dot(b_q * b_e, b_kc_t, input_precision=DOT_PRECISION)
+        b_akk = tl.dot(b_k * b_e, b_kc_t, input_precision=DOT_PRECISION)
         p_out = o_r[:, None] * C + o_c[None, :]
         tl.store(aqk + base_a + p_out, (b_aqk * scale).to(aqk.dtype.element_ty))
         tl.store(akk + base_a + p_out, b_akk.to(akk.dtype.element_ty))
@@ -127,9 +132,14 @@ def chunk_kda_bwd_kernel_gated_dots(
     # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
     b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
     b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
-    # column side: d(b_i) = sum_t dA_ti a_t exp(G_t - G_i)
-    b_db_kk = tl.dot(tl.trans(b_dakk), b_k * b_e, input_precision=DOT_PRECISION) * b_einv
-    b_db_qk = tl.dot(tl.trans(b_daqk), b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+    # column side: d(b_i) = sum_t dA_ti a_t exp(G_t - G_i), with dA^T read transposed from memory (no register
+    # transpose of an fp32 dot operand, see the forward kernel)
+    p_dt = o_r[None, :] * C + o_r[:, None]
+    b_dakk_t = tl.load(dakk + base_a + p_dt).to(tl.float32) * b_rs[None, :]
+    b_dakk_t = tl.where(o_i[:, None] < o_i[None, :], b_dakk_t, 0.0)
+    b_daqk_t = tl.where(o_i[:, None] <= o_i[None, :], tl.load(daqk + base_a + p_dt).to(tl.float32), 0.0)
+    b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DOT_PRECISION) * b_einv
+    b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DOT_PRECISION) * b_einv
 
     # row side, column blocks c < r (reference = last row of block c)
     for i_c in range(0, i_r):
@@ -154,13 +164,13 @@ def chunk_kda_bwd_kernel_gated_dots(
         b_es = tl.exp(b_gs - b_ref[None, :])
         b_ks = tl.load(k + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
         b_qs = tl.load(q + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32) * b_es
-        p_a = o_s[:, None] * C + o_r[None, :]
+        # [BC (i in r), BC (t in s)]: dA[s, r] transposed
+        p_a = o_s[None, :] * C + o_r[:, None]
         b_dakk_s = tl.load(dakk + base_a + p_a).to(tl.float32)
         if HAS_RS:
-            b_dakk_s = b_dakk_s * tl.load(dakk_rs + i_b.to(tl.int64) * C + o_s).to(tl.float32)[:, None]
-        b_acc_kk += tl.dot(tl.trans(b_dakk_s), b_ks, input_precision=DOT_PRECISION)
-        b_acc_qk += tl.dot(tl.trans(tl.load(daqk + base_a + p_a).to(tl.float32)), b_qs,
-                           input_precision=DOT_PRECISION)
+            b_dakk_s = b_dakk_s * tl.load(dakk_rs + i_b.to(tl.int64) * C + o_s).to(tl.float32)[None, :]
+        b_acc_kk += tl.dot(b_dakk_s, b_ks, input_precision=DOT_PRECISION)
+        b_acc_qk += tl.dot(tl.load(daqk + base_a + p_a).to(tl.float32), b_qs, input_precision=DOT_PRECISION)
     b_einv = tl.exp(b_ref[None, :] - b_g)
     b_db_kk += b_acc_kk * b_einv
     b_db_qk += b_acc_qk * b_einv
@@ -219,6 +229,9 @@ def chunk_kda_gated_dots_bwd(
     dq, dk, dgam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     chunk_kda_bwd_kernel_gated_dots[(nb, C // BC)](
         q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, daqk_scale, dq, dk, dgam, C=C, K=K, BC=BC,
-        DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=4,
+        DOT_PRECISION=dot_precision, HAS_RS=has_rs,
+        # offline sm_90 (Triton 3.9, K = 128): 4 warps 255 registers with 668 B spilled (ieee) / 0 (tf32); 8 warps
+        # 255 / 148 B (ieee), 162 / 0 (tf32). Every product here has a [BC, K] result, so 8 warps tile it.
+        num_warps=8 if K >= 64 else 4,
     )
     return dq, dk, dgam

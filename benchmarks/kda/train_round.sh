@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One device call for FlashKDA training, through benchmarks/device/run.sh (.whl carried):
+#   bash benchmarks/device/run.sh bash benchmarks/kda/train_round.sh
+# fla's first training call per shape compiles and autotunes for 100-200 s, so the call has two phases:
+#   A (parallel, nothing timed): fla's first call at each row's shape and in the tiny LM, in separate processes, to
+#     fill Triton's on-disk cache (kernels and, with TRITON_CACHE_AUTOTUNING=1, fla's autotune choices); ours
+#     compiled the same way; the opt-in tf32 gated products (FLASHKDA_BWD_GATED_DOTS=tf32) probed in a process of
+#     their own (fp64 gate + two rows), so a crash costs that process only; the gpu tests of the training files,
+#     then the CPU suite's backward tests on CUDA.
+#   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
+#     fla, with a profile and a head-slice sweep on the first; tf32 gated products only if the probe passed, then
+#     ours with exact products at the first row for comparison.
+# Caps from the environment (seconds): KDA_WARM_CAP (phase A, 180), KDA_MAIN_CAP (phase B, 140).
+# A carried .triton-cache-train.tgz is unpacked into the cache first; fla's autotune results are packed into
+# $OUT/fla-autotune.tgz at the end (small), for the next call to carry.
+set -u
+OUT=${OUT:-/tmp/out}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+mkdir -p "$TRITON_CACHE_DIR" /tmp/train_round
+LOGS=/tmp/train_round
+for f in .triton-cache-train.tgz .fla-autotune.tgz; do
+  [ -f "$f" ] && tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null && echo "unpacked $f"
+done
+TRAIN="python3 -m benchmarks.kda.train"
+WARM=${KDA_WARM_CAP:-180}
+ALL_ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
+
+echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
+timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases B1-T8192-H64 > $LOGS/A_fla_h64.log 2>&1 &
+timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases varlen1024x8-H64 > $LOGS/A_fla_varlen.log 2>&1 &
+timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases B8-T4096-H32 > $LOGS/A_fla_h32.log 2>&1 &
+timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
+(
+  timeout -k 5 $((WARM / 2)) python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 150 \
+    tests/flashkda/test_backward.py tests/flashkda/test_backward_gated.py tests/flashkda/test_backward_training.py \
+    tests/flashkda/test_layer.py
+  echo "gputests rc=$?"
+  # the CPU suite's gradient cases on the real kernels (compiled, not interpreted), as far as the cap allows
+  timeout -k 5 $((WARM / 2 - 10)) python3 -m pytest -q -p no:cacheprovider tests/flashkda/test_backward.py \
+    tests/flashkda/test_backward_gated.py
+  echo "backward tests on cuda rc=$?"
+) > $LOGS/A_gputests.log 2>&1 &
+(
+  timeout -k 5 90 $TRAIN --warmup ours --steps 0 --slices 1 2 4 --cases $ALL_ROWS
+  FLASHKDA_BWD_GATED_DOTS=tf32 timeout -k 5 90 $TRAIN --ours-only --steps 0 --rep 5 --no-write \
+    --cases B1-T8192-H64 B8-T4096-H32
+  echo "tf32 probe rc=$?"
+) > $LOGS/A_ours.log 2>&1 &
+wait
+echo "=== phase A done $(date +%T)"
+for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 25; done
+
+TF32=0
+if grep -q "tf32 probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log; then TF32=1; fi
+echo "=== phase B (timed, tf32 gated products: $TF32) $(date +%T)"
+if [ "$TF32" = 1 ]; then export FLASHKDA_BWD_GATED_DOTS=tf32; fi
+timeout -k 5 "${KDA_MAIN_CAP:-140}" $TRAIN --rep 10 --steps 300 --loop-first --profile --slices 1 2 4 \
+  --cases $ALL_ROWS 2>&1 | tee $LOGS/B_main.log
+echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
+if [ "$TF32" = 1 ]; then
+  FLASHKDA_BWD_GATED_DOTS=ieee timeout -k 5 30 $TRAIN --ours-only --no-gate --no-write --steps 0 --rep 10 --profile \
+    --cases B1-T8192-H64 2>&1 | tee $LOGS/B_ieee.log | grep -v "^\s*$" | tail -n 40
+fi
+echo "=== done $(date +%T)"
+cat $LOGS/A_*.log > "$OUT/phaseA.log"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
+exit 0
