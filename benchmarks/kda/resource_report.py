@@ -4,7 +4,8 @@ Compiles the Triton kernels for an H100/H200 (``GPUTarget("cuda", 90, 32)``) on 
 ptxas that ships in Triton's wheel, and prints one line per (kernel, configuration). Nothing runs on a device, so
 these numbers predict occupancy only; they are no timing.
 
-Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass]``.
+Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass]
+[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--store-t] [--no-intra]``.
 Configurations: bf16 input (tf32 products, bf16 w/kg) and fp32 input (ieee products), K = V = 128, fixed-length,
 in-kernel gate with ``lower_bound`` + ``safe_gate`` (the benchmark setting) or the softplus gate (pair-by-pair
 diagonal path).
@@ -32,8 +33,9 @@ REGS_PER_SM = 65536
 MAX_SMEM = 227 * 1024
 
 
-def intra_configs(dtype: str, gate: str):
-    """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting."""
+def intra_configs(dtype: str, gate: str, store_t: bool = False):
+    """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting
+    (``store_t``: the intra kernel stops after the inverse, as in the split w/u path)."""
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
@@ -41,7 +43,7 @@ def intra_configs(dtype: str, gate: str):
                   BS=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
-                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3")
+                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t)
     return [(fn, {name: types.get(name, "constexpr") for name in fn.arg_names},
              {name: common[name] for name in fn.arg_names if name in common})
             for fn, types in kernel_signatures(work)]
@@ -51,7 +53,7 @@ def kernel_signatures(work: str):
     """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype)."""
     io = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
               cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
-              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", scale="fp32", lower_bound="fp32", T="i32",
+              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", scale="fp32", lower_bound="fp32", T="i32",
               NTS="i32")
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
@@ -69,6 +71,25 @@ def state_config(dtype: str, block_v: int):
               DT=triton.language.float32)
     return fn, {name: types.get(name, "constexpr") for name in fn.arg_names}, {
         name: cx[name] for name in fn.arg_names if name in cx}
+
+
+def split_state_configs(dtype: str, block_v: int, hilo: bool):
+    """(kernel, types, constexprs) of the state-only recurrence and the output kernel (K = V = 128, fixed length)."""
+    work = "bf16" if dtype == "bf16" else "fp32"
+    prec = "tf32" if dtype == "bf16" else "ieee"
+    h_fn, o_fn, wu_fn = chunk_state.chunk_kda_fwd_kernel_h, chunk_state.chunk_kda_fwd_kernel_o, \
+        chunk_intra.chunk_kda_fwd_kernel_wu
+    types = dict(w=f"*{work}", u="*fp32", kg=f"*{work}", gC="*fp32", h=f"*{work}", vn="*fp32", h0="*fp32",
+                 ht="*fp32", cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", T="i32", NTS="i32",
+                 PROGRAMS="i32", qg="*fp32", Aqk="*fp32", o="*bf16", v="*bf16", Tb="*fp32")
+    cx = dict(HV=1, K=128, V=128, BT=64, BK=128, BV=block_v, BS=64, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
+              STATE_V_FIRST=False, IS_VARLEN=False, HILO=hilo, EMULATE=False, DOT_PREC=prec)
+    out = []
+    for fn, over in ((h_fn, {}), (o_fn, dict(BK=64)), (wu_fn, {})):
+        c = {**cx, **over}
+        out.append((fn, {n: types.get(n, "constexpr") for n in fn.arg_names},
+                    {n: c[n] for n in fn.arg_names if n in c}))
+    return out
 
 
 def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None, num_stages: int = 1):
@@ -142,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sass", action="store_true", help="also count LDL/STL/HMMA/HGMMA/BAR/SHFL in the SASS")
     ap.add_argument("--state", nargs="*", default=[], metavar="BV:WARPS:STAGES",
                     help="also (or with --no-intra, only) the state + output kernel at these configurations")
+    ap.add_argument("--split", nargs="*", default=[], metavar="BV:WARPS:STAGES:HILO",
+                    help="also the split path: state-only kernel, output kernel (BV, BK 64), w/u kernel (slice 64)")
+    ap.add_argument("--store-t", action="store_true", help="intra kernel of the split w/u path (no pass 2)")
     ap.add_argument("--no-intra", action="store_true")
     args = ap.parse_args(argv)
     print(f"target sm_90 | triton {triton.__version__} | K = V = 128, BT = 64, BC = 16 | no device timing")
@@ -154,9 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtype:
             fn, sig, cx = state_config(dtype, bv)
             report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"state_o {spec}")
+    for spec in args.split:
+        bv, nw, ns, hilo = (int(p) for p in spec.split(":"))
+        for dtype in args.dtype:
+            for fn, sig, cx in split_state_configs(dtype, bv, bool(hilo)):
+                report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"{fn.__name__[21:]} {spec}")
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
-            for fn, sig, cx in intra_configs(dtype, gate):
+            for fn, sig, cx in intra_configs(dtype, gate, args.store_t):
                 for nw in args.warps:
                     for cap in args.maxnreg:
                         report(fn, sig, cx, dtype, gate, nw, cap, args.sass)

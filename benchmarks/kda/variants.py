@@ -9,8 +9,15 @@ The intra stage leaves the blocks of ``Aqk`` above the diagonal unwritten (the s
 its outputs are compared where they are defined; the whole-buffer difference is printed too, because a comparison
 of the whole buffer reads whatever the allocator left there.
 
-Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N] [--intra WARPS:MAXNREG:SLICE ...]
-[--state BV:WARPS:STAGES ...]`` (CUDA only). The first configuration of each list is the reference.
+The split paths are swept too: ``--wu`` (intra stage as two kernels: the intra kernel up to the inverse, then the
+w/u kernel) and ``--h`` (state-only recurrence storing bf16 states, then the parallel output kernel, autotuned;
+``HILO`` 1 takes the chain products as two bf16 products over a hi/lo split). The split state path stores states
+in bf16, so it is compared with the fused stage at 5e-3 relative.
+
+Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
+[--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
+[--h BV:WARPS:STAGES:HILO ...]`` (CUDA only). The first configuration of the intra and state lists is the reference
+(the fused defaults when a list is empty).
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ import time
 #: State-stage configurations swept by default: (V tile, warps, pipeline stages).
 STATE_SWEEP = ["32:4:1", "64:8:1", "16:4:1", "64:4:1", "32:8:1", "32:4:2"]
 #: Intra-stage configurations swept by default: (warps, register cap or 0, pass-2 slice width).
-INTRA_SWEEP = ["4:0:16", "4:0:64", "4:0:32", "4:168:16", "4:128:16", "8:0:16"]
+INTRA_SWEEP = ["4:0:16", "4:0:64", "4:0:16:32", "8:0:16:32"]
+#: The intra stage split in two (intra kernel up to the inverse, then the w/u kernel): (slice width, warps).
+WU_SWEEP = ["64:8", "128:8", "32:4", "64:4"]
+#: The split state path (state-only recurrence, then the parallel output kernel): (V tile, warps, stages, hi/lo).
+H_SWEEP = ["32:4:1:0", "32:4:2:0", "64:4:2:0", "16:4:2:0", "64:8:2:0", "32:2:2:0"]
 
 
 def defined_region(Aqk, BT: int = 64, BC: int = 16):
@@ -41,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=20)
     parser.add_argument("--intra", nargs="*", default=INTRA_SWEEP)
     parser.add_argument("--state", nargs="*", default=STATE_SWEEP)
+    parser.add_argument("--wu", nargs="*", default=WU_SWEEP)
+    parser.add_argument("--h", nargs="*", default=H_SWEEP)
     args = parser.parse_args(argv)
     import torch
 
@@ -71,22 +84,25 @@ def sweep_case(name: str, args) -> None:
     prec = dot_precision_for(q.dtype)
 
     def intra(spec):
-        num_warps, maxnreg, solve_slice = (int(p) for p in spec.split(":"))
+        num_warps, maxnreg, solve_slice, *bkc = (int(p) for p in spec.split(":"))
         return chunk_kda_fwd_intra(q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
                                    q.shape[-1] ** -0.5, -5.0, True, True, True, False, True, index,
                                    work_dtype_for(q.dtype), prec, num_warps=num_warps, maxnreg=maxnreg or None,
-                                   solve_slice=solve_slice)
-
-    def rel(a, b):
-        a, b = a.double(), b.double()
-        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+                                   solve_slice=solve_slice, pass1_slice=bkc[0] if bkc else None)
 
     def rel_defined(out, ref):
         return max(rel(defined_region(a) if i == 4 else a, defined_region(b) if i == 4 else b)
                    for i, (a, b) in enumerate(zip(out, ref)))
 
     with torch.inference_mode():
-        ref = intra(args.intra[0])
+        ref = intra(args.intra[0] if args.intra else "4:0:16")
+        for spec in args.wu:
+            t0 = time.time()
+            bs, nw = (int(p) for p in spec.split(":"))
+            fn = lambda bs=bs, nw=nw: chunk_kda_fwd_intra(  # noqa: E731
+                q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], q.shape[-1] ** -0.5, -5.0, True,
+                True, True, False, True, index, work_dtype_for(q.dtype), prec, split_wu=True, wu_config=(bs, nw))
+            _report(f"intra split + wu slice:warps={spec}", fn, ref, rel_defined, 5e-3, args.rep, t0)
         for spec in args.intra:
             t0 = time.time()
             try:
@@ -102,14 +118,23 @@ def sweep_case(name: str, args) -> None:
                       f"{time.time() - t0:.0f}s)", flush=True)
             except Exception as exc:  # a configuration that does not compile or launch is reported, not fatal
                 print(f"intra {spec}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
-        o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=32)[0]
+        o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=32,
+                                      split=False)[0]
+        for spec in args.h:
+            bv, nw, ns, hilo = (int(p) for p in spec.split(":"))
+            t0 = time.time()
+            fn = lambda bv=bv, nw=nw, ns=ns, hilo=hilo: chunk_kda_fwd_state_o(  # noqa: E731
+                *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw, num_stages=ns,
+                split=True, hilo=bool(hilo))
+            _report(f"state split h BV:warps:stages:hilo={spec} + o autotuned", fn, o_ref,
+                    lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
         for spec in args.state:
             bv, nw, ns = (int(p) for p in spec.split(":"))
             t0 = time.time()
             try:
                 state = lambda bv=bv, nw=nw, ns=ns: chunk_kda_fwd_state_o(
                     *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw,
-                    num_stages=ns)
+                    num_stages=ns, split=False)
                 err = rel(state()[0], o_ref)
                 if err > 1e-3:
                     print(f"state {spec}: DISAGREES rel {err:.1e}", flush=True)
@@ -119,6 +144,27 @@ def sweep_case(name: str, args) -> None:
                       f"{time.time() - t0:.0f}s)", flush=True)
             except Exception as exc:
                 print(f"state {spec}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _report(label, fn, ref, compare, limit, rep, t0) -> None:
+    """Checks ``fn()`` against ``ref`` (``compare(out, ref) <= limit``), then times it; failures are printed."""
+    from benchmarks.harness import time_fn
+
+    try:
+        err = compare(fn(), ref)
+        if err > limit:
+            print(f"{label}: DISAGREES rel {err:.1e}", flush=True)
+            return
+        t = time_fn(fn, device="cuda", rep=rep)
+        print(f"{label}: {t.median_ms:.3f} ms (p20-p80 {t.p20_ms:.3f}-{t.p80_ms:.3f}; rel {err:.1e}; "
+              f"{time.time() - t0:.0f}s)", flush=True)
+    except Exception as exc:  # a configuration that does not compile or launch is reported, not fatal
+        print(f"{label}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
 
 
 if __name__ == "__main__":

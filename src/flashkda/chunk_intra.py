@@ -108,33 +108,42 @@ def _block_diag(b_D, BT: tl.constexpr, BC: tl.constexpr):
     return tl.where(o_blk[:, None] == o_blk[None, :], b_x, 0.0)
 
 
+@triton.jit
+def chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Global chunk ``i_c``: its sequence ``i_n`` (``-1`` for a surplus varlen grid entry: the caller returns), its
+    first token ``t0`` and its sequence's end ``eos`` (int64 token indices)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_map + i_c)
+        i_s = tl.maximum(i_n, 0)
+        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
+        i_j = i_c - tl.load(chunk_offsets + i_s)
+    else:
+        i_n = i_c // NTS
+        i_j = i_c % NTS
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return i_n, bos + i_j.to(tl.int64) * BT, eos
+
+
 @triton.jit(do_not_specialize=["T", "lower_bound", "scale"])
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunk_map,
-    w, u, qg, kg, Aqk, gC,
+    w, u, qg, kg, Aqk, gC, Tb,
     scale, lower_bound, T, NTS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    STORE_T: tl.constexpr,
 ):
     tl.static_assert(BT == 4 * BC, "the kernel is written out for four sub-chunks")
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_map + i_c)
-        if i_n < 0:
-            return
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        i_j = i_c - tl.load(chunk_offsets + i_n)
-    else:
-        i_n = i_c // NTS
-        i_j = i_c % NTS
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    t0 = bos + i_j.to(tl.int64) * BT
+    i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
+    if i_n < 0:
+        return
     o_r = tl.arange(0, BT)
     m_r = o_r < eos - t0
     # [BT] sub-chunk of each row
@@ -213,8 +222,11 @@ def chunk_kda_fwd_kernel_intra(
         _put_tile(qg, b_q * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
         _put_tile(kg, b_k * tl.exp(_per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC) - b_G), t0, eos, i_hv, o_k,
                   HV, K, BT)
-        # Right-hand side of the WY solve for w; pass 2 overwrites it with w.
-        _put_tile(w, b_k * b_eG * b_b[:, None], t0, eos, i_hv, o_k, HV, K, BT)
+        # Right-hand side of the WY solve for w; pass 2 (or chunk_kda_fwd_kernel_wu) overwrites it with w.
+        if STORE_T:
+            _put_tile(w, b_k * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
+        else:
+            _put_tile(w, b_k * b_eG * b_b[:, None], t0, eos, i_hv, o_k, HV, K, BT)
 
         # Row operands relative to their sub-chunk's start (factors <= 1).
         b_eGr = tl.exp(b_G)
@@ -277,6 +289,11 @@ def chunk_kda_fwd_kernel_intra(
     # [BT, BT] the whole inverse (I + L)⁻¹ = M D̃, formed once, so each slice of w and u below is one product
     # instead of a batched diagonal product plus one (D̃ is rounded to the product precision either way).
     b_T = tl.dot(b_M, _block_diag(b_D, BT, BC), input_precision=DOT_PREC)
+    if STORE_T:
+        # w and u by chunk_kda_fwd_kernel_wu: w = (T Diag(β)) (k e^Γ), u = (T Diag(β)) v
+        tl.store(Tb + (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :], b_T * b_b[None, :],
+                 mask=m_r[:, None])
+        return
 
     # Pass 2, slice by slice: w over the stored right-hand sides (every thread must see them: barrier first, and
     # again before a slice is overwritten), u = T (β v) straight from v. Loads run one slice ahead as in pass 1;
@@ -302,18 +319,69 @@ def chunk_kda_fwd_kernel_intra(
         _put_tile(u, b_x, t0, eos, i_hv, o_v, HV, V, BT)
 
 
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_kda_fwd_kernel_wu(
+    v, w, u, Tb, cu_seqlens, chunk_offsets, chunk_map, T, NTS,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The WY factors from the stored inverse, one program per (chunk, value head): ``w = Tb (k e^Γ)`` over the
+    right-hand side the intra kernel left in ``w`` (overwritten in place) and ``u = Tb v``, with
+    ``Tb = (I + L)⁻¹ Diag(β)`` ``[BT, BT]`` fp32. Plain GEMM-shaped work, so it runs at far more programs per SM
+    than the intra kernel."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
+    if i_n < 0:
+        return
+    o_r = tl.arange(0, BT)
+    b_T = tl.load(Tb + (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :],
+                  mask=(o_r < eos - t0)[:, None], other=0.0)
+    for i_k in range(0, tl.cdiv(K, BS)):
+        o_k = i_k * BS + tl.arange(0, BS)
+        b_x = _tile(w, t0, eos, i_hv, o_k, HV, K, BT)
+        _put_tile(w, tl.dot(b_T, b_x, input_precision=DOT_PREC), t0, eos, i_hv, o_k, HV, K, BT)
+    for i_v in range(0, tl.cdiv(V, BS)):
+        o_v = i_v * BS + tl.arange(0, BS)
+        b_x = _tile(v, t0, eos, i_hv, o_v, HV, V, BT)
+        _put_tile(u, tl.dot(b_T, b_x, input_precision=DOT_PREC), t0, eos, i_hv, o_v, HV, V, BT)
+
+
 #: Launch configurations tried on first use of each shape class on a GPU (pass-2 slice width, warps): 4 warps (one
 #: warpgroup: the [64, 64] products map onto wgmma); 8 warps measured 1.8x slower (NOTES.md).
 INTRA_CONFIGS = [(16, 4), (64, 4)]
 chunk_kda_fwd_kernel_intra_tuned = triton.autotune(
     configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=1) for bs, nw in INTRA_CONFIGS],
-    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC"],
+    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC", "STORE_T"],
 )(chunk_kda_fwd_kernel_intra)
+#: Configurations of the separate w/u kernel (slice width, warps).
+WU_CONFIGS = [(64, 8), (128, 8), (32, 4)]
+chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
+    configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=2) for bs, nw in WU_CONFIGS],
+    key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC"],
+)(chunk_kda_fwd_kernel_wu)
 
 
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                        index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None):
+                        index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
+                        split_wu=False, wu_config=None, pass1_slice=None):
+    """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``; A_log, dt_bias,
+            scale, lower_bound and the flags: as in ``flashkda.chunk_kda``.
+        index: ``ChunkIndex`` of the batch. work_dtype: dtype of w and kg. dot_prec: ``"ieee"`` or ``"tf32"``.
+        num_warps, maxnreg, solve_slice: force one launch configuration of the intra kernel (None: autotuned on
+            a GPU).
+        pass1_slice: width of the K slices of pass 1 (default ``SLICE``).
+        split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
+            fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
+
+    Returns:
+        ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
+        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) fp32; gC ``[NC, HV, K]`` fp32.
+    """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
@@ -328,21 +396,32 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     if index.num_chunks == 0:
         return w, u, qg, kg, Aqk, gC
+    Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
-            w, u, qg, kg, Aqk, gC, scale, 0.0 if lower_bound is None else float(lower_bound), T,
+            w, u, qg, kg, Aqk, gC, Tb, scale, 0.0 if lower_bound is None else float(lower_bound), T,
             index.chunks_per_seq)
     meta = dict(
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=SLICE, BKN=min(64, triton.next_power_of_2(K)),
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=pass1_slice or SLICE, BKN=min(64, triton.next_power_of_2(K)),
         USE_GATE=use_gate_in_kernel, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
         BETA_SIGMOID=use_beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=allow_neg_eigval,
         SAFE_GATE=safe_gate, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
         # The diagonal inverses keep fp32 accuracy (they were exact fp32 row steps before): three tf32
         # products per product when the rest of the stage uses tf32.
-        INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3",
+        INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3", STORE_T=split_wu,
     )
     grid = (index.num_chunks, HV)
-    if q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None:
+    if split_wu:
+        # no pass 2: the slice width is unused
+        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=SLICE, num_warps=num_warps or 4, maxnreg=maxnreg)
+        args = (v, w, u, Tb, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
+        meta = dict(HV=HV, K=K, V=V, BT=BT, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
+        if q.is_cuda and wu_config is None:
+            chunk_kda_fwd_kernel_wu_tuned[grid](*args, **meta)
+        else:
+            bs, nw = wu_config or (min(64, triton.next_power_of_2(max(K, V))), 4)
+            chunk_kda_fwd_kernel_wu[grid](*args, **meta, BS=bs, num_warps=nw, num_stages=2)
+    elif q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None:
         chunk_kda_fwd_kernel_intra_tuned[grid](*args, **meta)
     else:
         # Register cap per thread (None: ptxas decides, 255 today): a device question (NOTES.md).

@@ -7,8 +7,8 @@ import torch
 import flashkda
 from flashkda import reference
 from flashkda.chunk_fwd import chunk_kda_fwd
-from flashkda.chunk_intra import INTRA_CONFIGS
-from flashkda.chunk_state import STATE_CONFIGS
+from flashkda.chunk_intra import INTRA_CONFIGS, WU_CONFIGS
+from flashkda.chunk_state import H_CONFIGS, O_CONFIGS, STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 pytestmark = pytest.mark.gpu
@@ -91,7 +91,27 @@ def _forced_forward(monkeypatch, intra_kw, state_kw):
 def test_state_stage_configs_match_fp64_on_gpu(config, monkeypatch):
     """Every configuration the state-stage autotuner may pick, forced one at a time, on bf16 input."""
     block_v, num_warps, num_stages = config
-    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages))
+    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=False))
+
+
+@pytest.mark.parametrize("hilo", [False, True], ids=["tf32", "hilo"])
+@pytest.mark.parametrize("config", H_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in H_CONFIGS])
+def test_split_state_configs_match_fp64_on_gpu(config, hilo, monkeypatch):
+    """Every configuration of the state-only recurrence (bf16 input), with tf32 or hi/lo bf16 chain products."""
+    block_v, num_warps, num_stages = config
+    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=True,
+                                          hilo=hilo))
+
+
+@pytest.mark.parametrize("config", O_CONFIGS, ids=[f"BV{c[0]}-BK{c[1]}-w{c[2]}" for c in O_CONFIGS])
+def test_output_kernel_configs_match_fp64_on_gpu(config, monkeypatch):
+    _forced_forward(monkeypatch, {}, dict(split=True, o_config=config))
+
+
+@pytest.mark.parametrize("config", WU_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in WU_CONFIGS])
+def test_split_intra_configs_match_fp64_on_gpu(config, monkeypatch):
+    """The intra stage as two kernels (up to the inverse; then w and u), each w/u configuration forced."""
+    _forced_forward(monkeypatch, dict(split_wu=True, wu_config=config), {})
 
 
 @pytest.mark.parametrize("config", INTRA_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in INTRA_CONFIGS])

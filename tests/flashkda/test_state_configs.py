@@ -1,13 +1,15 @@
 """Both forward stages give the fp64 result in every launch configuration their autotuners may pick (intra: pass-2
-slice width and warps; state: V tile, warps, pipeline stages), with a varlen tail chunk and an empty sequence."""
+slice width and warps, or the split w/u kernel's slice and warps; state: V tile, warps, pipeline stages of the fused
+or the state-only kernel, the output kernel's tiles, the bf16 hi/lo chain products), with a varlen tail chunk and
+an empty sequence."""
 
 import pytest
 import torch
 
 from flashkda import reference
 from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, chunk_kda_fwd_intra
-from flashkda.chunk_state import STATE_CONFIGS, chunk_kda_fwd_state_o
+from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, WU_CONFIGS, chunk_kda_fwd_intra
+from flashkda.chunk_state import H_CONFIGS, O_CONFIGS, STATE_CONFIGS, chunk_kda_fwd_state_o
 from flashkda.index import build_chunk_index
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
@@ -20,7 +22,32 @@ CASES = [KDACase(T=150, H=1, HV=2, K=64, V=64, dtype=dtype, gate="bounded", beta
 @pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
 def test_state_stage_configs_match_fp64(config, case, device):
     block_v, num_warps, num_stages = config
-    _check(case, device, {}, dict(block_v=min(block_v, case.V), num_warps=num_warps, num_stages=num_stages))
+    _check(case, device, {}, dict(block_v=min(block_v, case.V), num_warps=num_warps, num_stages=num_stages,
+                                  split=False))
+
+
+@pytest.mark.parametrize("config", H_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in H_CONFIGS])
+def test_split_state_configs_match_fp64(config, device):
+    block_v, num_warps, num_stages = config
+    _check(CASES[1], device, {}, dict(block_v=min(block_v, CASES[1].V), num_warps=num_warps,
+                                      num_stages=num_stages, split=True))
+
+
+@pytest.mark.parametrize("o_config", O_CONFIGS, ids=[f"BV{c[0]}-BK{c[1]}-w{c[2]}" for c in O_CONFIGS])
+@pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
+def test_split_state_output_configs_match_fp64(o_config, case, device):
+    _check(case, device, {}, dict(block_v=32, split=True, o_config=o_config))
+
+
+def test_split_state_hilo_chain_matches_fp64(device):
+    """bf16 w/kg: the chain products as two bf16 products over the hi/lo split of the state and v_new."""
+    _check(CASES[1], device, {}, dict(block_v=32, split=True, hilo=True))
+
+
+@pytest.mark.parametrize("config", WU_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in WU_CONFIGS])
+@pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
+def test_split_intra_configs_match_fp64(config, case, device):
+    _check(case, device, dict(split_wu=True, wu_config=config), dict(block_v=32))
 
 
 @pytest.mark.parametrize("config", INTRA_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in INTRA_CONFIGS])
