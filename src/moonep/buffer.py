@@ -78,7 +78,10 @@ class Buffer:
             expert's home rank (plain dedup'd expert parallelism, no weight movement).
         num_redundant_slots: how many redundant experts' weights `prefetch_weight` moves per rank
             (default ``min(P, E - P)``).
-        timeout_s: seconds a collective may take before `CommError` (gloo; NCCL uses its group's timeout).
+        timeout_s: seconds a collective may take before `CommError`. gloo: each wait is bounded on the host.
+            NCCL: a watchdog thread times every collective from when it could start and, past the timeout,
+            aborts the process group and marks the buffer broken (see `check_comm`); build the group with a
+            longer timeout of its own, or NCCL's watchdog ends the process first. Untested on NCCL so far.
         validate: check values (expert ids, token counts) on every rank before moving data; costs one host
             synchronisation per dispatch. Shapes and dtypes are always checked.
         device: where tensors live (default: ``cuda:<current>`` for NCCL, else CPU).
@@ -247,6 +250,9 @@ class Buffer:
         gathered = gathered.view(self.num_ranks, -1)
         if self.validate or status != _lay.STATUS_OK:
             found = _lay.problems(gathered, self.S, self.K, self.E)
+            # That was a host synchronisation: on NCCL a stalled exchange returns only once the watchdog
+            # aborted the group, and then the gathered rows are garbage.
+            self.transport.check()
             if found:
                 raise ValueError(
                     "; ".join(found) + f" (buffer: max_tokens_per_rank={self.S}, hidden={self.H}, top_k={self.K}, "
@@ -416,6 +422,18 @@ class Buffer:
             )
         return _ag.reduce_grad(self, plan, grad_L, inplace=inplace)
 
+    def check_comm(self) -> None:
+        """Raise `CommError` if one of this buffer's collectives failed or timed out (no host synchronisation).
+
+        On gloo a fault raises inside the call that waits for it. On NCCL the calls return before their
+        collectives finish, so a stall found by the watchdog raises from the buffer's next call, or from
+        this check (e.g. once per step, or after a ``torch.cuda.synchronize()`` that the abort released).
+
+        Raises:
+            CommError: a peer died or stalled; destroy this buffer and rebuild the process group.
+        """
+        self.transport.check()
+
     def destroy(self) -> None:
         """Free communication resources; the buffer is unusable afterwards (idempotent)."""
         self._destroyed = True
@@ -427,6 +445,7 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed; build a new one")
+        self.transport.check()
 
     def _enter(self, previous_event: EventOverlap | None, async_finish: bool) -> torch.cuda.Stream | None:
         """The stream to issue on: the communication stream when ``async_finish``, else the current one.

@@ -27,11 +27,45 @@ class _Stalled(Exception):
     """Raised on the stalled rank once the survivors are done, so that the test ends without waiting."""
 
 
-def _fault(rank: int, world: int, fault: str, where: str, flags: str) -> tuple[str, float]:
-    buffer = Buffer(None, S, H, K, P * world, dtype=torch.float32, timeout_s=TIMEOUT_S)
-    idx, w = make_routing("uniform", S, K, P * world, world, rank=rank)
-    x = torch.randn(S, H)
-    out = buffer.dispatch(x, idx, w) if where == "combine" else None  # every rank completes one dispatch
+def _await_fault(buffer: Buffer, device: str, until: float) -> bool:
+    """After a call that returned: on CUDA (NCCL) the collectives may still be running, so poll the buffer
+    (raising `CommError` once the watchdog gave up on a collective) until the stream drains or ``until``.
+    Returns whether the device stream drained (kernels stuck in an aborted collective must return)."""
+    if not device.startswith("cuda"):
+        return True
+    done = torch.cuda.Event()
+    done.record()
+    while time.monotonic() < until:
+        buffer.check_comm()
+        if done.query():
+            buffer.check_comm()
+            return True
+        time.sleep(0.01)
+    return done.query()
+
+
+def _drained(until: float) -> bool:
+    done = torch.cuda.Event()
+    done.record()
+    while time.monotonic() < until and not done.query():
+        time.sleep(0.01)
+    return done.query()
+
+
+def fault_rank(
+    rank: int, world: int, fault: str, where: str, flags: str, device: str = "cpu", timeout_s: float = TIMEOUT_S
+) -> tuple[str, float, bool]:
+    """Rank 1 dies or stalls at ``where``; the others return ``(outcome, seconds to notice, device released)``."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    buffer = Buffer(None, S, H, K, P * world, dtype=torch.float32, timeout_s=timeout_s, device=device)
+    idx, w = (t.to(device) for t in make_routing("uniform", S, K, P * world, world, rank=rank))
+    x = torch.randn(S, H, device=device)
+    out = None
+    if where == "combine":  # every rank completes one dispatch
+        out = buffer.dispatch(x, idx, w)
+        _await_fault(buffer, device, time.monotonic() + 30)
     if rank == 1:
         method, prefix = FAULT_POINTS[where]
         original = getattr(buffer.transport, method)
@@ -41,43 +75,57 @@ def _fault(rank: int, world: int, fault: str, where: str, flags: str) -> tuple[s
                 return original(out_t, inp, what, *args, **kwargs)
             if fault == "die":
                 os._exit(3)
-            # Stall: neither join the collective nor leave, until every survivor has reported (at most 30 s).
-            deadline = time.monotonic() + 30
+            # Stall: neither join the collective nor leave, until every survivor has reported (at most 60 s).
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline and len(list(Path(flags).iterdir())) < world - 1:
                 time.sleep(0.05)
             raise _Stalled
 
         setattr(buffer.transport, method, faulty)
     start = time.monotonic()
+    released = True
     try:
         if where == "dispatch":
             buffer.dispatch(x, idx, w)
         else:
             buffer.combine(out.x_CH, out.handle)
+        # NCCL: the call returns before its collectives finish; the fault shows once the watchdog gives up.
+        released = _await_fault(buffer, device, start + timeout_s + 10)
         outcome = "no error"
     except CommError:
         outcome = "CommError"
     except _Stalled:
-        return "stalled", time.monotonic() - start
+        return "stalled", time.monotonic() - start, True
     elapsed = time.monotonic() - start
     Path(flags, f"rank{rank}").touch()
-    return outcome, elapsed
+    if outcome == "CommError" and device.startswith("cuda"):
+        # The watchdog aborted the group: kernels stuck in the collective must return, so that host threads
+        # blocked on the device (a synchronize, a .cpu()) are released.
+        released = _drained(time.monotonic() + 10)
+    return outcome, elapsed, released
+
+
+def check_survivors(results: list, fault: str, timeout_s: float) -> None:
+    """Every rank but the faulty rank 1 raised `CommError` within the timeout (+3 s) and was released."""
+    for rank in [r for r in range(len(results)) if r != 1]:
+        assert not isinstance(results[rank], RankFailure), results[rank]
+        outcome, elapsed, released = results[rank]
+        assert outcome == "CommError", f"rank {rank}: {outcome}"
+        assert elapsed < timeout_s + 3.0, f"rank {rank} took {elapsed:.1f} s to notice"
+        assert released, f"rank {rank}: the device stream did not drain after the abort"
+    if fault == "stall":
+        # The stalled rank is released as soon as every survivor raised: the test never waits out a sleep
+        # (its wall time is the processes' start-up plus about one timeout).
+        assert not isinstance(results[1], RankFailure), results[1]
+        outcome, stalled_for, _ = results[1]
+        assert outcome == "stalled" and stalled_for < timeout_s + 5.0, results[1]
 
 
 @pytest.mark.parametrize("where", ["dispatch", "combine"])
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_peer_fault_raises_comm_error_on_every_survivor(fault: str, where: str, tmp_path: Path) -> None:
-    results = run_ranks(_fault, 3, fault, where, str(tmp_path), timeout_s=60, pg_timeout_s=30, allow_failures=True)
-    for rank in (0, 2):
-        assert not isinstance(results[rank], RankFailure), results[rank]
-        outcome, elapsed = results[rank]
-        assert outcome == "CommError", f"rank {rank}: {outcome}"
-        assert elapsed < TIMEOUT_S + 3.0, f"rank {rank} took {elapsed:.1f} s to notice"
-    if fault == "stall":
-        # The stalled rank is released as soon as both survivors raised: the test never waits out a sleep
-        # (its wall time is the three processes' start-up plus about one timeout).
-        outcome, stalled_for = results[1]
-        assert outcome == "stalled" and stalled_for < TIMEOUT_S + 5.0, results[1]
+    results = run_ranks(fault_rank, 3, fault, where, str(tmp_path), timeout_s=60, pg_timeout_s=30, allow_failures=True)
+    check_survivors(results, fault, TIMEOUT_S)
 
 
 def _expect_value_error(fn, match: str) -> None:

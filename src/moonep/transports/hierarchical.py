@@ -58,6 +58,16 @@ class HierarchicalTransport(TorchDistTransport):
         self.node_t = TorchDistTransport(self.node_group, timeout_s)
         self.rail_t = TorchDistTransport(self.rail_group, timeout_s)
 
+    def check(self) -> None:
+        super().check()
+        self.node_t.check()
+        self.rail_t.check()
+
+    def close(self) -> None:
+        super().close()
+        self.node_t.close()
+        self.rail_t.close()
+
     def start_all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_gather"
     ) -> Callable[[], torch.Tensor]:

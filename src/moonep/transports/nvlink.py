@@ -54,7 +54,7 @@ class NVLinkTransport(TorchDistTransport):
 
     def _exchange(self, chunks: list[torch.Tensor], chunk_elems: int) -> torch.Tensor:
         """Copy ``chunks[d]`` into rank d's buffer at slot ``self.rank``; returns my buffer's R slots."""
-        self._check()
+        self.check()
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
         for offset in range(self.world_size):
             d = (self.rank + offset) % self.world_size  # stagger peers so links are used evenly

@@ -2,8 +2,11 @@
 
 On gloo every collective is issued with ``async_op=True`` and waited with the buffer's timeout, so a peer
 that died (connection closed) or stalled (timeout) surfaces as `CommError` on every surviving rank. On
-NCCL the wait is a stream dependency (no host blocking); stalls are then caught by the process group's
-own timeout and NCCL's watchdog, which the group was built with.
+NCCL the wait is a stream dependency (no host blocking); a `moonep.transports.watchdog.Watchdog` thread
+times every issued collective instead and, past the timeout, aborts the process group (the stuck kernels
+return, host threads blocked on the device are released) and marks the transport broken: the buffer's
+next call, or the current one at its next host synchronisation, raises `CommError`. The process group's
+own timeout should be longer than the buffer's, or its watchdog ends the process first.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moonep.errors import CommError
+from moonep.transports.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ class TorchDistTransport:
 
     Args:
         group: the process group (None: the default group).
-        timeout_s: seconds a collective may take on gloo before `CommError`.
+        timeout_s: seconds a collective may take before `CommError` (gloo: host wait; NCCL: `Watchdog`).
     """
 
     chunked_combine = True
@@ -38,8 +42,24 @@ class TorchDistTransport:
         self.backend = str(dist.get_backend(group))
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.broken: str | None = None
+        self.watchdog = Watchdog(timeout_s, self._expire) if self.backend == "nccl" else None
+
+    def _expire(self, message: str) -> None:
+        """The watchdog's verdict (on its thread): mark the transport broken, then abort the group so that
+        kernels stuck in the collective return."""
+        self.broken = f"{message} on rank {self.rank}"
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        try:
+            group.abort()
+        except Exception as error:  # noqa: BLE001 - builds without ProcessGroup.abort: try the backend's
+            logger.warning("ProcessGroup.abort failed (%s); aborting the NCCL backend", error)
+            try:
+                group._get_backend(torch.device("cuda")).abort()
+            except Exception as inner:  # noqa: BLE001 - nothing left to try; the broken flag still raises
+                logger.error("could not abort the NCCL communicator: %s", inner)
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
+        self.check()  # the watchdog may have aborted the group since the collective was issued
         if work is None:
             return
         try:
@@ -57,19 +77,26 @@ class TorchDistTransport:
     def close(self) -> None:
         """Release transport resources (the process group itself belongs to the caller)."""
         self.broken = self.broken or "closed"
+        if self.watchdog is not None:
+            self.watchdog.close()
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise `CommError` if a collective failed or timed out (no host synchronisation)."""
         if self.broken is not None:
-            raise CommError(f"this buffer's transport is broken ({self.broken}); destroy it and build a new one")
+            raise CommError(
+                f"this buffer's transport is broken ({self.broken}); destroy the Buffer, rebuild the process group "
+                "and build a new Buffer"
+            )
 
-    def _start(
-        self, issue: Callable[[], dist.Work | None], out: torch.Tensor, what: str
-    ) -> Callable[[], torch.Tensor]:
+    def _start(self, issue: Callable[[], dist.Work | None], out: torch.Tensor, what: str) -> Callable[[], torch.Tensor]:
         """Issue a collective now; the returned function waits for it (raising `CommError`) and returns ``out``."""
         try:
             work = issue()
         except RuntimeError as error:
             work = _Failed(error)
+        else:
+            if self.watchdog is not None and work is not None and not torch.cuda.is_current_stream_capturing():
+                self.watchdog.watch(work, f"{what} (rank {self.rank})")
 
         def finish() -> torch.Tensor:
             self._wait(work, what)
@@ -88,7 +115,7 @@ class TorchDistTransport:
 
         Work issued between the two overlaps the transfer (on NCCL the wait is only a stream dependency).
         """
-        self._check()
+        self.check()
         if self.world_size == 1:
             out.copy_(inp)
             return lambda: out
@@ -105,7 +132,7 @@ class TorchDistTransport:
         self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all"
     ) -> Callable[[], torch.Tensor]:
         """Issue `all_to_all` now; the returned function waits for it (raising `CommError`) and returns ``out``."""
-        self._check()
+        self.check()
         if self.world_size == 1:
             out.copy_(inp)
             return lambda: out

@@ -1,0 +1,109 @@
+"""A host thread that turns a stalled NCCL collective into `moonep.CommError` within the buffer's timeout.
+
+On NCCL, waiting for a collective is a stream dependency: the host issues work and returns, so a peer
+that died or stalls leaves the survivors' kernels spinning until the process group's own timeout, when
+``ProcessGroupNCCL``'s watchdog takes the whole process down. `Watchdog` instead keeps the issued
+collectives of one transport in order and polls their completion (``Work.is_completed()``, a CUDA event
+query: no synchronisation of the issuing thread). A collective's clock starts when the one before it on the
+same group completed (collectives of one communicator run in issue order), or when it was issued, if later;
+once it has run ``timeout_s`` without completing, the watchdog calls ``on_expire`` (the transport marks
+itself broken and aborts the process group, so the stuck kernels return and host threads blocked on the
+device are released) and every later call of the buffer raises `CommError`.
+
+Not covered: collectives captured in a CUDA graph (a replay issues no work objects to watch).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class Watchdog:
+    """Deadlines for the collectives of one process group, checked on a daemon thread.
+
+    Args:
+        timeout_s: seconds a collective may run (from when it could start) before ``on_expire``.
+        on_expire: called once, on the watchdog thread, with a message naming the collective.
+        poll_s: seconds between completion polls while collectives are pending.
+    """
+
+    def __init__(self, timeout_s: float, on_expire: Callable[[str], None], poll_s: float = 0.005) -> None:
+        if timeout_s <= 0 or poll_s <= 0:
+            raise ValueError(f"timeout_s and poll_s must be > 0, got {timeout_s}, {poll_s}")
+        self.timeout_s, self.poll_s, self.on_expire = timeout_s, poll_s, on_expire
+        self._pending: collections.deque[tuple[dist.Work, str, float]] = collections.deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.expired: str | None = None
+        """The message ``on_expire`` was called with, once a deadline passed."""
+
+    def watch(self, work: dist.Work, what: str) -> None:
+        """Track ``work`` (issued just now, after every work watched before it). Cheap: no CUDA call."""
+        with self._wake:
+            if self._closed or self.expired is not None:
+                return
+            self._pending.append((work, what, time.monotonic()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="moonep-watchdog", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def pending(self) -> int:
+        """Collectives issued and not yet seen complete."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Stop the thread (pending collectives are no longer timed). Idempotent."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        ready_at: float | None = None  # when the previous collective was seen complete
+        while True:
+            with self._wake:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                work, what, issued = self._pending[0]
+            now = time.monotonic()
+            started = issued if ready_at is None else max(issued, ready_at)
+            failure = None
+            try:
+                done = work.is_completed()
+                # A collective NCCL itself found failed (a peer's connection broke) also counts as completed.
+                error = work.exception() if done else None
+            except RuntimeError as raised:
+                done, error = True, raised
+            if error is not None:
+                failure = f"{what} failed: {error}"
+            elif done:
+                with self._wake:
+                    self._pending.popleft()
+                ready_at = now  # the next collective could start no earlier than now
+                continue
+            elif now - started >= self.timeout_s:
+                failure = f"{what} did not complete within {self.timeout_s:.3g} s of becoming ready"
+                failure += " (a peer died or stalled)"
+            if failure is None:
+                time.sleep(self.poll_s)
+                continue
+            self.expired = failure
+            logger.error("moonep watchdog: %s; aborting the process group", failure)
+            with self._wake:
+                self._pending.clear()
+                self._closed = True
+            self.on_expire(failure)
+            return
