@@ -42,7 +42,7 @@ class TorchDistTransport:
         self.backend = str(dist.get_backend(group))
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.broken: str | None = None
-        self.watchdog = Watchdog(timeout_s, self._expire) if self.backend == "nccl" else None
+        self.watchdog = Watchdog(timeout_s, self._expire, cuda=True) if self.backend == "nccl" else None
 
     def _expire(self, message: str) -> None:
         """The watchdog's verdict (on its thread): mark the transport broken, then abort the group so that

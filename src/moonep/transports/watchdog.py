@@ -10,12 +10,16 @@ once it has run ``timeout_s`` without completing, the watchdog calls ``on_expire
 itself broken and aborts the process group, so the stuck kernels return and host threads blocked on the
 device are released) and every later call of the buffer raises `CommError`.
 
-Not covered: collectives captured in a CUDA graph (a replay issues no work objects to watch).
+Not covered: collectives captured in a CUDA graph (a replay issues no work objects to watch). The thread
+queries CUDA events while the caller may be capturing a graph on another thread; like ProcessGroupNCCL's
+own watchdog it switches itself to thread-local capture mode first, or a query during a global-mode
+capture would invalidate that capture.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import threading
 import time
@@ -33,12 +37,16 @@ class Watchdog:
         timeout_s: seconds a collective may run (from when it could start) before ``on_expire``.
         on_expire: called once, on the watchdog thread, with a message naming the collective.
         poll_s: seconds between completion polls while collectives are pending.
+        cuda: the works are CUDA collectives (NCCL): the thread sets its CUDA stream-capture mode to
+            thread-local before its first event query.
     """
 
-    def __init__(self, timeout_s: float, on_expire: Callable[[str], None], poll_s: float = 0.005) -> None:
+    def __init__(
+        self, timeout_s: float, on_expire: Callable[[str], None], poll_s: float = 0.005, cuda: bool = False
+    ) -> None:
         if timeout_s <= 0 or poll_s <= 0:
             raise ValueError(f"timeout_s and poll_s must be > 0, got {timeout_s}, {poll_s}")
-        self.timeout_s, self.poll_s, self.on_expire = timeout_s, poll_s, on_expire
+        self.timeout_s, self.poll_s, self.on_expire, self.cuda = timeout_s, poll_s, on_expire, cuda
         self._pending: collections.deque[tuple[dist.Work, str, float]] = collections.deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -70,6 +78,8 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        if self.cuda:
+            _thread_local_capture_mode()
         ready_at: float | None = None  # when the previous collective was seen complete
         while True:
             with self._wake:
@@ -86,6 +96,9 @@ class Watchdog:
                 # A collective NCCL itself found failed (a peer's connection broke) also counts as completed.
                 error = work.exception() if done else None
             except RuntimeError as raised:
+                if "captur" in str(raised):  # refused while a graph is being captured: ask again later
+                    time.sleep(self.poll_s)
+                    continue
                 done, error = True, raised
             if error is not None:
                 failure = f"{what} failed: {error}"
@@ -107,3 +120,20 @@ class Watchdog:
                 self._closed = True
             self.on_expire(failure)
             return
+
+
+CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+
+
+def _thread_local_capture_mode() -> None:
+    """Set the calling thread's CUDA stream-capture mode to thread-local (driver API, as ProcessGroupNCCL's
+    watchdog does with ``CUDAStreamCaptureModeGuard``): its event queries are then allowed, and harmless,
+    while another thread captures a graph in global mode. Logs and goes on where the driver is not found."""
+    try:
+        mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        status = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+    except (OSError, AttributeError) as error:
+        logger.warning("moonep watchdog: could not set thread-local CUDA capture mode (%s)", error)
+        return
+    if status != 0:
+        logger.warning("moonep watchdog: cuThreadExchangeStreamCaptureMode returned %d", status)
