@@ -137,7 +137,8 @@ class Layout:
 
                 fused = fits(R, E, R * S * K)
             planner = "fused" if fused else "torch"
-        self.planner = planner
+        # No hits at all (S = 0): nothing for the kernels to do; the torch path handles the empty shapes.
+        self.planner = planner if R * S * K else "torch"
 
     def row(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """This rank's layout row (`layout_row`; one kernel on the fused path)."""
