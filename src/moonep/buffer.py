@@ -127,6 +127,8 @@ class Buffer:
         num_chunks: int = 4,
         planner: str = "auto",
     ) -> None:
+        if planner not in _lay.PLANNERS:
+            raise ValueError(f"planner must be one of {_lay.PLANNERS}, got {planner!r}")
         if transport not in ("torch", "nvlink", "hierarchical"):
             raise ValueError(f"transport must be 'torch', 'nvlink' or 'hierarchical', got {transport!r}")
         if (transport == "hierarchical") != (ranks_per_node is not None):

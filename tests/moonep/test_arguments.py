@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from moonep import Router, compute_plan
+from moonep.layout import Layout
 from moonep.skew import expert_popularity, make_routing
+from moonep.transports.watchdog import Watchdog
 
 
 @pytest.mark.parametrize(
@@ -16,6 +18,12 @@ from moonep.skew import expert_popularity, make_routing
         pytest.param(lambda: expert_popularity("nope", 8, 2), "skew must be one of", id="expert_popularity-skew"),
         pytest.param(lambda: Router(16, 4, 5), r"top_k \(5\) must be <= num_experts \(4\)", id="Router-top_k"),
         pytest.param(lambda: compute_plan(torch.zeros(0, 4, dtype=torch.long)), "positive multiple", id="plan-R0"),
+        pytest.param(
+            lambda: Layout(2, 4, 2, 8, 0, 8, True, torch.device("cpu"), planner="cuda"),
+            "planner must be one of",
+            id="Layout-planner",
+        ),
+        pytest.param(lambda: Watchdog(0.0, print), "timeout_s and poll_s must be > 0", id="Watchdog-timeout"),
     ],
 )
 def test_bad_argument_raises_value_error_naming_it(call, match: str) -> None:

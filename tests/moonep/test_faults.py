@@ -188,6 +188,7 @@ def _contract_violations(rank: int, world: int) -> list[str]:
         ({"num_redundant_slots": E}, "num_redundant_slots"),
         ({"transport": "bogus"}, "transport"),
         ({"num_chunks": 0}, "num_chunks"),
+        ({"planner": "triton"}, "planner must be one of"),
         ({"ranks_per_node": 2}, "ranks_per_node"),
         ({"transport": "nvlink"}, "transport='nvlink' needs CUDA"),
     ):
