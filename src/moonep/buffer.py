@@ -79,9 +79,10 @@ class Buffer:
         num_redundant_slots: how many redundant experts' weights `prefetch_weight` moves per rank
             (default ``min(P, E - P)``).
         timeout_s: seconds a collective may take before `CommError`. gloo: each wait is bounded on the host.
-            NCCL: a watchdog thread times every collective from when it could start and, past the timeout,
-            aborts the process group and marks the buffer broken (see `check_comm`); build the group with a
-            longer timeout of its own, or NCCL's watchdog ends the process first. Untested on NCCL so far.
+            NCCL: a watchdog thread times every collective from its turn (its issue, or the completion of
+            the collective before it) and, past the timeout, aborts the process group and marks the buffer
+            broken (see `check_comm`); build the group with a longer timeout of its own, or NCCL's watchdog
+            ends the process first. Untested on NCCL so far.
         validate: check values (expert ids, token counts) on every rank before moving data; costs one host
             synchronisation per dispatch. Shapes and dtypes are always checked.
         device: where tensors live (default: ``cuda:<current>`` for NCCL, else CPU).

@@ -34,7 +34,9 @@ class Watchdog:
     """Deadlines for the collectives of one process group, checked on a daemon thread.
 
     Args:
-        timeout_s: seconds a collective may run (from when it could start) before ``on_expire``.
+        timeout_s: seconds a collective may take before ``on_expire``, counted from its issue or from when
+            the collective before it on the group completed, whichever is later (device work queued ahead
+            of it on the stream counts too: keep the timeout well above a step's length).
         on_expire: called once, on the watchdog thread, with a message naming the collective.
         poll_s: seconds between completion polls while collectives are pending.
         cuda: the works are CUDA collectives (NCCL): the thread sets its CUDA stream-capture mode to
@@ -108,7 +110,7 @@ class Watchdog:
                 ready_at = now  # the next collective could start no earlier than now
                 continue
             elif now - started >= self.timeout_s:
-                failure = f"{what} did not complete within {self.timeout_s:.3g} s of becoming ready"
+                failure = f"{what} did not complete within {self.timeout_s:.3g} s of its turn"
                 failure += " (a peer died or stalled)"
             if failure is None:
                 time.sleep(self.poll_s)
