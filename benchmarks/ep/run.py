@@ -135,6 +135,16 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
             graphed = _graphed(args, rank, world, hp, x, idx, w, device, timing)
             result.update({f"hp_{k}": v for k, v in graphed.items()})
             hp.destroy()
+        if skew == "uniform":  # the planner chain before fusing it (torch ops), in the same run
+            other = Buffer(None, S, hidden, K, E, device=device, validate=False, planner="torch")
+            graphed = _graphed(args, rank, world, other, x, idx, w, device, timing)
+            result.update({f"torch_planner_{k}": v for k, v in graphed.items()})
+            if hp_group is not None:
+                other_hp = Buffer(hp_group, S, hidden, K, E, device=device, validate=False, planner="torch")
+                graphed = _graphed(args, rank, world, other_hp, x, idx, w, device, timing)
+                result.update({f"torch_planner_hp_{k}": v for k, v in graphed.items()})
+                other_hp.destroy()
+            other.destroy()
         # Ablation on uniform routing: other chunk counts (1: no transfer overlaps the stores or the reduction).
         for chunks in [int(c) for c in args.chunk_sweep.split(",") if c] if skew == "uniform" else []:
             other = Buffer(None, S, hidden, K, E, device=device, validate=False, num_chunks=chunks)
@@ -361,6 +371,8 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
             "graph dispatch ms": r.get("graph_dispatch_ms"),
             "graph combine ms": r.get("graph_combine_ms"),
             **{f"graph ms (num_chunks={c})": r.get(f"chunks{c}_graph_ms") for c in args.chunk_sweep.split(",") if c},
+            "graph ms (torch planner)": r.get("torch_planner_graph_ms"),
+            "graph ms (torch planner, high-prio)": r.get("torch_planner_hp_graph_ms"),
             "nvlink eager ms": r.get("nvlink_ms"),
             "nvlink graph ms": r.get("nvlink_graph_ms"),
             "nvlink disp ms": r.get("nvlink_dispatch_ms"),
@@ -383,7 +395,7 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
         else:
             how = "ours = eager (NCCL)"
         notes = [how, r["note"], r.get("graph_note", ""), r.get("hp_graph_note", ""), r.get("graph_parts_note", "")]
-        notes += [v for k, v in r.items() if k.startswith("chunks") and k.endswith("_graph_note")]
+        notes += [v for k, v in r.items() if k.startswith(("chunks", "torch_planner")) and k.endswith("_graph_note")]
         notes += [r.get("nvlink_note", ""), r.get("nvlink_graph_note", "")]
         rows.append(Row(r["case"], BASELINE, r["naive_ms"], ours, params, extra, "; ".join(filter(None, notes))))
     return rows
