@@ -401,16 +401,16 @@ def loss_row(curves: dict[str, list[float]], seconds: dict[str, float], params: 
                "loss curves, not timing; fla_seed1 = fla layers from another init (noise yardstick)")
 
 
-MARKDOWN_LOSS_KEYS = ("first_loss", "final_loss_ours", "final_loss_fla", "final_loss_fla_seed1",
-                      "mean_abs_gap_ours_fla", "mean_abs_gap_fla_seed0_seed1")
-
-
 def markdown_row(row: Row) -> Row:
-    """``row`` with the extras a table cell can hold (numbers, strings; a few for the loss row)."""
-    keep = MARKDOWN_LOSS_KEYS if row.case == "tiny-LM-train-loop" else None
+    """``row`` as BENCHMARKS.md shows it: scalar extras only (no percentiles); the loss row as one sentence."""
+    if row.case == "tiny-LM-train-loop":
+        x = row.extra
+        note = (f"loss over {row.params.get('steps')} steps, same init and batches: flashkda {x['first_loss']:.3f} -> "
+                f"{x['final_loss_ours']:.3f}, fla {x['final_loss_fla']:.3f}; mean abs gap ours-fla "
+                f"{x['mean_abs_gap_ours_fla']:.4f} vs fla seed 0 - seed 1 {x['mean_abs_gap_fla_seed0_seed1']:.4f}")
+        return dataclasses.replace(row, extra={}, note=note)
     extra = {k: v for k, v in row.extra.items()
-             if isinstance(v, (int, float, str)) and (keep is None or k in keep)
-             and not (k.endswith("_slices") and k != "ours_head_slices")}
+             if isinstance(v, (int, float, str)) and not k.endswith(("_p20_ms", "_p80_ms"))}
     return dataclasses.replace(row, extra=extra)
 
 

@@ -4,15 +4,16 @@
 # fla's first training call per shape compiles and autotunes for 100-200 s, so the call has two phases:
 #   A (parallel, nothing timed): fla's first call at each row's shape and in the tiny LM, in separate processes, to
 #     fill Triton's on-disk cache (kernels and, with TRITON_CACHE_AUTOTUNING=1, fla's autotune choices); ours
-#     compiled the same way; the opt-in tf32 gated products (FLASHKDA_BWD_GATED_DOTS=tf32) probed in a process of
-#     their own (fp64 gate + two rows), so a crash costs that process only; the gpu tests of the training files,
-#     then the CPU suite's backward tests on CUDA.
+#     compiled the same way; the tf32 gated products (the default since 01:41 UTC; FLASHKDA_BWD_GATED_DOTS)
+#     probed in a process of their own (fp64 gate + two rows), so a crash costs that process only; the gpu tests of
+#     the training files, then the CPU suite's backward tests on CUDA.
 #   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
-#     fla, with a profile and a head-slice sweep on the first; tf32 gated products only if the probe passed, then
-#     ours with exact products at the first row for comparison.
+#     fla, with a profile of the first and a head-slice sweep on each; tf32 gated products only if the probe passed
+#     (else exact), then ours with exact products at the first row for comparison.
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 180), KDA_MAIN_CAP (phase B, 140).
-# A carried .triton-cache-train.tgz is unpacked into the cache first; fla's autotune results are packed into
-# $OUT/fla-autotune.tgz at the end (small), for the next call to carry.
+# A carried .triton-cache-train.tgz (compiled fla forward kernels) and .fla-autotune.tgz (autotune results of an
+# earlier call: fla then compiles only its chosen configurations) are unpacked into the cache first; the autotune
+# results are packed into $OUT/fla-autotune.tgz at the end (~40 KB), for the next call to carry.
 set -u
 OUT=${OUT:-/tmp/out}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
@@ -53,13 +54,14 @@ for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 25; don
 TF32=0
 if grep -q "tf32 probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log; then TF32=1; fi
 echo "=== phase B (timed, tf32 gated products: $TF32) $(date +%T)"
-if [ "$TF32" = 1 ]; then export FLASHKDA_BWD_GATED_DOTS=tf32; fi
+if [ "$TF32" = 1 ]; then export FLASHKDA_BWD_GATED_DOTS=tf32; else export FLASHKDA_BWD_GATED_DOTS=ieee; fi
 timeout -k 5 "${KDA_MAIN_CAP:-140}" $TRAIN --rep 10 --steps 300 --loop-first --profile --slices 1 2 4 \
   --cases $ALL_ROWS 2>&1 | tee $LOGS/B_main.log
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
 if [ "$TF32" = 1 ]; then
   FLASHKDA_BWD_GATED_DOTS=ieee timeout -k 5 30 $TRAIN --ours-only --no-gate --no-write --steps 0 --rep 10 --profile \
-    --cases B1-T8192-H64 2>&1 | tee $LOGS/B_ieee.log | grep -v "^\s*$" | tail -n 40
+    --cases B1-T8192-H64 > $LOGS/B_ieee.log 2>&1
+  grep -v "^\s*$" $LOGS/B_ieee.log | tail -n 40; grep "ours .* ms" $LOGS/B_ieee.log
 fi
 echo "=== done $(date +%T)"
 cat $LOGS/A_*.log > "$OUT/phaseA.log"

@@ -239,6 +239,10 @@ def backward_head_slices(N: int, NC: int, HV: int, G: int, C: int, K: int, V: in
     of them alive. The slices halve while the intermediates exceed `BWD_SLICE_BYTES` and each slice still gives the
     state passes (one program per sequence, head and V block, each walking its whole sequence) at least
     `BWD_MIN_STATE_PROGRAMS` (sequence, head) pairs: below that they leave SMs idle and run ``n`` times as long.
+    Measured on an H200 (benchmarks/kda/NOTES.md, 2026-12-01 01:41 UTC), forward + backward ms / peak MiB for 1, 2
+    and 4 slices: B1-T8192-H64 14.6 / 6559, 15.7 / 3608, 18.0 / 2131; B8-T4096-H32 28.9 / 13142, 29.1 / 7256,
+    28.9 / 4289; B1-T32768-H32 31.4 / 13100, 35.4 / 7198, 43.9 / 4246 (fla: 3866, 7748, 7720 MiB). The constants
+    pick 2, 4 and 2 slices there: the fewest that keep the peak under fla's.
 
     Args:
         N: sequences; NC: chunks of ``C`` tokens over all sequences; HV: value heads; G: value heads per q/k head;
@@ -264,8 +268,8 @@ def backward_head_slices(N: int, NC: int, HV: int, G: int, C: int, K: int, V: in
 # fp32 [NC, HV, C, K] / [NC, HV, C, V] tensors alive at the backward's peak: q, k, G, qg, kg, kend / v, v_new,
 # dv_new, do; plus h and dhe ([K, V] per chunk) and ~6 [C, max(K, V)] chain-rule temporaries (see backward_head_slices)
 _BWD_CK_TENSORS, _BWD_CV_TENSORS = 6, 4
-BWD_SLICE_BYTES = 2 * 2**30
-BWD_MIN_STATE_PROGRAMS = 32
+BWD_SLICE_BYTES = 3 * 2**30
+BWD_MIN_STATE_PROGRAMS = 16
 BWD_HEAD_SLICES: int | None = None  # a fixed slice count (benchmarks compare counts with it); None: the rule above
 
 
@@ -282,7 +286,7 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     N = layout.chunk_offsets.numel() - 1
     tok = slot_tokens(layout, q.device)
     raw = (q, k, v, g, beta)
-    out = RawGrads.empty_like_inputs(*raw, layout.num_chunks)
+    out = None  # the raw-input gradients, allocated after the first slice's chain rule (not at its peak)
     dh0 = None if h0 is None else torch.empty_like(h0)
     slices = backward_head_slices(N, layout.num_chunks, HV, HV // q.shape[2], layout.C, K, V)
     for hv0, hv1 in slices:
@@ -299,6 +303,7 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             dht=part(dhtc), h=part(h), v_new=part(v_new), dot_precision=dot_precision, gate_factors=gate_factors,
         )
         del chunks, gate_factors, doc
+        out = out or RawGrads.empty_like_inputs(*raw, layout.num_chunks)
         chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks, out=out, heads=(hv0, hv1))
         del dchunks
         if dh0_s is not None:

@@ -32,12 +32,12 @@ __all__ = [
 
 SUB_CHUNK = 16
 # Product precision of the 16-row gated products (recompute of Akk/Aqk and their backward) for bf16/fp16 callers,
-# read once from FLASHKDA_BWD_GATED_DOTS like fla's FLA_TRIL_PRECISION: "ieee" (default, exact fp32 FMA loops) or
-# "tf32" (tensor cores; offline sm_90 compile of the backward: 170 registers, no spills at 8 warps, against 255 and
-# 668 B of spills). tf32 is opt-in until a device run has shown it correct and faster: it is the configuration (tf32,
-# a transposed fp32 operand, 16-wide tiles) of a state-pass launch that once hit an illegal memory access
-# (benchmarks/kda/NOTES.md). fp32 callers always get exact products.
-GATED_DOT_PRECISION = os.environ.get("FLASHKDA_BWD_GATED_DOTS", "ieee")
+# read once from FLASHKDA_BWD_GATED_DOTS like fla's FLA_TRIL_PRECISION: "tf32" (default, tensor cores, as fla's
+# intra-chunk solve) or "ieee" (exact fp32 FMA loops). H200, Triton 3.6, B1-T8192-H64 (2026-12-01 01:41 UTC,
+# benchmarks/kda/NOTES.md): kernel time 2.15 + 2.54 ms (ieee) -> 1.40 + 2.02 ms (tf32), fp64 gate (T = 200) worst
+# 2.9e-3 both ways; fla notes that tf32 rounding grows the safe-gate gradient error with context length, and at
+# T = 32768 ours vs fla reached 8.6e-3 (ddt_bias) against a 1e-2 bound. fp32 callers always get exact products.
+GATED_DOT_PRECISION = os.environ.get("FLASHKDA_BWD_GATED_DOTS", "tf32")
 if GATED_DOT_PRECISION not in ("ieee", "tf32"):
     raise ValueError(f"FLASHKDA_BWD_GATED_DOTS must be 'ieee' or 'tf32', got {GATED_DOT_PRECISION!r}")
 

@@ -229,16 +229,17 @@ def test_backward_in_head_slices_equals_one_pass(disable_recompute: bool, device
 
 
 def test_head_slices_follow_memory_and_state_pass_parallelism() -> None:
-    """B1-T8192-H64 (5.4 GB of fp32 intermediates) halves once, to keep 32 (sequence, head) pairs per state pass;
-    B8-T4096-H32 halves down to 4 heads; B1-T32768-H32 has only 32 pairs and stays whole; varlen 8 x 1024 H64 goes
-    to 16 heads (or 32 with GVA groups of 32); small calls stay whole."""
+    """The fewest slices that bring the fp32 intermediates under 3 GiB, keeping >= 16 (sequence, head) pairs per
+    state pass: B1-T8192-H64 (~5.4 GB) and varlen 8 x 1024 H64 halve once, B8-T4096-H32 (~10.7 GB) twice,
+    B1-T32768-H32 (32 pairs) once only; GVA slices hold whole groups; small calls stay whole."""
     from flashkda.autograd import backward_head_slices
 
     assert backward_head_slices(1, 128, 64, 1, 64, 128, 128) == [(0, 32), (32, 64)]
-    assert backward_head_slices(8, 512, 32, 1, 64, 128, 128) == [(h, h + 4) for h in range(0, 32, 4)]
-    assert backward_head_slices(1, 512, 32, 1, 64, 128, 128) == [(0, 32)]
-    assert backward_head_slices(8, 128, 64, 16, 64, 128, 128) == [(h, h + 16) for h in range(0, 64, 16)]
-    assert backward_head_slices(8, 128, 64, 32, 64, 128, 128) == [(0, 32), (32, 64)]  # whole GVA groups of 32
+    assert backward_head_slices(8, 128, 64, 1, 64, 128, 128) == [(0, 32), (32, 64)]
+    assert backward_head_slices(8, 512, 32, 1, 64, 128, 128) == [(h, h + 8) for h in range(0, 32, 8)]
+    assert backward_head_slices(1, 512, 32, 1, 64, 128, 128) == [(0, 16), (16, 32)]
+    assert backward_head_slices(8, 512, 32, 16, 64, 128, 128) == [(0, 16), (16, 32)]  # whole GVA groups of 16
+    assert backward_head_slices(8, 512, 32, 32, 64, 128, 128) == [(0, 32)]
     assert backward_head_slices(2, 4, 8, 1, 64, 64, 64) == [(0, 8)]
 
 
