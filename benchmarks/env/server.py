@@ -8,7 +8,11 @@ concurrent clients (threads spread over worker processes, each a stock `e2b.Sand
 ``commands.run("true")`` over a pool of sandboxes for `--server-seconds`; we report requests/s, errors and
 latency quantiles. The server runs in its own process on 127.0.0.1; clients and server share this machine.
 Two more rows time create+kill and the 1 MB upload as bare `http.client` requests (`RawClient`): what the
-server and HTTP cost without the SDK's own work.
+server and HTTP cost without the SDK's own work. Two rows without an in-process counterpart time a PTY
+keystroke round trip (``pty.send_stdin`` → the shell's echo seen) and a watch (``files.write`` → its event
+seen). Each throughput row also gives the rate its CPU per call allows on this host's cores
+(``ceiling_req_per_s``) and the rate left if the server and agent cost nothing
+(``ceiling_without_ours_req_per_s``: the stock SDK client and the command itself only).
 
 Usage: ``python -m benchmarks.env.server [--server-reps N] [--server-clients 64 256] [--server-seconds S]
 [--no-write]``; the env runner calls `run_server_bench(args)` for ``k3infra bench env --server``.
@@ -223,6 +227,69 @@ def load(opts: dict, sandbox_ids: list[str], clients: int, seconds: float, proce
     return LoadResult(clients, seconds, ok, err, samples[:5], Timing.from_samples(lat) if lat else None, cpu)
 
 
+# ---- PTY and watch: round trips through the stock SDK (no in-process counterpart) ---------------------------
+class _PtyScreen:
+    """Output of one SDK PTY session, read on a thread; `wait_for` returns once a marker has arrived."""
+
+    def __init__(self, handle):
+        self.data = bytearray()
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._read, args=(handle,), daemon=True)
+        self.thread.start()
+
+    def _read(self, handle) -> None:
+        try:
+            handle.wait(on_pty=self._add)
+        except Exception:  # the session is killed at the end of the rows
+            pass
+
+    def _add(self, chunk: bytes) -> None:
+        with self.cond:
+            self.data += chunk
+            self.cond.notify_all()
+
+    def wait_for(self, marker: bytes, timeout: float = 10.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: marker in self.data, timeout):
+                raise TimeoutError(f"{marker!r} not seen on the PTY")
+
+
+def _interactive_rows(sb, reps: int) -> list[Row]:
+    """``pty.send_stdin`` → the shell's answer seen, and ``files.write`` → the watch event seen."""
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    handle = sb.pty.create(PtySize(rows=24, cols=80))
+    screen = _PtyScreen(handle)
+    counter = iter(range(10**9))
+
+    def echo() -> None:
+        n = next(counter)
+        sb.pty.send_stdin(handle.pid, f"echo m$(( {n} + 1000000 ))\n".encode())
+        screen.wait_for(f"m{n + 1000000}\r\n".encode())
+
+    t_pty = time_fn(echo, warmup=3, rep=reps)
+    sb.pty.kill(handle.pid)
+    sb.files.make_dir("/tmp/bench-watch")
+    watch = sb.files.watch_dir("/tmp/bench-watch")
+
+    def event() -> None:
+        name = f"f{next(counter)}"
+        sb.files.write(f"/tmp/bench-watch/{name}", b"x")
+        deadline = time.monotonic() + 10
+        while not any(e.name == name for e in watch.get_new_events()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no watch event for {name}")
+
+    t_watch = time_fn(event, warmup=3, rep=reps)
+    watch.stop()
+    return [Row(case="pty: send_stdin -> echo seen", baseline="-", baseline_ms=None, ours_ms=t_pty.median_ms,
+                params={"reps": reps}, extra=_extra(t_pty),
+                note="stock SDK PTY (interactive bash); keystrokes in, the shell's output back"),
+            Row(case="watch: files.write -> event seen", baseline="-", baseline_ms=None, ours_ms=t_watch.median_ms,
+                params={"reps": reps}, extra=_extra(t_watch),
+                note="stock SDK watch_dir + get_new_events polled back to back; includes the write (inotify)")]
+
+
 # ---- a minimal HTTP client (what the server costs without the SDK's own work) -------------------------------
 class RawClient:
     """The SDK's create/kill and 1 MB multipart upload as bare `http.client` requests on one kept-alive
@@ -321,6 +388,7 @@ def run_server_bench(args: argparse.Namespace) -> list[Row]:
                             params={"reps": n}, extra=_extra(t_raw),
                             note="the same requests as the stock SDK sends, without the SDK: server + HTTP only"))
         raw.close()
+        rows += _interactive_rows(remote, reps)
         sh = time_fn(lambda: local.exec("true"), warmup=3, rep=reps)
         rows.append(Row(case='exec("true") in-process (/bin/sh -c)', baseline="-", baseline_ms=None,
                         ours_ms=sh.median_ms, params={"reps": reps}, extra=_extra(sh), note="reference only"))
@@ -337,6 +405,13 @@ def run_server_bench(args: argparse.Namespace) -> list[Row]:
             result = load(opts, ids, clients, seconds, server_pid=server.proc.pid)
             lat = result.latency
             per_req = {f"cpu_ms_{k}": round(v * 1e3 / max(1, result.ok), 3) for k, v in result.cpu_s.items()}
+            # what the CPU per call allows on this host's cores: all of it, and with the server and agent free
+            # (the stock SDK client and the command itself are not ours to remove)
+            cores = os.cpu_count() or 1
+            per_req["ceiling_req_per_s"] = round(cores * 1e3 / per_req["cpu_ms_machine"], 1) \
+                if per_req.get("cpu_ms_machine") else None
+            not_ours = per_req.get("cpu_ms_sdk_clients", 0) + per_req.get("cpu_ms_commands", 0)
+            per_req["ceiling_without_ours_req_per_s"] = round(cores * 1e3 / not_ours, 1) if not_ours else None
             rows.append(Row(case=f"throughput {clients} clients", baseline="-", baseline_ms=None,
                             ours_ms=lat.median_ms if lat else float("nan"),
                             params={"clients": clients, "sandboxes": n_sandboxes, "seconds": seconds,
