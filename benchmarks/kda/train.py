@@ -16,10 +16,11 @@ model built from ``fla.layers.KimiDeltaAttention`` with copied weights, and fla'
 yardstick) trained on the same batches; the row keeps the curves' summary.
 
 Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile]
-[--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]``. ``--cases``
-with no name runs no op row (only the training loop). Every phase prints its elapsed seconds (first calls include
-Triton compilation and fla's autotuning), and the results file is rewritten after every row, so a run cut by a time
-cap keeps the rows it finished. ``benchmarks/kda/train_round.sh`` is the device call that runs it.
+[--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
+[--gate-T T ...]``. ``--cases`` with no name runs no op row (only the training loop). Every phase prints its
+elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
+after every row, so a run cut by a time cap keeps the rows it finished. ``benchmarks/kda/train_round.sh`` is the
+device call that runs it.
 """
 
 from __future__ import annotations
@@ -104,15 +105,17 @@ def peak_extra_mib(fn, device: str) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def gate_vs_reference(ours, device: str) -> dict[str, float]:
-    """Small-shape gate: ours vs fp64 autograd through the reference. Returns name -> relative RMS error."""
+def gate_vs_reference(ours, device: str, B: int = 2, T: int = 200, H: int = 4) -> dict[str, float]:
+    """Gate: ours vs fp64 autograd through the (token-recurrent) reference at ``B x T x H``, bf16, the rows' flags.
+
+    Returns name -> relative RMS error."""
     import torch
 
     from flashkda.reference import chunk_kda_reference
 
-    x, extra = make_inputs(2, 200, 4, None, device, D=128, seed=1)
-    do = torch.randn(2, 200, 4, 128, device=device, dtype=torch.bfloat16)
-    dht = torch.randn(2, 4, 128, 128, device=device)
+    x, extra = make_inputs(B, T, H, None, device, D=128, seed=1)
+    do = torch.randn(B, T, H, 128, device=device, dtype=torch.bfloat16)
+    dht = torch.randn(B, H, 128, 128, device=device)
     o, ht, grads = step(ours, x, extra, do, dht)
     rx = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     ro, rht = chunk_kda_reference(rx["q"], rx["k"], rx["v"], rx["g"], rx["beta"], scale=128**-0.5,
@@ -144,14 +147,15 @@ def run_ops(args, device: str, log: Progress, save) -> list[Row]:
     names = list(TRAIN_CASES) if args.cases is None else args.cases
     if not names:
         return []
-    if not args.no_gate and not args.warmup:
-        errs = gate_vs_reference(ours, device)
+    for T in () if args.no_gate or args.warmup else args.gate_T:
+        B = 2 if T <= 1024 else 1
+        errs = gate_vs_reference(ours, device, B=B, T=T)
         worst = max(errs.values())
-        log(f"gate vs fp64 reference (B2 T200 H4 D128 bf16): worst {worst:.2e} " +
+        log(f"gate vs fp64 reference (B{B} T{T} H4 D128 bf16): worst {worst:.2e} " +
             " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
         if worst > TOL:
             print("correctness gate FAILED: no timing", file=sys.stderr)
-            return [Row("gate-vs-fp64", "fp64 reference", None, float("nan"), {}, errs, "gate failed")]
+            return [Row(f"gate-vs-fp64-T{T}", "fp64 reference", None, float("nan"), {}, errs, "gate failed")]
 
     rows = []
     for name in names:
@@ -425,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one untimed call per row (and 2 training steps) of one side, nothing written: fills "
                              "Triton's on-disk cache from a parallel process")
     parser.add_argument("--loop-first", action="store_true", help="run the training loop before the op rows")
+    parser.add_argument("--gate-T", type=int, nargs="+", default=[200],
+                        help="sequence lengths of the fp64 gates (B2 up to T 1024, else B1; H4)")
     parser.add_argument("--slices", type=int, nargs="*", default=[],
                         help="also time ours at every row with these fixed backward head-slice counts")
     parser.add_argument("--no-write", action="store_true")

@@ -6,7 +6,7 @@
 #     fill Triton's on-disk cache (kernels and, with TRITON_CACHE_AUTOTUNING=1, fla's autotune choices); ours
 #     compiled the same way; the tf32 gated products (the default since 01:41 UTC; FLASHKDA_BWD_GATED_DOTS)
 #     probed in a process of their own (fp64 gate + two rows), so a crash costs that process only; the gpu tests of
-#     the training files, then the CPU suite's backward tests on CUDA.
+#     the training files; the CPU suite's backward tests on CUDA; the fp64 gate at T = 8192 (own processes each).
 #   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
 #     fla, with a profile of the first and a head-slice sweep on each; tf32 gated products only if the probe passed
 #     (else exact), then ours with exact products at the first row for comparison.
@@ -31,16 +31,15 @@ timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases B1-T8192-H64 > $LOGS/
 timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases varlen1024x8-H64 > $LOGS/A_fla_varlen.log 2>&1 &
 timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases B8-T4096-H32 > $LOGS/A_fla_h32.log 2>&1 &
 timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
-(
-  timeout -k 5 $((WARM / 2)) python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 150 \
-    tests/flashkda/test_backward.py tests/flashkda/test_backward_gated.py tests/flashkda/test_backward_training.py \
-    tests/flashkda/test_layer.py
-  echo "gputests rc=$?"
-  # the CPU suite's gradient cases on the real kernels (compiled, not interpreted), as far as the cap allows
-  timeout -k 5 $((WARM / 2 - 10)) python3 -m pytest -q -p no:cacheprovider tests/flashkda/test_backward.py \
-    tests/flashkda/test_backward_gated.py
-  echo "backward tests on cuda rc=$?"
-) > $LOGS/A_gputests.log 2>&1 &
+timeout -k 5 "$WARM" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout "$WARM" \
+  tests/flashkda/test_backward.py tests/flashkda/test_backward_gated.py tests/flashkda/test_backward_training.py \
+  tests/flashkda/test_layer.py > $LOGS/A_gputests.log 2>&1 &
+# the CPU suite's backward tests on the real kernels (compiled, not interpreted), as far as the cap allows
+timeout -k 5 "$WARM" python3 -m pytest -q -p no:cacheprovider tests/flashkda/test_backward.py \
+  tests/flashkda/test_backward_gated.py > $LOGS/A_cuda_suite.log 2>&1 &
+# the fp64 gate at a long sequence (TF32 gated products; ours vs fla reached 8.6e-3 at T = 32768)
+timeout -k 5 "$WARM" $TRAIN --ours-only --no-write --steps 0 --rep 3 --gate-T 8192 --cases B1-T8192-H64 \
+  > $LOGS/A_long_gate.log 2>&1 &
 (
   timeout -k 5 90 $TRAIN --warmup ours --steps 0 --slices 1 2 4 --cases $ALL_ROWS
   FLASHKDA_BWD_GATED_DOTS=tf32 timeout -k 5 90 $TRAIN --ours-only --steps 0 --rep 5 --no-write \
@@ -52,7 +51,9 @@ echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 25; done
 
 TF32=0
-if grep -q "tf32 probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log; then TF32=1; fi
+if grep -q "tf32 probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log $LOGS/A_long_gate.log; then
+  TF32=1
+fi
 echo "=== phase B (timed, tf32 gated products: $TF32) $(date +%T)"
 if [ "$TF32" = 1 ]; then export FLASHKDA_BWD_GATED_DOTS=tf32; else export FLASHKDA_BWD_GATED_DOTS=ieee; fi
 timeout -k 5 "${KDA_MAIN_CAP:-140}" $TRAIN --rep 10 --steps 300 --loop-first --profile --slices 1 2 4 \
