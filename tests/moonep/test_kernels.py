@@ -140,6 +140,7 @@ FUSED_CASES = [
     pytest.param(4, 4, 2, 3, True, "uniform", id="R4-S4-K2-P3-bal-uniform"),
     pytest.param(2, 7, 2, 5, False, "skew", id="R2-S7-K2-P5-unbal-skew"),
     pytest.param(3, 3, 5, 1, True, "skew", id="R3-S3-K5-P1-bal-repeats"),
+    pytest.param(1, 5, 3, 4, True, "skew", id="R1-S5-K3-P4-one-rank"),
 ]
 
 
