@@ -8,6 +8,10 @@ Each rank sends one int32 row ``[status, topk_idx (S*K, -1 padded), topk_weights
 padded)]``. From the gathered ``[R, 1 + 2*S*K]`` every rank computes the expert histogram of every source,
 the same `Plan`, and, for the hits it computes itself, their slots and gate weights: no second exchange
 of per-hit metadata is needed, so the token rows can start moving right after this one small collective.
+
+Two equivalent paths compute them (`Layout`'s ``planner``): torch ops (`counts_and_occurrence`,
+`compute_plan`, `route_received`; on CUDA ~115 launches) and `moonep.fused_plan` (one sort and five Triton
+kernels, ~16 launches: 0.24 → 0.08 ms at S=4096, E=896, K=16, EP=2 on an H200).
 """
 
 from __future__ import annotations

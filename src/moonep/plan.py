@@ -21,7 +21,8 @@ synchronisation, static shapes):
    one partial expert per overflow interval it meets.
 
 `route_tokens` then maps one source rank's ``topk_idx`` to (destination rank, destination slot) per hit.
-`reference.reference_plan` computes the same plan with plain Python loops.
+`reference.reference_plan` computes the same plan with plain Python loops, and `moonep.fused_plan` with a
+sort and a few Triton kernels (the path `Buffer` takes on CUDA).
 """
 
 from __future__ import annotations
