@@ -116,7 +116,9 @@ def test_connect_rpc_errors_use_connect_codes(server, e2b_sandbox):
     assert status == 404 and body["code"] == "not_found"
     status, body = call(server, "POST", "/filesystem.Filesystem/Stat", headers=headers, raw=b"{oops")
     assert status == 400 and body["code"] == "invalid_argument"
-    status, body = call(server, "POST", "/process.Process/Update", {}, headers)
+    status, body = call(server, "POST", "/process.Process/Update", {}, headers)  # a resize without a size
+    assert status == 400 and body["code"] == "invalid_argument"
+    status, body = call(server, "POST", "/process.Process/Rename", {}, headers)
     assert status == 501 and body["code"] == "unimplemented"
 
 
