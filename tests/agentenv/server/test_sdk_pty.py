@@ -49,11 +49,11 @@ def test_pty_runs_an_interactive_shell_on_a_terminal(e2b_sandbox):
     from e2b import CommandExitException
     from e2b.sandbox.commands.command_handle import PtySize
 
-    handle = e2b_sandbox.pty.create(PtySize(rows=30, cols=100), envs={"MARK": "pty-env"})
+    handle = e2b_sandbox.pty.create(PtySize(rows=30, cols=100), envs={"MARK": "pty-env"}, cwd="/tmp")
     screen = Screen(handle)
-    e2b_sandbox.pty.send_stdin(handle.pid, b"tty; stty size; echo $TERM $MARK; echo \"$((6 * 7))\"\n")
+    e2b_sandbox.pty.send_stdin(handle.pid, b"tty; pwd; stty size; echo $TERM $MARK; echo \"$((6 * 7))\"\n")
     out = screen.wait_for(b"42\r\n")
-    assert b"/dev/pts/" in out
+    assert b"/dev/pts/" in out and b"\r\n/tmp\r\n" in out
     assert b"30 100" in out
     assert b"xterm-256color pty-env" in out
     e2b_sandbox.pty.send_stdin(handle.pid, b"exit 3\n")
