@@ -1,6 +1,7 @@
 """`k3infra bench ep`: MoonEP dispatch+combine vs a naive all-to-all dispatcher, in one run, on 2 GPUs.
 
 Usage (device machine):  python -m benchmarks.ep.run [--tokens 4096] [--hiddens 7168,3584]
+One GPU (no communication): python -m benchmarks.ep.run --local   (same as benchmarks.ep.local)
 CPU smoke (gloo):         python -m benchmarks.ep.run --backend gloo --tokens 64 --hiddens 32 --experts 16 --topk 4
 
 Per (hidden, skew): correctness gate at ``--gate-tokens`` (every slot checked against the reference
@@ -402,6 +403,12 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `k3infra bench ep --local`: one GPU, no communication (planner chain, slot stores, reduction).
+    if "--local" in argv:
+        from benchmarks.ep import local
+
+        return local.main([a for a in argv if a != "--local"])
     args = _parse(argv)
     if args.backend == "nccl" and torch.cuda.device_count() < args.world:
         print(
