@@ -5,7 +5,7 @@ ptxas that ships in Triton's wheel, and prints one line per (kernel, configurati
 these numbers predict occupancy only; they are no timing.
 
 Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass]
-[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--store-t] [--no-intra]``.
+[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--store-t] [--merge] [--no-intra]``.
 Configurations: bf16 input (tf32 products, bf16 w/kg) and fp32 input (ieee products), K = V = 128, fixed-length,
 in-kernel gate with ``lower_bound`` + ``safe_gate`` (the benchmark setting) or the softplus gate (pair-by-pair
 diagonal path).
@@ -33,9 +33,10 @@ REGS_PER_SM = 65536
 MAX_SMEM = 227 * 1024
 
 
-def intra_configs(dtype: str, gate: str, store_t: bool = False):
+def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False):
     """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting
-    (``store_t``: the intra kernel stops after the inverse, as in the split w/u path)."""
+    (``store_t``: the intra kernel stops after the inverse, as in the split w/u path; ``merge``: stacked Aqk/Akk
+    products)."""
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
@@ -43,7 +44,8 @@ def intra_configs(dtype: str, gate: str, store_t: bool = False):
                   BS=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
-                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t)
+                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
+                  MERGE=merge)
     return [(fn, {name: types.get(name, "constexpr") for name in fn.arg_names},
              {name: common[name] for name in fn.arg_names if name in common})
             for fn, types in kernel_signatures(work)]
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", nargs="*", default=[], metavar="BV:WARPS:STAGES:HILO",
                     help="also the split path: state-only kernel, output kernel (BV, BK 64), w/u kernel (slice 64)")
     ap.add_argument("--store-t", action="store_true", help="intra kernel of the split w/u path (no pass 2)")
+    ap.add_argument("--merge", action="store_true", help="intra kernel with the stacked Aqk/Akk products")
     ap.add_argument("--no-intra", action="store_true")
     args = ap.parse_args(argv)
     print(f"target sm_90 | triton {triton.__version__} | K = V = 128, BT = 64, BC = 16 | no device timing")
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"{fn.__name__[21:]} {spec}")
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
-            for fn, sig, cx in intra_configs(dtype, gate, args.store_t):
+            for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge):
                 for nw in args.warps:
                     for cap in args.maxnreg:
                         report(fn, sig, cx, dtype, gate, nw, cap, args.sass)

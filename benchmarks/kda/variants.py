@@ -15,7 +15,7 @@ w/u kernel) and ``--h`` (state-only recurrence storing bf16 states, then the par
 in bf16, so it is compared with the fused stage at 5e-3 relative.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
-[--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
+[--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
 [--h BV:WARPS:STAGES:HILO ...]`` (CUDA only). The first configuration of the intra and state lists is the reference
 (the fused defaults when a list is empty).
 """
@@ -29,7 +29,7 @@ import time
 #: State-stage configurations swept by default: (V tile, warps, pipeline stages).
 STATE_SWEEP = ["32:4:1", "64:8:1", "16:4:1", "64:4:1", "32:8:1", "32:4:2"]
 #: Intra-stage configurations swept by default: (warps, register cap or 0, pass-2 slice width).
-INTRA_SWEEP = ["4:0:16", "4:0:64", "4:0:16:32", "8:0:16:32"]
+INTRA_SWEEP = ["4:0:16", "4:0:16:0:1", "4:0:64:0:1", "4:168:16", "4:168:16:0:1", "4:128:16:0:1", "8:0:16:0:1"]
 #: The intra stage split in two (intra kernel up to the inverse, then the w/u kernel): (slice width, warps).
 WU_SWEEP = ["64:8", "128:8", "32:4", "64:4"]
 #: The split state path (state-only recurrence, then the parallel output kernel): (V tile, warps, stages, hi/lo).
@@ -84,11 +84,12 @@ def sweep_case(name: str, args) -> None:
     prec = dot_precision_for(q.dtype)
 
     def intra(spec):
-        num_warps, maxnreg, solve_slice, *bkc = (int(p) for p in spec.split(":"))
+        num_warps, maxnreg, solve_slice, *rest = (int(p) for p in spec.split(":"))
         return chunk_kda_fwd_intra(q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
                                    q.shape[-1] ** -0.5, -5.0, True, True, True, False, True, index,
                                    work_dtype_for(q.dtype), prec, num_warps=num_warps, maxnreg=maxnreg or None,
-                                   solve_slice=solve_slice, pass1_slice=bkc[0] if bkc else None)
+                                   solve_slice=solve_slice, pass1_slice=rest[0] if rest and rest[0] else None,
+                                   merge=bool(rest[1]) if len(rest) > 1 else False)
 
     def rel_defined(out, ref):
         return max(rel(defined_region(a) if i == 4 else a, defined_region(b) if i == 4 else b)
@@ -128,6 +129,15 @@ def sweep_case(name: str, args) -> None:
                 split=True, hilo=bool(hilo))
             _report(f"state split h BV:warps:stages:hilo={spec} + o autotuned", fn, o_ref,
                     lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
+        if args.h:  # the output kernel alone (its inputs' values do not matter for its time)
+            from flashkda.chunk_state import state_output
+
+            qg, Aqk, u = ref[2], ref[4], ref[1]
+            h = torch.zeros(index.num_chunks, *qg.shape[2:], u.shape[-1], dtype=torch.bfloat16, device="cuda")
+            vn, o = torch.zeros_like(u), torch.empty(u.shape, dtype=q.dtype, device="cuda")
+            t = time_fn(lambda: state_output(qg, Aqk, h, vn, o, index, prec, qg.shape[-1]), device="cuda",
+                        rep=args.rep)
+            print(f"output kernel alone (autotuned): {t.median_ms:.3f} ms", flush=True)
         for spec in args.state:
             bv, nw, ns = (int(p) for p in spec.split(":"))
             t0 = time.time()

@@ -81,6 +81,30 @@ def _bdot(b_a, b_b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _stack_rows(b_a, b_b, M: tl.constexpr, N: tl.constexpr):
+    """``[2M, N]``: the rows of ``b_a`` then those of ``b_b`` (both ``[M, N]``)."""
+    return tl.reshape(tl.permute(tl.join(b_a, b_b), (2, 0, 1)), [2 * M, N])
+
+
+@triton.jit
+def _unstack_rows(b_x, M: tl.constexpr, N: tl.constexpr):
+    """Inverse of ``_stack_rows``: the two ``[M, N]`` halves of ``[2M, N]``."""
+    return tl.split(tl.permute(tl.reshape(b_x, [2, M, N]), (1, 2, 0)))
+
+
+@triton.jit
+def _stack_rows3(b_a, b_b, NB: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+    """``[NB, 2M, N]``: per batch entry, the rows of ``b_a`` then those of ``b_b`` (both ``[NB, M, N]``)."""
+    return tl.reshape(tl.permute(tl.join(b_a, b_b), (0, 3, 1, 2)), [NB, 2 * M, N])
+
+
+@triton.jit
+def _unstack_rows3(b_x, NB: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+    """Inverse of ``_stack_rows3``."""
+    return tl.split(tl.permute(tl.reshape(b_x, [NB, 2, M, N]), (0, 2, 3, 1)))
+
+
+@triton.jit
 def _inv_unit_lower(b_L, BC: tl.constexpr, PREC: tl.constexpr):
     """(I + L)⁻¹ of a batch ``[4, BC, BC]`` of strictly lower blocks by (I - L)(I + L²)(I + L⁴)(I + L⁸).
 
@@ -136,7 +160,7 @@ def chunk_kda_fwd_kernel_intra(
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    STORE_T: tl.constexpr,
+    STORE_T: tl.constexpr, MERGE: tl.constexpr,
 ):
     tl.static_assert(BT == 4 * BC, "the kernel is written out for four sub-chunks")
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -183,9 +207,16 @@ def chunk_kda_fwd_kernel_intra(
     o_b = tl.arange(0, 4)[None, :]
     o_i3 = tl.arange(0, BC)[None, :, None]
     o_j3 = tl.arange(0, BC)[None, None, :]
-    # [BT, BT] off-diagonal blocks (zero elsewhere); [4, BC, BC] diagonal blocks
-    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
+    # [BT, BT] off-diagonal blocks (zero elsewhere); [4, BC, BC] diagonal blocks. MERGE: Aqk and Akk share their
+    # column operand, so their row operands are stacked and each pair of products is one product ([2 BT, BT]
+    # accumulator; [4, 2 BC, BC] for the bounded-gate diagonal blocks): half the tensor-core round trips per slice.
+    if MERGE:
+        b_AX = tl.zeros([2 * BT, BT], dtype=tl.float32)
+        if SAFE_GATE:
+            b_AX3 = tl.zeros([4, 2 * BC, BC], dtype=tl.float32)
+    else:
+        b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_Aqk3 = tl.zeros([4, BC, BC], dtype=tl.float32)
     b_Akk3 = tl.zeros([4, BC, BC], dtype=tl.float32)
     # Software pipelining by hand: the next slice's g/q/k loads are issued before this slice's work, so each
@@ -238,17 +269,24 @@ def chunk_kda_fwd_kernel_intra(
             # adjacent pair (a, a - 1)
             m_row = (o_blk == a)[:, None]
             m_col = (o_blk == a - 1)[:, None]
-            b_Aqk += tl.dot(tl.where(m_row, b_qr, 0.0), tl.trans(tl.where(m_col, b_kc, 0.0)),
-                            input_precision=DOT_PREC)
-            b_Akk += tl.dot(tl.where(m_row, b_kr, 0.0), tl.trans(tl.where(m_col, b_kc, 0.0)),
-                            input_precision=DOT_PREC)
+            if MERGE:
+                b_AX += tl.dot(_stack_rows(tl.where(m_row, b_qr, 0.0), tl.where(m_row, b_kr, 0.0), BT, BKC),
+                               tl.trans(tl.where(m_col, b_kc, 0.0)), input_precision=DOT_PREC)
+            else:
+                b_Aqk += tl.dot(tl.where(m_row, b_qr, 0.0), tl.trans(tl.where(m_col, b_kc, 0.0)),
+                                input_precision=DOT_PREC)
+                b_Akk += tl.dot(tl.where(m_row, b_kr, 0.0), tl.trans(tl.where(m_col, b_kc, 0.0)),
+                                input_precision=DOT_PREC)
         # Far pairs through the chunk middle: rows of sub-chunk 3 gain e^{s_2}, columns of sub-chunk 0 e^{s_1}.
         m_row = (o_blk >= 2)[:, None]
         m_col = (o_blk < 2)[:, None]
         b_rs = tl.where(m_row, tl.exp(_per_row(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a)), BC, BKC)), 0.0)
         b_kc = tl.where(m_col, b_kc * tl.exp(_per_row(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2)), BC, BKC)), 0.0)
-        b_Aqk += tl.dot(b_qr * b_rs, tl.trans(b_kc), input_precision=DOT_PREC)
-        b_Akk += tl.dot(b_kr * b_rs, tl.trans(b_kc), input_precision=DOT_PREC)
+        if MERGE:
+            b_AX += tl.dot(_stack_rows(b_qr * b_rs, b_kr * b_rs, BT, BKC), tl.trans(b_kc), input_precision=DOT_PREC)
+        else:
+            b_Aqk += tl.dot(b_qr * b_rs, tl.trans(b_kc), input_precision=DOT_PREC)
+            b_Akk += tl.dot(b_kr * b_rs, tl.trans(b_kc), input_precision=DOT_PREC)
         # [4, BC, BKC]
         b_q3 = tl.reshape(b_q, [4, BC, BKC])
         b_k3 = tl.reshape(b_k, [4, BC, BKC])
@@ -256,8 +294,12 @@ def chunk_kda_fwd_kernel_intra(
         if SAFE_GATE:
             # Bounded gate: e^{-G} <= e^{16 * 5} stays in fp32 range, so one tensor-core product suffices.
             b_kc3 = tl.permute(b_k3 * tl.exp(-b_G3), (0, 2, 1))
-            b_Aqk3 += _bdot(tl.reshape(b_qr, [4, BC, BKC]), b_kc3, DOT_PREC)
-            b_Akk3 += _bdot(tl.reshape(b_kr, [4, BC, BKC]), b_kc3, DOT_PREC)
+            if MERGE:
+                b_AX3 += _bdot(_stack_rows3(tl.reshape(b_qr, [4, BC, BKC]), tl.reshape(b_kr, [4, BC, BKC]), 4, BC,
+                                            BKC), b_kc3, DOT_PREC)
+            else:
+                b_Aqk3 += _bdot(tl.reshape(b_qr, [4, BC, BKC]), b_kc3, DOT_PREC)
+                b_Akk3 += _bdot(tl.reshape(b_kr, [4, BC, BKC]), b_kc3, DOT_PREC)
         else:
             for j in range(BC):
                 # [4, BKC] row j of every sub-chunk
@@ -268,6 +310,10 @@ def chunk_kda_fwd_kernel_intra(
                 b_Aqk3 += tl.where(o_j3 == j, tl.sum(b_q3 * b_kd, 2)[:, :, None], 0.0)
                 b_Akk3 += tl.where(o_j3 == j, tl.sum(b_k3 * b_kd, 2)[:, :, None], 0.0)
 
+    if MERGE:
+        b_Aqk, b_Akk = _unstack_rows(b_AX, BT, BT)
+        if SAFE_GATE:
+            b_Aqk3, b_Akk3 = _unstack_rows3(b_AX3, 4, BC, BC)
     # Aqk: causal; the off-diagonal lower blocks and the diagonal blocks (the state stage never reads the others).
     p_A = Aqk + (t0 * HV + i_hv) * BT
     tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], b_Aqk.to(Aqk.dtype.element_ty),
@@ -347,11 +393,14 @@ def chunk_kda_fwd_kernel_wu(
         _put_tile(u, tl.dot(b_T, b_x, input_precision=DOT_PREC), t0, eos, i_hv, o_v, HV, V, BT)
 
 
-#: Launch configurations tried on first use of each shape class on a GPU (pass-2 slice width, warps): 4 warps (one
-#: warpgroup: the [64, 64] products map onto wgmma); 8 warps measured 1.8x slower (NOTES.md).
-INTRA_CONFIGS = [(16, 4), (64, 4)]
+#: Launch configurations tried on first use of each shape class on a GPU (pass-2 slice width, warps, stacked Aqk/Akk
+#: products, register cap): 4 warps (one warpgroup: the [64, 64] products map onto wgmma); 8 warps measured 1.8x
+#: slower and 32-wide pass-1 slices 6% slower (NOTES.md). All give the same math (rounding order aside).
+INTRA_CONFIGS = [(16, 4, False, None), (64, 4, False, None), (16, 4, True, None), (64, 4, True, None),
+                 (16, 4, False, 168), (16, 4, True, 168)]
 chunk_kda_fwd_kernel_intra_tuned = triton.autotune(
-    configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=1) for bs, nw in INTRA_CONFIGS],
+    configs=[triton.Config({"BS": bs, "MERGE": merge}, num_warps=nw, num_stages=1, maxnreg=cap)
+             for bs, nw, merge, cap in INTRA_CONFIGS],
     key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC", "STORE_T"],
 )(chunk_kda_fwd_kernel_intra)
 #: Configurations of the separate w/u kernel (slice width, warps).
@@ -365,7 +414,7 @@ chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
-                        split_wu=False, wu_config=None, pass1_slice=None):
+                        split_wu=False, wu_config=None, pass1_slice=None, merge=None):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -375,6 +424,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         num_warps, maxnreg, solve_slice: force one launch configuration of the intra kernel (None: autotuned on
             a GPU).
         pass1_slice: width of the K slices of pass 1 (default ``SLICE``).
+        merge: force the stacked Aqk/Akk products on or off (None: autotuned on a GPU, off on the interpreter).
         split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
             fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
 
@@ -413,7 +463,8 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     grid = (index.num_chunks, HV)
     if split_wu:
         # no pass 2: the slice width is unused
-        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=SLICE, num_warps=num_warps or 4, maxnreg=maxnreg)
+        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=SLICE, MERGE=bool(merge), num_warps=num_warps or 4,
+                                         maxnreg=maxnreg)
         args = (v, w, u, Tb, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
         meta = dict(HV=HV, K=K, V=V, BT=BT, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
         if q.is_cuda and wu_config is None:
@@ -421,10 +472,10 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         else:
             bs, nw = wu_config or (min(64, triton.next_power_of_2(max(K, V))), 4)
             chunk_kda_fwd_kernel_wu[grid](*args, **meta, BS=bs, num_warps=nw, num_stages=2)
-    elif q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None:
+    elif q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None and merge is None:
         chunk_kda_fwd_kernel_intra_tuned[grid](*args, **meta)
     else:
-        # Register cap per thread (None: ptxas decides, 255 today): a device question (NOTES.md).
-        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=solve_slice or SLICE, num_warps=num_warps or 4,
-                                         maxnreg=maxnreg)
+        # Register cap per thread (None: ptxas decides, 255 today).
+        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=solve_slice or SLICE, MERGE=bool(merge),
+                                         num_warps=num_warps or 4, maxnreg=maxnreg)
     return w, u, qg, kg, Aqk, gC

@@ -245,8 +245,13 @@ chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
 )(chunk_kda_fwd_kernel_state_o)
 
 
-#: State-only recurrence configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU.
-H_CONFIGS = [(32, 4, 1), (32, 4, 2), (64, 4, 2), (16, 4, 2), (64, 8, 2)]
+#: State-only recurrence configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU. Measured at
+#: H64-T8192 / H32-T131072 (NOTES.md, tf32 chain): 32:4:2 best at both (1.051 / 9.72 ms with the output kernel),
+#: 32:4:1 1.099, 64:4:2 1.168, 16:4:2 1.362 / 10.78, 64:8:2 1.128.
+H_CONFIGS = [(32, 4, 2), (64, 8, 2), (16, 4, 2)]
+#: With the hi/lo bf16 chain products one pipeline stage crashed (CUDA illegal memory access, Triton 3.6, H200), so
+#: only pipelined configurations are offered or accepted for it.
+HILO_MIN_STAGES = 2
 chunk_kda_fwd_kernel_h_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in H_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "HILO", "DOT_PREC"],
@@ -282,10 +287,11 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
             GPU, a picked V tile on the interpreter).
         out, final_state: optional preallocated outputs.
         split: True runs the state-only recurrence (states stored bf16 for half input) and a parallel output
-            kernel; False the fused recurrence with the output inside. None: split unless ``output_h``.
+            kernel; False the fused recurrence with the output inside. None: ``prefer_split`` unless ``output_h``.
         o_config: ``(BV, BK, warps)`` forced for the output kernel of the split path (None: autotuned on a GPU).
         hilo: split path with bf16 ``w``/``kg``: the chain products as two bf16 products over a hi/lo split of the
-            fp32 state and v_new instead of one tf32 product.
+            fp32 state and v_new instead of one tf32 product (7% faster on the H200, but one of its launch
+            configurations crashed there, so it is opt-in).
 
     Returns:
         ``(o, final_state, h)`` as ``flashkda.chunk_fwd.chunk_kda_fwd``.
@@ -298,12 +304,16 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
     if ht is None and output_final_state:
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         ht = torch.empty(shape, dtype=torch.float32, device=w.device)
-    split = not output_h if split is None else split
+    if split is None:
+        split = not output_h and prefer_split(N * HV, V, w)
     h = torch.empty(index.num_chunks, HV, K, V, dtype=torch.float32, device=w.device) if output_h else None
     if N == 0:
         return o, ht, h
     BK = max(16, triton.next_power_of_2(K))
     if split:
+        if hilo and block_v is not None and num_stages < HILO_MIN_STAGES:
+            raise ValueError(f"num_stages: the hi/lo chain products need >= {HILO_MIN_STAGES} pipeline stages "
+                             f"(one stage crashed on the device), got {num_stages}")
         if output_h:
             raise ValueError("output_h: the split state path keeps its states in its own dtype; use split=False")
         _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK,
@@ -322,6 +332,21 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         grid = (triton.cdiv(V, block_v), N, HV)
         chunk_kda_fwd_kernel_state_o[grid](*args, BV=block_v, **meta, num_warps=num_warps, num_stages=num_stages)
     return o, ht, h
+
+
+def prefer_split(programs_per_block: int, V: int, w: torch.Tensor) -> bool:
+    """Split (state-only recurrence + parallel output kernel) when the fused recurrence would have fewer 32-wide
+    programs than SMs, i.e. when the serial chain, not the per-chunk work, sets the time.
+
+    Measured on the H200 (NOTES.md): H32-T131072 (128 programs) fused 12.94 ms vs split 9.72 ms; H64-T8192 (256
+    programs) fused 1.035 vs split 1.051 ms, where the fused stage also keeps no per-chunk states in memory. The
+    interpreter (CPU tensors) always splits, so the CPU suite runs the split path everywhere (the fused one in its
+    forced-configuration tests).
+    """
+    if not w.is_cuda:
+        return True
+    num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count
+    return programs_per_block * triton.cdiv(V, 32) < num_sms
 
 
 def _default_block_v(V, programs_per_block, w):
@@ -359,7 +384,7 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
                                                                     num_stages=num_stages)
     args = (qg, Aqk, h, vn, o, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
-    if w.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
+    if qg.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), index.num_chunks, HV)  # noqa: E731
         chunk_kda_fwd_kernel_o_tuned[grid](*args, **meta)
     else:

@@ -41,20 +41,32 @@ def test_split_state_output_configs_match_fp64(o_config, case, device):
 
 def test_split_state_hilo_chain_matches_fp64(device):
     """bf16 w/kg: the chain products as two bf16 products over the hi/lo split of the state and v_new."""
-    _check(CASES[1], device, {}, dict(block_v=32, split=True, hilo=True))
+    _check(CASES[1], device, {}, dict(block_v=32, num_stages=2, split=True, hilo=True))
+
+
+def test_hilo_chain_refuses_one_pipeline_stage(device):
+    with pytest.raises(ValueError, match="num_stages"):
+        _check(CASES[1], device, {}, dict(block_v=32, num_stages=1, split=True, hilo=True))
 
 
 @pytest.mark.parametrize("config", WU_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in WU_CONFIGS])
-@pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
-def test_split_intra_configs_match_fp64(config, case, device):
-    _check(case, device, dict(split_wu=True, wu_config=config), dict(block_v=32))
+def test_split_intra_configs_match_fp64(config, device):
+    _check(CASES[1], device, dict(split_wu=True, wu_config=config), dict(block_v=32))
 
 
-@pytest.mark.parametrize("config", INTRA_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in INTRA_CONFIGS])
+def test_split_intra_matches_fp64_in_fp32(device):
+    _check(CASES[0], device, dict(split_wu=True), dict(block_v=32))
+
+
+#: The interpreter ignores register caps, so each (slice, warps, stacked products) configuration is run once.
+INTRA_SHAPES = sorted({c[:3] for c in INTRA_CONFIGS})
+
+
+@pytest.mark.parametrize("config", INTRA_SHAPES, ids=[f"BS{c[0]}-w{c[1]}{'-merge' * c[2]}" for c in INTRA_SHAPES])
 @pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
 def test_intra_stage_configs_match_fp64(config, case, device):
-    solve_slice, num_warps = config
-    _check(case, device, dict(solve_slice=solve_slice, num_warps=num_warps), dict(block_v=32))
+    solve_slice, num_warps, merge = config
+    _check(case, device, dict(solve_slice=solve_slice, num_warps=num_warps, merge=merge), dict(block_v=32))
 
 
 def _check(case, device, intra_kw, state_kw):
