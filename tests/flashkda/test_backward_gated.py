@@ -111,16 +111,19 @@ def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     torch.testing.assert_close(a.detach() * da - b.detach() * db, gg)
 
 
-def test_unit_lower_inverse_matches_torch(device: str) -> None:
+@pytest.mark.parametrize("C", [pytest.param(64, id="C64-blocked"), pytest.param(32, id="C32-row-loop")])
+def test_unit_lower_inverse_matches_torch(C: int, device: str) -> None:
+    """C = 64 runs the blocked kernel (product-form diagonal blocks, block substitution), other C the row loop."""
     from flashkda.chunk_bwd_inverse import unit_lower_inverse
 
     torch.manual_seed(3)
-    k = F.normalize(torch.randn(5, 64, 32, device=device, dtype=torch.float64), dim=-1)
-    lower = (torch.rand(5, 64, 1, device=device, dtype=torch.float64) * 2 * (k @ k.transpose(1, 2))).tril(-1)
-    noise = torch.randn(5, 64, 64, device=device, dtype=torch.float64).triu()  # must be ignored
+    k = F.normalize(torch.randn(5, C, 32, device=device, dtype=torch.float64), dim=-1)
+    # beta up to 2 (allow_neg_eigval): the inverse's entries grow well past 1
+    lower = (torch.rand(5, C, 1, device=device, dtype=torch.float64) * 2 * (k @ k.transpose(1, 2))).tril(-1)
+    noise = torch.randn(5, C, C, device=device, dtype=torch.float64).triu()  # must be ignored
     inv = unit_lower_inverse((lower + noise).float().contiguous())
-    eye = torch.eye(64, device=device, dtype=torch.float64)
-    ref = torch.linalg.solve_triangular(eye + lower, eye.expand(5, 64, 64), upper=False, unitriangular=True)
+    eye = torch.eye(C, device=device, dtype=torch.float64)
+    ref = torch.linalg.solve_triangular(eye + lower, eye.expand(5, C, C), upper=False, unitriangular=True)
     assert torch.isfinite(inv).all()
     assert _rel(inv, ref) < 1e-5
     assert not inv.triu(1).any() and bool((inv.diagonal(dim1=-2, dim2=-1) == 1).all())

@@ -1,0 +1,84 @@
+"""Offline sm_90 resource report of the FlashKDA backward kernels: registers, spills, shared memory, CTAs per SM.
+
+Compiles the training kernels (``flashkda.chunk_bwd_*``) for an H100/H200 on a machine without a GPU, with the
+helpers of `benchmarks.kda.resource_report` (``triton.compile`` on an ``ASTSource``, the wheel's ``ptxas -v``).
+Nothing runs, so the numbers predict occupancy only; they are no timing. K = V = 128, C = 64, bf16 callers
+(``tf32`` / bf16 operands) and fp32 callers (``ieee``).
+
+Usage: ``python -m benchmarks.kda.bwd_resource_report [--only NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import triton
+import triton.language as tl
+
+from benchmarks.kda.resource_report import compile_one, ctas_per_sm, ptxas_usage
+from flashkda import chunk_bwd_gated, chunk_bwd_gates, chunk_bwd_h, chunk_bwd_inverse, chunk_bwd_ut
+
+K = V = 128
+C = 64
+
+
+def configs() -> list[tuple[str, object, dict, dict, int]]:
+    """``(name, kernel, signature, constexprs, num_warps)`` of every backward kernel at the benchmark shape."""
+    out = []
+
+    def add(name, fn, types, cx, nw):
+        sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+        out.append((name, fn, sig, {n: cx[n] for n in fn.arg_names if n in cx}, nw))
+
+    f32 = "*fp32"
+    for blocked in (True, False):
+        fn = (chunk_bwd_inverse.unit_lower_inverse_kernel_blocked if blocked
+              else chunk_bwd_inverse.unit_lower_inverse_kernel)
+        add("inverse blocked" if blocked else "inverse row loop", fn, dict(l=f32, beta=f32, m=f32, mb=f32),
+            dict(C=C, BC=chunk_bwd_inverse.BLOCK, HAS_BETA=True), 4)
+    for prec in ("tf32", "ieee"):
+        add(f"gated_dots fwd {prec}", chunk_bwd_gated.chunk_kda_fwd_kernel_gated_dots,
+            dict(q=f32, k=f32, gam=f32, akk=f32, aqk=f32, scale="fp32"),
+            dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec), 4)
+        add(f"gated_dots bwd {prec}", chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots,
+            dict(q=f32, k=f32, gam=f32, dakk=f32, daqk=f32, dakk_rs=f32, daqk_scale="fp32", dq=f32, dk=f32,
+                 dgam=f32), dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec, HAS_RS=True), 8)
+    add("ut", chunk_bwd_ut.chunk_kda_bwd_kernel_ut, {n: f32 for n in chunk_bwd_ut.chunk_kda_bwd_kernel_ut.arg_names},
+        dict(C=C, K=K, V=V, BD=32, BV=V), 4)
+    gates = chunk_bwd_gates.chunk_kda_bwd_kernel_gates
+    add("gates", gates, {**{n: f32 for n in gates.arg_names}, "scale": "fp32"}, dict(C=C, K=K, BK=32), 4)
+    for bv in (16, 32, 64):
+        nw = 4 if bv <= 32 else 8
+        state_kernels = (("fwd_h", chunk_bwd_h.chunk_kda_fwd_kernel_h), ("bwd_dh", chunk_bwd_h.chunk_kda_bwd_kernel_dh))
+        for name, fn in state_kernels:
+            types = {n: f32 for n in fn.arg_names}
+            types["chunk_offsets"] = "*i32"
+            cx = dict(HV=1, C=C, K=K, V=V, BV=bv, USE_H0=True, STORE_H=True, STORE_O=False, STORE_HT=False,
+                      USE_DHT=True, STORE_DH0=True, DOT_PRECISION="ieee", DT=tl.bfloat16)
+            add(f"{name} BV{bv}", fn, types, cx, nw)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=None, help="substrings of the kernel names to compile")
+    args = ap.parse_args(argv)
+    print(f"target sm_90 | triton {triton.__version__} | K = V = {K}, C = {C} | no device timing")
+    print(f"{'kernel':<26} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem B':>7} {'CTA/SM':>6}")
+    for name, fn, sig, cx, nw in configs():
+        if args.only and not any(s in name for s in args.only):
+            continue
+        try:
+            kern = compile_one(fn, sig, cx, nw, None, 1)
+        except Exception as e:  # noqa: BLE001 - report and continue with the other kernels
+            print(f"{name:<26} {nw:>5} compile failed: {e!r}"[:300], flush=True)
+            continue
+        regs, spills = ptxas_usage(kern)
+        smem = kern.metadata.shared
+        print(f"{name:<26} {nw:>5} {regs:>5} {spills:>8} {smem:>7} {ctas_per_sm(regs, nw, smem):>6}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
