@@ -44,6 +44,11 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
         add(f"gated_dots bwd {prec}", chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots,
             dict(q=f32, k=f32, gam=f32, dakk=f32, daqk=f32, dakk_rs=f32, daqk_scale="fp32", dq=f32, dk=f32,
                  dgam=f32), dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec, HAS_RS=True), 8)
+    wy = chunk_bwd_ut.chunk_kda_bwd_kernel_wy
+    for prec, gp, bd, nw in ((p, gp, bd, nw) for p in ("tf32", "ieee") for gp in (True, False) for bd in (16, 32)
+                             for nw in (4, 8)):
+        add(f"wy {prec} {'gate ' if gp else ''}BD{bd}", wy, {n: f32 for n in wy.arg_names},
+            dict(C=C, K=K, V=V, BD=bd, DOT_PRECISION=prec, GATE_PRODUCTS=gp), nw)
     add("ut", chunk_bwd_ut.chunk_kda_bwd_kernel_ut, {n: f32 for n in chunk_bwd_ut.chunk_kda_bwd_kernel_ut.arg_names},
         dict(C=C, K=K, V=V, BD=32, BV=V), 4)
     gates = chunk_bwd_gates.chunk_kda_bwd_kernel_gates

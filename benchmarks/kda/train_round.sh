@@ -4,12 +4,14 @@
 # fla's first training call per shape compiles and autotunes for 100-200 s, so the call has two phases:
 #   A (parallel, nothing timed): fla's first call at each row's shape and in the tiny LM, in separate processes, to
 #     fill Triton's on-disk cache (kernels and, with TRITON_CACHE_AUTOTUNING=1, fla's autotune choices); ours
-#     compiled the same way; the tf32 gated products (the default since 01:41 UTC; FLASHKDA_BWD_GATED_DOTS)
-#     probed in a process of their own (fp64 gate + two rows), so a crash costs that process only; the gpu tests of
-#     the training files; the CPU suite's backward tests on CUDA; the fp64 gate at T = 8192 (own processes each).
+#     compiled the same way; the fused chain-rule pass (chunk_kda_bwd_wy, new at 02:50 UTC, never run on a GPU
+#     before; FLASHKDA_BWD_FUSED_WY) probed in a process of their own (fp64 gate + two rows), so a crash costs that
+#     process only; the gpu tests of the training files; the CPU suite's backward tests on CUDA; the fp64 gate at
+#     T = 8192 (own processes each).
 #   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
-#     fla, with a profile of the first and a head-slice sweep on each; tf32 gated products only if the probe passed
-#     (else exact), then ours with exact products at the first row for comparison.
+#     fla, with a profile of the first and a head-slice sweep on each; the fused pass only if its probe passed (else
+#     the torch GEMMs), tf32 gated products unless the long gate failed; then ours without the fused pass at the
+#     first row for comparison.
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 180), KDA_MAIN_CAP (phase B, 140).
 # A carried .triton-cache-train.tgz (compiled fla forward kernels) and .fla-autotune.tgz (autotune results of an
 # earlier call: fla then compiles only its chosen configurations) are unpacked into the cache first; the autotune
@@ -42,27 +44,31 @@ timeout -k 5 "$WARM" $TRAIN --ours-only --no-write --steps 0 --rep 3 --gate-T 81
   > $LOGS/A_long_gate.log 2>&1 &
 (
   timeout -k 5 90 $TRAIN --warmup ours --steps 0 --slices 1 2 4 --cases $ALL_ROWS
-  FLASHKDA_BWD_GATED_DOTS=tf32 timeout -k 5 90 $TRAIN --ours-only --steps 0 --rep 5 --no-write \
-    --cases B1-T8192-H64 B8-T4096-H32
-  echo "tf32 probe rc=$?"
+  timeout -k 5 90 $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32
+  echo "wy probe rc=$?"
+  # compile the chain rule without the fused pass too (the comparison after phase B)
+  FLASHKDA_BWD_FUSED_WY=0 timeout -k 5 60 $TRAIN --warmup ours --steps 0 --cases B1-T8192-H64
 ) > $LOGS/A_ours.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 25; done
 
-TF32=0
-if grep -q "tf32 probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log $LOGS/A_long_gate.log; then
-  TF32=1
+WY=0
+if grep -q "wy probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log; then
+  WY=1
 fi
-echo "=== phase B (timed, tf32 gated products: $TF32) $(date +%T)"
+TF32=1
+grep -q "FAILED" $LOGS/A_long_gate.log && TF32=0
+echo "=== phase B (timed, fused wy pass: $WY, tf32 gated products: $TF32) $(date +%T)"
+export FLASHKDA_BWD_FUSED_WY=$WY
 if [ "$TF32" = 1 ]; then export FLASHKDA_BWD_GATED_DOTS=tf32; else export FLASHKDA_BWD_GATED_DOTS=ieee; fi
 timeout -k 5 "${KDA_MAIN_CAP:-140}" $TRAIN --rep 10 --steps 300 --loop-first --profile --slices 1 2 4 \
   --cases $ALL_ROWS 2>&1 | tee $LOGS/B_main.log
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
-if [ "$TF32" = 1 ]; then
-  FLASHKDA_BWD_GATED_DOTS=ieee timeout -k 5 30 $TRAIN --ours-only --no-gate --no-write --steps 0 --rep 10 --profile \
-    --cases B1-T8192-H64 > $LOGS/B_ieee.log 2>&1
-  grep -v "^\s*$" $LOGS/B_ieee.log | tail -n 40; grep "ours .* ms" $LOGS/B_ieee.log
+if [ "$WY" = 1 ]; then
+  FLASHKDA_BWD_FUSED_WY=0 timeout -k 5 30 $TRAIN --ours-only --no-gate --no-write --steps 0 --rep 10 --profile \
+    --cases B1-T8192-H64 > $LOGS/B_no_wy.log 2>&1
+  grep -v "^\s*$" $LOGS/B_no_wy.log | tail -n 40; grep "ours .* ms" $LOGS/B_no_wy.log
 fi
 echo "=== done $(date +%T)"
 cat $LOGS/A_*.log > "$OUT/phaseA.log"

@@ -23,7 +23,7 @@ import torch
 from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 from flashkda.chunk_bwd_inverse import ut_inverse
-from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
+from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
 
 __all__ = [
     "SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
@@ -286,20 +286,27 @@ def chunk_local_bwd(
 
 def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, do, dhe, dv_new, h, dot_precision):
     """`chunk_local_bwd` with Triton kernels and the UT shortcut of `flashkda.chunk_bwd_ut` (fp32 operands)."""
-    v_newT = v_new.transpose(-1, -2)
-    dqg = do @ hT
-    dkend = v_new @ dhe.transpose(-1, -2)
-    y_u = local.minv.transpose(-1, -2) @ dv_new
-    # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
-    y_wn = y_u @ hT
-    p = y_u @ v_newT
-    dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
-    del y_u, y_wn  # before the gated-product backward allocates (peak memory)
+    if fused_wy(dot_precision, k.shape[-1], v.shape[-1]):
+        # one Triton pass: y_u, y_wn, P and the gate-chain products stay on chip (flashkda.chunk_bwd_ut)
+        dv, dkg, dbeta, ddec, p, daqk, dqg, dkend = chunk_kda_bwd_wy(
+            local.minv, dv_new, h, v_new, do, dhe, local.kg, v, local.akk, beta, dot_precision=dot_precision
+        )
+    else:
+        v_newT = v_new.transpose(-1, -2)
+        dqg = do @ hT
+        dkend = v_new @ dhe.transpose(-1, -2)
+        y_u = local.minv.transpose(-1, -2) @ dv_new
+        # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
+        y_wn = y_u @ hT
+        p = y_u @ v_newT
+        dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
+        del y_u, y_wn  # before the gated-product backward allocates (peak memory)
+        daqk = do @ v_newT
     if dot_precision == "ieee":
-        dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * (do @ v_newT))
+        dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * daqk)
     else:
         dq, dk, dgam = chunk_kda_gated_dots_bwd(
-            q, k, local.gam, p, do @ v_newT, dot_precision=gated_dot_precision(dot_precision),
+            q, k, local.gam, p, daqk, dot_precision=gated_dot_precision(dot_precision),
             dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
         )
     dq, dk, dg = chunk_kda_bwd_gates(

@@ -129,6 +129,23 @@ def _run(fn, x: dict[str, torch.Tensor], case: Case, do, dht, **kw):
 
 @pytest.mark.parametrize("case", CASES)
 def test_gradients_match_fp64_reference(case: Case, device: str) -> None:
+    _check_gradients(case, device)
+
+
+_FUSED_WY_CASES = ("T96-K64-V64-bf16-state", "varlen-15-0-65-15-state", "V48-not-power-of-two")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in _FUSED_WY_CASES])
+def test_gradients_with_the_fused_wy_pass(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused chain-rule pass (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`, bf16/fp16 callers on a GPU) at every
+    precision, so that the interpreter runs it too; V = 48 leaves a partial V slice."""
+    from flashkda import chunk_bwd_ut
+
+    monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee"))
+    _check_gradients(case, device)
+
+
+def _check_gradients(case: Case, device: str) -> None:
     torch.manual_seed(zlib.crc32(str(case).encode()))  # per case and reproducible (str hashes vary per process)
     x = _inputs(case, device)
     ref_x = {k: v.detach().double().requires_grad_() for k, v in x.items()}

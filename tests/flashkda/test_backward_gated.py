@@ -98,6 +98,28 @@ def test_ut_backward_pass_matches_torch(device: str) -> None:
     assert _rel(dv, b * y_u.double()) < 1e-6 and _rel(dkg, -b * y_wn.double()) < 1e-6
     assert _rel(dbeta, ref_dbeta) < 1e-5 and _rel(ddec, (h.double() * dhe.double()).sum(-1)) < 1e-6
 
+def test_fused_wy_pass_matches_torch(device: str) -> None:
+    """`chunk_kda_bwd_wy` equals the torch products and expressions it replaces, for V = 40 (a partial V slice)."""
+    from flashkda.chunk_bwd_ut import chunk_kda_bwd_wy
+
+    torch.manual_seed(8)
+    nb, C, K, V = 3, 64, 32, 40
+    m, akk = torch.randn(nb, C, C, device=device).tril(), torch.randn(nb, C, C, device=device)
+    dv_new, v_new, do, v = (torch.randn(nb, C, V, device=device) for _ in range(4))
+    h, dhe = torch.randn(nb, K, V, device=device), torch.randn(nb, K, V, device=device)
+    kg, beta = torch.randn(nb, C, K, device=device), torch.rand(nb, C, device=device)
+    got = chunk_kda_bwd_wy(m, dv_new, h, v_new, do, dhe, kg, v, akk, beta, dot_precision="ieee")
+    m, akk, dv_new, v_new, do, v, h, dhe, kg, beta = (
+        x.double() for x in (m, akk, dv_new, v_new, do, v, h, dhe, kg, beta))
+    y_u = m.transpose(-1, -2) @ dv_new
+    y_wn, p = y_u @ h.transpose(-1, -2), y_u @ v_new.transpose(-1, -2)
+    dbeta = (y_u * v).sum(-1) - (y_wn * kg).sum(-1) - (p * akk.tril(-1)).sum(-1)
+    ref = (beta[..., None] * y_u, -beta[..., None] * y_wn, dbeta, (h * dhe).sum(-1), p,
+           do @ v_new.transpose(-1, -2), do @ h.transpose(-1, -2), v_new @ dhe.transpose(-1, -2))
+    for name, a, b in zip(("dv", "dkg", "dbeta", "ddec", "P", "daqk", "dqg", "dkend"), got, ref):
+        assert _rel(a, b) < 1e-5, name
+
+
 def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     """The torch oracle's own backward (`gated_dot_bwd`) equals autograd through `gated_dot` in fp64."""
     torch.manual_seed(0)
