@@ -13,6 +13,7 @@ import ctypes.util
 import logging
 import os
 import socket
+import stat
 import threading
 from pathlib import Path
 
@@ -80,6 +81,55 @@ def socket_in_netns(pid: int) -> socket.socket:
         os.close(own)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+SYS_OPENAT2 = 437
+"""openat2(2) on x86_64 and aarch64 alike."""
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_regular_in_sandbox(pid: int, path: str) -> tuple[int, int] | None:
+    """Open the regular file at absolute `path` as the sandbox of host process `pid` sees it, from the host.
+
+    Resolution is confined to the sandbox's root (``RESOLVE_IN_ROOT``: ``..`` and absolute symlinks stop
+    there) inside its mount namespace (through ``/proc/<pid>/root``), and no magic link (``/proc/*/fd``,
+    ``/proc/*/root``) is followed, so a sandbox cannot point the server outside itself. Only a regular file
+    is opened for reading (device nodes and FIFOs are looked at by ``O_PATH`` alone). The server then
+    sends it with sendfile(2) instead of copying it through the agent.
+
+    Returns:
+        ``(fd, size in bytes)`` (the caller closes `fd`), or None when the fast path does not apply (not a
+        regular file, missing, no openat2); the agent then answers, with its own errors.
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    try:
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+        fd = _libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(root), os.fsencode(path), ctypes.byref(how),
+                           ctypes.c_size_t(ctypes.sizeof(how)))
+    finally:
+        os.close(root)
+    if fd < 0:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > wire.MAX_READ:
+            return None
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC), st.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class AgentLink:

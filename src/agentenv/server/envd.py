@@ -12,11 +12,12 @@ import base64
 import binascii
 import gzip
 import logging
+import os
 import select
 import signal
 
 from agentenv.server import connect
-from agentenv.server.agents import MAX_BLOB, AgentError, AgentLink
+from agentenv.server.agents import MAX_BLOB, AgentError, AgentLink, open_regular_in_sandbox
 from agentenv.server.connect import ConnectError
 from agentenv.server.httpd import MAX_BODY, Handler, HTTPError
 
@@ -306,6 +307,14 @@ class Envd:
                 path = h.query.get("path")
                 if not path:
                     raise HTTPError(400, "query parameter 'path' is required")
+                opened = open_regular_in_sandbox(entry.pid, path) if path.startswith("/") else None
+                if opened is not None:  # a regular file at an absolute path: sent from the host, no agent hop
+                    fd, size = opened
+                    try:
+                        h.send_file(200, fd, size)
+                    finally:
+                        os.close(fd)
+                    return
                 _, data = link.call({"op": "read", "path": path, "user": user})
                 h.send_bytes(200, data)
                 return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import pytest
@@ -115,3 +116,43 @@ def test_streamed_upload_from_a_file_object(e2b_sandbox):
     blob = bytes(range(256)) * 2048  # 512 KiB, sent as a streamed (chunked) octet-stream body
     e2b_sandbox.files.write("/tmp/streamed.bin", io.BytesIO(blob))
     assert bytes(e2b_sandbox.files.read("/tmp/streamed.bin", format="bytes")) == blob
+
+
+def test_reads_resolve_inside_the_sandbox_root(e2b_sandbox):
+    """Regular files at absolute paths are sent from the host (sendfile); every symlink, `..` and magic link
+    must still resolve as inside the sandbox, never to the host's files."""
+    inside = e2b_sandbox.commands.run("cat /etc/hostname").stdout
+    e2b_sandbox.commands.run("mkdir -p /tmp/r/a && ln -s ../../../../../../etc/hostname /tmp/r/a/up && "
+                             "ln -s /etc/hostname /tmp/r/abs && ln -s /proc/1/root/etc/hostname /tmp/r/magic && "
+                             "ln -s /proc/self/cwd /tmp/r/cwd && head -c 300000 /dev/urandom > /tmp/r/big")
+    for path in ("/etc/hostname", "/tmp/r/a/up", "/tmp/r/abs", "/tmp/r/../../etc/hostname"):
+        assert e2b_sandbox.files.read(path) == inside, path
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException, match="Permission denied"):  # the agent's answer: pid 1 is not dumpable
+        e2b_sandbox.files.read("/tmp/r/magic")
+    big = e2b_sandbox.commands.run("sha256sum /tmp/r/big").stdout.split()[0]
+    assert hashlib.sha256(bytes(e2b_sandbox.files.read("/tmp/r/big", format="bytes"))).hexdigest() == big
+    with pytest.raises(SandboxException):  # a magic link to a directory: the agent's error, not a host read
+        e2b_sandbox.files.read("/tmp/r/cwd")
+
+
+def test_host_side_open_is_confined_to_the_sandbox(e2b_sandbox, server):
+    """`open_regular_in_sandbox` (the read fast path) opens regular files as the sandbox sees them and
+    declines everything else, so those reads go to the agent."""
+    import os
+
+    from agentenv.runtime.local import NamespaceBackend
+    from agentenv.server.agents import open_regular_in_sandbox
+
+    pid = next(i.pid for i in NamespaceBackend(server.home).list() if i.id == e2b_sandbox.sandbox_id)
+    e2b_sandbox.commands.run("mkdir -p /tmp/h && printf inside > /tmp/h/f && ln -s ../../../../../tmp/h/f /tmp/h/up "
+                             "&& ln -s /proc/1/root/tmp/h/f /tmp/h/magic && mkfifo /tmp/h/fifo")
+    for path in ("/tmp/h/f", "/tmp/h/up"):
+        fd, size = open_regular_in_sandbox(pid, path)
+        try:
+            assert os.read(fd, 100) == b"inside" and size == 6
+        finally:
+            os.close(fd)
+    for path in ("/tmp/h/magic", "/tmp/h/fifo", "/tmp/h", "/tmp/h/missing", "/dev/zero"):
+        assert open_regular_in_sandbox(pid, path) is None, path
