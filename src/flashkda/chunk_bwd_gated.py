@@ -12,11 +12,13 @@ block as the reference (both exponentials ``<= 1``), a diagonal block its middle
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd"]
+__all__ = ["FUSED_GATES_PRECISIONS", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
 
 BC = 16
 
@@ -85,27 +87,14 @@ def chunk_kda_fwd_kernel_gated_dots(
 
 
 @triton.jit
-def chunk_kda_bwd_kernel_gated_dots(
-    q,
-    k,
-    gam,
-    dakk,
-    daqk,
-    dakk_rs,
-    daqk_scale,
-    dq,
-    dk,
-    dgam,
-    C: tl.constexpr,
-    K: tl.constexpr,
-    BC: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HAS_RS: tl.constexpr,
+def _gated_dots_bwd_rows(
+    q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r,
+    C: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RS: tl.constexpr,
 ):
-    # Program (chunk, block r) writes rows r of dq, dk, dgam: the "row" side (t in r) sums over column blocks
-    # c <= r, the "column" side (i in r) over row blocks s >= r. The gradients used are dAkk[t, i] * dakk_rs[t]
-    # (row scale, when HAS_RS) and dAqk * daqk_scale; entries outside the masks are never read or are masked.
-    i_b, i_r = tl.program_id(0), tl.program_id(1)
+    """``(dq, dk, dG)`` ``[BC, K]`` of the gated products for the rows of block ``i_r`` of chunk ``i_b``: the "row"
+    side (t in r) sums over column blocks c <= r, the "column" side (i in r) over row blocks s >= r. The gradients
+    used are dAkk[t, i] * dakk_rs[t] (row scale, when HAS_RS) and dAqk * daqk_scale; entries outside the masks are
+    never read or are masked."""
     base = i_b.to(tl.int64) * C * K
     base_a = i_b.to(tl.int64) * C * C
     o_k = tl.arange(0, K)
@@ -177,11 +166,98 @@ def chunk_kda_bwd_kernel_gated_dots(
 
     b_da_qk = b_da_qk * daqk_scale
     b_db_qk = b_db_qk * daqk_scale
-    p_o = base + o_r[:, None] * K + o_k[None, :]
-    tl.store(dq + p_o, b_da_qk.to(dq.dtype.element_ty))
-    tl.store(dk + p_o, (b_da_kk + b_db_kk + b_db_qk).to(dk.dtype.element_ty))
     b_dg = b_k * (b_da_kk - b_db_kk) + b_q * b_da_qk - b_k * b_db_qk
+    return b_da_qk, b_da_kk + b_db_kk + b_db_qk, b_dg
+
+
+@triton.jit
+def chunk_kda_bwd_kernel_gated_dots(
+    q,
+    k,
+    gam,
+    dakk,
+    daqk,
+    dakk_rs,
+    daqk_scale,
+    dq,
+    dk,
+    dgam,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_RS: tl.constexpr,
+):
+    # Program (chunk, block r) writes rows r of dq, dk, dgam (see _gated_dots_bwd_rows).
+    i_b, i_r = tl.program_id(0), tl.program_id(1)
+    b_dq, b_dk, b_dg = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, C, K, BC,
+                                           DOT_PRECISION, HAS_RS)
+    o_r = i_r * BC + tl.arange(0, BC)
+    p_o = i_b.to(tl.int64) * C * K + o_r[:, None] * K + tl.arange(0, K)[None, :]
+    tl.store(dq + p_o, b_dq.to(dq.dtype.element_ty))
+    tl.store(dk + p_o, b_dk.to(dk.dtype.element_ty))
     tl.store(dgam + p_o, b_dg.to(dgam.dtype.element_ty))
+
+
+@triton.jit
+def chunk_kda_bwd_kernel_gated_dots_gates(
+    q,
+    k,
+    gam,
+    dakk,
+    daqk,
+    dakk_rs,
+    dqg,
+    dkg,
+    dkend,
+    ddec,
+    dq,
+    dk,
+    dg,
+    scale,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_RS: tl.constexpr,
+):
+    # One program per chunk walks its row blocks from the last to the first: the gated-product gradients of a block
+    # (_gated_dots_bwd_rows), plus the gate-factor terms of flashkda.chunk_bwd_gates with qg, kend and dec rebuilt
+    # from q, k and G, then dg = reverse cumulative sum of dG, carried across blocks. dq, dk, dG never leave the chip.
+    i_b = tl.program_id(0)
+    base = i_b.to(tl.int64) * C * K
+    o_k = tl.arange(0, K)
+    o_i = tl.arange(0, BC)
+    # [K] G at the chunk end; it feeds kend (every row) and dec = exp(G_C), so its gradient reaches every row of dg
+    b_gend = tl.load(gam + base + (C - 1) * K + o_k).to(tl.float32)
+    b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
+    for i_r in range(0, C // BC):
+        # [BC, K]
+        p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
+        b_kend = tl.load(k + p).to(tl.float32) * tl.exp(b_gend[None, :] - tl.load(gam + p).to(tl.float32))
+        b_carry += tl.sum(b_kend * tl.load(dkend + p).to(tl.float32), axis=0)
+    for i in range(0, C // BC):
+        i_r = C // BC - 1 - i
+        b_dq, b_dk, b_dgam = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, scale, i_b, i_r, C, K, BC,
+                                                  DOT_PRECISION, HAS_RS)
+        # [BC, K]
+        p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p).to(tl.float32)
+        b_k = tl.load(k + p).to(tl.float32)
+        b_g = tl.load(gam + p).to(tl.float32)
+        b_eg = tl.exp(b_g)
+        b_eend = tl.exp(b_gend[None, :] - b_g)
+        b_dqg = tl.load(dqg + p).to(tl.float32)
+        b_dkg = tl.load(dkg + p).to(tl.float32)
+        b_dkend = tl.load(dkend + p).to(tl.float32)
+        b_dq += scale * b_eg * b_dqg
+        b_dk += b_eg * b_dkg + b_eend * b_dkend
+        b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
+        b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
+        b_carry += tl.sum(b_dgam, axis=0)
+        tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
+        tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
+        tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
 
 
 def _check(*xs: torch.Tensor) -> None:
@@ -235,3 +311,54 @@ def chunk_kda_gated_dots_bwd(
         num_warps=8 if K >= 64 else 4,
     )
     return dq, dk, dgam
+
+
+def chunk_kda_gated_dots_gates_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gam: torch.Tensor,
+    dakk: torch.Tensor,
+    daqk: torch.Tensor,
+    dqg: torch.Tensor,
+    dkg: torch.Tensor,
+    dkend: torch.Tensor,
+    ddec: torch.Tensor,
+    *,
+    scale: float,
+    dot_precision: str,
+    dakk_row_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_kda_gated_dots_bwd` and `flashkda.chunk_bwd_gates.chunk_kda_bwd_gates` in one pass: ``(dq, dk, dg)``.
+
+    Args:
+        q, k, gam: ``[..., C, K]`` chunked queries, keys and in-chunk cumulative log-gate ``G``.
+        dakk, daqk, dakk_row_scale: as in `chunk_kda_gated_dots_bwd`, with ``daqk_scale = scale``.
+        dqg, dkg, dkend: ``[..., C, K]`` gradients of ``qg = scale q exp(G)``, ``kg = k exp(G)``,
+            ``kend = k exp(G_C - G)``; ddec: ``[..., K]`` gradient of ``dec = exp(G_C)``.
+        scale: query scale.
+        dot_precision: ``tl.dot`` input precision of the gated products.
+
+    Returns:
+        ``dq``, ``dk``, ``dg`` ``[..., C, K]`` in ``q``'s dtype; ``dg`` is w.r.t. the per-token gate (``G`` is its
+        in-chunk cumulative sum). Sums stay fp32: fp32 callers, whose ``dA_log`` needs ``dG`` in fp64, keep the two
+        separate passes (`flashkda.chunk_bwd_local`).
+    """
+    _check(q, k, gam, dakk, daqk, dqg, dkg, dkend)
+    *lead, C, K = q.shape
+    nb = q.numel() // (C * K)
+    has_rs = dakk_row_scale is not None
+    if has_rs:
+        assert dakk_row_scale.is_contiguous() and dakk_row_scale.shape == dakk.shape[:-1], "dakk_row_scale: [..., C]"
+    assert ddec.is_contiguous() and ddec.shape == q.shape[:-2] + (K,), "ddec: [..., K]"
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
+    chunk_kda_bwd_kernel_gated_dots_gates[(nb,)](
+        q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale,
+        C=C, K=K, BC=BC, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=8 if K >= 64 else 4,
+    )
+    return dq, dk, dg
+
+
+#: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add
+#: "ieee" for half-precision cases in the interpreter). FLASHKDA_BWD_FUSED_WY=0 switches it off with the fused pass
+#: of `flashkda.chunk_bwd_ut` (neither has run on a GPU yet).
+FUSED_GATES_PRECISIONS: tuple[str, ...] = () if os.environ.get("FLASHKDA_BWD_FUSED_WY", "1") == "0" else ("tf32",)

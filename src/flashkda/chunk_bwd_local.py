@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
+from flashkda import chunk_bwd_gated
+from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd, chunk_kda_gated_dots_gates_bwd
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
@@ -302,6 +303,13 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
         dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
         del y_u, y_wn  # before the gated-product backward allocates (peak memory)
         daqk = do @ v_newT
+    if dot_precision in chunk_bwd_gated.FUSED_GATES_PRECISIONS and k.shape[-1] <= 128:
+        # gated-product backward and gate chain in one pass (dq, dk, dG stay on chip)
+        dq, dk, dg = chunk_kda_gated_dots_gates_bwd(
+            q, k, local.gam, p, daqk, dqg, dkg, dkend, ddec, scale=scale,
+            dot_precision=gated_dot_precision(dot_precision), dakk_row_scale=(-beta).contiguous(),
+        )
+        return dq, dk, dv, dg, dbeta
     if dot_precision == "ieee":
         dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * daqk)
     else:

@@ -132,16 +132,21 @@ def test_gradients_match_fp64_reference(case: Case, device: str) -> None:
     _check_gradients(case, device)
 
 
-_FUSED_WY_CASES = ("T96-K64-V64-bf16-state", "varlen-15-0-65-15-state", "V48-not-power-of-two")
+# case id -> also the fused gated-product/gate-chain pass (its fp32 sums are for half-precision callers only)
+_FUSED_CASES = {"T96-K64-V64-bf16-state": True, "fp16-varlen-GVA-gate": True, "varlen-15-0-65-15-state": False,
+                "V48-not-power-of-two": False}
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in _FUSED_WY_CASES])
-def test_gradients_with_the_fused_wy_pass(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused chain-rule pass (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`, bf16/fp16 callers on a GPU) at every
-    precision, so that the interpreter runs it too; V = 48 leaves a partial V slice."""
-    from flashkda import chunk_bwd_ut
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in _FUSED_CASES])
+def test_gradients_with_the_fused_chain_rule(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused chain-rule passes of bf16/fp16 callers on a GPU (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`,
+    `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_gates_bwd`) at every precision, so that the interpreter runs them
+    too; V = 48 leaves a partial V slice."""
+    from flashkda import chunk_bwd_gated, chunk_bwd_ut
 
     monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee"))
+    if _FUSED_CASES[next(c.id for c in CASES if c.values[0] is case)]:
+        monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
     _check_gradients(case, device)
 
 

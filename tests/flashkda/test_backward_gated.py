@@ -120,6 +120,30 @@ def test_fused_wy_pass_matches_torch(device: str) -> None:
         assert _rel(a, b) < 1e-5, name
 
 
+def test_fused_gated_dots_and_gate_chain_match_the_two_passes(device: str) -> None:
+    """`chunk_kda_gated_dots_gates_bwd` (one pass, qg/kend/dec rebuilt from q, k, G) equals the gated-product
+    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token)."""
+    from flashkda.chunk_bwd_gated import chunk_kda_gated_dots_gates_bwd
+    from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
+
+    torch.manual_seed(9)
+    nb, C, K, scale = 2, 64, 32, 0.3
+    q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
+    gam = (-5.0 * torch.rand(nb, C, K, device=device)).cumsum(1)
+    p, s = torch.randn(nb, C, C, device=device), torch.randn(nb, C, C, device=device)
+    rs = -torch.rand(nb, C, device=device)
+    dqg, dkg, dkend = (torch.randn(nb, C, K, device=device) for _ in range(3))
+    ddec = torch.randn(nb, K, device=device)
+    got = chunk_kda_gated_dots_gates_bwd(q, k, gam, p, s, dqg, dkg, dkend, ddec, scale=scale, dot_precision="ieee",
+                                         dakk_row_scale=rs)
+    dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, p, s, dot_precision="ieee", dakk_row_scale=rs,
+                                            daqk_scale=scale)
+    qg, kend = scale * q * gam.exp(), k * (gam[:, -1:] - gam).exp()
+    ref = chunk_kda_bwd_gates(k, gam, qg, kend, gam[:, -1].exp(), dq, dk, dgam, dqg, dkg, dkend, ddec, scale)
+    for name, a, b in zip(("dq", "dk", "dg"), got, ref):
+        assert _rel(a, b.double()) < 1e-5, name
+
+
 def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     """The torch oracle's own backward (`gated_dot_bwd`) equals autograd through `gated_dot` in fp64."""
     torch.manual_seed(0)
