@@ -4,14 +4,14 @@
 # fla's first training call per shape compiles and autotunes for 100-200 s, so the call has two phases:
 #   A (parallel, nothing timed): fla's first call at each row's shape and in the tiny LM, in separate processes, to
 #     fill Triton's on-disk cache (kernels and, with TRITON_CACHE_AUTOTUNING=1, fla's autotune choices); ours
-#     compiled the same way; the fused chain-rule pass (chunk_kda_bwd_wy, new at 02:50 UTC, never run on a GPU
-#     before; FLASHKDA_BWD_FUSED_WY) probed in a process of their own (fp64 gate + two rows), so a crash costs that
-#     process only; the gpu tests of the training files; the CPU suite's backward tests on CUDA; the fp64 gate at
-#     T = 8192 (own processes each).
+#     compiled the same way; the fused chain-rule passes (chunk_kda_bwd_wy, chunk_kda_gated_dots_gates_bwd, new
+#     in the 02:00 UTC offline round, never run on a GPU before; FLASHKDA_BWD_FUSED_WY) probed in a process of their
+#     own (fp64 gate + two rows), so a crash costs that process only; the gpu tests of the training files; the CPU
+#     suite's backward tests on CUDA; the fp64 gate at T = 8192 (own processes each).
 #   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
-#     fla, with a profile of the first and a head-slice sweep on each; the fused pass only if its probe passed (else
-#     the torch GEMMs), tf32 gated products unless the long gate failed; then ours without the fused pass at the
-#     first row for comparison.
+#     fla, with a profile of the first and a head-slice sweep on each; the fused passes only if their probe passed
+#     (else the earlier GEMMs and passes), tf32 gated products unless the long gate failed; then ours without the
+#     fused passes at the first row for comparison.
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 180), KDA_MAIN_CAP (phase B, 140).
 # A carried .triton-cache-train.tgz (compiled fla forward kernels) and .fla-autotune.tgz (autotune results of an
 # earlier call: fla then compiles only its chosen configurations) are unpacked into the cache first; the autotune
