@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
+from flashkda.chunk_bwd_ut import fused_wy
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
@@ -289,13 +290,17 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     out = None  # the raw-input gradients, allocated after the first slice's chain rule (not at its peak)
     dh0 = None if h0 is None else torch.empty_like(h0)
     slices = backward_head_slices(N, layout.num_chunks, HV, HV // q.shape[2], layout.C, K, V)
+    # The fused chain rule and the reverse state pass read do into fp32 registers (the latter then rounds it to
+    # bf16 for bf16/fp16 callers): keeping do's own dtype in the chunked copy is exact and halves its bytes for half
+    # callers. The torch GEMMs of the fallback need fp32.
+    do_dtype = do.dtype if do is not None and fused_wy(dot_precision, K, V) else cdt
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
 
         chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
         if do is not None:
-            doc = to_chunks(do[:, :, hv0:hv1], layout, cdt)
+            doc = to_chunks(do[:, :, hv0:hv1], layout, do_dtype)
         else:
             doc = torch.zeros_like(chunks[2])
         *dchunks, dh0_s = chunk_kda_train_bwd(

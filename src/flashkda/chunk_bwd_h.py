@@ -255,7 +255,7 @@ def chunk_kda_bwd_dh(
     V = do.shape[-1]
     N = chunk_offsets.numel() - 1
     BV = _block_v(K, V, N * HV)
-    dv_new = torch.empty_like(do)
+    dv_new = torch.empty_like(do, dtype=w.dtype)  # do may be kept in its bf16/fp16 dtype (exact), dv_new not
     dhe = w.new_empty(NC, HV, K, V)
     dh0 = w.new_empty(N, HV, K, V) if store_dh0 else None
     grid = (N, HV, triton.cdiv(V, BV))
