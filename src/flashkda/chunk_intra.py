@@ -394,10 +394,11 @@ def chunk_kda_fwd_kernel_wu(
 
 
 #: Launch configurations tried on first use of each shape class on a GPU (pass-2 slice width, warps, stacked Aqk/Akk
-#: products, register cap): 4 warps (one warpgroup: the [64, 64] products map onto wgmma); 8 warps measured 1.8x
-#: slower and 32-wide pass-1 slices 6% slower (NOTES.md). All give the same math (rounding order aside).
-INTRA_CONFIGS = [(16, 4, False, None), (64, 4, False, None), (16, 4, True, None), (64, 4, True, None),
-                 (16, 4, False, 168), (16, 4, True, 168)]
+#: products, register cap): 4 warps (one warpgroup: the [64, 64] products map onto wgmma). Measured at H64-T8192
+#: (H200, 2026-12-01 01:54 UTC, NOTES.md): 16/4/plain 1.798 ms, 64/4/stacked 1.775, 16/4/stacked 1.914; register
+#: caps were slower (168: 1.869, stacked 2.109; 128: 3.374), as were 8 warps (1.8x) and 32-wide pass-1 slices (6%),
+#: so none of those is offered. All give the same math (rounding order aside).
+INTRA_CONFIGS = [(16, 4, False, None), (64, 4, False, None), (64, 4, True, None)]
 chunk_kda_fwd_kernel_intra_tuned = triton.autotune(
     configs=[triton.Config({"BS": bs, "MERGE": merge}, num_warps=nw, num_stages=1, maxnreg=cap)
              for bs, nw, merge, cap in INTRA_CONFIGS],

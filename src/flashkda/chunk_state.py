@@ -15,6 +15,12 @@ Products take fp32 operands (tf32 tensor cores for half inputs): rounding the st
 
 Traffic per (chunk, head), bf16 with K = V = 128: reads w, qg, kg, u, Aqk (74 KiB, shared by the V blocks through
 L2) and writes o (16 KiB); the chain of chunks is sequential, so short rows of work are latency-bound.
+
+Split path (``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o``), used when there are fewer fused programs
+than SMs (``prefer_split``): the serial kernel carries only ``v_new`` and ``S`` (reads w, kg, u, Γ_C) and stores the
+state at every chunk start (bf16 for half input) and ``v_new`` (fp32); the output of all chunks is then one parallel
+kernel. On the H200 this took the H32-T131072 stage from 12.9 to 9.7 ms and left H64-T8192 unchanged
+(benchmarks/kda/NOTES.md).
 """
 
 import torch
@@ -382,6 +388,14 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
         block_v = block_v or _default_block_v(V, N * HV, w)
         chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
                                                                     num_stages=num_stages)
+    state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config)
+
+
+def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None):
+    """``o = qg h + Aqk v_new`` for every chunk in parallel (``chunk_kda_fwd_kernel_o``; ``h`` ``[NC, HV, K, V]``,
+    ``vn`` ``[B, T, HV, V]``); separate from ``_state_split`` so the benchmarks can time it alone."""
+    T, HV, K = qg.shape[1:]
+    V = vn.shape[-1]
     args = (qg, Aqk, h, vn, o, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
     if qg.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
