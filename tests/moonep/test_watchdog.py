@@ -93,3 +93,45 @@ def test_watchdog_times_each_collective_from_when_the_previous_one_completed(tmp
     assert elapsed > TIMEOUT_S, f"the chain took only {elapsed:.2f} s: the test does not test the clock"
     assert message is None, message
     assert pending == 0
+
+
+class _CompletedWork:
+    """A completed collective whose ``exception()`` behaves as torch 2.11's NCCL Work did on the H200
+    (2026-12-01): the pybind result cannot be converted, so the call raises TypeError."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self):
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+
+class _BrokenWork:
+    def is_completed(self) -> bool:
+        raise ValueError("internal failure")
+
+
+def _until(predicate, limit_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_watchdog_survives_an_unconvertible_work_exception() -> None:
+    watchdog = Watchdog(1.0, lambda message: None, poll_s=0.001)
+    for _ in range(3):
+        watchdog.watch(_CompletedWork(), "all_gather")
+    assert _until(lambda: watchdog.pending() == 0), "completed works must be retired"
+    assert watchdog.expired is None and watchdog.failure is None
+    watchdog.close()
+
+
+def test_watchdog_that_stops_on_an_internal_error_stops_queueing() -> None:
+    watchdog = Watchdog(1.0, lambda message: None, poll_s=0.001)
+    watchdog.watch(_BrokenWork(), "all_gather")
+    assert _until(lambda: watchdog.failure is not None), "the thread must record why it stopped"
+    assert "ValueError" in watchdog.failure
+    watchdog.watch(_CompletedWork(), "all_gather")  # no thread left to retire it: must not be kept
+    assert watchdog.pending() == 0
+    watchdog.close()

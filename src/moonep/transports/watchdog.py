@@ -55,6 +55,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.expired: str | None = None
         """The message ``on_expire`` was called with, once a deadline passed."""
+        self.failure: str | None = None
+        """Why the thread itself stopped, if an internal error ended it (collectives are then untimed)."""
 
     def watch(self, work: dist.Work, what: str) -> None:
         """Track ``work`` (issued just now, after every work watched before it). Cheap: no CUDA call."""
@@ -80,6 +82,16 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # never die silently: callers would queue works forever
+            logger.exception("moonep watchdog: stopped by an internal error; collectives are no longer timed")
+            with self._wake:
+                self._pending.clear()
+                self._closed = True
+            self.failure = f"watchdog thread stopped: {type(error).__name__}: {error}"
+
+    def _loop(self) -> None:
         if self.cuda:
             _thread_local_capture_mode()
         ready_at: float | None = None  # when the previous collective was seen complete
@@ -96,7 +108,7 @@ class Watchdog:
             try:
                 done = work.is_completed()
                 # A collective NCCL itself found failed (a peer's connection broke) also counts as completed.
-                error = work.exception() if done else None
+                error = _work_error(work) if done else None
             except RuntimeError as raised:
                 if "captur" in str(raised):  # refused while a graph is being captured: ask again later
                     time.sleep(self.poll_s)
@@ -122,6 +134,16 @@ class Watchdog:
                 self._closed = True
             self.on_expire(failure)
             return
+
+
+def _work_error(work: dist.Work) -> BaseException | None:
+    """The error a completed collective ended with, or None. ``Work.exception()`` is deprecated and, in some
+    torch builds (2.11 with NCCL), its result cannot be converted to Python at all (TypeError): then a failed
+    collective is left to the deadline and to ProcessGroupNCCL's own error handling."""
+    try:
+        return work.exception()
+    except TypeError:
+        return None
 
 
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
