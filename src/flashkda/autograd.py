@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
+from flashkda.chunk_bwd_gated import fused_gates
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 from flashkda.chunk_bwd_ut import fused_wy
@@ -294,11 +295,15 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     # bf16 for bf16/fp16 callers): keeping do's own dtype in the chunked copy is exact and halves its bytes for half
     # callers. The torch GEMMs of the fallback need fp32.
     do_dtype = do.dtype if do is not None and fused_wy(dot_precision, K, V) else cdt
+    # qg and kend in bf16 where the state passes round them to bf16 anyway ("tf32": bf16/fp16 callers on a GPU) and
+    # the fused gate chain rebuilds them in fp32 from q, k and G (flashkda.chunk_bwd_gated): exact, half the bytes
+    bf16_factors = dot_precision == "tf32" and fused_gates(dot_precision, K)
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
 
-        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
+        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1),
+                                                      bf16_state_factors=bf16_factors)
         if do is not None:
             doc = to_chunks(do[:, :, hv0:hv1], layout, do_dtype)
         else:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FUSED_GATES_PRECISIONS", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
+__all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
 
 BC = 16
 
@@ -362,3 +362,8 @@ def chunk_kda_gated_dots_gates_bwd(
 #: "ieee" for half-precision cases in the interpreter). FLASHKDA_BWD_FUSED_WY=0 switches it off with the fused pass
 #: of `flashkda.chunk_bwd_ut` (neither has run on a GPU yet).
 FUSED_GATES_PRECISIONS: tuple[str, ...] = () if os.environ.get("FLASHKDA_BWD_FUSED_WY", "1") == "0" else ("tf32",)
+
+
+def fused_gates(dot_precision: str, K: int) -> bool:
+    """Whether the chain rule runs `chunk_kda_gated_dots_gates_bwd` (``K <= 128``: at 256 its tiles would spill)."""
+    return dot_precision in FUSED_GATES_PRECISIONS and K <= 128

@@ -20,8 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flashkda import chunk_bwd_gated
-from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd, chunk_kda_gated_dots_gates_bwd
+from flashkda.chunk_bwd_gated import (
+    chunk_kda_gated_dots,
+    chunk_kda_gated_dots_bwd,
+    chunk_kda_gated_dots_gates_bwd,
+    fused_gates,
+)
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
@@ -303,7 +307,7 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
         dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
         del y_u, y_wn  # before the gated-product backward allocates (peak memory)
         daqk = do @ v_newT
-    if dot_precision in chunk_bwd_gated.FUSED_GATES_PRECISIONS and k.shape[-1] <= 128:
+    if fused_gates(dot_precision, k.shape[-1]):
         # gated-product backward and gate chain in one pass (dq, dk, dG stay on chip)
         dq, dk, dg = chunk_kda_gated_dots_gates_bwd(
             q, k, local.gam, p, daqk, dqg, dkg, dkend, ddec, scale=scale,

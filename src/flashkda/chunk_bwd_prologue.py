@@ -91,9 +91,9 @@ def chunk_kda_prologue_fwd_kernel(
     b_gend = tl.sum(b_g, axis=0)
     b_eg = tl.exp(b_gam)
     tl.store(gamc + out_k, b_gam)
-    tl.store(qgc + out_k, scale * b_q * b_eg)
+    tl.store(qgc + out_k, (scale * b_q * b_eg).to(qgc.dtype.element_ty))
     tl.store(kgc + out_k, b_k * b_eg)
-    tl.store(kendc + out_k, b_k * tl.exp(b_gend[None, :] - b_gam))
+    tl.store(kendc + out_k, (b_k * tl.exp(b_gend[None, :] - b_gam)).to(kendc.dtype.element_ty))
     tl.store(decc + (i_c.to(tl.int64) * HVS + i_s) * K + o_k, tl.exp(b_gend))
     b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_SIGMOID:
@@ -207,11 +207,14 @@ def _flags(opts, A_log, dt_bias) -> dict:
 
 
 def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
-                           heads: tuple[int, int] | None = None):
+                           heads: tuple[int, int] | None = None, bf16_state_factors: bool = False):
     """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
     ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
     ``heads=(hv0, hv1)`` restricts the output to value heads ``hv0 <= hv < hv1`` (whole GVA groups); default all.
+    ``bf16_state_factors`` writes ``qg`` and ``kend`` in bf16: for callers whose state passes round them to bf16
+    anyway (bf16/fp16 inputs) and whose chain rule rebuilds them from ``q``, ``k``, ``G`` (the fused gate chain of
+    `flashkda.chunk_bwd_gated`), so nothing changes but their bytes.
 
     Returns:
         ``((qc, kc, vc, None, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HS, C, *]`` (``HS`` heads of
@@ -227,7 +230,9 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
     qc, kc = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
     vc = torch.empty(NC, HS, C, V, **f32)
     bc = torch.empty(NC, HS, C, **f32)
-    gam, qg, kg, kend = (torch.empty(NC, HS, C, K, **f32) for _ in range(4))
+    gam, kg = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
+    factor_dtype = torch.bfloat16 if bf16_state_factors else torch.float32
+    qg, kend = (torch.empty(NC, HS, C, K, device=q.device, dtype=factor_dtype) for _ in range(2))
     dec = torch.empty(NC, HS, K, **f32)
     dummy = qc
     chunk_kda_prologue_fwd_kernel[(NC, HS)](
