@@ -43,20 +43,23 @@ timeout -k 5 "$WARM" python3 -m pytest -q -p no:cacheprovider tests/flashkda/tes
 timeout -k 5 "$WARM" $TRAIN --ours-only --no-write --steps 0 --rep 3 --gate-T 8192 --cases B1-T8192-H64 \
   > $LOGS/A_long_gate.log 2>&1 &
 (
-  timeout -k 5 90 $TRAIN --warmup ours --steps 0 --slices 1 2 4 --cases $ALL_ROWS
-  timeout -k 5 90 $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32
-  echo "wy probe rc=$?"
-  # compile the chain rule without the fused pass too (the comparison after phase B)
-  FLASHKDA_BWD_FUSED_WY=0 timeout -k 5 60 $TRAIN --warmup ours --steps 0 --cases B1-T8192-H64
+  # the probe first (it compiles the fused passes), then every row and slice count with what phase B will run
+  timeout -k 5 60 $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32 \
+    > $LOGS/A_probe.log 2>&1
+  rc=$?
+  grep -q "FAILED" $LOGS/A_probe.log && rc=1
+  echo "wy probe rc=$rc"
+  WY_A=1; [ "$rc" = 0 ] || WY_A=0
+  FLASHKDA_BWD_FUSED_WY=$WY_A timeout -k 5 80 $TRAIN --warmup ours --steps 0 --slices 1 2 4 --cases $ALL_ROWS
+  # and the chain rule without the fused passes (the comparison after phase B)
+  FLASHKDA_BWD_FUSED_WY=0 timeout -k 5 35 $TRAIN --warmup ours --steps 0 --cases B1-T8192-H64
 ) > $LOGS/A_ours.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 25; done
 
 WY=0
-if grep -q "wy probe rc=0" $LOGS/A_ours.log && ! grep -q "FAILED" $LOGS/A_ours.log; then
-  WY=1
-fi
+grep -q "wy probe rc=0" $LOGS/A_ours.log && WY=1
 TF32=1
 grep -q "FAILED" $LOGS/A_long_gate.log && TF32=0
 echo "=== phase B (timed, fused wy pass: $WY, tf32 gated products: $TF32) $(date +%T)"
