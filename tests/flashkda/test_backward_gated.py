@@ -240,3 +240,32 @@ def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> Non
         out[mode] = (*fwd, *bwd)
     for name, exact, approx in zip(("o", "ht", "h", "v_new", "dv_new", "dhe", "dh0"), out["ieee"], out["tf32"]):
         assert _rel(approx, exact.double()) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 gradients with the fused chain-rule passes (tf32 products, 8 warps: not runnable in the interpreter as
+    compiled) against the unfused GEMMs and passes, at K = V = 128 with the bounded in-kernel gate and varlen."""
+    from flashkda import chunk_bwd_gated, chunk_bwd_ut
+    from flashkda.autograd import chunk_kda_autograd
+
+    torch.manual_seed(12)
+    T, H, K = 700, 4, 128
+    x = dict(q=torch.randn(1, T, H, K), k=torch.randn(1, T, H, K), v=torch.randn(1, T, H, K),
+             g=torch.randn(1, T, H, K), beta=torch.randn(1, T, H))
+    x = {n: t.to(device, torch.bfloat16).requires_grad_() for n, t in x.items()}
+    A_log = torch.log(torch.empty(H, device=device).uniform_(1, 4)).requires_grad_()
+    dt_bias = (0.5 * torch.randn(H * K, device=device)).requires_grad_()
+    cu = torch.tensor([0, 300, 301, 700], device=device)
+    do = torch.randn(1, T, H, K, device=device, dtype=torch.bfloat16)
+    grads = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ())
+            monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ())
+        o, _ = chunk_kda_autograd(*x.values(), scale=K**-0.5, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+        grads[fused] = torch.autograd.grad((o.float() * do.float()).sum(), [*x.values(), A_log, dt_bias])
+    for name, a, b in zip([*x, "A_log", "dt_bias"], grads[True], grads[False]):
+        assert torch.isfinite(a).all() and _rel(a, b.double()) < 1e-2, name
