@@ -106,7 +106,7 @@ def stage_times(x: dict, device: str, rep: int) -> dict:
                                         work_dtype_for(q.dtype), prec)
     mid = intra()
     state = lambda: chunk_kda_fwd_state_o(*mid, x["initial_state"], True, False, index, q.dtype, prec)
-    split = prefer_split(index.num_seqs * q.shape[2], x["v"].shape[-1], q)
+    split = prefer_split(index.num_seqs * q.shape[2], x["v"].shape[-1], mid[0], prec)
     return {"intra ms": round(time_fn(intra, device=device, rep=rep).median_ms, 3),
             "state+o ms": round(time_fn(state, device=device, rep=rep).median_ms, 3),
             "state path": "split (state-only + output kernel)" if split else "fused"}

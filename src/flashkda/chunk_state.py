@@ -311,7 +311,7 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         ht = torch.empty(shape, dtype=torch.float32, device=w.device)
     if split is None:
-        split = not output_h and prefer_split(N * HV, V, w)
+        split = not output_h and prefer_split(N * HV, V, w, dot_prec)
     h = torch.empty(index.num_chunks, HV, K, V, dtype=torch.float32, device=w.device) if output_h else None
     if N == 0:
         return o, ht, h
@@ -340,7 +340,7 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
     return o, ht, h
 
 
-def prefer_split(programs_per_block: int, V: int, w: torch.Tensor) -> bool:
+def prefer_split(programs_per_block: int, V: int, w: torch.Tensor, dot_prec: str = "ieee") -> bool:
     """Split (state-only recurrence + parallel output kernel) when the fused recurrence would have fewer 32-wide
     programs than SMs, i.e. when the serial chain, not the per-chunk work, sets the time.
 
@@ -348,9 +348,15 @@ def prefer_split(programs_per_block: int, V: int, w: torch.Tensor) -> bool:
     programs) fused 1.035 vs split 1.051 ms, where the fused stage also keeps no per-chunk states in memory. The
     interpreter (CPU tensors) always splits, so the CPU suite runs the split path everywhere (the fused one in its
     forced-configuration tests).
+
+    fp16 input (fp32 work tensors with tf32 products) keeps the fused path on CUDA: with the split path its fp64
+    GPU case (T300-H1-HV2-K256-V64-float16-bounded-noA) failed on the H200 (2026-12-01 02:13 UTC, h then stored
+    bf16); h is fp32 for fp16 input since, but that is not verified on a device.
     """
     if not w.is_cuda:
         return True
+    if w.dtype == torch.float32 and dot_prec != "ieee":
+        return False
     num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count
     return programs_per_block * triton.cdiv(V, 32) < num_sms
 
@@ -364,7 +370,7 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
                  num_warps, num_stages, o_config, hilo):
     """The split path: ``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
 
-    Half input (``dot_prec == "tf32"``): h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o, measured
+    bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o, measured
     on the CPU against fp64) while v_new stays fp32 (in bf16, as fla stores it, ``Aqk v_new`` nearly doubled the
     error of o to ~6e-3, over the 5e-3 budget). The chain products keep fp32 state operands (tf32, or the bf16
     hi/lo split): with the state and v_new rounded to bf16 for them, as fla does, the final-state error doubled
@@ -374,7 +380,8 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
     V = u.shape[-1]
     N = index.num_seqs
     half = dot_prec != "ieee"
-    h = torch.empty(index.num_chunks, HV, K, V, dtype=torch.bfloat16 if half else torch.float32, device=w.device)
+    h_dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32  # fp16 input: fp32 h (see prefer_split)
+    h = torch.empty(index.num_chunks, HV, K, V, dtype=h_dtype, device=w.device)
     vn = torch.empty(B, T, HV, V, dtype=torch.float32, device=w.device)
     args = (w, u, kg, gC, h, vn, initial_state, ht, index.cu_seqlens, index.chunk_offsets, T, index.chunks_per_seq,
             N * HV)
