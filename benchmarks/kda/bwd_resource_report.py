@@ -38,9 +38,10 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
         add("inverse blocked" if blocked else "inverse row loop", fn, dict(l=f32, beta=f32, m=f32, mb=f32),
             dict(C=C, BC=chunk_bwd_inverse.BLOCK, HAS_BETA=True), 4)
     for prec in ("tf32", "ieee"):
-        add(f"gated_dots fwd {prec}", chunk_bwd_gated.chunk_kda_fwd_kernel_gated_dots,
-            dict(q=f32, k=f32, gam=f32, akk=f32, aqk=f32, scale="fp32"),
-            dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec), 4)
+        for bk, nw in ((32, 4), (32, 2), (64, 4), (128, 4)):
+            add(f"gated_dots fwd {prec} BK{bk}", chunk_bwd_gated.chunk_kda_fwd_kernel_gated_dots,
+                dict(q=f32, k=f32, gam=f32, akk=f32, aqk=f32, scale="fp32"),
+                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec), nw)
         add(f"gated_dots bwd {prec}", chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots,
             dict(q=f32, k=f32, gam=f32, dakk=f32, daqk=f32, dakk_rs=f32, daqk_scale="fp32", dq=f32, dk=f32,
                  dgam=f32), dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec, HAS_RS=True), 8)

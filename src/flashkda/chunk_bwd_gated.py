@@ -21,6 +21,34 @@ import triton.language as tl
 __all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
 
 BC = 16
+#: K slice and warps of the Akk/Aqk recompute (`chunk_kda_gated_dots`). Whole-K tiles (the 01:41 UTC round: 1.40 ms at
+#: B1-T8192-H64) took 255 registers with 240 B spilled (tf32, 4 warps, offline sm_90); 32-wide slices keep only
+#: [16, 32] tiles live (see benchmarks/kda/NOTES.md, not timed).
+GATED_DOTS_BK = 32
+GATED_DOTS_WARPS = 4
+
+
+@triton.jit
+def _gated_dots_block(q, k, gam, base, o_r, o_c, i_ref, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """``[BC, BC]`` products ``sum_d a_td k_id exp(G_td - G_id)`` for rows ``o_r`` and columns ``o_c`` (a = q, k),
+    with ``G`` referenced at row ``i_ref`` (both factors bounded), accumulated over ``BK``-wide slices of K so that
+    only ``[BC, BK]`` tiles are live."""
+    o_d = tl.arange(0, BK)
+    b_aqk = tl.zeros([o_r.shape[0], o_c.shape[0]], dtype=tl.float32)
+    b_akk = tl.zeros([o_r.shape[0], o_c.shape[0]], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + o_d
+        # [BC, BK] rows; [BK, BC] columns read transposed straight from memory (no register transpose of an fp32
+        # dot operand: the pattern of an illegal memory access under tf32 seen in another kernel, NOTES.md)
+        p_r = base + o_r[:, None] * K + o_k[None, :]
+        p_t = base + o_c[None, :] * K + o_k[:, None]
+        b_ref = tl.load(gam + base + i_ref * K + o_k).to(tl.float32)
+        b_e = tl.exp(tl.load(gam + p_r).to(tl.float32) - b_ref[None, :])
+        b_kt = tl.load(k + p_t).to(tl.float32) * tl.exp(b_ref[:, None] - tl.load(gam + p_t).to(tl.float32))
+        b_aqk += tl.dot(tl.load(q + p_r).to(tl.float32) * b_e, b_kt, input_precision=DOT_PRECISION)
+        b_akk += tl.dot(tl.load(k + p_r).to(tl.float32) * b_e, b_kt, input_precision=DOT_PRECISION)
+    return b_aqk, b_akk
 
 
 @triton.jit
@@ -34,46 +62,26 @@ def chunk_kda_fwd_kernel_gated_dots(
     C: tl.constexpr,
     K: tl.constexpr,
     BC: tl.constexpr,
+    BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     i_b, i_r = tl.program_id(0), tl.program_id(1)
     base = i_b.to(tl.int64) * C * K
     base_a = i_b.to(tl.int64) * C * C
-    o_k = tl.arange(0, K)
     o_i = tl.arange(0, BC)
     o_r = i_r * BC + o_i
-    # [BC, K] rows of this block
-    b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
-    b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
-    b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
-
-    # The right-hand operands are read transposed straight from memory (cached re-reads) rather than transposed in
-    # registers, so no dot takes a transposed fp32 operand (the pattern of an illegal memory access under tf32 seen
-    # in another kernel, NOTES.md).
     # diagonal block, reference = middle row
-    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
-    b_e = tl.exp(b_g - b_ref[None, :])
-    # [K, BC]
-    p_t = base + o_r[None, :] * K + o_k[:, None]
-    b_kinv_t = tl.load(k + p_t).to(tl.float32) * tl.exp(b_ref[:, None] - tl.load(gam + p_t).to(tl.float32))
-    b_aqk = tl.dot(b_q * b_e, b_kinv_t, input_precision=DOT_PRECISION)
-    b_akk = tl.dot(b_k * b_e, b_kinv_t, input_precision=DOT_PRECISION)
+    b_aqk, b_akk = _gated_dots_block(q, k, gam, base, o_r, o_r, i_r * BC + BC // 2, C, K, BK, DOT_PRECISION)
     m_incl = o_i[:, None] >= o_i[None, :]
     m_strict = o_i[:, None] > o_i[None, :]
-    p_out = o_r[:, None] * C + (i_r * BC + o_i)[None, :]
+    p_out = o_r[:, None] * C + o_r[None, :]
     tl.store(aqk + base_a + p_out, tl.where(m_incl, b_aqk * scale, 0.0).to(aqk.dtype.element_ty))
     tl.store(akk + base_a + p_out, tl.where(m_strict, b_akk, 0.0).to(akk.dtype.element_ty))
 
     # blocks left of the diagonal, reference = last row of the column block
     for i_c in range(0, i_r):
         o_c = i_c * BC + o_i
-        # [K, BC]
-        p_t = base + o_c[None, :] * K + o_k[:, None]
-        b_ref = tl.load(gam + base + (i_c * BC + BC - 1) * K + o_k).to(tl.float32)
-        b_kc_t = tl.load(k + p_t).to(tl.float32) * tl.exp(b_ref[:, None] - tl.load(gam + p_t).to(tl.float32))
-        b_e = tl.exp(b_g - b_ref[None, :])
-        b_aqk = tl.dot(b_q * b_e, b_kc_t, input_precision=DOT_PRECISION)
-        b_akk = tl.dot(b_k * b_e, b_kc_t, input_precision=DOT_PRECISION)
+        b_aqk, b_akk = _gated_dots_block(q, k, gam, base, o_r, o_c, i_c * BC + BC - 1, C, K, BK, DOT_PRECISION)
         p_out = o_r[:, None] * C + o_c[None, :]
         tl.store(aqk + base_a + p_out, (b_aqk * scale).to(aqk.dtype.element_ty))
         tl.store(akk + base_a + p_out, b_akk.to(akk.dtype.element_ty))
@@ -276,7 +284,8 @@ def chunk_kda_gated_dots(
     akk = q.new_empty(*lead, C, C)
     aqk = q.new_empty(*lead, C, C)
     chunk_kda_fwd_kernel_gated_dots[(nb, C // BC)](
-        q, k, gam, akk, aqk, scale, C=C, K=K, BC=BC, DOT_PRECISION=dot_precision, num_warps=4
+        q, k, gam, akk, aqk, scale, C=C, K=K, BC=BC, BK=GATED_DOTS_BK if K >= GATED_DOTS_BK else K,
+        DOT_PRECISION=dot_precision, num_warps=GATED_DOTS_WARPS,
     )
     return akk, aqk
 
