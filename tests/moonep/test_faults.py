@@ -63,7 +63,9 @@ def fault_rank(
     idx, w = (t.to(device) for t in make_routing("uniform", S, K, P * world, world, rank=rank))
     x = torch.randn(S, H, device=device)
     out = None
-    if where == "combine":  # every rank completes one dispatch
+    # Every rank completes one dispatch first: combine needs its handle, and NCCL connects peers lazily during
+    # the first collectives (2-3 s on 2xH200), which would otherwise count as the fault's detection time.
+    if where == "combine" or device != "cpu":
         out = buffer.dispatch(x, idx, w)
         _await_fault(buffer, device, time.monotonic() + 30)
     if rank == 1:
