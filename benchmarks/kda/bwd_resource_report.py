@@ -44,12 +44,12 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
                 dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec), nw)
         add(f"gated_dots bwd {prec}", chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots,
             dict(q=f32, k=f32, gam=f32, dakk=f32, daqk=f32, dakk_rs=f32, daqk_scale="fp32", dq=f32, dk=f32,
-                 dgam=f32), dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec, HAS_RS=True), 8)
+                 dgam=f32), dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=K, DOT_PRECISION=prec, HAS_RS=True), 8)
     fused = chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots_gates
     for prec in ("tf32", "ieee"):
-        for nw in (4, 8):
-            add(f"gated_dots+gates {prec}", fused, {**{n: f32 for n in fused.arg_names}, "scale": "fp32"},
-                dict(C=C, K=K, BC=chunk_bwd_gated.BC, DOT_PRECISION=prec, HAS_RS=True), nw)
+        for bk, nw in ((32, 4), (32, 2), (64, 4), (128, 8)):
+            add(f"gated_dots+gates {prec} BK{bk}", fused, {**{n: f32 for n in fused.arg_names}, "scale": "fp32"},
+                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
     wy = chunk_bwd_ut.chunk_kda_bwd_kernel_wy
     for prec, gp, bd, nw in ((p, gp, bd, nw) for p in ("tf32", "ieee") for gp in (True, False) for bd in (16, 32)
                              for nw in (4, 8)):

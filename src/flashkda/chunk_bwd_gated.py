@@ -96,16 +96,18 @@ def chunk_kda_fwd_kernel_gated_dots(
 
 @triton.jit
 def _gated_dots_bwd_rows(
-    q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r,
-    C: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RS: tl.constexpr,
+    q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, i_k,
+    C: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_RS: tl.constexpr,
 ):
-    """``(dq, dk, dG)`` ``[BC, K]`` of the gated products for the rows of block ``i_r`` of chunk ``i_b``: the "row"
-    side (t in r) sums over column blocks c <= r, the "column" side (i in r) over row blocks s >= r. The gradients
-    used are dAkk[t, i] * dakk_rs[t] (row scale, when HAS_RS) and dAqk * daqk_scale; entries outside the masks are
-    never read or are masked."""
+    """``(dq, dk, dG)`` ``[BC, BK]`` of the gated products for the rows of block ``i_r`` of chunk ``i_b`` and the
+    features ``i_k .. i_k + BK`` (every feature's gradient is separate; only the ``[BC, BC]`` gradient tiles are
+    shared): the "row" side (t in r) sums over column blocks c <= r, the "column" side (i in r) over row blocks
+    s >= r. The gradients used are dAkk[t, i] * dakk_rs[t] (row scale, when HAS_RS) and dAqk * daqk_scale; entries
+    outside the masks are never read or are masked."""
     base = i_b.to(tl.int64) * C * K
     base_a = i_b.to(tl.int64) * C * C
-    o_k = tl.arange(0, K)
+    o_k = i_k + tl.arange(0, BK)
     o_i = tl.arange(0, BC)
     o_r = i_r * BC + o_i
     # [BC] row scale of dAkk for the rows of this block
@@ -153,8 +155,8 @@ def _gated_dots_bwd_rows(
 
     # column side, row blocks s > r (reference = last row of block r, shared by all s)
     b_ref = tl.load(gam + base + (i_r * BC + BC - 1) * K + o_k).to(tl.float32)
-    b_acc_kk = tl.zeros([BC, K], dtype=tl.float32)
-    b_acc_qk = tl.zeros([BC, K], dtype=tl.float32)
+    b_acc_kk = tl.zeros([BC, BK], dtype=tl.float32)
+    b_acc_qk = tl.zeros([BC, BK], dtype=tl.float32)
     for i_s in range(i_r + 1, C // BC):
         o_s = i_s * BC + o_i
         b_gs = tl.load(gam + base + o_s[:, None] * K + o_k[None, :]).to(tl.float32)
@@ -193,18 +195,20 @@ def chunk_kda_bwd_kernel_gated_dots(
     C: tl.constexpr,
     K: tl.constexpr,
     BC: tl.constexpr,
+    BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_RS: tl.constexpr,
 ):
-    # Program (chunk, block r) writes rows r of dq, dk, dgam (see _gated_dots_bwd_rows).
+    # Program (chunk, block r) writes rows r of dq, dk, dgam (see _gated_dots_bwd_rows), BK features at a time.
     i_b, i_r = tl.program_id(0), tl.program_id(1)
-    b_dq, b_dk, b_dg = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, C, K, BC,
-                                           DOT_PRECISION, HAS_RS)
     o_r = i_r * BC + tl.arange(0, BC)
-    p_o = i_b.to(tl.int64) * C * K + o_r[:, None] * K + tl.arange(0, K)[None, :]
-    tl.store(dq + p_o, b_dq.to(dq.dtype.element_ty))
-    tl.store(dk + p_o, b_dk.to(dk.dtype.element_ty))
-    tl.store(dgam + p_o, b_dg.to(dgam.dtype.element_ty))
+    for i_k in range(0, K, BK):
+        b_dq, b_dk, b_dg = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, i_k, C, K, BC,
+                                               BK, DOT_PRECISION, HAS_RS)
+        p_o = i_b.to(tl.int64) * C * K + o_r[:, None] * K + (i_k + tl.arange(0, BK))[None, :]
+        tl.store(dq + p_o, b_dq.to(dq.dtype.element_ty))
+        tl.store(dk + p_o, b_dk.to(dk.dtype.element_ty))
+        tl.store(dgam + p_o, b_dg.to(dgam.dtype.element_ty))
 
 
 @triton.jit
@@ -226,46 +230,49 @@ def chunk_kda_bwd_kernel_gated_dots_gates(
     C: tl.constexpr,
     K: tl.constexpr,
     BC: tl.constexpr,
+    BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_RS: tl.constexpr,
 ):
-    # One program per chunk walks its row blocks from the last to the first: the gated-product gradients of a block
-    # (_gated_dots_bwd_rows), plus the gate-factor terms of flashkda.chunk_bwd_gates with qg, kend and dec rebuilt
-    # from q, k and G, then dg = reverse cumulative sum of dG, carried across blocks. dq, dk, dG never leave the chip.
+    # One program per chunk, BK features at a time, walks its row blocks from the last to the first: the gated-product
+    # gradients of a block (_gated_dots_bwd_rows), plus the gate-factor terms of flashkda.chunk_bwd_gates with qg,
+    # kend and dec rebuilt from q, k and G, then dg = reverse cumulative sum of dG, carried across blocks. dq, dk, dG
+    # never leave the chip.
     i_b = tl.program_id(0)
     base = i_b.to(tl.int64) * C * K
-    o_k = tl.arange(0, K)
     o_i = tl.arange(0, BC)
-    # [K] G at the chunk end; it feeds kend (every row) and dec = exp(G_C), so its gradient reaches every row of dg
-    b_gend = tl.load(gam + base + (C - 1) * K + o_k).to(tl.float32)
-    b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
-    for i_r in range(0, C // BC):
-        # [BC, K]
-        p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
-        b_kend = tl.load(k + p).to(tl.float32) * tl.exp(b_gend[None, :] - tl.load(gam + p).to(tl.float32))
-        b_carry += tl.sum(b_kend * tl.load(dkend + p).to(tl.float32), axis=0)
-    for i in range(0, C // BC):
-        i_r = C // BC - 1 - i
-        b_dq, b_dk, b_dgam = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, scale, i_b, i_r, C, K, BC,
-                                                  DOT_PRECISION, HAS_RS)
-        # [BC, K]
-        p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
-        b_q = tl.load(q + p).to(tl.float32)
-        b_k = tl.load(k + p).to(tl.float32)
-        b_g = tl.load(gam + p).to(tl.float32)
-        b_eg = tl.exp(b_g)
-        b_eend = tl.exp(b_gend[None, :] - b_g)
-        b_dqg = tl.load(dqg + p).to(tl.float32)
-        b_dkg = tl.load(dkg + p).to(tl.float32)
-        b_dkend = tl.load(dkend + p).to(tl.float32)
-        b_dq += scale * b_eg * b_dqg
-        b_dk += b_eg * b_dkg + b_eend * b_dkend
-        b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
-        b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
-        b_carry += tl.sum(b_dgam, axis=0)
-        tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
-        tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
-        tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        # [BK] G at the chunk end; it feeds kend (every row) and dec = exp(G_C): its gradient reaches every row of dg
+        b_gend = tl.load(gam + base + (C - 1) * K + o_k).to(tl.float32)
+        b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
+        for i_r in range(0, C // BC):
+            # [BC, BK]
+            p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
+            b_kend = tl.load(k + p).to(tl.float32) * tl.exp(b_gend[None, :] - tl.load(gam + p).to(tl.float32))
+            b_carry += tl.sum(b_kend * tl.load(dkend + p).to(tl.float32), axis=0)
+        for i in range(0, C // BC):
+            i_r = C // BC - 1 - i
+            b_dq, b_dk, b_dgam = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, scale, i_b, i_r, i_k, C, K, BC,
+                                                      BK, DOT_PRECISION, HAS_RS)
+            # [BC, BK]
+            p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
+            b_q = tl.load(q + p).to(tl.float32)
+            b_k = tl.load(k + p).to(tl.float32)
+            b_g = tl.load(gam + p).to(tl.float32)
+            b_eg = tl.exp(b_g)
+            b_eend = tl.exp(b_gend[None, :] - b_g)
+            b_dqg = tl.load(dqg + p).to(tl.float32)
+            b_dkg = tl.load(dkg + p).to(tl.float32)
+            b_dkend = tl.load(dkend + p).to(tl.float32)
+            b_dq += scale * b_eg * b_dqg
+            b_dk += b_eg * b_dkg + b_eend * b_dkend
+            b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
+            b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
+            b_carry += tl.sum(b_dgam, axis=0)
+            tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
+            tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
+            tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
 
 
 def _check(*xs: torch.Tensor) -> None:
@@ -314,7 +321,8 @@ def chunk_kda_gated_dots_bwd(
     dq, dk, dgam = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     chunk_kda_bwd_kernel_gated_dots[(nb, C // BC)](
         q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, daqk_scale, dq, dk, dgam, C=C, K=K, BC=BC,
-        DOT_PRECISION=dot_precision, HAS_RS=has_rs,
+        # whole-K tiles, as run on the device (the fallback of the fused pass below)
+        BK=K, DOT_PRECISION=dot_precision, HAS_RS=has_rs,
         # offline sm_90 (Triton 3.9, K = 128): 4 warps 255 registers with 668 B spilled (ieee) / 0 (tf32); 8 warps
         # 255 / 148 B (ieee), 162 / 0 (tf32). Every product here has a [BC, K] result, so 8 warps tile it.
         num_warps=8 if K >= 64 else 4,
@@ -362,9 +370,17 @@ def chunk_kda_gated_dots_gates_bwd(
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     chunk_kda_bwd_kernel_gated_dots_gates[(nb,)](
         q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale,
-        C=C, K=K, BC=BC, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=8 if K >= 64 else 4,
+        C=C, K=K, BC=BC, BK=min(K, GATES_BWD_BK), DOT_PRECISION=dot_precision, HAS_RS=has_rs,
+        num_warps=GATES_BWD_WARPS, num_stages=1,
     )
     return dq, dk, dg
+
+
+#: Feature slice and warps of `chunk_kda_gated_dots_gates_bwd`. Offline sm_90 (K = 128, tf32, Triton 3.9 / 3.6):
+#: 32-wide slices at 4 warps, 1 stage: 152 / 145 registers, no spills, 3 CTAs (12 warps) per SM; whole-K tiles at
+#: 8 warps: 219 / 215 (238 / 201 at 3 stages), 1 CTA (8 warps) per SM.
+GATES_BWD_BK = 32
+GATES_BWD_WARPS = 4
 
 
 #: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add
