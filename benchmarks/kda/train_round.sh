@@ -10,8 +10,9 @@
 #     suite's backward tests on CUDA; the fp64 gate at T = 8192 (own processes each).
 #   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
 #     fla, with a profile of the first and a head-slice sweep on each; the fused passes only if their probe passed
-#     (else the earlier GEMMs and passes), tf32 gated products unless the long gate failed; then ours without the
-#     fused passes at the first row for comparison.
+#     (a second probe without the fused gate chain, FLASHKDA_BWD_FUSED_GATES=0, if the first failed; else the
+#     earlier GEMMs and passes), tf32 gated products unless the long gate failed; then ours without the fused
+#     passes at the first row for comparison.
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 180), KDA_MAIN_CAP (phase B, 140).
 # A carried .triton-cache-train.tgz (compiled fla forward kernels) and .fla-autotune.tgz (autotune results of an
 # earlier call: fla then compiles only its chosen configurations) are unpacked into the cache first; the autotune
@@ -43,16 +44,25 @@ timeout -k 5 "$WARM" python3 -m pytest -q -p no:cacheprovider tests/flashkda/tes
 timeout -k 5 "$WARM" $TRAIN --ours-only --no-write --steps 0 --rep 3 --gate-T 8192 --cases B1-T8192-H64 \
   > $LOGS/A_long_gate.log 2>&1 &
 (
-  # the probe first (it compiles the fused passes), then every row and slice count with what phase B will run
-  timeout -k 5 60 $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32 \
-    > $LOGS/A_probe.log 2>&1
-  rc=$?
-  grep -q "FAILED" $LOGS/A_probe.log && rc=1
-  echo "wy probe rc=$rc"
-  WY_A=1; [ "$rc" = 0 ] || WY_A=0
-  FLASHKDA_BWD_FUSED_WY=$WY_A timeout -k 5 80 $TRAIN --warmup ours --steps 0 --slices 1 2 4 --cases $ALL_ROWS
-  # and the chain rule without the fused passes (the comparison after phase B)
-  FLASHKDA_BWD_FUSED_WY=0 timeout -k 5 35 $TRAIN --warmup ours --steps 0 --cases B1-T8192-H64
+  # the probe first (it compiles the fused passes); if it fails, once more without the fused gate chain; then every
+  # row and slice count with what phase B will run, and the chain rule without the fused passes (for the comparison)
+  probe() {  # $1: log name, $2: cap; the environment picks the passes
+    timeout -k 5 "$2" $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32 \
+      > $LOGS/$1.log 2>&1
+    local rc=$?
+    grep -q "FAILED" $LOGS/$1.log && rc=1
+    return $rc
+  }
+  GATES_A=1
+  probe A_probe 50; rc=$?
+  if [ "$rc" != 0 ]; then
+    FLASHKDA_BWD_FUSED_GATES=0 probe A_probe_nogates 30 && rc=0 && GATES_A=0
+  fi
+  echo "wy probe rc=$rc gates=$GATES_A"
+  WY_A=1; [ "$rc" = 0 ] || { WY_A=0; GATES_A=0; }
+  FLASHKDA_BWD_FUSED_WY=$WY_A FLASHKDA_BWD_FUSED_GATES=$GATES_A timeout -k 5 70 $TRAIN --warmup ours --steps 0 \
+    --slices 1 2 4 --cases $ALL_ROWS
+  FLASHKDA_BWD_FUSED_WY=0 timeout -k 5 30 $TRAIN --warmup ours --steps 0 --cases B1-T8192-H64
 ) > $LOGS/A_ours.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
@@ -60,10 +70,12 @@ for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 25; don
 
 WY=0
 grep -q "wy probe rc=0" $LOGS/A_ours.log && WY=1
+GATES=$WY
+grep -q "wy probe rc=0 gates=0" $LOGS/A_ours.log && GATES=0
 TF32=1
 grep -q "FAILED" $LOGS/A_long_gate.log && TF32=0
-echo "=== phase B (timed, fused wy pass: $WY, tf32 gated products: $TF32) $(date +%T)"
-export FLASHKDA_BWD_FUSED_WY=$WY
+echo "=== phase B (timed, fused wy pass: $WY, fused gate chain: $GATES, tf32 gated products: $TF32) $(date +%T)"
+export FLASHKDA_BWD_FUSED_WY=$WY FLASHKDA_BWD_FUSED_GATES=$GATES
 if [ "$TF32" = 1 ]; then export FLASHKDA_BWD_GATED_DOTS=tf32; else export FLASHKDA_BWD_GATED_DOTS=ieee; fi
 timeout -k 5 "${KDA_MAIN_CAP:-140}" $TRAIN --rep 10 --steps 300 --loop-first --profile --slices 1 2 4 \
   --cases $ALL_ROWS 2>&1 | tee $LOGS/B_main.log

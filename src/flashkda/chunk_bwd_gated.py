@@ -384,9 +384,12 @@ GATES_BWD_WARPS = 4
 
 
 #: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add
-#: "ieee" for half-precision cases in the interpreter). FLASHKDA_BWD_FUSED_WY=0 switches it off with the fused pass
-#: of `flashkda.chunk_bwd_ut` (neither has run on a GPU yet).
-FUSED_GATES_PRECISIONS: tuple[str, ...] = () if os.environ.get("FLASHKDA_BWD_FUSED_WY", "1") == "0" else ("tf32",)
+#: "ieee" for half-precision cases in the interpreter). FLASHKDA_BWD_FUSED_GATES=0 switches it off alone,
+#: FLASHKDA_BWD_FUSED_WY=0 together with the fused pass of `flashkda.chunk_bwd_ut` (neither has run on a GPU yet).
+FUSED_GATES_PRECISIONS: tuple[str, ...] = (
+    () if "0" in (os.environ.get("FLASHKDA_BWD_FUSED_WY", "1"), os.environ.get("FLASHKDA_BWD_FUSED_GATES", "1"))
+    else ("tf32",)
+)
 
 
 def fused_gates(dot_precision: str, K: int) -> bool:
