@@ -115,3 +115,16 @@ def test_pty_input_to_a_piped_process_and_bad_sizes_are_refused(e2b_sandbox):
         e2b_sandbox.commands.kill(piped.pid)
     with pytest.raises(InvalidArgumentException, match="pty.size"):
         e2b_sandbox.pty.create(PtySize(rows=70000, cols=80))
+
+
+def test_session_ends_when_the_shell_exits_though_a_background_job_keeps_the_terminal(e2b_sandbox):
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    handle = e2b_sandbox.pty.create(PtySize(rows=24, cols=80))
+    screen = Screen(handle)
+    e2b_sandbox.pty.send_stdin(handle.pid, b"sleep 60 & echo bg-$((2 + 2)); exit 5\n")
+    screen.wait_for(b"bg-4")
+    t0 = time.monotonic()
+    assert screen.ended().exit_code == 5  # the shell's exit ends the session; the job still holds the tty
+    assert time.monotonic() - t0 < 5
+    e2b_sandbox.commands.run("pkill -x sleep")
