@@ -17,6 +17,7 @@ def _sdk_env(url: str, key: str) -> dict:
 
 def test_crashed_server_restarts_and_adopts(monkeypatch):
     from e2b import Sandbox
+    from e2b.sandbox.commands.command_handle import PtySize
 
     from agentenv.runtime.local import NamespaceBackend
 
@@ -29,6 +30,8 @@ def test_crashed_server_restarts_and_adopts(monkeypatch):
         opts = _sdk_env(first.url, first.api_key)
         keep = Sandbox.create(timeout=120, **opts)
         keep.files.write("/tmp/survives.txt", "yes")
+        ticker = keep.commands.run("for i in $(seq 600); do echo tick$i; sleep 0.1; done", background=True)
+        term = keep.pty.create(PtySize(rows=24, cols=80))
         lost = Sandbox.create(timeout=120, **opts)
         first.stop(signal.SIGKILL)  # a crash: no clean-up at all
         NamespaceBackend(home).destroy(lost.sandbox_id)  # dies while no server runs
@@ -41,6 +44,24 @@ def test_crashed_server_restarts_and_adopts(monkeypatch):
         again = Sandbox.connect(keep.sandbox_id, **opts)
         assert again.files.read("/tmp/survives.txt") == "yes"
         assert again.commands.run("echo alive").stdout == "alive\n"
+        # processes started before the crash live on in the sandbox's agent: re-attach to both
+        assert {ticker.pid, term.pid} <= {p.pid for p in again.commands.list()}
+        ticks = ""
+        for out, _, _ in again.commands.connect(ticker.pid):
+            ticks += out or ""
+            if "tick" in ticks:
+                break
+        assert "tick" in ticks
+        again.commands.kill(ticker.pid)
+        seen = b""
+        shell = again.pty.connect(term.pid)
+        again.pty.send_stdin(term.pid, b"echo after-$((40 + 2))\n")
+        for _, _, chunk in shell:
+            seen += chunk or b""
+            if b"after-42" in seen:
+                break
+        assert b"after-42" in seen
+        assert again.pty.kill(term.pid)
         assert [s.sandbox_id for s in Sandbox.list(**opts).next_items()] == [keep.sandbox_id]
         assert Sandbox.kill(lost.sandbox_id, **opts) is False
     finally:
