@@ -218,6 +218,7 @@ def _write_all(proc: Process, data: bytes) -> None:
         except OSError as e:
             raise Fault("failed_precondition", f"PTY of process {proc.pid} no longer reads input: {e}") from e
 
+
 class Process:
     """A running process, its output fanned out to subscribers, each with a bounded queue."""
 
