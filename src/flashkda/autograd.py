@@ -294,10 +294,12 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     # The fused chain rule and the reverse state pass read do into fp32 registers (the latter then rounds it to
     # bf16 for bf16/fp16 callers): keeping do's own dtype in the chunked copy is exact and halves its bytes for half
     # callers. The torch GEMMs of the fallback need fp32.
-    do_dtype = do.dtype if do is not None and fused_wy(dot_precision, K, V) else cdt
+    # (Only without grad mode: with create_graph the chain rule takes the torch path, which needs fp32 operands.)
+    fused = not torch.is_grad_enabled()
+    do_dtype = do.dtype if do is not None and fused and fused_wy(dot_precision, K, V) else cdt
     # qg and kend in bf16 where the state passes round them to bf16 anyway ("tf32": bf16/fp16 callers on a GPU) and
     # the fused gate chain rebuilds them in fp32 from q, k and G (flashkda.chunk_bwd_gated): exact, half the bytes
-    bf16_factors = dot_precision == "tf32" and fused_gates(dot_precision, K)
+    bf16_factors = fused and dot_precision == "tf32" and fused_gates(dot_precision, K)
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
