@@ -23,8 +23,9 @@ __all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chu
 BC = 16
 #: K slice and warps of the Akk/Aqk recompute (`chunk_kda_gated_dots`). Whole-K tiles (the 01:41 UTC round: 1.40 ms at
 #: B1-T8192-H64) took 255 registers with 240 B spilled (tf32, 4 warps, offline sm_90); 32-wide slices keep only
-#: [16, 32] tiles live (see benchmarks/kda/NOTES.md, not timed).
-GATED_DOTS_BK = 32
+#: [16, 32] tiles live (see benchmarks/kda/NOTES.md, not timed). None: whole K, as FLASHKDA_BWD_FUSED_WY=0 (the
+#: switch back to the backward as last run on a GPU) has it.
+GATED_DOTS_BK: int | None = None if os.environ.get("FLASHKDA_BWD_FUSED_WY", "1") == "0" else 32
 GATED_DOTS_WARPS = 4
 
 
@@ -291,7 +292,7 @@ def chunk_kda_gated_dots(
     akk = q.new_empty(*lead, C, C)
     aqk = q.new_empty(*lead, C, C)
     chunk_kda_fwd_kernel_gated_dots[(nb, C // BC)](
-        q, k, gam, akk, aqk, scale, C=C, K=K, BC=BC, BK=GATED_DOTS_BK if K >= GATED_DOTS_BK else K,
+        q, k, gam, akk, aqk, scale, C=C, K=K, BC=BC, BK=min(K, GATED_DOTS_BK or K),
         DOT_PRECISION=dot_precision, num_warps=GATED_DOTS_WARPS,
     )
     return akk, aqk

@@ -16,6 +16,8 @@ round, benchmarks/kda/NOTES.md); other chunk sizes still use it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -139,8 +141,9 @@ def _launch(lower: torch.Tensor, beta: torch.Tensor | None, m: torch.Tensor, mb:
         unit_lower_inverse_kernel[grid](lower, beta, m, mb, C=C, HAS_BETA=has_beta, num_warps=4)
 
 
-#: Use the blocked kernel for C = 64 (tests switch it off to compare with the row loop).
-BLOCK_INVERSE = True
+#: Use the blocked kernel for C = 64. FLASHKDA_BWD_FUSED_WY=0 (the switch back to the backward as last run on a GPU,
+#: 2026-12-01 01:41 UTC) keeps the row loop.
+BLOCK_INVERSE = os.environ.get("FLASHKDA_BWD_FUSED_WY", "1") != "0"
 
 
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
