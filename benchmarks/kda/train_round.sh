@@ -11,8 +11,8 @@
 #   B (sequential, timed): benchmarks.kda.train with the loss check first, the fp64 gate, then the four rows against
 #     fla, with a profile of the first and a head-slice sweep on each; the fused passes only if their probe passed
 #     (a second probe without the fused gate chain, FLASHKDA_BWD_FUSED_GATES=0, if the first failed; else the
-#     earlier GEMMs and passes), tf32 gated products unless the long gate failed; then ours without the fused
-#     passes at the first row for comparison.
+#     earlier GEMMs and passes), tf32 gated products unless the long gate failed; then ours with
+#     FLASHKDA_BWD_FUSED_WY=0 (the backward kernels as run at 01:41 UTC) at the first row for comparison.
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 180), KDA_MAIN_CAP (phase B, 140).
 # A carried .triton-cache-train.tgz (compiled fla forward kernels) and .fla-autotune.tgz (autotune results of an
 # earlier call: fla then compiles only its chosen configurations) are unpacked into the cache first; the autotune
