@@ -47,7 +47,7 @@ timeout -k 5 "$WARM" $TRAIN --ours-only --no-write --steps 0 --rep 3 --gate-T 81
   # the probe first (it compiles the fused passes); if it fails, once more without the fused gate chain; then every
   # row and slice count with what phase B will run, and the chain rule without the fused passes (for the comparison)
   probe() {  # $1: log name, $2: cap; the environment picks the passes
-    timeout -k 5 "$2" $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32 \
+    FLASHKDA_BWD_FUSED_WY=1 timeout -k 5 "$2" $TRAIN --ours-only --steps 0 --rep 5 --no-write --cases B1-T8192-H64 B8-T4096-H32 \
       > $LOGS/$1.log 2>&1
     local rc=$?
     grep -q "FAILED" $LOGS/$1.log && rc=1

@@ -141,9 +141,9 @@ def _launch(lower: torch.Tensor, beta: torch.Tensor | None, m: torch.Tensor, mb:
         unit_lower_inverse_kernel[grid](lower, beta, m, mb, C=C, HAS_BETA=has_beta, num_warps=4)
 
 
-#: Use the blocked kernel for C = 64. FLASHKDA_BWD_FUSED_WY=0 (the switch back to the backward as last run on a GPU,
-#: 2026-12-01 01:41 UTC) keeps the row loop.
-BLOCK_INVERSE = os.environ.get("FLASHKDA_BWD_FUSED_WY", "1") != "0"
+#: Use the blocked kernel for C = 64: opt-in with FLASHKDA_BWD_FUSED_WY=1 until it has run on a GPU; the default keeps
+#: the row loop (the backward as last run on a GPU, 2026-12-01 01:41 UTC).
+BLOCK_INVERSE = os.environ.get("FLASHKDA_BWD_FUSED_WY", "0") != "0"
 
 
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:

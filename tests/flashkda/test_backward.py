@@ -142,9 +142,12 @@ def test_gradients_with_the_fused_chain_rule(case: Case, device: str, monkeypatc
     """The fused chain-rule passes of bf16/fp16 callers on a GPU (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`,
     `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_gates_bwd`) at every precision, so that the interpreter runs them
     too; V = 48 leaves a partial V slice."""
-    from flashkda import chunk_bwd_gated, chunk_bwd_ut
+    from flashkda import chunk_bwd_gated, chunk_bwd_inverse, chunk_bwd_ut
 
+    # everything FLASHKDA_BWD_FUSED_WY=1 opts into: the fused passes, the blocked inverse, 32-wide K slices
     monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee"))
+    monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", True)
+    monkeypatch.setattr(chunk_bwd_gated, "GATED_DOTS_BK", 32)
     if _FUSED_CASES[next(c.id for c in CASES if c.values[0] is case)]:
         monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
     _check_gradients(case, device)

@@ -198,10 +198,21 @@ def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     torch.testing.assert_close(a.detach() * da - b.detach() * db, gg)
 
 
-@pytest.mark.parametrize("C", [pytest.param(64, id="C64-blocked"), pytest.param(32, id="C32-row-loop")])
-def test_unit_lower_inverse_matches_torch(C: int, device: str) -> None:
-    """C = 64 runs the blocked kernel (product-form diagonal blocks, block substitution), other C the row loop."""
+@pytest.mark.parametrize(
+    ("C", "blocked"),
+    [
+        pytest.param(64, True, id="C64-blocked"),
+        pytest.param(64, False, id="C64-row-loop"),
+        pytest.param(32, True, id="C32-row-loop"),
+    ],
+)
+def test_unit_lower_inverse_matches_torch(C: int, blocked: bool, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the blocked kernel chosen (opt-in, FLASHKDA_BWD_FUSED_WY=1), C = 64 runs it (product-form diagonal
+    blocks, block substitution); other C, and the default, the row loop."""
+    from flashkda import chunk_bwd_inverse
     from flashkda.chunk_bwd_inverse import unit_lower_inverse
+
+    monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", blocked)
 
     torch.manual_seed(3)
     k = F.normalize(torch.randn(5, C, 32, device=device, dtype=torch.float64), dim=-1)
