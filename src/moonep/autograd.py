@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moonep.ops import expand_rows, reduce_slots, sum_ranks
+from moonep.ops import expand_rows, reduce_own_and_sum, reduce_slots, sum_ranks
 from moonep.plan import Plan
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ def return_rows(
     every chunk (static shapes), also chunks past its own ``s``.
     """
     transport = buffer.transport
+    if buffer.combine_path == "remote_only":
+        return _return_rows_remote_only(buffer, handle, y_CH, weights_C)
     if not transport.chunked_combine:
         partial_TH = reduce_slots(y_CH, handle.recv_slots_TK, weights_C, y_CH.dtype)
         return transport.sum_partials(partial_TH, handle.num_tokens).to(y_CH.dtype)
@@ -65,6 +67,44 @@ def return_rows(
         mine = min(max(s - first, 0), size)
         if mine:
             sum_ranks(back_RnH, out_sH[first : first + mine])
+    return out_sH
+
+
+def _return_rows_remote_only(
+    buffer: Buffer, handle: DispatchHandle, y_CH: torch.Tensor, weights_C: torch.Tensor | None
+) -> torch.Tensor:
+    """`return_rows` (``combine_path="remote_only"``): only the other ranks' partial rows travel.
+
+    Per token chunk: the partials of the other ranks' tokens are reduced and sent (``(R-1)*n`` rows, this
+    rank's split 0); once a chunk's partials from the peers have landed, this rank's own tokens of that chunk
+    are reduced from their slots and summed with them in one pass (`ops.reduce_own_and_sum`), so the own
+    partial is never written, copied to itself and read back. Same bits as the all-to-all path.
+    """
+    R, S, K, H, s = buffer.num_ranks, buffer.S, buffer.K, y_CH.shape[1], handle.num_tokens
+    rank = buffer.rank
+    slots_RSK = handle.recv_slots_TK.view(R, S, K)
+    # The other ranks' rows in rank order: one slice when this rank is first or last, else a small gather.
+    if rank == 0:
+        others_QSK = slots_RSK[1:]
+    elif rank == R - 1:
+        others_QSK = slots_RSK[: R - 1]
+    else:
+        others_QSK = torch.cat([slots_RSK[:rank], slots_RSK[rank + 1 :]])
+    pending = []
+    for first, size in buffer.chunks:
+        remote = others_QSK[:, first : first + size].reshape((R - 1) * size, K)
+        partial_nH = reduce_slots(y_CH, remote, weights_C, y_CH.dtype)
+        finish = buffer.transport.start_all_to_all_remote(
+            torch.empty_like(partial_nH), partial_nH, "combine all_to_all (remote rows)"
+        )
+        pending.append((first, size, finish))
+    out_sH = y_CH.new_empty(s, H)
+    for first, size, finish in pending:
+        recv_QnH = finish().view(R - 1, size, H)
+        mine = min(max(s - first, 0), size)
+        if mine:
+            own_nK = slots_RSK[rank, first : first + size]
+            reduce_own_and_sum(y_CH, own_nK, weights_C, recv_QnH, rank, out_sH[first : first + mine])
     return out_sH
 
 

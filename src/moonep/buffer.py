@@ -41,7 +41,9 @@ from moonep.transports.torch_dist import TorchDistTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Buffer", "DispatchHandle", "DispatchOutput"]
+__all__ = ["Buffer", "DispatchHandle", "DispatchOutput", "PlannedDispatch"]
+
+COMBINE_PATHS = ("all_to_all", "remote_only")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +60,28 @@ class DispatchOutput:
     """``[L]`` int64 first slot of each local expert."""
     handle: DispatchHandle
     event: EventOverlap
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedDispatch:
+    """A micro-batch's plan and this rank's slots, made by `Buffer.plan` ahead of its `Buffer.dispatch`.
+
+    The plan needs only the routing, so it can be made while the previous micro-batch's experts run and
+    passed as ``dispatch(..., plan=planned)``, which then moves token rows only. Reusable: dispatching
+    other token rows with the same routing (e.g. a backward pass) takes the same object.
+    """
+
+    plan: Plan
+    """The expert plan (identical on every rank); `Buffer.prefetch_weight` can start from it before dispatch."""
+    handle: DispatchHandle
+    """This rank's slots; its ``weights_C`` are the gate weights given to `Buffer.plan` (not differentiable:
+    `Buffer.dispatch` attaches the differentiable ones)."""
+    topk_idx: torch.Tensor
+    """``[s, K]`` the routing it was made from; `Buffer.dispatch` must get this very tensor."""
+    topk_weights: torch.Tensor
+    """``[s, K]`` the gate weights it was made from; `Buffer.dispatch` must get this very tensor."""
+    event: EventOverlap
+    """Completion of the planning (``async_finish=True``); `Buffer.dispatch` waits for it itself."""
 
 
 class Buffer:
@@ -96,6 +120,12 @@ class Buffer:
         planner: how the plan and this rank's slots are computed from the gathered routing: ``"auto"``
             (fused Triton kernels on CUDA where they fit, else torch ops), ``"fused"`` or ``"torch"``
             (`moonep.layout.Layout`); every choice gives the same plan and slots.
+        combine_path: how combine returns partial sums (also dispatch's backward): ``"all_to_all"`` (every
+            rank's partial rows of a token chunk, this rank's own included, go through one equal-split
+            all-to-all, then the ``R`` partials are summed) or ``"remote_only"`` (only the other ranks'
+            partial rows travel; this rank's own tokens are reduced from their slots straight into the
+            output together with the received partials: ``S*H`` fewer rows written, self-copied and read
+            back per combine). Both give the same bits. ``"remote_only"`` needs ``transport="torch"``.
 
     Raises:
         ValueError: bad sizes, or ranks disagree on them (raised on every rank).
@@ -127,7 +157,15 @@ class Buffer:
         ranks_per_node: int | None = None,
         num_chunks: int = 4,
         planner: str = "auto",
+        combine_path: str = "all_to_all",
     ) -> None:
+        if combine_path not in COMBINE_PATHS:
+            raise ValueError(f"combine_path must be one of {COMBINE_PATHS}, got {combine_path!r}")
+        if combine_path == "remote_only" and transport != "torch":
+            raise ValueError(
+                f"combine_path='remote_only' needs transport='torch', got transport={transport!r}; "
+                "use combine_path='all_to_all' with that transport"
+            )
         if planner not in _lay.PLANNERS:
             raise ValueError(f"planner must be one of {_lay.PLANNERS}, got {planner!r}")
         if transport not in ("torch", "nvlink", "hierarchical"):
@@ -159,6 +197,7 @@ class Buffer:
         self.S, self.H, self.K, self.E = max_tokens_per_rank, hidden, top_k, num_experts
         self.P = num_experts // R
         self.dtype, self.balanced, self.validate = dtype, balanced, validate
+        self.combine_path = combine_path
         self.capacity = self.S * self.K * (1 if balanced else R)
         self.num_redundant_slots = (
             min(self.P, num_experts - self.P) if num_redundant_slots is None else num_redundant_slots
@@ -167,7 +206,10 @@ class Buffer:
             raise ValueError(f"num_redundant_slots must be in [0, {num_experts - self.P}], got {num_redundant_slots}")
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         config = torch.tensor(
-            [max_tokens_per_rank, hidden, top_k, num_experts, int(balanced), self.num_redundant_slots, num_chunks],
+            [
+                *(max_tokens_per_rank, hidden, top_k, num_experts, int(balanced), self.num_redundant_slots),
+                *(num_chunks, COMBINE_PATHS.index(combine_path)),
+            ],
             dtype=torch.long,
             device=self.device,
         )
@@ -176,8 +218,8 @@ class Buffer:
         if not bool((rows == rows[0]).all()):
             raise ValueError(
                 "ranks disagree on Buffer sizes (max_tokens_per_rank, hidden, top_k, num_experts, balanced, "
-                f"num_redundant_slots, num_chunks) per rank: {rows.tolist()}; build the Buffer with the same sizes "
-                "everywhere"
+                f"num_redundant_slots, num_chunks, combine_path) per rank: {rows.tolist()}; build the Buffer with the "
+                "same sizes everywhere"
             )
         self._destroyed = False
         self.layout = Layout(R, self.S, self.K, self.E, self.rank, self.capacity, balanced, self.device, planner)
@@ -201,18 +243,19 @@ class Buffer:
 
     # -- layout ------------------------------------------------------------------------------------------
 
-    def _status(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
-        if x.dim() != 2 or x.shape[1] != self.H or topk_idx.dim() != 2 or topk_idx.shape[1] != self.K:
+    def _status(self, x: torch.Tensor | None, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
+        """This rank's input status (`moonep.layout` ``STATUS_*``); ``x=None`` checks the routing only."""
+        if topk_idx.dim() != 2 or topk_idx.shape[1] != self.K or topk_weights.shape != topk_idx.shape:
             return _lay.STATUS_SHAPE
-        if topk_weights.shape != topk_idx.shape or topk_idx.shape[0] != x.shape[0]:
+        if x is not None and (x.dim() != 2 or x.shape[1] != self.H or topk_idx.shape[0] != x.shape[0]):
             return _lay.STATUS_SHAPE
-        if x.shape[0] > self.S:
+        if topk_idx.shape[0] > self.S:
             return _lay.STATUS_TOO_MANY
-        if x.dtype != self.dtype or topk_idx.dtype not in (torch.int64, torch.int32):
+        if (x is not None and x.dtype != self.dtype) or topk_idx.dtype not in (torch.int64, torch.int32):
             return _lay.STATUS_DTYPE
         if not topk_weights.is_floating_point():
             return _lay.STATUS_DTYPE
-        if any(t.device != self.device for t in (x, topk_idx, topk_weights)):
+        if any(t is not None and t.device != self.device for t in (x, topk_idx, topk_weights)):
             return _lay.STATUS_DTYPE
         return _lay.STATUS_OK
 
@@ -232,10 +275,75 @@ class Buffer:
         self._check_alive()
         if topk_weights is None:
             topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        s = topk_idx.shape[0] if topk_idx.dim() else 0
-        x_probe = torch.empty((s, self.H), dtype=self.dtype, device=self.device)
-        status = self._status(x_probe, topk_idx, topk_weights)
-        return self._exchange_layout(topk_idx, topk_weights, status)[0]
+        return self._exchange_layout(topk_idx, topk_weights, self._status(None, topk_idx, topk_weights))[0]
+
+    def plan(
+        self,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+    ) -> PlannedDispatch:
+        """Plan a micro-batch ahead of its dispatch: layout exchange, plan and this rank's slots (collective).
+
+        Everything `dispatch` does before moving token rows, from the routing alone: e.g. plan micro-batch
+        ``n + 1`` on the communication stream while micro-batch ``n``'s experts run, then
+        ``dispatch(x, topk_idx, topk_weights, plan=planned)`` moves only the token rows. No host
+        synchronisation unless ``validate``.
+
+        Args:
+            topk_idx: ``[s, K]`` int64/int32 expert ids, -1 for no selection (``s <= max_tokens_per_rank``).
+            topk_weights: ``[s, K]`` floating gate weights (carried by the handle; applied in `combine`).
+            previous_event: wait for this event before starting (CUDA).
+            async_finish: run on the buffer's communication stream and return at once; the result's
+                ``event`` marks completion (`dispatch` waits for it).
+
+        Returns:
+            A `PlannedDispatch` for ``dispatch(..., plan=...)`` with these very ``topk_idx``/``topk_weights``.
+
+        Raises:
+            ValueError: any rank passed invalid routing (raised on every rank; values checked if ``validate``).
+            CommError: a peer died or stalled.
+
+        Examples::
+
+            planned = buffer.plan(idx_next, w_next, async_finish=True)  # overlaps this micro-batch's experts
+            y = experts(out.x_CH, out.counts_L)
+            ...
+            out_next = buffer.dispatch(x_next, idx_next, w_next, plan=planned)
+        """
+        self._check_alive()
+        status = self._status(None, topk_idx, topk_weights)
+        stream = self._enter(previous_event, async_finish)
+        with _maybe_stream(stream):
+            plan, hits = self._exchange_layout(topk_idx, topk_weights, status)
+            handle = self.layout.handle(plan, hits, topk_idx.shape[0])
+        tensors = [getattr(obj, f.name) for obj in (plan, handle) for f in dataclasses.fields(obj)]
+        event = self._leave(stream, async_finish, tuple(t for t in tensors if isinstance(t, torch.Tensor)))
+        return PlannedDispatch(plan=plan, handle=handle, topk_idx=topk_idx, topk_weights=topk_weights, event=event)
+
+    def _check_planned(
+        self, planned: PlannedDispatch, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> None:
+        """`dispatch(..., plan=planned)`'s input checks; with ``validate`` every rank learns every rank's status."""
+        if not isinstance(planned, PlannedDispatch):
+            raise TypeError(f"plan must be the PlannedDispatch from Buffer.plan(), got {type(planned).__name__}")
+        if topk_idx is not planned.topk_idx or topk_weights is not planned.topk_weights:
+            status = _lay.STATUS_PLAN
+        else:
+            status = self._status(x, topk_idx, topk_weights)
+        if not self.validate:
+            # No collective here: a bad rank raises alone and its peers see `CommError` at the token all-gather.
+            if status != _lay.STATUS_OK:
+                raise ValueError(f"this rank (rank {self.rank}) {_lay.STATUS_TEXT[status]}")
+            return
+        mine = torch.tensor([status], dtype=torch.int32, device=self.device)
+        statuses = self.transport.all_gather(mine.new_empty(self.num_ranks), mine, "dispatch status exchange")
+        found = [f"rank {r} {_lay.STATUS_TEXT[c]}" for r, c in enumerate(statuses.tolist()) if c != _lay.STATUS_OK]
+        self.transport.check()
+        if found:
+            raise ValueError("; ".join(found) + f" (buffer: max_tokens_per_rank={self.S}, hidden={self.H})")
 
     def _exchange_layout(
         self,
@@ -275,6 +383,7 @@ class Buffer:
         *,
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
+        plan: PlannedDispatch | None = None,
     ) -> DispatchOutput:
         """Send each token once to every rank that computes one of its hits; expand into expert slots.
 
@@ -287,6 +396,10 @@ class Buffer:
             previous_event: wait for this event before starting (CUDA).
             async_finish: run on the buffer's communication stream and return at once; ``event`` then
                 marks completion (use it as ``with event:``).
+            plan: a `PlannedDispatch` from `Buffer.plan` for these ``topk_idx``/``topk_weights`` (the same
+                tensor objects): no layout exchange and no planning here, only the token rows move (every
+                rank passes one, or none). With ``validate``, one small status all-gather keeps bad input an
+                error on every rank; without, a bad rank raises alone and its peers time out (`CommError`).
 
         Returns:
             A `DispatchOutput`; ``x_CH`` has ``C`` rows (exactly ``s*K`` per rank when balanced and every
@@ -297,16 +410,25 @@ class Buffer:
             CommError: a peer died or stalled.
         """
         self._check_alive()
-        status = self._status(x, topk_idx, topk_weights)
+        if plan is not None:
+            self._check_planned(plan, x, topk_idx, topk_weights)
+        else:
+            status = self._status(x, topk_idx, topk_weights)
         stream = self._enter(previous_event, async_finish)
         with _maybe_stream(stream):
             pending: list = []
-            # Token rows do not depend on the plan: they start moving right after the layout exchange
-            # (and its checks), and the plan is computed while they travel.
-            plan, hits = self._exchange_layout(
-                topk_idx, topk_weights, status, lambda: pending.extend(self._start_token_gather(x))
-            )
-            handle = self.layout.handle(plan, hits, x.shape[0])
+            if plan is not None:
+                if plan.event.event is not None:  # planned on the communication stream
+                    torch.cuda.current_stream(self.device).wait_event(plan.event.event)
+                pending.extend(self._start_token_gather(x))
+                handle = plan.handle
+            else:
+                # Token rows do not depend on the plan: they start moving right after the layout exchange
+                # (and its checks), and the plan is computed while they travel.
+                expert_plan, hits = self._exchange_layout(
+                    topk_idx, topk_weights, status, lambda: pending.extend(self._start_token_gather(x))
+                )
+                handle = self.layout.handle(expert_plan, hits, x.shape[0])
 
             def produce() -> torch.Tensor:
                 return self._store_rows(x.detach(), handle, pending)

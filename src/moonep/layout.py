@@ -26,8 +26,9 @@ from moonep.plan import Plan, compute_plan, counts_and_occurrence, route_receive
 if TYPE_CHECKING:  # triton is imported only on the fused path
     from moonep.fused_plan import SortedHits
 
-STATUS_OK, STATUS_TOO_MANY, STATUS_SHAPE, STATUS_DTYPE, STATUS_IDS = 0, 1, 2, 3, 4
+STATUS_OK, STATUS_TOO_MANY, STATUS_SHAPE, STATUS_DTYPE, STATUS_IDS, STATUS_PLAN = 0, 1, 2, 3, 4, 5
 STATUS_TEXT = {
+    STATUS_PLAN: "passed topk_idx/topk_weights other than the tensors its plan was made from (Buffer.plan)",
     STATUS_TOO_MANY: "passed more tokens than max_tokens_per_rank",
     STATUS_SHAPE: "passed x/topk_idx/topk_weights with wrong shapes",
     STATUS_DTYPE: "passed tensors of the wrong dtype or device",

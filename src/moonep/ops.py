@@ -69,6 +69,41 @@ def sum_ranks(src_RnH: torch.Tensor, out_mH: torch.Tensor) -> None:
     out_mH.copy_(torch.sum(src_RnH[:, :m], dim=0, dtype=torch.float32))
 
 
+def reduce_own_and_sum(
+    y_CH: torch.Tensor,
+    own_slots_nK: torch.Tensor,
+    weights_C: torch.Tensor | None,
+    recv_QnH: torch.Tensor,
+    rank: int,
+    out_mH: torch.Tensor,
+) -> None:
+    """The remote-only combine's last step: reduce this rank's own token rows and add the peers' partials.
+
+    ``out[t] = sum_r p_r[t]`` in rank order with an fp32 accumulator, where ``p_rank`` is this rank's own
+    (weighted) slot sum for token ``t`` rounded to the wire dtype (``recv_QnH``'s), and the other ``p_r``
+    are the received partials: bit for bit what `reduce_slots` + all-to-all + `sum_ranks` give, without
+    writing, sending and reading back this rank's own partial rows.
+
+    Args:
+        y_CH: ``[C, H]`` expert outputs per slot.
+        own_slots_nK: ``[n, K]`` int64 slot of each own token's hits on this rank (-1: computed elsewhere).
+        weights_C: ``[C]`` fp32 gate weights per slot, or None for an unweighted sum.
+        recv_QnH: ``[R-1, n, H]`` partials received from the other ranks (rank order, this rank skipped).
+        rank: this rank (where its own partial goes in the rank order).
+        out_mH: ``[m, H]`` output rows (``m <= n``), written in their dtype.
+    """
+    if y_CH.is_cuda:
+        from moonep.kernels import reduce_own_and_sum_triton
+
+        reduce_own_and_sum_triton(y_CH, own_slots_nK, weights_C, recv_QnH, rank, out_mH)
+        return
+    m = out_mH.shape[0]
+    own_mH = reduce_slots(y_CH, own_slots_nK[:m], weights_C, recv_QnH.dtype)
+    parts = list(recv_QnH[:, :m].unbind(0))
+    parts.insert(rank, own_mH)
+    out_mH.copy_(torch.sum(torch.stack(parts), dim=0, dtype=torch.float32))
+
+
 def reduce_slots(
     y_CH: torch.Tensor,
     recv_slots_TK: torch.Tensor,

@@ -49,6 +49,8 @@ def _run_cases(
     ranks_per_node: int | None = None,
     only: tuple[str, ...] = (),
     planner: str = "auto",
+    preplanned: bool = False,
+    combine_path: str = "all_to_all",
 ) -> list[str]:
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -70,10 +72,18 @@ def _run_cases(
         if key not in buffers:
             buffers[key] = Buffer(
                 None, S, H, K, E, dtype=torch.float32, balanced=balanced, device=device, num_chunks=chunks,
-                planner=planner, **transport,
+                planner=planner, combine_path=combine_path, **transport,
             )  # fmt: skip
         buffer = buffers[key]
-        out = buffer.dispatch(x.to(device), idx.to(device), w.to(device))
+        x_d, idx_d, w_d = x.to(device), idx.to(device), w.to(device)
+        if preplanned:  # planned ahead (as for the next micro-batch), then dispatched twice with that plan
+            planned = buffer.plan(idx_d, w_d, async_finish=True)
+            out = buffer.dispatch(x_d, idx_d, w_d, plan=planned)
+            again = buffer.dispatch(x_d * 2, idx_d, w_d, plan=planned)
+            assert torch.equal(again.x_CH, out.x_CH * 2), f"{case_id}: a reused plan placed rows differently"
+            assert torch.equal(out.handle.recv_slots_TK, planned.handle.recv_slots_TK)
+        else:
+            out = buffer.dispatch(x_d, idx_d, w_d)
         out_x, out_w = out.x_CH.cpu(), out.weights_C.cpu()
         plan = out.handle.plan
         counts = torch.stack([torch.bincount(i.view(-1), minlength=E) for i, _ in routes])
@@ -115,13 +125,30 @@ def _run_cases(
 
 
 @pytest.mark.parametrize(
-    ("world", "ranks_per_node", "planner"),
-    [(1, None, "auto"), (2, None, "auto"), (4, None, "auto"), (4, 2, "auto"), (2, None, "fused")],
-    ids=["R1-local", "R2", "R4", "R4-hierarchical-2x2", "R2-fused-planner"],
-)
-def test_dispatch_and_combine_place_every_slot_exactly(world: int, ranks_per_node: int | None, planner: str) -> None:
+    ("world", "ranks_per_node", "planner", "preplanned"),
+    [
+        (1, None, "auto", False),
+        (2, None, "auto", False),
+        (4, None, "auto", False),
+        (4, 2, "auto", False),
+        (2, None, "fused", False),
+        (1, None, "auto", True),
+        (2, None, "auto", True),
+        (4, None, "auto", True),
+    ],
+    ids=[
+        "R1-local", "R2", "R4", "R4-hierarchical-2x2", "R2-fused-planner",
+        "R1-preplanned-remote-combine", "R2-preplanned-remote-combine", "R4-preplanned-remote-combine",
+    ],
+)  # fmt: skip
+def test_dispatch_and_combine_place_every_slot_exactly(
+    world: int, ranks_per_node: int | None, planner: str, preplanned: bool
+) -> None:
     # The hierarchical transport builds node and rail groups per Buffer: a subset of cases keeps CI short.
     # planner="fused" runs the Triton planner kernels in Triton's interpreter (CPU) or on the GPU.
+    # preplanned: Buffer.plan ahead of dispatch(plan=...), and combine_path="remote_only" (own rows never
+    # travel), checked against the same exact payloads.
     only = HIERARCHICAL_CASES if ranks_per_node else ()
-    results = run_ranks(_run_cases, world, "cpu", ranks_per_node, only, planner, timeout_s=240)
+    path = "remote_only" if preplanned else "all_to_all"
+    results = run_ranks(_run_cases, world, "cpu", ranks_per_node, only, planner, preplanned, path, timeout_s=240)
     assert all(r == [c[0] for c in CASES if not only or c[0] in only] for r in results)

@@ -179,7 +179,21 @@ def _contract_violations(rank: int, world: int) -> list[str]:
     plan = small.dispatch(x, hot, hot_w).handle.plan
     _expect_value_error(lambda: small.prefetch_weight(plan, torch.zeros(P, 3)), "num_redundant_slots=0")
     seen.append("combine/prefetch/reduce_grad arguments")
+    planned = buffer.plan(idx, w)
+    other_w = w.clone() if rank == 0 else w  # equal values, but not the tensor the plan was made from
+    _expect_value_error(lambda: buffer.dispatch(x, idx, other_w, plan=planned), "rank 0 passed topk_idx/topk_weights")
+    x_wide = torch.randn(S, H + 1) if rank == 1 else x
+    _expect_value_error(lambda: buffer.dispatch(x_wide, idx, w, plan=planned), "rank 1 passed x/topk_idx")
+    try:
+        buffer.dispatch(x, idx, w, plan=planned.plan)
+        raise AssertionError("dispatch accepted a Plan as its PlannedDispatch")
+    except TypeError as error:
+        assert "plan must be the PlannedDispatch" in str(error)
+    assert torch.equal(buffer.dispatch(x, idx, w, plan=planned).x_CH, out.x_CH)  # still works after rejections
+    seen.append("dispatch(plan=...) arguments")
     _expect_value_error(lambda: Buffer(None, S, H + rank, K, E), "ranks disagree on Buffer sizes")
+    paths = ("all_to_all", "remote_only")
+    _expect_value_error(lambda: Buffer(None, S, H, K, E, combine_path=paths[rank % 2]), "combine_path) per rank")
     seen.append("disagreeing sizes")
     for kwargs, name in (
         ({"hidden": 0}, "hidden"),
@@ -193,6 +207,8 @@ def _contract_violations(rank: int, world: int) -> list[str]:
         ({"planner": "triton"}, "planner must be one of"),
         ({"ranks_per_node": 2}, "ranks_per_node"),
         ({"transport": "nvlink"}, "transport='nvlink' needs CUDA"),
+        ({"combine_path": "p2p"}, "combine_path must be one of"),
+        ({"combine_path": "remote_only", "transport": "hierarchical", "ranks_per_node": 1}, "needs transport='torch'"),
     ):
         args = {"max_tokens_per_rank": S, "hidden": H, "top_k": K, "num_experts": E, **kwargs}
         _expect_value_error(lambda a=args: Buffer(None, **a), name)
@@ -208,7 +224,7 @@ def _contract_violations(rank: int, world: int) -> list[str]:
 
 def test_contract_violations_raise_value_error_on_every_rank() -> None:
     results = run_ranks(_contract_violations, 2, timeout_s=120)
-    assert results[0] == results[1] and len(results[0]) == 8
+    assert results[0] == results[1] and len(results[0]) == 9
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,41 @@ def test_triton_sum_ranks_matches_torch(R, n, m, H, dtype, device) -> None:
 
 
 @pytest.mark.parametrize(
+    ("R", "rank", "n", "m", "H", "weighted", "dtype"),
+    [
+        pytest.param(2, 0, 5, 5, 9, True, torch.float32, id="R2-rank0-n5-H9-w-fp32"),
+        pytest.param(2, 1, 4, 3, 40, True, torch.bfloat16, id="R2-rank1-n4-m3-H40-w-bf16"),
+        pytest.param(4, 2, 6, 6, 33, False, torch.bfloat16, id="R4-rank2-n6-H33-bf16"),
+        pytest.param(3, 2, 3, 0, 8, True, torch.float32, id="m0-empty"),
+    ],
+)
+def test_reduce_own_and_sum_equals_reduce_then_sum_ranks(R, rank, n, m, H, weighted, dtype, device) -> None:
+    """The remote-only combine's fused step gives the same bits as the all-to-all path's two steps, for the
+    torch fallback against the torch ops and for the Triton kernel against the two Triton kernels."""
+    from moonep.kernels import reduce_own_and_sum_triton, reduce_slots_triton, sum_ranks_triton
+    from moonep.ops import reduce_own_and_sum
+
+    K, C = 3, 11
+    y, slots, w = _case(n, K, C, H, dtype, device)
+    w = w if weighted else None
+    gen = torch.Generator().manual_seed(R + n)
+    recv = torch.randn(R - 1, n, H, generator=gen).to(dtype).to(device)
+    for fused, reduce, summed in (
+        (reduce_own_and_sum, reduce_slots, sum_ranks),
+        (reduce_own_and_sum_triton, reduce_slots_triton, sum_ranks_triton),
+    ):
+        on = "cpu" if reduce is reduce_slots else device  # the torch ops on CPU, the kernels on `device`
+        y_, slots_, w_, recv_ = (None if t is None else t.to(on) for t in (y, slots, w, recv))
+        # All-to-all path: own partial in the wire dtype at this rank's block, then the rank-order sum.
+        own = reduce(y_, slots_, w_, dtype)
+        want = torch.empty(m, H, dtype=dtype, device=on)
+        summed(torch.cat([recv_[:rank], own[None], recv_[rank:]]), want)
+        got = torch.empty(m, H, dtype=dtype, device=on)
+        fused(y_, slots_, w_, recv_, rank, got)
+        assert torch.equal(got, want), f"{fused.__name__}: differs by {(got.float() - want.float()).abs().max()}"
+
+
+@pytest.mark.parametrize(
     ("R", "S", "K", "P", "balanced"),
     [
         pytest.param(3, 5, 3, 2, True, id="R3-S5-K3-P2-bal"),

@@ -63,9 +63,12 @@ def _reference(world: int, params: dict[str, torch.Tensor]) -> tuple[list[torch.
     return outs, grads
 
 
-def _check_layer(rank: int, world: int, balanced: bool) -> int:
+def _check_layer(rank: int, world: int, balanced: bool, combine_path: str = "all_to_all") -> int:
     params = _global_params(world)
-    buffer = Buffer(None, S, H, K, P * world, dtype=torch.float32, balanced=balanced, num_redundant_slots=P * world - P)
+    buffer = Buffer(
+        None, S, H, K, P * world, dtype=torch.float32, balanced=balanced, num_redundant_slots=P * world - P,
+        combine_path=combine_path,
+    )  # fmt: skip
     layer = MoELayer(buffer, FI, num_shared=SHARED)
     home = slice(rank * P, (rank + 1) * P)
     with torch.no_grad():
@@ -126,9 +129,37 @@ def _check_prefetch_reduce(rank: int, world: int) -> None:
     buffer.destroy()
 
 
+def _check_preplanned_grads(rank: int, world: int) -> None:
+    """dispatch(plan=Buffer.plan(...)) + a remote-only combine: the same outputs and gradients, bit for bit,
+    as a plain dispatch + all-to-all combine (both backward passes go through the other path's code)."""
+    E = P * world
+    idx, w0 = make_routing("hot_rank", S, K, E, world, rank=rank, seed=4)
+    x0, g = _tokens(rank)
+    scale_E = torch.arange(1.0, E + 1)  # "expert" e multiplies by e + 1
+    results = []
+    for preplanned, path in ((False, "all_to_all"), (True, "remote_only")):
+        buffer = Buffer(None, S, H, K, E, dtype=torch.float32, combine_path=path)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        planned = buffer.plan(idx, w) if preplanned else None
+        out = buffer.dispatch(x, idx, w, plan=planned)
+        ids = torch.cat([torch.arange(P) + rank * P, out.handle.plan.redundant_ids_RN[rank]])
+        slot_scale = scale_E[ids.clamp(min=0)].repeat_interleave(out.counts_L)
+        y = out.x_CH * torch.cat([slot_scale, torch.zeros(buffer.capacity - slot_scale.numel())])[:, None]
+        combined, _ = buffer.combine(y, out.handle)
+        (combined * g).sum().backward()
+        results.append((combined.detach(), x.grad, w.grad))
+        buffer.destroy()
+    for name, a, b in zip(("out", "grad x", "grad topk_weights"), *results):
+        assert torch.equal(a, b), f"{name}: preplanned + remote-only differs by {(a - b).abs().max()}"
+    want_w = ((x0 * g).sum(1, keepdim=True) * (idx + 1).float()) * (idx >= 0)
+    torch.testing.assert_close(results[1][2], want_w)  # d out / d w[t, k] = x[t] * (e + 1)
+
+
 def _all_checks(rank: int, world: int) -> list[int]:
     _check_prefetch_reduce(rank, world)
-    return [_check_layer(rank, world, balanced) for balanced in (True, False)]
+    _check_preplanned_grads(rank, world)
+    layers = [_check_layer(rank, world, balanced) for balanced in (True, False)]
+    return layers + [_check_layer(rank, world, True, "remote_only")]
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["R2", "R4"])

@@ -139,6 +139,31 @@ class TorchDistTransport:
         inp = inp.contiguous()
         return self._start(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), out, what)
 
+    def start_all_to_all_remote(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str = "all_to_all"
+    ) -> Callable[[], torch.Tensor]:
+        """`start_all_to_all` without this rank's own block: nothing is copied to or from itself.
+
+        ``inp`` is ``[(R-1) * n, ...]``: block ``j`` goes to the ``j``-th other rank (rank order, this rank
+        skipped); ``out``'s block ``j`` comes from it. One ``all_to_all_single`` with this rank's split 0
+        (on NCCL a send and a receive per peer; with two ranks one send/receive pair). The split sizes are
+        Python ints fixed by the shapes: no host synchronisation.
+        """
+        self.check()
+        R = self.world_size
+        if R == 1:
+            return lambda: out
+        n = inp.shape[0] // (R - 1)
+        splits = [0 if r == self.rank else n for r in range(R)]
+        inp = inp.contiguous()
+        return self._start(
+            lambda: dist.all_to_all_single(
+                out, inp, output_split_sizes=splits, input_split_sizes=splits, group=self.group, async_op=True
+            ),
+            out,
+            what,
+        )
+
     def sum_partials(self, partial_TH: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Send each source rank its rows of ``partial_TH`` (``[R*S, H]``, rows ``src*S + t``) and sum what
         comes back over ranks in fp32: returns ``[num_tokens, H]`` fp32 for this rank's tokens."""
