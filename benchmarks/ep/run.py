@@ -153,6 +153,7 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
             result.update({f"chunks{chunks}_{k}": v for k, v in graphed.items()})
             other.destroy()
         result.update(_nvlink(args, hidden, x, idx, w, out, device, timing))
+    result.update(_planned_and_remote(args, rank, world, buffer, x, idx, w, device, timing, hp_group, skew))
     buffer.destroy()
 
     unbalanced = Buffer(None, S, hidden, K, E, device=device, validate=False, balanced=False)
@@ -184,19 +185,69 @@ def _case(args: argparse.Namespace, rank: int, world: int, hidden: int, skew: st
     return result
 
 
-def _graphed(args, rank, world, buffer, x, idx, w, device, timing, parts: bool = False) -> dict:
+def _planned_and_remote(args, rank, world, buffer, x, idx, w, device, timing, hp_group, skew) -> dict:
+    """The two changes of the 02:15 UTC round, timed beside the current path on the same group as its best
+    number (the high-priority NCCL group when there is one), each checked bit for bit against ``buffer``
+    (the default path) first:
+
+    - ``remote_planned_*``: ``combine_path="remote_only"`` and the plan made ahead (`Buffer.plan`, its own
+      graph): ``graph_ms`` is dispatch(plan=) + combine, the critical path once the plan overlaps the
+      previous micro-batch's experts; ``graph_plan_ms`` the planning itself (every skew);
+    - on uniform routing also each change alone: ``remote_*`` (remote-only combine, with the plan inside
+      dispatch; dispatch and combine also as separate graphs) and ``planned_*`` (planned ahead, all-to-all
+      combine).
+    """
+    S, K, E = args.tokens, args.topk, args.experts
+    group = hp_group  # None: the default group
+    variants = [("remote_planned", "remote_only", True, False)]
+    if skew == "uniform":
+        variants += [("remote", "remote_only", False, True), ("planned", "all_to_all", True, False)]
+    result: dict = {"variants_group": "high-priority NCCL group" if hp_group is not None else "default group"}
+    want = buffer.combine(*_eager_parts(buffer, x, idx, w))[0]
+    for name, path, preplanned, parts in variants:
+        other = Buffer(group, S, x.shape[1], K, E, device=device, validate=False, combine_path=path)
+
+        def both(other=other, preplanned=preplanned) -> torch.Tensor:
+            planned = other.plan(idx, w) if preplanned else None
+            o = other.dispatch(x, idx, w, plan=planned)
+            return other.combine(o.x_CH, o.handle, o.weights_C)[0]
+
+        if not torch.equal(both(), want):
+            result[f"{name}_graph_note"] = f"{name}: eager output differs from the default path; not timed"
+            other.destroy()
+            continue
+        result[f"{name}_eager_ms"] = time_fn(both, **timing).median_ms  # planning included
+        if device.startswith("cuda"):
+            graphed = _graphed(
+                args, rank, world, other, x, idx, w, device, timing, parts=parts, preplanned=preplanned,
+                reference=buffer,
+            )  # fmt: skip
+            result.update({f"{name}_{k}": v for k, v in graphed.items()})
+        other.destroy()
+    return result
+
+
+def _graphed(
+    args, rank, world, buffer, x, idx, w, device, timing, parts: bool = False, preplanned: bool = False, reference=None
+) -> dict:
     """Dispatch+combine captured once in a CUDA graph (static shapes, no host sync), replayed per step.
 
     The routing lives in static tensors: a new micro-batch copies its ``topk_idx``/``topk_weights`` in and
-    replays; the plan is recomputed on the device inside the graph. Checked against eager runs for the
-    captured routing and for a different (hot-rank) routing copied in afterwards.
+    replays; the plan is recomputed on the device inside the graph, or, with ``preplanned``, by
+    ``buffer.plan`` in a graph of its own replayed before (timed apart: ``graph_plan_ms``). Checked against
+    eager runs of ``reference`` (default: ``buffer``) for the captured routing and for a different
+    (hot-rank) routing copied in afterwards: the outputs must be equal bit for bit.
     """
     S, K, E = args.tokens, args.topk, args.experts
+    reference = reference or buffer
     x_s, idx_s, w_s = x.clone(), idx.clone(), w.clone()
     holder: dict = {}
 
+    def plan_step() -> None:
+        holder["planned"] = buffer.plan(idx_s, w_s) if preplanned else None
+
     def step() -> None:
-        o = buffer.dispatch(x_s, idx_s, w_s)
+        o = buffer.dispatch(x_s, idx_s, w_s, plan=holder["planned"])
         holder["y"] = buffer.combine(o.x_CH, o.handle, o.weights_C)[0]
 
     try:
@@ -204,8 +255,13 @@ def _graphed(args, rank, world, buffer, x, idx, w, device, timing, parts: bool =
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
+                plan_step()
                 step()
         torch.cuda.current_stream().wait_stream(side)
+        plan_graph = torch.cuda.CUDAGraph() if preplanned else None
+        if plan_graph is not None:
+            with torch.cuda.graph(plan_graph):  # its outputs (the plan) are the step graph's inputs
+                plan_step()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
@@ -215,30 +271,36 @@ def _graphed(args, rank, world, buffer, x, idx, w, device, timing, parts: bool =
                 new_idx, new_w = make_routing("hot_rank", S, K, E, world, rank=rank, seed=9)
                 idx_s.copy_(new_idx)
                 w_s.copy_(new_w)
+            if plan_graph is not None:
+                plan_graph.replay()
             graph.replay()
-            eager = buffer.combine(*_eager_parts(buffer, x_s, idx_s, w_s))[0]
+            eager = reference.combine(*_eager_parts(reference, x_s, idx_s, w_s))[0]
             checks.append(torch.equal(holder["y"], eager))
         if not all(checks):
             return {"graph_note": f"CUDA-graph replay differs from eager ({checks}); not timed"}
         idx_s.copy_(idx)
         w_s.copy_(w)
+        if plan_graph is not None:
+            plan_graph.replay()
         t = time_fn(graph.replay, **timing)
         result = {"graph_ms": t.median_ms, "graph_p80_ms": t.p80_ms}
+        if plan_graph is not None:
+            result["graph_plan_ms"] = time_fn(plan_graph.replay, **timing).median_ms
     except Exception as error:  # capture support depends on the NCCL/torch build: record why not
         return {"graph_note": f"CUDA-graph capture failed: {type(error).__name__}: {error}"[:300]}
     del graph
     if parts:
-        result.update(_graphed_parts(buffer, x_s, idx_s, w_s, timing))
+        result.update(_graphed_parts(buffer, x_s, idx_s, w_s, timing, holder["planned"]))
     return result
 
 
-def _graphed_parts(buffer, x_s, idx_s, w_s, timing) -> dict:
+def _graphed_parts(buffer, x_s, idx_s, w_s, timing, planned=None) -> dict:
     """Dispatch alone and combine alone (of one captured dispatch's output), each as its own CUDA graph."""
     try:
         held: dict = {}
         dispatch_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(dispatch_graph):
-            held["o"] = buffer.dispatch(x_s, idx_s, w_s)
+            held["o"] = buffer.dispatch(x_s, idx_s, w_s, plan=planned)
         dispatch_graph.replay()
         o = held["o"]
         combine_graph = torch.cuda.CUDAGraph()
@@ -374,6 +436,15 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
             **{f"graph ms (num_chunks={c})": r.get(f"chunks{c}_graph_ms") for c in args.chunk_sweep.split(",") if c},
             "graph ms (torch planner)": r.get("torch_planner_graph_ms"),
             "graph ms (torch planner, high-prio)": r.get("torch_planner_hp_graph_ms"),
+            # Variants on the group of r["variants_group"] (high-priority when present): compare with the
+            # "graph ms (high-prio NCCL stream)" column of the same row.
+            "graph ms (remote-only combine, preplanned)": r.get("remote_planned_graph_ms"),
+            "graph plan ms (Buffer.plan, off the critical path)": r.get("remote_planned_graph_plan_ms"),
+            "graph ms (remote-only combine)": r.get("remote_graph_ms"),
+            "graph dispatch ms (remote-only)": r.get("remote_graph_dispatch_ms"),
+            "graph combine ms (remote-only)": r.get("remote_graph_combine_ms"),
+            "graph ms (preplanned, all-to-all combine)": r.get("planned_graph_ms"),
+            "eager ms (remote-only combine, planned in the step)": r.get("remote_planned_eager_ms"),
             "nvlink eager ms": r.get("nvlink_ms"),
             "nvlink graph ms": r.get("nvlink_graph_ms"),
             "nvlink disp ms": r.get("nvlink_dispatch_ms"),
@@ -396,7 +467,10 @@ def _to_rows(results: list[dict], args: argparse.Namespace) -> list[Row]:
         else:
             how = "ours = eager (NCCL)"
         notes = [how, r["note"], r.get("graph_note", ""), r.get("hp_graph_note", ""), r.get("graph_parts_note", "")]
-        notes += [v for k, v in r.items() if k.startswith(("chunks", "torch_planner")) and k.endswith("_graph_note")]
+        prefixes = ("chunks", "torch_planner", "remote", "planned")
+        notes += [v for k, v in r.items() if k.startswith(prefixes) and k.endswith(("_graph_note", "_parts_note"))]
+        if r.get("remote_planned_graph_ms"):
+            notes.append(f"remote-only/preplanned variants on the {r['variants_group']}")
         notes += [r.get("nvlink_note", ""), r.get("nvlink_graph_note", "")]
         rows.append(Row(r["case"], BASELINE, r["naive_ms"], ours, params, extra, "; ".join(filter(None, notes))))
     return rows

@@ -21,9 +21,12 @@ def _needs_two_gpus() -> None:
         pytest.skip("needs two CUDA devices")
 
 
-def test_dispatch_and_combine_exact_on_two_gpus() -> None:
+@pytest.mark.parametrize("preplanned", [False, True], ids=["planned-in-dispatch", "preplanned-remote-combine"])
+def test_dispatch_and_combine_exact_on_two_gpus(preplanned: bool) -> None:
+    # preplanned: Buffer.plan on the communication stream, dispatch(plan=...), combine_path="remote_only".
     _needs_two_gpus()
-    results = run_ranks(_run_cases, 2, "cuda", backend="nccl", timeout_s=300)
+    path = "remote_only" if preplanned else "all_to_all"
+    results = run_ranks(_run_cases, 2, "cuda", None, (), "auto", preplanned, path, backend="nccl", timeout_s=300)
     assert results[0] == [c[0] for c in CASES]
 
 
