@@ -48,8 +48,6 @@ SUB_QUEUE = 64
 """Chunks buffered per subscriber before the process's reader blocks (backpressure on the process)."""
 WATCH_KEEPALIVE_S = 10.0
 """Idle seconds after which a watch stream sends a keep-alive frame."""
-WATCHER_STOP_CHECK_S = 0.5
-"""How often an inotify watcher's thread checks whether the watcher was removed."""
 CHUNK = 65536
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -273,6 +271,8 @@ class Agent:
         self.procs: dict[int, Process] = {}
         self.lock = threading.Lock()
         self.watchers: dict[str, dict] = {}
+        self.hub: watching.WatchHub | None = None
+        """Every watch of this sandbox, on one inotify instance (made at the first watch)."""
 
     def serve(self) -> None:
         while True:
@@ -599,17 +599,22 @@ class Agent:
             events.append(event)
         return events
 
+    def _watch(self, req: dict, notify: bool):
+        root = self._check_dir(req)
+        with self.lock:
+            if self.hub is None:
+                self.hub = watching.WatchHub()
+        return self.hub.watch(root, bool(req.get("recursive")), notify=notify)
+
     def op_watch(self, conn, req, blob):
         import select
 
-        root = self._check_dir(req)
         include = bool(req.get("include_entry"))
-        with watching.DirWatch(root, bool(req.get("recursive"))) as w:
+        with self._watch(req, notify=True) as w:
             send(conn, {"ev": "start"})
             last_beat = time.monotonic()
-            fds = [conn] if w.fd < 0 else [conn, w.fd]
             while True:
-                ready, _, _ = select.select(fds, [], [], w.interval or WATCH_KEEPALIVE_S)
+                ready, _, _ = select.select([conn, w.fd], [], [], WATCH_KEEPALIVE_S)
                 if conn in ready and conn.recv(1) == b"":  # the host closes the connection to stop the watch
                     return None, b""
                 for event in self._fs_events(w, include):
@@ -619,50 +624,27 @@ class Agent:
                     last_beat = time.monotonic()
 
     def op_watcher_create(self, conn, req, blob):
-        w = watching.DirWatch(self._check_dir(req), bool(req.get("recursive")))
+        """A watcher polled by `watcher_events`: no thread of its own, the hub's thread queues its events (a
+        recursive watch adds a new directory's watch as soon as the directory appears)."""
+        w = self._watch(req, notify=False)
         wid = os.urandom(8).hex()
-        watcher = {"watch": w, "include": bool(req.get("include_entry")), "events": [], "lock": threading.Lock(),
-                   "stop": threading.Event()}
         with self.lock:
-            self.watchers[wid] = watcher
-        threading.Thread(target=self._run_watcher, args=(watcher,), daemon=True).start()
+            self.watchers[wid] = {"watch": w, "include": bool(req.get("include_entry"))}
         return {"watcherId": wid}, b""
-
-    def _run_watcher(self, watcher: dict) -> None:
-        """Collect events as they come (a recursive watch must add a new directory's watch before the directory
-        fills), until the watcher is removed; the watch is closed here, so no select ever sees a closed fd."""
-        import select
-
-        w, stop = watcher["watch"], watcher["stop"]
-        try:
-            while not stop.is_set():
-                if w.fd >= 0:
-                    select.select([w.fd], [], [], WATCHER_STOP_CHECK_S)
-                else:
-                    stop.wait(w.interval)
-                with watcher["lock"]:
-                    if stop.is_set():
-                        break
-                    watcher["events"].extend(self._fs_events(w, watcher["include"]))
-                    del watcher["events"][:-10000]  # bounded: a watcher nobody polls keeps the newest events
-        finally:
-            w.close()
 
     def op_watcher_events(self, conn, req, blob):
         with self.lock:
             watcher = self.watchers.get(req.get("watcher_id", ""))
         if watcher is None:
             raise Fault("not_found", f"watcher {req.get('watcher_id')!r} not found")
-        with watcher["lock"]:
-            events, watcher["events"] = watcher["events"], []
-        return {"events": events}, b""
+        return {"events": self._fs_events(watcher["watch"], watcher["include"])}, b""
 
     def op_watcher_remove(self, conn, req, blob):
         with self.lock:
             watcher = self.watchers.pop(req.get("watcher_id", ""), None)
         if watcher is None:
             raise Fault("not_found", f"watcher {req.get('watcher_id')!r} not found")
-        watcher["stop"].set()  # its thread closes the watch within WATCHER_STOP_CHECK_S
+        watcher["watch"].close()
         return {}, b""
 
 

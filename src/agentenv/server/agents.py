@@ -146,6 +146,8 @@ class AgentLink:
         self._pool: list[socket.socket] = []
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
+        self.ended_by: str | None = None
+        """Set by `retire`: the operation (``fork``, ``snapshot``) that ends every process of the sandbox."""
 
     def _dial(self) -> socket.socket:
         sock = socket_in_netns(self.pid)
@@ -227,6 +229,12 @@ class AgentLink:
         if not reply.get("ok"):
             raise AgentError(str(reply.get("code", "internal")), str(reply.get("message", "request failed")))
         return reply, out
+
+    def retire(self, reason: str) -> None:
+        """The runtime is about to kill every process in the sandbox, the agent included (`reason`: ``fork`` or
+        ``snapshot``): streams still open on this link report their process as killed, not as a lost sandbox."""
+        self.ended_by = reason
+        self.close()
 
     def close(self) -> None:
         with self._lock:

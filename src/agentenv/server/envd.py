@@ -79,8 +79,17 @@ def _input(selector: dict, data: dict) -> tuple[dict, bytes]:
     return {"op": "input", **selector}, _unb64(data.get("stdin"), "input.stdin")
 
 
+KILLED_BY_RUNTIME = {"ok": True, "ev": "end", "exitCode": -1, "exited": False, "status": "signal: killed",
+                     "_hold": True}
+"""The end of a process the runtime killed with its sandbox's other processes (fork, snapshot)."""
+
+
 def _frames(link: AgentLink, req: dict):
     """Agent stream frames with keep-alive ticks (``{"ev": "keepalive"}``) when idle for `KEEPALIVE_S`.
+
+    A fork or snapshot of the sandbox kills every process in it, the agent too (`AgentLink.retire`): a process
+    stream then ends as a killed process (E2B's exit code -1, ``signal: killed``), a watch stream with
+    ``aborted``.
 
     The connection goes back to the pool only when the final frame was read; a stream abandoned early (the
     HTTP client left) closes it, which makes the agent drop its subscription or stop its watch.
@@ -104,7 +113,13 @@ def _frames(link: AgentLink, req: dict):
             try:
                 frame, blob = wire.recv(sock, MAX_BLOB)
             except (EOFError, OSError) as e:
-                raise ConnectError("unavailable", f"sandbox {link.sandbox.id} stopped answering: {e}") from e
+                if link.ended_by is None:
+                    raise ConnectError("unavailable", f"sandbox {link.sandbox.id} stopped answering: {e}") from e
+                if req["op"] in ("start", "connect"):  # the runtime SIGKILLed it: the same end as `kill`
+                    yield dict(KILLED_BY_RUNTIME), b""
+                    return
+                raise ConnectError("aborted", f"{req['op']} ended: a {link.ended_by} of sandbox {link.sandbox.id} "
+                                              f"ends every process and watch in it") from e
             if "ok" in frame:
                 clean = True
                 if not frame["ok"]:

@@ -319,7 +319,7 @@ class Registry:
                 raise HTTPError(409, f"sandbox {sandbox_id} is paused; resume it before taking a snapshot")
             if name is not None and any(name in s.get("names", []) for s in self.snapshots.values()):
                 raise HTTPError(409, f"a snapshot named {name!r} already exists")
-        self._drop_link(sandbox_id)
+        self._drop_link(sandbox_id, "snapshot")
         try:
             snap_id = self.runtime(sandbox_id).snapshot()
         except errors.SandboxError as e:
@@ -367,7 +367,7 @@ class Registry:
             limits = Limits.from_dict(entry.limits)
             token = self._reserve(key, count, limits)
         try:
-            self._drop_link(sandbox_id)
+            self._drop_link(sandbox_id, "fork")
             try:
                 kids = self.runtime(sandbox_id).fork(count, ttl=MAX_LIFETIME_S)
             except errors.SandboxError as e:
@@ -382,12 +382,13 @@ class Registry:
         finally:
             self._unreserve(token)
 
-    def _drop_link(self, sandbox_id: str) -> None:
-        """Forget pooled agent connections: fork and snapshot stop the sandbox's processes (the agent too)."""
+    def _drop_link(self, sandbox_id: str, reason: str) -> None:
+        """Forget pooled agent connections: fork and snapshot (`reason`) kill the sandbox's processes (the agent
+        too: the sandbox moves onto a new writable layer, which running processes could not follow)."""
         with self.lock:
             link = self._links.pop(sandbox_id, None)
         if link is not None:
-            link.close()
+            link.retire(reason)
 
     # ---- reaper -------------------------------------------------------------------------------------------
     def start_reaper(self, period_s: float = 1.0) -> None:

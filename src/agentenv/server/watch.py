@@ -1,9 +1,18 @@
-"""Directory watches for the in-sandbox envd agent: inotify through ctypes, a polling scan where it is missing.
+"""Directory watches for the in-sandbox envd agent: one inotify instance for all of them, a polling scan where
+inotify is missing.
 
 Stdlib only and self-contained like `agentenv.server.agent`: the host sends this file's source ahead of the
 agent's and the agent's boot program loads it as module ``agentenv_envd_watch`` (see
 `agentenv.server.agents`). The agent lives in the sandbox's mount namespace, so its inotify watches sit on the
 sandbox's overlay mount and see every change made through it (all of the sandbox's writes).
+
+Why one instance: inotify instances are a per-user resource (``fs.inotify.max_user_instances``, 128 by
+default) charged to the host user that owns the sandbox's user namespace, so all sandboxes of a host share
+them; an instance per watch ran out after ~128 watches host-wide. A `WatchHub` (one per agent, i.e. per
+sandbox) holds a single instance; each `DirWatch` adds its inotify watches to it and one reader thread
+dispatches events by watch descriptor. The kernel gives one descriptor per inode and instance, so two
+watches of one directory share it: the hub counts the watches per descriptor and removes it with the last.
+What limits the number of watches is then ``fs.inotify.max_user_watches`` (directories watched).
 
 Events follow E2B's envd (Go fsnotify): a name relative to the watched directory and one of ``create``
 (``IN_CREATE``, ``IN_MOVED_TO``), ``write`` (``IN_MODIFY``), ``chmod`` (``IN_ATTRIB``), ``remove``
@@ -12,19 +21,25 @@ watch adds a watch for each directory that appears below the root and reports wh
 holds when its watch is added as ``create`` events (a tree made by ``mkdir -p a/b && touch a/b/f`` faster than
 the watch follows is still reported in full).
 
-Where inotify cannot be had (no ``inotify_init1`` in the sandbox's libc, or the host's per-user instance limit
-``fs.inotify.max_user_instances`` reached), `DirWatch` falls back to scanning the tree every
-`POLL_INTERVAL_S` and diffing (mtime, size, mode, inode) signatures.
+Where inotify cannot be had (no ``inotify_init1`` in the sandbox's libc, or the instance limit reached when
+the hub starts), the hub's thread instead scans each watch's tree every `POLL_INTERVAL_S` and diffs (mtime,
+size, mode, inode) signatures.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import stat
 import struct
+import threading
 
 POLL_INTERVAL_S = 0.05
 """Scan period of the polling fallback, in seconds."""
+CLOSE_WAIT_S = 2.0
+"""How long `WatchHub.close` waits for its thread to end, in seconds."""
+MAX_PENDING = 10000
+"""Events kept per watch that nobody reads; older ones are dropped first."""
 
 IN_MODIFY = 0x2
 IN_ATTRIB = 0x4
@@ -39,7 +54,7 @@ IN_ONLYDIR = 0x01000000
 IN_ISDIR = 0x40000000
 IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
-WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
+WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_ONLYDIR
 EVENT = struct.Struct("iIII")
 """``struct inotify_event`` without its name: wd, mask, cookie, name length (the name follows, NUL-padded)."""
 KINDS = ((IN_CREATE | IN_MOVED_TO, "EVENT_TYPE_CREATE"), (IN_MODIFY, "EVENT_TYPE_WRITE"),
@@ -72,50 +87,190 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-class DirWatch:
-    """Changes below one directory, as E2B filesystem events.
+class WatchHub:
+    """Every `DirWatch` of one process, fed by one background thread over one inotify instance (or a scan loop).
 
     Args:
-        root: absolute path of an existing directory.
-        recursive: also watch every directory below `root`, including ones created later.
         use_inotify: False forces the polling scan (tests of the fallback).
 
     Attributes:
-        fd: the inotify descriptor to wait on with select/poll (readable when events are queued); -1 while
-            polling.
-        interval: None with inotify; the polling period in seconds otherwise (call `events` that often).
+        fd: the shared inotify descriptor; -1 while polling.
+        interval: None with inotify; the polling period in seconds otherwise.
     """
 
-    def __init__(self, root: str, recursive: bool, *, use_inotify: bool = True):
-        self.root = root.rstrip("/") or "/"
-        self.recursive = recursive
+    def __init__(self, *, use_inotify: bool = True):
         self.fd = -1
         self.interval: float | None = None
-        self._paths: dict[int, str] = {}
-        """wd -> directory path relative to the root ("" for the root)."""
-        self._pending: list[tuple[str, str]] = []
-        self._state: dict[str, tuple] = {}
         if use_inotify:
             try:
                 self.fd = _check(_inotify_libc().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
             except (OSError, AttributeError):  # no inotify here, or the instance limit is reached
                 self.fd = -1
-        if self.fd >= 0:
-            try:
-                self._add("", IN_ONLYDIR)
-                if recursive:
-                    self._add_below("", report=False)
-            except OSError:
-                self.close()
-                raise
-        else:
+        if self.fd < 0:
             self.interval = POLL_INTERVAL_S
-            self._state = self._scan()
+        self.lock = threading.RLock()
+        """Held while events are dispatched and while watches change (a dispatch may add watches)."""
+        self._subs: dict[int, dict[DirWatch, str]] = {}
+        """wd -> {watch: directory path relative to that watch's root ("" for its root)}."""
+        self._watches: set[DirWatch] = set()
+        self._closed = threading.Event()
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)  # wakes the reader's select on close
+        self._thread: threading.Thread | None = None
+
+    def watch(self, root: str, recursive: bool, *, notify: bool = False) -> DirWatch:
+        """Start watching `root` (an existing directory; with `recursive`, all below it too).
+
+        Args:
+            root: absolute path of the directory.
+            recursive: also watch every directory below `root`, including ones created later.
+            notify: give the watch a descriptor (`DirWatch.fd`) that becomes readable when events are queued.
+
+        Raises:
+            OSError: `root` cannot be watched (missing, not a directory, or the watch limit is reached).
+        """
+        w = DirWatch(self, root, recursive, notify)
+        with self.lock:
+            if self._closed.is_set():
+                raise OSError(9, "the watch hub is closed")
+            try:
+                if self.fd >= 0:
+                    self._add(w, "")
+                    if recursive:
+                        w._add_below("", report=False)
+                else:
+                    w._state = w._scan()
+            except OSError:
+                w.close()
+                raise
+            self._watches.add(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="watch-hub", daemon=True)
+                self._thread.start()
+        return w
+
+    def count(self) -> int:
+        """How many watches are open."""
+        with self.lock:
+            return len(self._watches)
 
     def close(self) -> None:
+        """Close every watch, end the thread and close the inotify instance."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        os.write(self._stop_w, b"x")
+        with self.lock:
+            for w in list(self._watches):
+                w.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_WAIT_S)
+        with self.lock:
+            for fd in (self.fd, self._stop_r, self._stop_w):
+                if fd >= 0:
+                    os.close(fd)
+            self.fd = self._stop_r = self._stop_w = -1
+
+    def __enter__(self) -> WatchHub:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- descriptors shared by watches -------------------------------------------------------------------
+    def _add(self, w: DirWatch, rel: str) -> None:
+        path = w.full(rel)
+        wd = _check(_inotify_libc().inotify_add_watch(self.fd, os.fsencode(path), WATCH_MASK), f"watch {path}")
+        self._subs.setdefault(wd, {})[w] = rel  # a directory moved within the tree keeps its wd: rel is updated
+        w._wds.add(wd)
+
+    def _drop(self, w: DirWatch, wd: int) -> None:
+        subs = self._subs.get(wd)
+        w._wds.discard(wd)
+        if subs is None or subs.pop(w, None) is None or subs:
+            return
+        del self._subs[wd]
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            _inotify_libc().inotify_rm_watch(self.fd, wd)
+
+    def _forget(self, w: DirWatch) -> None:
+        with self.lock:
+            for wd in list(w._wds):
+                self._drop(w, wd)
+            self._watches.discard(w)
+
+    # ---- the thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            if self.fd < 0:
+                self._closed.wait(self.interval)
+                with self.lock:
+                    for w in list(self._watches):
+                        w._poll()
+                continue
+            try:
+                ready, _, _ = select.select([self.fd, self._stop_r], [], [])
+                with self.lock:
+                    if self.fd < 0 or self._closed.is_set():
+                        return
+                    data = os.read(self.fd, 65536)
+                    self._dispatch(data)
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError):  # closed under us
+                return
+
+    def _dispatch(self, data: bytes) -> None:
+        pos = 0
+        touched: set[DirWatch] = set()
+        while pos + EVENT.size <= len(data):
+            wd, mask, _, length = EVENT.unpack_from(data, pos)
+            name = os.fsdecode(data[pos + EVENT.size : pos + EVENT.size + length].rstrip(b"\0"))
+            pos += EVENT.size + length
+            if mask & (IN_IGNORED | IN_DELETE_SELF):  # a watched directory is gone (its parent reported it)
+                for w in self._subs.pop(wd, {}):
+                    w._wds.discard(wd)
+                continue
+            if mask & IN_Q_OVERFLOW or not name:
+                continue
+            for w, base in list(self._subs.get(wd, {}).items()):
+                w._event(base, name, mask)
+                touched.add(w)
+        for w in touched:
+            w._wake()
+
+
+class DirWatch:
+    """Changes below one directory, as E2B filesystem events; made by `WatchHub.watch`.
+
+    Attributes:
+        root: the watched directory.
+        fd: with ``notify``, a descriptor that is readable while events are queued (wait on it with select);
+            -1 otherwise.
+    """
+
+    def __init__(self, hub: WatchHub, root: str, recursive: bool, notify: bool):
+        self.hub = hub
+        self.root = root.rstrip("/") or "/"
+        self.recursive = recursive
+        self.fd = -1
+        self._wake_w = -1
+        if notify:
+            self.fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wds: set[int] = set()
+        self._pending: list[tuple[str, str]] = []
+        self._state: dict[str, tuple] = {}
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.hub._forget(self)
+        for fd in (self.fd, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self._wake_w = -1
 
     def __enter__(self) -> DirWatch:
         return self
@@ -125,45 +280,49 @@ class DirWatch:
 
     def events(self) -> list[tuple[str, str]]:
         """What changed since the last call, as ``(name relative to the root, EVENT_TYPE_*)`` (never blocks)."""
-        if self.fd < 0:
-            new = self._scan()
-            out = _diff(self._state, new)
-            self._state = new
-            return out
-        out, self._pending = self._pending, []
-        while True:
-            try:
-                data = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return out
-            self._parse(data, out)
+        with self.hub.lock:
+            out, self._pending = self._pending, []
+            if self.fd >= 0:
+                try:
+                    while os.read(self.fd, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+        return out
 
-    # ---- inotify -------------------------------------------------------------------------------------------
-    def _full(self, rel: str) -> str:
+    def full(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else self.root
 
-    def _add(self, rel: str, extra: int = 0) -> None:
-        path = os.fsencode(self._full(rel))
-        wd = _check(_inotify_libc().inotify_add_watch(self.fd, path, WATCH_MASK | extra), f"watch {self._full(rel)}")
-        self._paths[wd] = rel  # a directory moved within the tree keeps its wd: the path is updated here
+    def _queue(self, rel: str, kind: str) -> None:
+        self._pending.append((rel, kind))
+        if len(self._pending) > MAX_PENDING:
+            del self._pending[:-MAX_PENDING]
 
+    def _wake(self) -> None:
+        if self._wake_w >= 0 and self._pending:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: it is readable already
+
+    # ---- inotify (called by the hub with its lock held) --------------------------------------------------
     def _add_below(self, rel: str, report: bool) -> None:
         """Watch every directory below `rel`; with `report`, queue a create event for each entry found."""
         try:
-            names = os.listdir(self._full(rel))
+            names = os.listdir(self.full(rel))
         except OSError:
             return
         for name in names:
             child = os.path.join(rel, name) if rel else name
             if report:
-                self._pending.append((child, "EVENT_TYPE_CREATE"))
+                self._queue(child, "EVENT_TYPE_CREATE")
             try:
-                is_dir = stat.S_ISDIR(os.lstat(self._full(child)).st_mode)
+                is_dir = stat.S_ISDIR(os.lstat(self.full(child)).st_mode)
             except OSError:
                 continue
             if is_dir:
                 try:
-                    self._add(child, IN_ONLYDIR)
+                    self.hub._add(self, child)
                 except OSError:
                     continue  # removed meanwhile, or not readable
                 self._add_below(child, report)
@@ -171,40 +330,34 @@ class DirWatch:
     def _forget_below(self, rel: str) -> None:
         """Stop watching `rel` and what lies below it (it left the tree)."""
         prefix = rel + "/"
-        for wd, path in list(self._paths.items()):
-            if path == rel or path.startswith(prefix):
-                _inotify_libc().inotify_rm_watch(self.fd, wd)
-                del self._paths[wd]
+        for wd in list(self._wds):
+            path = self.hub._subs.get(wd, {}).get(self)
+            if path is not None and (path == rel or path.startswith(prefix)):
+                self.hub._drop(self, wd)
 
-    def _parse(self, data: bytes, out: list[tuple[str, str]]) -> None:
-        pos = 0
-        while pos + EVENT.size <= len(data):
-            wd, mask, _, length = EVENT.unpack_from(data, pos)
-            name = os.fsdecode(data[pos + EVENT.size : pos + EVENT.size + length].rstrip(b"\0"))
-            pos += EVENT.size + length
-            if mask & (IN_IGNORED | IN_DELETE_SELF):  # a watched directory is gone (its parent reported it)
-                self._paths.pop(wd, None)
-                continue
-            base = self._paths.get(wd)
-            if base is None or mask & IN_Q_OVERFLOW or not name:
-                continue
-            rel = os.path.join(base, name) if base else name
-            for bit, kind in KINDS:
-                if mask & bit:
-                    out.append((rel, kind))
-            if self.recursive and mask & IN_ISDIR:
-                if mask & (IN_CREATE | IN_MOVED_TO):
-                    try:
-                        self._add(rel, IN_ONLYDIR)
-                    except OSError:
-                        continue
-                    self._add_below(rel, report=bool(mask & IN_CREATE))
-                    out.extend(self._pending)
-                    self._pending = []
-                elif mask & IN_MOVED_FROM:
-                    self._forget_below(rel)
+    def _event(self, base: str, name: str, mask: int) -> None:
+        rel = os.path.join(base, name) if base else name
+        for bit, kind in KINDS:
+            if mask & bit:
+                self._queue(rel, kind)
+        if self.recursive and mask & IN_ISDIR:
+            if mask & (IN_CREATE | IN_MOVED_TO):
+                try:
+                    self.hub._add(self, rel)
+                except OSError:
+                    return
+                self._add_below(rel, report=bool(mask & IN_CREATE))
+            elif mask & IN_MOVED_FROM:
+                self._forget_below(rel)
 
-    # ---- polling fallback ----------------------------------------------------------------------------------
+    # ---- polling fallback --------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        new = self._scan()
+        for event in _diff(self._state, new):
+            self._queue(*event)
+        self._state = new
+        self._wake()
+
     def _scan(self) -> dict[str, tuple]:
         seen: dict[str, tuple] = {}
 
