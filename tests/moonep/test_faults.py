@@ -20,7 +20,11 @@ pytestmark = pytest.mark.multiproc
 TIMEOUT_S = 1.0
 S, H, K, P = 6, 4, 2, 2
 # Collective the faulty rank breaks: the token rows (after the layout exchange), or combine's partials.
-FAULT_POINTS = {"dispatch": ("start_all_gather", "dispatch token"), "combine": ("start_all_to_all", "combine")}
+FAULT_POINTS = {
+    "dispatch": ("start_all_gather", "dispatch token"),
+    "combine": ("start_all_to_all", "combine"),
+    "combine-remote": ("start_all_to_all_remote", "combine"),  # combine_path="remote_only"
+}
 
 
 class _Stalled(Exception):
@@ -59,13 +63,16 @@ def fault_rank(
     if device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    buffer = Buffer(None, S, H, K, P * world, dtype=torch.float32, timeout_s=timeout_s, device=device)
+    path = "remote_only" if where == "combine-remote" else "all_to_all"
+    buffer = Buffer(
+        None, S, H, K, P * world, dtype=torch.float32, timeout_s=timeout_s, device=device, combine_path=path
+    )
     idx, w = (t.to(device) for t in make_routing("uniform", S, K, P * world, world, rank=rank))
     x = torch.randn(S, H, device=device)
     out = None
     # Every rank completes one dispatch first: combine needs its handle, and NCCL connects peers lazily during
     # the first collectives (2-3 s on 2xH200), which would otherwise count as the fault's detection time.
-    if where == "combine" or device != "cpu":
+    if where != "dispatch" or device != "cpu":
         out = buffer.dispatch(x, idx, w)
         _await_fault(buffer, device, time.monotonic() + 30)
     if rank == 1:
@@ -128,6 +135,14 @@ def check_survivors(results: list, fault: str, timeout_s: float) -> None:
 def test_peer_fault_raises_comm_error_on_every_survivor(fault: str, where: str, tmp_path: Path) -> None:
     results = run_ranks(fault_rank, 3, fault, where, str(tmp_path), timeout_s=60, pg_timeout_s=30, allow_failures=True)
     check_survivors(results, fault, TIMEOUT_S)
+
+
+def test_peer_death_in_remote_only_combine_raises_comm_error(tmp_path: Path) -> None:
+    # The remote-only combine's exchange (this rank's split 0) fails like the all-to-all it replaces.
+    results = run_ranks(
+        fault_rank, 3, "die", "combine-remote", str(tmp_path), timeout_s=60, pg_timeout_s=30, allow_failures=True
+    )
+    check_survivors(results, "die", TIMEOUT_S)
 
 
 def _expect_value_error(fn, match: str) -> None:
