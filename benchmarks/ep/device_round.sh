@@ -7,8 +7,8 @@
 #                 (NCCL stall/death -> CommError); EP_TESTS_K narrows with pytest -k
 #   EP_BENCH=s    >= 2 GPUs: benchmarks.ep.run with EP_BENCH_ARGS (default: all rows, ~100 s on 2xH200)
 #   EP_PROFILE=s  >= 2 GPUs: benchmarks.ep.profile (kernel times)
-# A 2-GPU session, everything in one call (~4 min with compiles):
-#   EP_TESTS=150 EP_BENCH=240 EP_PROFILE=60 bash benchmarks/device/run.sh bash benchmarks/ep/device_round.sh
+# A 2-GPU session, everything in one call (~5 min with compiles; the bench also times the version-E variants):
+#   EP_TESTS=240 EP_BENCH=300 EP_PROFILE=60 bash benchmarks/device/run.sh bash benchmarks/ep/device_round.sh
 set -u
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1
