@@ -82,6 +82,9 @@ def _run_cases(
             again = buffer.dispatch(x_d * 2, idx_d, w_d, plan=planned)
             assert torch.equal(again.x_CH, out.x_CH * 2), f"{case_id}: a reused plan placed rows differently"
             assert torch.equal(out.handle.recv_slots_TK, planned.handle.recv_slots_TK)
+            layout_plan = buffer.get_dispatch_layout(idx_d, w_d)  # the plan alone (no handle)
+            for name in ("local_counts_RL", "redundant_ids_RN", "load_R"):
+                assert torch.equal(getattr(layout_plan, name), getattr(planned.plan, name)), f"{case_id}: {name}"
         else:
             out = buffer.dispatch(x_d, idx_d, w_d)
         out_x, out_w = out.x_CH.cpu(), out.weights_C.cpu()
