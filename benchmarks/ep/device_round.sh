@@ -6,7 +6,8 @@
 #                 test_gpu.py (exact dispatch/combine, async, NVLink, bf16 layer) and test_gpu_faults.py
 #                 (NCCL stall/death -> CommError); EP_TESTS_K narrows with pytest -k
 #   EP_BENCH=s    >= 2 GPUs: benchmarks.ep.run with EP_BENCH_ARGS (default: all rows, ~100 s on 2xH200)
-#   EP_PROFILE=s  >= 2 GPUs: benchmarks.ep.profile (kernel times)
+#   EP_PROFILE=s  >= 2 GPUs: benchmarks.ep.profile (kernel times) with EP_PROFILE_ARGS (e.g. "--combine-path
+#                 remote_only --preplanned" for the version-E path)
 # A 2-GPU session, everything in one call (~5 min with compiles; the bench also times the version-E variants):
 #   EP_TESTS=240 EP_BENCH=300 EP_PROFILE=60 bash benchmarks/device/run.sh bash benchmarks/ep/device_round.sh
 set -u
@@ -28,7 +29,8 @@ step gpu_tests "${EP_TESTS:-0}" python3 -m pytest -q -x -p no:cacheprovider --ti
 if [ "$GPUS" -ge 2 ]; then
   # shellcheck disable=SC2086 # EP_BENCH_ARGS is a list of arguments
   step bench "${EP_BENCH:-0}" python3 -m benchmarks.ep.run ${EP_BENCH_ARGS:-}
-  step profile "${EP_PROFILE:-0}" python3 -m benchmarks.ep.profile --steps 3 --rows 25
+  # shellcheck disable=SC2086 # EP_PROFILE_ARGS is a list of arguments
+  step profile "${EP_PROFILE:-0}" python3 -m benchmarks.ep.profile --steps 3 --rows 25 ${EP_PROFILE_ARGS:-}
 else
   echo "=== bench, profile: need 2 GPUs (found $GPUS): not run"
 fi
