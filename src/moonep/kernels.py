@@ -109,10 +109,13 @@ def reduce_own_and_sum_kernel(
     b_own = reduce_row(y_ptr, slots_ptr, w_ptr, i_t, o_h, m_h, H, K, HAS_W, BH)  # [BH]
     b_own = b_own.to(recv_ptr.dtype.element_ty).to(tl.float32)
     b_acc = tl.zeros([BH], dtype=tl.float32)
+    # As a tensor: Triton may specialise rank == 1 into a constant, and the block index below needs a tensor.
+    b_rank = tl.zeros([BH], dtype=tl.int32) + rank  # [BH]
     for r in tl.static_range(R):
-        m_own = (tl.zeros([BH], dtype=tl.int32) + rank) == r  # [BH]
-        i_q = r - (r > rank).to(tl.int32)  # block of rank r among the R-1 received ones
-        b_p = tl.load(recv_ptr + (i_q * n + i_t).to(tl.int64) * H + o_h, mask=m_h & ~m_own, other=0.0)
+        m_own = b_rank == r  # [BH]
+        b_q = r - (b_rank < r).to(tl.int32)  # [BH] block of rank r among the R-1 received ones
+        p_recv = recv_ptr + (b_q.to(tl.int64) * n + i_t) * H + o_h  # [BH]
+        b_p = tl.load(p_recv, mask=m_h & ~m_own, other=0.0)
         b_acc += tl.where(m_own, b_own, b_p.to(tl.float32))
     tl.store(out_ptr + i_t.to(tl.int64) * H + o_h, b_acc.to(out_ptr.dtype.element_ty), mask=m_h)
 
