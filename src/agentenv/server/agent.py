@@ -153,7 +153,31 @@ def entry_info(path: str) -> dict:
     }
     if target is not None:
         info["symlinkTarget"] = target
+    metadata = read_metadata(path)
+    if metadata:
+        info["metadata"] = metadata
     return info
+
+
+METADATA_XATTR = "user.e2b."
+"""Prefix of the extended attributes that hold a file's user metadata (envd 0.6.2: ``files.write(metadata=)``)."""
+
+
+def read_metadata(path: str) -> dict:
+    """A file's user metadata: its ``user.e2b.*`` extended attributes, by key (set by uploads or out of band)."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:  # no xattrs on this filesystem, or gone
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith(METADATA_XATTR):
+            try:
+                out[name[len(METADATA_XATTR):]] = os.getxattr(path, name, follow_symlinks=False).decode(
+                    "ascii", "replace")
+            except OSError:
+                continue
+    return out
 
 
 def _os_fault(e: OSError, what: str) -> Fault:
@@ -161,7 +185,8 @@ def _os_fault(e: OSError, what: str) -> Fault:
 
     codes = {errno.ENOENT: "not_found", errno.EEXIST: "already_exists", errno.EACCES: "permission_denied",
              errno.EPERM: "permission_denied", errno.ENOTDIR: "invalid_argument", errno.EISDIR: "invalid_argument",
-             errno.ENOTEMPTY: "failed_precondition", errno.ENOSPC: "resource_exhausted"}
+             errno.ENOTEMPTY: "failed_precondition", errno.ENOSPC: "resource_exhausted",
+             errno.EOPNOTSUPP: "failed_precondition"}  # e.g. metadata (xattrs) on a filesystem without them
     return Fault(codes.get(e.errno, "internal"), f"{what}: {e.strerror}")
 
 
@@ -576,7 +601,13 @@ class Agent:
         os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
         with open(path, "wb") as f:
             f.write(blob)
-        return {"name": os.path.basename(path), "type": "file", "path": path}, b""
+        metadata = req.get("metadata") or {}
+        for key, value in metadata.items():  # keys and values were checked by the host (envd._upload_metadata)
+            os.setxattr(path, METADATA_XATTR + key, value.encode("ascii"))
+        reply = {"name": os.path.basename(path), "type": "file", "path": path}
+        if metadata:
+            reply["metadata"] = metadata
+        return reply, b""
 
     # ---- watches (inotify, or a polling scan where inotify is unavailable: `agentenv.server.watch`) ----------
     def _check_dir(self, req: dict) -> str:

@@ -13,6 +13,7 @@ import binascii
 import gzip
 import logging
 import os
+import re
 import select
 import signal
 
@@ -135,6 +136,31 @@ def _frames(link: AgentLink, req: dict):
             link.release(sock)
         else:
             sock.close()
+
+
+METADATA_HEADER = "x-metadata-"
+"""Upload headers ``X-Metadata-<key>: <value>`` carry the user metadata set on every uploaded file (envd 0.6.2)."""
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")
+
+
+def _upload_metadata(h: Handler) -> dict[str, str]:
+    """User metadata from an upload's ``X-Metadata-*`` headers, keys lower-cased (as envd does).
+
+    Raises:
+        HTTPError: 400 for a key that is not an HTTP token or a value that is not printable US-ASCII.
+    """
+    out = {}
+    for name, value in h.headers.items():
+        if not name.lower().startswith(METADATA_HEADER):
+            continue
+        key = name[len(METADATA_HEADER):].lower()
+        if not _TOKEN.fullmatch(key):
+            raise HTTPError(400, f"invalid metadata key {key!r}: use letters, digits and !#$%&'*+-.^_`|~")
+        if not _PRINTABLE.fullmatch(value):
+            raise HTTPError(400, f"invalid metadata value for key {key!r}: values must be printable US-ASCII")
+        out[key] = value
+    return out
 
 
 class Envd:
@@ -335,10 +361,14 @@ class Envd:
                 return
             if h.command != "POST":
                 raise HTTPError(405, f"method {h.command} not allowed on /files")
+            metadata = _upload_metadata(h)
             results = []
             for path, data in self._uploads(h):
-                reply, _ = link.call({"op": "write", "path": path, "user": user}, data)
-                results.append({"name": reply["name"], "type": reply["type"], "path": reply["path"]})
+                req = {"op": "write", "path": path, "user": user}
+                if metadata:
+                    req["metadata"] = metadata
+                reply, _ = link.call(req, data)
+                results.append({k: reply[k] for k in ("name", "type", "path", "metadata") if k in reply})
             h.send_json(200, results)
         except AgentError as e:
             raise HTTPError(connect.HTTP_STATUS.get(e.code, 500), str(e)) from e

@@ -71,8 +71,9 @@ class Entry:
         return {**self.listed(), "envdAccessToken": self.token}
 
 
-ENVD_VERSION = "0.5.7"
-"""The envd version we report: new enough for stdin, the default user and octet-stream uploads."""
+ENVD_VERSION = "0.6.3"
+"""The envd version we report: new enough for stdin, the default user, octet-stream uploads, user file metadata
+(0.6.2: ``user.e2b.*`` xattrs) and entries in watch events (0.6.3); the SDK gates each on this version."""
 
 
 def _iso(t: float) -> str:

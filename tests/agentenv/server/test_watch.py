@@ -1,7 +1,7 @@
 """Directory watches: `WatchHub`/`DirWatch` (one inotify instance for all watches, and the polling fallback) on
 host directories, then through the stock SDK in a sandbox (recursive, renames, chmod, changes faster than any
-poll, more watches than the host's inotify instance limit, the fallback). (``include_entry`` needs envd 0.6.3,
-which would also promise file metadata; we report 0.5.7, so the SDK refuses it before calling.)"""
+poll, more watches than the host's inotify instance limit, the fallback). ``include_entry`` is in
+`test_sdk_file_metadata.py`."""
 
 from __future__ import annotations
 
