@@ -77,6 +77,20 @@ def test_non_recursive_watch_ignores_subdirectories(tmp_path, hub):
     assert [name for name, _ in seen if name.startswith("sub/")] == []
 
 
+@pytest.mark.no_runtime
+def test_notify_descriptor_is_readable_while_events_wait(tmp_path, hub):
+    import select
+
+    with hub.watch(str(tmp_path), recursive=False, notify=True) as w:
+        assert select.select([w.fd], [], [], 0.2)[0] == []  # nothing happened yet
+        (tmp_path / "f").write_text("1")
+        assert select.select([w.fd], [], [], 5)[0] == [w.fd]  # a stream's select wakes (inotify or a scan)
+        assert ("f", CREATE) in _drain(w, ("f", CREATE))
+        time.sleep(0.12)  # past two scans of the poller
+        w.events()
+        assert select.select([w.fd], [], [], 0)[0] == []  # drained with the events
+
+
 def _inotify_fds(pid: int | str = "self") -> int:
     count = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
