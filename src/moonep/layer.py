@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moonep.buffer import Buffer
+from moonep.buffer import Buffer, PlannedDispatch
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class MoELayer(torch.nn.Module):
            gradients home);
         4. the routed experts run as one grouped GEMM over the local slots;
         5. `Buffer.combine` sums each token's ``K`` outputs in fp32; the shared output is added.
+    With ``forward(x, planned=layer.plan_ahead(x))`` step 1 and the planning of step 2 happen ahead (e.g.
+    for micro-batch n+1 while micro-batch n's experts run) and dispatch only moves token rows.
 
     Router and shared experts are replicated: their gradients need the usual data-parallel all-reduce.
 
@@ -127,9 +129,19 @@ class MoELayer(torch.nn.Module):
         self.shared_w1_FH = torch.nn.Parameter(torch.randn(num_shared * Fi, H, **kw) * H**-0.5)
         self.shared_w2_HF = torch.nn.Parameter(torch.randn(H, num_shared * Fi, **kw) * Fi**-0.5)
 
-    def forward(self, x_sH: torch.Tensor) -> MoEOutput:
+    def plan_ahead(self, x_sH: torch.Tensor) -> PlannedDispatch:
+        """Route ``x_sH`` ([s, H]) and plan its dispatch on the communication stream (collective), e.g. for the
+        next micro-batch while this one's experts run; pass the result to ``forward(x_sH, planned=...)``."""
         idx_sK, weights_sK = self.router(x_sH)
-        dispatched = self.buffer.dispatch(x_sH, idx_sK, weights_sK, async_finish=True)
+        return self.buffer.plan(idx_sK, weights_sK, async_finish=True)
+
+    def forward(self, x_sH: torch.Tensor, planned: PlannedDispatch | None = None) -> MoEOutput:
+        """Args: ``x_sH`` [s, H] tokens; ``planned``: from `plan_ahead` on the same ``x_sH`` (its routing is used)."""
+        if planned is None:
+            idx_sK, weights_sK = self.router(x_sH)
+        else:
+            idx_sK, weights_sK = planned.topk_idx, planned.topk_weights
+        dispatched = self.buffer.dispatch(x_sH, idx_sK, weights_sK, async_finish=True, plan=planned)
         with dispatched.event:
             shared_sH = F.silu(x_sH @ self.shared_w1_FH.t()) @ self.shared_w2_HF.t()
         plan = dispatched.handle.plan

@@ -80,7 +80,8 @@ def _check_layer(rank: int, world: int, balanced: bool, combine_path: str = "all
         layer.shared_w2_HF.copy_(params["sw2"])
     x, g = _tokens(rank)
     x.requires_grad_()
-    result = layer(x)
+    # The remote-only buffer also takes the plan-ahead path: routing and plan made before forward.
+    result = layer(x, planned=layer.plan_ahead(x)) if combine_path == "remote_only" else layer(x)
     (result.out_sH * g).sum().backward()
     ref_outs, ref_grads = _reference(world, params)
     assert _rel(result.out_sH.detach(), ref_outs[rank]) < 1e-5, "forward differs from the reference MoE"
@@ -159,7 +160,7 @@ def _all_checks(rank: int, world: int) -> list[int]:
     _check_prefetch_reduce(rank, world)
     _check_preplanned_grads(rank, world)
     layers = [_check_layer(rank, world, balanced) for balanced in (True, False)]
-    return layers + [_check_layer(rank, world, True, "remote_only")]
+    return layers + [_check_layer(rank, world, True, "remote_only")]  # also planned ahead
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["R2", "R4"])
