@@ -136,7 +136,15 @@ class MoELayer(torch.nn.Module):
         return self.buffer.plan(idx_sK, weights_sK, async_finish=True)
 
     def forward(self, x_sH: torch.Tensor, planned: PlannedDispatch | None = None) -> MoEOutput:
-        """Args: ``x_sH`` [s, H] tokens; ``planned``: from `plan_ahead` on the same ``x_sH`` (its routing is used)."""
+        """Run the layer on this rank's tokens.
+
+        Args:
+            x_sH: ``[s, H]`` tokens.
+            planned: from `plan_ahead` on the same ``x_sH`` (its routing and plan are used), or None.
+
+        Returns:
+            `MoEOutput` with ``out_sH`` ``[s, H]``.
+        """
         if planned is None:
             idx_sK, weights_sK = self.router(x_sH)
         else:
