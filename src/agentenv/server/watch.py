@@ -21,9 +21,10 @@ watch adds a watch for each directory that appears below the root and reports wh
 holds when its watch is added as ``create`` events (a tree made by ``mkdir -p a/b && touch a/b/f`` faster than
 the watch follows is still reported in full).
 
-Where inotify cannot be had (no ``inotify_init1`` in the sandbox's libc, or the instance limit reached when
-the hub starts), the hub's thread instead scans each watch's tree every `POLL_INTERVAL_S` and diffs (mtime,
-size, mode, inode) signatures.
+Where inotify cannot be had (no ``inotify_init1`` in the sandbox's libc, or the instance limit reached), a new
+watch is polled instead: the hub's thread scans its tree every `POLL_INTERVAL_S` and diffs (mtime, size, mode,
+inode) signatures. A hub without an instance tries again at each new watch, so once an instance is free again
+later watches use inotify (watches already polled stay polled).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import select
 import stat
 import struct
 import threading
+import time
 
 POLL_INTERVAL_S = 0.05
 """Scan period of the polling fallback, in seconds."""
@@ -88,34 +90,44 @@ def _check(result: int, what: str) -> int:
 
 
 class WatchHub:
-    """Every `DirWatch` of one process, fed by one background thread over one inotify instance (or a scan loop).
+    """Every `DirWatch` of one process, fed by one background thread over one inotify instance (and a scan loop
+    for watches made while no instance could be had).
 
     Args:
         use_inotify: False forces the polling scan (tests of the fallback).
 
     Attributes:
-        fd: the shared inotify descriptor; -1 while polling.
-        interval: None with inotify; the polling period in seconds otherwise.
+        fd: the shared inotify descriptor; -1 while the hub has none.
     """
 
     def __init__(self, *, use_inotify: bool = True):
+        self.use_inotify = use_inotify
         self.fd = -1
-        self.interval: float | None = None
-        if use_inotify:
-            try:
-                self.fd = _check(_inotify_libc().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
-            except (OSError, AttributeError):  # no inotify here, or the instance limit is reached
-                self.fd = -1
-        if self.fd < 0:
-            self.interval = POLL_INTERVAL_S
         self.lock = threading.RLock()
         """Held while events are dispatched and while watches change (a dispatch may add watches)."""
         self._subs: dict[int, dict[DirWatch, str]] = {}
         """wd -> {watch: directory path relative to that watch's root ("" for its root)}."""
         self._watches: set[DirWatch] = set()
+        self._polled: set[DirWatch] = set()
         self._closed = threading.Event()
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)  # wakes the reader's select on close
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        """Wakes the thread's select: on close, and when its descriptors or its scan period change."""
         self._thread: threading.Thread | None = None
+        self._open_instance()
+
+    @property
+    def interval(self) -> float | None:
+        """None while new watches use inotify; the polling period in seconds otherwise."""
+        return None if self.fd >= 0 else POLL_INTERVAL_S
+
+    def _open_instance(self) -> bool:
+        if self.fd < 0 and self.use_inotify:
+            try:
+                self.fd = _check(_inotify_libc().inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
+                return True
+            except (OSError, AttributeError):  # no inotify here, or the instance limit is reached
+                self.fd = -1
+        return False
 
     def watch(self, root: str, recursive: bool, *, notify: bool = False) -> DirWatch:
         """Start watching `root` (an existing directory; with `recursive`, all below it too).
@@ -132,6 +144,7 @@ class WatchHub:
         with self.lock:
             if self._closed.is_set():
                 raise OSError(9, "the watch hub is closed")
+            wake = self._open_instance()  # the thread must select on the new instance
             try:
                 if self.fd >= 0:
                     self._add(w, "")
@@ -139,10 +152,14 @@ class WatchHub:
                         w._add_below("", report=False)
                 else:
                     w._state = w._scan()
+                    self._polled.add(w)
+                    wake = True  # the thread may be waiting without a timeout
             except OSError:
                 w.close()
                 raise
             self._watches.add(w)
+            if wake:
+                self._wake()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="watch-hub", daemon=True)
                 self._thread.start()
@@ -158,7 +175,7 @@ class WatchHub:
         if self._closed.is_set():
             return
         self._closed.set()
-        os.write(self._stop_w, b"x")
+        self._wake()
         with self.lock:
             for w in list(self._watches):
                 w.close()
@@ -166,10 +183,10 @@ class WatchHub:
         if thread is not None and thread is not threading.current_thread():
             thread.join(CLOSE_WAIT_S)
         with self.lock:
-            for fd in (self.fd, self._stop_r, self._stop_w):
+            for fd in (self.fd, self._wake_r, self._wake_w):
                 if fd >= 0:
                     os.close(fd)
-            self.fd = self._stop_r = self._stop_w = -1
+            self.fd = self._wake_r = self._wake_w = -1
 
     def __enter__(self) -> WatchHub:
         return self
@@ -198,25 +215,44 @@ class WatchHub:
             for wd in list(w._wds):
                 self._drop(w, wd)
             self._watches.discard(w)
+            self._polled.discard(w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # full: the thread has wake-ups pending anyway
 
     # ---- the thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        next_scan = time.monotonic() + POLL_INTERVAL_S
         while not self._closed.is_set():
-            if self.fd < 0:
-                self._closed.wait(self.interval)
-                with self.lock:
-                    for w in list(self._watches):
-                        w._poll()
-                continue
+            with self.lock:
+                fds = [self._wake_r] + ([self.fd] if self.fd >= 0 else [])
+                polling = bool(self._polled)
+            timeout = max(0.0, next_scan - time.monotonic()) if polling else None
             try:
-                ready, _, _ = select.select([self.fd, self._stop_r], [], [])
+                ready, _, _ = select.select(fds, [], [], timeout)
+                if self._closed.is_set():
+                    return
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
                 with self.lock:
-                    if self.fd < 0 or self._closed.is_set():
-                        return
-                    data = os.read(self.fd, 65536)
-                    self._dispatch(data)
-            except BlockingIOError:
-                continue
+                    if self.fd >= 0 and self.fd in ready:
+                        try:
+                            self._dispatch(os.read(self.fd, 65536))
+                        except BlockingIOError:
+                            pass
+                    if self._polled and time.monotonic() >= next_scan:
+                        for w in list(self._polled):
+                            w._poll()
+                        next_scan = time.monotonic() + POLL_INTERVAL_S
+                    elif not self._polled:
+                        next_scan = time.monotonic() + POLL_INTERVAL_S
             except (OSError, ValueError):  # closed under us
                 return
 

@@ -211,7 +211,7 @@ sys.stdin.read()
 """
 
 
-def test_watch_falls_back_to_polling_when_no_inotify_instance_is_left(e2b_sandbox):
+def test_watch_falls_back_to_polling_when_no_inotify_instance_is_left_and_later_ones_use_inotify(e2b_sandbox):
     import errno
 
     e2b_sandbox.files.make_dir("/tmp/pw")
@@ -236,5 +236,19 @@ def test_watch_falls_back_to_polling_when_no_inotify_instance_is_left(e2b_sandbo
         assert ("d/f", "write") in _wait_for(handle, "d/f", "write", seen)
         e2b_sandbox.commands.run("rm /tmp/pw/d/f")
         assert ("d/f", "remove") in _wait_for(handle, "d/f", "remove", seen)
+        # the instances are free again (the holder is gone): the next watch gets one, the first keeps polling
+        while holder.pid in [p.pid for p in e2b_sandbox.commands.list()] and time.monotonic() < deadline + 10:
+            time.sleep(0.02)
+        later = e2b_sandbox.files.watch_dir("/tmp/pw")
+        try:
+            assert int(e2b_sandbox.commands.run(AGENT_INOTIFY_FDS).stdout) == 1
+            e2b_sandbox.commands.run("touch /tmp/pw/quick && rm /tmp/pw/quick")  # too fast for a scan
+            later_seen: list = []
+            pairs = _wait_for(later, "quick", "remove", later_seen)
+            assert ("quick", "create") in pairs and ("quick", "remove") in pairs, pairs
+            e2b_sandbox.commands.run("touch /tmp/pw/slow")
+            assert ("slow", "create") in _wait_for(handle, "slow", "create", seen)
+        finally:
+            later.stop()
     finally:
         handle.stop()
