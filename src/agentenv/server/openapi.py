@@ -93,7 +93,8 @@ SANDBOX_ROUTES: list[tuple[str, str, str]] = [
     ("post", "/filesystem.Filesystem/GetWatcherEvents", "Events since the last poll"),
     ("post", "/filesystem.Filesystem/RemoveWatcher", "Stop a watcher"),
     ("get", "/files", "Download a file (?path=)"),
-    ("post", "/files", "Upload: multipart/form-data or application/octet-stream (?path=)"),
+    ("post", "/files", "Upload: multipart/form-data or application/octet-stream (?path=); X-Metadata-<key> headers "
+                       "set user metadata (user.e2b.<key> xattrs) on each file"),
     ("get", "/health", "envd liveness (204)"),
     ("post", "/execute", "Code interpreter (E2b-Sandbox-Port: 49999): NDJSON stream of outputs"),
     ("get", "/contexts", "Code interpreter contexts (namespaces in the persistent session)"),

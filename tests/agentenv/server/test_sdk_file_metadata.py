@@ -78,3 +78,19 @@ def test_stat_reports_a_symlink_and_its_target(e2b_sandbox):
     entry = e2b_sandbox.files.get_info("/tmp/sl/l")
     assert entry.type == FileType.SYMLINK and entry.symlink_target == "/tmp/sl/t"
     assert e2b_sandbox.files.get_info("/tmp/sl/t").symlink_target is None
+
+
+def test_invalid_metadata_headers_are_refused_before_writing(server, e2b_sandbox):
+    """The SDK checks keys and values itself; the server does too, for any other client (E2B-shaped 400)."""
+    from tests.agentenv.server.test_auth_errors import assert_e2b_error, call
+
+    headers = {"E2b-Sandbox-Id": e2b_sandbox.sandbox_id, "E2b-Sandbox-Port": "49983",
+               "X-Access-Token": e2b_sandbox._envd_access_token, "Content-Type": "application/octet-stream"}
+    for bad in ({"X-Metadata-": "empty key"}, {"X-Metadata-k": "caf\u00e9"}, {"X-Metadata-a(b": "v"}):
+        status, body = call(server, "POST", "/files?path=/tmp/bad.txt", headers={**headers, **bad}, raw=b"x")
+        assert_e2b_error(status, body, 400)
+        assert "metadata" in body["message"]
+    assert not e2b_sandbox.files.exists("/tmp/bad.txt")
+    status, body = call(server, "POST", "/files?path=/tmp/good.txt", headers={**headers, "X-Metadata-OK": "v"},
+                        raw=b"x")
+    assert status == 200 and body[0]["metadata"] == {"ok": "v"}
