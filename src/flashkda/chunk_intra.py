@@ -22,6 +22,8 @@ Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 Ki
 (L2 norms first) and the w right-hand side makes one round trip, mostly from L2.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,9 @@ from flashkda.ops import L2NORM_EPS, beta_map, kda_gate
 #: Tokens per chunk and per sub-chunk; the kernel is written out for exactly four sub-chunks.
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
+#: Environment switch of the opt-in small-tile intra path (``chunk_intra_tiled``): "1" turns it on for every call
+#: that does not pass ``tiled`` itself.
+TILED_ENV = "FLASHKDA_INTRA_TILED"
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
@@ -133,6 +138,39 @@ def _block_diag(b_D, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def inv_norms(q, k, t0_q, t0_k, eos, i_h, scale, H: tl.constexpr, K: tl.constexpr, RQ: tl.constexpr,
+              RK: tl.constexpr, BN: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """``([RQ], [RK])`` fp32: ``scale / |q_t|`` over the ``RQ`` rows from ``t0_q`` and ``1 / |k_t|`` over the ``RK``
+    rows from ``t0_k`` (``scale`` and 1 without the in-kernel L2 norm), read in ``BN``-wide slices."""
+    b_sq = tl.zeros([RQ], dtype=tl.float32)
+    b_sk = tl.zeros([RK], dtype=tl.float32)
+    if USE_L2NORM:
+        for i_k in range(0, tl.cdiv(K, BN)):
+            o_k = i_k * BN + tl.arange(0, BN)
+            b_x = _tile(q, t0_q, eos, i_h, o_k, H, K, RQ)
+            b_sq += tl.sum(b_x * b_x, 1)
+            b_x = _tile(k, t0_k, eos, i_h, o_k, H, K, RK)
+            b_sk += tl.sum(b_x * b_x, 1)
+        return scale / tl.sqrt(b_sq + L2NORM_EPS), 1.0 / tl.sqrt(b_sk + L2NORM_EPS)
+    return b_sq + scale, b_sk + 1.0
+
+
+@triton.jit
+def activate_gate(b_g, dt_bias, b_A, lower_bound, i_hv, o_k, m_r, K: tl.constexpr, USE_GATE: tl.constexpr,
+                  HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """The log decay of a ``[R, len(o_k)]`` fp32 gate tile (raw input when ``USE_GATE``, else as given), zero in
+    rows past ``m_r`` and columns past ``K``: padded rows must not decay the state, whatever the activation of 0 is."""
+    m_k = o_k < K
+    if USE_GATE:
+        if HAS_BIAS:
+            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        else:
+            b_bias = tl.zeros(o_k.shape, dtype=tl.float32)
+        b_g = kda_gate(b_g, b_bias[None, :], b_A, lower_bound, HAS_A, USE_LOWER_BOUND)
+    return tl.where(m_r[:, None] & m_k[None, :], b_g, 0.0)
+
+
+@triton.jit
 def chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Global chunk ``i_c``: its sequence ``i_n`` (``-1`` for a surplus varlen grid entry: the caller returns), its
     first token ``t0`` and its sequence's end ``eos`` (int64 token indices)."""
@@ -179,20 +217,7 @@ def chunk_kda_fwd_kernel_intra(
 
     # [BT] reciprocal L2 norms of q (with the scale) and k, and the activated beta. Nothing else is live yet, so
     # the norms read BKN-wide slices (fewer dependent trips to memory than the BKC slices of the passes below).
-    b_sq = tl.zeros([BT], dtype=tl.float32)
-    b_sk = tl.zeros([BT], dtype=tl.float32)
-    if USE_L2NORM:
-        for i_k in range(0, tl.cdiv(K, BKN)):
-            o_k = i_k * BKN + tl.arange(0, BKN)
-            b_x = _tile(q, t0, eos, i_h, o_k, H, K, BT)
-            b_sq += tl.sum(b_x * b_x, 1)
-            b_x = _tile(k, t0, eos, i_h, o_k, H, K, BT)
-            b_sk += tl.sum(b_x * b_x, 1)
-        b_rq = scale / tl.sqrt(b_sq + L2NORM_EPS)
-        b_rk = 1.0 / tl.sqrt(b_sk + L2NORM_EPS)
-    else:
-        b_rq = b_sq + scale
-        b_rk = b_sk + 1.0
+    b_rq, b_rk = inv_norms(q, k, t0, t0, eos, i_h, scale, H, K, BT, BT, BKN, USE_L2NORM)
     b_b = tl.load(beta + t0 * HV + i_hv + o_r * HV, mask=m_r, other=0.0).to(tl.float32)
     b_b = tl.where(m_r, beta_map(b_b, BETA_SIGMOID, ALLOW_NEG_EIGVAL), 0.0)
 
@@ -235,14 +260,8 @@ def chunk_kda_fwd_kernel_intra(
         b_gn = _raw_tile(g, t0, eos, i_hv, o_k + BKC, HV, K, BT)
         b_qn = _raw_tile(q, t0, eos, i_h, o_k + BKC, H, K, BT)
         b_kn = _raw_tile(k, t0, eos, i_h, o_k + BKC, H, K, BT)
-        if USE_GATE:
-            if HAS_BIAS:
-                b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            else:
-                b_bias = tl.zeros([BKC], dtype=tl.float32)
-            b_g = kda_gate(b_g, b_bias[None, :], b_A, lower_bound, HAS_A, USE_LOWER_BOUND)
-        # Padded rows must not decay the state, whatever the activation of 0 is.
-        b_g = tl.where(m_r[:, None] & m_k[None, :], b_g, 0.0)
+        b_g = activate_gate(b_g, dt_bias, b_A, lower_bound, i_hv, o_k, m_r, K, USE_GATE, HAS_A, HAS_BIAS,
+                            USE_LOWER_BOUND)
         # [4, BC, BKC] -> [BT, BKC] cumulative gate from each sub-chunk's start; [4, BKC] sub-chunk sums.
         b_g3 = tl.reshape(b_g, [4, BC, BKC])
         b_G = tl.reshape(tl.cumsum(b_g3, 1), [BT, BKC])
@@ -383,6 +402,14 @@ def chunk_kda_fwd_kernel_wu(
     o_r = tl.arange(0, BT)
     b_T = tl.load(Tb + (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :],
                   mask=(o_r < eos - t0)[:, None], other=0.0)
+    _wu_from_inverse(v, w, u, b_T, t0, eos, i_hv, HV, K, V, BT, BS, DOT_PREC)
+
+
+@triton.jit
+def _wu_from_inverse(v, w, u, b_T, t0, eos, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``w = b_T w`` in place (each slice is loaded whole before it is overwritten) and ``u = b_T v``, in
+    ``[BT, BS]`` slices; ``b_T``: ``[BT, BT]`` fp32 ``(I + L)⁻¹ Diag(β)``."""
     for i_k in range(0, tl.cdiv(K, BS)):
         o_k = i_k * BS + tl.arange(0, BS)
         b_x = _tile(w, t0, eos, i_hv, o_k, HV, K, BT)
@@ -415,7 +442,8 @@ chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
-                        split_wu=False, wu_config=None, pass1_slice=None, merge=None):
+                        split_wu=False, wu_config=None, pass1_slice=None, merge=None, tiled=None,
+                        tiled_config=None):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -428,6 +456,10 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         merge: force the stacked Aqk/Akk products on or off (None: autotuned on a GPU, off on the interpreter).
         split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
             fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
+        tiled: run the opt-in small-tile path of ``chunk_intra_tiled`` (one program per 16-row sub-chunk, then a
+            solve + w/u kernel per chunk) instead; None: on when the environment sets ``FLASHKDA_INTRA_TILED=1``.
+            The launch-configuration arguments above do not apply to it. tiled_config: ``(BK, warps, BS, warps)``
+            forced for its two kernels (None: autotuned on a GPU).
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
@@ -446,6 +478,15 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     if index.num_chunks == 0:
+        return w, u, qg, kg, Aqk, gC
+    if tiled is None:
+        tiled = os.environ.get(TILED_ENV, "0") == "1"
+    if tiled:
+        from flashkda.chunk_intra_tiled import chunk_kda_fwd_intra_tiled
+
+        chunk_kda_fwd_intra_tiled(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
+                                  use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                                  index, (w, u, qg, kg, Aqk, gC), dot_prec, tiled_config)
         return w, u, qg, kg, Aqk, gC
     Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
