@@ -208,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtype:
             for gate in args.gate:
                 (f1, s1, c1), (f2, s2, c2) = tiled_configs(dtype, gate, bk, bs)
-                report(f1, s1, c1, dtype, gate, nw1, 0, args.sass, 1, name=f"intra_sub BK{bk}")
-                report(f2, s2, c2, dtype, gate, nw2, 0, args.sass, 2, name=f"solve_wu BS{bs}")
+                for cap in args.maxnreg:
+                    report(f1, s1, c1, dtype, gate, nw1, cap, args.sass, 1, name=f"intra_sub BK{bk}")
+                    report(f2, s2, c2, dtype, gate, nw2, cap, args.sass, 2, name=f"solve_wu BS{bs}")
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
             for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge):

@@ -14,10 +14,15 @@ w/u kernel) and ``--h`` (state-only recurrence storing bf16 states, then the par
 ``HILO`` 1 takes the chain products as two bf16 products over a hi/lo split). The split state path stores states
 in bf16, so it is compared with the fused stage at 5e-3 relative.
 
+``--tiled`` times the opt-in small-tile intra path (``flashkda.chunk_intra_tiled``: one program per 16-row
+sub-chunk, then a solve + w/u kernel per chunk) at forced configurations (K slice, warps, register cap or 0 of the
+sub-chunk kernel; w/u slice, warps of the solve kernel) and ``auto`` (both autotuned), beside the default intra
+kernel: the comparison NOTES.md predicts for H64-T8192 and has not timed.
+
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
 [--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
-[--h BV:WARPS:STAGES:HILO ...]`` (CUDA only). The first configuration of the intra and state lists is the reference
-(the fused defaults when a list is empty).
+[--h BV:WARPS:STAGES:HILO ...] [--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
+configuration of the intra and state lists is the reference (the fused defaults when a list is empty).
 """
 
 from __future__ import annotations
@@ -34,15 +39,19 @@ INTRA_SWEEP = ["4:0:16", "4:0:16:0:1", "4:0:64:0:1", "4:168:16", "4:168:16:0:1",
 WU_SWEEP = ["64:8", "128:8", "32:4", "64:4"]
 #: The split state path (state-only recurrence, then the parallel output kernel): (V tile, warps, stages, hi/lo).
 H_SWEEP = ["32:4:1:0", "32:4:2:0", "64:4:2:0", "16:4:2:0", "64:8:2:0", "32:2:2:0"]
+#: The opt-in small-tile intra path: (K slice, warps, register cap or 0; w/u slice, warps), or "auto" (autotuned).
+TILED_SWEEP = ["auto", "16:4:128:32:4", "16:4:0:32:4", "32:4:0:32:4", "16:4:128:64:8", "16:4:128:64:4"]
 
 
 def defined_region(Aqk, BT: int = 64, BC: int = 16):
-    """``Aqk`` ``[B, T, HV, BT]`` with the entries the kernel never writes (blocks above the diagonal) zeroed."""
+    """``Aqk`` ``[B, T, HV, BT]`` with the entries above the diagonal zeroed: the default kernel never writes the
+    blocks above the diagonal block, the small-tile path nothing above the diagonal (the state stage reads the causal
+    part only). Fixed-length rows (row ``t`` is row ``t % BT`` of its chunk)."""
     import torch
 
     o_t = torch.arange(Aqk.shape[1], device=Aqk.device) % BT
     o_c = torch.arange(BT, device=Aqk.device)
-    written = (o_c[None, :] // BC <= o_t[:, None] // BC)  # [T, BT]
+    written = o_c[None, :] <= o_t[:, None]  # [T, BT]
     return torch.where(written[None, :, None, :], Aqk, torch.zeros((), dtype=Aqk.dtype, device=Aqk.device))
 
 
@@ -54,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", nargs="*", default=STATE_SWEEP)
     parser.add_argument("--wu", nargs="*", default=WU_SWEEP)
     parser.add_argument("--h", nargs="*", default=H_SWEEP)
+    parser.add_argument("--tiled", nargs="*", default=TILED_SWEEP)
     args = parser.parse_args(argv)
     import torch
 
@@ -104,6 +114,15 @@ def sweep_case(name: str, args) -> None:
                 q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], q.shape[-1] ** -0.5, -5.0, True,
                 True, True, False, True, index, work_dtype_for(q.dtype), prec, split_wu=True, wu_config=(bs, nw))
             _report(f"intra split + wu slice:warps={spec}", fn, ref, rel_defined, 5e-3, args.rep, t0)
+        for spec in args.tiled:
+            t0 = time.time()
+            cfg = None if spec == "auto" else tuple(int(p) for p in spec.split(":"))
+            cfg = cfg and (cfg[0], cfg[1], cfg[2] or None, cfg[3], cfg[4])
+            fn = lambda cfg=cfg: chunk_kda_fwd_intra(  # noqa: E731
+                q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], q.shape[-1] ** -0.5, -5.0, True,
+                True, True, False, True, index, work_dtype_for(q.dtype), prec, tiled=True, tiled_config=cfg)
+            # 5e-3 as for --wu: w's right-hand side is rounded to bf16 before β is applied (4e-3 on the CPU)
+            _report(f"intra small-tile BK:warps:maxnreg:BS:warps={spec}", fn, ref, rel_defined, 5e-3, args.rep, t0)
         for spec in args.intra:
             t0 = time.time()
             try:

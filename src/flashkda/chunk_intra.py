@@ -458,7 +458,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
         tiled: run the opt-in small-tile path of ``chunk_intra_tiled`` (one program per 16-row sub-chunk, then a
             solve + w/u kernel per chunk) instead; None: on when the environment sets ``FLASHKDA_INTRA_TILED=1``.
-            The launch-configuration arguments above do not apply to it. tiled_config: ``(BK, warps, BS, warps)``
+            The launch-configuration arguments above do not apply to it. tiled_config: ``(BK, warps, maxnreg, BS, warps)``
             forced for its two kernels (None: autotuned on a GPU).
 
     Returns:

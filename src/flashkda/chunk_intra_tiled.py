@@ -40,10 +40,13 @@ from flashkda.chunk_intra import (
 )
 from flashkda.ops import beta_map
 
-#: Launch configurations (kernel 1: K slice width, warps; kernel 2: w/u slice width, warps). The first is the one the
-#: interpreter and a forced call without ``config`` use; on a GPU the autotuner picks among all of them.
-SUB_CONFIGS = [(32, 2), (64, 4), (32, 4)]
-SOLVE_CONFIGS = [(64, 4), (32, 4), (128, 8)]
+#: Launch configurations (kernel 1: K slice width, warps, register cap; kernel 2: w/u slice width, warps). The first
+#: entries are what a forced call without ``config`` uses; on a GPU the autotuner picks among all of them. Offline
+#: (sm_90, Triton 3.9, bf16, bounded gate; benchmarks/kda/resource_report.py --tiled): kernel 1 at 16/4/128 takes
+#: 128 registers with 4 B of spills, 4 CTAs (16 warps) per SM; uncapped 168 registers, 0 B, 3 CTAs; 32-wide slices
+#: need 255 registers (2 CTAs) at 4 warps and spill 668 B at 2. Kernel 2: 32/4 254 registers, 0 B, 2 CTAs.
+SUB_CONFIGS = [(16, 4, 128), (16, 4, None), (32, 4, None)]
+SOLVE_CONFIGS = [(32, 4), (64, 4), (64, 8)]
 
 
 @triton.jit
@@ -202,7 +205,7 @@ def chunk_kda_fwd_kernel_solve_wu(
 
 
 chunk_kda_fwd_kernel_intra_sub_tuned = triton.autotune(
-    configs=[triton.Config({"BK": bk}, num_warps=nw, num_stages=1) for bk, nw in SUB_CONFIGS],
+    configs=[triton.Config({"BK": bk}, num_warps=nw, num_stages=1, maxnreg=cap) for bk, nw, cap in SUB_CONFIGS],
     key=["H", "HV", "K", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC"],
 )(chunk_kda_fwd_kernel_intra_sub)
 chunk_kda_fwd_kernel_solve_wu_tuned = triton.autotune(
@@ -223,8 +226,8 @@ def chunk_kda_fwd_intra_tiled(q, k, v, g, beta, A_log, dt_bias, scale, lower_bou
         index: ``ChunkIndex`` of the batch (at least one chunk).
         outputs: ``(w, u, qg, kg, Aqk, gC)`` as ``chunk_kda_fwd_intra`` returns them, written here.
         dot_prec: ``"ieee"`` or ``"tf32"``.
-        config: ``(BK, warps, BS, warps)`` forced for the two kernels (None: autotuned on a GPU, else the first
-            entries of ``SUB_CONFIGS`` and ``SOLVE_CONFIGS``).
+        config: ``(BK, warps, maxnreg, BS, warps)`` forced for the two kernels (maxnreg None: no register cap;
+            config None: autotuned on a GPU, else the first entries of ``SUB_CONFIGS`` and ``SOLVE_CONFIGS``).
     """
     w, u, qg, kg, Aqk, gC = outputs
     B, T, H, K = q.shape
@@ -247,8 +250,8 @@ def chunk_kda_fwd_intra_tiled(q, k, v, g, beta, A_log, dt_bias, scale, lower_bou
         chunk_kda_fwd_kernel_intra_sub_tuned[(index.num_chunks, 4, HV)](*args, **meta)
         chunk_kda_fwd_kernel_solve_wu_tuned[(index.num_chunks, HV)](*args2, **meta2)
         return
-    bk, nw1, bs, nw2 = config or (*SUB_CONFIGS[0], *SOLVE_CONFIGS[0])
+    bk, nw1, cap, bs, nw2 = config or (*SUB_CONFIGS[0], *SOLVE_CONFIGS[0])
     chunk_kda_fwd_kernel_intra_sub[(index.num_chunks, 4, HV)](*args, **meta, BK=min(bk, triton.next_power_of_2(K)),
-                                                               num_warps=nw1, num_stages=1)
+                                                               num_warps=nw1, num_stages=1, maxnreg=cap)
     chunk_kda_fwd_kernel_solve_wu[(index.num_chunks, HV)](*args2, **meta2, BS=min(bs, triton.next_power_of_2(max(K, V))),
                                                           num_warps=nw2, num_stages=2)
