@@ -436,6 +436,9 @@ WU_CONFIGS = [(64, 8), (128, 8), (32, 4)]
 chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
     configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=2) for bs, nw in WU_CONFIGS],
     key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC"],
+    # w is overwritten in place (right-hand side -> w): without the restore, each configuration the autotuner times
+    # would multiply the previous one's w again on the first call of a shape class
+    restore_value=["w"],
 )(chunk_kda_fwd_kernel_wu)
 
 

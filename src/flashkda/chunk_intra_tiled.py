@@ -3,7 +3,7 @@
 The default intra kernel (``chunk_intra.chunk_kda_fwd_kernel_intra``) runs one 4-warp program per (chunk, value head)
 at 255 registers and 2 CTAs per SM. This path splits the same math (same outputs, same numerics rules) in two:
 
-1. ``chunk_kda_fwd_kernel_intra_sub``, grid (chunks, 4 sub-chunks, value heads): one program per 16-row sub-chunk
+1. ``chunk_kda_fwd_kernel_intra_sub``, grid (chunks x 4 sub-chunks, value heads): one program per 16-row sub-chunk
    ``i``. Over ``[BT, BK]`` slices of K it activates the gate of the whole chunk (its sub-chunk sums are needed by
    every row), writes ``qg``, ``kg``, ``Γ_C`` and the w right-hand side ``k e^Γ`` of its 16 rows, and accumulates the
    ``[16, 64]`` row block of ``Aqk`` and ``Akk`` as one ``[16, BK] x [BK, 64]`` product each per slice. It stores
@@ -73,9 +73,12 @@ def chunk_kda_fwd_kernel_intra_sub(
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
 ):
-    """Kernel 1 of the small-tile path (module docstring): one program per (chunk, sub-chunk, value head)."""
+    """Kernel 1 of the small-tile path (module docstring): one program per (chunk, sub-chunk, value head), grid
+    ``(4 * chunks, value heads)``."""
     tl.static_assert(BT == 4 * BC, "the kernel is written out for four sub-chunks")
-    i_c, i_s, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the four sub-chunks of a chunk are neighbours in launch order, so the chunk's g and k (read by all four) are
+    # read from HBM about once and then from L2
+    i_c, i_s, i_hv = tl.program_id(0) // 4, tl.program_id(0) % 4, tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
     if i_n < 0:
@@ -211,6 +214,8 @@ chunk_kda_fwd_kernel_intra_sub_tuned = triton.autotune(
 chunk_kda_fwd_kernel_solve_wu_tuned = triton.autotune(
     configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=2) for bs, nw in SOLVE_CONFIGS],
     key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC"],
+    # w is overwritten in place (right-hand side -> w): every timed configuration must start from the right-hand side
+    restore_value=["w"],
 )(chunk_kda_fwd_kernel_solve_wu)
 
 
@@ -247,11 +252,11 @@ def chunk_kda_fwd_intra_tiled(q, k, v, g, beta, A_log, dt_bias, scale, lower_bou
     meta2 = dict(HV=HV, K=K, V=V, BT=BT, BC=BC, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
                  ALLOW_NEG_EIGVAL=allow_neg_eigval, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
     if q.is_cuda and config is None:
-        chunk_kda_fwd_kernel_intra_sub_tuned[(index.num_chunks, 4, HV)](*args, **meta)
+        chunk_kda_fwd_kernel_intra_sub_tuned[(4 * index.num_chunks, HV)](*args, **meta)
         chunk_kda_fwd_kernel_solve_wu_tuned[(index.num_chunks, HV)](*args2, **meta2)
         return
     bk, nw1, cap, bs, nw2 = config or (*SUB_CONFIGS[0], *SOLVE_CONFIGS[0])
-    chunk_kda_fwd_kernel_intra_sub[(index.num_chunks, 4, HV)](*args, **meta, BK=min(bk, triton.next_power_of_2(K)),
-                                                               num_warps=nw1, num_stages=1, maxnreg=cap)
+    chunk_kda_fwd_kernel_intra_sub[(4 * index.num_chunks, HV)](*args, **meta, BK=min(bk, triton.next_power_of_2(K)),
+                                                                num_warps=nw1, num_stages=1, maxnreg=cap)
     chunk_kda_fwd_kernel_solve_wu[(index.num_chunks, HV)](*args2, **meta2, BS=min(bs, triton.next_power_of_2(max(K, V))),
                                                           num_warps=nw2, num_stages=2)
