@@ -18,6 +18,7 @@ Gradients flow to ``q, k, v, g, beta, A_log, dt_bias, initial_state``, including
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_tor
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
+#: bf16 copies of qg and kend for the state passes when the fused gate chain runs (FLASHKDA_BWD_BF16_FACTORS=1).
+BF16_STATE_FACTORS = os.environ.get("FLASHKDA_BWD_BF16_FACTORS", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -298,8 +301,9 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     fused = not torch.is_grad_enabled()
     do_dtype = do.dtype if do is not None and fused and fused_wy(dot_precision, K, V) else cdt
     # qg and kend in bf16 where the state passes round them to bf16 anyway ("tf32": bf16/fp16 callers on a GPU) and
-    # the fused gate chain rebuilds them in fp32 from q, k and G (flashkda.chunk_bwd_gated): exact, half the bytes
-    bf16_factors = fused and dot_precision == "tf32" and fused_gates(dot_precision, K)
+    # the fused gate chain rebuilds them in fp32 from q, k and G (flashkda.chunk_bwd_gated). Opt-in: the 03:51 UTC
+    # H200 probe of the fused passes with these copies gave wrong dv and dinitial_state (benchmarks/kda/NOTES.md).
+    bf16_factors = BF16_STATE_FACTORS and fused and dot_precision == "tf32" and fused_gates(dot_precision, K)
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
