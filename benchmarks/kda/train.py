@@ -210,7 +210,9 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     import torch
 
     from flashkda import autograd
+    from flashkda.chunk_bwd_gated import fused_gates
     from flashkda.chunk_bwd_local import gated_dot_precision
+    from flashkda.chunk_bwd_ut import fused_wy
 
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
@@ -237,7 +239,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     log(f"{name}: ours {t_ours.median_ms:.2f} ms (p20-p80 {t_ours.p20_ms:.2f}-{t_ours.p80_ms:.2f}), "
         f"peak {mem_ours:.0f} MiB")
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
-              "ours_gated_dots": gated_dots, "ours_head_slices": len(slices)}
+              "ours_gated_dots": gated_dots, "ours_head_slices": len(slices),
+              "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128)}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:

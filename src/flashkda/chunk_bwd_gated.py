@@ -23,9 +23,8 @@ __all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chu
 BC = 16
 #: K slice and warps of the Akk/Aqk recompute (`chunk_kda_gated_dots`). Whole-K tiles (the 01:41 UTC round: 1.40 ms at
 #: B1-T8192-H64) took 255 registers with 240 B spilled (tf32, 4 warps, offline sm_90); 32-wide slices keep only
-#: [16, 32] tiles live (see benchmarks/kda/NOTES.md, not timed; opt-in with FLASHKDA_BWD_FUSED_WY=1). None: whole K,
-#: the backward as last run on a GPU (the default).
-GATED_DOTS_BK: int | None = None if os.environ.get("FLASHKDA_BWD_FUSED_WY", "0") == "0" else 32
+#: [16, 32] tiles live (0.88 vs 1.20 ms, 04:00 UTC H200 profile). None: whole K.
+GATED_DOTS_BK: int | None = 32
 GATED_DOTS_WARPS = 4
 
 
@@ -385,10 +384,10 @@ GATES_BWD_WARPS = 4
 
 
 #: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add
-#: "ieee" for half-precision cases in the interpreter). Opt-in with FLASHKDA_BWD_FUSED_WY=1, together with the fused
-#: pass of `flashkda.chunk_bwd_ut` (neither has run on a GPU yet); FLASHKDA_BWD_FUSED_GATES=0 then leaves it out.
+#: "ieee" for half-precision cases in the interpreter). Passed the fp64 gate on an H200 (04:00 UTC; 2.73 ms at
+#: B1-T8192-H64 against 2.86 for the two passes it replaces); FLASHKDA_BWD_FUSED_GATES=0 leaves it out.
 FUSED_GATES_PRECISIONS: tuple[str, ...] = (
-    () if "0" in (os.environ.get("FLASHKDA_BWD_FUSED_WY", "0"), os.environ.get("FLASHKDA_BWD_FUSED_GATES", "1"))
+    () if os.environ.get("FLASHKDA_BWD_FUSED_GATES", "1") == "0"
     else ("tf32",)
 )
 

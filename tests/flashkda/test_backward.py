@@ -137,15 +137,17 @@ _FUSED_CASES = {"T96-K64-V64-bf16-state": True, "fp16-varlen-GVA-gate": True, "v
                 "V48-not-power-of-two": False}
 
 
+@pytest.mark.parametrize("wy", [True, False], ids=["fused-wy", "gemm-wy"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in _FUSED_CASES])
-def test_gradients_with_the_fused_chain_rule(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gradients_with_the_fused_chain_rule(case: Case, wy: bool, device: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused chain-rule passes of bf16/fp16 callers on a GPU (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`,
     `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_gates_bwd`) at every precision, so that the interpreter runs them
-    too; V = 48 leaves a partial V slice."""
+    too, with the UT pass fused (opt-in, FLASHKDA_BWD_FUSED_WY=1) or as GEMMs (the default); V = 48 leaves a partial
+    V slice."""
     from flashkda import chunk_bwd_gated, chunk_bwd_inverse, chunk_bwd_ut
 
-    # everything FLASHKDA_BWD_FUSED_WY=1 opts into: the fused passes, the blocked inverse, 32-wide K slices
-    monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee"))
+    monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee") if wy else ())
     monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", True)
     monkeypatch.setattr(chunk_bwd_gated, "GATED_DOTS_BK", 32)
     if _FUSED_CASES[next(c.id for c in CASES if c.values[0] is case)]:

@@ -207,8 +207,8 @@ def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     ],
 )
 def test_unit_lower_inverse_matches_torch(C: int, blocked: bool, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the blocked kernel chosen (opt-in, FLASHKDA_BWD_FUSED_WY=1), C = 64 runs it (product-form diagonal
-    blocks, block substitution); other C, and the default, the row loop."""
+    """With the blocked kernel chosen (the default; FLASHKDA_BWD_FUSED_WY=0 turns it off), C = 64 runs it
+    (product-form diagonal blocks, block substitution); other C, and the row-loop choice, the row loop."""
     from flashkda import chunk_bwd_inverse
     from flashkda.chunk_bwd_inverse import unit_lower_inverse
 

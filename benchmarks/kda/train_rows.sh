@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The training rows with the current defaults in one device call, through benchmarks/device/run.sh (.whl, and the
+# .triton-cache-train.tgz / .fla-autotune.tgz caches of train_round.sh carried):
+#   bash benchmarks/device/run.sh bash benchmarks/kda/train_rows.sh
+# A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row's shape and in the tiny
+#   LM, each in its own process, into Triton's on-disk cache. B (timed, cap KDA_MAIN_CAP, 150 s): the loss check,
+#   the fp64 gate, the four rows against fla with a profile of the first; results written.
+set -u
+OUT=${OUT:-/tmp/out}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+LOGS=/tmp/train_rows
+mkdir -p "$TRITON_CACHE_DIR" $LOGS
+for f in .triton-cache-train.tgz .fla-autotune.tgz; do
+  [ -f "$f" ] && tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null && echo "unpacked $f"
+done
+TRAIN="python3 -m benchmarks.kda.train"
+WARM=${KDA_WARM_CAP:-150}
+ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
+echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
+for row in $ROWS; do
+  timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases $row > $LOGS/A_fla_$row.log 2>&1 &
+done
+timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
+timeout -k 5 "$WARM" $TRAIN --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
+wait
+echo "=== phase A done $(date +%T)"
+for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
+echo "=== phase B $(date +%T)"
+timeout -k 5 "${KDA_MAIN_CAP:-150}" $TRAIN --rep 10 --steps 300 --loop-first --profile --cases $ROWS 2>&1 \
+  | tee $LOGS/B_main.log
+echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
+cat $LOGS/A_*.log > "$OUT/phaseA.log"
+exit 0
