@@ -18,7 +18,6 @@ Gradients flow to ``q, k, v, g, beta, A_log, dt_bias, initial_state``, including
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
-from flashkda.chunk_bwd_gated import fused_gates
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 from flashkda.chunk_bwd_ut import fused_wy
@@ -35,8 +33,6 @@ __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_tor
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
-#: bf16 copies of qg and kend for the state passes when the fused gate chain runs (FLASHKDA_BWD_BF16_FACTORS=1).
-BF16_STATE_FACTORS = os.environ.get("FLASHKDA_BWD_BF16_FACTORS", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -300,16 +296,11 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     # (Only without grad mode: with create_graph the chain rule takes the torch path, which needs fp32 operands.)
     fused = not torch.is_grad_enabled()
     do_dtype = do.dtype if do is not None and fused and fused_wy(dot_precision, K, V) else cdt
-    # qg and kend in bf16 where the state passes round them to bf16 anyway ("tf32": bf16/fp16 callers on a GPU) and
-    # the fused gate chain rebuilds them in fp32 from q, k and G (flashkda.chunk_bwd_gated). Opt-in: the 03:51 UTC
-    # H200 probe of the fused passes with these copies gave wrong dv and dinitial_state (benchmarks/kda/NOTES.md).
-    bf16_factors = BF16_STATE_FACTORS and fused and dot_precision == "tf32" and fused_gates(dot_precision, K)
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
 
-        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1),
-                                                      bf16_state_factors=bf16_factors)
+        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
         if do is not None:
             doc = to_chunks(do[:, :, hv0:hv1], layout, do_dtype)
         else:

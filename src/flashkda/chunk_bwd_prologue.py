@@ -207,14 +207,11 @@ def _flags(opts, A_log, dt_bias) -> dict:
 
 
 def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
-                           heads: tuple[int, int] | None = None, bf16_state_factors: bool = False):
+                           heads: tuple[int, int] | None = None):
     """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
     ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
     ``heads=(hv0, hv1)`` restricts the output to value heads ``hv0 <= hv < hv1`` (whole GVA groups); default all.
-    ``bf16_state_factors`` writes ``qg`` and ``kend`` in bf16: for callers whose state passes round them to bf16
-    anyway (bf16/fp16 inputs) and whose chain rule rebuilds them from ``q``, ``k``, ``G`` (the fused gate chain of
-    `flashkda.chunk_bwd_gated`), so nothing changes but their bytes.
 
     Returns:
         ``((qc, kc, vc, None, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HS, C, *]`` (``HS`` heads of
@@ -230,9 +227,7 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
     qc, kc = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
     vc = torch.empty(NC, HS, C, V, **f32)
     bc = torch.empty(NC, HS, C, **f32)
-    gam, kg = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
-    factor_dtype = torch.bfloat16 if bf16_state_factors else torch.float32
-    qg, kend = (torch.empty(NC, HS, C, K, device=q.device, dtype=factor_dtype) for _ in range(2))
+    gam, qg, kg, kend = (torch.empty(NC, HS, C, K, **f32) for _ in range(4))
     dec = torch.empty(NC, HS, K, **f32)
     dummy = qc
     chunk_kda_prologue_fwd_kernel[(NC, HS)](

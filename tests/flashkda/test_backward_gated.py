@@ -144,47 +144,6 @@ def test_fused_gated_dots_and_gate_chain_match_the_two_passes(device: str) -> No
         assert _rel(a, b.double()) < 1e-5, name
 
 
-def test_bf16_state_factors_change_nothing_in_the_state_passes(device: str) -> None:
-    """With bf16/fp16 callers' operands ("tf32": bf16 products) the state passes round qg and kend to bf16 anyway, so
-    the prologue's bf16 copies of them (``bf16_state_factors``) give bit-identical states and gradients."""
-    from flashkda.autograd import KDAOptions
-    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-    from flashkda.chunk_bwd_layout import make_layout
-    from flashkda.chunk_bwd_prologue import chunk_kda_prologue_fwd, slot_tokens
-
-    torch.manual_seed(10)
-    B, T, H, K, V = 1, 100, 2, 32, 32
-    q, k = (torch.randn(B, T, H, K, device=device, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(B, T, H, K, device=device)).to(torch.bfloat16)
-    beta = torch.rand(B, T, H, device=device, dtype=torch.bfloat16)
-    opts = KDAOptions(scale=K**-0.5, output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
-                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
-                      state_v_first=False, disable_recompute=False)
-    layout = make_layout(B, T, None, 64, q.device)
-    tok = slot_tokens(layout, q.device)
-    # stand-ins for the operands not under test, shared by both runs
-    NC = layout.num_chunks
-    w = 0.1 * torch.randn(NC, H, 64, K, device=device)
-    u, do = torch.randn(NC, H, 64, V, device=device), torch.randn(NC, H, 64, V, device=device)
-    aqk = torch.randn(NC, H, 64, 64, device=device).tril()
-    runs = []
-    for half in (False, True):
-        (_, _, _, _, _), (gam, qg, kg, kend, dec) = chunk_kda_prologue_fwd(q, k, v, g, beta, None, None, opts, layout,
-                                                                          tok, bf16_state_factors=half)
-        assert qg.dtype == kend.dtype == (torch.bfloat16 if half else torch.float32)
-        _, _, h, v_new = chunk_kda_fwd_h(w, u, qg, aqk, kend, dec, None, layout.chunk_offsets, store_o=False,
-                                         store_h=True, store_final_state=False, dot_precision="tf32")
-        dv_new, dhe, _ = chunk_kda_bwd_dh(qg, aqk, kend, dec, w, do, None, layout.chunk_offsets, store_dh0=False,
-                                          dot_precision="tf32")
-        runs.append((qg.float(), kend.float(), h, v_new, dv_new, dhe))
-    full, half = runs
-    # within one bf16 rounding step (the interpreter's fp32 -> bf16 conversion truncates; the device's rounds)
-    assert all(torch.allclose(a, b, rtol=2**-7, atol=0.0) for a, b in zip(full[:2], half[:2]))
-    for name, a, b in zip(("h", "v_new", "dv_new", "dhe"), full[2:], half[2:]):
-        assert torch.equal(a, b), name
-
-
 def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     """The torch oracle's own backward (`gated_dot_bwd`) equals autograd through `gated_dot` in fp64."""
     torch.manual_seed(0)
