@@ -1,0 +1,52 @@
+"""FlashKDA forward: per-kernel CUDA times of ours and of fla-core 0.6.0 at benchmark rows, for benchmarks/kda/NOTES.md.
+
+Same inputs and flags as ``benchmarks.kda.run`` (inference mode, fla with ``FLA_FLASH_KDA=0``); one profiled call of
+each after a warm-up call, so the stage-by-stage comparison with fla that the NOTES reason about is measured, not
+guessed. Nothing is written to ``benchmarks/results`` (``benchmarks.kda.run`` times the rows).
+
+Usage: ``python -m benchmarks.kda.profile_fwd [--cases H64-T8192 ...]`` (CUDA only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLASHKDA_DISABLE", "1")
+
+from benchmarks.kda.registry import CASES  # noqa: E402
+from benchmarks.kda.run import FLAGS, make_inputs  # noqa: E402
+from benchmarks.kda.train import profile  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=["H64-T8192"], help=f"subset of {sorted(CASES)}")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("the forward profile needs a CUDA device; nothing profiled", file=sys.stderr)
+        return 1
+    import fla.ops.kda as fla_kda
+
+    import flashkda
+
+    for name in args.cases:
+        case = CASES[name]
+        x = make_inputs(case, "cuda")
+        call = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+        kw = dict(FLAGS, initial_state=x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                  cu_seqlens=x.get("cu_seqlens"), cu_seqlens_cpu=x.get("cu_seqlens_cpu"))
+        with torch.inference_mode():
+            for side, fn in (("ours", flashkda.chunk_kda), ("fla", fla_kda.chunk_kda)):
+                print(f"=== {name}: {side}", flush=True)
+                top = profile(lambda fn=fn, call=call, kw=kw: fn(*call, safe_gate=True, **kw))
+                print(f"{name} {side}: " + "; ".join(f"{k} {ms:.3f} ms x{c}" for k, ms, c in top[:12]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
