@@ -4,7 +4,7 @@ Same inputs and flags as ``benchmarks.kda.run`` (inference mode, fla with ``FLA_
 each after a warm-up call, so the stage-by-stage comparison with fla that the NOTES reason about is measured, not
 guessed. Nothing is written to ``benchmarks/results`` (``benchmarks.kda.run`` times the rows).
 
-Usage: ``python -m benchmarks.kda.profile_fwd [--cases H64-T8192 ...]`` (CUDA only).
+Usage: ``python -m benchmarks.kda.profile_fwd [--cases H64-T8192 ...] [--ours-only]`` (CUDA only).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from benchmarks.kda.train import profile  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=["H64-T8192"], help=f"subset of {sorted(CASES)}")
+    parser.add_argument("--ours-only", action="store_true", help="profile only ours (e.g. with FLASHKDA_INTRA_TILED=1)")
     args = parser.parse_args(argv)
     import torch
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(FLAGS, initial_state=x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                   cu_seqlens=x.get("cu_seqlens"), cu_seqlens_cpu=x.get("cu_seqlens_cpu"))
         with torch.inference_mode():
-            for side, fn in (("ours", flashkda.chunk_kda), ("fla", fla_kda.chunk_kda)):
+            sides = [("ours", flashkda.chunk_kda)] + ([] if args.ours_only else [("fla", fla_kda.chunk_kda)])
+            for side, fn in sides:
                 print(f"=== {name}: {side}", flush=True)
                 top = profile(lambda fn=fn, call=call, kw=kw: fn(*call, safe_gate=True, **kw))
                 print(f"{name} {side}: " + "; ".join(f"{k} {ms:.3f} ms x{c}" for k, ms, c in top[:12]), flush=True)
