@@ -213,9 +213,12 @@ def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> Non
 
 
 @pytest.mark.gpu
-def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 gradients with the fused chain-rule passes (tf32 products, 8 warps: not runnable in the interpreter as
-    compiled) against the unfused GEMMs and passes, at K = V = 128 with the bounded in-kernel gate and varlen."""
+@pytest.mark.parametrize("wy", [False, True], ids=["gates", "gates+wy"])
+def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 gradients with the fused gate chain (the default), alone or with the opt-in fused UT pass (tf32
+    products, 8 warps: not runnable in the interpreter as compiled), against the unfused GEMMs and passes, at
+    K = V = 128 with the bounded in-kernel gate and varlen."""
     from flashkda import chunk_bwd_gated, chunk_bwd_ut
     from flashkda.autograd import chunk_kda_autograd
 
@@ -230,7 +233,10 @@ def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(device: str, monkey
     do = torch.randn(1, T, H, K, device=device, dtype=torch.bfloat16)
     grads = {}
     for fused in (True, False):
-        if not fused:
+        if fused:
+            monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32",) if wy else ())
+            monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32",))
+        else:
             monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ())
             monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ())
         o, _ = chunk_kda_autograd(*x.values(), scale=K**-0.5, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
