@@ -8,10 +8,7 @@
 # The Triton cache lives in $TRITON_CACHE_DIR (default .triton-cache, git-ignored; a warm machine keeps it between
 # calls). KDA_PACK_CACHE=1 also packs it into $OUT/triton-cache.tgz (often too big to come back).
 set -u
-OUT=${OUT:-/tmp/out}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
-mkdir -p "$TRITON_CACHE_DIR"
-[ -f .triton-cache.tgz ] && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+source benchmarks/kda/round_env.sh kda_round
 step() {  # step NAME CAP CMD...
   local name=$1 cap=$2; shift 2
   [ "$cap" -gt 0 ] || return 0

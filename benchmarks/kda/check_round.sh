@@ -7,10 +7,7 @@
 # CUDA profile of our forward and fla's at KDA_PROFILE_CASES (benchmarks.kda.profile_fwd) and the backward's
 # gated-product launch sweep (benchmarks.kda.bwd_sweep), both compiled beside the tests and run after them.
 set -u
-OUT=${OUT:-/tmp/out}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
-LOGS=/tmp/check_round
-mkdir -p "$TRITON_CACHE_DIR" $LOGS
+source benchmarks/kda/round_env.sh check_round
 CAP=${KDA_CHECK_CAP:-330}
 PYT="python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout $CAP"
 echo "=== gpu tests (parallel, cap ${CAP}s) $(date +%T)"

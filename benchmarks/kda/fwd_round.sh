@@ -10,10 +10,8 @@
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 170), KDA_MAIN_CAP (default rows, 200),
 # KDA_TILED_CAP (tiled rows, 140); KDA_TILED_CASES picks the tiled rows.
 set -u
-OUT=${OUT:-/tmp/out}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=0 PYTHONUNBUFFERED=1
-LOGS=/tmp/fwd_round
-mkdir -p "$TRITON_CACHE_DIR" $LOGS
+source benchmarks/kda/round_env.sh fwd_round
+export TRITON_CACHE_AUTOTUNING=0
 WARM=${KDA_WARM_CAP:-170}
 PASS="python3 -m benchmarks.kda.run --no-write --rep 1 --cases"
 TILED_CASES=${KDA_TILED_CASES:-H64-T8192 H32-T131072 H64-T32768 H96-T8192 H12-T8192 H64-varlen6 H64-varlen1024x8}

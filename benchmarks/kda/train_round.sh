@@ -18,13 +18,7 @@
 # earlier call: fla then compiles only its chosen configurations) are unpacked into the cache first; the autotune
 # results are packed into $OUT/fla-autotune.tgz at the end (~40 KB), for the next call to carry.
 set -u
-OUT=${OUT:-/tmp/out}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
-mkdir -p "$TRITON_CACHE_DIR" /tmp/train_round
-LOGS=/tmp/train_round
-for f in .triton-cache-train.tgz .fla-autotune.tgz; do
-  [ -f "$f" ] && tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null && echo "unpacked $f"
-done
+source benchmarks/kda/round_env.sh train_round
 TRAIN="python3 -m benchmarks.kda.train"
 WARM=${KDA_WARM_CAP:-180}
 ALL_ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"

@@ -6,13 +6,7 @@
 #   LM, each in its own process, into Triton's on-disk cache. B (timed, cap KDA_MAIN_CAP, 150 s): the loss check,
 #   the fp64 gate, the four rows against fla with a profile of the first; results written.
 set -u
-OUT=${OUT:-/tmp/out}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
-LOGS=/tmp/train_rows
-mkdir -p "$TRITON_CACHE_DIR" $LOGS
-for f in .triton-cache-train.tgz .fla-autotune.tgz; do
-  [ -f "$f" ] && tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null && echo "unpacked $f"
-done
+source benchmarks/kda/round_env.sh train_rows
 TRAIN="python3 -m benchmarks.kda.train"
 WARM=${KDA_WARM_CAP:-150}
 ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"

@@ -1,0 +1,12 @@
+# Sourced by the FlashKDA device-round scripts: `source benchmarks/kda/round_env.sh NAME`.
+# Sets $OUT (default /tmp/out) and $LOGS (/tmp/NAME, created), keeps Triton's on-disk cache in $TRITON_CACHE_DIR
+# (default .triton-cache, git-ignored; a warm machine keeps it between calls) with autotune results cached
+# (TRITON_CACHE_AUTOTUNING=1; a script that wants autotuning redone sets 0 after this), unbuffered Python, and unpacks
+# any carried cache archive (.triton-cache.tgz, .triton-cache-train.tgz, .fla-autotune.tgz) into the cache.
+OUT=${OUT:-/tmp/out}
+LOGS=/tmp/${1:?round name}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+mkdir -p "$TRITON_CACHE_DIR" "$LOGS"
+for f in .triton-cache.tgz .triton-cache-train.tgz .fla-autotune.tgz; do
+  [ -f "$f" ] && tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null && echo "unpacked $f"
+done
