@@ -19,7 +19,7 @@ Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-wri
 [--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
 [--gate-T T ...]``. ``--cases`` with no name runs no op row (only the training loop). Every phase prints its
 elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
-after every row, so a run cut by a time cap keeps the rows it finished. ``benchmarks/kda/train_round.sh`` is the
+after every row, so a run cut by a time cap keeps the rows it finished. ``benchmarks/kda/train_rows.sh`` is the
 device call that runs it.
 """
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The training rows with the current defaults in one device call, through benchmarks/device/run.sh (.whl, and the
-# .triton-cache-train.tgz / .fla-autotune.tgz caches of train_round.sh carried):
+# The training rows with the current defaults in one device call, through benchmarks/device/run.sh (.whl carried, and
+# .triton-cache-train.tgz (compiled fla kernels) / .fla-autotune.tgz (fla's autotune results) where the checkout has
+# them; the autotune results of this call come back as $OUT/fla-autotune.tgz, ~40 KB, for the next call to carry):
 #   bash benchmarks/device/run.sh bash benchmarks/kda/train_rows.sh
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row's shape and in the tiny
 #   LM, each in its own process, into Triton's on-disk cache. B (timed, cap KDA_MAIN_CAP, 150 s): the loss check,
@@ -24,4 +25,5 @@ timeout -k 5 "${KDA_MAIN_CAP:-150}" $TRAIN --rep 10 --steps 300 --loop-first --p
   | tee $LOGS/B_main.log
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
 cat $LOGS/A_*.log > "$OUT/phaseA.log"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
 exit 0
