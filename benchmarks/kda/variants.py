@@ -11,7 +11,8 @@ of the whole buffer reads whatever the allocator left there.
 
 The split paths are swept too: ``--wu`` (intra stage as two kernels: the intra kernel up to the inverse, then the
 w/u kernel) and ``--h`` (state-only recurrence storing bf16 states, then the parallel output kernel, autotuned;
-``HILO`` 1 takes the chain products as two bf16 products over a hi/lo split). The split state path stores states
+``HILO`` 1 takes the chain products as two bf16 products over a hi/lo split; ``--hb`` the blocked state pass on
+64-row state tiles at per-product operand precisions). The split state path stores states
 in bf16, so it is compared with the fused stage at 5e-3 relative.
 
 ``--tiled`` times the opt-in small-tile intra path (``flashkda.chunk_intra_tiled``: one program per 16-row
@@ -21,7 +22,7 @@ kernel: the comparison NOTES.md predicts for H64-T8192 and has not timed.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
 [--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
-[--h BV:WARPS:STAGES:HILO ...] [--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
+[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
 configuration of the intra and state lists is the reference (the fused defaults when a list is empty).
 """
 
@@ -39,6 +40,10 @@ INTRA_SWEEP = ["4:0:16", "4:0:16:0:1", "4:0:64:0:1", "4:168:16", "4:168:16:0:1",
 WU_SWEEP = ["64:8", "128:8", "32:4", "64:4"]
 #: The split state path (state-only recurrence, then the parallel output kernel): (V tile, warps, stages, hi/lo).
 H_SWEEP = ["32:4:1:0", "32:4:2:0", "64:4:2:0", "16:4:2:0", "64:8:2:0", "32:2:2:0"]
+#: The blocked state pass (64-row state tiles), then the parallel output kernel: (V tile, warps, stages, operand
+#: precision of w S, of kgᵀ v_new; 1 tf32, 2 hi/lo bf16, 3 bf16 as in flashkda.chunk_state).
+HB_SWEEP = ["32:4:2:3:2", "64:4:2:3:2", "32:2:2:3:2", "64:2:2:3:2", "32:4:3:3:2", "64:4:3:3:2", "64:8:2:3:2",
+            "64:4:2:2:2", "64:4:2:1:1", "64:4:2:3:3"]
 #: The opt-in small-tile intra path: (K slice, warps, register cap or 0; w/u slice, warps), or "auto" (autotuned).
 TILED_SWEEP = ["auto", "16:4:128:32:4", "16:4:0:32:4", "32:4:0:32:4", "16:4:128:64:8", "16:4:128:64:4"]
 
@@ -63,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", nargs="*", default=STATE_SWEEP)
     parser.add_argument("--wu", nargs="*", default=WU_SWEEP)
     parser.add_argument("--h", nargs="*", default=H_SWEEP)
+    parser.add_argument("--hb", nargs="*", default=HB_SWEEP)
     parser.add_argument("--tiled", nargs="*", default=TILED_SWEEP)
     args = parser.parse_args(argv)
     import torch
@@ -145,10 +151,18 @@ def sweep_case(name: str, args) -> None:
             t0 = time.time()
             fn = lambda bv=bv, nw=nw, ns=ns, hilo=hilo: chunk_kda_fwd_state_o(  # noqa: E731
                 *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw, num_stages=ns,
-                split=True, hilo=bool(hilo))
+                split=True, hilo=bool(hilo), blocked=False)
             _report(f"state split h BV:warps:stages:hilo={spec} + o autotuned", fn, o_ref,
                     lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
-        if args.h:  # the output kernel alone (its inputs' values do not matter for its time)
+        for spec in args.hb:
+            bv, nw, ns, pws, pkv = (int(p) for p in spec.split(":"))
+            t0 = time.time()
+            fn = lambda bv=bv, nw=nw, ns=ns, pws=pws, pkv=pkv: chunk_kda_fwd_state_o(  # noqa: E731
+                *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw, num_stages=ns,
+                split=True, blocked=True, precs=(pws, pkv))
+            _report(f"state blocked h BV:warps:stages:prec_ws:prec_kv={spec} + o autotuned", fn, o_ref,
+                    lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
+        if args.h or args.hb:  # the output kernel alone (its inputs' values do not matter for its time)
             from flashkda.chunk_state import state_output
 
             qg, Aqk, u = ref[2], ref[4], ref[1]

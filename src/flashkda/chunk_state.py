@@ -204,6 +204,173 @@ def chunk_kda_fwd_kernel_h(
         tl.store(ht + i_s + o_s, b_S, mask=m_kv)
 
 
+#: Operand precisions of the blocked state pass's two chain products (``PREC_WS`` for ``w S``, ``PREC_KV`` for
+#: ``kgᵀ v_new``): the left operand (w, kg) is exact in its stored dtype; the right one (S, v_new) is fp32 and goes in
+#: exactly (``IEEE``), as tf32 (``TF32``, 11 significant bits), as the sum of two bf16 products over its hi/lo split
+#: (``HILO``, 16 bits) or rounded to bf16 (``BF16``, 8 bits, fla's choice).
+PREC_IEEE, PREC_TF32, PREC_HILO, PREC_BF16 = 0, 1, 2, 3
+
+
+@triton.jit
+def _operand(b_x, PREC: tl.constexpr, EMULATE: tl.constexpr):
+    """The fp32 right operand ``x`` as ``(hi, lo)`` for ``_dot_acc`` (``lo`` only meaningful for ``PREC_HILO``);
+    bf16 parts are held as fp32 on the interpreter, whose bf16 products are not reliable."""
+    if PREC == 0 or PREC == 1:
+        return b_x, b_x
+    b_hi = b_x.to(tl.bfloat16)
+    b_lo = (b_x - b_hi.to(tl.float32)).to(tl.bfloat16)
+    if EMULATE:
+        return b_hi.to(tl.float32), b_lo.to(tl.float32)
+    return b_hi, b_lo
+
+
+@triton.jit
+def _dot_acc(b_a, b_hi, b_lo, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ x`` with fp32 accumulation, ``x`` given as ``_operand``'s ``(hi, lo)``."""
+    if PREC == 0:
+        return tl.dot(b_a.to(tl.float32), b_hi, b_acc, input_precision="ieee")
+    if PREC == 1:
+        return tl.dot(b_a.to(tl.float32), b_hi, b_acc, input_precision="tf32")
+    if EMULATE:
+        b_a = b_a.to(tl.float32)
+        b_acc = tl.dot(b_a, b_hi, b_acc, input_precision="ieee")
+        if PREC == 2:
+            b_acc = tl.dot(b_a, b_lo, b_acc, input_precision="ieee")
+        return b_acc
+    b_a = b_a.to(tl.bfloat16)
+    if PREC == 2:
+        b_acc = tl.dot(b_a, b_lo, b_acc)
+    return tl.dot(b_a, b_hi, b_acc)
+
+
+@triton.jit
+def _state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Offsets and mask of the ``[BKB, BV]`` tile at rows ``o_k``, columns ``o_v`` of one head's state."""
+    m = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if STATE_V_FIRST:
+        return o_v[None, :] * K + o_k[:, None], m
+    return o_k[:, None] * V + o_v[None, :], m
+
+
+@triton.jit
+def _state_in(h0, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+              USE_INITIAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """``[BKB, BV]`` fp32 initial state tile (``h0`` points at this head's state), zero without one."""
+    b_S = tl.zeros([BKB, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        o_s, m_s = _state_offsets(o_k, o_v, K, V, STATE_V_FIRST)
+        b_S += tl.load(h0 + o_s, mask=m_s, other=0.0).to(tl.float32)
+    return b_S
+
+
+@triton.jit
+def _state_out(ht, b_S, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    o_s, m_s = _state_offsets(o_k, o_v, K, V, STATE_V_FIRST)
+    tl.store(ht + o_s, b_S, mask=m_s)
+
+
+@triton.jit
+def _ws_block(w_t, b_S, b_acc, o_t, m_t, o_k, HV: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr,
+              EMULATE: tl.constexpr):
+    """``acc + w[:, o_k] S_block`` for the chunk rows ``o_t``; ``[BT, BV]``."""
+    b_w = tl.load(w_t + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+    b_hi, b_lo = _operand(b_S, PREC, EMULATE)
+    return _dot_acc(b_w, b_hi, b_lo, b_acc, PREC, EMULATE)
+
+
+@triton.jit
+def _update_block(kg_t, gC_t, b_S, b_hi, b_lo, o_t, m_t, o_k, HV: tl.constexpr, K: tl.constexpr,
+                  PREC: tl.constexpr, EMULATE: tl.constexpr):
+    """``Diag(e^{Γ_C}) S_block + kg[:, o_k]ᵀ v_new`` (v_new given as ``(hi, lo)``); kg is loaded transposed,
+    ``[BKB, BT]``, straight from memory."""
+    m_k = o_k < K
+    b_kt = tl.load(kg_t + o_t[None, :] * (HV * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    b_gC = tl.load(gC_t + o_k, mask=m_k, other=0.0)
+    return _dot_acc(b_kt, b_hi, b_lo, b_S * tl.exp(b_gC)[:, None], PREC, EMULATE)
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_kda_fwd_kernel_h_blocked(
+    w, u, kg, gC, h, vn, h0, ht, cu_seqlens, chunk_offsets,
+    T, NTS, PROGRAMS,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr,
+    BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, PREC_WS: tl.constexpr, PREC_KV: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """``chunk_kda_fwd_kernel_h`` with the ``[K, BV]`` state held as ``NKB`` (1-4) separate ``[BKB, BV]`` tiles:
+    each chain product is a sum over (or a set of) products on 64-row blocks, and kg's blocks are loaded
+    transposed rather than transposed in registers. Operand precisions per product: ``PREC_*`` above."""
+    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NTS
+    NT = tl.cdiv(eos - bos, BT)
+    Tn = (eos - bos).to(tl.int32)
+    o_c, o_v = tl.arange(0, BT), i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k1 = tl.arange(0, BKB)
+    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
+    i_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
+    # [BKB, BV] x NKB
+    b_S1 = _state_in(h0 + i_s, o_k1, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+    if NKB > 1:
+        b_S2 = _state_in(h0 + i_s, o_k2, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+    if NKB > 2:
+        b_S3 = _state_in(h0 + i_s, o_k3, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+    if NKB > 3:
+        b_S4 = _state_in(h0 + i_s, o_k4, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+
+    w_h = w + (bos * HV + i_hv) * K
+    kg_h = kg + (bos * HV + i_hv) * K
+    u_h = u + (bos * HV + i_hv) * V
+    vn_h = vn + (bos * HV + i_hv) * V
+    h_h = h + (c0 * HV + i_hv) * K * V
+    gC_h = gC + (c0 * HV + i_hv) * K
+    for i_t in range(0, NT):
+        o_t = i_t * BT + o_c
+        m_t = o_t < Tn
+        m_tv = m_t[:, None] & m_v[None, :]
+        h_t = h_h + i_t * (HV * K * V)
+        gC_t = gC_h + i_t * (HV * K)
+        _state_out(h_t, b_S1.to(h.dtype.element_ty), o_k1, o_v, K, V, False)
+        b_ws = _ws_block(w_h, b_S1, tl.zeros([BT, BV], dtype=tl.float32), o_t, m_t, o_k1, HV, K, PREC_WS, EMULATE)
+        if NKB > 1:
+            _state_out(h_t, b_S2.to(h.dtype.element_ty), o_k2, o_v, K, V, False)
+            b_ws = _ws_block(w_h, b_S2, b_ws, o_t, m_t, o_k2, HV, K, PREC_WS, EMULATE)
+        if NKB > 2:
+            _state_out(h_t, b_S3.to(h.dtype.element_ty), o_k3, o_v, K, V, False)
+            b_ws = _ws_block(w_h, b_S3, b_ws, o_t, m_t, o_k3, HV, K, PREC_WS, EMULATE)
+        if NKB > 3:
+            _state_out(h_t, b_S4.to(h.dtype.element_ty), o_k4, o_v, K, V, False)
+            b_ws = _ws_block(w_h, b_S4, b_ws, o_t, m_t, o_k4, HV, K, PREC_WS, EMULATE)
+        # [BT, BV]
+        b_vn = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32) - b_ws
+        tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        b_hi, b_lo = _operand(b_vn, PREC_KV, EMULATE)
+        b_S1 = _update_block(kg_h, gC_t, b_S1, b_hi, b_lo, o_t, m_t, o_k1, HV, K, PREC_KV, EMULATE)
+        if NKB > 1:
+            b_S2 = _update_block(kg_h, gC_t, b_S2, b_hi, b_lo, o_t, m_t, o_k2, HV, K, PREC_KV, EMULATE)
+        if NKB > 2:
+            b_S3 = _update_block(kg_h, gC_t, b_S3, b_hi, b_lo, o_t, m_t, o_k3, HV, K, PREC_KV, EMULATE)
+        if NKB > 3:
+            b_S4 = _update_block(kg_h, gC_t, b_S4, b_hi, b_lo, o_t, m_t, o_k4, HV, K, PREC_KV, EMULATE)
+
+    if STORE_FINAL_STATE:
+        _state_out(ht + i_s, b_S1, o_k1, o_v, K, V, STATE_V_FIRST)
+        if NKB > 1:
+            _state_out(ht + i_s, b_S2, o_k2, o_v, K, V, STATE_V_FIRST)
+        if NKB > 2:
+            _state_out(ht + i_s, b_S3, o_k3, o_v, K, V, STATE_V_FIRST)
+        if NKB > 3:
+            _state_out(ht + i_s, b_S4, o_k4, o_v, K, V, STATE_V_FIRST)
+
+
 @triton.jit(do_not_specialize=["T"])
 def chunk_kda_fwd_kernel_o(
     qg, Aqk, h, vn, o, cu_seqlens, chunk_offsets, chunk_map,
@@ -262,6 +429,20 @@ chunk_kda_fwd_kernel_h_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in H_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "HILO", "DOT_PREC"],
 )(chunk_kda_fwd_kernel_h)
+#: Blocked state pass configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU (fla's
+#: state pass autotunes over the same ranges).
+HB_CONFIGS = [(32, 2, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2)]
+chunk_kda_fwd_kernel_h_blocked_tuned = triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in HB_CONFIGS],
+    key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "PREC_WS", "PREC_KV"],
+)(chunk_kda_fwd_kernel_h_blocked)
+#: Largest key dimension the blocked pass holds (four 64-row tiles); wider keys use ``chunk_kda_fwd_kernel_h``.
+BLOCKED_MAX_K = 256
+#: Operand precisions of the blocked pass for bf16 input: (``w S``, ``kgᵀ v_new``). Measured on the CPU against fp64
+#: (bf16, T = 300, K = V = 128, three gate kinds): the state rounded to bf16 in ``w S`` leaves o and the final state
+#: unchanged (3.2e-3); v_new rounded to bf16 in ``kgᵀ v_new`` doubles the final state's error to ~6e-3, over the
+#: 5e-3 budget, so v_new goes in as its hi/lo split (three bf16 products per 64-row block and step; fla takes two).
+HALF_PRECS = (PREC_BF16, PREC_HILO)
 #: Output-kernel configurations (V tile, K slice, warps).
 O_CONFIGS = [(64, 64, 4), (64, 64, 8), (128, 64, 8)]
 chunk_kda_fwd_kernel_o_tuned = triton.autotune(
@@ -280,7 +461,8 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
                           out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
-                          num_warps=4, num_stages=1, split=None, o_config=None, hilo=False):
+                          num_warps=4, num_stages=1, split=None, o_config=None, hilo=False, blocked=None,
+                          precs=None):
     """State recurrence and output from the intra stage's tensors.
 
     Args:
@@ -295,9 +477,12 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         split: True runs the state-only recurrence (states stored bf16 for half input) and a parallel output
             kernel; False the fused recurrence with the output inside. None: ``prefer_split`` unless ``output_h``.
         o_config: ``(BV, BK, warps)`` forced for the output kernel of the split path (None: autotuned on a GPU).
-        hilo: split path with bf16 ``w``/``kg``: the chain products as two bf16 products over a hi/lo split of the
-            fp32 state and v_new instead of one tf32 product (7% faster on the H200, but one of its launch
-            configurations crashed there, so it is opt-in).
+        hilo: split path with bf16 ``w``/``kg`` and the flat (``blocked=False``) state pass: the chain products as
+            two bf16 products over a hi/lo split of the fp32 state and v_new instead of one tf32 product.
+        blocked: split path's state pass on 64-row state tiles (``chunk_kda_fwd_kernel_h_blocked``); None: when
+            ``K <= BLOCKED_MAX_K`` and not ``hilo``.
+        precs: ``(PREC_WS, PREC_KV)`` of the blocked pass (None: ``HALF_PRECS`` for bf16, tf32 for fp16, exact
+            for fp32 input).
 
     Returns:
         ``(o, final_state, h)`` as ``flashkda.chunk_fwd.chunk_kda_fwd``.
@@ -323,7 +508,7 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         if output_h:
             raise ValueError("output_h: the split state path keeps its states in its own dtype; use split=False")
         _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK,
-                     block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16)
+                     block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16, blocked, precs)
         return o, ht, h
     args = (w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
             T, index.chunks_per_seq, N * HV)
@@ -367,7 +552,7 @@ def _default_block_v(V, programs_per_block, w):
 
 
 def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK, block_v,
-                 num_warps, num_stages, o_config, hilo):
+                 num_warps, num_stages, o_config, hilo, blocked=None, precs=None):
     """The split path: ``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
 
     bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o, measured
@@ -388,7 +573,11 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, USE_INITIAL_STATE=initial_state is not None,
                 STORE_FINAL_STATE=ht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen,
                 HILO=half and hilo, EMULATE=not w.is_cuda, DOT_PREC=dot_prec)
-    if w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
+    if blocked is None:
+        blocked = K <= BLOCKED_MAX_K and not hilo
+    if blocked:
+        _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_stages)
+    elif w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), N, HV)  # noqa: E731
         chunk_kda_fwd_kernel_h_tuned[grid](*args, **meta)
     else:
@@ -396,6 +585,27 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
         chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
                                                                     num_stages=num_stages)
     state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config)
+
+
+def _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_stages):
+    """Launches ``chunk_kda_fwd_kernel_h_blocked`` with ``_state_split``'s arguments (``meta`` without the flat
+    kernel's ``BK``/``HILO``/``DOT_PREC``)."""
+    if precs is None and not half:
+        precs = (PREC_IEEE, PREC_IEEE)
+    elif precs is None:
+        # fp16 input has fp32 w/kg (bf16 would round them), so its products stay tf32
+        precs = HALF_PRECS if w.dtype == torch.bfloat16 else (PREC_TF32, PREC_TF32)
+    BKB = min(64, max(16, triton.next_power_of_2(K)))
+    meta = {k: x for k, x in meta.items() if k not in ("BK", "HILO", "DOT_PREC")}
+    meta.update(BKB=BKB, NKB=triton.cdiv(K, BKB), PREC_WS=precs[0], PREC_KV=precs[1])
+    if w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
+        grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), N, HV)  # noqa: E731
+        chunk_kda_fwd_kernel_h_blocked_tuned[grid](*args, **meta)
+    else:
+        block_v = block_v or _default_block_v(V, N * HV, w)
+        chunk_kda_fwd_kernel_h_blocked[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta,
+                                                                          num_warps=num_warps,
+                                                                          num_stages=num_stages)
 
 
 def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None):

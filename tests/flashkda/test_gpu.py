@@ -8,7 +8,7 @@ import flashkda
 from flashkda import reference
 from flashkda.chunk_fwd import chunk_kda_fwd
 from flashkda.chunk_intra import INTRA_CONFIGS, WU_CONFIGS
-from flashkda.chunk_state import H_CONFIGS, O_CONFIGS, STATE_CONFIGS
+from flashkda.chunk_state import HB_CONFIGS, H_CONFIGS, O_CONFIGS, STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 pytestmark = pytest.mark.gpu
@@ -101,7 +101,15 @@ def test_split_state_configs_match_fp64_on_gpu(config, hilo, monkeypatch):
     pipelined: one stage crashed with hi/lo, which the launcher now refuses)."""
     block_v, num_warps, num_stages = config
     _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=True,
-                                          hilo=hilo))
+                                          hilo=hilo, blocked=False))
+
+
+@pytest.mark.parametrize("config", HB_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in HB_CONFIGS])
+def test_blocked_state_configs_match_fp64_on_gpu(config, monkeypatch):
+    """Every configuration of the blocked state pass (bf16 input, default operand precisions)."""
+    block_v, num_warps, num_stages = config
+    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=True,
+                                          blocked=True))
 
 
 @pytest.mark.parametrize("config", O_CONFIGS, ids=[f"BV{c[0]}-BK{c[1]}-w{c[2]}" for c in O_CONFIGS])
