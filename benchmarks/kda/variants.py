@@ -22,7 +22,8 @@ kernel: the comparison NOTES.md predicts for H64-T8192 and has not timed.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
 [--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
-[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
+[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...]
+[--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
 configuration of the intra and state lists is the reference (the fused defaults when a list is empty).
 """
 

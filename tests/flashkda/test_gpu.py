@@ -8,7 +8,7 @@ import flashkda
 from flashkda import reference
 from flashkda.chunk_fwd import chunk_kda_fwd
 from flashkda.chunk_intra import INTRA_CONFIGS, WU_CONFIGS
-from flashkda.chunk_state import HB_CONFIGS, H_CONFIGS, O_CONFIGS, STATE_CONFIGS
+from flashkda.chunk_state import H_CONFIGS, HB_CONFIGS, O_CONFIGS, STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 pytestmark = pytest.mark.gpu

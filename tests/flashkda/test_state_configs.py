@@ -12,8 +12,8 @@ from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
 from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, TILED_ENV, WU_CONFIGS, chunk_kda_fwd_intra
 from flashkda.chunk_intra_tiled import SOLVE_CONFIGS, SUB_CONFIGS
 from flashkda.chunk_state import (
-    HB_CONFIGS,
     H_CONFIGS,
+    HB_CONFIGS,
     O_CONFIGS,
     PREC_BF16,
     PREC_HILO,
