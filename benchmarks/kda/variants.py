@@ -22,7 +22,7 @@ kernel: the comparison NOTES.md predicts for H64-T8192 and has not timed.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
 [--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
-[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...]
+[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--o BV:BK:WARPS:STAGES:HILO ...]
 [--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
 configuration of the intra and state lists is the reference (the fused defaults when a list is empty).
 """
@@ -45,6 +45,9 @@ H_SWEEP = ["32:4:1:0", "32:4:2:0", "64:4:2:0", "16:4:2:0", "64:8:2:0", "32:2:2:0
 #: precision of w S, of kgᵀ v_new; 1 tf32, 2 hi/lo bf16, 3 bf16 as in flashkda.chunk_state).
 HB_SWEEP = ["32:4:2:3:2", "64:4:2:3:2", "32:2:2:3:2", "64:2:2:3:2", "32:4:3:3:2", "64:4:3:3:2", "64:8:2:3:2",
             "64:4:2:2:2", "64:4:2:1:1", "64:4:2:3:3"]
+#: The output kernel alone: (V tile, K slice, warps, stages, bf16 hi/lo products).
+O_SWEEP = ["64:64:4:2:0", "64:64:4:2:1", "128:64:4:2:1", "128:64:8:2:1", "64:128:4:2:1", "32:64:4:2:1",
+           "64:64:4:3:1", "64:64:4:1:1", "128:128:8:2:1", "64:64:8:2:1"]
 #: The opt-in small-tile intra path: (K slice, warps, register cap or 0; w/u slice, warps), or "auto" (autotuned).
 TILED_SWEEP = ["auto", "16:4:128:32:4", "16:4:0:32:4", "32:4:0:32:4", "16:4:128:64:8", "16:4:128:64:4"]
 
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wu", nargs="*", default=WU_SWEEP)
     parser.add_argument("--h", nargs="*", default=H_SWEEP)
     parser.add_argument("--hb", nargs="*", default=HB_SWEEP)
+    parser.add_argument("--o", nargs="*", default=O_SWEEP)
     parser.add_argument("--tiled", nargs="*", default=TILED_SWEEP)
     args = parser.parse_args(argv)
     import torch
@@ -163,15 +167,23 @@ def sweep_case(name: str, args) -> None:
                 split=True, blocked=True, precs=(pws, pkv))
             _report(f"state blocked h BV:warps:stages:prec_ws:prec_kv={spec} + o autotuned", fn, o_ref,
                     lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
-        if args.h or args.hb:  # the output kernel alone (its inputs' values do not matter for its time)
+        if args.h or args.hb or args.o:  # the output kernel alone (its inputs' values do not matter for its time)
             from flashkda.chunk_state import state_output
 
             qg, Aqk, u = ref[2], ref[4], ref[1]
-            h = torch.zeros(index.num_chunks, *qg.shape[2:], u.shape[-1], dtype=torch.bfloat16, device="cuda")
-            vn, o = torch.zeros_like(u), torch.empty(u.shape, dtype=q.dtype, device="cuda")
-            t = time_fn(lambda: state_output(qg, Aqk, h, vn, o, index, prec, qg.shape[-1]), device="cuda",
-                        rep=args.rep)
-            print(f"output kernel alone (autotuned): {t.median_ms:.3f} ms", flush=True)
+            h = torch.randn(index.num_chunks, *qg.shape[2:], u.shape[-1], device="cuda").to(torch.bfloat16)
+            vn, o = torch.randn_like(u), torch.empty(u.shape, dtype=q.dtype, device="cuda")
+            for hilo in (False, True):
+                t = time_fn(lambda hilo=hilo: state_output(qg, Aqk, h, vn, o, index, prec, qg.shape[-1],
+                                                           o_hilo=hilo), device="cuda", rep=args.rep)
+                print(f"output kernel alone (autotuned, hilo={int(hilo)}): {t.median_ms:.3f} ms", flush=True)
+            o_ref = torch.empty_like(o)
+            state_output(qg, Aqk, h, vn, o_ref, index, prec, qg.shape[-1], o_config=(64, 64, 4), o_hilo=False)
+            for spec in args.o:
+                bv, bk, nw, ns, hilo = (int(p) for p in spec.split(":"))
+                fn = lambda bv=bv, bk=bk, nw=nw, ns=ns, hilo=hilo: state_output(  # noqa: E731
+                    qg, Aqk, h, vn, o, index, prec, qg.shape[-1], o_config=(bv, bk, nw, ns), o_hilo=bool(hilo)) or o
+                _report(f"output kernel BV:BK:warps:stages:hilo={spec}", fn, o_ref, rel, 5e-3, args.rep, time.time())
         for spec in args.state:
             bv, nw, ns = (int(p) for p in spec.split(":"))
             t0 = time.time()

@@ -214,33 +214,44 @@ PREC_IEEE, PREC_TF32, PREC_HILO, PREC_BF16 = 0, 1, 2, 3
 @triton.jit
 def _operand(b_x, PREC: tl.constexpr, EMULATE: tl.constexpr):
     """The fp32 right operand ``x`` as ``(hi, lo)`` for ``_dot_acc`` (``lo`` only meaningful for ``PREC_HILO``);
-    bf16 parts are held as fp32 on the interpreter, whose bf16 products are not reliable."""
-    if PREC == 0 or PREC == 1:
-        return b_x, b_x
-    b_hi = b_x.to(tl.bfloat16)
-    b_lo = (b_x - b_hi.to(tl.float32)).to(tl.bfloat16)
-    if EMULATE:
-        return b_hi.to(tl.float32), b_lo.to(tl.float32)
+    bf16 parts are held as fp32 on the interpreter, whose bf16 products are not reliable. One return statement:
+    Triton refuses returns of different types even in branches a constexpr rules out."""
+    if PREC >= 2:
+        b_hi = b_x.to(tl.bfloat16)
+        b_lo = (b_x - b_hi.to(tl.float32)).to(tl.bfloat16)
+        if EMULATE:
+            b_hi, b_lo = b_hi.to(tl.float32), b_lo.to(tl.float32)
+    else:
+        b_hi, b_lo = b_x, b_x
     return b_hi, b_lo
 
 
 @triton.jit
-def _dot_acc(b_a, b_hi, b_lo, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
-    """``acc + a @ x`` with fp32 accumulation, ``x`` given as ``_operand``'s ``(hi, lo)``."""
+def _dot_acc(b_a, b_hi, b_lo, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr, LEFT: tl.constexpr = True):
+    """``acc + a @ x`` with fp32 accumulation, ``x`` given as ``_operand``'s ``(hi, lo)``; ``a`` is exact in bf16
+    for ``PREC_HILO``/``PREC_BF16``. ``LEFT=False``: ``acc + x @ a`` instead."""
     if PREC == 0:
-        return tl.dot(b_a.to(tl.float32), b_hi, b_acc, input_precision="ieee")
-    if PREC == 1:
-        return tl.dot(b_a.to(tl.float32), b_hi, b_acc, input_precision="tf32")
-    if EMULATE:
-        b_a = b_a.to(tl.float32)
-        b_acc = tl.dot(b_a, b_hi, b_acc, input_precision="ieee")
+        b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "ieee", LEFT)
+    elif PREC == 1:
+        b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "tf32", LEFT)
+    elif EMULATE:
+        b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "ieee", LEFT)
         if PREC == 2:
-            b_acc = tl.dot(b_a, b_lo, b_acc, input_precision="ieee")
-        return b_acc
-    b_a = b_a.to(tl.bfloat16)
-    if PREC == 2:
-        b_acc = tl.dot(b_a, b_lo, b_acc)
-    return tl.dot(b_a, b_hi, b_acc)
+            b_acc = _mm_side(b_a.to(tl.float32), b_lo, b_acc, "ieee", LEFT)
+    else:
+        if PREC == 2:
+            b_acc = _mm_side(b_a.to(tl.bfloat16), b_lo, b_acc, None, LEFT)
+        b_acc = _mm_side(b_a.to(tl.bfloat16), b_hi, b_acc, None, LEFT)
+    return b_acc
+
+
+@triton.jit
+def _mm_side(b_a, b_x, b_acc, DOT_PREC: tl.constexpr, LEFT: tl.constexpr):
+    if LEFT:
+        b_acc = tl.dot(b_a, b_x, b_acc, input_precision=DOT_PREC)
+    else:
+        b_acc = tl.dot(b_x, b_a, b_acc, input_precision=DOT_PREC)
+    return b_acc
 
 
 @triton.jit
@@ -253,13 +264,13 @@ def _state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl
 
 
 @triton.jit
-def _state_in(h0, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+def _state_in(h0, i_s, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
               USE_INITIAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr):
-    """``[BKB, BV]`` fp32 initial state tile (``h0`` points at this head's state), zero without one."""
+    """``[BKB, BV]`` fp32 initial state tile (this head's state starts at ``h0 + i_s``), zero without one."""
     b_S = tl.zeros([BKB, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         o_s, m_s = _state_offsets(o_k, o_v, K, V, STATE_V_FIRST)
-        b_S += tl.load(h0 + o_s, mask=m_s, other=0.0).to(tl.float32)
+        b_S += tl.load(h0 + i_s + o_s, mask=m_s, other=0.0).to(tl.float32)
     return b_S
 
 
@@ -318,13 +329,13 @@ def chunk_kda_fwd_kernel_h_blocked(
     o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
     i_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
     # [BKB, BV] x NKB
-    b_S1 = _state_in(h0 + i_s, o_k1, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+    b_S1 = _state_in(h0, i_s, o_k1, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
     if NKB > 1:
-        b_S2 = _state_in(h0 + i_s, o_k2, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+        b_S2 = _state_in(h0, i_s, o_k2, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
     if NKB > 2:
-        b_S3 = _state_in(h0 + i_s, o_k3, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+        b_S3 = _state_in(h0, i_s, o_k3, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
     if NKB > 3:
-        b_S4 = _state_in(h0 + i_s, o_k4, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
+        b_S4 = _state_in(h0, i_s, o_k4, o_v, K, V, BKB, BV, USE_INITIAL_STATE, STATE_V_FIRST)
 
     w_h = w + (bos * HV + i_hv) * K
     kg_h = kg + (bos * HV + i_hv) * K
@@ -376,10 +387,12 @@ def chunk_kda_fwd_kernel_o(
     qg, Aqk, h, vn, o, cu_seqlens, chunk_offsets, chunk_map,
     T, NTS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, HILO: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """Output of every chunk in parallel, one program per (V block, chunk, head): ``o = qg h + Aqk v_new`` with
-    fp32 qg/Aqk at ``DOT_PREC`` (h and v_new as stored, exactly widened to fp32)."""
+    """Output of every chunk in parallel, one program per (V block, chunk, head): ``o = qg h + Aqk v_new`` (h and
+    v_new as stored). fp32 qg/Aqk/v_new go in at ``DOT_PREC``, or with ``HILO`` (bf16 h) as bf16 hi/lo splits: qg h
+    as two bf16 products, Aqk v_new as three (the lo x lo term, 2^-16 relative, is dropped); all-bf16 operands keep
+    the products on the tensor cores' 16-bit path, which takes either operand layout."""
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
     if i_n < 0:
@@ -397,12 +410,23 @@ def chunk_kda_fwd_kernel_o(
         m_k = o_k < K
         b_q = tl.load(qg_c + o_c[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h_c + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision=DOT_PREC)
+        if HILO:
+            # 2: PREC_HILO, 3: PREC_BF16
+            b_qh, b_ql = _operand(b_q.to(tl.float32), 2, EMULATE)
+            b_o = _dot_acc(b_h, b_qh, b_ql, b_o, 2, EMULATE, LEFT=False)
+        else:
+            b_o += tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision=DOT_PREC)
     # only the lower triangle of Aqk was written
     b_A = tl.load(Aqk + (t0 * HV + i_hv) * BT + o_c[:, None] * (HV * BT) + o_c[None, :],
                   mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
     b_vn = tl.load(vn + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
-    b_o += tl.dot(b_A.to(tl.float32), b_vn.to(tl.float32), input_precision=DOT_PREC)
+    if HILO:
+        b_ah, b_al = _operand(b_A.to(tl.float32), 2, EMULATE)
+        b_vh, b_vl = _operand(b_vn.to(tl.float32), 2, EMULATE)
+        b_o = _dot_acc(b_ah, b_vh, b_vl, b_o, 2, EMULATE)
+        b_o = _dot_acc(b_al, b_vh, b_vh, b_o, 3, EMULATE)
+    else:
+        b_o += tl.dot(b_A.to(tl.float32), b_vn.to(tl.float32), input_precision=DOT_PREC)
     tl.store(o + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_tv)
 
@@ -429,9 +453,10 @@ chunk_kda_fwd_kernel_h_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in H_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "HILO", "DOT_PREC"],
 )(chunk_kda_fwd_kernel_h)
-#: Blocked state pass configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU (fla's
-#: state pass autotunes over the same ranges).
-HB_CONFIGS = [(32, 2, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2)]
+#: Blocked state pass configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU. Measured with
+#: the output kernel (2026-12-01 06:30 UTC): best 64:4:3 at H64-T8192 (0.950 ms) and H64-T32768, 32:4:3 at H12-T8192
+#: (0.394) and H32-T131072 (7.99); 2 warps (up to 2.1x slower) and 64:8:2 (1.213) were dropped.
+HB_CONFIGS = [(32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 4, 3)]
 chunk_kda_fwd_kernel_h_blocked_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in HB_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "PREC_WS", "PREC_KV"],
@@ -442,11 +467,19 @@ BLOCKED_MAX_K = 256
 #: (bf16, T = 300, K = V = 128, three gate kinds): the state rounded to bf16 in ``w S`` leaves o and the final state
 #: unchanged (3.2e-3); v_new rounded to bf16 in ``kgᵀ v_new`` doubles the final state's error to ~6e-3, over the
 #: 5e-3 budget, so v_new goes in as its hi/lo split (three bf16 products per 64-row block and step; fla takes two).
+#: On the H200 the same T = 300 softplus case with both rounded stayed under 5e-3 (06:29 UTC; the value was not
+#: printed), so the CPU figure may overstate the GPU's error; the GPU timing of both rounded was 0.972 vs 0.997 ms.
 HALF_PRECS = (PREC_BF16, PREC_HILO)
 #: Output-kernel configurations (V tile, K slice, warps).
-O_CONFIGS = [(64, 64, 4), (64, 64, 8), (128, 64, 8)]
+O_CONFIGS = [(64, 64, 4), (64, 64, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (32, 64, 4)]
 chunk_kda_fwd_kernel_o_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv, "BK": bk}, num_warps=nw, num_stages=2) for bv, bk, nw in O_CONFIGS],
+    key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC", "HILO"],
+)(chunk_kda_fwd_kernel_o)
+#: With bf16 h the autotuner also picks between tf32 and bf16 hi/lo products (both within the accuracy budget).
+chunk_kda_fwd_kernel_o_tuned_bf16 = triton.autotune(
+    configs=[triton.Config({"BV": bv, "BK": bk, "HILO": hilo}, num_warps=nw, num_stages=2)
+             for bv, bk, nw in O_CONFIGS for hilo in (False, True)],
     key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC"],
 )(chunk_kda_fwd_kernel_o)
 
@@ -462,7 +495,7 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
                           out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
                           num_warps=4, num_stages=1, split=None, o_config=None, hilo=False, blocked=None,
-                          precs=None):
+                          precs=None, o_hilo=None):
     """State recurrence and output from the intra stage's tensors.
 
     Args:
@@ -476,7 +509,8 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         out, final_state: optional preallocated outputs.
         split: True runs the state-only recurrence (states stored bf16 for half input) and a parallel output
             kernel; False the fused recurrence with the output inside. None: ``prefer_split`` unless ``output_h``.
-        o_config: ``(BV, BK, warps)`` forced for the output kernel of the split path (None: autotuned on a GPU).
+        o_config: ``(BV, BK, warps[, stages])`` forced for the output kernel of the split path (None: autotuned on
+            a GPU). o_hilo: its products as bf16 hi/lo splits (only with bf16 h; None: autotuned with the tiles).
         hilo: split path with bf16 ``w``/``kg`` and the flat (``blocked=False``) state pass: the chain products as
             two bf16 products over a hi/lo split of the fp32 state and v_new instead of one tf32 product.
         blocked: split path's state pass on 64-row state tiles (``chunk_kda_fwd_kernel_h_blocked``); None: when
@@ -508,7 +542,8 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         if output_h:
             raise ValueError("output_h: the split state path keeps its states in its own dtype; use split=False")
         _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK,
-                     block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16, blocked, precs)
+                     block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16, blocked, precs,
+                     o_hilo)
         return o, ht, h
     args = (w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
             T, index.chunks_per_seq, N * HV)
@@ -526,8 +561,13 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
 
 
 def prefer_split(programs_per_block: int, V: int, w: torch.Tensor, dot_prec: str = "ieee") -> bool:
-    """Split (state-only recurrence + parallel output kernel) when the fused recurrence would have fewer 32-wide
-    programs than SMs, i.e. when the serial chain, not the per-chunk work, sets the time.
+    """Split (state-only recurrence + parallel output kernel) for bf16 input with the blocked state pass (K <= 256),
+    otherwise when the fused recurrence would have fewer 32-wide programs than SMs, i.e. when the serial chain, not
+    the per-chunk work, sets the time.
+
+    Blocked split vs fused on the H200 (2026-12-01 06:30 UTC, benchmarks/kda/state_round.sh): H64-T8192 0.950 vs
+    1.031 ms, H64-T32768 3.48 vs ~3.96 (00:00 UTC run), and at few programs H12-T8192 0.394 vs flat split 0.510,
+    H32-T131072 7.99 vs flat split 9.67.
 
     Measured on the H200 (NOTES.md): H32-T131072 (128 programs) fused 12.94 ms vs split 9.72 ms; H64-T8192 (256
     programs) fused 1.035 vs split 1.051 ms, where the fused stage also keeps no per-chunk states in memory. The
@@ -542,6 +582,8 @@ def prefer_split(programs_per_block: int, V: int, w: torch.Tensor, dot_prec: str
         return True
     if w.dtype == torch.float32 and dot_prec != "ieee":
         return False
+    if w.dtype == torch.bfloat16 and w.shape[-1] <= BLOCKED_MAX_K:
+        return True
     num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count
     return programs_per_block * triton.cdiv(V, 32) < num_sms
 
@@ -552,7 +594,7 @@ def _default_block_v(V, programs_per_block, w):
 
 
 def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK, block_v,
-                 num_warps, num_stages, o_config, hilo, blocked=None, precs=None):
+                 num_warps, num_stages, o_config, hilo, blocked=None, precs=None, o_hilo=None):
     """The split path: ``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
 
     bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o, measured
@@ -584,7 +626,7 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
         block_v = block_v or _default_block_v(V, N * HV, w)
         chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
                                                                     num_stages=num_stages)
-    state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config)
+    state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config, o_hilo)
 
 
 def _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_stages):
@@ -608,17 +650,25 @@ def _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_
                                                                           num_stages=num_stages)
 
 
-def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None):
+def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None, o_hilo=None):
     """``o = qg h + Aqk v_new`` for every chunk in parallel (``chunk_kda_fwd_kernel_o``; ``h`` ``[NC, HV, K, V]``,
-    ``vn`` ``[B, T, HV, V]``); separate from ``_state_split`` so the benchmarks can time it alone."""
+    ``vn`` ``[B, T, HV, V]``); separate from ``_state_split`` so the benchmarks can time it alone.
+
+    ``o_config``: ``(BV, BK, warps[, stages])`` forced (None: autotuned on a GPU). ``o_hilo``: bf16 hi/lo products
+    (only with bf16 ``h``; None: autotuned on a GPU with bf16 ``h``, hi/lo on the interpreter)."""
     T, HV, K = qg.shape[1:]
     V = vn.shape[-1]
+    bf16_h = h.dtype == torch.bfloat16
     args = (qg, Aqk, h, vn, o, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
-    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
+    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, EMULATE=not qg.is_cuda)
     if qg.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), index.num_chunks, HV)  # noqa: E731
-        chunk_kda_fwd_kernel_o_tuned[grid](*args, **meta)
+        if bf16_h and o_hilo is None:
+            chunk_kda_fwd_kernel_o_tuned_bf16[grid](*args, **meta)
+        else:
+            chunk_kda_fwd_kernel_o_tuned[grid](*args, **meta, HILO=bool(o_hilo) and bf16_h)
     else:
-        bv, bk, nw = o_config or (min(64, triton.next_power_of_2(V)), min(64, BK), 4)
-        chunk_kda_fwd_kernel_o[(triton.cdiv(V, bv), index.num_chunks, HV)](*args, BV=bv, BK=bk, **meta, num_warps=nw,
-                                                                          num_stages=2)
+        hilo = bf16_h and (o_hilo is None or bool(o_hilo))
+        bv, bk, nw, ns = (*o_config, 2)[:4] if o_config else (min(64, triton.next_power_of_2(V)), min(64, BK), 4, 2)
+        chunk_kda_fwd_kernel_o[(triton.cdiv(V, bv), index.num_chunks, HV)](*args, BV=bv, BK=bk, **meta, HILO=hilo,
+                                                                          num_warps=nw, num_stages=ns)

@@ -112,9 +112,10 @@ def test_blocked_state_configs_match_fp64_on_gpu(config, monkeypatch):
                                           blocked=True))
 
 
+@pytest.mark.parametrize("o_hilo", [False, True], ids=["tf32", "hilo"])
 @pytest.mark.parametrize("config", O_CONFIGS, ids=[f"BV{c[0]}-BK{c[1]}-w{c[2]}" for c in O_CONFIGS])
-def test_output_kernel_configs_match_fp64_on_gpu(config, monkeypatch):
-    _forced_forward(monkeypatch, {}, dict(split=True, o_config=config))
+def test_output_kernel_configs_match_fp64_on_gpu(config, o_hilo, monkeypatch):
+    _forced_forward(monkeypatch, {}, dict(split=True, o_config=config, o_hilo=o_hilo))
 
 
 @pytest.mark.parametrize("config", WU_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in WU_CONFIGS])
