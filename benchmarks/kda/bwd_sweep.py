@@ -6,10 +6,16 @@ Times ``flashkda.chunk_kda`` forward + backward at a training row with the fused
 state recompute and the reverse pass; default: the finest split that gives 256 programs, down to 16) set to each
 configuration in turn, every configuration's gradients
 checked against the default's first (relative RMS <= 1e-3; a configuration that disagrees is reported, not timed).
+Then the two state passes alone (``--state``), flat vs blocked kernels at forced (V block, warps, stages): the
+training forward (``chunk_kda_fwd_h`` writing o and the final state), the backward's recompute (h, v_new) and the
+reverse pass (``chunk_kda_bwd_dh``), on chunk-local inputs of the case's shape with bf16-caller precision, each
+configuration checked against the first one's outputs the same way.
 Nothing is compared with fla here (``benchmarks.kda.train`` does that) and nothing is written.
 
 Usage: ``python -m benchmarks.kda.bwd_sweep [--case B1-T8192-H64] [--rep N] [--gates BK:WARPS ...]
-[--dots BK:WARPS ...] [--bv BV ...]`` (CUDA only). The first entry of the first two lists is the default.
+[--dots BK:WARPS ...] [--bv BV ...] [--state KERNEL[:BV:WARPS:STAGES] ...]`` (CUDA only). The first entry of the
+first two lists is the default; an empty list (``--gates --dots --bv``) skips those, e.g. to time the state passes
+only.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from benchmarks.kda.train import GRAD_NAMES, TRAIN_CASES, make_inputs, rms_ratio
 GATES_SWEEP = ["32:4", "16:4", "16:2", "32:8", "64:8"]
 DOTS_SWEEP = ["32:4", "16:4", "64:4", "32:8"]
 BV_SWEEP = ["32", "64"]
+#: State-pass launches: KERNEL (flat or blocked) with the launcher's defaults, or KERNEL:BV:WARPS:STAGES. At
+#: B1-T8192-H64 (K = V = 128) the default V block is 32; an offline sm90 compile put 3 stages at K = 128 over the
+#: H200's 227 KiB of shared memory, and 4 warps spilled in the reverse pass (BV = 32) and the forward (BV = 64).
+STATE_SWEEP = ["flat", "blocked", "blocked:32:4:2", "blocked:32:8:2", "blocked:64:8:2", "blocked:16:4:2",
+               "blocked:16:4:3", "blocked:32:8:1", "flat:64:8:1"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gates", nargs="*", default=GATES_SWEEP)
     parser.add_argument("--dots", nargs="*", default=DOTS_SWEEP)
     parser.add_argument("--bv", nargs="*", default=BV_SWEEP)
+    parser.add_argument("--state", nargs="*", default=STATE_SWEEP, type=_state_spec,
+                        help="KERNEL[:BV:WARPS:STAGES], KERNEL flat|blocked")
     parser.add_argument("--device", default="cuda", help="cpu runs the kernels in Triton's interpreter (smoke test)")
     args = parser.parse_args(argv)
     import torch
@@ -79,7 +92,83 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = defaults
         chunk_bwd_h._block_v = block_v
+    if args.state:
+        _sweep_state(args.case, args.state, args.rep, device)
     return 0
+
+
+def _state_spec(spec: str) -> str:
+    _state_launch(spec)  # argparse reports the ValueError
+    return spec
+
+
+def _state_launch(spec: str) -> dict:
+    kernel, *cfg = spec.split(":")
+    if kernel not in ("flat", "blocked") or len(cfg) not in (0, 3):
+        raise ValueError(f"--state: expected KERNEL or KERNEL:BV:WARPS:STAGES with KERNEL flat|blocked, got {spec!r}")
+    bv, warps, stages = (int(x) for x in cfg) if cfg else (None, None, None)
+    return dict(blocked=kernel == "blocked", block_v=bv, num_warps=warps, num_stages=stages)
+
+
+def _sweep_state(case: str, specs: list[str], rep: int, device: str, D: int = 128) -> None:
+    """Times the training state passes alone at each launch in ``specs`` (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
+    from flashkda.chunk_bwd_layout import make_layout, to_chunks
+    from flashkda.chunk_bwd_local import chunk_local_prepare
+
+    launches = {spec: _state_launch(spec) for spec in specs}
+    c = TRAIN_CASES[case]
+    B, T, H = c["B"], c["T"], c["H"]
+    cu = None if c["lengths"] is None else torch.tensor([0, *torch.tensor(c["lengths"]).cumsum(0).tolist()])
+    layout = make_layout(B if cu is None else 1, T if cu is None else int(cu[-1]), cu, 64, torch.device(device))
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def chunks(x):
+        return to_chunks(x.reshape(B if cu is None else 1, -1, H, x.shape[-1]), layout)
+
+    def rn(*shape):
+        return torch.randn(B * T, H, *shape, generator=gen, device=device)
+
+    N = layout.chunk_offsets.numel() - 1
+    # a bf16 caller's precision; exact fp32 on the interpreter (smoke test), whose bf16 products are wrong
+    prec = "tf32" if device == "cuda" else "ieee"
+    with torch.no_grad():
+        q, k = chunks(F.normalize(rn(D), dim=-1)), chunks(F.normalize(rn(D), dim=-1))
+        g = chunks(F.logsigmoid(rn(D) + 4.0))
+        local = chunk_local_prepare(q, k, chunks(rn(D)), g, chunks(torch.sigmoid(rn(1)))[..., 0], D**-0.5,
+                                    dot_precision=prec)
+        del q, k, g
+        h0 = torch.randn(N, H, D, D, generator=gen, device=device) * 0.1
+        do = torch.randn(layout.num_chunks, H, 64, D, generator=gen, device=device)
+        dht = torch.randn(N, H, D, D, generator=gen, device=device)
+    state_in = (local.w, local.u, local.qg, local.aqk, local.kend, local.dec, h0, layout.chunk_offsets)
+    dh_in = (local.qg, local.aqk, local.kend, local.dec, local.w, do, dht, layout.chunk_offsets)
+    passes = {
+        "fwd_h(o)": lambda kw: chunk_kda_fwd_h(*state_in, store_o=True, store_h=False, store_final_state=True,
+                                               dot_precision=prec, **kw),
+        "fwd_h(h)": lambda kw: chunk_kda_fwd_h(*state_in, store_o=False, store_h=True, store_final_state=False,
+                                               dot_precision=prec, **kw),
+        "bwd_dh": lambda kw: chunk_kda_bwd_dh(*dh_in, store_dh0=True, dot_precision=prec, **kw),
+    }
+    ref = {}
+    for spec, kw in launches.items():
+        line = []
+        for name, run in passes.items():
+            try:
+                out = [x for x in run(kw) if x is not None]
+            except Exception as e:  # e.g. out of shared memory: report and go on
+                line.append(f"{name} failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                continue
+            worst = max(rms_ratio(x, r) for x, r in zip(out, ref.setdefault(name, out)))
+            if worst > 1e-3:
+                line.append(f"{name} differs from {specs[0]}'s (worst {worst:.1e}), not timed")
+                continue
+            t = time_fn(lambda run=run, kw=kw: run(kw), device=device, warmup=2, rep=rep)
+            line.append(f"{name} {t.median_ms:.3f} ms ({t.p20_ms:.3f}-{t.p80_ms:.3f})")
+        print(f"{case} state {spec}: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 #   bash benchmarks/device/run.sh bash benchmarks/kda/train_rows.sh
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row's shape and in the tiny
 #   LM, each in its own process, into Triton's on-disk cache. B (timed, cap KDA_MAIN_CAP, 150 s): the loss check,
-#   the fp64 gate, the four rows against fla with a profile of the first; results written.
+#   the fp64 gate, the four rows against fla with a profile of the first; results written. Beside phase A the gpu
+#   tests of the training state passes; after phase B their launch sweep (benchmarks.kda.bwd_sweep --state, flat vs
+#   blocked kernels, cap KDA_SWEEP_CAP, 90 s).
 set -u
 source benchmarks/kda/round_env.sh train_rows
 TRAIN="python3 -m benchmarks.kda.train"
@@ -17,6 +19,10 @@ for row in $ROWS; do
 done
 timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
+SWEEP="python3 -m benchmarks.kda.bwd_sweep --gates --dots --bv"
+timeout -k 5 "$WARM" $SWEEP --rep 1 > $LOGS/A_sweep.log 2>&1 &
+timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider --timeout 120 tests/flashkda/test_bwd_state_blocked.py \
+  tests/flashkda/test_backward.py > $LOGS/A_tests.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
@@ -24,6 +30,7 @@ echo "=== phase B $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-150}" $TRAIN --rep 10 --steps 300 --loop-first --profile --cases $ROWS 2>&1 \
   | tee $LOGS/B_main.log
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
+timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee $LOGS/B_sweep.log
 cat $LOGS/A_*.log > "$OUT/phaseA.log"
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
 exit 0

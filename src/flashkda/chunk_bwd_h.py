@@ -22,13 +22,25 @@ The reverse pass walks the chunks backwards with ``dS`` (gradient of the loss w.
 
 One program owns one (sequence, value head, V-block) and keeps its ``[K, BV]`` fp32 state in registers for the
 whole sequence, so the state never round-trips through HBM except where it is stored for the backward.
+
+Each pass has two kernels with the same math, inputs and outputs. The flat ones (``chunk_kda_fwd_kernel_h``,
+``chunk_kda_bwd_kernel_dh``) hold the state as one ``[K, BV]`` tile and transpose operands in registers; their
+``[C, K]`` fp32 operands overflow shared memory once pipelined (372 KiB at K = 128 with 3 stages, 227 KiB on an
+H200), so they run with one stage. The blocked ones (``*_blocked``, the default for K <= 256, as the forward's
+``flashkda.chunk_state.chunk_kda_fwd_kernel_h_blocked``) hold it as up to four ``[BKB, BV]`` tiles of 64 rows, load
+the operands they need transposed straight from memory as ``[BKB, C]`` tiles, and issue loads that depend on the
+chunk index only, so that the software pipeliner can prefetch the next chunk's tiles (2 stages up to K = 128).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from flashkda.chunk_state import PREC_BF16, PREC_IEEE
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
 
@@ -163,6 +175,271 @@ def chunk_kda_bwd_kernel_dh(
         tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), mask=m_kv)
 
 
+@triton.jit
+def _bf16(b_x, EMULATE: tl.constexpr):
+    """fp32 ``x`` rounded to bf16 (to nearest, ties to even). On the interpreter (``EMULATE``), whose casts truncate,
+    the rounding is done on the bits and the result kept in fp32 (bf16 values are exact in fp32)."""
+    if EMULATE:
+        bits = b_x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        b_y = bits.to(tl.float32, bitcast=True)
+    else:
+        b_y = b_x.to(tl.bfloat16)
+    return b_y
+
+
+@triton.jit
+def _dot(b_a, b_x, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ x`` for fp32 ``a``, ``x`` and ``acc``, the operands at ``PREC`` (``flashkda.chunk_state``'s
+    ``PREC_*``): 0 exact, 1 tf32, 2 bf16 ``a`` times the bf16 hi/lo split of ``x``, 3 both rounded to bf16. On the
+    interpreter (``EMULATE``), whose bf16 products are wrong, the bf16 values are held as fp32 and multiplied
+    exactly, which is what the tensor cores compute. One return statement: Triton refuses returns of different
+    types even in branches a constexpr rules out."""
+    if PREC == 0:
+        b_acc = tl.dot(b_a, b_x, b_acc, input_precision="ieee")
+    elif PREC == 1:
+        b_acc = tl.dot(b_a, b_x, b_acc, input_precision="tf32")
+    else:
+        b_ab, b_xh = _bf16(b_a, EMULATE), _bf16(b_x, EMULATE)
+        if PREC == 2:
+            b_xl = _bf16(b_x - b_xh.to(tl.float32), EMULATE)
+            b_acc = tl.dot(b_ab, b_xl, b_acc, input_precision="ieee")
+        b_acc = tl.dot(b_ab, b_xh, b_acc, input_precision="ieee")
+    return b_acc
+
+
+@triton.jit
+def _ck(p, o_c, o_k, K: tl.constexpr):
+    """``[C, BKB]`` fp32 tile (columns ``o_k``) of the ``[C, K]`` chunk operand at ``p``."""
+    return tl.load(p + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _kc(p, o_c, o_k, K: tl.constexpr):
+    """The same tile transposed, ``[BKB, C]``, read as such from memory (no transpose in registers)."""
+    return tl.load(p + o_k[:, None] + o_c[None, :] * K).to(tl.float32)
+
+
+@triton.jit
+def _state_tile(p, m, BKB: tl.constexpr, BV: tl.constexpr, LOAD: tl.constexpr):
+    """``[BKB, BV]`` fp32 state tile read at ``p`` (masked by ``m``), or zeros without ``LOAD``."""
+    b = tl.zeros([BKB, BV], dtype=tl.float32)
+    if LOAD:
+        b += tl.load(p, mask=m, other=0.0).to(tl.float32)
+    return b
+
+
+@triton.jit
+def chunk_kda_fwd_kernel_h_blocked(
+    w,
+    u,
+    qg,
+    aqk,
+    kend,
+    dec,
+    h0,
+    h,
+    v_new,
+    o,
+    ht,
+    chunk_offsets,
+    HV: tl.constexpr,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BKB: tl.constexpr,
+    NKB: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_H: tl.constexpr,
+    STORE_O: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    PREC_WS: tl.constexpr,
+    PREC_QS: tl.constexpr,
+    PREC_AV: tl.constexpr,
+    PREC_KV: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """``chunk_kda_fwd_kernel_h`` with the state as ``NKB`` ``[BKB, BV]`` tiles (``b_h1`` .. ``b_h4``): ``w S`` and
+    ``qg S`` are sums of one product per tile, the state update one product per tile with ``kend`` read transposed.
+    ``PREC_*``: operand precision (see ``_dot``) of ``w S``, ``qg S``, ``Aqk v_new`` and ``kend^T v_new``."""
+    tl.static_assert(NKB * BKB == K and NKB <= 4)
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
+    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_cv = (o_c[:, None] < C) & (o_v < V)[None, :]
+    o_k1 = tl.arange(0, BKB)
+    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
+    # tile j of a head's [K, V] state sits at o_s + (j - 1) * BKB * V
+    o_s = o_k1[:, None] * V + o_v[None, :]
+    m_s = (o_k1[:, None] < BKB) & (o_v < V)[None, :]
+    i_s = (i_n * HV + i_h).to(tl.int64) * K * V
+    # [BKB, BV] x NKB
+    b_h1 = _state_tile(h0 + i_s + o_s, m_s, BKB, BV, USE_H0)
+    if NKB > 1:
+        b_h2 = _state_tile(h0 + i_s + BKB * V + o_s, m_s, BKB, BV, USE_H0)
+    if NKB > 2:
+        b_h3 = _state_tile(h0 + i_s + 2 * BKB * V + o_s, m_s, BKB, BV, USE_H0)
+    if NKB > 3:
+        b_h4 = _state_tile(h0 + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_H0)
+    for i_c in range(c_start, c_end):
+        i_ch = i_c * HV + i_h
+        w_c, qg_c, ke_c, d_c = w + i_ch * C * K, qg + i_ch * C * K, kend + i_ch * C * K, dec + i_ch * K
+        o_cv = i_ch * C * V + o_c[:, None] * V + o_v[None, :]
+        if STORE_H:
+            h_c = h + i_ch * K * V + o_s
+            tl.store(h_c, b_h1.to(h.dtype.element_ty), mask=m_s)
+            if NKB > 1:
+                tl.store(h_c + BKB * V, b_h2.to(h.dtype.element_ty), mask=m_s)
+            if NKB > 2:
+                tl.store(h_c + 2 * BKB * V, b_h3.to(h.dtype.element_ty), mask=m_s)
+            if NKB > 3:
+                tl.store(h_c + 3 * BKB * V, b_h4.to(h.dtype.element_ty), mask=m_s)
+        # [C, BV]
+        b_ws = _dot(_ck(w_c, o_c, o_k1, K), b_h1, tl.zeros([C, BV], dtype=tl.float32), PREC_WS, EMULATE)
+        if NKB > 1:
+            b_ws = _dot(_ck(w_c, o_c, o_k2, K), b_h2, b_ws, PREC_WS, EMULATE)
+        if NKB > 2:
+            b_ws = _dot(_ck(w_c, o_c, o_k3, K), b_h3, b_ws, PREC_WS, EMULATE)
+        if NKB > 3:
+            b_ws = _dot(_ck(w_c, o_c, o_k4, K), b_h4, b_ws, PREC_WS, EMULATE)
+        b_vn = tl.load(u + o_cv, mask=m_cv, other=0.0).to(tl.float32) - b_ws
+        tl.store(v_new + o_cv, b_vn.to(v_new.dtype.element_ty), mask=m_cv)
+        if STORE_O:
+            b_o = _dot(_ck(qg_c, o_c, o_k1, K), b_h1, tl.zeros([C, BV], dtype=tl.float32), PREC_QS, EMULATE)
+            if NKB > 1:
+                b_o = _dot(_ck(qg_c, o_c, o_k2, K), b_h2, b_o, PREC_QS, EMULATE)
+            if NKB > 2:
+                b_o = _dot(_ck(qg_c, o_c, o_k3, K), b_h3, b_o, PREC_QS, EMULATE)
+            if NKB > 3:
+                b_o = _dot(_ck(qg_c, o_c, o_k4, K), b_h4, b_o, PREC_QS, EMULATE)
+            # [C, C]
+            b_a = tl.load(aqk + i_ch * C * C + o_c[:, None] * C + o_c[None, :]).to(tl.float32)
+            b_o = _dot(b_a, b_vn, b_o, PREC_AV, EMULATE)
+            tl.store(o + o_cv, b_o.to(o.dtype.element_ty), mask=m_cv)
+        # [BKB, BV] x NKB
+        b_h1 = _dot(_kc(ke_c, o_c, o_k1, K), b_vn, b_h1 * tl.load(d_c + o_k1)[:, None], PREC_KV, EMULATE)
+        if NKB > 1:
+            b_h2 = _dot(_kc(ke_c, o_c, o_k2, K), b_vn, b_h2 * tl.load(d_c + o_k2)[:, None], PREC_KV, EMULATE)
+        if NKB > 2:
+            b_h3 = _dot(_kc(ke_c, o_c, o_k3, K), b_vn, b_h3 * tl.load(d_c + o_k3)[:, None], PREC_KV, EMULATE)
+        if NKB > 3:
+            b_h4 = _dot(_kc(ke_c, o_c, o_k4, K), b_vn, b_h4 * tl.load(d_c + o_k4)[:, None], PREC_KV, EMULATE)
+    if STORE_HT:
+        ht_n = ht + i_s + o_s
+        tl.store(ht_n, b_h1.to(ht.dtype.element_ty), mask=m_s)
+        if NKB > 1:
+            tl.store(ht_n + BKB * V, b_h2.to(ht.dtype.element_ty), mask=m_s)
+        if NKB > 2:
+            tl.store(ht_n + 2 * BKB * V, b_h3.to(ht.dtype.element_ty), mask=m_s)
+        if NKB > 3:
+            tl.store(ht_n + 3 * BKB * V, b_h4.to(ht.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_kda_bwd_kernel_dh_blocked(
+    qg,
+    aqk,
+    kend,
+    dec,
+    w,
+    do,
+    dht,
+    dhe,
+    dv_new,
+    dh0,
+    chunk_offsets,
+    HV: tl.constexpr,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BKB: tl.constexpr,
+    NKB: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    PREC_AD: tl.constexpr,
+    PREC_KD: tl.constexpr,
+    PREC_QD: tl.constexpr,
+    PREC_WD: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """``chunk_kda_bwd_kernel_dh`` with ``dS`` as ``NKB`` ``[BKB, BV]`` tiles (``b_dh1`` .. ``b_dh4``): ``kend dS``
+    is a sum of one product per tile, the update of each tile reads ``qg`` and ``w`` transposed, and ``Aqk^T do``
+    reads ``Aqk`` transposed. ``PREC_*``: operand precision (see ``_dot``) of ``Aqk^T do``, ``kend dS``, ``qg^T do``
+    and ``w^T dv_new``."""
+    tl.static_assert(NKB * BKB == K and NKB <= 4)
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
+    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_cv = (o_c[:, None] < C) & (o_v < V)[None, :]
+    o_k1 = tl.arange(0, BKB)
+    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
+    # tile j of a head's [K, V] state gradient sits at o_s + (j - 1) * BKB * V
+    o_s = o_k1[:, None] * V + o_v[None, :]
+    m_s = (o_k1[:, None] < BKB) & (o_v < V)[None, :]
+    i_s = (i_n * HV + i_h).to(tl.int64) * K * V
+    # [BKB, BV] x NKB: gradient w.r.t. the state at the end of the current chunk
+    b_dh1 = _state_tile(dht + i_s + o_s, m_s, BKB, BV, USE_DHT)
+    if NKB > 1:
+        b_dh2 = _state_tile(dht + i_s + BKB * V + o_s, m_s, BKB, BV, USE_DHT)
+    if NKB > 2:
+        b_dh3 = _state_tile(dht + i_s + 2 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
+    if NKB > 3:
+        b_dh4 = _state_tile(dht + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
+    for i_r in range(0, c_end - c_start):
+        i_ch = (c_end - 1 - i_r) * HV + i_h
+        w_c, qg_c, ke_c, d_c = w + i_ch * C * K, qg + i_ch * C * K, kend + i_ch * C * K, dec + i_ch * K
+        o_cv = i_ch * C * V + o_c[:, None] * V + o_v[None, :]
+        dhe_c = dhe + i_ch * K * V + o_s
+        tl.store(dhe_c, b_dh1.to(dhe.dtype.element_ty), mask=m_s)
+        if NKB > 1:
+            tl.store(dhe_c + BKB * V, b_dh2.to(dhe.dtype.element_ty), mask=m_s)
+        if NKB > 2:
+            tl.store(dhe_c + 2 * BKB * V, b_dh3.to(dhe.dtype.element_ty), mask=m_s)
+        if NKB > 3:
+            tl.store(dhe_c + 3 * BKB * V, b_dh4.to(dhe.dtype.element_ty), mask=m_s)
+        # [C, BV], [C, C] (Aqk^T)
+        b_do = tl.load(do + o_cv, mask=m_cv, other=0.0).to(tl.float32)
+        b_at = tl.load(aqk + i_ch * C * C + o_c[:, None] + o_c[None, :] * C).to(tl.float32)
+        b_dvn = _dot(b_at, b_do, tl.zeros([C, BV], dtype=tl.float32), PREC_AD, EMULATE)
+        b_dvn = _dot(_ck(ke_c, o_c, o_k1, K), b_dh1, b_dvn, PREC_KD, EMULATE)
+        if NKB > 1:
+            b_dvn = _dot(_ck(ke_c, o_c, o_k2, K), b_dh2, b_dvn, PREC_KD, EMULATE)
+        if NKB > 2:
+            b_dvn = _dot(_ck(ke_c, o_c, o_k3, K), b_dh3, b_dvn, PREC_KD, EMULATE)
+        if NKB > 3:
+            b_dvn = _dot(_ck(ke_c, o_c, o_k4, K), b_dh4, b_dvn, PREC_KD, EMULATE)
+        tl.store(dv_new + o_cv, b_dvn.to(dv_new.dtype.element_ty), mask=m_cv)
+        # w^T dv_new enters negated; bf16 rounding is symmetric, so this is exact
+        b_ndvn = -b_dvn
+        # [BKB, BV] x NKB
+        b_dh1 = _dot(_kc(qg_c, o_c, o_k1, K), b_do, b_dh1 * tl.load(d_c + o_k1)[:, None], PREC_QD, EMULATE)
+        b_dh1 = _dot(_kc(w_c, o_c, o_k1, K), b_ndvn, b_dh1, PREC_WD, EMULATE)
+        if NKB > 1:
+            b_dh2 = _dot(_kc(qg_c, o_c, o_k2, K), b_do, b_dh2 * tl.load(d_c + o_k2)[:, None], PREC_QD, EMULATE)
+            b_dh2 = _dot(_kc(w_c, o_c, o_k2, K), b_ndvn, b_dh2, PREC_WD, EMULATE)
+        if NKB > 2:
+            b_dh3 = _dot(_kc(qg_c, o_c, o_k3, K), b_do, b_dh3 * tl.load(d_c + o_k3)[:, None], PREC_QD, EMULATE)
+            b_dh3 = _dot(_kc(w_c, o_c, o_k3, K), b_ndvn, b_dh3, PREC_WD, EMULATE)
+        if NKB > 3:
+            b_dh4 = _dot(_kc(qg_c, o_c, o_k4, K), b_do, b_dh4 * tl.load(d_c + o_k4)[:, None], PREC_QD, EMULATE)
+            b_dh4 = _dot(_kc(w_c, o_c, o_k4, K), b_ndvn, b_dh4, PREC_WD, EMULATE)
+    if STORE_DH0:
+        dh0_n = dh0 + i_s + o_s
+        tl.store(dh0_n, b_dh1.to(dh0.dtype.element_ty), mask=m_s)
+        if NKB > 1:
+            tl.store(dh0_n + BKB * V, b_dh2.to(dh0.dtype.element_ty), mask=m_s)
+        if NKB > 2:
+            tl.store(dh0_n + 2 * BKB * V, b_dh3.to(dh0.dtype.element_ty), mask=m_s)
+        if NKB > 3:
+            tl.store(dh0_n + 3 * BKB * V, b_dh4.to(dh0.dtype.element_ty), mask=m_s)
+
+
 def _block_v(K: int, V: int, programs_per_block: int) -> int:
     # Keep the [K, BV] fp32 state at <= 8K elements per program so it stays in registers, and split V finer when
     # (sequences x heads) alone would leave most of the GPU's ~132 SMs idle (each program walks its whole sequence).
@@ -180,6 +457,72 @@ def _operands(dot_precision: str) -> dict:
     return dict(DOT_PRECISION=dot_precision, DT=tl.float32)
 
 
+#: Largest key dimension the blocked kernels hold (four 64-row state tiles); wider keys take the flat kernels.
+BLOCKED_MAX_K = 256
+# Operand precision of every product of the blocked kernels per caller precision: the flat kernels' semantics.
+_BLOCKED_PRECS = {"tf32": PREC_BF16, "ieee": PREC_IEEE}
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Kernel choice and launch configuration of one state pass."""
+
+    blocked: bool
+    BV: int
+    num_warps: int
+    num_stages: int
+
+
+def _launch(
+    K: int,
+    V: int,
+    programs_per_block: int,
+    dot_precision: str,
+    blocked: bool | None,
+    block_v: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> _Launch:
+    if blocked is None:
+        blocked = K <= BLOCKED_MAX_K
+    if blocked and K > BLOCKED_MAX_K:
+        raise ValueError(f"blocked: the blocked state kernels hold K <= {BLOCKED_MAX_K}, got K={K}")
+    if blocked and dot_precision not in _BLOCKED_PRECS:
+        raise ValueError(f"dot_precision: the blocked state kernels take 'ieee' or 'tf32', got {dot_precision!r}")
+    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    BV = _block_v(K, V, programs_per_block) if block_v is None else block_v
+    if blocked:
+        warps, stages = _blocked_launch(K, BV)
+    else:
+        # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
+        # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
+        warps, stages = (4 if K <= 64 or BV <= 32 else 8), 1
+    return _Launch(
+        blocked,
+        BV,
+        warps if num_warps is None else num_warps,
+        stages if num_stages is None else num_stages,
+    )
+
+
+def _blocked_launch(K: int, BV: int) -> tuple[int, int]:
+    # Forced, not autotuned (autotuning inside training steps costs too much): (warps, pipeline stages) from the
+    # forward's blocked state pass (4 warps, 2 stages; flashkda.chunk_state.HB_CONFIGS) where an offline sm90 compile
+    # (Triton 3.9, bf16 operands) neither spilled (but 48 B in the forward at K = 64, BV = 64) nor overflowed 227 KiB
+    # of shared memory. 4 warps spilled at BV = 64 (forward) and at K x BV = 128 x 32 (reverse), and the two
+    # pipelined stages of K = 256 took 240 KiB (forward).
+    # Not yet timed on a device: python -m benchmarks.kda.bwd_sweep --state.
+    return (8 if BV >= 64 or K * BV >= 4096 else 4), (2 if K <= 128 else 1)
+
+
+def _blocked_meta(K: int, dot_precision: str, names: tuple[str, ...], device: torch.device) -> dict:
+    BKB = min(64, max(16, triton.next_power_of_2(K)))
+    meta = dict(BKB=BKB, NKB=triton.cdiv(K, BKB), EMULATE=device.type != "cuda")
+    meta.update({name: _BLOCKED_PRECS[dot_precision] for name in names})
+    return meta
+
+
 def chunk_kda_fwd_h(
     w: torch.Tensor,
     u: torch.Tensor,
@@ -194,19 +537,25 @@ def chunk_kda_fwd_h(
     store_h: bool,
     store_final_state: bool,
     dot_precision: str = "ieee",
+    blocked: bool | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Forward state pass; ``blocked`` picks the kernel (None: blocked for ``K <= BLOCKED_MAX_K``), ``block_v``,
+    ``num_warps`` and ``num_stages`` force its launch (None: ``_block_v`` and ``_blocked_launch`` or the flat
+    kernel's own). Returns ``(o, final_state, h, v_new)`` (the first three None unless asked for)."""
     assert all(x.is_contiguous() for x in (w, u, qg, aqk, kend, dec)), "chunked inputs must be contiguous"
     NC, HV, C, K = w.shape
     V = u.shape[-1]
     N = chunk_offsets.numel() - 1
-    BV = _block_v(K, V, N * HV)
+    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
     v_new = torch.empty_like(u)
     o = torch.empty_like(u) if store_o else None
     h = w.new_empty(NC, HV, K, V) if store_h else None
     ht = w.new_empty(N, HV, K, V) if store_final_state else None
     dummy = v_new
-    grid = (N, HV, triton.cdiv(V, BV))
-    chunk_kda_fwd_kernel_h[grid](
+    args = (
         w,
         u,
         qg,
@@ -219,21 +568,26 @@ def chunk_kda_fwd_h(
         o if o is not None else dummy,
         ht if ht is not None else dummy,
         chunk_offsets,
+    )
+    meta = dict(
         HV=HV,
         C=C,
         K=K,
         V=V,
-        BV=BV,
+        BV=cfg.BV,
         USE_H0=initial_state is not None,
         STORE_H=store_h,
         STORE_O=store_o,
         STORE_HT=store_final_state,
-        **_operands(dot_precision),
-        num_warps=4 if K <= 64 or BV <= 32 else 8,
-        # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
-        # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
-        num_stages=1,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
+    grid = (N, HV, triton.cdiv(V, cfg.BV))
+    if cfg.blocked:
+        precs = ("PREC_WS", "PREC_QS", "PREC_AV", "PREC_KV")
+        chunk_kda_fwd_kernel_h_blocked[grid](*args, **meta, **_blocked_meta(K, dot_precision, precs, w.device))
+    else:
+        chunk_kda_fwd_kernel_h[grid](*args, **meta, **_operands(dot_precision))
     return o, ht, h, v_new
 
 
@@ -249,17 +603,22 @@ def chunk_kda_bwd_dh(
     *,
     store_dh0: bool,
     dot_precision: str = "ieee",
+    blocked: bool | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reverse state pass; ``blocked``, ``block_v``, ``num_warps`` and ``num_stages`` as in `chunk_kda_fwd_h`.
+    Returns ``(dv_new, dh at every chunk end, dh0 or None)``."""
     assert all(x.is_contiguous() for x in (qg, aqk, kend, dec, w, do)), "chunked inputs must be contiguous"
     NC, HV, C, K = w.shape
     V = do.shape[-1]
     N = chunk_offsets.numel() - 1
-    BV = _block_v(K, V, N * HV)
+    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
     dv_new = torch.empty_like(do, dtype=w.dtype)  # do may be kept in its bf16/fp16 dtype (exact), dv_new not
     dhe = w.new_empty(NC, HV, K, V)
     dh0 = w.new_empty(N, HV, K, V) if store_dh0 else None
-    grid = (N, HV, triton.cdiv(V, BV))
-    chunk_kda_bwd_kernel_dh[grid](
+    args = (
         qg,
         aqk,
         kend,
@@ -271,17 +630,22 @@ def chunk_kda_bwd_dh(
         dv_new,
         dh0 if dh0 is not None else dv_new,
         chunk_offsets,
+    )
+    meta = dict(
         HV=HV,
         C=C,
         K=K,
         V=V,
-        BV=BV,
+        BV=cfg.BV,
         USE_DHT=dht is not None,
         STORE_DH0=store_dh0,
-        **_operands(dot_precision),
-        num_warps=4 if K <= 64 or BV <= 32 else 8,
-        # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
-        # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
-        num_stages=1,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
+    grid = (N, HV, triton.cdiv(V, cfg.BV))
+    if cfg.blocked:
+        precs = ("PREC_AD", "PREC_KD", "PREC_QD", "PREC_WD")
+        chunk_kda_bwd_kernel_dh_blocked[grid](*args, **meta, **_blocked_meta(K, dot_precision, precs, w.device))
+    else:
+        chunk_kda_bwd_kernel_dh[grid](*args, **meta, **_operands(dot_precision))
     return dv_new, dhe, dh0
