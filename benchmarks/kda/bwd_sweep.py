@@ -32,8 +32,8 @@ BV_SWEEP = ["32", "64"]
 #: State-pass launches: KERNEL (flat or blocked) with the launcher's defaults, or KERNEL:BV:WARPS:STAGES. At
 #: B1-T8192-H64 (K = V = 128) the default V block is 32; an offline sm90 compile put 3 stages at K = 128 over the
 #: H200's 227 KiB of shared memory, and 4 warps spilled in the reverse pass (BV = 32) and the forward (BV = 64).
-STATE_SWEEP = ["flat", "blocked", "blocked:32:4:2", "blocked:32:8:2", "blocked:64:8:2", "blocked:16:4:2",
-               "blocked:16:4:3", "blocked:32:8:1", "flat:64:8:1"]
+STATE_SWEEP = ["flat", "blocked", "blocked:32:4:2", "blocked:64:8:2", "blocked:64:4:2", "blocked:32:8:2",
+               "blocked:16:4:2", "flat:64:8:1", "flat:16:4:1"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --gates --dots --bv"
 timeout -k 5 "$WARM" $SWEEP --rep 1 > $LOGS/A_sweep.log 2>&1 &
+timeout -k 5 "$WARM" $SWEEP --rep 1 --case B1-T32768-H32 > $LOGS/A_sweep32.log 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider --timeout 120 tests/flashkda/test_bwd_state_blocked.py \
   tests/flashkda/test_backward.py > $LOGS/A_tests.log 2>&1 &
 wait
@@ -30,7 +31,9 @@ echo "=== phase B $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-150}" $TRAIN --rep 10 --steps 300 --loop-first --profile --cases $ROWS 2>&1 \
   | tee $LOGS/B_main.log
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
-timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee $LOGS/B_sweep.log
+for c in B1-T8192-H64 B1-T32768-H32; do
+  timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP --case $c 2>&1 | tee -a $LOGS/B_sweep.log
+done
 cat $LOGS/A_*.log > "$OUT/phaseA.log"
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
 exit 0

@@ -26,7 +26,8 @@ whole sequence, so the state never round-trips through HBM except where it is st
 Each pass has two kernels with the same math, inputs and outputs. The flat ones (``chunk_kda_fwd_kernel_h``,
 ``chunk_kda_bwd_kernel_dh``) hold the state as one ``[K, BV]`` tile and transpose operands in registers; their
 ``[C, K]`` fp32 operands overflow shared memory once pipelined (372 KiB at K = 128 with 3 stages, 227 KiB on an
-H200), so they run with one stage. The blocked ones (``*_blocked``, the default for K <= 256, as the forward's
+H200), so they run with one stage. The blocked ones (``*_blocked``, the default of the forward pass for K <= 256;
+the reverse pass measured no faster blocked, see ``_blocked_launch``; as the forward's
 ``flashkda.chunk_state.chunk_kda_fwd_kernel_h_blocked``) hold it as up to four ``[BKB, BV]`` tiles of 64 rows, load
 the operands they need transposed straight from memory as ``[BKB, C]`` tiles, and issue loads that depend on the
 chunk index only, so that the software pipeliner can prefetch the next chunk's tiles (2 stages up to K = 128).
@@ -482,9 +483,10 @@ def _launch(
     block_v: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    state_pass: str,
 ) -> _Launch:
     if blocked is None:
-        blocked = K <= BLOCKED_MAX_K
+        blocked = K <= BLOCKED_MAX_K and state_pass != "bwd_dh"
     if blocked and K > BLOCKED_MAX_K:
         raise ValueError(f"blocked: the blocked state kernels hold K <= {BLOCKED_MAX_K}, got K={K}")
     if blocked and dot_precision not in _BLOCKED_PRECS:
@@ -493,7 +495,7 @@ def _launch(
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     BV = _block_v(K, V, programs_per_block) if block_v is None else block_v
     if blocked:
-        warps, stages = _blocked_launch(K, BV)
+        BV, warps, stages = _blocked_launch(K, V, BV, state_pass, block_v is not None)
     else:
         # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
         # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
@@ -506,14 +508,18 @@ def _launch(
     )
 
 
-def _blocked_launch(K: int, BV: int) -> tuple[int, int]:
-    # Forced, not autotuned (autotuning inside training steps costs too much): (warps, pipeline stages) from the
-    # forward's blocked state pass (4 warps, 2 stages; flashkda.chunk_state.HB_CONFIGS) where an offline sm90 compile
-    # (Triton 3.9, bf16 operands) neither spilled (but 48 B in the forward at K = 64, BV = 64) nor overflowed 227 KiB
-    # of shared memory. 4 warps spilled at BV = 64 (forward) and at K x BV = 128 x 32 (reverse), and the two
-    # pipelined stages of K = 256 took 240 KiB (forward).
-    # Not yet timed on a device: python -m benchmarks.kda.bwd_sweep --state.
-    return (8 if BV >= 64 or K * BV >= 4096 else 4), (2 if K <= 128 else 1)
+def _blocked_launch(K: int, V: int, BV: int, state_pass: str, forced_bv: bool) -> tuple[int, int, int]:
+    """(V block, warps, pipeline stages) of a blocked pass. Forced, not autotuned (autotuning inside training steps
+    costs too much). Timed on the H200 at B1-T8192-H64 (2026-12-01 07:03 UTC, ``bwd_sweep --state``; flat kernels:
+    forward with o 0.968 ms, recompute 0.763, reverse 1.010): forward with o best at 64:8:2 (0.819; 32:8:2 1.326),
+    recompute at 32:4:2 (0.584), reverse never faster than flat (64:8:2 1.045, 32:4:2 1.290), so the reverse pass
+    stays flat by default. K = 256 keeps one stage: two took 240 KiB of shared memory in an offline sm90 compile."""
+    if state_pass == "fwd_o" and not forced_bv and V >= 64 and K <= 128:
+        BV = 64
+    if state_pass == "fwd_h" and not forced_bv:
+        BV = min(BV, 32)
+    warps = 8 if BV >= 64 else 4
+    return BV, warps, (2 if K <= 128 else 1)
 
 
 def _blocked_meta(K: int, dot_precision: str, names: tuple[str, ...], device: torch.device) -> dict:
@@ -549,7 +555,8 @@ def chunk_kda_fwd_h(
     NC, HV, C, K = w.shape
     V = u.shape[-1]
     N = chunk_offsets.numel() - 1
-    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
+    state_pass = "fwd_o" if store_o else "fwd_h"
+    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages, state_pass)
     v_new = torch.empty_like(u)
     o = torch.empty_like(u) if store_o else None
     h = w.new_empty(NC, HV, K, V) if store_h else None
@@ -614,7 +621,7 @@ def chunk_kda_bwd_dh(
     NC, HV, C, K = w.shape
     V = do.shape[-1]
     N = chunk_offsets.numel() - 1
-    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
+    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages, "bwd_dh")
     dv_new = torch.empty_like(do, dtype=w.dtype)  # do may be kept in its bf16/fp16 dtype (exact), dv_new not
     dhe = w.new_empty(NC, HV, K, V)
     dh0 = w.new_empty(N, HV, K, V) if store_dh0 else None

@@ -219,7 +219,7 @@ def test_invalid_launch_arguments_are_rejected(device: str) -> None:
     z = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
     offsets = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for K, kw, match in ((512, dict(blocked=True), "blocked"), (32, dict(block_v=24), "block_v"),
-                         (32, dict(dot_precision="tf32x3"), "dot_precision")):
+                         (32, dict(dot_precision="tf32x3", blocked=True), "dot_precision")):
         with pytest.raises(ValueError, match=match):
             chunk_kda_fwd_h(z(1, 1, C, K), z(1, 1, C, 32), z(1, 1, C, K), z(1, 1, C, C), z(1, 1, C, K), z(1, 1, K),
                             None, offsets, store_o=True, store_h=False, store_final_state=False, **kw)
