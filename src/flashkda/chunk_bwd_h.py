@@ -26,8 +26,8 @@ whole sequence, so the state never round-trips through HBM except where it is st
 Each pass has two kernels with the same math, inputs and outputs. The flat ones (``chunk_kda_fwd_kernel_h``,
 ``chunk_kda_bwd_kernel_dh``) hold the state as one ``[K, BV]`` tile and transpose operands in registers; their
 ``[C, K]`` fp32 operands overflow shared memory once pipelined (372 KiB at K = 128 with 3 stages, 227 KiB on an
-H200), so they run with one stage. The blocked ones (``*_blocked``, the default of the forward pass for K <= 256;
-the reverse pass measured no faster blocked, see ``_blocked_launch``; as the forward's
+H200), so they run with one stage. The blocked ones (``*_blocked``, the default for K <= 256, timed in
+``_blocked_launch``; as the forward's
 ``flashkda.chunk_state.chunk_kda_fwd_kernel_h_blocked``) hold it as up to four ``[BKB, BV]`` tiles of 64 rows, load
 the operands they need transposed straight from memory as ``[BKB, C]`` tiles, and issue loads that depend on the
 chunk index only, so that the software pipeliner can prefetch the next chunk's tiles (2 stages up to K = 128).
@@ -483,10 +483,9 @@ def _launch(
     block_v: int | None,
     num_warps: int | None,
     num_stages: int | None,
-    state_pass: str,
 ) -> _Launch:
     if blocked is None:
-        blocked = K <= BLOCKED_MAX_K and state_pass != "bwd_dh"
+        blocked = K <= BLOCKED_MAX_K
     if blocked and K > BLOCKED_MAX_K:
         raise ValueError(f"blocked: the blocked state kernels hold K <= {BLOCKED_MAX_K}, got K={K}")
     if blocked and dot_precision not in _BLOCKED_PRECS:
@@ -495,7 +494,8 @@ def _launch(
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     BV = _block_v(K, V, programs_per_block) if block_v is None else block_v
     if blocked:
-        BV, warps, stages = _blocked_launch(K, V, BV, state_pass, block_v is not None)
+        bv, warps, stages = _blocked_launch(K, V, programs_per_block)
+        BV = bv if block_v is None else block_v
     else:
         # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
         # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
@@ -508,18 +508,20 @@ def _launch(
     )
 
 
-def _blocked_launch(K: int, V: int, BV: int, state_pass: str, forced_bv: bool) -> tuple[int, int, int]:
-    """(V block, warps, pipeline stages) of a blocked pass. Forced, not autotuned (autotuning inside training steps
-    costs too much). Timed on the H200 at B1-T8192-H64 (2026-12-01 07:03 UTC, ``bwd_sweep --state``; flat kernels:
-    forward with o 0.968 ms, recompute 0.763, reverse 1.010): forward with o best at 64:8:2 (0.819; 32:8:2 1.326),
-    recompute at 32:4:2 (0.584), reverse never faster than flat (64:8:2 1.045, 32:4:2 1.290), so the reverse pass
-    stays flat by default. K = 256 keeps one stage: two took 240 KiB of shared memory in an offline sm90 compile."""
-    if state_pass == "fwd_o" and not forced_bv and V >= 64 and K <= 128:
-        BV = 64
-    if state_pass == "fwd_h" and not forced_bv:
-        BV = min(BV, 32)
-    warps = 8 if BV >= 64 else 4
-    return BV, warps, (2 if K <= 128 else 1)
+def _blocked_launch(K: int, V: int, programs_per_head: int) -> tuple[int, int, int]:
+    """(V block, warps, pipeline stages) of a blocked pass: the widest V block up to 64 that still gives 128
+    programs (about one per SM), 4 warps, 2 stages. Forced, not autotuned (autotuning inside training steps costs too
+    much). Timed on the H200 (2026-12-01 07:10 UTC, ``bwd_sweep --state``; ms for the forward with o, the recompute,
+    the reverse pass): B1-T8192-H64 64:4:2 0.753 / 0.603 / 0.840 against flat 1.018 / 0.794 / 1.046 (32:4:2 1.211 /
+    0.605 / 1.293, 64:8:2 0.840 / 0.697 / 1.081); B1-T32768-H32 32:4:2 2.128 / 1.713 / 2.403 against flat 3.246 /
+    2.247 / 3.151 (64:4:2 2.466 / 1.879 / 2.467). K = 256 (not timed) keeps 8 warps and one stage: two stages took
+    240 KiB of shared memory and 4 warps spilled in an offline sm90 compile."""
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    while BV > 16 and programs_per_head * triton.cdiv(V, BV) < 128:
+        BV //= 2
+    if K > 128:
+        return BV, 8, 1
+    return BV, 4, 2
 
 
 def _blocked_meta(K: int, dot_precision: str, names: tuple[str, ...], device: torch.device) -> dict:
@@ -555,8 +557,7 @@ def chunk_kda_fwd_h(
     NC, HV, C, K = w.shape
     V = u.shape[-1]
     N = chunk_offsets.numel() - 1
-    state_pass = "fwd_o" if store_o else "fwd_h"
-    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages, state_pass)
+    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
     v_new = torch.empty_like(u)
     o = torch.empty_like(u) if store_o else None
     h = w.new_empty(NC, HV, K, V) if store_h else None
@@ -621,7 +622,7 @@ def chunk_kda_bwd_dh(
     NC, HV, C, K = w.shape
     V = do.shape[-1]
     N = chunk_offsets.numel() - 1
-    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages, "bwd_dh")
+    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
     dv_new = torch.empty_like(do, dtype=w.dtype)  # do may be kept in its bf16/fp16 dtype (exact), dv_new not
     dhe = w.new_empty(NC, HV, K, V)
     dh0 = w.new_empty(N, HV, K, V) if store_dh0 else None
