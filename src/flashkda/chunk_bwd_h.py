@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_state import PREC_BF16, PREC_IEEE
+from flashkda.chunk_state import PREC_BF16, PREC_IEEE, _bf16
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
 
@@ -174,19 +174,6 @@ def chunk_kda_bwd_kernel_dh(
     if STORE_DH0:
         p_dh0 = dh0 + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit
-def _bf16(b_x, EMULATE: tl.constexpr):
-    """fp32 ``x`` rounded to bf16 (to nearest, ties to even). On the interpreter (``EMULATE``), whose casts truncate,
-    the rounding is done on the bits and the result kept in fp32 (bf16 values are exact in fp32)."""
-    if EMULATE:
-        bits = b_x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        b_y = bits.to(tl.float32, bitcast=True)
-    else:
-        b_y = b_x.to(tl.bfloat16)
-    return b_y
 
 
 @triton.jit

@@ -129,11 +129,7 @@ def chunk_kda_fwd_kernel_state_o(
 def _bf16_split(b_x, EMULATE: tl.constexpr):
     """``x = hi + lo`` with both parts bf16 (16 significant bits together); fp32-held bf16 values on the
     interpreter, whose bf16 products are not reliable."""
-    b_hi = b_x.to(tl.bfloat16)
-    b_lo = (b_x - b_hi.to(tl.float32)).to(tl.bfloat16)
-    if EMULATE:
-        return b_hi.to(tl.float32), b_lo.to(tl.float32)
-    return b_hi, b_lo
+    return _operand(b_x, 2, EMULATE)  # 2: PREC_HILO
 
 
 @triton.jit
@@ -212,15 +208,26 @@ PREC_IEEE, PREC_TF32, PREC_HILO, PREC_BF16 = 0, 1, 2, 3
 
 
 @triton.jit
+def _bf16(b_x, EMULATE: tl.constexpr):
+    """fp32 ``x`` rounded to bf16 (to nearest, ties to even). On the interpreter (``EMULATE``), whose casts truncate,
+    the rounding is done on the bits and the result kept in fp32 (bf16 values are exact in fp32)."""
+    if EMULATE:
+        bits = b_x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        b_y = bits.to(tl.float32, bitcast=True)
+    else:
+        b_y = b_x.to(tl.bfloat16)
+    return b_y
+
+
+@triton.jit
 def _operand(b_x, PREC: tl.constexpr, EMULATE: tl.constexpr):
     """The fp32 right operand ``x`` as ``(hi, lo)`` for ``_dot_acc`` (``lo`` only meaningful for ``PREC_HILO``);
-    bf16 parts are held as fp32 on the interpreter, whose bf16 products are not reliable. One return statement:
-    Triton refuses returns of different types even in branches a constexpr rules out."""
+    bf16 parts are held as fp32 on the interpreter (``_bf16``), whose bf16 products are not reliable. One return
+    statement: Triton refuses returns of different types even in branches a constexpr rules out."""
     if PREC >= 2:
-        b_hi = b_x.to(tl.bfloat16)
-        b_lo = (b_x - b_hi.to(tl.float32)).to(tl.bfloat16)
-        if EMULATE:
-            b_hi, b_lo = b_hi.to(tl.float32), b_lo.to(tl.float32)
+        b_hi = _bf16(b_x, EMULATE)
+        b_lo = _bf16(b_x - b_hi.to(tl.float32), EMULATE)
     else:
         b_hi, b_lo = b_x, b_x
     return b_hi, b_lo
