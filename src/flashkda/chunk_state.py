@@ -49,11 +49,8 @@ def _load_chunk(w_h, u_h, qg_h, kg_h, A_h, gC_c, i_t, Tn, o_c, o_k, o_v, m_k, m_
 
 
 @triton.jit
-def _seq_start(i_n, i_v, i_hv, h0, cu_seqlens, chunk_offsets, T, NTS, HV: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-               STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence ``i_n``'s token span ``[bos, eos)`` and first global chunk ``c0``, the offsets ``o_s`` of this
-    program's ``[BK, BV]`` state tile inside one head's state (either layout) from ``i_s``, and the initial tile."""
+def _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN: tl.constexpr):
+    """Sequence ``i_n``'s token span ``[bos, eos)`` and first global chunk ``c0`` (int64)."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -62,6 +59,16 @@ def _seq_start(i_n, i_v, i_hv, h0, cu_seqlens, chunk_offsets, T, NTS, HV: tl.con
         bos = i_n.to(tl.int64) * T
         eos = bos + T
         c0 = i_n.to(tl.int64) * NTS
+    return bos, eos, c0
+
+
+@triton.jit
+def _seq_start(i_n, i_v, i_hv, h0, cu_seqlens, chunk_offsets, T, NTS, HV: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+               STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence ``i_n``'s token span ``[bos, eos)`` and first global chunk ``c0``, the offsets ``o_s`` of this
+    program's ``[BK, BV]`` state tile inside one head's state (either layout) from ``i_s``, and the initial tile."""
+    bos, eos, c0 = _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -320,14 +327,7 @@ def chunk_kda_fwd_kernel_h_blocked(
     each chain product is a sum over (or a set of) products on 64-row blocks, and kg's blocks are loaded
     transposed rather than transposed in registers. Operand precisions per product: ``PREC_*`` above."""
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NTS
+    bos, eos, c0 = _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
     Tn = (eos - bos).to(tl.int32)
     o_c, o_v = tl.arange(0, BT), i_v * BV + tl.arange(0, BV)
