@@ -22,17 +22,15 @@ PROFILE_CASES=${KDA_PROFILE_CASES:-H64-T8192 H12-T8192}
 for c in $PROFILE_CASES; do
   timeout -k 5 "$CAP" python3 -m benchmarks.kda.profile_fwd --cases "$c" > /dev/null 2>&1 &
 done
-FLASHKDA_INTRA_TILED=1 timeout -k 5 "$CAP" python3 -m benchmarks.kda.profile_fwd --ours-only > /dev/null 2>&1 &
 timeout -k 5 "$CAP" python3 -m benchmarks.kda.bwd_sweep --rep 1 > /dev/null 2>&1 &
 wait
 echo "=== tests done $(date +%T)"
 timeout -k 5 "${KDA_PROFILE_CAP:-60}" python3 -m benchmarks.kda.profile_fwd --cases $PROFILE_CASES > $LOGS/profile.txt 2>&1
-FLASHKDA_INTRA_TILED=1 timeout -k 5 30 python3 -m benchmarks.kda.profile_fwd --ours-only > $LOGS/profile_tiled.txt 2>&1
-grep -E "^(H[0-9]|===)" $LOGS/profile.txt $LOGS/profile_tiled.txt
+grep -E "^(H[0-9]|===)" $LOGS/profile.txt
 timeout -k 5 "${KDA_SWEEP_CAP:-60}" python3 -m benchmarks.kda.bwd_sweep --rep 10 2>&1 | tee $LOGS/sweep.txt | grep -v "^\s*$"
 for f in $LOGS/*.log; do
   echo "--- $f: $(grep -c '^PASSED' "$f") passed, $(grep -c '^FAILED\|^ERROR' "$f") failed"
   grep -E "^(PASSED|FAILED|ERROR)|Error|assert" "$f" | head -n 40
 done
-cat $LOGS/*.log $LOGS/profile.txt $LOGS/profile_tiled.txt $LOGS/sweep.txt > "$OUT/check_round.log"
+cat $LOGS/*.log $LOGS/profile.txt $LOGS/sweep.txt > "$OUT/check_round.log"
 exit 0

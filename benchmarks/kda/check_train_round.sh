@@ -18,7 +18,7 @@ while IFS= read -r id; do
   timeout -k 5 "$CAP" $PYT -m gpu "$id" > $LOGS/A_fla_$i.log 2>&1 &
 done < <(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/flashkda 2>/dev/null | grep "matches_fla")
 timeout -k 5 "$CAP" $PYT -m gpu tests/flashkda -k "not matches_fla" > $LOGS/A_gpu.log 2>&1 &
-timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py -k "not tiled" \
+timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py \
   > $LOGS/A_state.log 2>&1 &
 timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
 wait

@@ -16,7 +16,7 @@ export TRITON_CACHE_AUTOTUNING=0
 WARM=${KDA_WARM_CAP:-170}
 PASS="python3 -m benchmarks.kda.run --no-write --rep 1 --cases"
 SWEEP_CASES=${KDA_SWEEP_CASES:-H64-T8192 H12-T8192 H32-T131072}
-SWEEP="python3 -m benchmarks.kda.variants --intra --wu --tiled --h --state --hb 64:4:3:3:2 32:4:3:3:2 --cases"
+SWEEP="python3 -m benchmarks.kda.variants --intra --wu --h --state --hb 64:4:3:3:2 32:4:3:3:2 --cases"
 
 echo "=== phase A (parallel, cap ${WARM}s) $(date +%T)"
 timeout -k 5 "$WARM" $PASS H64-T8192 H64-varlen6 H64-varlen1024x8 H64-T32768 > $LOGS/A_h64.log 2>&1 &
@@ -26,7 +26,7 @@ timeout -k 5 "$WARM" $PASS H32-T131072 decode-B256-H32 > $LOGS/A_h32.log 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 120 tests/flashkda/test_gpu.py \
   > $LOGS/A_gputests.log 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider --timeout 120 tests/flashkda/test_state_configs.py \
-  -k "not tiled" > $LOGS/A_state_tests.log 2>&1 &
+  > $LOGS/A_state_tests.log 2>&1 &
 for c in $SWEEP_CASES; do timeout -k 5 "$WARM" $SWEEP $c --rep 1 > $LOGS/A_sweep_$c.log 2>&1 & done
 wait
 echo "=== phase A done $(date +%T)"

@@ -24,7 +24,7 @@ from benchmarks.kda.train import profile  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=["H64-T8192"], help=f"subset of {sorted(CASES)}")
-    parser.add_argument("--ours-only", action="store_true", help="profile only ours (e.g. with FLASHKDA_INTRA_TILED=1)")
+    parser.add_argument("--ours-only", action="store_true", help="profile only ours")
     args = parser.parse_args(argv)
     import torch
 

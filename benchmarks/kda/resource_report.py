@@ -5,8 +5,7 @@ ptxas that ships in Triton's wheel, and prints one line per (kernel, configurati
 these numbers predict occupancy only; they are no timing.
 
 Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass]
-[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--store-t] [--merge] [--no-intra]
-[--tiled BK:WARPS:BS:WARPS ...]`` (``--tiled``: the two kernels of the opt-in small-tile intra path).
+[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--store-t] [--merge] [--no-intra]``.
 Configurations: bf16 input (tf32 products, bf16 w/kg) and fp32 input (ieee products), K = V = 128, fixed-length,
 in-kernel gate with ``lower_bound`` + ``safe_gate`` (the benchmark setting) or the softplus gate (pair-by-pair
 diagonal path).
@@ -26,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from flashkda import chunk_intra, chunk_intra_tiled, chunk_state
+from flashkda import chunk_intra, chunk_state
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Registers per SM and the per-thread cap on sm_90; used to report resident CTAs per SM.
@@ -92,20 +91,6 @@ def split_state_configs(dtype: str, block_v: int, hilo: bool):
         c = {**cx, **over}
         out.append((fn, {n: types.get(n, "constexpr") for n in fn.arg_names},
                     {n: c[n] for n in fn.arg_names if n in c}))
-    return out
-
-
-def tiled_configs(dtype: str, gate: str, block_k: int, block_s: int):
-    """(kernel, runtime-argument types, constexprs) of the small-tile path's two kernels (``chunk_intra_tiled``) at
-    K slice ``block_k`` (sub-chunk kernel) and w/u slice ``block_s`` (solve kernel)."""
-    (_, cx), = [(fn, cx) for fn, _, cx in intra_configs(dtype, gate)]
-    (_, sig), = kernel_signatures("bf16" if dtype == "bf16" else "fp32")
-    out = []
-    for kern, extra in ((chunk_intra_tiled.chunk_kda_fwd_kernel_intra_sub, dict(BK=block_k)),
-                        (chunk_intra_tiled.chunk_kda_fwd_kernel_solve_wu, dict(BS=block_s))):
-        every = {**cx, **extra}
-        out.append((kern, {name: sig.get(name, "constexpr") for name in kern.arg_names},
-                    {name: every[name] for name in kern.arg_names if name in every}))
     return out
 
 
@@ -185,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-t", action="store_true", help="intra kernel of the split w/u path (no pass 2)")
     ap.add_argument("--merge", action="store_true", help="intra kernel with the stacked Aqk/Akk products")
     ap.add_argument("--no-intra", action="store_true")
-    ap.add_argument("--tiled", nargs="*", default=[], metavar="BK:WARPS:BS:WARPS",
-                    help="also the small-tile intra path: sub-chunk kernel (K slice BK) and solve + w/u kernel")
     args = ap.parse_args(argv)
     print(f"target sm_90 | triton {triton.__version__} | K = V = 128, BT = 64, BC = 16 | no device timing")
     head = (f"{'kernel':<32} {'dtype':<5} {'gate':<9} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} "
@@ -203,14 +186,6 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtype:
             for fn, sig, cx in split_state_configs(dtype, bv, bool(hilo)):
                 report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"{fn.__name__[21:]} {spec}")
-    for spec in args.tiled:
-        bk, nw1, bs, nw2 = (int(p) for p in spec.split(":"))
-        for dtype in args.dtype:
-            for gate in args.gate:
-                (f1, s1, c1), (f2, s2, c2) = tiled_configs(dtype, gate, bk, bs)
-                for cap in args.maxnreg:
-                    report(f1, s1, c1, dtype, gate, nw1, cap, args.sass, 1, name=f"intra_sub BK{bk}")
-                    report(f2, s2, c2, dtype, gate, nw2, cap, args.sass, 2, name=f"solve_wu BS{bs}")
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
             for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge):

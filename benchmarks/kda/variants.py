@@ -15,15 +15,10 @@ w/u kernel) and ``--h`` (state-only recurrence storing bf16 states, then the par
 64-row state tiles at per-product operand precisions). The split state path stores states
 in bf16, so it is compared with the fused stage at 5e-3 relative.
 
-``--tiled`` times the opt-in small-tile intra path (``flashkda.chunk_intra_tiled``: one program per 16-row
-sub-chunk, then a solve + w/u kernel per chunk) at forced configurations (K slice, warps, register cap or 0 of the
-sub-chunk kernel; w/u slice, warps of the solve kernel) and ``auto`` (both autotuned), beside the default intra
-kernel: the comparison NOTES.md predicts for H64-T8192 and has not timed.
-
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
 [--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
-[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--o BV:BK:WARPS:STAGES:HILO ...]
-[--tiled BK:WARPS:MAXNREG:BS:WARPS|auto ...]`` (CUDA only). The first
+[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--o BV:BK:WARPS:STAGES:HILO ...]``
+(CUDA only). The first
 configuration of the intra and state lists is the reference (the fused defaults when a list is empty).
 """
 
@@ -48,8 +43,6 @@ HB_SWEEP = ["32:4:2:3:2", "64:4:2:3:2", "32:2:2:3:2", "64:2:2:3:2", "32:4:3:3:2"
 #: The output kernel alone: (V tile, K slice, warps, stages, bf16 hi/lo products).
 O_SWEEP = ["64:64:4:2:0", "64:64:4:2:1", "128:64:4:2:1", "128:64:8:2:1", "64:128:4:2:1", "32:64:4:2:1",
            "64:64:4:3:1", "64:64:4:1:1", "128:128:8:2:1", "64:64:8:2:1"]
-#: The opt-in small-tile intra path: (K slice, warps, register cap or 0; w/u slice, warps), or "auto" (autotuned).
-TILED_SWEEP = ["auto", "16:4:128:32:4", "16:4:0:32:4", "32:4:0:32:4", "16:4:128:64:8", "16:4:128:64:4"]
 
 
 def defined_region(Aqk, BT: int = 64, BC: int = 16):
@@ -74,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--h", nargs="*", default=H_SWEEP)
     parser.add_argument("--hb", nargs="*", default=HB_SWEEP)
     parser.add_argument("--o", nargs="*", default=O_SWEEP)
-    parser.add_argument("--tiled", nargs="*", default=TILED_SWEEP)
     args = parser.parse_args(argv)
     import torch
 
@@ -125,15 +117,6 @@ def sweep_case(name: str, args) -> None:
                 q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], q.shape[-1] ** -0.5, -5.0, True,
                 True, True, False, True, index, work_dtype_for(q.dtype), prec, split_wu=True, wu_config=(bs, nw))
             _report(f"intra split + wu slice:warps={spec}", fn, ref, rel_defined, 5e-3, args.rep, t0)
-        for spec in args.tiled:
-            t0 = time.time()
-            cfg = None if spec == "auto" else tuple(int(p) for p in spec.split(":"))
-            cfg = cfg and (cfg[0], cfg[1], cfg[2] or None, cfg[3], cfg[4])
-            fn = lambda cfg=cfg: chunk_kda_fwd_intra(  # noqa: E731
-                q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], q.shape[-1] ** -0.5, -5.0, True,
-                True, True, False, True, index, work_dtype_for(q.dtype), prec, tiled=True, tiled_config=cfg)
-            # 5e-3 as for --wu: w's right-hand side is rounded to bf16 before β is applied (4e-3 on the CPU)
-            _report(f"intra small-tile BK:warps:maxnreg:BS:warps={spec}", fn, ref, rel_defined, 5e-3, args.rep, t0)
         for spec in args.intra:
             t0 = time.time()
             try:

@@ -22,7 +22,6 @@ Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 Ki
 (L2 norms first) and the w right-hand side makes one round trip, mostly from L2.
 """
 
-import os
 
 import torch
 import triton
@@ -33,9 +32,6 @@ from flashkda.ops import L2NORM_EPS, beta_map, kda_gate
 #: Tokens per chunk and per sub-chunk; the kernel is written out for exactly four sub-chunks.
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
-#: Environment switch of the opt-in small-tile intra path (``chunk_intra_tiled``): "1" turns it on for every call
-#: that does not pass ``tiled`` itself.
-TILED_ENV = "FLASHKDA_INTRA_TILED"
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
@@ -445,8 +441,7 @@ chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
-                        split_wu=False, wu_config=None, pass1_slice=None, merge=None, tiled=None,
-                        tiled_config=None):
+                        split_wu=False, wu_config=None, pass1_slice=None, merge=None):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -459,10 +454,6 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         merge: force the stacked Aqk/Akk products on or off (None: autotuned on a GPU, off on the interpreter).
         split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
             fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
-        tiled: run the opt-in small-tile path of ``chunk_intra_tiled`` (one program per 16-row sub-chunk, then a
-            solve + w/u kernel per chunk) instead; None: on when the environment sets ``FLASHKDA_INTRA_TILED=1``.
-            The launch-configuration arguments above do not apply to it. tiled_config: ``(BK, warps, maxnreg, BS, warps)``
-            forced for its two kernels (None: autotuned on a GPU).
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
@@ -481,15 +472,6 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     if index.num_chunks == 0:
-        return w, u, qg, kg, Aqk, gC
-    if tiled is None:
-        tiled = os.environ.get(TILED_ENV, "0") == "1"
-    if tiled:
-        from flashkda.chunk_intra_tiled import chunk_kda_fwd_intra_tiled
-
-        chunk_kda_fwd_intra_tiled(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
-                                  use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                                  index, (w, u, qg, kg, Aqk, gC), dot_prec, tiled_config)
         return w, u, qg, kg, Aqk, gC
     Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,

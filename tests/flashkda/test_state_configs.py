@@ -1,16 +1,14 @@
 """Both forward stages give the fp64 result in every launch configuration their autotuners may pick (intra: pass-2
 slice width and warps, or the split w/u kernel's slice and warps; state: V tile, warps, pipeline stages of the fused
-or the state-only kernel, the output kernel's tiles, the bf16 hi/lo chain products), with a varlen tail chunk and
-an empty sequence. The opt-in small-tile intra path (``tiled``) is checked at each of its kernels' configurations and
-through its environment switch."""
+or the flat or blocked state-only kernel, the output kernel's tiles and product precisions, the bf16 hi/lo chain
+products), with a varlen tail chunk and an empty sequence."""
 
 import pytest
 import torch
 
-from flashkda import chunk_intra_tiled, reference
+from flashkda import reference
 from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, TILED_ENV, WU_CONFIGS, chunk_kda_fwd_intra
-from flashkda.chunk_intra_tiled import SOLVE_CONFIGS, SUB_CONFIGS
+from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, WU_CONFIGS, chunk_kda_fwd_intra
 from flashkda.chunk_state import (
     H_CONFIGS,
     HB_CONFIGS,
@@ -109,47 +107,6 @@ INTRA_SHAPES = sorted({c[:3] for c in INTRA_CONFIGS})
 def test_intra_stage_configs_match_fp64(config, case, device):
     solve_slice, num_warps, merge = config
     _check(case, device, dict(solve_slice=solve_slice, num_warps=num_warps, merge=merge), dict(block_v=32))
-
-
-#: Small-tile path: each sub-chunk (slice, warps) with the first solve configuration, then the other solve ones (the
-#: interpreter ignores register caps).
-TILED_SHAPES = ([(*c, None, *SOLVE_CONFIGS[0]) for c in sorted({c[:2] for c in SUB_CONFIGS})]
-                + [(*SUB_CONFIGS[0][:2], None, *c) for c in SOLVE_CONFIGS[1:]])
-
-
-@pytest.mark.parametrize("config", TILED_SHAPES, ids=["BK{}-w{}-BS{}-w{}".format(*c[:2], *c[3:]) for c in TILED_SHAPES])
-def test_tiled_intra_configs_match_fp64(config, device):
-    _check(CASES[1], device, dict(tiled=True, tiled_config=config), dict(block_v=32))
-
-
-#: Exact pair-by-pair diagonal blocks (softplus gate), GVA with a varlen tail, fp32 tolerance.
-SOFTPLUS_CASE = KDACase(T=90, H=1, HV=2, K=64, V=64, dtype=torch.float32, gate="softplus", beta_logits=True,
-                        neg_eig=True, lengths=(20, 0, 70))
-
-
-@pytest.mark.parametrize("case", [CASES[0], SOFTPLUS_CASE], ids=["bounded-fp32", "softplus-fp32"])
-def test_tiled_intra_switch_matches_fp64(case, device, monkeypatch):
-    """``FLASHKDA_INTRA_TILED=1`` selects the path; its outputs equal the default path's in the written region."""
-    calls = []
-    run_tiled = chunk_intra_tiled.chunk_kda_fwd_intra_tiled
-    monkeypatch.setattr(chunk_intra_tiled, "chunk_kda_fwd_intra_tiled", lambda *a: calls.append(1) or run_tiled(*a))
-    monkeypatch.setenv(TILED_ENV, "1")
-    out = _check(case, device, {}, dict(block_v=32))
-    assert calls == [1]
-    monkeypatch.delenv(TILED_ENV)
-    ref = _check(case, device, dict(tiled=False), dict(block_v=32))
-    assert calls == [1]
-    # Aqk's entries above the diagonal are never written, nor the varlen grid's surplus rows of gC; the rest of
-    # every output is (fp32: the paths differ only in rounding order).
-    row = torch.cat([torch.arange(n) % CHUNK_SIZE for n in case.lengths]).to(device)
-    causal = (torch.arange(CHUNK_SIZE, device=device)[None, :] <= row[:, None])[None, :, None, :]
-    n_chunks = sum(-(-n // CHUNK_SIZE) for n in case.lengths)
-    for name, a, b in zip(("w", "u", "qg", "kg", "Aqk", "gC"), out, ref):
-        if name == "Aqk":
-            a, b = torch.where(causal, a, 0.0), torch.where(causal, b, 0.0)
-        elif name == "gC":
-            a, b = a[:n_chunks], b[:n_chunks]
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _check(case, device, intra_kw, state_kw):
