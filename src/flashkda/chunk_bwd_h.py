@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_state import PREC_BF16, PREC_IEEE, _bf16
+from flashkda.chunk_state import PREC_BF16, PREC_IEEE
+from flashkda.rounding import round_bf16
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
 
@@ -188,9 +189,9 @@ def _dot(b_a, b_x, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
     elif PREC == 1:
         b_acc = tl.dot(b_a, b_x, b_acc, input_precision="tf32")
     else:
-        b_ab, b_xh = _bf16(b_a, EMULATE), _bf16(b_x, EMULATE)
+        b_ab, b_xh = round_bf16(b_a, EMULATE), round_bf16(b_x, EMULATE)
         if PREC == 2:
-            b_xl = _bf16(b_x - b_xh.to(tl.float32), EMULATE)
+            b_xl = round_bf16(b_x - b_xh.to(tl.float32), EMULATE)
             b_acc = tl.dot(b_ab, b_xl, b_acc, input_precision="ieee")
         b_acc = tl.dot(b_ab, b_xh, b_acc, input_precision="ieee")
     return b_acc

@@ -23,15 +23,20 @@ Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 Ki
 """
 
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from flashkda.ops import L2NORM_EPS, beta_map, kda_gate
+from flashkda.rounding import cast_for_store
 
 #: Tokens per chunk and per sub-chunk; the kernel is written out for exactly four sub-chunks.
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
+#: Environment switch of the opt-in bf16 storage of qg, u, Aqk (and of v_new in the state stage) for bf16 input.
+BF16_INTERMEDIATES_ENV = "FLASHKDA_BF16_INTERMEDIATES"
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
@@ -57,7 +62,8 @@ def _tile(x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.conste
 def _put_tile(x, b_x, t0, eos, i_x, o_c, NX: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
     o_t = tl.arange(0, BT)
     m = (o_t < eos - t0)[:, None] & (o_c < C)[None, :]
-    tl.store(x + (t0 * NX + i_x) * C + o_t[:, None] * (NX * C) + o_c[None, :], b_x.to(x.dtype.element_ty), mask=m)
+    tl.store(x + (t0 * NX + i_x) * C + o_t[:, None] * (NX * C) + o_c[None, :], cast_for_store(b_x, x.dtype.element_ty),
+             mask=m)
 
 
 @triton.jit
@@ -331,11 +337,12 @@ def chunk_kda_fwd_kernel_intra(
             b_Aqk3, b_Akk3 = _unstack_rows3(b_AX3, 4, BC, BC)
     # Aqk: causal; the off-diagonal lower blocks and the diagonal blocks (the state stage never reads the others).
     p_A = Aqk + (t0 * HV + i_hv) * BT
-    tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], b_Aqk.to(Aqk.dtype.element_ty),
+    tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], cast_for_store(b_Aqk, Aqk.dtype.element_ty),
              mask=m_r[:, None] & (o_blk[None, :] < o_blk[:, None]))
     o_a3 = tl.arange(0, 4)[:, None, None]
     o_t3 = o_a3 * BC + o_i3
-    tl.store(p_A + o_t3 * (HV * BT) + o_a3 * BC + o_j3, tl.where(o_i3 >= o_j3, b_Aqk3, 0.0).to(Aqk.dtype.element_ty),
+    tl.store(p_A + o_t3 * (HV * BT) + o_a3 * BC + o_j3,
+             cast_for_store(tl.where(o_i3 >= o_j3, b_Aqk3, 0.0), Aqk.dtype.element_ty),
              mask=o_t3 < eos - t0)
 
     # Solve with L = Diag(β) Akk strictly lower = D + E (D: the diagonal 16 x 16 blocks):
@@ -441,7 +448,7 @@ chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
-                        split_wu=False, wu_config=None, pass1_slice=None, merge=None):
+                        split_wu=False, wu_config=None, pass1_slice=None, merge=None, bf16_intermediates=None):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -454,22 +461,29 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         merge: force the stacked Aqk/Akk products on or off (None: autotuned on a GPU, off on the interpreter).
         split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
             fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
+        bf16_intermediates: store qg, u and Aqk in ``work_dtype`` when it is bf16 (opt-in, not yet timed; None: on
+            when the environment sets ``FLASHKDA_BF16_INTERMEDIATES=1``). An fp64 model with round-to-nearest
+            storage puts o at ~2.9-3.1e-3 RMS error with every intermediate bf16 (benchmarks/kda/NOTES.md).
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
-        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) fp32; gC ``[NC, HV, K]`` fp32.
+        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) fp32 (bf16 with ``bf16_intermediates``);
+        gC ``[NC, HV, K]`` fp32.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
-    # qg, u and Aqk stay fp32: in bf16 each adds ~1.3e-3 RMS error to o (measured against fp64; qg up to 3e-3
-    # when a large initial state dominates o), and the bf16 output rounding alone is ~3e-3 of the 5e-3 budget.
-    # w and kg in work_dtype (bf16 for bf16 input) add less than 0.3e-3 together.
+    # qg, u and Aqk stay fp32 by default: in bf16 each adds ~0.5-0.6e-3 RMS error to o (fp64 model with
+    # round-to-nearest storage; the interpreter's truncating casts had doubled that), on top of ~1.8e-3 for the
+    # default (w, kg, h and o in bf16).
+    if bf16_intermediates is None:
+        bf16_intermediates = os.environ.get(BF16_INTERMEDIATES_ENV, "0") == "1"
+    mid_dtype = torch.bfloat16 if bf16_intermediates and work_dtype == torch.bfloat16 else torch.float32
     w = torch.empty(B, T, HV, K, dtype=work_dtype, device=q.device)
     kg = torch.empty_like(w)
-    qg = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
-    u = torch.empty(B, T, HV, V, dtype=torch.float32, device=q.device)
-    Aqk = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device)
+    qg = torch.empty(B, T, HV, K, dtype=mid_dtype, device=q.device)
+    u = torch.empty(B, T, HV, V, dtype=mid_dtype, device=q.device)
+    Aqk = torch.empty(B, T, HV, BT, dtype=mid_dtype, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     if index.num_chunks == 0:
         return w, u, qg, kg, Aqk, gC

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from flashkda.chunk_intra import CHUNK_SIZE, chunk_span
+from flashkda.rounding import cast_for_store, round_bf16
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def chunk_kda_fwd_kernel_state_o(
         b_vnd = b_vn.to(DT)
         b_o = tl.dot(b_qg.to(DT), b_Sd, input_precision=DOT_PREC)
         b_o += tl.dot(b_A.to(DT), b_vnd, input_precision=DOT_PREC)
-        tl.store(o_h + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        tl.store(o_h + o_t[:, None] * (HV * V) + o_v[None, :], cast_for_store(b_o, o.dtype.element_ty), mask=m_tv)
         # [BK, BV]
         b_S = b_S * tl.exp(b_gC)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_vnd, input_precision=DOT_PREC)
 
@@ -196,10 +197,10 @@ def chunk_kda_fwd_kernel_h(
         b_kg = tl.load(kg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_u = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
         b_gC = tl.load(gC_c + i_t * (HV * K) + o_k, mask=m_k, other=0.0)
-        tl.store(h_h + i_t * (HV * K * V) + o_hs, b_S.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h_h + i_t * (HV * K * V) + o_hs, cast_for_store(b_S, h.dtype.element_ty), mask=m_kv)
         # [BT, BV]
         b_vn = b_u.to(tl.float32) - _mma(b_w, b_S, HILO, EMULATE, DOT_PREC)
-        tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], cast_for_store(b_vn, vn.dtype.element_ty), mask=m_tv)
         # [BK, BV]
         b_S = b_S * tl.exp(b_gC)[:, None] + _mma(tl.trans(b_kg), b_vn, HILO, EMULATE, DOT_PREC)
 
@@ -215,26 +216,13 @@ PREC_IEEE, PREC_TF32, PREC_HILO, PREC_BF16 = 0, 1, 2, 3
 
 
 @triton.jit
-def _bf16(b_x, EMULATE: tl.constexpr):
-    """fp32 ``x`` rounded to bf16 (to nearest, ties to even). On the interpreter (``EMULATE``), whose casts truncate,
-    the rounding is done on the bits and the result kept in fp32 (bf16 values are exact in fp32)."""
-    if EMULATE:
-        bits = b_x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        b_y = bits.to(tl.float32, bitcast=True)
-    else:
-        b_y = b_x.to(tl.bfloat16)
-    return b_y
-
-
-@triton.jit
 def _operand(b_x, PREC: tl.constexpr, EMULATE: tl.constexpr):
     """The fp32 right operand ``x`` as ``(hi, lo)`` for ``_dot_acc`` (``lo`` only meaningful for ``PREC_HILO``);
-    bf16 parts are held as fp32 on the interpreter (``_bf16``), whose bf16 products are not reliable. One return
+    bf16 parts are held as fp32 on the interpreter (``round_bf16``), whose bf16 products are not reliable. One return
     statement: Triton refuses returns of different types even in branches a constexpr rules out."""
     if PREC >= 2:
-        b_hi = _bf16(b_x, EMULATE)
-        b_lo = _bf16(b_x - b_hi.to(tl.float32), EMULATE)
+        b_hi = round_bf16(b_x, EMULATE)
+        b_lo = round_bf16(b_x - b_hi.to(tl.float32), EMULATE)
     else:
         b_hi, b_lo = b_x, b_x
     return b_hi, b_lo
@@ -356,20 +344,20 @@ def chunk_kda_fwd_kernel_h_blocked(
         m_tv = m_t[:, None] & m_v[None, :]
         h_t = h_h + i_t * (HV * K * V)
         gC_t = gC_h + i_t * (HV * K)
-        _state_out(h_t, b_S1.to(h.dtype.element_ty), o_k1, o_v, K, V, False)
+        _state_out(h_t, cast_for_store(b_S1, h.dtype.element_ty), o_k1, o_v, K, V, False)
         b_ws = _ws_block(w_h, b_S1, tl.zeros([BT, BV], dtype=tl.float32), o_t, m_t, o_k1, HV, K, PREC_WS, EMULATE)
         if NKB > 1:
-            _state_out(h_t, b_S2.to(h.dtype.element_ty), o_k2, o_v, K, V, False)
+            _state_out(h_t, cast_for_store(b_S2, h.dtype.element_ty), o_k2, o_v, K, V, False)
             b_ws = _ws_block(w_h, b_S2, b_ws, o_t, m_t, o_k2, HV, K, PREC_WS, EMULATE)
         if NKB > 2:
-            _state_out(h_t, b_S3.to(h.dtype.element_ty), o_k3, o_v, K, V, False)
+            _state_out(h_t, cast_for_store(b_S3, h.dtype.element_ty), o_k3, o_v, K, V, False)
             b_ws = _ws_block(w_h, b_S3, b_ws, o_t, m_t, o_k3, HV, K, PREC_WS, EMULATE)
         if NKB > 3:
-            _state_out(h_t, b_S4.to(h.dtype.element_ty), o_k4, o_v, K, V, False)
+            _state_out(h_t, cast_for_store(b_S4, h.dtype.element_ty), o_k4, o_v, K, V, False)
             b_ws = _ws_block(w_h, b_S4, b_ws, o_t, m_t, o_k4, HV, K, PREC_WS, EMULATE)
         # [BT, BV]
         b_vn = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32) - b_ws
-        tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], cast_for_store(b_vn, vn.dtype.element_ty), mask=m_tv)
         b_hi, b_lo = _operand(b_vn, PREC_KV, EMULATE)
         b_S1 = _update_block(kg_h, gC_t, b_S1, b_hi, b_lo, o_t, m_t, o_k1, HV, K, PREC_KV, EMULATE)
         if NKB > 1:
@@ -395,11 +383,13 @@ def chunk_kda_fwd_kernel_o(
     T, NTS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, HILO: tl.constexpr, EMULATE: tl.constexpr,
+    HALF_IN: tl.constexpr = False,
 ):
     """Output of every chunk in parallel, one program per (V block, chunk, head): ``o = qg h + Aqk v_new`` (h and
     v_new as stored). fp32 qg/Aqk/v_new go in at ``DOT_PREC``, or with ``HILO`` (bf16 h) as bf16 hi/lo splits: qg h
     as two bf16 products, Aqk v_new as three (the lo x lo term, 2^-16 relative, is dropped); all-bf16 operands keep
-    the products on the tensor cores' 16-bit path, which takes either operand layout."""
+    the products on the tensor cores' 16-bit path, which takes either operand layout. ``HALF_IN`` (qg, Aqk and
+    v_new stored bf16) with ``HILO``: one bf16 product each."""
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
     if i_n < 0:
@@ -417,8 +407,11 @@ def chunk_kda_fwd_kernel_o(
         m_k = o_k < K
         b_q = tl.load(qg_c + o_c[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h_c + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        if HILO:
-            # 2: PREC_HILO, 3: PREC_BF16
+        # 2: PREC_HILO, 3: PREC_BF16
+        if HILO and HALF_IN:
+            b_qh, b_ql = _operand(b_q.to(tl.float32), 3, EMULATE)
+            b_o = _dot_acc(b_h, b_qh, b_ql, b_o, 3, EMULATE, LEFT=False)
+        elif HILO:
             b_qh, b_ql = _operand(b_q.to(tl.float32), 2, EMULATE)
             b_o = _dot_acc(b_h, b_qh, b_ql, b_o, 2, EMULATE, LEFT=False)
         else:
@@ -427,15 +420,18 @@ def chunk_kda_fwd_kernel_o(
     b_A = tl.load(Aqk + (t0 * HV + i_hv) * BT + o_c[:, None] * (HV * BT) + o_c[None, :],
                   mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
     b_vn = tl.load(vn + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
-    if HILO:
+    if HILO and HALF_IN:
+        b_vh, b_vl = _operand(b_vn.to(tl.float32), 3, EMULATE)
+        b_o = _dot_acc(b_A, b_vh, b_vl, b_o, 3, EMULATE)
+    elif HILO:
         b_ah, b_al = _operand(b_A.to(tl.float32), 2, EMULATE)
         b_vh, b_vl = _operand(b_vn.to(tl.float32), 2, EMULATE)
         b_o = _dot_acc(b_ah, b_vh, b_vl, b_o, 2, EMULATE)
         b_o = _dot_acc(b_al, b_vh, b_vh, b_o, 3, EMULATE)
     else:
         b_o += tl.dot(b_A.to(tl.float32), b_vn.to(tl.float32), input_precision=DOT_PREC)
-    tl.store(o + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_tv)
+    tl.store(o + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :],
+             cast_for_store(b_o, o.dtype.element_ty), mask=m_tv)
 
 
 #: Tile configurations tried on first use of each shape class on a GPU (V tile, warps, pipeline stages); the choice
@@ -616,7 +612,7 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
     half = dot_prec != "ieee"
     h_dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32  # fp16 input: fp32 h (see prefer_split)
     h = torch.empty(index.num_chunks, HV, K, V, dtype=h_dtype, device=w.device)
-    vn = torch.empty(B, T, HV, V, dtype=torch.float32, device=w.device)
+    vn = torch.empty(B, T, HV, V, dtype=u.dtype, device=w.device)  # bf16 only with bf16 intermediates
     args = (w, u, kg, gC, h, vn, initial_state, ht, index.cu_seqlens, index.chunk_offsets, T, index.chunks_per_seq,
             N * HV)
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, USE_INITIAL_STATE=initial_state is not None,
@@ -667,7 +663,8 @@ def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None, o_hilo=N
     V = vn.shape[-1]
     bf16_h = h.dtype == torch.bfloat16
     args = (qg, Aqk, h, vn, o, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
-    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, EMULATE=not qg.is_cuda)
+    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, EMULATE=not qg.is_cuda,
+                HALF_IN=qg.dtype == torch.bfloat16 and Aqk.dtype == torch.bfloat16 and vn.dtype == torch.bfloat16)
     if qg.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), index.num_chunks, HV)  # noqa: E731
         if bf16_h and o_hilo is None:

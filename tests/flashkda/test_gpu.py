@@ -112,6 +112,11 @@ def test_blocked_state_configs_match_fp64_on_gpu(config, monkeypatch):
                                           blocked=True))
 
 
+def test_bf16_intermediates_match_fp64_on_gpu(monkeypatch):
+    """The opt-in bf16 storage of qg, u, Aqk and v_new (``FLASHKDA_BF16_INTERMEDIATES=1``) on bf16 input."""
+    _forced_forward(monkeypatch, dict(bf16_intermediates=True), {})
+
+
 @pytest.mark.parametrize("o_hilo", [False, True], ids=["tf32", "hilo"])
 @pytest.mark.parametrize("config", O_CONFIGS, ids=[f"BV{c[0]}-BK{c[1]}-w{c[2]}" for c in O_CONFIGS])
 def test_output_kernel_configs_match_fp64_on_gpu(config, o_hilo, monkeypatch):
