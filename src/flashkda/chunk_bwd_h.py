@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_state import PREC_BF16, PREC_IEEE
-from flashkda.rounding import round_bf16
+from flashkda.chunk_state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
 
@@ -180,21 +179,11 @@ def chunk_kda_bwd_kernel_dh(
 @triton.jit
 def _dot(b_a, b_x, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ x`` for fp32 ``a``, ``x`` and ``acc``, the operands at ``PREC`` (``flashkda.chunk_state``'s
-    ``PREC_*``): 0 exact, 1 tf32, 2 bf16 ``a`` times the bf16 hi/lo split of ``x``, 3 both rounded to bf16. On the
-    interpreter (``EMULATE``), whose bf16 products are wrong, the bf16 values are held as fp32 and multiplied
-    exactly, which is what the tensor cores compute. One return statement: Triton refuses returns of different
-    types even in branches a constexpr rules out."""
-    if PREC == 0:
-        b_acc = tl.dot(b_a, b_x, b_acc, input_precision="ieee")
-    elif PREC == 1:
-        b_acc = tl.dot(b_a, b_x, b_acc, input_precision="tf32")
-    else:
-        b_ab, b_xh = round_bf16(b_a, EMULATE), round_bf16(b_x, EMULATE)
-        if PREC == 2:
-            b_xl = round_bf16(b_x - b_xh.to(tl.float32), EMULATE)
-            b_acc = tl.dot(b_ab, b_xl, b_acc, input_precision="ieee")
-        b_acc = tl.dot(b_ab, b_xh, b_acc, input_precision="ieee")
-    return b_acc
+    ``PREC_*``): 0 exact, 1 tf32, 2 bf16 ``a`` times the bf16 hi/lo split of ``x``, 3 both rounded to bf16; the
+    forward state pass's ``_operand`` and ``_dot_acc`` (bf16 held as fp32 and rounded to nearest on the
+    interpreter)."""
+    b_hi, b_lo = _operand(b_x, PREC, EMULATE)
+    return _dot_acc(b_a, b_hi, b_lo, b_acc, PREC, EMULATE)
 
 
 @triton.jit
@@ -480,17 +469,16 @@ def _launch(
         raise ValueError(f"dot_precision: the blocked state kernels take 'ieee' or 'tf32', got {dot_precision!r}")
     if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-    BV = _block_v(K, V, programs_per_block) if block_v is None else block_v
     if blocked:
-        bv, warps, stages = _blocked_launch(K, V, programs_per_block)
-        BV = bv if block_v is None else block_v
+        BV, warps, stages = _blocked_launch(K, V, programs_per_block)
     else:
+        BV = _block_v(K, V, programs_per_block) if block_v is None else block_v
         # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
         # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
         warps, stages = (4 if K <= 64 or BV <= 32 else 8), 1
     return _Launch(
         blocked,
-        BV,
+        BV if block_v is None else block_v,
         warps if num_warps is None else num_warps,
         stages if num_stages is None else num_stages,
     )

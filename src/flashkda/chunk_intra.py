@@ -22,7 +22,6 @@ Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 Ki
 (L2 norms first) and the w right-hand side makes one round trip, mostly from L2.
 """
 
-
 import os
 
 import torch

@@ -230,16 +230,17 @@ def _operand(b_x, PREC: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _dot_acc(b_a, b_hi, b_lo, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr, LEFT: tl.constexpr = True):
-    """``acc + a @ x`` with fp32 accumulation, ``x`` given as ``_operand``'s ``(hi, lo)``; ``a`` is exact in bf16
-    for ``PREC_HILO``/``PREC_BF16``. ``LEFT=False``: ``acc + x @ a`` instead."""
+    """``acc + a @ x`` with fp32 accumulation, ``x`` given as ``_operand``'s ``(hi, lo)``; ``a`` is rounded to bf16
+    for ``PREC_HILO``/``PREC_BF16`` (to nearest, on the interpreter too). ``LEFT=False``: ``acc + x @ a`` instead."""
     if PREC == 0:
         b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "ieee", LEFT)
     elif PREC == 1:
         b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "tf32", LEFT)
     elif EMULATE:
-        b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "ieee", LEFT)
+        b_ab = round_bf16(b_a.to(tl.float32), True)
         if PREC == 2:
-            b_acc = _mm_side(b_a.to(tl.float32), b_lo, b_acc, "ieee", LEFT)
+            b_acc = _mm_side(b_ab, b_lo, b_acc, "ieee", LEFT)
+        b_acc = _mm_side(b_ab, b_hi, b_acc, "ieee", LEFT)
     else:
         if PREC == 2:
             b_acc = _mm_side(b_a.to(tl.bfloat16), b_lo, b_acc, None, LEFT)
@@ -598,7 +599,8 @@ def _default_block_v(V, programs_per_block, w):
 
 def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK, block_v,
                  num_warps, num_stages, o_config, hilo, blocked=None, precs=None, o_hilo=None):
-    """The split path: ``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
+    """The split path: the state-only pass (``chunk_kda_fwd_kernel_h_blocked``, or ``chunk_kda_fwd_kernel_h`` with
+    ``blocked=False``) then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
 
     bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o, measured
     on the CPU against fp64) while v_new stays fp32 (in bf16, as fla stores it, ``Aqk v_new`` nearly doubled the
