@@ -5,30 +5,35 @@
 # A (parallel): compile/autotune passes of every timed row and variant, the variants' gpu tests.
 # B: ncu (full set) of one call each at KDA_NCU_CASES; details page and the intra kernel's source counters to $OUT
 #   (the report itself stays on the device: $OUT returns at most 8 files).
-# C (sequential, timed, results written): KDA_ROWS with the default path, then with each KDA_VARIANTS env setting.
+# C (sequential, timed, results written): KDA_ROWS with the default path, then KDA_VARIANT_ROWS (default: KDA_ROWS)
+#   with each KDA_VARIANTS env setting. KDA_NCU_ARGS: extra arguments of ncu_fwd (e.g. --ours-only).
 set -u
 source benchmarks/kda/round_env.sh ncu_round
 WARM=${KDA_WARM_CAP:-150}
 ROWS=${KDA_ROWS:-H64-T8192 H64-T32768 H12-T8192}
-NCU_CASES=${KDA_NCU_CASES:-H64-T8192}
+NCU_CASES=${KDA_NCU_CASES-H64-T8192}
 # each entry: NAME=VALUE of one environment switch
-VARIANTS=${KDA_VARIANTS:-FLASHKDA_BF16_INTERMEDIATES=1}
+VARIANTS=${KDA_VARIANTS-FLASHKDA_BF16_INTERMEDIATES=0}
+VARIANT_ROWS=${KDA_VARIANT_ROWS:-$ROWS}
 PASS="python3 -m benchmarks.kda.run --no-write --rep 1 --cases"
 
 echo "=== phase A (parallel, cap ${WARM}s) $(date +%T)"
-timeout -k 5 "$WARM" $PASS $ROWS > $LOGS/A_default.log 2>&1 &
-for v in $VARIANTS; do env "$v" timeout -k 5 "$WARM" $PASS $ROWS > "$LOGS/A_${v%%=*}.log" 2>&1 & done
-timeout -k 5 "$WARM" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 120 tests/flashkda/test_gpu.py \
-  -k "${KDA_GPU_TESTS:-bf16_intermediates or intra_stage or chunk_matches_fp64}" > $LOGS/A_gputests.log 2>&1 &
+# one process per row: fla compiles for 60-100 s per head count
+for r in $ROWS; do timeout -k 5 "$WARM" $PASS $r > "$LOGS/A_default_$r.log" 2>&1 & done
+for v in $VARIANTS; do env "$v" timeout -k 5 "$WARM" $PASS $VARIANT_ROWS > "$LOGS/A_${v%%=*}.log" 2>&1 & done
+timeout -k 5 "${KDA_TEST_CAP:-$WARM}" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 120 tests/flashkda/test_gpu.py \
+  -k "${KDA_GPU_TESTS:-intermediate_storage or intra_stage or chunk_matches_fp64}" > $LOGS/A_gputests.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 12; done
 
 echo "=== phase B: ncu $(date +%T)"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ -n "$NCU" ]; then
+if [ -z "$NCU_CASES" ]; then
+  echo "no KDA_NCU_CASES: ncu skipped"
+elif [ -n "$NCU" ]; then
   timeout -k 5 "${KDA_NCU_CAP:-150}" "$NCU" --profile-from-start off --clock-control none --set full \
-    --import-source no -f -o "$LOGS/fwd" python3 -m benchmarks.kda.ncu_fwd --cases $NCU_CASES > $LOGS/B_ncu.log 2>&1
+    --import-source no -f -o "$LOGS/fwd" python3 -m benchmarks.kda.ncu_fwd --cases $NCU_CASES ${KDA_NCU_ARGS:-} > $LOGS/B_ncu.log 2>&1
   echo "ncu rc=$?"; tail -n 5 $LOGS/B_ncu.log
   if [ -f "$LOGS/fwd.ncu-rep" ]; then
     "$NCU" -i "$LOGS/fwd.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
@@ -45,7 +50,7 @@ timeout -k 5 "${KDA_MAIN_CAP:-120}" python3 -m benchmarks.kda.run --rep 10 --cas
 for v in $VARIANTS; do
   sleep 1  # results files are named by the second a benchmark starts
   echo "=== variant $v $(date +%T)"
-  env "$v" timeout -k 5 "${KDA_VARIANT_CAP:-90}" python3 -m benchmarks.kda.run --rep 10 --cases $ROWS 2>&1 \
+  env "$v" timeout -k 5 "${KDA_VARIANT_CAP:-90}" python3 -m benchmarks.kda.run --rep 10 --cases $VARIANT_ROWS 2>&1 \
     | tee "$LOGS/C_${v%%=*}.log"
 done
 cat $LOGS/A_*.log > "$OUT/phaseA.log"

@@ -28,14 +28,20 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.ops import L2NORM_EPS, beta_map, kda_gate
+from flashkda.ops import L2NORM_EPS, beta_map, fast_exp, fast_rsqrt, kda_gate
 from flashkda.rounding import cast_for_store
 
 #: Tokens per chunk and per sub-chunk; the kernel is written out for exactly four sub-chunks.
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
-#: Environment switch of the opt-in bf16 storage of qg, u, Aqk (and of v_new in the state stage) for bf16 input.
+#: Environment switch of the bf16 storage of qg, u, Aqk (and of v_new in the state stage) for bf16 input: on unless
+#: set to ``0`` (fp32 storage, ~1e-3 less RMS error in o, 0.3 ms slower at H64-T8192 on an H200).
 BF16_INTERMEDIATES_ENV = "FLASHKDA_BF16_INTERMEDIATES"
+
+
+def bf16_intermediates_enabled() -> bool:
+    """Whether bf16 callers store qg, u, Aqk and v_new in bf16 (the default; ``FLASHKDA_BF16_INTERMEDIATES=0``: fp32)."""
+    return os.environ.get(BF16_INTERMEDIATES_ENV, "1") != "0"
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
@@ -152,7 +158,7 @@ def inv_norms(q, k, t0_q, t0_k, eos, i_h, scale, H: tl.constexpr, K: tl.constexp
             b_sq += tl.sum(b_x * b_x, 1)
             b_x = _tile(k, t0_k, eos, i_h, o_k, H, K, RK)
             b_sk += tl.sum(b_x * b_x, 1)
-        return scale / tl.sqrt(b_sq + L2NORM_EPS), 1.0 / tl.sqrt(b_sk + L2NORM_EPS)
+        return scale * fast_rsqrt(b_sq + L2NORM_EPS), fast_rsqrt(b_sk + L2NORM_EPS)
     return b_sq + scale, b_sk + 1.0
 
 
@@ -269,9 +275,9 @@ def chunk_kda_fwd_kernel_intra(
         b_s4 = tl.sum(b_g3, 1)
         tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_s4, 0), mask=m_k)
         # Γ_i relative to the chunk start (qg, w) and Γ_C - Γ_i (kg), each from sub-chunk sums.
-        b_eG = tl.exp(_per_row(_sub_sums(b_s4, o_b < o_a), BC, BKC) + b_G)
+        b_eG = fast_exp(_per_row(_sub_sums(b_s4, o_b < o_a), BC, BKC) + b_G)
         _put_tile(qg, b_q * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
-        _put_tile(kg, b_k * tl.exp(_per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC) - b_G), t0, eos, i_hv, o_k,
+        _put_tile(kg, b_k * fast_exp(_per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC) - b_G), t0, eos, i_hv, o_k,
                   HV, K, BT)
         # Right-hand side of the WY solve for w; pass 2 (or chunk_kda_fwd_kernel_wu) overwrites it with w.
         if STORE_T:
@@ -280,11 +286,11 @@ def chunk_kda_fwd_kernel_intra(
             _put_tile(w, b_k * b_eG * b_b[:, None], t0, eos, i_hv, o_k, HV, K, BT)
 
         # Row operands relative to their sub-chunk's start (factors <= 1).
-        b_eGr = tl.exp(b_G)
+        b_eGr = fast_exp(b_G)
         b_qr = b_q * b_eGr
         b_kr = b_k * b_eGr
         # Columns relative to the end of their sub-chunk (factors <= 1).
-        b_kc = b_k * tl.exp(_per_row(b_s4, BC, BKC) - b_G)
+        b_kc = b_k * fast_exp(_per_row(b_s4, BC, BKC) - b_G)
         for a in tl.static_range(1, 4, 2):
             # adjacent pair (a, a - 1)
             m_row = (o_blk == a)[:, None]
@@ -300,8 +306,8 @@ def chunk_kda_fwd_kernel_intra(
         # Far pairs through the chunk middle: rows of sub-chunk 3 gain e^{s_2}, columns of sub-chunk 0 e^{s_1}.
         m_row = (o_blk >= 2)[:, None]
         m_col = (o_blk < 2)[:, None]
-        b_rs = tl.where(m_row, tl.exp(_per_row(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a)), BC, BKC)), 0.0)
-        b_kc = tl.where(m_col, b_kc * tl.exp(_per_row(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2)), BC, BKC)), 0.0)
+        b_rs = tl.where(m_row, fast_exp(_per_row(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a)), BC, BKC)), 0.0)
+        b_kc = tl.where(m_col, b_kc * fast_exp(_per_row(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2)), BC, BKC)), 0.0)
         if MERGE:
             b_AX += tl.dot(_stack_rows(b_qr * b_rs, b_kr * b_rs, BT, BKC), tl.trans(b_kc), input_precision=DOT_PREC)
         else:
@@ -313,7 +319,7 @@ def chunk_kda_fwd_kernel_intra(
         b_G3 = tl.reshape(b_G, [4, BC, BKC])
         if SAFE_GATE:
             # Bounded gate: e^{-G} <= e^{16 * 5} stays in fp32 range, so one tensor-core product suffices.
-            b_kc3 = tl.permute(b_k3 * tl.exp(-b_G3), (0, 2, 1))
+            b_kc3 = tl.permute(b_k3 * fast_exp(-b_G3), (0, 2, 1))
             if MERGE:
                 b_AX3 += _bdot(_stack_rows3(tl.reshape(b_qr, [4, BC, BKC]), tl.reshape(b_kr, [4, BC, BKC]), 4, BC,
                                             BKC), b_kc3, DOT_PREC)
@@ -326,7 +332,7 @@ def chunk_kda_fwd_kernel_intra(
                 b_kj = tl.sum(tl.where(o_i3 == j, b_k3, 0.0), 1)
                 b_gj = tl.sum(tl.where(o_i3 == j, b_G3, 0.0), 1)
                 # [4, BC, BKC] exact e^{Γ_i - Γ_j} for i >= j inside the sub-chunk, zero above
-                b_kd = b_kj[:, None, :] * tl.exp(tl.where(o_i3 >= j, b_G3 - b_gj[:, None, :], float("-inf")))
+                b_kd = b_kj[:, None, :] * fast_exp(tl.where(o_i3 >= j, b_G3 - b_gj[:, None, :], float("-inf")))
                 b_Aqk3 += tl.where(o_j3 == j, tl.sum(b_q3 * b_kd, 2)[:, :, None], 0.0)
                 b_Akk3 += tl.where(o_j3 == j, tl.sum(b_k3 * b_kd, 2)[:, :, None], 0.0)
 
@@ -460,23 +466,22 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         merge: force the stacked Aqk/Akk products on or off (None: autotuned on a GPU, off on the interpreter).
         split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
             fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
-        bf16_intermediates: store qg, u and Aqk in ``work_dtype`` when it is bf16 (opt-in, not yet timed; None: on
-            when the environment sets ``FLASHKDA_BF16_INTERMEDIATES=1``). An fp64 model with round-to-nearest
-            storage puts o at ~2.9-3.1e-3 RMS error with every intermediate bf16 (benchmarks/kda/NOTES.md).
+        bf16_intermediates: store qg, u and Aqk in ``work_dtype`` when it is bf16 (None: `bf16_intermediates_enabled`,
+            on unless the environment sets ``FLASHKDA_BF16_INTERMEDIATES=0``). Measured on an H200 (2026-12-01):
+            fp64-gate RMS error of o 3.1e-3 (fp32 storage: 2.0e-3; budget 5e-3), H64-T8192 2.25 vs 2.57 ms.
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
-        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) fp32 (bf16 with ``bf16_intermediates``);
+        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) bf16 with ``bf16_intermediates``, else fp32;
         gC ``[NC, HV, K]`` fp32.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
-    # qg, u and Aqk stay fp32 by default: in bf16 each adds ~0.5-0.6e-3 RMS error to o (fp64 model with
-    # round-to-nearest storage; the interpreter's truncating casts had doubled that), on top of ~1.8e-3 for the
-    # default (w, kg, h and o in bf16).
+    # In bf16, qg, u and Aqk each add ~0.5-0.6e-3 RMS error to o (fp64 model with round-to-nearest storage), on top
+    # of ~1.8e-3 for w, kg, h and o in bf16; they halve the bytes of both stages.
     if bf16_intermediates is None:
-        bf16_intermediates = os.environ.get(BF16_INTERMEDIATES_ENV, "0") == "1"
+        bf16_intermediates = bf16_intermediates_enabled()
     mid_dtype = torch.bfloat16 if bf16_intermediates and work_dtype == torch.bfloat16 else torch.float32
     w = torch.empty(B, T, HV, K, dtype=work_dtype, device=q.device)
     kg = torch.empty_like(w)

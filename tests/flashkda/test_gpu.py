@@ -112,9 +112,10 @@ def test_blocked_state_configs_match_fp64_on_gpu(config, monkeypatch):
                                           blocked=True))
 
 
-def test_bf16_intermediates_match_fp64_on_gpu(monkeypatch):
-    """The opt-in bf16 storage of qg, u, Aqk and v_new (``FLASHKDA_BF16_INTERMEDIATES=1``) on bf16 input."""
-    _forced_forward(monkeypatch, dict(bf16_intermediates=True), {})
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_intermediate_storage_matches_fp64_on_gpu(bf16, monkeypatch):
+    """qg, u, Aqk and v_new stored in bf16 (the default for bf16 input) or fp32 (``FLASHKDA_BF16_INTERMEDIATES=0``)."""
+    _forced_forward(monkeypatch, dict(bf16_intermediates=bf16), {})
 
 
 @pytest.mark.parametrize("o_hilo", [False, True], ids=["tf32", "hilo"])

@@ -130,25 +130,31 @@ def _check(case, device, intra_kw, state_kw):
 @pytest.mark.parametrize("o_hilo", [False, True], ids=["tf32", "hilo"])
 @pytest.mark.parametrize("case", [CASES[1], *BLOCKED_CASES[:3]], ids=[c.id() for c in [CASES[1], *BLOCKED_CASES[:3]]])
 def test_bf16_intermediates_match_fp64(case, o_hilo, device):
-    """The opt-in bf16 storage of qg, u, Aqk and v_new stays within the bf16 budget (the interpreter now rounds
-    stores to nearest, as the GPU does)."""
+    """The bf16 storage of qg, u, Aqk and v_new (the default for bf16 input) stays within the bf16 budget (the
+    interpreter rounds stores to nearest, as the GPU does)."""
     _check(case, device, dict(bf16_intermediates=True), dict(block_v=32, split=True, o_hilo=o_hilo))
 
 
-def test_bf16_intermediates_switch(device, monkeypatch):
-    """``FLASHKDA_BF16_INTERMEDIATES=1`` reaches ``flashkda.chunk_kda``: bf16 buffers, fp64 accuracy kept."""
+@pytest.mark.parametrize("env, dtype", [(None, torch.bfloat16), ("1", torch.bfloat16), ("0", torch.float32)],
+                         ids=["default", "on", "off"])
+def test_bf16_intermediates_switch(env, dtype, device, monkeypatch):
+    """``FLASHKDA_BF16_INTERMEDIATES`` reaches ``flashkda.chunk_kda``: bf16 buffers unless it is ``0``, fp64
+    accuracy kept either way."""
     import flashkda
     import flashkda.chunk_fwd as chunk_fwd
 
     seen = []
     state = chunk_fwd.chunk_kda_fwd_state_o
     monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_state_o", lambda *a, **k: seen.append(a[1].dtype) or state(*a, **k))
-    monkeypatch.setenv("FLASHKDA_BF16_INTERMEDIATES", "1")
+    if env is None:
+        monkeypatch.delenv("FLASHKDA_BF16_INTERMEDIATES", raising=False)
+    else:
+        monkeypatch.setenv("FLASHKDA_BF16_INTERMEDIATES", env)
     case = BLOCKED_CASES[1]
     args, kw = make_call(case, device)
     with torch.no_grad():
         o, s = flashkda.chunk_kda(*args, **kw)
     ro, rs = reference.chunk_kda_reference(*args, **kw)
-    assert seen == [torch.bfloat16]
+    assert seen == [dtype]
     assert_close("o", ro, o, TOL[case.dtype])
     assert_close("final_state", rs, s, TOL[case.dtype])
