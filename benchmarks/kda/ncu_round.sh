@@ -6,7 +6,7 @@
 # B: ncu (full set) of one call each at KDA_NCU_CASES; details page and the intra kernel's source counters to $OUT
 #   (the report itself stays on the device: $OUT returns at most 8 files).
 # C (sequential, timed, results written): KDA_ROWS with the default path, then KDA_VARIANT_ROWS (default: KDA_ROWS)
-#   with each KDA_VARIANTS env setting. KDA_NCU_ARGS: extra arguments of ncu_fwd (e.g. --ours-only).
+#   with each KDA_VARIANTS env setting. KDA_NCU_ARGS: extra arguments of profile_fwd (e.g. --ours-only).
 set -u
 source benchmarks/kda/round_env.sh ncu_round
 WARM=${KDA_WARM_CAP:-150}
@@ -33,7 +33,7 @@ if [ -z "$NCU_CASES" ]; then
   echo "no KDA_NCU_CASES: ncu skipped"
 elif [ -n "$NCU" ]; then
   timeout -k 5 "${KDA_NCU_CAP:-150}" "$NCU" --profile-from-start off --clock-control none --set full \
-    --import-source no -f -o "$LOGS/fwd" python3 -m benchmarks.kda.ncu_fwd --cases $NCU_CASES ${KDA_NCU_ARGS:-} > $LOGS/B_ncu.log 2>&1
+    --import-source no -f -o "$LOGS/fwd" python3 -m benchmarks.kda.profile_fwd --ncu-range --cases $NCU_CASES ${KDA_NCU_ARGS:-} > $LOGS/B_ncu.log 2>&1
   echo "ncu rc=$?"; tail -n 5 $LOGS/B_ncu.log
   if [ -f "$LOGS/fwd.ncu-rep" ]; then
     "$NCU" -i "$LOGS/fwd.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
