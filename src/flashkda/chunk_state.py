@@ -602,11 +602,11 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
     """The split path: the state-only pass (``chunk_kda_fwd_kernel_h_blocked``, or ``chunk_kda_fwd_kernel_h`` with
     ``blocked=False``) then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
 
-    bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o, measured
-    on the CPU against fp64) while v_new stays fp32 (in bf16, as fla stores it, ``Aqk v_new`` nearly doubled the
-    error of o to ~6e-3, over the 5e-3 budget). The chain products keep fp32 state operands (tf32, or the bf16
-    hi/lo split): with the state and v_new rounded to bf16 for them, as fla does, the final-state error doubled
-    (3.2e-3 -> 5.9e-3 in the softplus case). fp32 input keeps fp32 everywhere with exact products.
+    bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o); v_new is stored in u's dtype,
+    bf16 by default (``flashkda.chunk_intra.bf16_intermediates_enabled``: o's fp64-gate error 3.1e-3 on an H200,
+    budget 5e-3; the CPU numbers that once kept it fp32 came from the interpreter's truncating casts). Inside the
+    recurrence v_new stays fp32 in registers and enters ``kgᵀ v_new`` as a bf16 hi/lo split (bf16 there raised
+    the final-state error by ~0.7e-3). fp32 input keeps fp32 everywhere with exact products.
     """
     B, T, HV, K = w.shape
     V = u.shape[-1]
