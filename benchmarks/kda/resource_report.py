@@ -5,7 +5,8 @@ ptxas that ships in Triton's wheel, and prints one line per (kernel, configurati
 these numbers predict occupancy only; they are no timing.
 
 Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass] [--lines]
-[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--store-t] [--merge] [--no-intra]``.
+[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--blocked BV:WARPS:STAGES ...] [--store-t] [--merge]
+[--no-intra]``.
 Configurations: bf16 input (tf32 products, bf16 w/kg) and fp32 input (ieee products), K = V = 128, fixed-length,
 in-kernel gate with ``lower_bound`` + ``safe_gate`` (the benchmark setting) or the softplus gate (pair-by-pair
 diagonal path).
@@ -73,6 +74,18 @@ def state_config(dtype: str, block_v: int):
               DT=triton.language.float32)
     return fn, {name: types.get(name, "constexpr") for name in fn.arg_names}, {
         name: cx[name] for name in fn.arg_names if name in cx}
+
+
+def blocked_state_config(block_v: int):
+    """(kernel, types, constexprs) of the blocked state-only pass as bf16 input runs it by default (bf16 w, kg, u,
+    v_new and h; state rounded to bf16 in ``w S``, v_new as a hi/lo split in ``kgᵀ v_new``; K = V = 128)."""
+    fn = chunk_state.chunk_kda_fwd_kernel_h_blocked
+    types = dict(w="*bf16", u="*bf16", kg="*bf16", gC="*fp32", h="*bf16", vn="*bf16", h0="*fp32", ht="*fp32",
+                 cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32", PROGRAMS="i32")
+    cx = dict(HV=1, K=128, V=128, BT=64, BKB=64, NKB=2, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
+              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=chunk_state.PREC_BF16, PREC_KV=chunk_state.PREC_HILO,
+              EMULATE=False)
+    return fn, {n: types.get(n, "constexpr") for n in fn.arg_names}, {n: cx[n] for n in fn.arg_names if n in cx}
 
 
 def split_state_configs(dtype: str, block_v: int, hilo: bool):
@@ -226,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also (or with --no-intra, only) the state + output kernel at these configurations")
     ap.add_argument("--split", nargs="*", default=[], metavar="BV:WARPS:STAGES:HILO",
                     help="also the split path: state-only kernel, output kernel (BV, BK 64), w/u kernel (slice 64)")
+    ap.add_argument("--blocked", nargs="*", default=[], metavar="BV:WARPS:STAGES",
+                    help="also the blocked state-only pass (bf16 input defaults); with --lines, 128 chunk steps")
     ap.add_argument("--store-t", action="store_true", help="intra kernel of the split w/u path (no pass 2)")
     ap.add_argument("--merge", action="store_true", help="intra kernel with the stacked Aqk/Akk products")
     ap.add_argument("--no-intra", action="store_true")
@@ -247,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtype:
             for fn, sig, cx in split_state_configs(dtype, bv, bool(hilo)):
                 report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"{fn.__name__[21:]} {spec}")
+    for spec in args.blocked:
+        bv, nw, ns = (int(p) for p in spec.split(":"))
+        fn, sig, cx = blocked_state_config(bv)
+        report(fn, sig, cx, "bf16", "-", nw, 0, args.sass, ns, name=f"h_blocked {spec}",
+               trips=[128] if args.lines else None)
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
             for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge):
