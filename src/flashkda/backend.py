@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from flashkda.env import env_flag
+
 logger = logging.getLogger(__name__)
 
 BACKEND_TYPE = "k3_flashkda"
@@ -25,7 +27,8 @@ _state = {"registered": False, "dispatched": False}
 
 
 def is_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "0") == "1"
+    """``FLASHKDA_DISABLE`` (0 or 1; any other value raises ValueError naming it, see `flashkda.env`)."""
+    return env_flag(DISABLE_ENV, False)
 
 
 def chunk_kda_verifier(

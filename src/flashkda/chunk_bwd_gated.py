@@ -12,11 +12,11 @@ block as the reference (both exponentials ``<= 1``), a diagonal block its middle
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from flashkda.env import env_flag
 
 __all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
 
@@ -387,8 +387,7 @@ GATES_BWD_WARPS = 4
 #: "ieee" for half-precision cases in the interpreter). Passed the fp64 gate on an H200 (04:00 UTC; 2.73 ms at
 #: B1-T8192-H64 against 2.86 for the two passes it replaces); FLASHKDA_BWD_FUSED_GATES=0 leaves it out.
 FUSED_GATES_PRECISIONS: tuple[str, ...] = (
-    () if os.environ.get("FLASHKDA_BWD_FUSED_GATES", "1") == "0"
-    else ("tf32",)
+    ("tf32",) if env_flag("FLASHKDA_BWD_FUSED_GATES", True) else ()
 )
 
 

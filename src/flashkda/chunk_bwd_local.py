@@ -15,7 +15,6 @@ always safe).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from flashkda.chunk_bwd_gated import (
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
+from flashkda.env import env_choice
 
 __all__ = [
     "SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
@@ -42,9 +42,7 @@ SUB_CHUNK = 16
 # benchmarks/kda/NOTES.md): kernel time 2.15 + 2.54 ms (ieee) -> 1.40 + 2.02 ms (tf32), fp64 gate (T = 200) worst
 # 2.9e-3 both ways; fla notes that tf32 rounding grows the safe-gate gradient error with context length, and at
 # T = 32768 ours vs fla reached 8.6e-3 (ddt_bias) against a 1e-2 bound. fp32 callers always get exact products.
-GATED_DOT_PRECISION = os.environ.get("FLASHKDA_BWD_GATED_DOTS", "tf32")
-if GATED_DOT_PRECISION not in ("ieee", "tf32"):
-    raise ValueError(f"FLASHKDA_BWD_GATED_DOTS must be 'ieee' or 'tf32', got {GATED_DOT_PRECISION!r}")
+GATED_DOT_PRECISION = env_choice("FLASHKDA_BWD_GATED_DOTS", "tf32", ("tf32", "ieee"))
 
 
 def gated_dot_precision(dot_precision: str) -> str:

@@ -16,11 +16,11 @@ replacing about a dozen element-wise and reduction launches. ``dAkk = beta * dl 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from flashkda.env import env_flag
 
 __all__ = ["FUSED_WY_PRECISIONS", "chunk_kda_bwd_ut", "chunk_kda_bwd_wy", "fused_wy"]
 
@@ -278,7 +278,7 @@ def chunk_kda_bwd_wy(
 #: Tests add "ieee" to run the fused kernel in the interpreter. Opt-in (FLASHKDA_BWD_FUSED_WY=1): correct on an H200
 #: (fp64 gate, 04:00 UTC) but 2.83 ms at B1-T8192-H64 against ~2.0 ms for the GEMMs + UT pass it replaces
 #: (benchmarks/kda/NOTES.md): one program per (chunk, head) at 8 warps is latency-bound.
-FUSED_WY_PRECISIONS: tuple[str, ...] = ("tf32",) if os.environ.get("FLASHKDA_BWD_FUSED_WY", "0") == "1" else ()
+FUSED_WY_PRECISIONS: tuple[str, ...] = ("tf32",) if env_flag("FLASHKDA_BWD_FUSED_WY", False) else ()
 
 
 def fused_wy(dot_precision: str, K: int, V: int) -> bool:

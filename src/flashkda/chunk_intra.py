@@ -22,12 +22,12 @@ Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 Ki
 (L2 norms first) and the w right-hand side makes one round trip, mostly from L2.
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from flashkda.env import env_flag
 from flashkda.ops import L2NORM_EPS, beta_map, fast_exp, fast_rsqrt, kda_gate
 from flashkda.rounding import cast_for_store
 
@@ -41,7 +41,7 @@ BF16_INTERMEDIATES_ENV = "FLASHKDA_BF16_INTERMEDIATES"
 
 def bf16_intermediates_enabled() -> bool:
     """Whether bf16 callers store qg, u, Aqk and v_new in bf16 (the default; ``FLASHKDA_BF16_INTERMEDIATES=0``: fp32)."""
-    return os.environ.get(BF16_INTERMEDIATES_ENV, "1") != "0"
+    return env_flag(BF16_INTERMEDIATES_ENV, True)
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16

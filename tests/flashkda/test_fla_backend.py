@@ -94,3 +94,18 @@ def test_start_up_hook_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(not PTH.exists(), reason="hook file missing")
+@pytest.mark.parametrize("value, registered", [("true", False), ("off", True), ("maybe", False)])
+def test_flashkda_disable_values(value, registered):
+    """Words mean what they say; an unknown value keeps fla working on its own kernels and says why."""
+    env = {**os.environ, "FLASHKDA_DISABLE": value}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", REGISTRY_PROGRAM.replace("{site}", _site_line())], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    backends = out.stdout.strip().splitlines()[-1].split(" ", 1)[1]
+    assert ("k3_flashkda" in backends) == registered
+    if value == "maybe":
+        assert "FLASHKDA_DISABLE='maybe'" in out.stderr and "fla's own kernels will run" in out.stderr

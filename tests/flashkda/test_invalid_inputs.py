@@ -1,9 +1,17 @@
 """Bad input raises ValueError naming the argument, before any kernel runs."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import flashkda
+from flashkda.env import env_choice, env_flag
+
+ROOT = Path(__file__).resolve().parents[2]
 
 B, T, H, K, V = 1, 8, 2, 16, 16
 
@@ -72,3 +80,39 @@ def test_mismatched_devices_are_named():
     meta = torch.randn(B, T, H, V, device="meta")
     with pytest.raises(ValueError, match="`v`"):
         flashkda.chunk_kda(**{**_good(), "v": meta})
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "fp32"])
+def test_a_bad_environment_switch_is_named(value, monkeypatch):
+    monkeypatch.setenv("FLASHKDA_BF16_INTERMEDIATES", value)
+    with pytest.raises(ValueError, match=f"FLASHKDA_BF16_INTERMEDIATES={value!r}: expected 1 or 0"):
+        flashkda.chunk_kda(**_good())
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("On", True), ("yes", True),
+                                             ("0", False), ("false", False), (" OFF ", False)])
+def test_environment_flags_take_the_usual_words(value, expected, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("FLASHKDA_TEST_FLAG", raising=False)
+    else:
+        monkeypatch.setenv("FLASHKDA_TEST_FLAG", value)
+    assert env_flag("FLASHKDA_TEST_FLAG", True) is expected
+
+
+def test_environment_choices_name_the_choices(monkeypatch):
+    monkeypatch.setenv("FLASHKDA_TEST_CHOICE", "IEEE")
+    assert env_choice("FLASHKDA_TEST_CHOICE", "tf32", ("tf32", "ieee")) == "ieee"
+    monkeypatch.setenv("FLASHKDA_TEST_CHOICE", "fast")
+    with pytest.raises(ValueError, match="FLASHKDA_TEST_CHOICE='fast': expected one of tf32, ieee"):
+        env_choice("FLASHKDA_TEST_CHOICE", "tf32", ("tf32", "ieee"))
+
+
+@pytest.mark.parametrize("name, value", [("FLASHKDA_BWD_GATED_DOTS", "fast"), ("FLASHKDA_BWD_FUSED_GATES", "2"),
+                                         ("FLASHKDA_BWD_FUSED_WY", "sometimes")])
+def test_import_time_switches_fail_at_import_with_their_name(name, value):
+    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, name: value, "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", "import flashkda.chunk_bwd"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert f"{name}={value!r}" in out.stderr, out.stderr[-2000:]
