@@ -22,7 +22,6 @@ Traffic per (chunk, head), bf16 in/out with K = V = 128: reads q, k, v, g (64 Ki
 (L2 norms first) and the w right-hand side makes one round trip, mostly from L2.
 """
 
-
 import torch
 import triton
 import triton.language as tl
@@ -37,14 +36,14 @@ SUB_CHUNK = 16
 #: Environment switch of the bf16 storage of qg, u, Aqk (and of v_new in the state stage) for bf16 input: on unless
 #: set to ``0`` (fp32 storage, ~1e-3 less RMS error in o, 0.3 ms slower at H64-T8192 on an H200).
 BF16_INTERMEDIATES_ENV = "FLASHKDA_BF16_INTERMEDIATES"
+#: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
+#: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
+SLICE = 16
 
 
 def bf16_intermediates_enabled() -> bool:
     """Whether bf16 callers store qg, u, Aqk and v_new in bf16 (the default; ``FLASHKDA_BF16_INTERMEDIATES=0``: fp32)."""
     return env_flag(BF16_INTERMEDIATES_ENV, True)
-#: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
-#: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
-SLICE = 16
 
 
 @triton.jit
