@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: Nsight Compute profile of ours and fla's forward, plus timed rows of the default and the opt-in
-# variants (bf16 intermediates), through benchmarks/device/run.sh (.whl carried):
+# One device call: Nsight Compute profile of ours and fla's forward, plus timed rows of the default and of variants
+# set by environment switches (default: fp32 intermediates), through benchmarks/device/run.sh (.whl carried):
 #   bash benchmarks/device/run.sh bash benchmarks/kda/ncu_round.sh
 # A (parallel): compile/autotune passes of every timed row and variant, the variants' gpu tests.
 # B: ncu (full set) of one call each at KDA_NCU_CASES; details page and the intra kernel's source counters to $OUT

@@ -34,6 +34,13 @@ REGS_PER_SM = 65536
 MAX_SMEM = 227 * 1024
 
 
+def kernel_spec(fn, types: dict, constexprs: dict):
+    """``(fn, signature, constexprs)`` for `compile_one`: ``types`` for the runtime arguments (every other argument
+    is a constexpr), and the entries of ``constexprs`` that ``fn`` takes."""
+    return (fn, {n: types.get(n, "constexpr") for n in fn.arg_names},
+            {n: constexprs[n] for n in fn.arg_names if n in constexprs})
+
+
 def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False):
     """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting
     (``store_t``: the intra kernel stops after the inverse, as in the split w/u path; ``merge``: stacked Aqk/Akk
@@ -47,9 +54,7 @@ def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = Fa
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
                   MERGE=merge)
-    return [(fn, {name: types.get(name, "constexpr") for name in fn.arg_names},
-             {name: common[name] for name in fn.arg_names if name in common})
-            for fn, types in kernel_signatures(work)]
+    return [kernel_spec(fn, types, common) for fn, types in kernel_signatures(work)]
 
 
 def kernel_signatures(work: str):
@@ -72,8 +77,7 @@ def state_config(dtype: str, block_v: int):
     cx = dict(HV=1, K=128, V=128, BT=64, BK=128, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
               STORE_H=False, STATE_V_FIRST=False, IS_VARLEN=False, DOT_PREC="tf32" if dtype == "bf16" else "ieee",
               DT=triton.language.float32)
-    return fn, {name: types.get(name, "constexpr") for name in fn.arg_names}, {
-        name: cx[name] for name in fn.arg_names if name in cx}
+    return kernel_spec(fn, types, cx)
 
 
 def blocked_state_config(block_v: int):
@@ -85,7 +89,7 @@ def blocked_state_config(block_v: int):
     cx = dict(HV=1, K=128, V=128, BT=64, BKB=64, NKB=2, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
               STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=chunk_state.PREC_BF16, PREC_KV=chunk_state.PREC_HILO,
               EMULATE=False)
-    return fn, {n: types.get(n, "constexpr") for n in fn.arg_names}, {n: cx[n] for n in fn.arg_names if n in cx}
+    return kernel_spec(fn, types, cx)
 
 
 def split_state_configs(dtype: str, block_v: int, hilo: bool):
@@ -99,12 +103,7 @@ def split_state_configs(dtype: str, block_v: int, hilo: bool):
                  PROGRAMS="i32", qg="*fp32", Aqk="*fp32", o="*bf16", v="*bf16", Tb="*fp32")
     cx = dict(HV=1, K=128, V=128, BT=64, BK=128, BV=block_v, BS=64, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
               STATE_V_FIRST=False, IS_VARLEN=False, HILO=hilo, EMULATE=False, DOT_PREC=prec)
-    out = []
-    for fn, over in ((h_fn, {}), (o_fn, dict(BK=64)), (wu_fn, {})):
-        c = {**cx, **over}
-        out.append((fn, {n: types.get(n, "constexpr") for n in fn.arg_names},
-                    {n: c[n] for n in fn.arg_names if n in c}))
-    return out
+    return [kernel_spec(fn, types, {**cx, **over}) for fn, over in ((h_fn, {}), (o_fn, dict(BK=64)), (wu_fn, {}))]
 
 
 def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None, num_stages: int = 1):
@@ -160,7 +159,7 @@ def sass_counts(kernel) -> dict[str, int]:
 def line_profile(kernel, trips: list[int], path: str, top: int = 25) -> None:
     """Prints the SASS instructions per source line of the file ``path``, loops counted ``trips`` times.
 
-    Each instruction is charged to its outermost line in ``source`` (``nvdisasm -gi`` line info, inlined helpers
+    Each instruction is charged to its outermost line in that file (``nvdisasm -gi`` line info, inlined helpers
     folded into their call site); a backward branch closes a loop, and the i-th loop in address order runs
     ``trips[i]`` times (1 when ``trips`` is shorter). Static counts times trips: an estimate of the instructions
     one thread executes, to find where a kernel's instructions go without a device (the intra kernel's estimate,
@@ -177,9 +176,9 @@ def line_profile(kernel, trips: list[int], path: str, top: int = 25) -> None:
     for text in out.splitlines():
         m = re.search(r'//## File "([^"]+)", line (\d+)(.*)', text)
         if m:
-            chain = [(m.group(1), int(m.group(2)))] + [(f, int(n)) for f, n in
+            chain = [(m.group(1), int(m.group(2)))] + [(file, int(n)) for file, n in
                                                       re.findall(r'inlined at "([^"]+)", line (\d+)', m.group(3))]
-            here = [n for f, n in chain if os.path.basename(f) == source]
+            here = [n for file, n in chain if os.path.basename(file) == source]
             where = here[-1] if here else None
             continue
         m = re.match(r"^\.(L_x_\d+):", text.strip())

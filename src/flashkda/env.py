@@ -22,16 +22,23 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def _value(name: str) -> tuple[str | None, str]:
+    """``(raw, normalised)`` of ``name``: raw None when unset or blank, normalised stripped and lower-case."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None, ""
+    return raw, raw.strip().lower()
+
+
 def env_flag(name: str, default: bool) -> bool:
     """The boolean switch ``name``: unset or empty gives ``default``; 1/true/yes/on and 0/false/no/off (any case).
 
     Raises:
         ValueError: any other value, naming the variable and the accepted values.
     """
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
+    raw, value = _value(name)
+    if raw is None:
         return default
-    value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -46,10 +53,9 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     Raises:
         ValueError: any other value, naming the variable and the choices.
     """
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
+    raw, value = _value(name)
+    if raw is None:
         return default
-    value = raw.strip().lower()
     if value not in choices:
         raise ValueError(f"environment variable {name}={raw!r}: expected one of {', '.join(choices)}, "
                          f"or unset for the default ({default})")
