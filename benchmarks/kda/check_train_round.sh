@@ -3,9 +3,10 @@
 # .triton-cache-train.tgz and .fla-autotune.tgz carried):
 #   bash benchmarks/device/run.sh bash benchmarks/kda/check_train_round.sh
 # A (parallel, cap KDA_CHECK_CAP, 240 s): the gpu tests (each fla comparison in its own process, as check_round.sh),
-#   the CPU suite's state-pass tests on CUDA, and our first training call at every row's shape (fla's kernels come
-#   compiled and autotuned in the carried archives). B (timed): the training rows against fla with the loss check
-#   and the fp64 gate (results written), then the training state passes' launch sweep at B1-T8192-H64.
+#   the CPU suite's state-pass tests on CUDA, our and fla's first training call at every row's shape (skipped work
+#   where the carried archives hold fla's compiled kernels and autotune results) and the decode row's warm-up. B (timed): the training rows against fla with the loss check
+#   and the fp64 gate (results written) and a kernel profile of the first row, then the decode row of the forward
+#   benchmark (its warm-up in phase A).
 set -u
 source benchmarks/kda/round_env.sh check_train_round
 CAP=${KDA_CHECK_CAP:-240}
@@ -21,6 +22,11 @@ timeout -k 5 "$CAP" $PYT -m gpu tests/flashkda -k "not matches_fla" > $LOGS/A_gp
 timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py \
   > $LOGS/A_state.log 2>&1 &
 timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
+for row in $ROWS; do
+  timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup fla --steps 0 --cases $row > $LOGS/A_fla_$row.log 2>&1 &
+done
+timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
+timeout -k 5 "$CAP" python3 -m benchmarks.kda.run --cases decode-B256-H32 --rep 3 --no-write > $LOGS/A_decode.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do
@@ -28,9 +34,9 @@ for f in $LOGS/A_*.log; do
   grep -E "^(FAILED|ERROR)" "$f" | head -n 20
 done
 echo "=== phase B $(date +%T)"
-timeout -k 5 "${KDA_MAIN_CAP:-150}" python3 -m benchmarks.kda.train --rep 10 --steps 300 --loop-first --cases $ROWS \
-  2>&1 | tee $LOGS/B_main.log | grep -v "^\s*$" | grep -v "step "
-timeout -k 5 60 python3 -m benchmarks.kda.bwd_sweep --gates --dots --bv --state flat blocked blocked:32:4:2 2>&1 \
-  | tee $LOGS/B_sweep.log
+timeout -k 5 "${KDA_MAIN_CAP:-150}" python3 -m benchmarks.kda.train --rep 10 --steps 300 --loop-first --profile \
+  --cases $ROWS 2>&1 | tee $LOGS/B_main.log | grep -v "^\s*$" | grep -v "step "
+timeout -k 5 "${KDA_DECODE_CAP:-60}" python3 -m benchmarks.kda.run --cases decode-B256-H32 2>&1 | tee $LOGS/B_decode.log
 cat $LOGS/A_*.log > "$OUT/phaseA.log"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
 exit 0
