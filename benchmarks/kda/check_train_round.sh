@@ -4,9 +4,11 @@
 #   bash benchmarks/device/run.sh bash benchmarks/kda/check_train_round.sh
 # A (parallel, cap KDA_CHECK_CAP, 240 s): the gpu tests (each fla comparison in its own process, as check_round.sh),
 #   the CPU suite's state-pass tests on CUDA, our and fla's first training call at every row's shape (skipped work
-#   where the carried archives hold fla's compiled kernels and autotune results) and the decode row's warm-up. B (timed): the training rows against fla with the loss check
-#   and the fp64 gate (results written) and a kernel profile of the first row, then the decode row of the forward
+#   where the carried archives hold fla's compiled kernels and autotune results) and the decode row's warm-up.
+# B (timed): the training rows against fla with the loss check and the fp64 gate (results written) and a kernel profile of the first row, then the decode row of the forward
 #   benchmark (its warm-up in phase A).
+# Knobs: KDA_FLA_TESTS (regex over the fla-comparison test ids, default all), KDA_GPU_TESTS=0 (skip the other gpu
+# tests and the state-pass tests), KDA_DECODE=0 (no decode row), caps KDA_CHECK_CAP, KDA_MAIN_CAP, KDA_DECODE_CAP.
 set -u
 source benchmarks/kda/round_env.sh check_train_round
 CAP=${KDA_CHECK_CAP:-240}
@@ -17,16 +19,19 @@ i=0
 while IFS= read -r id; do
   i=$((i + 1))
   timeout -k 5 "$CAP" $PYT -m gpu "$id" > $LOGS/A_fla_$i.log 2>&1 &
-done < <(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/flashkda 2>/dev/null | grep "matches_fla")
-timeout -k 5 "$CAP" $PYT -m gpu tests/flashkda -k "not matches_fla" > $LOGS/A_gpu.log 2>&1 &
-timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py \
-  > $LOGS/A_state.log 2>&1 &
-timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
+done < <(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/flashkda 2>/dev/null \
+  | grep "matches_fla" | grep -E "${KDA_FLA_TESTS:-.}")
+if [ "${KDA_GPU_TESTS:-1}" = 1 ]; then
+  timeout -k 5 "$CAP" $PYT -m gpu tests/flashkda -k "not matches_fla" > $LOGS/A_gpu.log 2>&1 &
+  timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py \
+    > $LOGS/A_state.log 2>&1 &
+fi
 for row in $ROWS; do
   timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup fla --steps 0 --cases $row > $LOGS/A_fla_$row.log 2>&1 &
 done
 timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
-timeout -k 5 "$CAP" python3 -m benchmarks.kda.run --cases decode-B256-H32 --rep 3 --no-write > $LOGS/A_decode.log 2>&1 &
+[ "${KDA_DECODE:-1}" = 1 ] && timeout -k 5 "$CAP" python3 -m benchmarks.kda.run --cases decode-B256-H32 --rep 3 --no-write \
+  > $LOGS/A_decode.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do
@@ -36,7 +41,7 @@ done
 echo "=== phase B $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-150}" python3 -m benchmarks.kda.train --rep 10 --steps 300 --loop-first --profile \
   --cases $ROWS 2>&1 | tee $LOGS/B_main.log | grep -v "^\s*$" | grep -v "step "
-timeout -k 5 "${KDA_DECODE_CAP:-60}" python3 -m benchmarks.kda.run --cases decode-B256-H32 2>&1 | tee $LOGS/B_decode.log
+[ "${KDA_DECODE:-1}" = 1 ] && timeout -k 5 "${KDA_DECODE_CAP:-60}" python3 -m benchmarks.kda.run --cases decode-B256-H32 2>&1 | tee $LOGS/B_decode.log
 cat $LOGS/A_*.log > "$OUT/phaseA.log"
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
 exit 0
