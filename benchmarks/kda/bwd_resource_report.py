@@ -28,7 +28,8 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
     out = []
 
     def add(name, fn, types, cx, nw):
-        sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+        # a name in cx is a constexpr even where `types` was built over every argument name
+        sig = {n: "constexpr" if n in cx else types.get(n, "constexpr") for n in fn.arg_names}
         out.append((name, fn, sig, {n: cx[n] for n in fn.arg_names if n in cx}, nw))
 
     f32 = "*fp32"
@@ -49,6 +50,11 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
     for prec in ("tf32", "ieee"):
         for bk, nw in ((32, 4), (32, 2), (64, 4), (128, 8)):
             add(f"gated_dots+gates {prec} BK{bk}", fused, {**{n: f32 for n in fused.arg_names}, "scale": "fp32"},
+                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
+    blocks = chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots_gates_blocks
+    for prec in ("tf32", "ieee"):
+        for bk, nw in ((32, 4), (16, 4), (32, 8), (32, 2), (16, 2), (64, 8)):
+            add(f"gates blocks {prec} BK{bk}", blocks, {**{n: f32 for n in blocks.arg_names}, "scale": "fp32"},
                 dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
     wy = chunk_bwd_ut.chunk_kda_bwd_kernel_wy
     for prec, gp, bd, nw in ((p, gp, bd, nw) for p in ("tf32", "ieee") for gp in (True, False) for bd in (16, 32)

@@ -1,7 +1,7 @@
 """FlashKDA backward: launch-configuration sweep of the gated-product kernels and the state passes, for NOTES.md.
 
 Times ``flashkda.chunk_kda`` forward + backward at a training row with the fused gate chain
-(``chunk_kda_gated_dots_gates_bwd``: K slice, warps), the K-sliced ``Akk``/``Aqk`` recompute
+(``chunk_kda_gated_dots_gates_bwd``: kernel, K slice, warps), the K-sliced ``Akk``/``Aqk`` recompute
 (``chunk_kda_gated_dots``: K slice, warps) and the V block of the two state passes (``flashkda.chunk_bwd_h``: the
 state recompute and the reverse pass; default: the finest split that gives 256 programs, down to 16) set to each
 configuration in turn, every configuration's gradients
@@ -12,7 +12,7 @@ reverse pass (``chunk_kda_bwd_dh``), on chunk-local inputs of the case's shape w
 configuration checked against the first one's outputs the same way.
 Nothing is compared with fla here (``benchmarks.kda.train`` does that) and nothing is written.
 
-Usage: ``python -m benchmarks.kda.bwd_sweep [--case B1-T8192-H64] [--rep N] [--gates BK:WARPS ...]
+Usage: ``python -m benchmarks.kda.bwd_sweep [--case B1-T8192-H64] [--rep N] [--gates [KERNEL:]BK:WARPS ...]
 [--dots BK:WARPS ...] [--bv BV ...] [--state KERNEL[:BV:WARPS:STAGES] ...]`` (CUDA only). The first entry of the
 first two lists is the default; an empty list (``--gates --dots --bv``) skips those, e.g. to time the state passes
 only.
@@ -26,7 +26,8 @@ import sys
 from benchmarks.harness import time_fn
 from benchmarks.kda.train import GRAD_NAMES, TRAIN_CASES, make_inputs, rms_ratio, step
 
-GATES_SWEEP = ["32:4", "16:4", "16:2", "32:8", "64:8"]
+#: Fused gate-chain launches: [KERNEL:]BK:WARPS, KERNEL "blocks" (default) or "rows" (the kernel before 2026-12-02).
+GATES_SWEEP = ["32:4", "rows:32:4", "32:8", "32:2", "16:4", "16:2"]
 DOTS_SWEEP = ["32:4", "16:4", "64:4", "32:8"]
 BV_SWEEP = ["32", "64"]
 #: State-pass launches: KERNEL (flat or blocked) with the launcher's defaults, or KERNEL:BV:WARPS:STAGES. At
@@ -65,15 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     dht = torch.randn(N, c["H"], 128, 128, device=device)
     run = lambda: step(flashkda.chunk_kda, x, extra, do, dht)  # noqa: E731
     defaults = (gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS)
+    gates_kernel = gated.GATES_BWD_KERNEL
     ref = None
     block_v = chunk_bwd_h._block_v
     configs = [("gates", s) for s in args.gates] + [("dots", s) for s in args.dots[1:]] + [("bv", s) for s in args.bv]
     try:
         for kind, spec in configs:
-            bk, warps = (int(v) for v in (spec + ":0").split(":")[:2])
+            kernel = gates_kernel
+            if kind == "gates":
+                kernel, bk, warps = _gates_spec(spec)
+            elif kind == "dots":
+                bk, warps = (int(v) for v in spec.split(":"))
+            else:
+                bk, warps = int(spec), 0
             gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = defaults
+            gated.GATES_BWD_KERNEL = gates_kernel
             chunk_bwd_h._block_v = block_v
             if kind == "gates":
+                gated.GATES_BWD_KERNEL = kernel
                 gated.GATES_BWD_BK, gated.GATES_BWD_WARPS = bk, warps
             elif kind == "dots":
                 gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = bk, warps
@@ -91,10 +101,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"worst diff {worst:.1e}", flush=True)
     finally:
         gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = defaults
+        gated.GATES_BWD_KERNEL = gates_kernel
         chunk_bwd_h._block_v = block_v
     if args.state:
         _sweep_state(args.case, args.state, args.rep, device)
     return 0
+
+
+def _gates_spec(spec: str) -> tuple[str, int, int]:
+    """``(kernel, BK, warps)`` of a fused gate-chain spec ``[KERNEL:]BK:WARPS`` (kernel "blocks" if omitted)."""
+    parts = spec.split(":")
+    if len(parts) == 2:
+        parts = ["blocks", *parts]
+    if len(parts) != 3 or parts[0] not in ("blocks", "rows") or not all(p.isdigit() for p in parts[1:]):
+        raise SystemExit(f"--gates: expected [blocks|rows:]BK:WARPS, got {spec!r}")
+    return parts[0], int(parts[1]), int(parts[2])
 
 
 def _state_spec(spec: str) -> str:

@@ -209,7 +209,7 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     """
     import torch
 
-    from flashkda import autograd
+    from flashkda import autograd, chunk_bwd_gated
     from flashkda.chunk_bwd_gated import fused_gates
     from flashkda.chunk_bwd_local import gated_dot_precision
     from flashkda.chunk_bwd_ut import fused_wy
@@ -240,7 +240,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
         f"peak {mem_ours:.0f} MiB")
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
               "ours_gated_dots": gated_dots, "ours_head_slices": len(slices),
-              "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128)}
+              "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128),
+              "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:

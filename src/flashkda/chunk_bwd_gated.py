@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.env import env_flag
+from flashkda.env import env_choice, env_flag
 
 __all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
 
@@ -275,6 +275,133 @@ def chunk_kda_bwd_kernel_gated_dots_gates(
             tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
 
 
+@triton.jit
+def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
+    q,
+    k,
+    gam,
+    dakk,
+    daqk,
+    dakk_rs,
+    dqg,
+    dkg,
+    dkend,
+    ddec,
+    dq,
+    dk,
+    dg,
+    scale,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_RS: tl.constexpr,
+):
+    # Same result as chunk_kda_bwd_kernel_gated_dots_gates, one program per (chunk, BK features). The off-diagonal
+    # blocks of a row block r share one gate reference per side, so each side is a single [BC, C] x [C, BK] product
+    # against a whole-chunk operand kept in registers, instead of a loop over 16-row blocks that reloads them:
+    #   row side (t in r, i in blocks < r): reference = the row before block r, exp(G_t - G_ref) and
+    #     exp(G_ref - G_i) are both <= 1;
+    #   column side (i in r, t in blocks > r): reference = the last row of block r, likewise.
+    # Diagonal blocks keep the middle-row reference of _gated_dots_bwd_rows.
+    i_b, i_kb = tl.program_id(0), tl.program_id(1)
+    base = i_b.to(tl.int64) * C * K
+    base_a = i_b.to(tl.int64) * C * C
+    o_k = i_kb * BK + tl.arange(0, BK)
+    o_t = tl.arange(0, C)
+    o_i = tl.arange(0, BC)
+    p_f = base + o_t[:, None] * K + o_k[None, :]
+    # [BK] G at the chunk end: it feeds kend (every row) and dec = exp(G_C), so its gradient reaches every row of dg
+    b_gend = tl.load(gam + base + (C - 1) * K + o_k).to(tl.float32)
+    b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
+    b_kend = tl.load(k + p_f).to(tl.float32) * tl.exp(b_gend[None, :] - tl.load(gam + p_f).to(tl.float32))
+    b_carry += tl.sum(b_kend * tl.load(dkend + p_f).to(tl.float32), axis=0)
+    m_incl = o_i[:, None] >= o_i[None, :]
+    m_strict = o_i[:, None] > o_i[None, :]
+    for i in range(0, C // BC):
+        i_r = C // BC - 1 - i
+        o_r = i_r * BC + o_i
+        p = base + o_r[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p).to(tl.float32)
+        b_k = tl.load(k + p).to(tl.float32)
+        b_g = tl.load(gam + p).to(tl.float32)
+        b_rs = tl.full([BC], 1.0, dtype=tl.float32)
+        if HAS_RS:
+            b_rs = tl.load(dakk_rs + i_b.to(tl.int64) * C + o_r).to(tl.float32)
+
+        # diagonal block (reference = middle row): both sides, as _gated_dots_bwd_rows
+        b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
+        b_e = tl.exp(b_g - b_ref[None, :])
+        b_einv = tl.exp(b_ref[None, :] - b_g)
+        p_d = base_a + o_r[:, None] * C + o_r[None, :]
+        b_dakk = tl.where(m_strict, tl.load(dakk + p_d).to(tl.float32) * b_rs[:, None], 0.0)
+        b_daqk = tl.where(m_incl, tl.load(daqk + p_d).to(tl.float32), 0.0)
+        b_kinv = b_k * b_einv
+        b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
+        b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
+        p_dt = base_a + o_r[None, :] * C + o_r[:, None]
+        b_dakk_t = tl.load(dakk + p_dt).to(tl.float32) * b_rs[None, :]
+        b_dakk_t = tl.where(o_i[:, None] < o_i[None, :], b_dakk_t, 0.0)
+        b_daqk_t = tl.where(o_i[:, None] <= o_i[None, :], tl.load(daqk + p_dt).to(tl.float32), 0.0)
+        b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DOT_PRECISION) * b_einv
+        b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+
+        if i_r > 0:
+            # row side: d(a_t) += exp(G_t - G_ref) sum_{i < r BC} dA_ti k_i exp(G_ref - G_i)
+            b_ref = tl.load(gam + base + (i_r * BC - 1) * K + o_k).to(tl.float32)
+            # [C, BK] whole-chunk operands, reloaded per block (L1/L2) rather than kept live across the loop
+            m_c = (o_t < i_r * BC)[:, None]
+            b_gf = tl.load(gam + p_f, mask=m_c, other=0.0).to(tl.float32)
+            b_x = tl.load(k + p_f, mask=m_c, other=0.0).to(tl.float32) * tl.exp(tl.where(m_c, b_ref[None, :] - b_gf, 0.0))
+            p_a = base_a + o_r[:, None] * C + o_t[None, :]
+            m_a = (o_t < i_r * BC)[None, :]
+            b_dakk_r = tl.load(dakk + p_a, mask=m_a, other=0.0).to(tl.float32) * b_rs[:, None]
+            b_daqk_r = tl.load(daqk + p_a, mask=m_a, other=0.0).to(tl.float32)
+            b_e = tl.exp(b_g - b_ref[None, :])
+            b_da_kk += tl.dot(b_dakk_r, b_x, input_precision=DOT_PRECISION) * b_e
+            b_da_qk += tl.dot(b_daqk_r, b_x, input_precision=DOT_PRECISION) * b_e
+        if i_r < C // BC - 1:
+            # column side: d(b_i) += exp(G_ref - G_i) sum_{t >= (r + 1) BC} dA_ti a_t exp(G_t - G_ref); the row scale
+            # of dAkk rides on the k operand
+            b_ref = tl.load(gam + base + (i_r * BC + BC - 1) * K + o_k).to(tl.float32)
+            m_s = (o_t >= (i_r + 1) * BC)[:, None]
+            b_gf = tl.load(gam + p_f, mask=m_s, other=0.0).to(tl.float32)
+            b_es = tl.exp(tl.where(m_s, b_gf - b_ref[None, :], 0.0))
+            b_zk = tl.load(k + p_f, mask=m_s, other=0.0).to(tl.float32) * b_es
+            if HAS_RS:
+                b_zk = b_zk * tl.load(dakk_rs + i_b.to(tl.int64) * C + o_t).to(tl.float32)[:, None]
+            b_zq = tl.load(q + p_f, mask=m_s, other=0.0).to(tl.float32) * b_es
+            # [BC (i in r), C (t)]: dA transposed, read straight from memory
+            p_a = base_a + o_t[None, :] * C + o_r[:, None]
+            m_a = (o_t >= (i_r + 1) * BC)[None, :]
+            b_dakk_c = tl.load(dakk + p_a, mask=m_a, other=0.0).to(tl.float32)
+            b_daqk_c = tl.load(daqk + p_a, mask=m_a, other=0.0).to(tl.float32)
+            b_einv = tl.exp(b_ref[None, :] - b_g)
+            b_db_kk += tl.dot(b_dakk_c, b_zk, input_precision=DOT_PRECISION) * b_einv
+            b_db_qk += tl.dot(b_daqk_c, b_zq, input_precision=DOT_PRECISION) * b_einv
+
+        b_da_qk = b_da_qk * scale
+        b_db_qk = b_db_qk * scale
+        b_dgam = b_k * (b_da_kk - b_db_kk) + b_q * b_da_qk - b_k * b_db_qk
+        b_dq = b_da_qk
+        b_dk = b_da_kk + b_db_kk + b_db_qk
+        # gate-factor terms (qg, kg, kend rebuilt), then dg = reverse cumulative sum of dG, carried across blocks
+        b_eg = tl.exp(b_g)
+        b_eend = tl.exp(b_gend[None, :] - b_g)
+        b_dqg = tl.load(dqg + p).to(tl.float32)
+        b_dkg = tl.load(dkg + p).to(tl.float32)
+        b_dkend = tl.load(dkend + p).to(tl.float32)
+        b_dq += scale * b_eg * b_dqg
+        b_dk += b_eg * b_dkg + b_eend * b_dkend
+        b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
+        b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
+        b_carry += tl.sum(b_dgam, axis=0)
+        tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
+        tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
+        tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
+
+
 def _check(*xs: torch.Tensor) -> None:
     assert all(x.is_contiguous() for x in xs), "gated-dot operands must be contiguous"
     C, K = xs[0].shape[-2:]
@@ -368,11 +495,17 @@ def chunk_kda_gated_dots_gates_bwd(
         assert dakk_row_scale.is_contiguous() and dakk_row_scale.shape == dakk.shape[:-1], "dakk_row_scale: [..., C]"
     assert ddec.is_contiguous() and ddec.shape == q.shape[:-2] + (K,), "ddec: [..., K]"
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
-    chunk_kda_bwd_kernel_gated_dots_gates[(nb,)](
-        q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale,
-        C=C, K=K, BC=BC, BK=min(K, GATES_BWD_BK), DOT_PRECISION=dot_precision, HAS_RS=has_rs,
-        num_warps=GATES_BWD_WARPS, num_stages=1,
-    )
+    args = (q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale)
+    BK = min(K, GATES_BWD_BK)
+    if GATES_BWD_KERNEL == "blocks":
+        chunk_kda_bwd_kernel_gated_dots_gates_blocks[(nb, K // BK)](
+            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
+        )
+    else:
+        chunk_kda_bwd_kernel_gated_dots_gates[(nb,)](
+            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
+            num_stages=1,
+        )
     return dq, dk, dg
 
 
@@ -381,6 +514,11 @@ def chunk_kda_gated_dots_gates_bwd(
 #: 8 warps: 219 / 215 (238 / 201 at 3 stages), 1 CTA (8 warps) per SM.
 GATES_BWD_BK = 32
 GATES_BWD_WARPS = 4
+#: Which kernel runs the fused pass: "blocks" (`chunk_kda_bwd_kernel_gated_dots_gates_blocks`: one program per chunk
+#: and feature slice, one product per side and row block against whole-chunk operands) or "rows" (the kernel timed
+#: at 2.66 ms at B1-T8192-H64 on 2026-12-02, 00:34 UTC: one program per chunk, loops over 16-row blocks that reload
+#: their operands). Read from FLASHKDA_BWD_GATES_KERNEL.
+GATES_BWD_KERNEL = env_choice("FLASHKDA_BWD_GATES_KERNEL", "blocks", ("blocks", "rows"))
 
 
 #: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add

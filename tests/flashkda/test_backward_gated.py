@@ -120,14 +120,20 @@ def test_fused_wy_pass_matches_torch(device: str) -> None:
         assert _rel(a, b) < 1e-5, name
 
 
-def test_fused_gated_dots_and_gate_chain_match_the_two_passes(device: str) -> None:
+@pytest.mark.parametrize("kernel", ["blocks", "rows"])
+def test_fused_gated_dots_and_gate_chain_match_the_two_passes(
+    kernel: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`chunk_kda_gated_dots_gates_bwd` (one pass, qg/kend/dec rebuilt from q, k, G) equals the gated-product
-    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token)."""
+    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token), with either kernel;
+    K = 64 gives the "blocks" kernel two 32-wide feature slices (two programs per chunk)."""
+    from flashkda import chunk_bwd_gated
     from flashkda.chunk_bwd_gated import chunk_kda_gated_dots_gates_bwd
     from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
 
+    monkeypatch.setattr(chunk_bwd_gated, "GATES_BWD_KERNEL", kernel)
     torch.manual_seed(9)
-    nb, C, K, scale = 2, 64, 32, 0.3
+    nb, C, K, scale = 2, 64, 64, 0.3
     q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
     gam = (-5.0 * torch.rand(nb, C, K, device=device)).cumsum(1)
     p, s = torch.randn(nb, C, C, device=device), torch.randn(nb, C, C, device=device)
