@@ -27,7 +27,7 @@ from benchmarks.harness import time_fn
 from benchmarks.kda.train import GRAD_NAMES, TRAIN_CASES, make_inputs, rms_ratio, step
 
 #: Fused gate-chain launches: [KERNEL:]BK:WARPS, KERNEL "blocks" (default) or "rows" (the kernel before 2026-12-02).
-GATES_SWEEP = ["32:4", "rows:32:4", "32:8", "32:2", "16:4", "16:2"]
+GATES_SWEEP = ["32:2", "rows:32:4", "32:4", "32:8", "16:4", "16:2"]
 DOTS_SWEEP = ["32:4", "16:4", "64:4", "32:8"]
 BV_SWEEP = ["32", "64"]
 #: State-pass launches: KERNEL (flat or blocked) with the launcher's defaults, or KERNEL:BV:WARPS:STAGES. At

@@ -497,27 +497,29 @@ def chunk_kda_gated_dots_gates_bwd(
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     args = (q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale)
     BK = min(K, GATES_BWD_BK)
-    if GATES_BWD_KERNEL == "blocks":
+    blocks = GATES_BWD_KERNEL == "blocks"
+    warps = GATES_BWD_WARPS or (2 if blocks else 4)
+    if blocks:
         chunk_kda_bwd_kernel_gated_dots_gates_blocks[(nb, K // BK)](
-            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
+            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=warps,
         )
     else:
         chunk_kda_bwd_kernel_gated_dots_gates[(nb,)](
-            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
-            num_stages=1,
+            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=warps, num_stages=1,
         )
     return dq, dk, dg
 
 
-#: Feature slice and warps of `chunk_kda_gated_dots_gates_bwd`. Offline sm_90 (K = 128, tf32, Triton 3.9 / 3.6):
-#: 32-wide slices at 4 warps, 1 stage: 152 / 145 registers, no spills, 3 CTAs (12 warps) per SM; whole-K tiles at
-#: 8 warps: 219 / 215 (238 / 201 at 3 stages), 1 CTA (8 warps) per SM.
+#: Feature slice and warps of `chunk_kda_gated_dots_gates_bwd` (warps None: 2 for the "blocks" kernel, 4 for "rows").
+#: Sweep at B1-T8192-H64 (H200, 2026-12-02 00:53 UTC, whole forward + backward step, ms): blocks BK:warps 32:2
+#: 12.40, 32:4 12.82, 16:2 13.44, 32:8 15.27, 16:4 15.46; rows 32:4 12.76. Offline sm_90 (Triton 3.9, tf32): blocks
+#: 32:4 219 registers, 32:2 255, no spills; rows 32:4 157 (3 CTAs per SM).
 GATES_BWD_BK = 32
-GATES_BWD_WARPS = 4
+GATES_BWD_WARPS: int | None = None
 #: Which kernel runs the fused pass: "blocks" (`chunk_kda_bwd_kernel_gated_dots_gates_blocks`: one program per chunk
-#: and feature slice, one product per side and row block against whole-chunk operands) or "rows" (the kernel timed
-#: at 2.66 ms at B1-T8192-H64 on 2026-12-02, 00:34 UTC: one program per chunk, loops over 16-row blocks that reload
-#: their operands). Read from FLASHKDA_BWD_GATES_KERNEL.
+#: and feature slice, one product per side and row block against whole-chunk operands) or "rows" (one program per
+#: chunk, loops over 16-row blocks that reload their operands; 2.66 ms at B1-T8192-H64, 00:34 UTC). Read from
+#: FLASHKDA_BWD_GATES_KERNEL.
 GATES_BWD_KERNEL = env_choice("FLASHKDA_BWD_GATES_KERNEL", "blocks", ("blocks", "rows"))
 
 
