@@ -95,6 +95,55 @@ def chunk_kda_fwd_kernel_gated_dots(
 
 
 @triton.jit
+def _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k, C: tl.constexpr, K: tl.constexpr,
+                    BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(da_kk, da_qk, db_kk, db_qk)`` ``[BC, BK]``: both sides of the diagonal block of row block ``i_r`` (``b_q``,
+    ``b_k``, ``b_g`` its tiles, ``b_rs`` its dAkk row scale), gate referenced at the block's middle row, masks
+    applied (dAkk strictly lower, dAqk with the diagonal)."""
+    o_i = tl.arange(0, BC)
+    o_r = i_r * BC + o_i
+    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
+    b_e = tl.exp(b_g - b_ref[None, :])
+    b_einv = tl.exp(b_ref[None, :] - b_g)
+    p_d = base_a + o_r[:, None] * C + o_r[None, :]
+    b_dakk = tl.where(o_i[:, None] > o_i[None, :], tl.load(dakk + p_d).to(tl.float32) * b_rs[:, None], 0.0)
+    b_daqk = tl.where(o_i[:, None] >= o_i[None, :], tl.load(daqk + p_d).to(tl.float32), 0.0)
+    b_kinv = b_k * b_einv
+    # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
+    b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
+    b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
+    # column side: d(b_i) = sum_t dA_ti a_t exp(G_t - G_i), with dA^T read transposed from memory (no register
+    # transpose of an fp32 dot operand, see the forward kernel)
+    p_dt = base_a + o_r[None, :] * C + o_r[:, None]
+    b_dakk_t = tl.load(dakk + p_dt).to(tl.float32) * b_rs[None, :]
+    b_dakk_t = tl.where(o_i[:, None] < o_i[None, :], b_dakk_t, 0.0)
+    b_daqk_t = tl.where(o_i[:, None] <= o_i[None, :], tl.load(daqk + p_dt).to(tl.float32), 0.0)
+    b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DOT_PRECISION) * b_einv
+    b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+    return b_da_kk, b_da_qk, b_db_kk, b_db_qk
+
+
+@triton.jit
+def _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg, dkg, dkend, dq, dk, dg, scale):
+    """Adds the gate-factor terms of `flashkda.chunk_bwd_gates` to one row block's ``(dq, dk, dG)`` (``qg``, ``kg``,
+    ``kend`` rebuilt from q, k and G), turns dG into dg by the reverse cumulative sum with ``b_carry`` (the sum over
+    the later rows), stores the three at ``p`` and returns the carry for the block above."""
+    b_eg = tl.exp(b_g)
+    b_eend = tl.exp(b_gend[None, :] - b_g)
+    b_dqg = tl.load(dqg + p).to(tl.float32)
+    b_dkg = tl.load(dkg + p).to(tl.float32)
+    b_dkend = tl.load(dkend + p).to(tl.float32)
+    b_dq += scale * b_eg * b_dqg
+    b_dk += b_eg * b_dkg + b_eend * b_dkend
+    b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
+    b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
+    tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
+    tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
+    tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
+    return b_carry + tl.sum(b_dgam, axis=0)
+
+
+@triton.jit
 def _gated_dots_bwd_rows(
     q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, i_k,
     C: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -117,28 +166,10 @@ def _gated_dots_bwd_rows(
     b_q = tl.load(q + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
     b_k = tl.load(k + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
     b_g = tl.load(gam + base + o_r[:, None] * K + o_k[None, :]).to(tl.float32)
-    m_incl = o_i[:, None] >= o_i[None, :]
-    m_strict = o_i[:, None] > o_i[None, :]
 
     # diagonal block (reference = middle row): both sides at once
-    b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
-    b_e = tl.exp(b_g - b_ref[None, :])
-    b_einv = tl.exp(b_ref[None, :] - b_g)
-    p_d = o_r[:, None] * C + o_r[None, :]
-    b_dakk = tl.where(m_strict, tl.load(dakk + base_a + p_d).to(tl.float32) * b_rs[:, None], 0.0)
-    b_daqk = tl.where(m_incl, tl.load(daqk + base_a + p_d).to(tl.float32), 0.0)
-    b_kinv = b_k * b_einv
-    # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
-    b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
-    b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
-    # column side: d(b_i) = sum_t dA_ti a_t exp(G_t - G_i), with dA^T read transposed from memory (no register
-    # transpose of an fp32 dot operand, see the forward kernel)
-    p_dt = o_r[None, :] * C + o_r[:, None]
-    b_dakk_t = tl.load(dakk + base_a + p_dt).to(tl.float32) * b_rs[None, :]
-    b_dakk_t = tl.where(o_i[:, None] < o_i[None, :], b_dakk_t, 0.0)
-    b_daqk_t = tl.where(o_i[:, None] <= o_i[None, :], tl.load(daqk + base_a + p_dt).to(tl.float32), 0.0)
-    b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DOT_PRECISION) * b_einv
-    b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+    b_da_kk, b_da_qk, b_db_kk, b_db_qk = _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k,
+                                                         C, K, BC, DOT_PRECISION)
 
     # row side, column blocks c < r (reference = last row of block c)
     for i_c in range(0, i_r):
@@ -260,19 +291,8 @@ def chunk_kda_bwd_kernel_gated_dots_gates(
             b_q = tl.load(q + p).to(tl.float32)
             b_k = tl.load(k + p).to(tl.float32)
             b_g = tl.load(gam + p).to(tl.float32)
-            b_eg = tl.exp(b_g)
-            b_eend = tl.exp(b_gend[None, :] - b_g)
-            b_dqg = tl.load(dqg + p).to(tl.float32)
-            b_dkg = tl.load(dkg + p).to(tl.float32)
-            b_dkend = tl.load(dkend + p).to(tl.float32)
-            b_dq += scale * b_eg * b_dqg
-            b_dk += b_eg * b_dkg + b_eend * b_dkend
-            b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
-            b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
-            b_carry += tl.sum(b_dgam, axis=0)
-            tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
-            tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
-            tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
+            b_carry = _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg, dkg, dkend, dq, dk,
+                                       dg, scale)
 
 
 @triton.jit
@@ -300,7 +320,7 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
 ):
     # Same result as chunk_kda_bwd_kernel_gated_dots_gates, one program per (chunk, BK features). The off-diagonal
     # blocks of a row block r share one gate reference per side, so each side is a single [BC, C] x [C, BK] product
-    # against a whole-chunk operand kept in registers, instead of a loop over 16-row blocks that reloads them:
+    # against a masked whole-chunk operand, instead of a loop over 16-row blocks:
     #   row side (t in r, i in blocks < r): reference = the row before block r, exp(G_t - G_ref) and
     #     exp(G_ref - G_i) are both <= 1;
     #   column side (i in r, t in blocks > r): reference = the last row of block r, likewise.
@@ -317,8 +337,6 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
     b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
     b_kend = tl.load(k + p_f).to(tl.float32) * tl.exp(b_gend[None, :] - tl.load(gam + p_f).to(tl.float32))
     b_carry += tl.sum(b_kend * tl.load(dkend + p_f).to(tl.float32), axis=0)
-    m_incl = o_i[:, None] >= o_i[None, :]
-    m_strict = o_i[:, None] > o_i[None, :]
     for i in range(0, C // BC):
         i_r = C // BC - 1 - i
         o_r = i_r * BC + o_i
@@ -330,30 +348,18 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
         if HAS_RS:
             b_rs = tl.load(dakk_rs + i_b.to(tl.int64) * C + o_r).to(tl.float32)
 
-        # diagonal block (reference = middle row): both sides, as _gated_dots_bwd_rows
-        b_ref = tl.load(gam + base + (i_r * BC + BC // 2) * K + o_k).to(tl.float32)
-        b_e = tl.exp(b_g - b_ref[None, :])
-        b_einv = tl.exp(b_ref[None, :] - b_g)
-        p_d = base_a + o_r[:, None] * C + o_r[None, :]
-        b_dakk = tl.where(m_strict, tl.load(dakk + p_d).to(tl.float32) * b_rs[:, None], 0.0)
-        b_daqk = tl.where(m_incl, tl.load(daqk + p_d).to(tl.float32), 0.0)
-        b_kinv = b_k * b_einv
-        b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
-        b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
-        p_dt = base_a + o_r[None, :] * C + o_r[:, None]
-        b_dakk_t = tl.load(dakk + p_dt).to(tl.float32) * b_rs[None, :]
-        b_dakk_t = tl.where(o_i[:, None] < o_i[None, :], b_dakk_t, 0.0)
-        b_daqk_t = tl.where(o_i[:, None] <= o_i[None, :], tl.load(daqk + p_dt).to(tl.float32), 0.0)
-        b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DOT_PRECISION) * b_einv
-        b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+        # diagonal block (reference = middle row): both sides
+        b_da_kk, b_da_qk, b_db_kk, b_db_qk = _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r,
+                                                             o_k, C, K, BC, DOT_PRECISION)
 
         if i_r > 0:
             # row side: d(a_t) += exp(G_t - G_ref) sum_{i < r BC} dA_ti k_i exp(G_ref - G_i)
             b_ref = tl.load(gam + base + (i_r * BC - 1) * K + o_k).to(tl.float32)
-            # [C, BK] whole-chunk operands, reloaded per block (L1/L2) rather than kept live across the loop
+            # [C, BK] whole-chunk operands, reloaded per block (L1/L2): kept live across the loop they cost registers
             m_c = (o_t < i_r * BC)[:, None]
             b_gf = tl.load(gam + p_f, mask=m_c, other=0.0).to(tl.float32)
-            b_x = tl.load(k + p_f, mask=m_c, other=0.0).to(tl.float32) * tl.exp(tl.where(m_c, b_ref[None, :] - b_gf, 0.0))
+            b_x = tl.load(k + p_f, mask=m_c, other=0.0).to(tl.float32)
+            b_x = b_x * tl.exp(tl.where(m_c, b_ref[None, :] - b_gf, 0.0))
             p_a = base_a + o_r[:, None] * C + o_t[None, :]
             m_a = (o_t < i_r * BC)[None, :]
             b_dakk_r = tl.load(dakk + p_a, mask=m_a, other=0.0).to(tl.float32) * b_rs[:, None]
@@ -384,22 +390,8 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
         b_da_qk = b_da_qk * scale
         b_db_qk = b_db_qk * scale
         b_dgam = b_k * (b_da_kk - b_db_kk) + b_q * b_da_qk - b_k * b_db_qk
-        b_dq = b_da_qk
-        b_dk = b_da_kk + b_db_kk + b_db_qk
-        # gate-factor terms (qg, kg, kend rebuilt), then dg = reverse cumulative sum of dG, carried across blocks
-        b_eg = tl.exp(b_g)
-        b_eend = tl.exp(b_gend[None, :] - b_g)
-        b_dqg = tl.load(dqg + p).to(tl.float32)
-        b_dkg = tl.load(dkg + p).to(tl.float32)
-        b_dkend = tl.load(dkend + p).to(tl.float32)
-        b_dq += scale * b_eg * b_dqg
-        b_dk += b_eg * b_dkg + b_eend * b_dkend
-        b_dgam += scale * b_q * b_eg * b_dqg + b_k * b_eg * b_dkg - b_k * b_eend * b_dkend
-        b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_carry[None, :]
-        b_carry += tl.sum(b_dgam, axis=0)
-        tl.store(dq + p, b_dq.to(dq.dtype.element_ty))
-        tl.store(dk + p, b_dk.to(dk.dtype.element_ty))
-        tl.store(dg + p, b_dg.to(dg.dtype.element_ty))
+        b_carry = _gate_chain_rows(b_da_qk, b_da_kk + b_db_kk + b_db_qk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg,
+                                   dkg, dkend, dq, dk, dg, scale)
 
 
 def _check(*xs: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ variable and the values it takes, never a silent fallback: ``FLASHKDA_BF16_INTER
 | ``FLASHKDA_BF16_INTERMEDIATES`` | 1, 0 | each forward call |
 | ``FLASHKDA_BWD_GATED_DOTS`` | tf32, ieee | import |
 | ``FLASHKDA_BWD_FUSED_GATES`` | 1, 0 | import |
+| ``FLASHKDA_BWD_GATES_KERNEL`` | blocks, rows | import |
 | ``FLASHKDA_BWD_FUSED_WY`` | 0, 1 | import |
 """
 

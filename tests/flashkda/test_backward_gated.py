@@ -120,13 +120,14 @@ def test_fused_wy_pass_matches_torch(device: str) -> None:
         assert _rel(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("kernel", ["blocks", "rows"])
+@pytest.mark.parametrize(("kernel", "row_scale"), [("blocks", True), ("blocks", False), ("rows", True)])
 def test_fused_gated_dots_and_gate_chain_match_the_two_passes(
-    kernel: str, device: str, monkeypatch: pytest.MonkeyPatch
+    kernel: str, row_scale: bool, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`chunk_kda_gated_dots_gates_bwd` (one pass, qg/kend/dec rebuilt from q, k, G) equals the gated-product
-    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token), with either kernel;
-    K = 64 gives the "blocks" kernel two 32-wide feature slices (two programs per chunk)."""
+    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token), with either kernel and
+    with or without the row scale of dAkk; K = 64 gives the "blocks" kernel two 32-wide feature slices (two programs
+    per chunk). The upper triangles of the dA inputs hold random values: both kernels must ignore them."""
     from flashkda import chunk_bwd_gated
     from flashkda.chunk_bwd_gated import chunk_kda_gated_dots_gates_bwd
     from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
@@ -137,7 +138,7 @@ def test_fused_gated_dots_and_gate_chain_match_the_two_passes(
     q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
     gam = (-5.0 * torch.rand(nb, C, K, device=device)).cumsum(1)
     p, s = torch.randn(nb, C, C, device=device), torch.randn(nb, C, C, device=device)
-    rs = -torch.rand(nb, C, device=device)
+    rs = -torch.rand(nb, C, device=device) if row_scale else None
     dqg, dkg, dkend = (torch.randn(nb, C, K, device=device) for _ in range(3))
     ddec = torch.randn(nb, K, device=device)
     got = chunk_kda_gated_dots_gates_bwd(q, k, gam, p, s, dqg, dkg, dkend, ddec, scale=scale, dot_precision="ieee",

@@ -108,7 +108,8 @@ def test_environment_choices_name_the_choices(monkeypatch):
 
 
 @pytest.mark.parametrize("name, value", [("FLASHKDA_BWD_GATED_DOTS", "fast"), ("FLASHKDA_BWD_FUSED_GATES", "2"),
-                                         ("FLASHKDA_BWD_FUSED_WY", "sometimes")])
+                                         ("FLASHKDA_BWD_FUSED_WY", "sometimes"),
+                                         ("FLASHKDA_BWD_GATES_KERNEL", "loops")])
 def test_import_time_switches_fail_at_import_with_their_name(name, value):
     path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, name: value, "PYTHONPATH": path}
