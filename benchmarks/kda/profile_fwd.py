@@ -23,25 +23,7 @@ os.environ.setdefault("FLASHKDA_DISABLE", "1")
 
 from benchmarks.kda.registry import CASES  # noqa: E402
 from benchmarks.kda.run import FLAGS, make_inputs  # noqa: E402
-from benchmarks.kda.train import profile  # noqa: E402
-
-
-def ncu_range(calls) -> None:
-    """Warm up every ``(label, fn)`` twice, then call each once inside ``cudaProfilerStart/Stop``."""
-    import torch
-
-    for _, fn in calls:
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for label, fn in calls:
-        torch.cuda.nvtx.range_push(label)
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.cudart().cudaProfilerStop()
-    print("profiled: " + ", ".join(label for label, _ in calls), flush=True)
+from benchmarks.kda.train import ncu_range, profile  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,12 +15,13 @@ Then a short training loop: a small KDA language model (two ``KimiDeltaAttention
 model built from ``fla.layers.KimiDeltaAttention`` with copied weights, and fla's from another init as the noise
 yardstick) trained on the same batches; the row keeps the curves' summary.
 
-Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile]
-[--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
+Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile
+[--ncu-range]] [--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
 [--gate-T T ...]``. ``--cases`` with no name runs no op row (only the training loop). Every phase prints its
 elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
-after every row, so a run cut by a time cap keeps the rows it finished. ``benchmarks/kda/train_rows.sh`` is the
-device call that runs it.
+after every row, so a run cut by a time cap keeps the rows it finished. ``--profile`` prints the CUDA kernel table of
+ours and of fla at the first row (both kept in its JSON row). ``benchmarks/kda/gates_round.sh`` and
+``train_rows.sh`` are device calls that run it; ``train_ncu_round.sh`` runs it under Nsight Compute.
 """
 
 from __future__ import annotations
@@ -282,7 +283,29 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
               "ours = forward kernels + training backward (recomputes h)")
     log(f"{name}: fla {t_fla.median_ms:.2f} ms, ours {t_ours.median_ms:.2f} ms ({row.speedup:.2f}x); "
         f"peak fla {mem_fla:.0f} MiB ours {mem_ours:.0f} MiB")
+    if with_profile:
+        extras["fla_profile_top"] = profile(run_fla)
+    if with_profile and args.ncu_range:
+        ncu_range([(f"ours {name}", run_ours), (f"fla {name}", run_fla)])
     return row
+
+
+def ncu_range(calls) -> None:
+    """Warm up every ``(label, fn)`` twice, then call each once inside ``cudaProfilerStart/Stop``."""
+    import torch
+
+    for _, fn in calls:
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for label, fn in calls:
+        torch.cuda.nvtx.range_push(label)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("profiled: " + ", ".join(label for label, _ in calls), flush=True)
 
 
 def profile(fn, top: int = 25) -> list[list]:
@@ -438,7 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slices", type=int, nargs="*", default=[],
                         help="also time ours at every row with these fixed backward head-slice counts")
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of our first row")
+    parser.add_argument("--profile", action="store_true",
+                        help="print CUDA kernel profiles of ours and fla at the first row")
+    parser.add_argument("--ncu-range", action="store_true",
+                        help="with --profile: then one step of ours and of fla inside a CUDA profiler range (for "
+                             "ncu --profile-from-start off, benchmarks/kda/train_ncu_round.sh)")
     parser.add_argument("--no-gate", action="store_true", help="skip the fp64 reference gate (rows still check fla)")
     parser.add_argument("--training-fwd", action="store_true",
                         help="also time ours with forward_impl='training' (the backward's own forward pipeline)")
