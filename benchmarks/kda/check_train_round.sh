@@ -26,10 +26,7 @@ if [ "${KDA_GPU_TESTS:-1}" = 1 ]; then
   timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py \
     > $LOGS/A_state.log 2>&1 &
 fi
-for row in $ROWS; do
-  timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup fla --steps 0 --cases $row > $LOGS/A_fla_$row.log 2>&1 &
-done
-timeout -k 5 "$CAP" python3 -m benchmarks.kda.train --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
+start_train_warmups "$CAP" $ROWS
 [ "${KDA_DECODE:-1}" = 1 ] && timeout -k 5 "$CAP" python3 -m benchmarks.kda.run --cases decode-B256-H32 --rep 3 --no-write \
   > $LOGS/A_decode.log 2>&1 &
 wait

@@ -17,11 +17,7 @@ GATES=${KDA_GATES:-32:2 rows:32:4 32:4}
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --dots --bv --state --gates $GATES"
 ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
 echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
-for row in $ROWS; do
-  timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases $row > $LOGS/A_fla_$row.log 2>&1 &
-done
-timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
-timeout -k 5 "$WARM" $TRAIN --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
+start_train_warmups "$WARM" $ROWS
 timeout -k 5 "$WARM" $SWEEP --rep 1 > $LOGS/A_sweep.log 2>&1 &
 [ "${KDA_LAYER_TESTS:-1}" = 1 ] && timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
   tests/flashkda/test_layer.py -k matches_fla > $LOGS/A_layer_tests.log 2>&1 &

@@ -14,11 +14,7 @@ TRAIN="python3 -m benchmarks.kda.train"
 WARM=${KDA_WARM_CAP:-150}
 ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
 echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
-for row in $ROWS; do
-  timeout -k 5 "$WARM" $TRAIN --warmup fla --steps 0 --cases $row > $LOGS/A_fla_$row.log 2>&1 &
-done
-timeout -k 5 "$WARM" $TRAIN --warmup fla --cases > $LOGS/A_fla_lm.log 2>&1 &
-timeout -k 5 "$WARM" $TRAIN --warmup ours --cases $ROWS > $LOGS/A_ours.log 2>&1 &
+start_train_warmups "$WARM" $ROWS
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --gates --dots --bv"
 timeout -k 5 "$WARM" $SWEEP --rep 1 > $LOGS/A_sweep.log 2>&1 &
 timeout -k 5 "$WARM" $SWEEP --rep 1 --case B1-T32768-H32 > $LOGS/A_sweep32.log 2>&1 &
