@@ -41,10 +41,10 @@ def kernel_spec(fn, types: dict, constexprs: dict):
             {n: constexprs[n] for n in fn.arg_names if n in constexprs})
 
 
-def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False):
+def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False, store_local: bool = False):
     """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting
     (``store_t``: the intra kernel stops after the inverse, as in the split w/u path; ``merge``: stacked Aqk/Akk
-    products)."""
+    products; ``store_local``: the training forward, which also writes Akk and the inverse)."""
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
@@ -53,7 +53,7 @@ def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = Fa
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
-                  MERGE=merge)
+                  MERGE=merge, STORE_LOCAL=store_local)
     return [kernel_spec(fn, types, common) for fn, types in kernel_signatures(work)]
 
 
@@ -61,7 +61,7 @@ def kernel_signatures(work: str):
     """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype)."""
     io = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
               cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
-              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", Ab="*fp32", scale="fp32",
+              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", Akk="*fp32", Minv="*fp32", scale="fp32",
               lower_bound="fp32", T="i32", NTS="i32")
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-t", action="store_true", help="intra kernel of the split w/u path (no pass 2)")
     ap.add_argument("--merge", action="store_true", help="intra kernel with the stacked Aqk/Akk products")
     ap.add_argument("--no-intra", action="store_true")
+    ap.add_argument("--store-local", action="store_true", help="intra kernel of the training forward (STORE_LOCAL)")
     ap.add_argument("--lines", action="store_true",
                     help="intra kernel: instructions per source line, loop trips folded in (see line_profile)")
     args = ap.parse_args(argv)
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                trips=[128] if args.lines else None)
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
-            for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge):
+            for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge, args.store_local):
                 for nw in args.warps:
                     for cap in args.maxnreg:
                         # loops in address order: L2 norms, pass 1, pass 2 (w, then u)

@@ -28,6 +28,7 @@ from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 from flashkda.chunk_bwd_ut import fused_wy
+from flashkda.env import env_flag
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
@@ -137,6 +138,16 @@ def _chunked_inputs(q, k, v, g, beta, A_log, dt_bias, opts: KDAOptions, layout: 
     return qc, kc, vc, gc, bc
 
 
+#: Environment switch: the training forward keeps ``Aqk``, ``Akk`` and the solved inverse (``[B, T, HV, 64]`` each,
+#: bf16 for bf16 input) so the backward skips their recompute; ``0`` recomputes them (less memory between the passes).
+SAVE_LOCAL_ENV = "FLASHKDA_BWD_SAVE_LOCAL"
+
+
+def save_local_enabled() -> bool:
+    """Whether the training forward saves the chunk-local matrices for the backward (read at each forward call)."""
+    return env_flag(SAVE_LOCAL_ENV, True)
+
+
 def _fused_prologue(q: torch.Tensor) -> bool:
     # The Triton prologue handles fp32/bf16/fp16 inputs with power-of-two K (the state passes need that too).
     K = q.shape[-1]
@@ -175,15 +186,20 @@ class ChunkKDAFunction(torch.autograd.Function):
         fused_fwd = _forward_kernels()
         h = v_new = None
         use_kernels = opts.forward_impl == "kernels" and not opts.disable_recompute
+        local = ()
         if fused_fwd is not None and q.dtype != torch.float64 and use_kernels:
-            o, ht, _ = fused_fwd(
+            save_local = _fused_prologue(q) and save_local_enabled()
+            result = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),
                 output_final_state=opts.output_final_state, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+                output_local=save_local,
             )
+            o, ht = result[:2]
+            local = result[3] if save_local else ()
         else:
             cdt = _compute_dtype(q)
             gate_factors = None
@@ -202,7 +218,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             if ht is not None:
                 ht = ht.float() if cdt == torch.float32 else ht
                 ht = ht.transpose(-1, -2).contiguous() if opts.state_v_first else ht
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *local)
         ctx.layout, ctx.opts = layout, opts
         ctx.set_materialize_grads(False)
         return o, ht
@@ -215,7 +231,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *local = ctx.saved_tensors
         layout, opts = ctx.layout, ctx.opts
         cdt = _compute_dtype(q)
         names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -225,7 +241,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if dht is not None:
             dhtc = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(cdt).contiguous()
         if _fused_prologue(q):
-            grads, dh0 = _backward_in_head_slices(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new)
+            grads, dh0 = _backward_in_head_slices(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new, local)
         else:
             grads, dh0 = _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new)
         if dh0 is not None and ctx.needs_input_grad[7]:
@@ -274,8 +290,11 @@ BWD_MIN_STATE_PROGRAMS = 16
 BWD_HEAD_SLICES: int | None = None  # a fixed slice count (benchmarks compare counts with it); None: the rule above
 
 
-def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new):
+def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new, local=()):
     """Fused backward (Triton prologue, state passes, chain rule, prologue backward), slice by slice of heads.
+
+    ``local``: ``(Aqk, Akk, Minv)`` ``[B, T, HV, 64]`` saved by the forward kernels (see `save_local_enabled`), or
+    empty to recompute them.
 
     Returns:
         ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
@@ -305,11 +324,17 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             doc = to_chunks(do[:, :, hv0:hv1], layout, do_dtype)
         else:
             doc = torch.zeros_like(chunks[2])
+        saved = None
+        if local and fused:
+            # [NC, HS, C, C] fp32: Aqk, Akk, (I + Diag(beta) Akk)^-1 (one strided copy each)
+            aqk, akk, minv = (to_chunks(x[:, :, hv0:hv1], layout, cdt) for x in local)
+            saved = (akk, aqk, minv)
         *dchunks, dh0_s = chunk_kda_train_bwd(
             *chunks, scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, do=doc,
             dht=part(dhtc), h=part(h), v_new=part(v_new), dot_precision=dot_precision, gate_factors=gate_factors,
+            saved_local=saved,
         )
-        del chunks, gate_factors, doc
+        del chunks, gate_factors, doc, saved
         out = out or RawGrads.empty_like_inputs(*raw, layout.num_chunks)
         chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks, out=out, heads=(hv0, hv1))
         del dchunks

@@ -82,6 +82,7 @@ def chunk_kda_train_bwd(
     v_new: torch.Tensor | None,
     dot_precision: str,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
+    saved_local: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Backward of the chunked KDA core.
 
@@ -92,11 +93,12 @@ def chunk_kda_train_bwd(
         h, v_new: kept by the forward (``keep_states=True``), or None to recompute them.
         dot_precision: Triton ``tl.dot`` input precision.
         gate_factors: ``(G, qg, kg, kend, dec)`` if the caller already has them (see `chunk_local_prepare`).
+        saved_local: ``(Akk, Aqk, Minv)`` kept by the forward kernels (see `chunk_local_prepare`), or None.
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
-    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors, dot_precision)
+    local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors, dot_precision, saved_local)
     if h is None or v_new is None:
         _, _, h, v_new = chunk_kda_fwd_h(
             local.w, local.u, local.qg, local.aqk, local.kend, local.dec, initial_state, chunk_offsets,

@@ -129,6 +129,7 @@ def chunk_local_prepare(
     scale: float,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
     dot_precision: str = "ieee",
+    saved_local: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -143,6 +144,9 @@ def chunk_local_prepare(
         gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
             they are computed here from ``g``.
         dot_precision: the caller's product precision (``"tf32"`` for bf16/fp16 callers, see `gated_dot_precision`).
+        saved_local: ``(Akk, Aqk, Minv)``, each ``[NC, HV, C, C]`` fp32, as the forward kernels formed them (``Aqk``
+            scaled, zero above the diagonal; ``Akk`` strictly lower; ``Minv = (I + Diag(beta) Akk)^-1``): used
+            instead of recomputing them on the fused path (fp32, grad disabled); ignored on the torch path.
 
     Returns:
         A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
@@ -157,6 +161,12 @@ def chunk_local_prepare(
         qg = (scale * q) * torch.exp(gam)
         kend = k * torch.exp(gam_end - gam)
         dec = torch.exp(gam_end.squeeze(-2))
+    if _fused(q) and saved_local is not None:
+        akk, aqk, minv = saved_local
+        # M Diag(beta): columns scaled, as ut_inverse returns it
+        minv_b = minv * beta.unsqueeze(-2)
+        w, u = minv_b @ kg, minv_b @ v
+        return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg, minv=minv)
     if _fused(q):
         akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
     else:

@@ -45,7 +45,8 @@ def chunk_kda_fwd(
     block_v: int | None = None,
     out: torch.Tensor | None = None,
     final_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    output_local: bool = False,
+) -> tuple:
     """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
 
     Args:
@@ -59,21 +60,25 @@ def chunk_kda_fwd(
         block_v: V tile of the state stage (default: picked from the number of programs).
         out: optional preallocated ``[B, T, HV, V]`` output.
         final_state: optional preallocated final-state buffer (implies ``output_final_state``).
+        output_local: also return ``(Aqk, Akk, Minv)``, the chunk-local matrices the training backward would
+            otherwise recompute (see ``chunk_kda_fwd_intra``'s ``store_local``).
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
         layout or None; ``h`` ``[NC, HV, K, V]`` fp32 states at chunk starts (``NC`` = global chunk count, for
-        varlen an upper bound whose surplus rows are unwritten) or None.
+        varlen an upper bound whose surplus rows are unwritten) or None. With ``output_local`` a fourth item:
+        ``(Aqk, Akk, Minv)``, each ``[B, T, HV, 64]`` (bf16 for bf16 input, else fp32).
     """
     B, T = q.shape[:2]
     index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
     work_dtype = work_dtype_for(q.dtype)
     dot_prec = dot_precision_for(q.dtype)
-    w, u, qg, kg, Aqk, gC = chunk_kda_fwd_intra(
+    w, u, qg, kg, Aqk, gC, *local = chunk_kda_fwd_intra(
         q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, index, work_dtype, dot_prec,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, index, work_dtype, dot_prec, store_local=output_local,
     )
-    return chunk_kda_fwd_state_o(
+    result = chunk_kda_fwd_state_o(
         w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index, q.dtype, dot_prec,
         output_h=output_h, block_v=block_v, out=out, final_state=final_state,
     )
+    return (*result, (Aqk, *local)) if output_local else result

@@ -331,3 +331,45 @@ def test_fla_chunk_kda_training_call_is_served_by_flashkda(device: str, monkeypa
     _, _, ref_grads = _run(chunk_kda_reference, ref_x, case, do, dht)
     for name, ref in ref_grads.items():
         assert _rel_rms(grads[name], ref) <= 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, device: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward kernels' ``Aqk``, ``Akk`` and inverse (FLASHKDA_BWD_SAVE_LOCAL, the default) stand in for the
+    backward's recompute of them: gradients equal the recomputing backward's over varlen with partial and empty
+    sequences, GVA, the bounded in-kernel gate, state in/out and two head slices, and the recompute never runs."""
+    import flashkda.autograd as autograd
+    from flashkda import chunk_bwd_local
+
+    case = Case(T=150, H=2, HV=4, dtype=dtype, cu_seqlens=(0, 37, 37, 150), initial_state=True,
+                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                                   lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True))
+    torch.manual_seed(11)
+    x = _inputs(case, device)
+    do = torch.randn(1, case.T, 4, 32, dtype=torch.float64, device=device)
+    dht = torch.randn(3, 4, 32, 32, dtype=torch.float64, device=device)
+    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "0")
+    _, _, recomputed = _run(chunk_kda_autograd, x, case, do, dht)
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the backward recomputed Akk/Aqk although the forward saved them")
+
+    monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "1")
+    monkeypatch.setattr(chunk_bwd_local, "chunk_kda_gated_dots", no_recompute)
+    monkeypatch.setattr(chunk_bwd_local, "ut_inverse", no_recompute)
+    _, _, saved = _run(chunk_kda_autograd, x, case, do, dht)
+    # fp32: the same math in another rounding order; bf16: the saved matrices are rounded to bf16 like fla's
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name in x:
+        assert _rel_rms(saved[name], recomputed[name]) <= tol, f"d{name}: {_rel_rms(saved[name], recomputed[name]):.1e}"
+
+
+def test_save_local_switch_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flashkda.autograd as autograd
+
+    monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "maybe")
+    with pytest.raises(ValueError, match="FLASHKDA_BWD_SAVE_LOCAL"):
+        autograd.save_local_enabled()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The training forward's saved chunk-local matrices (FLASHKDA_BWD_SAVE_LOCAL, default on: Aqk, Akk and the solved
+# inverse kept from the forward kernels, so the backward skips its Akk/Aqk recompute and the blocked inverse),
+# timed in one device call through benchmarks/device/run.sh (carry .whl, .k3_commit, .fla-autotune.tgz):
+#   bash benchmarks/device/run.sh bash benchmarks/kda/save_round.sh
+# A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
+#   off at B1-T8192-H64, and the training tests that force the saved / recomputed paths on the GPU.
+# B1: ours only at B1-T8192-H64, switch on / off / on / off (each its own process, cap 50 s): the same-run A/B.
+# B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
+#   (KDA_STEPS steps, default 300); results written after every row.
+set -u
+source benchmarks/kda/round_env.sh save_round
+WARM=${KDA_WARM_CAP:-150}
+TRAIN="python3 -m benchmarks.kda.train"
+ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
+echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
+start_train_warmups "$WARM" $ROWS
+FLASHKDA_BWD_SAVE_LOCAL=0 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_nosave.log" 2>&1 &
+timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
+  -k "saved_chunk_local or fused_chain_rule or head_slices_equals" > "$LOGS/A_tests.log" 2>&1 &
+wait
+echo "=== phase A done $(date +%T)"
+for f in "$LOGS"/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
+echo "=== phase B1: save-local A/B, ours only, B1-T8192-H64 $(date +%T)"
+for s in 1 0 1 0; do
+  echo "--- FLASHKDA_BWD_SAVE_LOCAL=$s"
+  FLASHKDA_BWD_SAVE_LOCAL=$s timeout -k 5 50 $TRAIN --ours-only --no-write --no-gate --steps 0 --rep 10 \
+    --cases B1-T8192-H64 2>&1 | grep -v "^\s*$" | tail -n 3
+done
+echo "=== phase B2: rows $(date +%T)"
+timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile --cases $ROWS 2>&1 \
+  | tee "$LOGS/B_main.log" | grep -v "^\s*$" | grep -v "step "
+echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
+cat "$LOGS"/A_*.log > "$OUT/phaseA.log"
+cp "$LOGS/B_main.log" "$OUT/" 2>/dev/null
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null
+exit 0
