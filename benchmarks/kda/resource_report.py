@@ -61,7 +61,8 @@ def kernel_signatures(work: str):
     """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype)."""
     io = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
               cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
-              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", Akk="*fp32", Minv="*fp32", scale="fp32",
+              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", AqkC="*fp32", Akk="*fp32", Minv="*fp32",
+              scale="fp32",
               lower_bound="fp32", T="i32", NTS="i32")
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 

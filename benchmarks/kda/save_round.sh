@@ -5,7 +5,10 @@
 #   bash benchmarks/device/run.sh bash benchmarks/kda/save_round.sh
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
 #   off at B1-T8192-H64, and the training tests that force the saved / recomputed paths on the GPU.
-# B1: ours only at B1-T8192-H64, switch on / off / on / off (each its own process, cap 50 s): the same-run A/B.
+# B1: ours only at B1-T8192-H64, switch on / off / on / off (each its own process, cap 50 s): the same-run A/B; then
+#   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default
+#   "32:2 chunk:32:8 chunk:16:4 chunk:32:4"); if "chunk" at its default launch (32:8) beats "blocks" (32:2), the
+#   rows run with FLASHKDA_BWD_GATES_KERNEL=chunk.
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
 #   (KDA_STEPS steps, default 300); results written after every row.
 set -u
@@ -17,7 +20,11 @@ echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
 start_train_warmups "$WARM" $ROWS
 FLASHKDA_BWD_SAVE_LOCAL=0 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_nosave.log" 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
-  -k "saved_chunk_local or fused_chain_rule or head_slices_equals" > "$LOGS/A_tests.log" 2>&1 &
+  tests/flashkda/test_backward_gated.py -k "saved_chunk_local or fused_chain_rule or head_slices_equals or fused_gated_dots" \
+  > "$LOGS/A_tests.log" 2>&1 &
+GATES=${KDA_GATES:-32:2 chunk:32:8 chunk:16:4 chunk:32:4}
+SWEEP="python3 -m benchmarks.kda.bwd_sweep --dots --bv --state --gates $GATES"
+timeout -k 5 "$WARM" $SWEEP --rep 1 > "$LOGS/A_sweep.log" 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in "$LOGS"/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
@@ -27,6 +34,14 @@ for s in 1 0 1 0; do
   FLASHKDA_BWD_SAVE_LOCAL=$s timeout -k 5 50 $TRAIN --ours-only --no-write --no-gate --steps 0 --rep 10 \
     --cases B1-T8192-H64 2>&1 | grep -v "^\s*$" | tail -n 3
 done
+echo "=== phase B1: gate-chain sweep $(date +%T)"
+timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
+ms() { grep -E "gates $1: " "$LOGS/B_sweep.log" | sed -E 's/.*: ([0-9.]+) ms.*/\1/' | head -n 1; }
+blocks=$(ms 32:2) chunk=$(ms chunk:32:8)
+if [ -n "$chunk" ] && [ -n "$blocks" ] && awk -v a="$chunk" -v b="$blocks" 'BEGIN { exit !(a < b) }'; then
+  export FLASHKDA_BWD_GATES_KERNEL=chunk
+fi
+echo "=== gate chain: blocks ${blocks:-not timed} ms, chunk ${chunk:-not timed} ms -> rows with ${FLASHKDA_BWD_GATES_KERNEL:-blocks}"
 echo "=== phase B2: rows $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile --cases $ROWS 2>&1 \
   | tee "$LOGS/B_main.log" | grep -v "^\s*$" | grep -v "step "

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
+from flashkda.chunk_bwd_local import SavedLocal
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 from flashkda.chunk_bwd_ut import fused_wy
 from flashkda.env import env_flag
@@ -293,8 +294,8 @@ BWD_HEAD_SLICES: int | None = None  # a fixed slice count (benchmarks compare co
 def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new, local=()):
     """Fused backward (Triton prologue, state passes, chain rule, prologue backward), slice by slice of heads.
 
-    ``local``: ``(Aqk, Akk, Minv)`` ``[B, T, HV, 64]`` saved by the forward kernels (see `save_local_enabled`), or
-    empty to recompute them.
+    ``local``: ``(Aqk, Akk, Minv)`` ``[NC, HV, 64, 64]`` saved by the forward kernels (see `save_local_enabled`),
+    or empty to recompute them.
 
     Returns:
         ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
@@ -326,9 +327,8 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             doc = torch.zeros_like(chunks[2])
         saved = None
         if local and fused:
-            # [NC, HS, C, C] fp32: Aqk, Akk, (I + Diag(beta) Akk)^-1 (one strided copy each)
-            aqk, akk, minv = (to_chunks(x[:, :, hv0:hv1], layout, cdt) for x in local)
-            saved = (akk, aqk, minv)
+            # [NC, HS, C, C] views (varlen: the forward's chunk count is an upper bound)
+            saved = SavedLocal(*(x[: layout.num_chunks, hv0:hv1] for x in local))
         *dchunks, dh0_s = chunk_kda_train_bwd(
             *chunks, scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, do=doc,
             dht=part(dhtc), h=part(h), v_new=part(v_new), dot_precision=dot_precision, gate_factors=gate_factors,

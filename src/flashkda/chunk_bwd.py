@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-from flashkda.chunk_bwd_local import chunk_local_bwd, chunk_local_prepare
+from flashkda.chunk_bwd_local import SavedLocal, chunk_local_bwd, chunk_local_prepare
 
 __all__ = ["chunk_kda_train_bwd", "chunk_kda_train_fwd"]
 
@@ -82,7 +82,7 @@ def chunk_kda_train_bwd(
     v_new: torch.Tensor | None,
     dot_precision: str,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
-    saved_local: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    saved_local: SavedLocal | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Backward of the chunked KDA core.
 
@@ -93,7 +93,7 @@ def chunk_kda_train_bwd(
         h, v_new: kept by the forward (``keep_states=True``), or None to recompute them.
         dot_precision: Triton ``tl.dot`` input precision.
         gate_factors: ``(G, qg, kg, kend, dec)`` if the caller already has them (see `chunk_local_prepare`).
-        saved_local: ``(Akk, Aqk, Minv)`` kept by the forward kernels (see `chunk_local_prepare`), or None.
+        saved_local: the forward kernels' ``Aqk``, ``Akk`` and inverse (see `chunk_local_prepare`), or None.
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
@@ -108,7 +108,7 @@ def chunk_kda_train_bwd(
         local.qg, local.aqk, local.kend, local.dec, local.w, do, dht, chunk_offsets,
         store_dh0=initial_state is not None, dot_precision=dot_precision,
     )
-    if local.minv is not None:
+    if local.explicit_inverse:
         # The fused chain rule reads neither w, u nor Aqk: release them (0.7 GB at B1-T8192-H64) before it allocates.
         local = dataclasses.replace(local, w=None, u=None, aqk=None)
     grads = chunk_local_bwd(

@@ -31,7 +31,7 @@ from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
 from flashkda.env import env_choice
 
 __all__ = [
-    "SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
+    "SUB_CHUNK", "ChunkLocal", "SavedLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
     "gated_dot_precision",
 ]
 
@@ -51,6 +51,26 @@ def gated_dot_precision(dot_precision: str) -> str:
 
 
 @dataclass(frozen=True)
+class SavedLocal:
+    """The forward kernels' chunk-local matrices for the heads of one backward slice, ``[NC, HS, C, C]`` views in
+    their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s ``store_local``).
+    Each becomes an fp32 operand only where the backward reads it (`fp32`), so at most one or two of them are
+    alive at a time."""
+
+    aqk: torch.Tensor
+    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t``, zero elsewhere."""
+    akk: torch.Tensor
+    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t``, zero elsewhere."""
+    minv: torch.Tensor
+    """``(I + Diag(beta) Akk)^-1``."""
+
+    @staticmethod
+    def fp32(x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a contiguous fp32 ``[NC, HS, C, C]`` tensor (one copy)."""
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+
+
+@dataclass(frozen=True)
 class ChunkLocal:
     """Per-chunk quantities shared by the forward state pass and the backward; all ``[NC, HV, C, *]``."""
 
@@ -67,14 +87,30 @@ class ChunkLocal:
     """``T (k * exp(G))``, ``[NC, HV, C, K]``."""
     u: torch.Tensor | None
     """``T v``, ``[NC, HV, C, V]``."""
-    akk: torch.Tensor
-    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only."""
+    akk: torch.Tensor | None
+    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only (None
+    when ``saved`` holds it)."""
     gam: torch.Tensor
     """``G``, the in-chunk cumulative log-gate, ``[NC, HV, C, K]``; backward only."""
     kg: torch.Tensor
     """``k * exp(G)``, ``[NC, HV, C, K]``; backward only."""
     minv: torch.Tensor | None = None
     """``(I + Diag(beta) Akk)^-1``, ``[NC, HV, C, C]``, when formed explicitly (fused path); backward only."""
+    saved: SavedLocal | None = None
+    """The forward's matrices, when it kept them: then ``akk`` and ``minv`` are None and read from here."""
+
+    @property
+    def explicit_inverse(self) -> bool:
+        """Whether the fused chain rule applies (the inverse is at hand, formed here or saved by the forward)."""
+        return self.minv is not None or self.saved is not None
+
+    def akk_fp32(self) -> torch.Tensor:
+        """``akk``, converted from the saved copy if need be."""
+        return self.akk if self.akk is not None else SavedLocal.fp32(self.saved.akk)
+
+    def minv_fp32(self) -> torch.Tensor:
+        """``minv``, converted from the saved copy if need be."""
+        return self.minv if self.minv is not None else SavedLocal.fp32(self.saved.minv)
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -129,7 +165,7 @@ def chunk_local_prepare(
     scale: float,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
     dot_precision: str = "ieee",
-    saved_local: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    saved_local: SavedLocal | None = None,
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -144,9 +180,8 @@ def chunk_local_prepare(
         gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
             they are computed here from ``g``.
         dot_precision: the caller's product precision (``"tf32"`` for bf16/fp16 callers, see `gated_dot_precision`).
-        saved_local: ``(Akk, Aqk, Minv)``, each ``[NC, HV, C, C]`` fp32, as the forward kernels formed them (``Aqk``
-            scaled, zero above the diagonal; ``Akk`` strictly lower; ``Minv = (I + Diag(beta) Akk)^-1``): used
-            instead of recomputing them on the fused path (fp32, grad disabled); ignored on the torch path.
+        saved_local: the forward kernels' ``Aqk``, ``Akk`` and inverse (`SavedLocal`): used instead of recomputing
+            them on the fused path (fp32, grad disabled); ignored on the torch path.
 
     Returns:
         A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
@@ -162,11 +197,13 @@ def chunk_local_prepare(
         kend = k * torch.exp(gam_end - gam)
         dec = torch.exp(gam_end.squeeze(-2))
     if _fused(q) and saved_local is not None:
-        akk, aqk, minv = saved_local
-        # M Diag(beta): columns scaled, as ut_inverse returns it
-        minv_b = minv * beta.unsqueeze(-2)
+        # M Diag(beta) (columns scaled, as ut_inverse returns it) in fp32 straight from the saved copy; M itself and
+        # Akk are converted where the chain rule reads them
+        minv_b = (saved_local.minv * beta.unsqueeze(-2)).contiguous()
         w, u = minv_b @ kg, minv_b @ v
-        return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg, minv=minv)
+        del minv_b
+        return ChunkLocal(qg=qg, aqk=SavedLocal.fp32(saved_local.aqk), kend=kend, dec=dec, w=w, u=u, akk=None,
+                          gam=gam, kg=kg, saved=saved_local)
     if _fused(q):
         akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
     else:
@@ -253,7 +290,7 @@ def chunk_local_bwd(
     """
     C, K = k.shape[-2:]
     hT = h.transpose(-1, -2)
-    if local.minv is not None:
+    if local.explicit_inverse:
         return _chunk_local_bwd_fused(q, k, v, beta, scale, local, hT, v_new, do, dhe, dv_new, h, dot_precision)
     # Cotangents of the chunk-local quantities: o = qg h + Aqk v_new, v_new = u - w h, h' = Diag(dec) h + kend^T v_new.
     dqg = do @ hT
@@ -302,17 +339,18 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
     if fused_wy(dot_precision, k.shape[-1], v.shape[-1]):
         # one Triton pass: y_u, y_wn, P and the gate-chain products stay on chip (flashkda.chunk_bwd_ut)
         dv, dkg, dbeta, ddec, p, daqk, dqg, dkend = chunk_kda_bwd_wy(
-            local.minv, dv_new, h, v_new, do, dhe, local.kg, v, local.akk, beta, dot_precision=dot_precision
+            local.minv_fp32(), dv_new, h, v_new, do, dhe, local.kg, v, local.akk_fp32(), beta,
+            dot_precision=dot_precision,
         )
     else:
         v_newT = v_new.transpose(-1, -2)
         dqg = do @ hT
         dkend = v_new @ dhe.transpose(-1, -2)
-        y_u = local.minv.transpose(-1, -2) @ dv_new
+        y_u = local.minv_fp32().transpose(-1, -2) @ dv_new
         # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
         y_wn = y_u @ hT
         p = y_u @ v_newT
-        dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk, beta, h, dhe)
+        dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk_fp32(), beta, h, dhe)
         del y_u, y_wn  # before the gated-product backward allocates (peak memory)
         daqk = do @ v_newT
     if fused_gates(dot_precision, k.shape[-1]):

@@ -61,13 +61,14 @@ def chunk_kda_fwd(
         out: optional preallocated ``[B, T, HV, V]`` output.
         final_state: optional preallocated final-state buffer (implies ``output_final_state``).
         output_local: also return ``(Aqk, Akk, Minv)``, the chunk-local matrices the training backward would
-            otherwise recompute (see ``chunk_kda_fwd_intra``'s ``store_local``).
+            otherwise recompute, in its chunked layout (see ``chunk_kda_fwd_intra``'s ``store_local``).
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
         layout or None; ``h`` ``[NC, HV, K, V]`` fp32 states at chunk starts (``NC`` = global chunk count, for
         varlen an upper bound whose surplus rows are unwritten) or None. With ``output_local`` a fourth item:
-        ``(Aqk, Akk, Minv)``, each ``[B, T, HV, 64]`` (bf16 for bf16 input, else fp32).
+        ``(Aqk, Akk, Minv)``, each ``[NC, HV, 64, 64]`` (bf16 for bf16 input, else fp32; for varlen ``NC`` is the
+        index's upper bound and the surplus chunks are unwritten).
     """
     B, T = q.shape[:2]
     index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
@@ -81,4 +82,4 @@ def chunk_kda_fwd(
         w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index, q.dtype, dot_prec,
         output_h=output_h, block_v=block_v, out=out, final_state=final_state,
     )
-    return (*result, (Aqk, *local)) if output_local else result
+    return (*result, tuple(local)) if output_local else result

@@ -197,7 +197,7 @@ def chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT: tl.constex
 @triton.jit(do_not_specialize=["T", "lower_bound", "scale"])
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunk_map,
-    w, u, qg, kg, Aqk, gC, Tb, Akk, Minv,
+    w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv,
     scale, lower_bound, T, NTS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr,
@@ -339,22 +339,30 @@ def chunk_kda_fwd_kernel_intra(
         b_Aqk, b_Akk = _unstack_rows(b_AX, BT, BT)
         if SAFE_GATE:
             b_Aqk3, b_Akk3 = _unstack_rows3(b_AX3, 4, BC, BC)
-    # Aqk: causal; the off-diagonal lower blocks and the diagonal blocks (the state stage never reads the others;
-    # for the backward, STORE_LOCAL also zeroes the upper blocks). The two stores cover disjoint entries.
-    # b_Aqk and b_Akk are zero outside the strictly-lower blocks.
-    m_off = (o_blk[None, :] != o_blk[:, None]) if STORE_LOCAL else (o_blk[None, :] < o_blk[:, None])
-    o_rr = (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :]
-    tl.store(Aqk + o_rr, cast_for_store(b_Aqk, Aqk.dtype.element_ty), mask=m_r[:, None] & m_off)
+    # Aqk: causal; the off-diagonal lower blocks and the diagonal blocks (the state stage never reads the others).
+    p_A = Aqk + (t0 * HV + i_hv) * BT
+    tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], cast_for_store(b_Aqk, Aqk.dtype.element_ty),
+             mask=m_r[:, None] & (o_blk[None, :] < o_blk[:, None]))
     o_a3 = tl.arange(0, 4)[:, None, None]
     o_t3 = o_a3 * BC + o_i3
-    o_dd = (t0 * HV + i_hv) * BT + o_t3 * (HV * BT) + o_a3 * BC + o_j3
-    tl.store(Aqk + o_dd, cast_for_store(tl.where(o_i3 >= o_j3, b_Aqk3, 0.0), Aqk.dtype.element_ty),
+    tl.store(p_A + o_t3 * (HV * BT) + o_a3 * BC + o_j3,
+             cast_for_store(tl.where(o_i3 >= o_j3, b_Aqk3, 0.0), Aqk.dtype.element_ty),
              mask=o_t3 < eos - t0)
     if STORE_LOCAL:
-        # the raw strictly-lower Akk (before Diag(β)), for the backward's dβ
-        tl.store(Akk + o_rr, cast_for_store(b_Akk, Akk.dtype.element_ty), mask=m_r[:, None] & m_off)
-        tl.store(Akk + o_dd, cast_for_store(tl.where(o_i3 > o_j3, b_Akk3, 0.0), Akk.dtype.element_ty),
-                 mask=o_t3 < eos - t0)
+        # For the training backward, in its chunked layout [NC, HV, BT, BT]: whole tiles, zero above the diagonal and
+        # on padding rows. b_Aqk and b_Akk are zero outside the strictly-lower blocks; the off-diagonal and the
+        # diagonal-block stores cover disjoint entries. Akk raw (before Diag(β)), for the backward's dβ.
+        p_l = (i_c.to(tl.int64) * HV + i_hv) * BT * BT
+        o_rr = o_r[:, None] * BT + o_r[None, :]
+        o_dd = o_t3 * BT + o_a3 * BC + o_j3
+        m_off = o_blk[None, :] != o_blk[:, None]
+        m_d = o_t3 < eos - t0
+        tl.store(AqkC + p_l + o_rr, cast_for_store(tl.where(m_r[:, None], b_Aqk, 0.0), AqkC.dtype.element_ty),
+                 mask=m_off)
+        tl.store(AqkC + p_l + o_dd, cast_for_store(tl.where(m_d & (o_i3 >= o_j3), b_Aqk3, 0.0), AqkC.dtype.element_ty))
+        tl.store(Akk + p_l + o_rr, cast_for_store(tl.where(m_r[:, None], b_Akk, 0.0), Akk.dtype.element_ty),
+                 mask=m_off)
+        tl.store(Akk + p_l + o_dd, cast_for_store(tl.where(m_d & (o_i3 > o_j3), b_Akk3, 0.0), Akk.dtype.element_ty))
 
     # Solve with L = Diag(β) Akk strictly lower = D + E (D: the diagonal 16 x 16 blocks):
     # (I + L)⁻¹ = (I + N)⁻¹ D̃ with D̃ = (I + D)⁻¹ (batched product form) and N = D̃ E, strictly block-lower
@@ -369,8 +377,8 @@ def chunk_kda_fwd_kernel_intra(
     # instead of a batched diagonal product plus one (D̃ is rounded to the product precision either way).
     b_T = tl.dot(b_M, _block_diag(b_D, BT, BC), input_precision=DOT_PREC)
     if STORE_LOCAL:
-        # (I + L)⁻¹ itself (lower triangular, unit diagonal), so the backward needs no solve
-        tl.store(Minv + o_rr, cast_for_store(b_T, Minv.dtype.element_ty), mask=m_r[:, None])
+        # (I + L)⁻¹ itself (lower triangular, unit diagonal; zero on padding rows), so the backward needs no solve
+        tl.store(Minv + p_l + o_rr, cast_for_store(tl.where(m_r[:, None], b_T, 0.0), Minv.dtype.element_ty))
     if STORE_T:
         # w and u by chunk_kda_fwd_kernel_wu: w = (T Diag(β)) (k e^Γ), u = (T Diag(β)) v
         tl.store(Tb + (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :], b_T * b_b[None, :],
@@ -479,14 +487,14 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         bf16_intermediates: store qg, u and Aqk in ``work_dtype`` when it is bf16 (None: `bf16_intermediates_enabled`,
             on unless the environment sets ``FLASHKDA_BF16_INTERMEDIATES=0``). Measured on an H200 (2026-12-01):
             fp64-gate RMS error of o 3.1e-3 (fp32 storage: 2.0e-3; budget 5e-3), H64-T8192 2.25 vs 2.57 ms.
-        store_local: also write, for the training backward, ``Aqk`` whole (zero above the diagonal), the raw
-            strictly-lower ``Akk`` and the solved ``(I + Diag(β) Akk)⁻¹``, each ``[B, T, HV, 64]`` in Aqk's dtype
-            (row ``t`` of a chunk holds that token's row of the chunk's ``[64, 64]`` matrix).
+        store_local: also write, for the training backward, ``Aqk`` (zero above the diagonal), the raw
+            strictly-lower ``Akk`` and the solved ``(I + Diag(β) Akk)⁻¹`` in the backward's chunked layout,
+            ``[NC, HV, 64, 64]`` each (``NC = index.num_chunks``; zero rows on padding) in Aqk's dtype.
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
         ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) bf16 with ``bf16_intermediates``, else fp32;
-        gC ``[NC, HV, K]`` fp32. With ``store_local``, ``(Akk, Minv)`` follow.
+        gC ``[NC, HV, K]`` fp32. With ``store_local``, ``(AqkC, Akk, Minv)`` follow.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -502,13 +510,14 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     u = torch.empty(B, T, HV, V, dtype=mid_dtype, device=q.device)
     Aqk = torch.empty(B, T, HV, BT, dtype=mid_dtype, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
-    local = (torch.empty_like(Aqk), torch.empty_like(Aqk)) if store_local else ()
+    local = tuple(torch.empty(index.num_chunks, HV, BT, BT, dtype=mid_dtype, device=q.device) for _ in range(3)) \
+        if store_local else ()
     if index.num_chunks == 0:
         return w, u, qg, kg, Aqk, gC, *local
     Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
-    Akk, Minv = local or (None, None)
+    AqkC, Akk, Minv = local or (None, None, None)
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
-            w, u, qg, kg, Aqk, gC, Tb, Akk, Minv, scale, 0.0 if lower_bound is None else float(lower_bound), T,
+            w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv, scale, 0.0 if lower_bound is None else float(lower_bound), T,
             index.chunks_per_seq)
     meta = dict(
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=pass1_slice or SLICE, BKN=min(64, triton.next_power_of_2(K)),

@@ -120,7 +120,8 @@ def test_fused_wy_pass_matches_torch(device: str) -> None:
         assert _rel(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize(("kernel", "row_scale"), [("blocks", True), ("blocks", False), ("rows", True)])
+@pytest.mark.parametrize(("kernel", "row_scale"), [("blocks", True), ("blocks", False), ("rows", True), ("chunk", True),
+                                                 ("chunk", False)])
 def test_fused_gated_dots_and_gate_chain_match_the_two_passes(
     kernel: str, row_scale: bool, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
