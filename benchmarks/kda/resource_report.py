@@ -53,7 +53,7 @@ def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = Fa
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
-                  MERGE=merge, STORE_LOCAL=store_local)
+                  MERGE=merge, STORE_LOCAL=store_local, LHS=1)
     return [kernel_spec(fn, types, common) for fn, types in kernel_signatures(work)]
 
 
@@ -63,7 +63,7 @@ def kernel_signatures(work: str):
               cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
               u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", AqkC="*fp32", Akk="*fp32", Minv="*fp32",
               scale="fp32",
-              lower_bound="fp32", T="i32", NTS="i32")
+              lower_bound="fp32", T="i32", NTS="i32", NCL="i32")
     return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
 

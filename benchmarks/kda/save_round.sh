@@ -4,13 +4,14 @@
 # timed in one device call through benchmarks/device/run.sh (carry .whl, .k3_commit, .fla-autotune.tgz):
 #   bash benchmarks/device/run.sh bash benchmarks/kda/save_round.sh
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
-#   off at B1-T8192-H64, and the training tests that force the saved / recomputed paths on the GPU.
+#   off at B1-T8192-H64, one untimed pass of the gate-chain sweep.
 # B1: ours only at B1-T8192-H64, switch on / off / on / off (each its own process, cap 50 s): the same-run A/B; then
 #   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default
 #   "32:2 chunk:32:8 chunk:16:4 chunk:32:4"); if "chunk" at its default launch (32:8) beats "blocks" (32:2), the
 #   rows run with FLASHKDA_BWD_GATES_KERNEL=chunk.
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
 #   (KDA_STEPS steps, default 300); results written after every row.
+# C (cap KDA_TEST_CAP, 120 s): the tests of the saved matrices and of the gate-chain kernels, on the GPU.
 set -u
 source benchmarks/kda/round_env.sh save_round
 WARM=${KDA_WARM_CAP:-150}
@@ -19,9 +20,6 @@ ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
 echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
 start_train_warmups "$WARM" $ROWS
 FLASHKDA_BWD_SAVE_LOCAL=0 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_nosave.log" 2>&1 &
-timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
-  tests/flashkda/test_backward_gated.py -k "saved_chunk_local or fused_chain_rule or head_slices_equals or fused_gated_dots" \
-  > "$LOGS/A_tests.log" 2>&1 &
 GATES=${KDA_GATES:-32:2 chunk:32:8 chunk:16:4 chunk:32:4}
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --dots --bv --state --gates $GATES"
 timeout -k 5 "$WARM" $SWEEP --rep 1 > "$LOGS/A_sweep.log" 2>&1 &
@@ -46,6 +44,10 @@ echo "=== phase B2: rows $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile --cases $ROWS 2>&1 \
   | tee "$LOGS/B_main.log" | grep -v "^\s*$" | grep -v "step "
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
+echo "=== phase C: gpu runs of the saved-matrices and gate-chain tests (cap ${KDA_TEST_CAP:-120}s) $(date +%T)"
+timeout -k 5 "${KDA_TEST_CAP:-120}" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
+  tests/flashkda/test_backward_gated.py -k "saved_chunk_local or fused_gated_dots" 2>&1 | tail -n 15
+echo "=== tests rc=${PIPESTATUS[0]} $(date +%T)"
 cat "$LOGS"/A_*.log > "$OUT/phaseA.log"
 cp "$LOGS/B_main.log" "$OUT/" 2>/dev/null
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/fla-autotune.tgz" -T -) 2>/dev/null

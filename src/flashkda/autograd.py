@@ -188,6 +188,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         h = v_new = None
         use_kernels = opts.forward_impl == "kernels" and not opts.disable_recompute
         local = ()
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        # the backward's head slices, fixed here: the saved chunk-local matrices are laid out slice by slice
+        ctx.head_slices = backward_head_slices(layout.chunk_offsets.numel() - 1, layout.num_chunks, HV,
+                                               HV // q.shape[2], layout.C, K, V)
         if fused_fwd is not None and q.dtype != torch.float64 and use_kernels:
             save_local = _fused_prologue(q) and save_local_enabled()
             result = fused_fwd(
@@ -197,7 +201,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                 use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
-                output_local=save_local,
+                output_local=save_local, local_heads=ctx.head_slices[0][1] - ctx.head_slices[0][0],
             )
             o, ht = result[:2]
             local = result[3] if save_local else ()
@@ -294,8 +298,8 @@ BWD_HEAD_SLICES: int | None = None  # a fixed slice count (benchmarks compare co
 def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new, local=()):
     """Fused backward (Triton prologue, state passes, chain rule, prologue backward), slice by slice of heads.
 
-    ``local``: ``(Aqk, Akk, Minv)`` ``[NC, HV, 64, 64]`` saved by the forward kernels (see `save_local_enabled`),
-    or empty to recompute them.
+    ``local``: ``(Aqk, Akk, Minv)`` ``[slices, NC, HS, 64, 64]`` saved by the forward kernels for the slices of
+    ``ctx.head_slices`` (see `save_local_enabled`), or empty to recompute them.
 
     Returns:
         ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
@@ -304,12 +308,11 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     A_log, dt_bias = inputs["A_log"], inputs["dt_bias"]
     cdt, dot_precision = _compute_dtype(q), _dot_precision(q)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    N = layout.chunk_offsets.numel() - 1
     tok = slot_tokens(layout, q.device)
     raw = (q, k, v, g, beta)
     out = None  # the raw-input gradients, allocated after the first slice's chain rule (not at its peak)
     dh0 = None if h0 is None else torch.empty_like(h0)
-    slices = backward_head_slices(N, layout.num_chunks, HV, HV // q.shape[2], layout.C, K, V)
+    slices = ctx.head_slices
     # The fused chain rule and the reverse state pass read do into fp32 registers (the latter then rounds it to
     # bf16 for bf16/fp16 callers): keeping do's own dtype in the chunked copy is exact and halves its bytes for half
     # callers. The torch GEMMs of the fallback need fp32.
@@ -327,8 +330,8 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             doc = torch.zeros_like(chunks[2])
         saved = None
         if local and fused:
-            # [NC, HS, C, C] views (varlen: the forward's chunk count is an upper bound)
-            saved = SavedLocal(*(x[: layout.num_chunks, hv0:hv1] for x in local))
+            # contiguous [NC, HS, C, C] blocks (varlen: the forward's chunk count is an upper bound)
+            saved = SavedLocal(*(x[hv0 // (hv1 - hv0), : layout.num_chunks] for x in local))
         *dchunks, dh0_s = chunk_kda_train_bwd(
             *chunks, scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, do=doc,
             dht=part(dhtc), h=part(h), v_new=part(v_new), dot_precision=dot_precision, gate_factors=gate_factors,

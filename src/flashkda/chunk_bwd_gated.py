@@ -447,7 +447,8 @@ def _pair_groups_side(p_A, m_A, b_rs, b_x, e_0, e_1, e_2r, e_2c, blk, ROW: tl.co
     (``ROW``; ``p_A`` the chunk's dA ``[C, C]``, ``b_x`` the column operand) ``sum_X r_X (A_X (x c_X))``, or the
     column side (dA read transposed, ``b_x`` the row operand) ``sum_X c_X (A_X^T (x r_X))``. Each
     group's part of dA is loaded with its mask (``m_A``: the causal mask), straight into the product, so no
-    ``[C, C]`` tile stays live across groups; ``b_rs`` (``HAS_RS``) scales the rows of dA. ``[C, BK]`` fp32."""
+    ``[C, C]`` tile stays live across groups; ``b_rs`` (``HAS_RS``, row side only: the column side takes it on its
+    operand) scales the rows of dA. ``[C, BK]`` fp32."""
     C: tl.constexpr = b_x.shape[0]
     b_out = tl.zeros(b_x.shape, dtype=tl.float32)
     for X in tl.static_range(3):
@@ -458,12 +459,15 @@ def _pair_groups_side(p_A, m_A, b_rs, b_x, e_0, e_1, e_2r, e_2c, blk, ROW: tl.co
         # int32 offsets rebuilt per load: a [C, C] tensor of 64-bit pointers kept live would cost 64 registers
         o_t = tl.arange(0, C)
         o_a = (o_t[:, None] * C + o_t[None, :]) if ROW else (o_t[None, :] * C + o_t[:, None])
+        # loaded straight into the product (an elementwise op on it would make Triton feed wgmma from registers,
+        # 32 more per thread for every product in flight)
         b_A = tl.load(p_A + o_a, mask=m, other=0.0).to(tl.float32)
-        if HAS_RS:
-            b_A = b_A * (b_rs[:, None] if ROW else b_rs[None, :])
         b_in = _pair_group_side(e_0, e_1, e_2r, e_2c, blk, X, not ROW)
         b_out += _pair_group_side(e_0, e_1, e_2r, e_2c, blk, X, ROW) * tl.dot(b_A, b_x * b_in,
                                                                             input_precision=DOT_PRECISION)
+    if HAS_RS:
+        # the row scale of dA, on the rows of the result
+        b_out = b_out * b_rs[:, None]
     return b_out
 
 
@@ -516,7 +520,8 @@ def chunk_kda_bwd_kernel_gated_dots_gates_chunk(
     b_x = _pair_groups_side(dakk + base_a, m_strict, b_rs, b_k, e_0, e_1, e_2r, e_2c, blk, True, HAS_RS, DOT_PRECISION)
     b_dk = b_x
     b_dgam = b_k * b_x
-    b_x = _pair_groups_side(dakk + base_a, tl.trans(m_strict), b_rs, b_k, e_0, e_1, e_2r, e_2c, blk, False, HAS_RS,
+    b_x = _pair_groups_side(dakk + base_a, tl.trans(m_strict), b_rs, b_k * b_rs[:, None], e_0, e_1, e_2r, e_2c, blk,
+                            False, False,
                             DOT_PRECISION)
     b_dk += b_x
     b_dgam -= b_k * b_x

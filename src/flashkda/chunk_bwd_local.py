@@ -52,10 +52,10 @@ def gated_dot_precision(dot_precision: str) -> str:
 
 @dataclass(frozen=True)
 class SavedLocal:
-    """The forward kernels' chunk-local matrices for the heads of one backward slice, ``[NC, HS, C, C]`` views in
-    their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s ``store_local``).
-    Each becomes an fp32 operand only where the backward reads it (`fp32`), so at most one or two of them are
-    alive at a time."""
+    """The forward kernels' chunk-local matrices for the heads of one backward slice, contiguous ``[NC, HS, C, C]``
+    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s
+    ``store_local``). The Triton passes read ``aqk`` and ``akk`` as they are (they load into fp32 registers); the
+    torch GEMMs need ``minv`` in fp32, converted where it is read (`fp32`)."""
 
     aqk: torch.Tensor
     """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t``, zero elsewhere."""
@@ -77,7 +77,8 @@ class ChunkLocal:
     qg: torch.Tensor
     """``scale * q * exp(G)``, ``[NC, HV, C, K]``."""
     aqk: torch.Tensor | None
-    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``;
+    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``
+    (bf16 when saved by the forward for bf16 input: its readers load it into fp32);
     ``w``, ``u`` and ``aqk`` are dropped (None) before the fused chain rule, which does not read them."""
     kend: torch.Tensor
     """``k * exp(G_C - G)``, ``[NC, HV, C, K]``."""
@@ -104,9 +105,9 @@ class ChunkLocal:
         """Whether the fused chain rule applies (the inverse is at hand, formed here or saved by the forward)."""
         return self.minv is not None or self.saved is not None
 
-    def akk_fp32(self) -> torch.Tensor:
-        """``akk``, converted from the saved copy if need be."""
-        return self.akk if self.akk is not None else SavedLocal.fp32(self.saved.akk)
+    def akk_operand(self) -> torch.Tensor:
+        """``akk`` for the Triton passes: formed here (fp32) or the saved copy (its own dtype)."""
+        return self.akk if self.akk is not None else self.saved.akk
 
     def minv_fp32(self) -> torch.Tensor:
         """``minv``, converted from the saved copy if need be."""
@@ -202,8 +203,8 @@ def chunk_local_prepare(
         minv_b = (saved_local.minv * beta.unsqueeze(-2)).contiguous()
         w, u = minv_b @ kg, minv_b @ v
         del minv_b
-        return ChunkLocal(qg=qg, aqk=SavedLocal.fp32(saved_local.aqk), kend=kend, dec=dec, w=w, u=u, akk=None,
-                          gam=gam, kg=kg, saved=saved_local)
+        return ChunkLocal(qg=qg, aqk=saved_local.aqk, kend=kend, dec=dec, w=w, u=u, akk=None, gam=gam, kg=kg,
+                          saved=saved_local)
     if _fused(q):
         akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
     else:
@@ -339,7 +340,7 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
     if fused_wy(dot_precision, k.shape[-1], v.shape[-1]):
         # one Triton pass: y_u, y_wn, P and the gate-chain products stay on chip (flashkda.chunk_bwd_ut)
         dv, dkg, dbeta, ddec, p, daqk, dqg, dkend = chunk_kda_bwd_wy(
-            local.minv_fp32(), dv_new, h, v_new, do, dhe, local.kg, v, local.akk_fp32(), beta,
+            local.minv_fp32(), dv_new, h, v_new, do, dhe, local.kg, v, local.akk_operand(), beta,
             dot_precision=dot_precision,
         )
     else:
@@ -350,7 +351,7 @@ def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, d
         # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
         y_wn = y_u @ hT
         p = y_u @ v_newT
-        dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk_fp32(), beta, h, dhe)
+        dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk_operand(), beta, h, dhe)
         del y_u, y_wn  # before the gated-product backward allocates (peak memory)
         daqk = do @ v_newT
     if fused_gates(dot_precision, k.shape[-1]):

@@ -46,6 +46,7 @@ def chunk_kda_fwd(
     out: torch.Tensor | None = None,
     final_state: torch.Tensor | None = None,
     output_local: bool = False,
+    local_heads: int | None = None,
 ) -> tuple:
     """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
 
@@ -61,14 +62,15 @@ def chunk_kda_fwd(
         out: optional preallocated ``[B, T, HV, V]`` output.
         final_state: optional preallocated final-state buffer (implies ``output_final_state``).
         output_local: also return ``(Aqk, Akk, Minv)``, the chunk-local matrices the training backward would
-            otherwise recompute, in its chunked layout (see ``chunk_kda_fwd_intra``'s ``store_local``).
+            otherwise recompute, in its chunked layout (see ``chunk_kda_fwd_intra``'s ``store_local``), in head
+            slices of ``local_heads`` value heads (None: one slice).
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
         layout or None; ``h`` ``[NC, HV, K, V]`` fp32 states at chunk starts (``NC`` = global chunk count, for
         varlen an upper bound whose surplus rows are unwritten) or None. With ``output_local`` a fourth item:
-        ``(Aqk, Akk, Minv)``, each ``[NC, HV, 64, 64]`` (bf16 for bf16 input, else fp32; for varlen ``NC`` is the
-        index's upper bound and the surplus chunks are unwritten).
+        ``(Aqk, Akk, Minv)``, each ``[HV / local_heads, NC, local_heads, 64, 64]`` (bf16 for bf16 input, else fp32;
+        for varlen ``NC`` is the index's upper bound and the surplus chunks are unwritten).
     """
     B, T = q.shape[:2]
     index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
@@ -77,6 +79,7 @@ def chunk_kda_fwd(
     w, u, qg, kg, Aqk, gC, *local = chunk_kda_fwd_intra(
         q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, index, work_dtype, dot_prec, store_local=output_local,
+        local_heads=local_heads,
     )
     result = chunk_kda_fwd_state_o(
         w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index, q.dtype, dot_prec,

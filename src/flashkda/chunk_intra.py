@@ -194,13 +194,13 @@ def chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT: tl.constex
     return i_n, bos + i_j.to(tl.int64) * BT, eos
 
 
-@triton.jit(do_not_specialize=["T", "lower_bound", "scale"])
+@triton.jit(do_not_specialize=["T", "lower_bound", "scale", "NCL"])
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunk_map,
     w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv,
-    scale, lower_bound, T, NTS,
+    scale, lower_bound, T, NTS, NCL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr, LHS: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
@@ -349,10 +349,10 @@ def chunk_kda_fwd_kernel_intra(
              cast_for_store(tl.where(o_i3 >= o_j3, b_Aqk3, 0.0), Aqk.dtype.element_ty),
              mask=o_t3 < eos - t0)
     if STORE_LOCAL:
-        # For the training backward, in its chunked layout [NC, HV, BT, BT]: whole tiles, zero above the diagonal and
-        # on padding rows. b_Aqk and b_Akk are zero outside the strictly-lower blocks; the off-diagonal and the
-        # diagonal-block stores cover disjoint entries. Akk raw (before Diag(β)), for the backward's dβ.
-        p_l = (i_c.to(tl.int64) * HV + i_hv) * BT * BT
+        # For the training backward, in its chunked layout per head slice, [HV / LHS, NCL, LHS, BT, BT]: whole tiles,
+        # zero above the diagonal and on padding rows. b_Aqk and b_Akk are zero outside the strictly-lower blocks;
+        # the off-diagonal and the diagonal-block stores cover disjoint entries. Akk raw (before Diag(β)), for dβ.
+        p_l = (((i_hv // LHS) * NCL + i_c).to(tl.int64) * LHS + i_hv % LHS) * BT * BT
         o_rr = o_r[:, None] * BT + o_r[None, :]
         o_dd = o_t3 * BT + o_a3 * BC + o_j3
         m_off = o_blk[None, :] != o_blk[:, None]
@@ -471,7 +471,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
                         split_wu=False, wu_config=None, pass1_slice=None, merge=None, bf16_intermediates=None,
-                        store_local=False):
+                        store_local=False, local_heads=None):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -488,13 +488,15 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             on unless the environment sets ``FLASHKDA_BF16_INTERMEDIATES=0``). Measured on an H200 (2026-12-01):
             fp64-gate RMS error of o 3.1e-3 (fp32 storage: 2.0e-3; budget 5e-3), H64-T8192 2.25 vs 2.57 ms.
         store_local: also write, for the training backward, ``Aqk`` (zero above the diagonal), the raw
-            strictly-lower ``Akk`` and the solved ``(I + Diag(β) Akk)⁻¹`` in the backward's chunked layout,
-            ``[NC, HV, 64, 64]`` each (``NC = index.num_chunks``; zero rows on padding) in Aqk's dtype.
+            strictly-lower ``Akk`` and the solved ``(I + Diag(β) Akk)⁻¹`` in the backward's chunked layout, head
+            slice by head slice: ``[HV / local_heads, NC, local_heads, 64, 64]`` each (``NC = index.num_chunks``;
+            zero rows on padding) in Aqk's dtype, so each slice of the backward reads a contiguous block.
+        local_heads: value heads per slice of that layout (a divisor of HV; None: HV).
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
         ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) bf16 with ``bf16_intermediates``, else fp32;
-        gC ``[NC, HV, K]`` fp32. With ``store_local``, ``(AqkC, Akk, Minv)`` follow.
+        gC ``[NC, HV, K]`` fp32. With ``store_local``, ``(AqkC, Akk, Minv)`` follow (layout above).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -510,17 +512,20 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     u = torch.empty(B, T, HV, V, dtype=mid_dtype, device=q.device)
     Aqk = torch.empty(B, T, HV, BT, dtype=mid_dtype, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
-    local = tuple(torch.empty(index.num_chunks, HV, BT, BT, dtype=mid_dtype, device=q.device) for _ in range(3)) \
-        if store_local else ()
+    LHS = local_heads or HV
+    if HV % LHS:
+        raise ValueError(f"local_heads must divide the {HV} value heads, got {LHS}")
+    shape = (HV // LHS, index.num_chunks, LHS, BT, BT)
+    local = tuple(torch.empty(shape, dtype=mid_dtype, device=q.device) for _ in range(3)) if store_local else ()
     if index.num_chunks == 0:
         return w, u, qg, kg, Aqk, gC, *local
     Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
     AqkC, Akk, Minv = local or (None, None, None)
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
             w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv, scale, 0.0 if lower_bound is None else float(lower_bound), T,
-            index.chunks_per_seq)
+            index.chunks_per_seq, index.num_chunks)
     meta = dict(
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=pass1_slice or SLICE, BKN=min(64, triton.next_power_of_2(K)),
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=pass1_slice or SLICE, BKN=min(64, triton.next_power_of_2(K)), LHS=LHS,
         USE_GATE=use_gate_in_kernel, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
         BETA_SIGMOID=use_beta_sigmoid_in_kernel, ALLOW_NEG_EIGVAL=allow_neg_eigval,
