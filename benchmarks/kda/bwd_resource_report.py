@@ -56,11 +56,6 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
         for bk, nw in ((32, 4), (16, 4), (32, 8), (32, 2), (16, 2), (64, 8)):
             add(f"gates blocks {prec} BK{bk}", blocks, {**{n: f32 for n in blocks.arg_names}, "scale": "fp32"},
                 dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
-    whole = chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots_gates_chunk
-    for prec in ("tf32", "ieee"):
-        for bk, nw in ((32, 4), (32, 8), (16, 4), (64, 8)):
-            add(f"gates chunk {prec} BK{bk}", whole, {**{n: f32 for n in whole.arg_names}, "scale": "fp32"},
-                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
     wy = chunk_bwd_ut.chunk_kda_bwd_kernel_wy
     for prec, gp, bd, nw in ((p, gp, bd, nw) for p in ("tf32", "ieee") for gp in (True, False) for bd in (16, 32)
                              for nw in (4, 8)):

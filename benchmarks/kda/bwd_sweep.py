@@ -26,8 +26,7 @@ import sys
 from benchmarks.harness import time_fn
 from benchmarks.kda.train import GRAD_NAMES, TRAIN_CASES, make_inputs, rms_ratio, step
 
-#: Fused gate-chain launches: [KERNEL:]BK:WARPS, KERNEL "blocks" (default), "rows" (the kernel before 2026-12-02) or
-#: "chunk" (whole-chunk products over three pair groups, 2026-12-02 02:50 UTC).
+#: Fused gate-chain launches: [KERNEL:]BK:WARPS, KERNEL "blocks" (default) or "rows" (the kernel before 2026-12-02).
 GATES_SWEEP = ["32:2", "rows:32:4", "32:4", "32:8", "16:4", "16:2"]
 DOTS_SWEEP = ["32:4", "16:4", "64:4", "32:8"]
 BV_SWEEP = ["32", "64"]
@@ -114,8 +113,8 @@ def _gates_spec(spec: str) -> tuple[str, int, int]:
     parts = spec.split(":")
     if len(parts) == 2:
         parts = ["blocks", *parts]
-    if len(parts) != 3 or parts[0] not in ("blocks", "rows", "chunk") or not all(p.isdigit() for p in parts[1:]):
-        raise SystemExit(f"--gates: expected [blocks|rows|chunk:]BK:WARPS, got {spec!r}")
+    if len(parts) != 3 or parts[0] not in ("blocks", "rows") or not all(p.isdigit() for p in parts[1:]):
+        raise SystemExit(f"--gates: expected [blocks|rows:]BK:WARPS, got {spec!r}")
     return parts[0], int(parts[1]), int(parts[2])
 
 

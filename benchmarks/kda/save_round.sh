@@ -6,12 +6,12 @@
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
 #   off at B1-T8192-H64, one untimed pass of the gate-chain sweep.
 # B1: ours only at B1-T8192-H64, switch on / off / on / off (each its own process, cap 50 s): the same-run A/B; then
-#   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default
-#   "32:2 chunk:32:8 chunk:16:4 chunk:32:4"); if "chunk" at its default launch (32:8) beats "blocks" (32:2), the
-#   rows run with FLASHKDA_BWD_GATES_KERNEL=chunk.
+#   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default "32:2 rows:32:4";
+#   the whole-chunk kernel timed here at 02:50 and 03:00 UTC was deleted after, see NOTES).
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
 #   (KDA_STEPS steps, default 300); results written after every row.
-# C (cap KDA_TEST_CAP, 120 s): the tests of the saved matrices and of the gate-chain kernels, on the GPU.
+# C (cap KDA_TEST_CAP, 120 s): the tests of the saved matrices and of the gate-chain kernels, on the GPU (KDA_TESTS:
+#   the pytest -k expression).
 set -u
 source benchmarks/kda/round_env.sh save_round
 WARM=${KDA_WARM_CAP:-150}
@@ -20,7 +20,7 @@ ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
 echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
 start_train_warmups "$WARM" $ROWS
 FLASHKDA_BWD_SAVE_LOCAL=0 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_nosave.log" 2>&1 &
-GATES=${KDA_GATES:-32:2 chunk:32:8 chunk:16:4 chunk:32:4}
+GATES=${KDA_GATES:-32:2 rows:32:4}
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --dots --bv --state --gates $GATES"
 timeout -k 5 "$WARM" $SWEEP --rep 1 > "$LOGS/A_sweep.log" 2>&1 &
 wait
@@ -34,19 +34,14 @@ for s in 1 0 1 0; do
 done
 echo "=== phase B1: gate-chain sweep $(date +%T)"
 timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
-ms() { grep -E "gates $1: " "$LOGS/B_sweep.log" | sed -E 's/.*: ([0-9.]+) ms.*/\1/' | head -n 1; }
-blocks=$(ms 32:2) chunk=$(ms chunk:32:8)
-if [ -n "$chunk" ] && [ -n "$blocks" ] && awk -v a="$chunk" -v b="$blocks" 'BEGIN { exit !(a < b) }'; then
-  export FLASHKDA_BWD_GATES_KERNEL=chunk
-fi
-echo "=== gate chain: blocks ${blocks:-not timed} ms, chunk ${chunk:-not timed} ms -> rows with ${FLASHKDA_BWD_GATES_KERNEL:-blocks}"
 echo "=== phase B2: rows $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile --cases $ROWS 2>&1 \
   | tee "$LOGS/B_main.log" | grep -v "^\s*$" | grep -v "step "
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
 echo "=== phase C: gpu runs of the saved-matrices and gate-chain tests (cap ${KDA_TEST_CAP:-120}s) $(date +%T)"
 timeout -k 5 "${KDA_TEST_CAP:-120}" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
-  tests/flashkda/test_backward_gated.py -k "saved_chunk_local or fused_gated_dots" 2>&1 | tail -n 15
+  tests/flashkda/test_backward_gated.py -k "${KDA_TESTS:-saved_chunk_local or saved_inverse or fused_gated_dots}" \
+  2>&1 | tail -n 15
 echo "=== tests rc=${PIPESTATUS[0]} $(date +%T)"
 cat "$LOGS"/A_*.log > "$OUT/phaseA.log"
 cp "$LOGS/B_main.log" "$OUT/" 2>/dev/null

@@ -394,153 +394,6 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
                                    dkg, dkend, dq, dk, dg, scale)
 
 
-@triton.jit
-def _pair_group(blk_t, blk_i, X: tl.constexpr):
-    """Which (row block ``blk_t``, column block ``blk_i``) pairs group ``X`` covers (broadcasting index tensors):
-    0 the adjacent pairs (1, 0), (3, 2); 1 the far pairs (2 | 3, 0 | 1), which include (2, 1); 2 the diagonal."""
-    if X == 0:
-        return (blk_t == blk_i + 1) & (blk_t % 2 == 1)
-    elif X == 1:
-        return (blk_t >= 2) & (blk_i < 2)
-    else:
-        return blk_t == blk_i
-
-
-@triton.jit
-def _pair_group_side(e_0, e_1, e_2r, e_2c, blk, X: tl.constexpr, ROW: tl.constexpr):
-    """Gate factor ``[C, BK]`` of pair group ``X`` for its rows (``ROW``: ``exp(G_t - G_ref)``) or its columns
-    (``exp(G_ref - G_i)``), zero outside the group, from the factors of `_pair_group_factors`."""
-    if X == 0:
-        return tl.where((blk % 2 == (1 if ROW else 0))[:, None], e_0, 0.0)
-    elif X == 1:
-        return tl.where(((blk >= 2) if ROW else (blk < 2))[:, None], e_1, 0.0)
-    elif ROW:
-        return e_2r
-    else:
-        return e_2c
-
-
-@triton.jit
-def _pair_group_factors(gam, base, b_g, blk, o_k, K: tl.constexpr, BC: tl.constexpr):
-    """``(e_0, e_1, e_2r, e_2c)`` ``[C, BK]``, the gate factors of the three pair groups, each referenced at a block
-    boundary between the blocks of every pair so that both factors are ``<= 1``: group 0 (adjacent pairs) at the end
-    of the column block, which is the row before the row block; group 1 (far pairs) at the end of block 1. A row of
-    those groups is a row or a column of the group, never both, so one exponential per element serves both sides:
-    ``e_X = exp(G_t - G_ref)`` on the group's rows and ``exp(G_ref - G_t)`` on its columns. The diagonal group uses
-    each block's middle row (factors within ``exp(8 max|g|)``, as `_diag_block_bwd`): ``e_2r = exp(G - G_mid)``,
-    ``e_2c = exp(G_mid - G)``."""
-    odd = (blk % 2 == 1)[:, None]
-    # [C, BK] references gathered from memory (repeated addresses, L1)
-    i_ref = tl.where(blk % 2 == 1, blk * BC - 1, blk * BC + BC - 1)
-    b_ref = tl.load(gam + base + i_ref[:, None] * K + o_k[None, :]).to(tl.float32)
-    e_0 = tl.exp(tl.where(odd, b_g - b_ref, b_ref - b_g))
-    b_ref = tl.load(gam + base + (2 * BC - 1) * K + o_k).to(tl.float32)
-    e_1 = tl.exp(tl.where((blk >= 2)[:, None], b_g - b_ref[None, :], b_ref[None, :] - b_g))
-    b_ref = tl.load(gam + base + (blk * BC + BC // 2)[:, None] * K + o_k[None, :]).to(tl.float32)
-    return e_0, e_1, tl.exp(b_g - b_ref), tl.exp(b_ref - b_g)
-
-
-@triton.jit
-def _pair_groups_side(p_A, m_A, b_rs, b_x, e_0, e_1, e_2r, e_2c, blk, ROW: tl.constexpr, HAS_RS: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """One side of a gated product's backward over the three pair groups, each an ``M = C`` product: the row side
-    (``ROW``; ``p_A`` the chunk's dA ``[C, C]``, ``b_x`` the column operand) ``sum_X r_X (A_X (x c_X))``, or the
-    column side (dA read transposed, ``b_x`` the row operand) ``sum_X c_X (A_X^T (x r_X))``. Each
-    group's part of dA is loaded with its mask (``m_A``: the causal mask), straight into the product, so no
-    ``[C, C]`` tile stays live across groups; ``b_rs`` (``HAS_RS``, row side only: the column side takes it on its
-    operand) scales the rows of dA. ``[C, BK]`` fp32."""
-    C: tl.constexpr = b_x.shape[0]
-    b_out = tl.zeros(b_x.shape, dtype=tl.float32)
-    for X in tl.static_range(3):
-        if ROW:
-            m = _pair_group(blk[:, None], blk[None, :], X) & m_A
-        else:
-            m = _pair_group(blk[None, :], blk[:, None], X) & m_A
-        # int32 offsets rebuilt per load: a [C, C] tensor of 64-bit pointers kept live would cost 64 registers
-        o_t = tl.arange(0, C)
-        o_a = (o_t[:, None] * C + o_t[None, :]) if ROW else (o_t[None, :] * C + o_t[:, None])
-        # loaded straight into the product (an elementwise op on it would make Triton feed wgmma from registers,
-        # 32 more per thread for every product in flight)
-        b_A = tl.load(p_A + o_a, mask=m, other=0.0).to(tl.float32)
-        b_in = _pair_group_side(e_0, e_1, e_2r, e_2c, blk, X, not ROW)
-        b_out += _pair_group_side(e_0, e_1, e_2r, e_2c, blk, X, ROW) * tl.dot(b_A, b_x * b_in,
-                                                                            input_precision=DOT_PRECISION)
-    if HAS_RS:
-        # the row scale of dA, on the rows of the result
-        b_out = b_out * b_rs[:, None]
-    return b_out
-
-
-@triton.jit
-def chunk_kda_bwd_kernel_gated_dots_gates_chunk(
-    q,
-    k,
-    gam,
-    dakk,
-    daqk,
-    dakk_rs,
-    dqg,
-    dkg,
-    dkend,
-    ddec,
-    dq,
-    dk,
-    dg,
-    scale,
-    C: tl.constexpr,
-    K: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HAS_RS: tl.constexpr,
-):
-    # Same result as chunk_kda_bwd_kernel_gated_dots_gates_blocks, one program per (chunk, BK features), without a
-    # loop over row blocks: the block pairs of the chunk fall into three groups (_pair_group) that each share one gate
-    # reference per pair, so every side of every gated product is three whole-chunk products ([C, C] x [C, BK],
-    # M = C = 64, one warpgroup's tile) instead of sixteen-row ones; then the gate chain over the whole chunk at once.
-    # One [C, C] gradient tile is live at a time; the three sums (dq, dk, dG) accumulate as the sides finish.
-    tl.static_assert(C == 4 * BC, "the pair groups are written out for four row blocks")
-    i_b, i_kb = tl.program_id(0), tl.program_id(1)
-    base = i_b.to(tl.int64) * C * K
-    base_a = i_b.to(tl.int64) * C * C
-    o_k = i_kb * BK + tl.arange(0, BK)
-    o_t = tl.arange(0, C)
-    blk = o_t // BC
-    p = base + o_t[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p).to(tl.float32)
-    b_k = tl.load(k + p).to(tl.float32)
-    e_0, e_1, e_2r, e_2c = _pair_group_factors(gam, base, tl.load(gam + p).to(tl.float32), blk, o_k, K, BC)
-    # [C, C] gradients and their transposes read straight from memory (no register transpose of an fp32 operand)
-    b_rs = tl.full([C], 1.0, dtype=tl.float32)
-    if HAS_RS:
-        b_rs = tl.load(dakk_rs + i_b.to(tl.int64) * C + o_t).to(tl.float32)
-    m_strict = o_t[:, None] > o_t[None, :]
-    m_incl = o_t[:, None] >= o_t[None, :]
-    # Akk (k with k, strictly lower; dAkk's row scale on its rows): both sides reach dk and dG
-    b_x = _pair_groups_side(dakk + base_a, m_strict, b_rs, b_k, e_0, e_1, e_2r, e_2c, blk, True, HAS_RS, DOT_PRECISION)
-    b_dk = b_x
-    b_dgam = b_k * b_x
-    b_x = _pair_groups_side(dakk + base_a, tl.trans(m_strict), b_rs, b_k * b_rs[:, None], e_0, e_1, e_2r, e_2c, blk,
-                            False, False,
-                            DOT_PRECISION)
-    b_dk += b_x
-    b_dgam -= b_k * b_x
-    # Aqk (q with k, lower with the diagonal, times scale): the row side is dq, the column side reaches dk
-    b_dq = _pair_groups_side(daqk + base_a, m_incl, b_rs, b_k, e_0, e_1, e_2r, e_2c, blk, True, False,
-                             DOT_PRECISION) * scale
-    b_dgam += b_q * b_dq
-    b_x = _pair_groups_side(daqk + base_a, tl.trans(m_incl), b_rs, b_q, e_0, e_1, e_2r, e_2c, blk, False, False,
-                            DOT_PRECISION) * scale
-    b_dk += b_x
-    b_dgam -= b_k * b_x
-    # [BK] G at the chunk end: it feeds kend (every row) and dec = exp(G_C), so its gradient reaches every row of dg
-    b_g = tl.load(gam + p).to(tl.float32)
-    b_gend = tl.load(gam + base + (C - 1) * K + o_k).to(tl.float32)
-    b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
-    b_carry += tl.sum(b_k * tl.exp(b_gend[None, :] - b_g) * tl.load(dkend + p).to(tl.float32), axis=0)
-    _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg, dkg, dkend, dq, dk, dg, scale)
-
-
 def _check(*xs: torch.Tensor) -> None:
     assert all(x.is_contiguous() for x in xs), "gated-dot operands must be contiguous"
     C, K = xs[0].shape[-2:]
@@ -636,13 +489,9 @@ def chunk_kda_gated_dots_gates_bwd(
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     args = (q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale)
     BK = min(K, GATES_BWD_BK)
-    kernel = GATES_BWD_KERNEL if C == 4 * BC else "blocks"
-    warps = GATES_BWD_WARPS or {"blocks": 2, "rows": 4, "chunk": GATES_CHUNK_WARPS}[kernel]
-    if kernel == "chunk":
-        chunk_kda_bwd_kernel_gated_dots_gates_chunk[(nb, K // BK)](
-            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=warps,
-        )
-    elif kernel == "blocks":
+    blocks = GATES_BWD_KERNEL == "blocks"
+    warps = GATES_BWD_WARPS or (2 if blocks else 4)
+    if blocks:
         chunk_kda_bwd_kernel_gated_dots_gates_blocks[(nb, K // BK)](
             *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=warps,
         )
@@ -663,11 +512,7 @@ GATES_BWD_WARPS: int | None = None
 #: and feature slice, one product per side and row block against whole-chunk operands) or "rows" (one program per
 #: chunk, loops over 16-row blocks that reload their operands; 2.66 ms at B1-T8192-H64, 00:34 UTC). Read from
 #: FLASHKDA_BWD_GATES_KERNEL.
-GATES_BWD_KERNEL = env_choice("FLASHKDA_BWD_GATES_KERNEL", "blocks", ("blocks", "rows", "chunk"))
-#: Warps of the "chunk" kernel (`chunk_kda_bwd_kernel_gated_dots_gates_chunk`: whole-chunk M = 64 products over three
-#: pair groups; opt-in, not timed yet). Offline sm_90 (Triton 3.9, tf32, BK 32): 255 registers, 40 B spilled at 8
-#: warps, 1196 B at 4 (BK 16 at 4 warps: 140 B).
-GATES_CHUNK_WARPS = 8
+GATES_BWD_KERNEL = env_choice("FLASHKDA_BWD_GATES_KERNEL", "blocks", ("blocks", "rows"))
 
 
 #: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add

@@ -26,7 +26,7 @@ from flashkda.chunk_bwd_gated import (
     fused_gates,
 )
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
-from flashkda.chunk_bwd_inverse import ut_inverse
+from flashkda.chunk_bwd_inverse import saved_inverse_fp32, ut_inverse
 from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
 from flashkda.env import env_choice
 
@@ -55,7 +55,7 @@ class SavedLocal:
     """The forward kernels' chunk-local matrices for the heads of one backward slice, contiguous ``[NC, HS, C, C]``
     blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s
     ``store_local``). The Triton passes read ``aqk`` and ``akk`` as they are (they load into fp32 registers); the
-    torch GEMMs need ``minv`` in fp32, converted where it is read (`fp32`)."""
+    torch GEMMs need ``minv`` in fp32, converted where it is read (``flashkda.chunk_bwd_inverse.saved_inverse_fp32``)."""
 
     aqk: torch.Tensor
     """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t``, zero elsewhere."""
@@ -63,11 +63,6 @@ class SavedLocal:
     """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t``, zero elsewhere."""
     minv: torch.Tensor
     """``(I + Diag(beta) Akk)^-1``."""
-
-    @staticmethod
-    def fp32(x: torch.Tensor) -> torch.Tensor:
-        """``x`` as a contiguous fp32 ``[NC, HS, C, C]`` tensor (one copy)."""
-        return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,7 @@ class ChunkLocal:
 
     def minv_fp32(self) -> torch.Tensor:
         """``minv``, converted from the saved copy if need be."""
-        return self.minv if self.minv is not None else SavedLocal.fp32(self.saved.minv)
+        return self.minv if self.minv is not None else saved_inverse_fp32(self.saved.minv)
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -200,7 +195,7 @@ def chunk_local_prepare(
     if _fused(q) and saved_local is not None:
         # M Diag(beta) (columns scaled, as ut_inverse returns it) in fp32 straight from the saved copy; M itself and
         # Akk are converted where the chain rule reads them
-        minv_b = (saved_local.minv * beta.unsqueeze(-2)).contiguous()
+        minv_b = saved_inverse_fp32(saved_local.minv, beta)
         w, u = minv_b @ kg, minv_b @ v
         del minv_b
         return ChunkLocal(qg=qg, aqk=saved_local.aqk, kend=kend, dec=dec, w=w, u=u, akk=None, gam=gam, kg=kg,
