@@ -4,8 +4,9 @@
 # timed in one device call through benchmarks/device/run.sh (carry .whl, .k3_commit, .fla-autotune.tgz):
 #   bash benchmarks/device/run.sh bash benchmarks/kda/save_round.sh
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
-#   off at B1-T8192-H64, one untimed pass of the gate-chain sweep.
-# B1: ours only at B1-T8192-H64, switch on / off / on / off (each its own process, cap 50 s): the same-run A/B; then
+#   off and with the saved states at B1-T8192-H64, one untimed pass of the gate-chain sweep.
+# B1: ours only at B1-T8192-H64, saved matrices on / off / on with the saved states (FLASHKDA_BWD_SAVE_STATES=1,
+#   opt-in), twice (each its own process, cap 50 s): the same-run A/B/C; then
 #   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default "32:2 rows:32:4";
 #   the whole-chunk kernel timed here at 02:50 and 03:00 UTC was deleted after, see NOTES).
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
@@ -20,6 +21,7 @@ ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
 echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
 start_train_warmups "$WARM" $ROWS
 FLASHKDA_BWD_SAVE_LOCAL=0 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_nosave.log" 2>&1 &
+FLASHKDA_BWD_SAVE_STATES=1 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_states.log" 2>&1 &
 GATES=${KDA_GATES:-32:2 rows:32:4}
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --dots --bv --state --gates $GATES"
 timeout -k 5 "$WARM" $SWEEP --rep 1 > "$LOGS/A_sweep.log" 2>&1 &
@@ -27,10 +29,10 @@ wait
 echo "=== phase A done $(date +%T)"
 for f in "$LOGS"/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
 echo "=== phase B1: save-local A/B, ours only, B1-T8192-H64 $(date +%T)"
-for s in 1 0 1 0; do
-  echo "--- FLASHKDA_BWD_SAVE_LOCAL=$s"
-  FLASHKDA_BWD_SAVE_LOCAL=$s timeout -k 5 50 $TRAIN --ours-only --no-write --no-gate --steps 0 --rep 10 \
-    --cases B1-T8192-H64 2>&1 | grep -v "^\s*$" | tail -n 3
+for cfg in 1:0 0:0 1:1 1:0 0:0 1:1; do
+  echo "--- FLASHKDA_BWD_SAVE_LOCAL=${cfg%:*} FLASHKDA_BWD_SAVE_STATES=${cfg#*:}"
+  FLASHKDA_BWD_SAVE_LOCAL=${cfg%:*} FLASHKDA_BWD_SAVE_STATES=${cfg#*:} timeout -k 5 50 $TRAIN --ours-only --no-write \
+    --no-gate --steps 0 --rep 10 --cases B1-T8192-H64 2>&1 | grep -v "^\s*$" | tail -n 3
 done
 echo "=== phase B1: gate-chain sweep $(date +%T)"
 timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
@@ -40,7 +42,7 @@ timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" 
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
 echo "=== phase C: gpu runs of the saved-matrices and gate-chain tests (cap ${KDA_TEST_CAP:-120}s) $(date +%T)"
 timeout -k 5 "${KDA_TEST_CAP:-120}" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
-  tests/flashkda/test_backward_gated.py -k "${KDA_TESTS:-saved_chunk_local or saved_inverse or fused_gated_dots}" \
+  tests/flashkda/test_backward_gated.py -k "${KDA_TESTS:-saved_chunk_local or saved_inverse or saved_states or widen_head or fused_gated_dots}" \
   2>&1 | tail -n 15
 echo "=== tests rc=${PIPESTATUS[0]} $(date +%T)"
 cat "$LOGS"/A_*.log > "$OUT/phaseA.log"

@@ -242,7 +242,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
               "ours_gated_dots": gated_dots, "ours_head_slices": len(slices),
               "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128),
-              "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled()}
+              "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
+              "ours_save_states": autograd.save_states_enabled()}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashkda.chunk_bwd import chunk_kda_train_bwd, chunk_kda_train_fwd
+from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_local import SavedLocal
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
+from flashkda.chunk_bwd_saved import widen_head_slice
 from flashkda.chunk_bwd_ut import fused_wy
 from flashkda.env import env_flag
 
@@ -149,6 +150,17 @@ def save_local_enabled() -> bool:
     return env_flag(SAVE_LOCAL_ENV, True)
 
 
+#: Environment switch, opt-in (not timed yet): the training forward also keeps the split state path's bf16 ``h`` and
+#: ``v_new`` (``[NC, HV, K, V]`` + ``[B, T, HV, V]``, 384 MiB at B1-T8192-H64) so the backward skips its state
+#: recompute; ``1`` turns it on.
+SAVE_STATES_ENV = "FLASHKDA_BWD_SAVE_STATES"
+
+
+def save_states_enabled() -> bool:
+    """Whether the training forward keeps its per-chunk states for the backward (read at each forward call)."""
+    return env_flag(SAVE_STATES_ENV, False)
+
+
 def _fused_prologue(q: torch.Tensor) -> bool:
     # The Triton prologue handles fp32/bf16/fp16 inputs with power-of-two K (the state passes need that too).
     K = q.shape[-1]
@@ -187,13 +199,14 @@ class ChunkKDAFunction(torch.autograd.Function):
         fused_fwd = _forward_kernels()
         h = v_new = None
         use_kernels = opts.forward_impl == "kernels" and not opts.disable_recompute
-        local = ()
+        local = states = ()
         HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         # the backward's head slices, fixed here: the saved chunk-local matrices are laid out slice by slice
         ctx.head_slices = backward_head_slices(layout.chunk_offsets.numel() - 1, layout.num_chunks, HV,
                                                HV // q.shape[2], layout.C, K, V)
         if fused_fwd is not None and q.dtype != torch.float64 and use_kernels:
             save_local = _fused_prologue(q) and save_local_enabled()
+            save_states = _fused_prologue(q) and save_states_enabled()
             result = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),
@@ -202,9 +215,11 @@ class ChunkKDAFunction(torch.autograd.Function):
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
                 output_local=save_local, local_heads=ctx.head_slices[0][1] - ctx.head_slices[0][0],
+                output_states=save_states,
             )
             o, ht = result[:2]
-            local = result[3] if save_local else ()
+            if save_local or save_states:
+                local, states = result[3]
         else:
             cdt = _compute_dtype(q)
             gate_factors = None
@@ -223,7 +238,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             if ht is not None:
                 ht = ht.float() if cdt == torch.float32 else ht
                 ht = ht.transpose(-1, -2).contiguous() if opts.state_v_first else ht
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *local)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *local, *states)
+        ctx.num_local = len(local)
         ctx.layout, ctx.opts = layout, opts
         ctx.set_materialize_grads(False)
         return o, ht
@@ -236,7 +252,8 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *local = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *kept = ctx.saved_tensors
+        local, states = tuple(kept[: ctx.num_local]), tuple(kept[ctx.num_local :])
         layout, opts = ctx.layout, ctx.opts
         cdt = _compute_dtype(q)
         names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -246,7 +263,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if dht is not None:
             dhtc = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(cdt).contiguous()
         if _fused_prologue(q):
-            grads, dh0 = _backward_in_head_slices(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new, local)
+            grads, dh0 = _backward_in_head_slices(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new, local, states)
         else:
             grads, dh0 = _backward_through_torch_prologue(ctx, inputs, opts, layout, h0, do, dhtc, h, v_new)
         if dh0 is not None and ctx.needs_input_grad[7]:
@@ -295,11 +312,13 @@ BWD_MIN_STATE_PROGRAMS = 16
 BWD_HEAD_SLICES: int | None = None  # a fixed slice count (benchmarks compare counts with it); None: the rule above
 
 
-def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new, local=()):
+def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout, h0, do, dhtc, h, v_new, local=(),
+                             states=()):
     """Fused backward (Triton prologue, state passes, chain rule, prologue backward), slice by slice of heads.
 
     ``local``: ``(Aqk, Akk, Minv)`` ``[slices, NC, HS, 64, 64]`` saved by the forward kernels for the slices of
-    ``ctx.head_slices`` (see `save_local_enabled`), or empty to recompute them.
+    ``ctx.head_slices`` (see `save_local_enabled`), or empty to recompute them. ``states``: the forward's
+    ``(h [NC, HV, K, V], v_new [B, T, HV, V])`` (see `save_states_enabled`), or empty to recompute them.
 
     Returns:
         ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
@@ -328,16 +347,27 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             doc = to_chunks(do[:, :, hv0:hv1], layout, do_dtype)
         else:
             doc = torch.zeros_like(chunks[2])
-        saved = None
-        if local and fused:
-            # contiguous [NC, HS, C, C] blocks (varlen: the forward's chunk count is an upper bound)
-            saved = SavedLocal(*(x[hv0 // (hv1 - hv0), : layout.num_chunks] for x in local))
-        *dchunks, dh0_s = chunk_kda_train_bwd(
-            *chunks, scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, do=doc,
-            dht=part(dhtc), h=part(h), v_new=part(v_new), dot_precision=dot_precision, gate_factors=gate_factors,
-            saved_local=saved,
-        )
-        del chunks, gate_factors, doc, saved
+        common = dict(scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, dht=part(dhtc),
+                      dot_precision=dot_precision)
+        if fused:
+            saved = None
+            if local:
+                # contiguous [NC, HS, C, C] blocks (varlen: the forward's chunk count is an upper bound)
+                saved = SavedLocal(*(x[hv0 // (hv1 - hv0), : layout.num_chunks] for x in local))
+            h_s, v_new_s = part(h), part(v_new)
+            if states and h_s is None:
+                h_s = widen_head_slice(states[0], hv0, hv1, layout.num_chunks)
+                v_new_s = to_chunks(states[1][:, :, hv0:hv1], layout, cdt)
+            q_c, k_c, v_c, _, beta_c = chunks
+            # the slice's pass owns its tensors (and frees each once read for the last time): keep no reference here
+            work = [q_c, k_c, v_c, beta_c, doc, *gate_factors, h_s, v_new_s]
+            del chunks, gate_factors, doc, q_c, k_c, v_c, beta_c, h_s, v_new_s
+            *dchunks, dh0_s = chunk_kda_slice_bwd(work, **common, saved_local=saved)
+            del saved
+        else:
+            *dchunks, dh0_s = chunk_kda_train_bwd(*chunks, **common, do=doc, h=part(h), v_new=part(v_new),
+                                                  gate_factors=gate_factors)
+            del chunks, gate_factors, doc
         out = out or RawGrads.empty_like_inputs(*raw, layout.num_chunks)
         chunk_kda_prologue_bwd(*raw, A_log, dt_bias, opts, layout, tok, *dchunks, out=out, heads=(hv0, hv1))
         del dchunks

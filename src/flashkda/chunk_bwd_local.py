@@ -22,16 +22,13 @@ import torch
 from flashkda.chunk_bwd_gated import (
     chunk_kda_gated_dots,
     chunk_kda_gated_dots_bwd,
-    chunk_kda_gated_dots_gates_bwd,
-    fused_gates,
 )
 from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
-from flashkda.chunk_bwd_inverse import saved_inverse_fp32, ut_inverse
-from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
+from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.env import env_choice
 
 __all__ = [
-    "SUB_CHUNK", "ChunkLocal", "SavedLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
+    "SUB_CHUNK", "ChunkLocal", "SavedLocal", "chunk_local_bwd", "gated_dots_and_gates_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
     "gated_dot_precision",
 ]
 
@@ -71,42 +68,24 @@ class ChunkLocal:
 
     qg: torch.Tensor
     """``scale * q * exp(G)``, ``[NC, HV, C, K]``."""
-    aqk: torch.Tensor | None
-    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``
-    (bf16 when saved by the forward for bf16 input: its readers load it into fp32);
-    ``w``, ``u`` and ``aqk`` are dropped (None) before the fused chain rule, which does not read them."""
+    aqk: torch.Tensor
+    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t`` (zero above the diagonal), ``[NC, HV, C, C]``."""
     kend: torch.Tensor
     """``k * exp(G_C - G)``, ``[NC, HV, C, K]``."""
     dec: torch.Tensor
     """``exp(G_C)``, the decay over the whole chunk, ``[NC, HV, K]``."""
-    w: torch.Tensor | None
+    w: torch.Tensor
     """``T (k * exp(G))``, ``[NC, HV, C, K]``."""
-    u: torch.Tensor | None
+    u: torch.Tensor
     """``T v``, ``[NC, HV, C, V]``."""
-    akk: torch.Tensor | None
-    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only (None
-    when ``saved`` holds it)."""
+    akk: torch.Tensor
+    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t`` (zero elsewhere), ``[NC, HV, C, C]``; backward only."""
     gam: torch.Tensor
     """``G``, the in-chunk cumulative log-gate, ``[NC, HV, C, K]``; backward only."""
     kg: torch.Tensor
     """``k * exp(G)``, ``[NC, HV, C, K]``; backward only."""
     minv: torch.Tensor | None = None
     """``(I + Diag(beta) Akk)^-1``, ``[NC, HV, C, C]``, when formed explicitly (fused path); backward only."""
-    saved: SavedLocal | None = None
-    """The forward's matrices, when it kept them: then ``akk`` and ``minv`` are None and read from here."""
-
-    @property
-    def explicit_inverse(self) -> bool:
-        """Whether the fused chain rule applies (the inverse is at hand, formed here or saved by the forward)."""
-        return self.minv is not None or self.saved is not None
-
-    def akk_operand(self) -> torch.Tensor:
-        """``akk`` for the Triton passes: formed here (fp32) or the saved copy (its own dtype)."""
-        return self.akk if self.akk is not None else self.saved.akk
-
-    def minv_fp32(self) -> torch.Tensor:
-        """``minv``, converted from the saved copy if need be."""
-        return self.minv if self.minv is not None else saved_inverse_fp32(self.saved.minv)
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -161,7 +140,6 @@ def chunk_local_prepare(
     scale: float,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
     dot_precision: str = "ieee",
-    saved_local: SavedLocal | None = None,
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -176,8 +154,6 @@ def chunk_local_prepare(
         gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
             they are computed here from ``g``.
         dot_precision: the caller's product precision (``"tf32"`` for bf16/fp16 callers, see `gated_dot_precision`).
-        saved_local: the forward kernels' ``Aqk``, ``Akk`` and inverse (`SavedLocal`): used instead of recomputing
-            them on the fused path (fp32, grad disabled); ignored on the torch path.
 
     Returns:
         A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
@@ -192,14 +168,6 @@ def chunk_local_prepare(
         qg = (scale * q) * torch.exp(gam)
         kend = k * torch.exp(gam_end - gam)
         dec = torch.exp(gam_end.squeeze(-2))
-    if _fused(q) and saved_local is not None:
-        # M Diag(beta) (columns scaled, as ut_inverse returns it) in fp32 straight from the saved copy; M itself and
-        # Akk are converted where the chain rule reads them
-        minv_b = saved_inverse_fp32(saved_local.minv, beta)
-        w, u = minv_b @ kg, minv_b @ v
-        del minv_b
-        return ChunkLocal(qg=qg, aqk=saved_local.aqk, kend=kend, dec=dec, w=w, u=u, akk=None, gam=gam, kg=kg,
-                          saved=saved_local)
     if _fused(q):
         akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
     else:
@@ -286,8 +254,6 @@ def chunk_local_bwd(
     """
     C, K = k.shape[-2:]
     hT = h.transpose(-1, -2)
-    if local.explicit_inverse:
-        return _chunk_local_bwd_fused(q, k, v, beta, scale, local, hT, v_new, do, dhe, dv_new, h, dot_precision)
     # Cotangents of the chunk-local quantities: o = qg h + Aqk v_new, v_new = u - w h, h' = Diag(dec) h + kend^T v_new.
     dqg = do @ hT
     daqk = (do @ v_new.transpose(-1, -2)).tril() * scale
@@ -330,43 +296,19 @@ def chunk_local_bwd(
     return dq, dk, dv, dg, dbeta
 
 
-def _chunk_local_bwd_fused(q, k, v, beta, scale, local: ChunkLocal, hT, v_new, do, dhe, dv_new, h, dot_precision):
-    """`chunk_local_bwd` with Triton kernels and the UT shortcut of `flashkda.chunk_bwd_ut` (fp32 operands)."""
-    if fused_wy(dot_precision, k.shape[-1], v.shape[-1]):
-        # one Triton pass: y_u, y_wn, P and the gate-chain products stay on chip (flashkda.chunk_bwd_ut)
-        dv, dkg, dbeta, ddec, p, daqk, dqg, dkend = chunk_kda_bwd_wy(
-            local.minv_fp32(), dv_new, h, v_new, do, dhe, local.kg, v, local.akk_operand(), beta,
-            dot_precision=dot_precision,
-        )
-    else:
-        v_newT = v_new.transpose(-1, -2)
-        dqg = do @ hT
-        dkend = v_new @ dhe.transpose(-1, -2)
-        y_u = local.minv_fp32().transpose(-1, -2) @ dv_new
-        # y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
-        y_wn = y_u @ hT
-        p = y_u @ v_newT
-        dv, dkg, dbeta, ddec = chunk_kda_bwd_ut(y_u, y_wn, p, local.kg, v, local.akk_operand(), beta, h, dhe)
-        del y_u, y_wn  # before the gated-product backward allocates (peak memory)
-        daqk = do @ v_newT
-    if fused_gates(dot_precision, k.shape[-1]):
-        # gated-product backward and gate chain in one pass (dq, dk, dG stay on chip)
-        dq, dk, dg = chunk_kda_gated_dots_gates_bwd(
-            q, k, local.gam, p, daqk, dqg, dkg, dkend, ddec, scale=scale,
-            dot_precision=gated_dot_precision(dot_precision), dakk_row_scale=(-beta).contiguous(),
-        )
-        return dq, dk, dv, dg, dbeta
+def gated_dots_and_gates_bwd(q, k, gam, qg, kend, dec, p, daqk, dqg, dkg, dkend, ddec, beta, scale: float,
+                             dot_precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dg)`` by the two separate passes (gated-product backward, then `chunk_kda_bwd_gates`) for callers
+    the fused gate chain does not serve: fp32 callers (``"ieee"``: ``dG`` assembled in fp64) and ``K > 128``.
+    ``p`` is ``-dl`` before the strict-lower mask (see ``flashkda.chunk_bwd_ut``); all ``[..., C, *]`` fp32."""
     if dot_precision == "ieee":
-        dq, dk, dgam = _gated_dots_bwd_fp64(q, k, local.gam, -beta.unsqueeze(-1) * p, scale * daqk)
+        dq, dk, dgam = _gated_dots_bwd_fp64(q, k, gam, -beta.unsqueeze(-1) * p, scale * daqk)
     else:
         dq, dk, dgam = chunk_kda_gated_dots_bwd(
-            q, k, local.gam, p, daqk, dot_precision=gated_dot_precision(dot_precision),
+            q, k, gam, p, daqk, dot_precision=gated_dot_precision(dot_precision),
             dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
         )
-    dq, dk, dg = chunk_kda_bwd_gates(
-        k, local.gam, local.qg, local.kend, local.dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale
-    )
-    return dq, dk, dv, dg, dbeta
+    return chunk_kda_bwd_gates(k, gam, qg, kend, dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale)
 
 
 def _gated_dots_bwd_fp64(q, k, gam, dakk, daqk):

@@ -5,11 +5,22 @@ No kernels live here; inputs are assumed validated (see ``flashkda.checks``) and
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
 from flashkda.chunk_state import chunk_kda_fwd_state_o
 from flashkda.index import build_chunk_index
+
+
+class TrainingSaved(NamedTuple):
+    """What the training forward keeps from the forward kernels for the backward (see `chunk_kda_fwd`)."""
+
+    local: tuple
+    """``(Aqk, Akk, Minv)`` in the backward's chunked layout, or empty."""
+    states: tuple
+    """``(h, v_new)`` of the split state path as stored, or empty."""
 
 
 def work_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -47,6 +58,7 @@ def chunk_kda_fwd(
     final_state: torch.Tensor | None = None,
     output_local: bool = False,
     local_heads: int | None = None,
+    output_states: bool = False,
 ) -> tuple:
     """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
 
@@ -64,13 +76,17 @@ def chunk_kda_fwd(
         output_local: also return ``(Aqk, Akk, Minv)``, the chunk-local matrices the training backward would
             otherwise recompute, in its chunked layout (see ``chunk_kda_fwd_intra``'s ``store_local``), in head
             slices of ``local_heads`` value heads (None: one slice).
+        output_states: also return the split state path's ``(h, v_new)`` as stored (bf16 for bf16 input), empty
+            when the fused path ran (it keeps no per-chunk states).
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
         layout or None; ``h`` ``[NC, HV, K, V]`` fp32 states at chunk starts (``NC`` = global chunk count, for
-        varlen an upper bound whose surplus rows are unwritten) or None. With ``output_local`` a fourth item:
-        ``(Aqk, Akk, Minv)``, each ``[HV / local_heads, NC, local_heads, 64, 64]`` (bf16 for bf16 input, else fp32;
-        for varlen ``NC`` is the index's upper bound and the surplus chunks are unwritten).
+        varlen an upper bound whose surplus rows are unwritten) or None. With ``output_local`` or ``output_states``
+        a fourth item, `TrainingSaved`: ``local`` = ``(Aqk, Akk, Minv)``, each
+        ``[HV / local_heads, NC, local_heads, 64, 64]`` (bf16 for bf16 input, else fp32; for varlen ``NC`` is the
+        index's upper bound and the surplus chunks are unwritten), ``states`` = ``(h, v_new)`` (``h``
+        ``[NC, HV, K, V]``, ``v_new`` ``[B, T, HV, V]``); each empty unless asked for.
     """
     B, T = q.shape[:2]
     index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
@@ -81,8 +97,11 @@ def chunk_kda_fwd(
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, index, work_dtype, dot_prec, store_local=output_local,
         local_heads=local_heads,
     )
+    states = [] if output_states else None
     result = chunk_kda_fwd_state_o(
         w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index, q.dtype, dot_prec,
-        output_h=output_h, block_v=block_v, out=out, final_state=final_state,
+        output_h=output_h, block_v=block_v, out=out, final_state=final_state, states_out=states,
     )
-    return (*result, tuple(local)) if output_local else result
+    if not (output_local or output_states):
+        return result
+    return (*result, TrainingSaved(tuple(local), tuple(states or ())))

@@ -499,7 +499,7 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
                           out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
                           num_warps=4, num_stages=1, split=None, o_config=None, hilo=False, blocked=None,
-                          precs=None, o_hilo=None):
+                          precs=None, o_hilo=None, states_out=None):
     """State recurrence and output from the intra stage's tensors.
 
     Args:
@@ -521,6 +521,9 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
             ``K <= BLOCKED_MAX_K`` and not ``hilo``.
         precs: ``(PREC_WS, PREC_KV)`` of the blocked pass (None: ``HALF_PRECS`` for bf16, tf32 for fp16, exact
             for fp32 input).
+        states_out: a list that receives ``(h, v_new)`` of the split path (``h`` ``[NC, HV, K, V]`` and ``v_new``
+            ``[B, T, HV, V]`` in their stored dtypes, bf16 for bf16 input) for the training backward; left empty
+            by the fused path, which keeps no per-chunk states.
 
     Returns:
         ``(o, final_state, h)`` as ``flashkda.chunk_fwd.chunk_kda_fwd``.
@@ -545,9 +548,11 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
                              f"(one stage crashed on the device), got {num_stages}")
         if output_h:
             raise ValueError("output_h: the split state path keeps its states in its own dtype; use split=False")
-        _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK,
-                     block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16, blocked, precs,
-                     o_hilo)
+        states = _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK,
+                              block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16, blocked,
+                              precs, o_hilo)
+        if states_out is not None:
+            states_out.extend(states)
         return o, ht, h
     args = (w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
             T, index.chunks_per_seq, N * HV)
@@ -607,6 +612,8 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
     budget 5e-3; the CPU numbers that once kept it fp32 came from the interpreter's truncating casts). Inside the
     recurrence v_new stays fp32 in registers and enters ``kgᵀ v_new`` as a bf16 hi/lo split (bf16 there raised
     the final-state error by ~0.7e-3). fp32 input keeps fp32 everywhere with exact products.
+
+    Returns ``(h, v_new)`` as stored (``[NC, HV, K, V]``, ``[B, T, HV, V]``).
     """
     B, T, HV, K = w.shape
     V = u.shape[-1]
@@ -632,6 +639,7 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
         chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
                                                                     num_stages=num_stages)
     state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config, o_hilo)
+    return h, vn
 
 
 def _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_stages):

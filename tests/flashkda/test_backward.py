@@ -340,7 +340,7 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
     backward's recompute of them: gradients equal the recomputing backward's over varlen with partial and empty
     sequences, GVA, the bounded in-kernel gate, state in/out and two head slices, and the recompute never runs."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd_local
+    from flashkda import chunk_bwd
 
     case = Case(T=150, H=2, HV=4, dtype=dtype, cu_seqlens=(0, 37, 37, 150), initial_state=True,
                 output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -358,8 +358,8 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
         raise AssertionError("the backward recomputed Akk/Aqk although the forward saved them")
 
     monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "1")
-    monkeypatch.setattr(chunk_bwd_local, "chunk_kda_gated_dots", no_recompute)
-    monkeypatch.setattr(chunk_bwd_local, "ut_inverse", no_recompute)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_gated_dots", no_recompute)
+    monkeypatch.setattr(chunk_bwd, "ut_inverse", no_recompute)
     _, _, saved = _run(chunk_kda_autograd, x, case, do, dht)
     # fp32: the same math in another rounding order; bf16: the saved matrices are rounded to bf16 like fla's
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -373,3 +373,35 @@ def test_save_local_switch_rejects_unknown_values(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "maybe")
     with pytest.raises(ValueError, match="FLASHKDA_BWD_SAVE_LOCAL"):
         autograd.save_local_enabled()
+
+
+_SAVE_STATES_CASES = ("T96-K64-V64-bf16-state", "fp16-varlen-GVA-gate", "varlen-15-0-65-15-state",
+                      "gate-lower-bound-GVA")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in _SAVE_STATES_CASES])
+def test_saved_states_replace_the_state_recompute(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FLASHKDA_BWD_SAVE_STATES=1 the backward takes the forward's per-chunk states (bf16 ``h`` and ``v_new``
+    for bf16 input) instead of recomputing them: every gradient still meets the fp64 bound, over bf16, fp16 varlen
+    GVA, empty and partial varlen sequences and state in/out, and the recompute never runs (two head slices)."""
+    import flashkda.autograd as autograd
+    from flashkda import chunk_bwd
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the backward recomputed the states although the forward kept them")
+
+    monkeypatch.setenv(autograd.SAVE_STATES_ENV, "1")
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", no_recompute)
+    if case.HV % 2 == 0:
+        monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+        monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    _check_gradients(case, device)
+
+
+def test_widen_head_slice_copies_the_slice_in_fp32(device: str) -> None:
+    from flashkda.chunk_bwd_saved import widen_head_slice
+
+    torch.manual_seed(5)
+    x = torch.randn(7, 6, 32, 48, device=device).to(torch.bfloat16)
+    assert torch.equal(widen_head_slice(x, 2, 5, 4), x[:4, 2:5].float())
+    assert widen_head_slice(x, 0, 6, 0).shape == (0, 6, 32, 48)
