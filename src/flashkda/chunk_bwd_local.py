@@ -28,8 +28,8 @@ from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.env import env_choice
 
 __all__ = [
-    "SUB_CHUNK", "ChunkLocal", "SavedLocal", "chunk_local_bwd", "gated_dots_and_gates_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
-    "gated_dot_precision",
+    "SUB_CHUNK", "ChunkLocal", "SavedLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
+    "gated_dot_precision", "gated_dots_and_gates_bwd",
 ]
 
 SUB_CHUNK = 16
