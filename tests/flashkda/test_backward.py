@@ -367,12 +367,14 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
         assert _rel_rms(saved[name], recomputed[name]) <= tol, f"d{name}: {_rel_rms(saved[name], recomputed[name]):.1e}"
 
 
-def test_save_local_switch_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["FLASHKDA_BWD_SAVE_LOCAL", "FLASHKDA_BWD_SAVE_STATES"])
+def test_save_switches_reject_unknown_values(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import flashkda.autograd as autograd
 
-    monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "maybe")
-    with pytest.raises(ValueError, match="FLASHKDA_BWD_SAVE_LOCAL"):
-        autograd.save_local_enabled()
+    monkeypatch.setenv(name, "maybe")
+    read = autograd.save_local_enabled if name == autograd.SAVE_LOCAL_ENV else autograd.save_states_enabled
+    with pytest.raises(ValueError, match=f"{name}='maybe'"):
+        read()
 
 
 _SAVE_STATES_CASES = ("T96-K64-V64-bf16-state", "fp16-varlen-GVA-gate", "varlen-15-0-65-15-state",
