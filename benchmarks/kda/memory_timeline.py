@@ -69,7 +69,7 @@ class MemoryTimeline:
 
 
 def _caller() -> str:
-    """Innermost frame in flashkda (or the benchmarks) that led to the op: ``file:function:line``."""
+    """Innermost frame in flashkda that led to the op: ``file:function:line``."""
     for frame in reversed(traceback.extract_stack(limit=40)):
         if "/flashkda/" in frame.filename and "memory_timeline" not in frame.filename:
             return f"{os.path.basename(frame.filename)}:{frame.name}:{frame.lineno}"

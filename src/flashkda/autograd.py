@@ -26,9 +26,8 @@ import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
-from flashkda.chunk_bwd_local import SavedLocal
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
-from flashkda.chunk_bwd_saved import widen_head_slice
+from flashkda.chunk_bwd_saved import SavedLocal, widen_head_slice
 from flashkda.chunk_bwd_ut import fused_wy
 from flashkda.env import env_flag
 

@@ -13,14 +13,14 @@ import torch
 
 from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_gates_bwd, fused_gates
 from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-from flashkda.chunk_bwd_inverse import saved_inverse_fp32, ut_inverse
+from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.chunk_bwd_local import (
-    SavedLocal,
     chunk_local_bwd,
     chunk_local_prepare,
     gated_dot_precision,
     gated_dots_and_gates_bwd,
 )
+from flashkda.chunk_bwd_saved import SavedLocal, saved_inverse_fp32
 from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
 
 __all__ = ["chunk_kda_slice_bwd", "chunk_kda_train_bwd", "chunk_kda_train_fwd"]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["saved_inverse_fp32", "unit_lower_inverse", "ut_inverse"]
+__all__ = ["unit_lower_inverse", "ut_inverse"]
 
 BLOCK = 16
 
@@ -175,38 +175,3 @@ def ut_inverse(akk: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, tor
     _launch(akk, beta, m, mb)
     return m, mb
 
-
-@triton.jit
-def saved_inverse_fp32_kernel(m, beta, out, C: tl.constexpr, HAS_BETA: tl.constexpr):
-    # one [C, C] matrix per program: out = m (as fp32), times beta on its columns with HAS_BETA
-    i_b = tl.program_id(0)
-    o = tl.arange(0, C)
-    p = i_b.to(tl.int64) * C * C + o[:, None] * C + o[None, :]
-    b_m = tl.load(m + p).to(tl.float32)
-    if HAS_BETA:
-        b_m = b_m * tl.load(beta + i_b.to(tl.int64) * C + o).to(tl.float32)[None, :]
-    tl.store(out + p, b_m)
-
-
-def saved_inverse_fp32(m: torch.Tensor, beta: torch.Tensor | None = None) -> torch.Tensor:
-    """``M`` or ``M Diag(beta)`` in fp32 from the forward's saved inverse, in one pass.
-
-    Args:
-        m: ``[..., C, C]`` contiguous, any float dtype (bf16 for bf16 callers).
-        beta: ``[..., C]`` or None.
-
-    Returns:
-        ``[..., C, C]`` fp32, contiguous. (torch's strided broadcast multiply ran at ~0.7 TB/s here, H200.)
-    """
-    assert m.is_contiguous() and m.shape[-1] == m.shape[-2], "need contiguous square blocks"
-    C = m.shape[-1]
-    assert C == triton.next_power_of_2(C), f"chunk size must be a power of two, got {C}"
-    if beta is not None:
-        beta = beta.contiguous()
-        assert beta.shape == m.shape[:-1], f"beta {tuple(beta.shape)} vs m {tuple(m.shape)}"
-    out = torch.empty(m.shape, dtype=torch.float32, device=m.device)
-    nb = m.numel() // (C * C)
-    if nb:
-        saved_inverse_fp32_kernel[(nb,)](m, m if beta is None else beta, out, C=C, HAS_BETA=beta is not None,
-                                         num_warps=4)
-    return out

@@ -28,7 +28,7 @@ from flashkda.chunk_bwd_inverse import ut_inverse
 from flashkda.env import env_choice
 
 __all__ = [
-    "SUB_CHUNK", "ChunkLocal", "SavedLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
+    "SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
     "gated_dot_precision", "gated_dots_and_gates_bwd",
 ]
 
@@ -45,21 +45,6 @@ GATED_DOT_PRECISION = env_choice("FLASHKDA_BWD_GATED_DOTS", "tf32", ("tf32", "ie
 def gated_dot_precision(dot_precision: str) -> str:
     """The gated products' precision for a caller whose other products run at ``dot_precision``."""
     return GATED_DOT_PRECISION if dot_precision == "tf32" else "ieee"
-
-
-@dataclass(frozen=True)
-class SavedLocal:
-    """The forward kernels' chunk-local matrices for the heads of one backward slice, contiguous ``[NC, HS, C, C]``
-    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s
-    ``store_local``). The Triton passes read ``aqk`` and ``akk`` as they are (they load into fp32 registers); the
-    torch GEMMs need ``minv`` in fp32, converted where it is read (``flashkda.chunk_bwd_inverse.saved_inverse_fp32``)."""
-
-    aqk: torch.Tensor
-    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t``, zero elsewhere."""
-    akk: torch.Tensor
-    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t``, zero elsewhere."""
-    minv: torch.Tensor
-    """``(I + Diag(beta) Akk)^-1``."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +69,6 @@ class ChunkLocal:
     """``G``, the in-chunk cumulative log-gate, ``[NC, HV, C, K]``; backward only."""
     kg: torch.Tensor
     """``k * exp(G)``, ``[NC, HV, C, K]``; backward only."""
-    minv: torch.Tensor | None = None
-    """``(I + Diag(beta) Akk)^-1``, ``[NC, HV, C, C]``, when formed explicitly (fused path); backward only."""
 
 
 def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bool) -> torch.Tensor:
@@ -175,15 +158,14 @@ def chunk_local_prepare(
         aqk = gated_dot(q, k, gam, strict=False) * scale
     # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform.
     b = beta.unsqueeze(-1)
-    minv = None
     if _fused(q):
-        minv, minv_b = ut_inverse(akk, beta.contiguous())
+        _, minv_b = ut_inverse(akk, beta.contiguous())
         w, u = minv_b @ kg, minv_b @ v
     else:
         lhs = b * akk + torch.eye(C, dtype=k.dtype, device=k.device)
         wu = torch.linalg.solve_triangular(lhs, b * torch.cat([kg, v], dim=-1), upper=False, unitriangular=True)
         w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
-    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg, minv=minv)
+    return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg)
 
 
 def gated_dot_bwd(

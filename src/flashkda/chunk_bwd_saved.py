@@ -1,18 +1,37 @@
-"""The forward's saved per-chunk states made into the training backward's operands (fp32, one head slice).
+"""What the training forward keeps for the backward, made into the backward's operands (fp32, one head slice).
 
-The split state path of the forward stores ``h`` (the state at every chunk start, ``[NC, HV, K, V]``, bf16 for bf16
-input) for its output kernel; the training backward can take it instead of recomputing it
-(``FLASHKDA_BWD_SAVE_STATES=1``). A head slice of it is a strided view; `widen_head_slice` copies it into a
-contiguous fp32 ``[NC, HS, K, V]`` in one pass (torch's generic strided copy ran at ~1.2 TB/s for such views).
+* `SavedLocal`: the intra kernel's ``Aqk``, ``Akk`` and solved inverse (``FLASHKDA_BWD_SAVE_LOCAL``, the default), of
+  which only the inverse needs fp32 (`saved_inverse_fp32`, also ``M Diag(beta)``) for the torch GEMMs.
+* The split state path's ``h`` (the state at every chunk start, ``[NC, HV, K, V]``, bf16 for bf16 input), which the
+  backward can take instead of recomputing it (``FLASHKDA_BWD_SAVE_STATES=1``). A head slice of it is a strided view;
+  `widen_head_slice` copies it into a contiguous fp32 ``[NC, HS, K, V]`` in one pass (torch's generic strided copy
+  ran at ~1.2 TB/s for such views).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["widen_head_slice"]
+__all__ = ["SavedLocal", "saved_inverse_fp32", "widen_head_slice"]
+
+
+@dataclass(frozen=True)
+class SavedLocal:
+    """The forward kernels' chunk-local matrices for the heads of one backward slice, contiguous ``[NC, HS, C, C]``
+    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s
+    ``store_local``). The Triton passes read ``aqk`` and ``akk`` as they are (they load into fp32 registers); the
+    torch GEMMs need ``minv`` in fp32, converted where it is read (`saved_inverse_fp32`)."""
+
+    aqk: torch.Tensor
+    """``scale * sum_d q_td k_id exp(G_td - G_id)`` for ``i <= t``, zero elsewhere."""
+    akk: torch.Tensor
+    """``sum_d k_td k_id exp(G_td - G_id)`` for ``i < t``, zero elsewhere."""
+    minv: torch.Tensor
+    """``(I + Diag(beta) Akk)^-1``."""
 
 
 @triton.jit
@@ -46,4 +65,40 @@ def widen_head_slice(x: torch.Tensor, hv0: int, hv1: int, num_chunks: int) -> to
         BLOCK = min(4096, triton.next_power_of_2(E))
         widen_head_slice_kernel[(num_chunks * HS, triton.cdiv(E, BLOCK))](x, out, hv0, HV, HS, BLOCK=BLOCK, E=E,
                                                                           num_warps=4)
+    return out
+
+
+@triton.jit
+def saved_inverse_fp32_kernel(m, beta, out, C: tl.constexpr, HAS_BETA: tl.constexpr):
+    # one [C, C] matrix per program: out = m (as fp32), times beta on its columns with HAS_BETA
+    i_b = tl.program_id(0)
+    o = tl.arange(0, C)
+    p = i_b.to(tl.int64) * C * C + o[:, None] * C + o[None, :]
+    b_m = tl.load(m + p).to(tl.float32)
+    if HAS_BETA:
+        b_m = b_m * tl.load(beta + i_b.to(tl.int64) * C + o).to(tl.float32)[None, :]
+    tl.store(out + p, b_m)
+
+
+def saved_inverse_fp32(m: torch.Tensor, beta: torch.Tensor | None = None) -> torch.Tensor:
+    """``M`` or ``M Diag(beta)`` in fp32 from the forward's saved inverse, in one pass.
+
+    Args:
+        m: ``[..., C, C]`` contiguous, any float dtype (bf16 for bf16 callers).
+        beta: ``[..., C]`` or None.
+
+    Returns:
+        ``[..., C, C]`` fp32, contiguous. (torch's strided broadcast multiply ran at ~0.7 TB/s here, H200.)
+    """
+    assert m.is_contiguous() and m.shape[-1] == m.shape[-2], "need contiguous square blocks"
+    C = m.shape[-1]
+    assert C == triton.next_power_of_2(C), f"chunk size must be a power of two, got {C}"
+    if beta is not None:
+        beta = beta.contiguous()
+        assert beta.shape == m.shape[:-1], f"beta {tuple(beta.shape)} vs m {tuple(m.shape)}"
+    out = torch.empty(m.shape, dtype=torch.float32, device=m.device)
+    nb = m.numel() // (C * C)
+    if nb:
+        saved_inverse_fp32_kernel[(nb,)](m, m if beta is None else beta, out, C=C, HAS_BETA=beta is not None,
+                                         num_warps=4)
     return out

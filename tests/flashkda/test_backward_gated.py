@@ -256,7 +256,7 @@ def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: s
 
 def test_saved_inverse_widens_and_scales_columns(device: str) -> None:
     """`saved_inverse_fp32` gives ``M`` and ``M Diag(beta)`` in fp32 from a bf16 copy, exactly."""
-    from flashkda.chunk_bwd_inverse import saved_inverse_fp32
+    from flashkda.chunk_bwd_saved import saved_inverse_fp32
 
     torch.manual_seed(4)
     m = torch.randn(3, 2, 64, 64, device=device).to(torch.bfloat16)
