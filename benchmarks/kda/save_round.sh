@@ -4,13 +4,16 @@
 # timed in one device call through benchmarks/device/run.sh (carry .whl, .k3_commit, .fla-autotune.tgz):
 #   bash benchmarks/device/run.sh bash benchmarks/kda/save_round.sh
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
-#   off and with the saved states at B1-T8192-H64, one untimed pass of the gate-chain sweep.
+#   off, with the saved states and with the all-heads reverse pass at B1-T8192-H64, one untimed pass of the gate-chain
+#   sweep.
 # B1: ours only at B1-T8192-H64, saved matrices on / off / on with the saved states (FLASHKDA_BWD_SAVE_STATES=1,
-#   opt-in), twice (each its own process, cap 50 s): the same-run A/B/C; then
+#   opt-in; KDA_AB_CFGS, default "1:0 0:0 1:1 1:0 0:0 1:1" as SAVE_LOCAL:SAVE_STATES[:DH_ALL_HEADS]), twice (each its own process, cap 50 s): the same-run A/B/C; then
 #   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default "32:2 rows:32:4";
-#   the whole-chunk kernel timed here at 02:50 and 03:00 UTC was deleted after, see NOTES).
+#   the whole-chunk kernel timed here at 02:50 and 03:00 UTC was deleted after, see NOTES; KDA_SWEEP_CAP=0 skips it).
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
 #   (KDA_STEPS steps, default 300); results written after every row.
+# B3 (only with KDA_EXTRA_CFG=SAVE_LOCAL:SAVE_STATES:DH_ALL_HEADS, cap KDA_EXTRA_CAP, 90 s): the rows again, ours only,
+#   in that configuration.
 # C (cap KDA_TEST_CAP, 120 s): the tests of the saved matrices and of the gate-chain kernels, on the GPU (KDA_TESTS:
 #   the pytest -k expression).
 set -u
@@ -22,6 +25,8 @@ echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
 start_train_warmups "$WARM" $ROWS
 FLASHKDA_BWD_SAVE_LOCAL=0 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_nosave.log" 2>&1 &
 FLASHKDA_BWD_SAVE_STATES=1 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 > "$LOGS/A_ours_states.log" 2>&1 &
+FLASHKDA_BWD_SAVE_STATES=1 FLASHKDA_BWD_DH_ALL_HEADS=1 timeout -k 5 "$WARM" $TRAIN --warmup ours --cases B1-T8192-H64 \
+  > "$LOGS/A_ours_dh_all.log" 2>&1 &
 GATES=${KDA_GATES:-32:2 rows:32:4}
 SWEEP="python3 -m benchmarks.kda.bwd_sweep --dots --bv --state --gates $GATES"
 timeout -k 5 "$WARM" $SWEEP --rep 1 > "$LOGS/A_sweep.log" 2>&1 &
@@ -29,17 +34,26 @@ wait
 echo "=== phase A done $(date +%T)"
 for f in "$LOGS"/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
 echo "=== phase B1: save-local A/B, ours only, B1-T8192-H64 $(date +%T)"
-for cfg in 1:0 0:0 1:1 1:0 0:0 1:1; do
-  echo "--- FLASHKDA_BWD_SAVE_LOCAL=${cfg%:*} FLASHKDA_BWD_SAVE_STATES=${cfg#*:}"
-  FLASHKDA_BWD_SAVE_LOCAL=${cfg%:*} FLASHKDA_BWD_SAVE_STATES=${cfg#*:} timeout -k 5 50 $TRAIN --ours-only --no-write \
+for cfg in ${KDA_AB_CFGS:-1:0 0:0 1:1 1:0 0:0 1:1}; do
+  IFS=: read -r save_local save_states dh_all <<< "$cfg"
+  echo "--- FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0}"
+  FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0} \
+    timeout -k 5 50 $TRAIN --ours-only --no-write \
     --no-gate --steps 0 --rep 10 --cases B1-T8192-H64 2>&1 | grep -v "^\s*$" | tail -n 3
 done
 echo "=== phase B1: gate-chain sweep $(date +%T)"
-timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
+[ "${KDA_SWEEP_CAP:-90}" = 0 ] || timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
 echo "=== phase B2: rows $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile --cases $ROWS 2>&1 \
   | tee "$LOGS/B_main.log" | grep -v "^\s*$" | grep -v "step "
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
+if [ -n "${KDA_EXTRA_CFG:-}" ]; then
+  IFS=: read -r save_local save_states dh_all <<< "$KDA_EXTRA_CFG"
+  echo "=== phase B3: rows, ours only, SAVE_LOCAL=$save_local SAVE_STATES=$save_states DH_ALL_HEADS=${dh_all:-0} $(date +%T)"
+  FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0} \
+    timeout -k 5 "${KDA_EXTRA_CAP:-90}" $TRAIN --ours-only --no-write --no-gate --steps 0 --rep 10 --cases $ROWS 2>&1 \
+    | grep "ms (p20"
+fi
 echo "=== phase C: gpu runs of the saved-matrices and gate-chain tests (cap ${KDA_TEST_CAP:-120}s) $(date +%T)"
 timeout -k 5 "${KDA_TEST_CAP:-120}" python3 -m pytest -q -rA -p no:cacheprovider tests/flashkda/test_backward.py \
   tests/flashkda/test_backward_gated.py -k "${KDA_TESTS:-saved_chunk_local or saved_inverse or saved_states or widen_head or fused_gated_dots}" \

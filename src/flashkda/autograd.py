@@ -25,11 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_kda_train_fwd
+from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 from flashkda.chunk_bwd_saved import SavedLocal, widen_head_slice
 from flashkda.chunk_bwd_ut import fused_wy
 from flashkda.env import env_flag
+from flashkda.index import build_chunk_index
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
 
@@ -161,6 +163,18 @@ def save_states_enabled() -> bool:
     return env_flag(SAVE_STATES_ENV, False)
 
 
+#: Environment switch, opt-in (not timed yet): for bf16 input the training forward also keeps the intra stage's
+#: ``w``, ``qg``, ``kg`` (``[B, T, HV, K]`` bf16 each, 384 MiB at B1-T8192-H64, freed once read) and the backward runs
+#: its reverse state pass once over all heads on them (``flashkda.chunk_bwd_dh_tokens``) instead of once per head
+#: slice on fp32 chunked copies; ``1`` turns it on. Needs the saved chunk-local matrices (``FLASHKDA_BWD_SAVE_LOCAL``).
+DH_ALL_HEADS_ENV = "FLASHKDA_BWD_DH_ALL_HEADS"
+
+
+def dh_all_heads_enabled() -> bool:
+    """Whether the backward's reverse state pass runs over all heads at once (read at each forward call)."""
+    return env_flag(DH_ALL_HEADS_ENV, False)
+
+
 def _fused_prologue(q: torch.Tensor) -> bool:
     # The Triton prologue handles fp32/bf16/fp16 inputs with power-of-two K (the state passes need that too).
     K = q.shape[-1]
@@ -199,7 +213,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         fused_fwd = _forward_kernels()
         h = v_new = None
         use_kernels = opts.forward_impl == "kernels" and not opts.disable_recompute
-        local = states = ()
+        local = states = operands = ()
         HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         # the backward's head slices, fixed here: the saved chunk-local matrices are laid out slice by slice
         ctx.head_slices = backward_head_slices(layout.chunk_offsets.numel() - 1, layout.num_chunks, HV,
@@ -207,6 +221,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         if fused_fwd is not None and q.dtype != torch.float64 and use_kernels:
             save_local = _fused_prologue(q) and save_local_enabled()
             save_states = _fused_prologue(q) and save_states_enabled()
+            # the all-heads reverse pass reads the forward's bf16 operands and its saved Aqk
+            save_operands = save_local and q.dtype == torch.bfloat16 and K <= 256 and dh_all_heads_enabled()
             result = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),
@@ -215,11 +231,11 @@ class ChunkKDAFunction(torch.autograd.Function):
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
                 output_local=save_local, local_heads=ctx.head_slices[0][1] - ctx.head_slices[0][0],
-                output_states=save_states,
+                output_states=save_states, output_operands=save_operands,
             )
             o, ht = result[:2]
-            if save_local or save_states:
-                local, states = result[3]
+            if save_local or save_states or save_operands:
+                local, states, operands = result[3]
         else:
             cdt = _compute_dtype(q)
             gate_factors = None
@@ -240,7 +256,11 @@ class ChunkKDAFunction(torch.autograd.Function):
                 ht = ht.transpose(-1, -2).contiguous() if opts.state_v_first else ht
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, h, v_new, *local, *states)
         ctx.num_local = len(local)
+        # Not saved with save_for_backward: the backward drops them as soon as its all-heads pass has read them
+        # (a saved tensor lives until the backward returns). They are intermediates, never inputs or outputs.
+        ctx.operands = list(operands)
         ctx.layout, ctx.opts = layout, opts
+        ctx.cu_seqlens = cu_seqlens
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -319,6 +339,9 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     ``local``: ``(Aqk, Akk, Minv)`` ``[slices, NC, HS, 64, 64]`` saved by the forward kernels for the slices of
     ``ctx.head_slices`` (see `save_local_enabled`), or empty to recompute them. ``states``: the forward's
     ``(h [NC, HV, K, V], v_new [B, T, HV, V])`` (see `save_states_enabled`), or empty to recompute them.
+    ``ctx.operands``: the forward's ``(w, qg, kg, gC)`` (see `dh_all_heads_enabled`): the reverse state pass then
+    runs once over all heads before the slices (and drops them: a second backward through a retained graph runs it
+    per slice); empty: once per slice.
 
     Returns:
         ``(grads by input name, dh0 in [N, HV, K, V] or None)``.
@@ -338,6 +361,14 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     # (Only without grad mode: with create_graph the chain rule takes the torch path, which needs fp32 operands.)
     fused = not torch.is_grad_enabled()
     do_dtype = do.dtype if do is not None and fused and fused_wy(dot_precision, K, V) else cdt
+    dv_new_all = dhe_all = None
+    if ctx.operands and local and fused and do is not None:
+        index = build_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
+        w_t, qg_t, kg_t, gC = ctx.operands
+        ctx.operands = []
+        dv_new_all, dhe_all, dh0 = chunk_kda_bwd_dh_tokens(qg_t, kg_t, w_t, gC, local[0], do.contiguous(), dhtc,
+                                                           index, store_dh0=h0 is not None)
+        del w_t, qg_t, kg_t, gC
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
@@ -358,10 +389,16 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             if states and h_s is None:
                 h_s = widen_head_slice(states[0], hv0, hv1, layout.num_chunks)
                 v_new_s = to_chunks(states[1][:, :, hv0:hv1], layout, cdt)
+            dv_new_s = dhe_s = None
+            if dv_new_all is not None:
+                dv_new_s = to_chunks(dv_new_all[:, :, hv0:hv1], layout, cdt)
+                dhe_s = widen_head_slice(dhe_all, hv0, hv1, layout.num_chunks)
+                if hv1 == HV:
+                    dv_new_all = dhe_all = None
             q_c, k_c, v_c, _, beta_c = chunks
             # the slice's pass owns its tensors (and frees each once read for the last time): keep no reference here
-            work = [q_c, k_c, v_c, beta_c, doc, *gate_factors, h_s, v_new_s]
-            del chunks, gate_factors, doc, q_c, k_c, v_c, beta_c, h_s, v_new_s
+            work = [q_c, k_c, v_c, beta_c, doc, *gate_factors, h_s, v_new_s, dv_new_s, dhe_s]
+            del chunks, gate_factors, doc, q_c, k_c, v_c, beta_c, h_s, v_new_s, dv_new_s, dhe_s
             *dchunks, dh0_s = chunk_kda_slice_bwd(work, **common, saved_local=saved)
             del saved
         else:

@@ -136,28 +136,35 @@ def chunk_kda_slice_bwd(
     tensor still alive.
 
     Args:
-        work: ``[q, k, v, beta, do, G, qg, kg, kend, dec, h, v_new]`` in the chunked layout (fp32; ``do`` fp32 or
-            its own half dtype when the fused UT pass runs), as the Triton prologue writes them; ``h``, ``v_new``
-            fp32 ``[NC, HS, K, V]`` / ``[NC, HS, C, V]`` kept from the forward, or None to recompute them. The list
-            is emptied on entry: this pass then holds the only references, so the caller must keep none.
+        work: ``[q, k, v, beta, do, G, qg, kg, kend, dec, h, v_new, dv_new, dhe]`` in the chunked layout (fp32;
+            ``do`` fp32 or its own half dtype when the fused UT pass runs), as the Triton prologue writes them;
+            ``h``, ``v_new`` fp32 ``[NC, HS, K, V]`` / ``[NC, HS, C, V]`` kept from the forward, or None to recompute
+            them; ``dv_new``, ``dhe`` (same shapes) from a reverse state pass already run over all heads
+            (``flashkda.chunk_bwd_dh_tokens``), or None to run it here. The list is emptied on entry: this pass then
+            holds the only references, so the caller must keep none.
         scale, initial_state, chunk_offsets, dht, dot_precision: as in `chunk_kda_train_bwd`.
         saved_local: the forward kernels' ``Aqk``, ``Akk`` and inverse (`SavedLocal`), or None to recompute them.
 
     Returns:
-        ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
+        ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state`` or when
+        ``dv_new`` and ``dhe`` were given (their pass computed it).
     """
-    q, k, v, beta, do, gam, qg, kg, kend, dec, h, v_new = work
+    q, k, v, beta, do, gam, qg, kg, kend, dec, h, v_new, dv_new, dhe = work
     work.clear()
     K, V = k.shape[-1], v.shape[-1]
-    minv = None
+    recompute_states = h is None or v_new is None
+    need_w = recompute_states or dv_new is None  # w = M Diag(beta) kg feeds only the two state passes
+    minv = minv_b = w = None
     if saved_local is not None:
         akk, aqk = saved_local.akk, saved_local.aqk
-        minv_b = saved_inverse_fp32(saved_local.minv, beta)
+        if need_w:
+            minv_b = saved_inverse_fp32(saved_local.minv, beta)
     else:
         akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
         minv, minv_b = ut_inverse(akk, beta.contiguous())
-    w = minv_b @ kg
-    if h is None or v_new is None:
+    if need_w:
+        w = minv_b @ kg
+    if recompute_states:
         u = minv_b @ v
         _, _, h, v_new = chunk_kda_fwd_h(
             w, u, qg, aqk, kend, dec, initial_state, chunk_offsets,
@@ -165,9 +172,12 @@ def chunk_kda_slice_bwd(
         )
         del u
     del minv_b
-    dv_new, dhe, dh0 = chunk_kda_bwd_dh(
-        qg, aqk, kend, dec, w, do, dht, chunk_offsets, store_dh0=initial_state is not None, dot_precision=dot_precision,
-    )
+    dh0 = None
+    if dv_new is None:
+        dv_new, dhe, dh0 = chunk_kda_bwd_dh(
+            qg, aqk, kend, dec, w, do, dht, chunk_offsets, store_dh0=initial_state is not None,
+            dot_precision=dot_precision,
+        )
     del w, aqk
     gates = fused_gates(dot_precision, K)
     if gates:

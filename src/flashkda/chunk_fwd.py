@@ -21,6 +21,8 @@ class TrainingSaved(NamedTuple):
     """``(Aqk, Akk, Minv)`` in the backward's chunked layout, or empty."""
     states: tuple
     """``(h, v_new)`` of the split state path as stored, or empty."""
+    operands: tuple = ()
+    """``(w, qg, kg, gC)`` of the intra stage as stored (the reverse state pass's operands), or empty."""
 
 
 def work_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -59,6 +61,7 @@ def chunk_kda_fwd(
     output_local: bool = False,
     local_heads: int | None = None,
     output_states: bool = False,
+    output_operands: bool = False,
 ) -> tuple:
     """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
 
@@ -78,15 +81,17 @@ def chunk_kda_fwd(
             slices of ``local_heads`` value heads (None: one slice).
         output_states: also return the split state path's ``(h, v_new)`` as stored (bf16 for bf16 input), empty
             when the fused path ran (it keeps no per-chunk states).
+        output_operands: also return the intra stage's ``(w, qg, kg, gC)`` as stored (``[B, T, HV, K]`` each, bf16
+            for bf16 input, and ``gC`` ``[NC, HV, K]`` fp32), for ``flashkda.chunk_bwd_dh_tokens``.
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
         layout or None; ``h`` ``[NC, HV, K, V]`` fp32 states at chunk starts (``NC`` = global chunk count, for
         varlen an upper bound whose surplus rows are unwritten) or None. With ``output_local`` or ``output_states``
-        a fourth item, `TrainingSaved`: ``local`` = ``(Aqk, Akk, Minv)``, each
+        a fourth item, `TrainingSaved` (also with ``output_operands``): ``local`` = ``(Aqk, Akk, Minv)``, each
         ``[HV / local_heads, NC, local_heads, 64, 64]`` (bf16 for bf16 input, else fp32; for varlen ``NC`` is the
         index's upper bound and the surplus chunks are unwritten), ``states`` = ``(h, v_new)`` (``h``
-        ``[NC, HV, K, V]``, ``v_new`` ``[B, T, HV, V]``); each empty unless asked for.
+        ``[NC, HV, K, V]``, ``v_new`` ``[B, T, HV, V]``), ``operands`` as above; each empty unless asked for.
     """
     B, T = q.shape[:2]
     index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
@@ -102,6 +107,7 @@ def chunk_kda_fwd(
         w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index, q.dtype, dot_prec,
         output_h=output_h, block_v=block_v, out=out, final_state=final_state, states_out=states,
     )
-    if not (output_local or output_states):
+    if not (output_local or output_states or output_operands):
         return result
-    return (*result, TrainingSaved(tuple(local), tuple(states or ())))
+    operands = (w, qg, kg, gC) if output_operands else ()
+    return (*result, TrainingSaved(tuple(local), tuple(states or ()), operands))

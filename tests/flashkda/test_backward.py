@@ -367,12 +367,14 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
         assert _rel_rms(saved[name], recomputed[name]) <= tol, f"d{name}: {_rel_rms(saved[name], recomputed[name]):.1e}"
 
 
-@pytest.mark.parametrize("name", ["FLASHKDA_BWD_SAVE_LOCAL", "FLASHKDA_BWD_SAVE_STATES"])
+@pytest.mark.parametrize("name", ["FLASHKDA_BWD_SAVE_LOCAL", "FLASHKDA_BWD_SAVE_STATES", "FLASHKDA_BWD_DH_ALL_HEADS"])
 def test_save_switches_reject_unknown_values(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import flashkda.autograd as autograd
 
     monkeypatch.setenv(name, "maybe")
-    read = autograd.save_local_enabled if name == autograd.SAVE_LOCAL_ENV else autograd.save_states_enabled
+    read = {autograd.SAVE_LOCAL_ENV: autograd.save_local_enabled,
+            autograd.SAVE_STATES_ENV: autograd.save_states_enabled,
+            autograd.DH_ALL_HEADS_ENV: autograd.dh_all_heads_enabled}[name]
     with pytest.raises(ValueError, match=f"{name}='maybe'"):
         read()
 
@@ -398,6 +400,75 @@ def test_saved_states_replace_the_state_recompute(case: Case, device: str, monke
         monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
         monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
     _check_gradients(case, device)
+
+
+_DH_ALL_HEADS_CASES = [
+    pytest.param(Case(T=150, H=2, HV=4, dtype=torch.bfloat16, cu_seqlens=(0, 37, 37, 150), initial_state=True,
+                      output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                                         lower_bound=-5.0, safe_gate=True,
+                                                         use_beta_sigmoid_in_kernel=True)),
+                 id="bf16-varlen-37-0-113-GVA-bounded-state"),
+    pytest.param(Case(T=130, H=2, HV=2, K=128, V=64, dtype=torch.bfloat16, output_final_state=True,
+                      opts=dict(use_qk_l2norm_in_kernel=True)), id="bf16-T130-K128-V64-final-state"),
+]
+
+
+@pytest.mark.parametrize("save_states", [False, True], ids=["recompute-states", "saved-states"])
+@pytest.mark.parametrize("case", _DH_ALL_HEADS_CASES)
+def test_reverse_state_pass_over_all_heads(case: Case, save_states: bool, device: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FLASHKDA_BWD_DH_ALL_HEADS=1 (bf16) the reverse state pass runs once over all heads on the forward's bf16
+    ``w``, ``qg``, ``kg`` (`flashkda.chunk_bwd_dh_tokens`) and never per slice: every gradient (``dh0`` included)
+    meets the fp64 bound over varlen with an empty and partial sequences, GVA, the bounded gate, state in/out, two
+    head slices, K = 128 (two state tiles) and with the states recomputed or kept."""
+    import flashkda.autograd as autograd
+    from flashkda import chunk_bwd
+
+    def no_slice_pass(*args, **kwargs):
+        raise AssertionError("the reverse state pass ran per slice although it ran over all heads")
+
+    monkeypatch.setenv(autograd.DH_ALL_HEADS_ENV, "1")
+    monkeypatch.setenv(autograd.SAVE_STATES_ENV, "1" if save_states else "0")
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", no_slice_pass)
+    if case.HV % 2 == 0 and case.H % 2 == 0:
+        monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+        monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    _check_gradients(case, device)
+
+
+def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -> None:
+    """The all-heads pass against the per-slice blocked pass on the same (bf16-representable) operands: equal
+    ``dv_new``, ``dhe`` (both rounded to bf16 once) and ``dh0``, over varlen with an empty sequence."""
+    from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
+    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh
+    from flashkda.chunk_bwd_layout import make_layout, to_chunks
+    from flashkda.index import build_chunk_index
+
+    torch.manual_seed(7)
+    T, HV, HS, K, V, C = 100, 4, 2, 128, 64, 64
+    cu = torch.tensor([0, 30, 30, 100], device=device)
+    layout, index = make_layout(1, T, cu, C, device), build_chunk_index(1, T, cu, C)
+    NC, NCI = layout.num_chunks, index.num_chunks  # the forward's index is an upper bound for varlen
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return (0.5 * torch.randn(*shape, device=device)).to(torch.bfloat16)
+
+    qg, kg, w, do = bf16(1, T, HV, K), bf16(1, T, HV, K), bf16(1, T, HV, K), bf16(1, T, HV, V)
+    gC = -torch.rand(NCI, HV, K, device=device)
+    aqk = bf16(HV // HS, NCI, HS, C, C).tril()
+    dht = torch.randn(3, HV, K, V, device=device)
+    dv_new, dhe, dh0 = chunk_kda_bwd_dh_tokens(qg, kg, w, gC, aqk, do, dht, index, store_dh0=True)
+    # the slice pass on the chunked copies of the same values (Aqk chunked [NC, HV, C, C])
+    aqk_c = aqk[:, :NC].permute(1, 0, 2, 3, 4).reshape(NC, HV, C, C).float().contiguous()
+    ref_dvn, ref_dhe, ref_dh0 = chunk_kda_bwd_dh(
+        to_chunks(qg, layout, torch.float32), aqk_c, to_chunks(kg, layout, torch.float32), gC[:NC].exp(),
+        to_chunks(w, layout, torch.float32), to_chunks(do, layout, torch.float32), dht, layout.chunk_offsets,
+        store_dh0=True, dot_precision="tf32",
+    )
+    assert _rel_rms(to_chunks(dv_new, layout, torch.float32), ref_dvn) <= 5e-3
+    assert _rel_rms(dhe[:NC].float(), ref_dhe) <= 5e-3
+    assert _rel_rms(dh0, ref_dh0) <= 1e-5
+    assert torch.equal(dh0[1], dht[1]), "the empty sequence passes dht through"
 
 
 def test_widen_head_slice_copies_the_slice_in_fp32(device: str) -> None:
