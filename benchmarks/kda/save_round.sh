@@ -7,11 +7,13 @@
 #   off, with the saved states and with the all-heads reverse pass at B1-T8192-H64, one untimed pass of the gate-chain
 #   sweep.
 # B1: ours only at B1-T8192-H64, saved matrices on / off / on with the saved states (FLASHKDA_BWD_SAVE_STATES=1,
-#   opt-in; KDA_AB_CFGS, default "1:0 0:0 1:1 1:0 0:0 1:1" as SAVE_LOCAL:SAVE_STATES[:DH_ALL_HEADS]), twice (each its own process, cap 50 s): the same-run A/B/C; then
+#   opt-in; KDA_AB_CFGS, default "1:0 0:0 1:1 1:0 0:0 1:1" as SAVE_LOCAL:SAVE_STATES[:DH_ALL_HEADS], empty: none),
+#   twice (each its own process, cap 50 s): the same-run A/B/C; then
 #   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default "32:2 rows:32:4";
 #   the whole-chunk kernel timed here at 02:50 and 03:00 UTC was deleted after, see NOTES; KDA_SWEEP_CAP=0 skips it).
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
-#   (KDA_STEPS steps, default 300); results written after every row.
+#   (KDA_STEPS steps, default 300); results written after every row; KDA_MAIN_ARGS are added to its arguments
+#   (e.g. --disable-recompute).
 # B3 (only with KDA_EXTRA_CFG=SAVE_LOCAL:SAVE_STATES:DH_ALL_HEADS, cap KDA_EXTRA_CAP, 90 s): the rows again, ours only,
 #   in that configuration.
 # C (cap KDA_TEST_CAP, 120 s): the tests of the saved matrices and of the gate-chain kernels, on the GPU (KDA_TESTS:
@@ -34,7 +36,7 @@ wait
 echo "=== phase A done $(date +%T)"
 for f in "$LOGS"/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
 echo "=== phase B1: save-local A/B, ours only, B1-T8192-H64 $(date +%T)"
-for cfg in ${KDA_AB_CFGS:-1:0 0:0 1:1 1:0 0:0 1:1}; do
+for cfg in ${KDA_AB_CFGS-1:0 0:0 1:1 1:0 0:0 1:1}; do
   IFS=: read -r save_local save_states dh_all <<< "$cfg"
   echo "--- FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0}"
   FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0} \
@@ -44,7 +46,8 @@ done
 echo "=== phase B1: gate-chain sweep $(date +%T)"
 [ "${KDA_SWEEP_CAP:-90}" = 0 ] || timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
 echo "=== phase B2: rows $(date +%T)"
-timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile --cases $ROWS 2>&1 \
+timeout -k 5 "${KDA_MAIN_CAP:-300}" $TRAIN --rep 10 --steps "${KDA_STEPS:-300}" --profile ${KDA_MAIN_ARGS:-} \
+  --cases $ROWS 2>&1 \
   | tee "$LOGS/B_main.log" | grep -v "^\s*$" | grep -v "step "
 echo "=== main rc=${PIPESTATUS[0]} $(date +%T)"
 if [ -n "${KDA_EXTRA_CFG:-}" ]; then

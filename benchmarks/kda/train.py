@@ -17,10 +17,10 @@ yardstick) trained on the same batches; the row keeps the curves' summary.
 
 Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile
 [--ncu-range]] [--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
-[--gate-T T ...]``. ``--cases`` with no name runs no op row (only the training loop). Every phase prints its
-elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file is rewritten
-after every row, so a run cut by a time cap keeps the rows it finished. ``--profile`` prints the CUDA kernel table of
-ours and of fla at the first row (both kept in its JSON row). ``benchmarks/kda/gates_round.sh`` and
+[--gate-T T ...] [--disable-recompute]``. ``--cases`` with no name runs no op row (only the training loop). Every
+phase prints its elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file
+is rewritten after every row, so a run cut by a time cap keeps the rows it finished. ``--profile`` prints the CUDA
+kernel table of ours and of fla at the first row (both kept in its JSON row). ``benchmarks/kda/gates_round.sh`` and
 ``train_rows.sh`` are device calls that run it; ``train_ncu_round.sh`` runs it under Nsight Compute.
 """
 
@@ -166,9 +166,11 @@ def run_ops(args, device: str, log: Progress, save) -> list[Row]:
         if args.warmup == "fla":
             warm_case(name, fla_chunk_kda, device, log)
             continue
-        rows.append(run_case(name, ours, fla_chunk_kda, args, args.profile and name == names[0], device, log))
-        save(rows)
-        torch.cuda.empty_cache()
+        for keep in (False, True) if args.disable_recompute else (False,):
+            rows.append(run_case(name, ours, fla_chunk_kda, args, args.profile and name == names[0] and not keep,
+                                 device, log, disable_recompute=keep))
+            save(rows)
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -203,10 +205,13 @@ def ours_training_forward(q, k, v, g, beta, **kw):
     return chunk_kda_autograd(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, forward_impl="training", **kw)
 
 
-def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: str, log: Progress) -> Row:
+def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: str, log: Progress,
+             disable_recompute: bool = False) -> Row:
     """One row: ours first (compile, time, peak memory, profile), then fla, then the gate ours vs fla.
 
     Ours is measured before fla's first call (which autotunes), so a row cut short by a cap still printed ours.
+    ``disable_recompute``: both sides get ``disable_recompute=True`` (the forward keeps its intermediates for the
+    backward; the row is named ``<case>-disable_recompute``).
     """
     import torch
 
@@ -217,6 +222,10 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
 
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
+    if disable_recompute:
+        extra = dict(extra, disable_recompute=True)
+        name = f"{name}-disable_recompute"
+    baseline = "fla 0.6.0 chunk_kda fwd+bwd" + (" (disable_recompute=True)" if disable_recompute else "")
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
     do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
     dht = torch.randn(N, c["H"], 128, 128, device=device)
@@ -243,7 +252,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
               "ours_gated_dots": gated_dots, "ours_head_slices": len(slices),
               "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128),
               "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
-              "ours_save_states": autograd.save_states_enabled()}
+              "ours_save_states": autograd.save_states_enabled() or disable_recompute,
+              "ours_dh_all_heads": autograd.dh_all_heads_enabled() or disable_recompute}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:
@@ -261,8 +271,7 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     if with_profile:
         extras["ours_profile_top"] = profile(run_ours)
     if args.ours_only:
-        return Row(name, "fla 0.6.0 chunk_kda fwd+bwd", None, t_ours.median_ms, params, extras,
-                   "ours only (--ours-only)")
+        return Row(name, baseline, None, t_ours.median_ms, params, extras, "ours only (--ours-only)")
     log(f"{name}: first call of fla (autotunes)")
     fo, fht, fg = run_fla()
     torch.cuda.synchronize()
@@ -274,14 +283,14 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     log(f"{name}: ours vs fla " + " ".join(f"{k}={v:.1e}" for k, v in cmp.items()))
     if cmp[worst_name] > TOL:
         log(f"{name}: ours vs fla gate FAILED ({worst_name} {cmp[worst_name]:.2e}); fla not timed")
-        return Row(name, "fla 0.6.0 chunk_kda fwd+bwd", None, float("nan"), params, extras,
-                   f"gate failed on {worst_name}")
+        return Row(name, baseline, None, float("nan"), params, extras, f"gate failed on {worst_name}")
     log(f"{name}: timing fla")
     t_fla = time_fn(run_fla, device=device, warmup=2, rep=args.rep)
     mem_fla = peak_extra_mib(run_fla, device)
     extras["fla_peak_MiB"] = round(mem_fla)
-    row = Row(name, "fla 0.6.0 chunk_kda fwd+bwd", t_fla.median_ms, t_ours.median_ms, params, extras,
-              "ours = forward kernels + training backward (recomputes h)")
+    note = ("both keep the forward's states (ours: h, v_new, w, qg, kg; no recompute, one reverse state pass)"
+            if disable_recompute else "ours = forward kernels + training backward (recomputes h)")
+    row = Row(name, baseline, t_fla.median_ms, t_ours.median_ms, params, extras, note)
     log(f"{name}: fla {t_fla.median_ms:.2f} ms, ours {t_ours.median_ms:.2f} ms ({row.speedup:.2f}x); "
         f"peak fla {mem_fla:.0f} MiB ours {mem_ours:.0f} MiB")
     if with_profile:
@@ -461,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequence lengths of the fp64 gates (B2 up to T 1024, else B1; H4)")
     parser.add_argument("--slices", type=int, nargs="*", default=[],
                         help="also time ours at every row with these fixed backward head-slice counts")
+    parser.add_argument("--disable-recompute", action="store_true",
+                        help="after each row, the same row with disable_recompute=True on both sides")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print CUDA kernel profiles of ours and fla at the first row")

@@ -3,8 +3,11 @@
 `chunk_kda_autograd` (called by the public ``flashkda.chunk_kda`` after validation) applies `ChunkKDAFunction`:
 
 * forward: the forward kernels (``flashkda.chunk_fwd.chunk_kda_fwd``: fused gate, L2 norm, beta sigmoid, chunked
-  recurrence); only the inputs are saved. fp64 inputs (tests) and ``disable_recompute=True`` use the training
-  forward of `flashkda.chunk_bwd` instead, the latter keeping the per-chunk states for the backward.
+  recurrence); saved: the inputs and the intra kernel's ``Aqk``, ``Akk`` and inverse. ``disable_recompute=True``
+  trades memory for speed as fla's option does: for bf16 input the forward also keeps its bf16 per-chunk states
+  ``h``, ``v_new`` and the intra stage's ``w``, ``qg``, ``kg`` (+768 MiB at B1-T8192-H64), so the backward runs no
+  state recompute and one reverse state pass over all heads; other dtypes run the training forward of
+  `flashkda.chunk_bwd` and keep its fp32 states. fp64 inputs (tests) always run the training forward.
 * backward: rebuilds the prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``, ``dt_bias``, the beta
   sigmoid, GVA expansion, the chunked fp32 layout ``[NC, HV, C, D]`` of `flashkda.chunk_bwd_layout`) with one
   Triton pass (`flashkda.chunk_bwd_prologue`), runs `flashkda.chunk_bwd.chunk_kda_train_bwd` (Triton state passes
@@ -28,7 +31,7 @@ from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_k
 from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
-from flashkda.chunk_bwd_saved import SavedLocal, widen_head_slice
+from flashkda.chunk_bwd_saved import SavedLocal, head_slice_to_chunks, widen_head_slice
 from flashkda.chunk_bwd_ut import fused_wy
 from flashkda.env import env_flag
 from flashkda.index import build_chunk_index
@@ -212,17 +215,20 @@ class ChunkKDAFunction(torch.autograd.Function):
         layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
         fused_fwd = _forward_kernels()
         h = v_new = None
-        use_kernels = opts.forward_impl == "kernels" and not opts.disable_recompute
+        # disable_recompute for bf16 keeps the forward kernels' own states and operands (below)
+        keep_all = opts.disable_recompute and q.dtype == torch.bfloat16
+        use_kernels = opts.forward_impl == "kernels" and (keep_all or not opts.disable_recompute)
         local = states = operands = ()
         HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         # the backward's head slices, fixed here: the saved chunk-local matrices are laid out slice by slice
         ctx.head_slices = backward_head_slices(layout.chunk_offsets.numel() - 1, layout.num_chunks, HV,
                                                HV // q.shape[2], layout.C, K, V)
         if fused_fwd is not None and q.dtype != torch.float64 and use_kernels:
-            save_local = _fused_prologue(q) and save_local_enabled()
-            save_states = _fused_prologue(q) and save_states_enabled()
+            save_local = _fused_prologue(q) and (keep_all or save_local_enabled())
+            save_states = _fused_prologue(q) and (keep_all or save_states_enabled())
             # the all-heads reverse pass reads the forward's bf16 operands and its saved Aqk
-            save_operands = save_local and q.dtype == torch.bfloat16 and K <= 256 and dh_all_heads_enabled()
+            save_operands = (save_local and q.dtype == torch.bfloat16 and K <= 256
+                             and (keep_all or dh_all_heads_enabled()))
             result = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),
@@ -375,7 +381,7 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
 
         chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
         if do is not None:
-            doc = to_chunks(do[:, :, hv0:hv1], layout, do_dtype)
+            doc = head_slice_to_chunks(do, layout, hv0, hv1, do_dtype)
         else:
             doc = torch.zeros_like(chunks[2])
         common = dict(scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, dht=part(dhtc),
@@ -388,10 +394,10 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             h_s, v_new_s = part(h), part(v_new)
             if states and h_s is None:
                 h_s = widen_head_slice(states[0], hv0, hv1, layout.num_chunks)
-                v_new_s = to_chunks(states[1][:, :, hv0:hv1], layout, cdt)
+                v_new_s = head_slice_to_chunks(states[1], layout, hv0, hv1, cdt)
             dv_new_s = dhe_s = None
             if dv_new_all is not None:
-                dv_new_s = to_chunks(dv_new_all[:, :, hv0:hv1], layout, cdt)
+                dv_new_s = head_slice_to_chunks(dv_new_all, layout, hv0, hv1, cdt)
                 dhe_s = widen_head_slice(dhe_all, hv0, hv1, layout.num_chunks)
                 if hv1 == HV:
                     dv_new_all = dhe_all = None
@@ -493,7 +499,8 @@ def chunk_kda_autograd(
         cu_seqlens: ``[N + 1]`` cumulative lengths for varlen (``B == 1``); read on the host once.
         A_log: ``[HV]`` gate rate, with ``use_gate_in_kernel``.
         dt_bias: ``[HV * K]`` gate bias, with ``use_gate_in_kernel``.
-        disable_recompute: keep the per-chunk states from the forward (more memory, no state recompute).
+        disable_recompute: keep the per-chunk states (and, for bf16, the reverse state pass's operands) from the
+            forward: more memory between forward and backward, no state recompute (see the module docstring).
         forward_impl: ``"kernels"`` runs the forward kernels (``flashkda.chunk_fwd``); ``"training"`` runs the
             backward's own pipeline forward (`flashkda.chunk_bwd.chunk_kda_train_fwd`), for comparing the two.
 

@@ -68,7 +68,10 @@ def chunk_kda(
         safe_gate: the gate is bounded below by -5 (with the in-kernel gate: ``lower_bound`` in ``[-5, 0)``
             required), which enables the tensor-core path for the in-sub-chunk decay.
         lower_bound: floor of the bounded gate, e.g. ``-5.0``; None selects the softplus gate.
-        disable_recompute: accepted for compatibility (forward only; nothing is recomputed).
+        disable_recompute: training only: keep the forward's per-chunk states (for bf16 also the reverse state
+            pass's operands) for the backward instead of recomputing them, as fla's option does; more memory
+            between forward and backward (+768 MiB at B1-T8192-H64), ~1.3 ms less per step there (H200). Ignored
+            without gradients.
         return_intermediate_states: not supported (raises ValueError; fla's backend falls back).
         state_v_first: states are ``[V, K]`` per head.
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths for a flattened varlen batch (``B == 1``);

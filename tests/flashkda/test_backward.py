@@ -436,6 +436,29 @@ def test_reverse_state_pass_over_all_heads(case: Case, save_states: bool, device
     _check_gradients(case, device)
 
 
+def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(device: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disable_recompute=True`` (bf16) is the memory-for-speed trade of fla's option: the backward neither
+    recomputes the states nor runs a per-slice reverse pass, whatever the opt-in switches say, and meets the fp64
+    bound (varlen with an empty sequence, GVA, bounded gate, state in/out, two head slices)."""
+    import flashkda.autograd as autograd
+    from flashkda import chunk_bwd
+
+    def never(*args, **kwargs):
+        raise AssertionError("disable_recompute=True ran a state pass the forward's tensors should replace")
+
+    monkeypatch.setenv(autograd.SAVE_STATES_ENV, "0")
+    monkeypatch.setenv(autograd.DH_ALL_HEADS_ENV, "0")
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
+    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    case = Case(T=150, H=2, HV=4, dtype=torch.bfloat16, cu_seqlens=(0, 37, 37, 150), initial_state=True,
+                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                                   lower_bound=-5.0, safe_gate=True, disable_recompute=True))
+    _check_gradients(case, device)
+
+
 def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -> None:
     """The all-heads pass against the per-slice blocked pass on the same (bf16-representable) operands: equal
     ``dv_new``, ``dhe`` (both rounded to bf16 once) and ``dh0``, over varlen with an empty sequence."""
@@ -469,6 +492,24 @@ def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -
     assert _rel_rms(dhe[:NC].float(), ref_dhe) <= 5e-3
     assert _rel_rms(dh0, ref_dh0) <= 1e-5
     assert torch.equal(dh0[1], dht[1]), "the empty sequence passes dht through"
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, (0, 30, 30, 100, 163)], ids=["fixed-B2", "varlen-empty"])
+def test_head_slice_to_chunks_equals_to_chunks_of_the_slice(cu_seqlens, device: str) -> None:
+    from flashkda.chunk_bwd_layout import make_layout, to_chunks
+    from flashkda.chunk_bwd_saved import head_slice_to_chunks
+
+    torch.manual_seed(3)
+    B, T = (2, 150) if cu_seqlens is None else (1, 163)
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
+    layout = make_layout(B, T, cu, 64, device)
+    x = torch.randn(B, T, 5, 48, device=device).to(torch.bfloat16)
+    for hv0, hv1, dtype in ((1, 3, torch.float32), (0, 5, torch.bfloat16), (4, 5, torch.float32)):
+        ours = head_slice_to_chunks(x, layout, hv0, hv1, dtype)
+        assert ours.dtype == dtype and ours.is_contiguous()
+        assert torch.equal(ours, to_chunks(x[:, :, hv0:hv1], layout, dtype))
+    with pytest.raises(ValueError, match="head slice 3:7"):
+        head_slice_to_chunks(x, layout, 3, 7, torch.float32)
 
 
 def test_widen_head_slice_copies_the_slice_in_fp32(device: str) -> None:
