@@ -9,16 +9,18 @@ For bf16 input the forward intra kernel already writes every operand of the pass
 ``[B, T, HV, D]`` and bf16 (see ``flashkda.chunk_intra``): ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}`` (the
 backward's ``kend``), ``w`` and ``Γ_C`` per chunk, and with ``store_local`` the chunk-local ``Aqk`` (zero above the
 diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them
-(``FLASHKDA_BWD_DH_ALL_HEADS``) and this pass runs once, before the head slices, writing ``dv_new`` (token layout) and
-the state gradient at every chunk end ``dhe`` (``[NC, HV, K, V]``, the layout of the forward's ``h``), both bf16 as
-fla's backward stores them, and ``dh0``. Per chunk, walking back with ``dS`` (gradient of the state at the chunk
+(``FLASHKDA_BWD_DH_ALL_HEADS``) and this pass runs once, before the head slices, writing ``dv_new`` (token layout,
+bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[NC, HV, K, V]``, the layout of the forward's
+``h``) and ``dh0``. ``dhe`` stays fp32: stored in bf16 it raised the fp64-reference error of ``dA_log``/``dt_bias``
+(sums of ``dG`` over every token) from ~0.8e-3 to 3.4e-3 on the CPU and to 1.1e-2 on an H200 in one test draw
+(2026-12-02), over the 1e-2 bound; fp32 costs 256 MiB more at B1-T8192-H64, still under fla's peak. Per chunk, walking back with ``dS`` (gradient of the state at the chunk
 end)::
 
     dv_new = Aqk^T do + kend dS
     dS    <- Diag(e^{Γ_C}) dS + qg^T do - w^T dv_new
 
 Traffic per (chunk, head), K = V = 128: reads qg, kg, w, do (4 x 16 KiB) and Aqk (8 KiB), writes dv_new (16 KiB) and
-dhe (32 KiB); ~0.95 GB at B1-T8192-H64, ~0.23 ms at 4.1 TB/s. The chain of chunks is serial, so the pass is
+dhe (64 KiB); ~1.2 GB at B1-T8192-H64, ~0.3 ms at 4.1 TB/s. The chain of chunks is serial, so the pass is
 latency-bound (one program per sequence, head and V block, as the forward's blocked state pass).
 """
 
@@ -176,7 +178,7 @@ def chunk_kda_bwd_dh_tokens(
         block_v, num_warps, num_stages: force the launch (None: as the per-slice blocked pass picks it).
 
     Returns:
-        ``(dv_new [B, T, HV, V] bf16, dhe [NC, HV, K, V] bf16, dh0 [N, HV, K, V] fp32 or None)``; ``dhe[c]`` is the
+        ``(dv_new [B, T, HV, V] bf16, dhe [NC, HV, K, V] fp32, dh0 [N, HV, K, V] fp32 or None)``; ``dhe[c]`` is the
         gradient of the state at the end of chunk ``c``.
     """
     B, T, HV, K = qg.shape
@@ -189,7 +191,7 @@ def chunk_kda_bwd_dh_tokens(
                          f"{tuple(aqk.shape)}")
     assert all(x.is_contiguous() for x in (qg, kg, w, gC, aqk, do)), "operands must be contiguous"
     dv_new = torch.empty(B, T, HV, V, dtype=torch.bfloat16, device=qg.device)
-    dhe = torch.empty(NC, HV, K, V, dtype=torch.bfloat16, device=qg.device)
+    dhe = torch.empty(NC, HV, K, V, dtype=torch.float32, device=qg.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=qg.device) if store_dh0 else None
     if N == 0:
         return dv_new, dhe, dh0
