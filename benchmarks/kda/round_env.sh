@@ -2,12 +2,15 @@
 # Sets $OUT (default /tmp/out) and $LOGS (/tmp/NAME, created), keeps Triton's on-disk cache in $TRITON_CACHE_DIR
 # (default .triton-cache, git-ignored; a warm machine keeps it between calls) with autotune results cached
 # (TRITON_CACHE_AUTOTUNING=1; a script that wants autotuning redone sets 0 after this), unbuffered Python, and unpacks
-# any carried cache archive (.triton-cache.tgz, .triton-cache-train.tgz, .fla-autotune.tgz) into the cache.
+# any carried cache archive (.triton-cache.tgz, .triton-cache-train.tgz, .fla-autotune.tgz) into the cache, after the
+# committed benchmarks/kda/fla-autotune-h200.tgz (Triton autotune results of fla's and our kernels at the training and
+# prefill rows, packed by the 2026-12-02 22:29 UTC round on an H200 with Triton 3.6: fla's first training call then
+# skips up to ~175 s of autotuning per head count; entries whose kernel source changed simply do not match).
 OUT=${OUT:-/tmp/out}
 LOGS=/tmp/${1:?round name}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 mkdir -p "$TRITON_CACHE_DIR" "$LOGS"
-for f in .triton-cache.tgz .triton-cache-train.tgz .fla-autotune.tgz; do
+for f in benchmarks/kda/fla-autotune-h200.tgz .triton-cache.tgz .triton-cache-train.tgz .fla-autotune.tgz; do
   [ -f "$f" ] && tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null && echo "unpacked $f"
 done
 

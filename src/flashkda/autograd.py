@@ -155,9 +155,9 @@ def save_local_enabled() -> bool:
     return env_flag(SAVE_LOCAL_ENV, True)
 
 
-#: Environment switch, opt-in (not timed yet): the training forward also keeps the split state path's bf16 ``h`` and
-#: ``v_new`` (``[NC, HV, K, V]`` + ``[B, T, HV, V]``, 384 MiB at B1-T8192-H64) so the backward skips its state
-#: recompute; ``1`` turns it on.
+#: Environment switch, opt-in (``disable_recompute=True`` sets it for bf16): the training forward also keeps the split
+#: state path's bf16 ``h`` and ``v_new`` (``[NC, HV, K, V]`` + ``[B, T, HV, V]``, 384 MiB at B1-T8192-H64) so the
+#: backward skips its state recompute (-0.3 ms there on the H200, 2026-12-02); ``1`` turns it on.
 SAVE_STATES_ENV = "FLASHKDA_BWD_SAVE_STATES"
 
 
@@ -166,10 +166,11 @@ def save_states_enabled() -> bool:
     return env_flag(SAVE_STATES_ENV, False)
 
 
-#: Environment switch, opt-in (not timed yet): for bf16 input the training forward also keeps the intra stage's
-#: ``w``, ``qg``, ``kg`` (``[B, T, HV, K]`` bf16 each, 384 MiB at B1-T8192-H64, freed once read) and the backward runs
-#: its reverse state pass once over all heads on them (``flashkda.chunk_bwd_dh_tokens``) instead of once per head
-#: slice on fp32 chunked copies; ``1`` turns it on. Needs the saved chunk-local matrices (``FLASHKDA_BWD_SAVE_LOCAL``).
+#: Environment switch, opt-in (``disable_recompute=True`` sets it for bf16): for bf16 input the training forward also
+#: keeps the intra stage's ``w``, ``qg``, ``kg`` (``[B, T, HV, K]`` bf16 each, 384 MiB at B1-T8192-H64, freed once
+#: read) and the backward runs its reverse state pass once over all heads on them (``flashkda.chunk_bwd_dh_tokens``)
+#: instead of once per head slice on fp32 chunked copies (-0.5 ms there on the H200, 2026-12-02); ``1`` turns it on.
+#: Needs the saved chunk-local matrices (``FLASHKDA_BWD_SAVE_LOCAL``).
 DH_ALL_HEADS_ENV = "FLASHKDA_BWD_DH_ALL_HEADS"
 
 

@@ -395,7 +395,11 @@ def test_saved_states_replace_the_state_recompute(case: Case, device: str, monke
         raise AssertionError("the backward recomputed the states although the forward kept them")
 
     monkeypatch.setenv(autograd.SAVE_STATES_ENV, "1")
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", no_recompute)
+    # Only the split forward state path stores states: bf16 input everywhere, every dtype in the interpreter. On a
+    # GPU fp16 (and small-K fp32) input may take the fused path, which keeps none, and the backward then recomputes
+    # them (the 2026-12-02 22:46 UTC gpu run failed here on fp16 for that reason, not on a gradient).
+    if case.dtype == torch.bfloat16 or device == "cpu":
+        monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", no_recompute)
     if case.HV % 2 == 0:
         monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
         monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
