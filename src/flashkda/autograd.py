@@ -31,8 +31,10 @@ from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_k
 from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
+from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
 from flashkda.chunk_bwd_saved import SavedLocal, head_slice_to_chunks, widen_head_slice
 from flashkda.chunk_bwd_ut import fused_wy
+from flashkda.chunk_state import state_pass
 from flashkda.env import env_flag
 from flashkda.index import build_chunk_index
 
@@ -177,6 +179,18 @@ DH_ALL_HEADS_ENV = "FLASHKDA_BWD_DH_ALL_HEADS"
 def dh_all_heads_enabled() -> bool:
     """Whether the backward's reverse state pass runs over all heads at once (read at each forward call)."""
     return env_flag(DH_ALL_HEADS_ENV, False)
+
+
+#: Environment switch, opt-in (not timed yet): without ``disable_recompute`` (bf16), the backward rebuilds the state
+#: passes' operands of all heads in bf16 from the raw inputs and the saved inverse (``flashkda.chunk_bwd_recompute``,
+#: as fla's ``recompute_w_u``), recomputes the states of all heads in one launch and runs the reverse pass once over
+#: all heads, instead of both passes once per head slice; nothing more is kept between forward and backward.
+RECOMPUTE_ALL_HEADS_ENV = "FLASHKDA_BWD_RECOMPUTE_ALL_HEADS"
+
+
+def recompute_all_heads_enabled() -> bool:
+    """Whether the default backward runs its state passes over all heads at once (read at each backward call)."""
+    return env_flag(RECOMPUTE_ALL_HEADS_ENV, False)
 
 
 def _fused_prologue(q: torch.Tensor) -> bool:
@@ -373,6 +387,17 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
         index = build_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
         w_t, qg_t, kg_t, gC = ctx.operands
         ctx.operands = []
+        dv_new_all, dhe_all, dh0 = chunk_kda_bwd_dh_tokens(qg_t, kg_t, w_t, gC, local[0], do.contiguous(), dhtc,
+                                                           index, store_dh0=h0 is not None)
+        del w_t, qg_t, kg_t, gC
+    elif (local and fused and do is not None and q.dtype == torch.bfloat16 and K <= 256 and h is None
+          and recompute_all_heads_enabled()):
+        # the operands and (unless kept) the states of all heads rebuilt here, then both passes once
+        index = build_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
+        w_t, u_t, qg_t, kg_t, gC = chunk_kda_recompute_operands(*raw, A_log, dt_bias, opts, layout, tok, local[2])
+        if not states:
+            states = state_pass(w_t, u_t, kg_t, gC, h0, None, False, index, "tf32")
+        del u_t
         dv_new_all, dhe_all, dh0 = chunk_kda_bwd_dh_tokens(qg_t, kg_t, w_t, gC, local[0], do.contiguous(), dhtc,
                                                            index, store_dh0=h0 is not None)
         del w_t, qg_t, kg_t, gC

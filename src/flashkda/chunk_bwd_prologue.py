@@ -44,17 +44,9 @@ def slot_tokens(layout: ChunkLayout, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def chunk_kda_prologue_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, bc, gamc, qgc, kgc, kendc, decc,
-    lower_bound, beta_scale, scale, hv0,
-    H: tl.constexpr, HV: tl.constexpr, HVS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
-    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr,
-):
-    # value head i_hv of the raw inputs (HV heads) is head i_s of the chunked slice (HVS heads from hv0)
-    i_c, i_s = tl.program_id(0), tl.program_id(1)
-    i_hv = hv0 + i_s
-    i_h = i_hv // (HV // H)
+def chunk_slots(tok, i_c, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Chunk ``i_c``'s slots: offsets ``o_s`` ``[C]``, ``o_k`` ``[K]``, ``o_v`` ``[BV]``, the flattened token of each
+    slot (0 on padding), the slot mask and the ``[C, K]`` / ``[C, BV]`` row masks."""
     o_s = tl.arange(0, C)
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, BV)
@@ -63,18 +55,27 @@ def chunk_kda_prologue_fwd_kernel(
     b_tok = tl.where(m_t, b_tok, 0)
     m_tk = m_t[:, None] & (o_k[None, :] < K)
     m_tv = m_t[:, None] & (o_v[None, :] < V)
-    out_k = (i_c.to(tl.int64) * HVS + i_s) * C * K + o_s[:, None] * K + o_k[None, :]
-    out_v = (i_c.to(tl.int64) * HVS + i_s) * C * V + o_s[:, None] * V + o_v[None, :]
-    # [C, K]
+    return o_s, o_k, o_v, b_tok, m_t, m_tk, m_tv
+
+
+@triton.jit
+def load_qk(q, k, b_tok, m_tk, i_h, o_k, H: tl.constexpr, K: tl.constexpr, USE_L2: tl.constexpr):
+    """``[C, K]`` fp32 rows ``b_tok`` of q and k head ``i_h`` (zero where ``m_tk`` is off), L2-normalised with
+    ``USE_L2``."""
     b_q = tl.load(q + b_tok[:, None] * H * K + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + b_tok[:, None] * H * K + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     if USE_L2:
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    tl.store(qc + out_k, b_q)
-    tl.store(kc + out_k, b_k)
-    b_v = tl.load(v + b_tok[:, None] * HV * V + i_hv * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    tl.store(vc + out_v, b_v, mask=o_v[None, :] < V)
+    return b_q, b_k
+
+
+@triton.jit
+def load_gate(g, A_log, dt_bias, lower_bound, b_tok, m_tk, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr,
+              USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_LB: tl.constexpr):
+    """``[C, K]`` fp32 log-space gate of value head ``i_hv`` at rows ``b_tok`` (zero where ``m_tk`` is off): ``g`` as
+    given, or with ``USE_GATE`` ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))`` (``USE_LB``) or
+    ``-exp(A_log) softplus(g + dt_bias)``."""
     b_g = tl.load(g + b_tok[:, None] * HV * K + i_hv * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     if USE_GATE:
         if USE_BIAS:
@@ -86,6 +87,31 @@ def chunk_kda_prologue_fwd_kernel(
         else:
             b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus(b_g)
         b_g = tl.where(m_tk, b_g, 0.0)
+    return b_g
+
+
+@triton.jit
+def chunk_kda_prologue_fwd_kernel(
+    q, k, v, g, beta, A_log, dt_bias, tok, qc, kc, vc, bc, gamc, qgc, kgc, kendc, decc,
+    lower_bound, beta_scale, scale, hv0,
+    H: tl.constexpr, HV: tl.constexpr, HVS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
+    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr,
+):
+    # value head i_hv of the raw inputs (HV heads) is head i_s of the chunked slice (HVS heads from hv0)
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    i_hv = hv0 + i_s
+    i_h = i_hv // (HV // H)
+    o_s, o_k, o_v, b_tok, m_t, m_tk, m_tv = chunk_slots(tok, i_c, C, K, V, BV)
+    out_k = (i_c.to(tl.int64) * HVS + i_s) * C * K + o_s[:, None] * K + o_k[None, :]
+    out_v = (i_c.to(tl.int64) * HVS + i_s) * C * V + o_s[:, None] * V + o_v[None, :]
+    # [C, K]
+    b_q, b_k = load_qk(q, k, b_tok, m_tk, i_h, o_k, H, K, USE_L2)
+    tl.store(qc + out_k, b_q)
+    tl.store(kc + out_k, b_k)
+    b_v = tl.load(v + b_tok[:, None] * HV * V + i_hv * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    tl.store(vc + out_v, b_v, mask=o_v[None, :] < V)
+    b_g = load_gate(g, A_log, dt_bias, lower_bound, b_tok, m_tk, i_hv, o_k, HV, K, USE_GATE, USE_A, USE_BIAS, USE_LB)
     # gate factors of the chunk: G = cumsum(g), qg = scale q e^G, kg = k e^G, kend = k e^(G_C - G), dec = e^G_C
     b_gam = tl.cumsum(b_g, axis=0)
     b_gend = tl.sum(b_g, axis=0)

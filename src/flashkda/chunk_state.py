@@ -604,8 +604,21 @@ def _default_block_v(V, programs_per_block, w):
 
 def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK, block_v,
                  num_warps, num_stages, o_config, hilo, blocked=None, precs=None, o_hilo=None):
-    """The split path: the state-only pass (``chunk_kda_fwd_kernel_h_blocked``, or ``chunk_kda_fwd_kernel_h`` with
-    ``blocked=False``) then ``chunk_kda_fwd_kernel_o`` (see their docstrings).
+    """The split path: the state-only pass (`state_pass`) then ``chunk_kda_fwd_kernel_o`` (`state_output`).
+
+    Returns ``(h, v_new)`` as stored (``[NC, HV, K, V]``, ``[B, T, HV, V]``).
+    """
+    h, vn = state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, BK, block_v, num_warps,
+                       num_stages, hilo, blocked, precs)
+    state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config, o_hilo)
+    return h, vn
+
+
+def state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, BK=None, block_v=None, num_warps=4,
+               num_stages=1, hilo=False, blocked=None, precs=None):
+    """The state-only recurrence (``chunk_kda_fwd_kernel_h_blocked``, or ``chunk_kda_fwd_kernel_h`` with
+    ``blocked=False``): the state at every chunk start and ``v_new``, without the output (the split path's first
+    kernel; the training backward also runs it to recompute the states of all heads at once).
 
     bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o); v_new is stored in u's dtype,
     bf16 by default (``flashkda.chunk_intra.bf16_intermediates_enabled``: o's fp64-gate error 3.1e-3 on an H200,
@@ -613,15 +626,25 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
     recurrence v_new stays fp32 in registers and enters ``kgᵀ v_new`` as a bf16 hi/lo split (bf16 there raised
     the final-state error by ~0.7e-3). fp32 input keeps fp32 everywhere with exact products.
 
+    Args:
+        w, kg: ``[B, T, HV, K]``; u: ``[B, T, HV, V]``; gC: ``[NC, HV, K]`` fp32 (as the intra stage writes them).
+        initial_state, ht: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None; ``ht`` receives
+            the final states.
+        index: ``ChunkIndex`` of the batch. dot_prec: ``"ieee"`` or ``"tf32"``. BK: padded K (None: derived).
+        block_v, num_warps, num_stages, hilo, blocked, precs: as in `chunk_kda_fwd_state_o`.
+
     Returns ``(h, v_new)`` as stored (``[NC, HV, K, V]``, ``[B, T, HV, V]``).
     """
     B, T, HV, K = w.shape
     V = u.shape[-1]
     N = index.num_seqs
+    BK = BK or max(16, triton.next_power_of_2(K))
     half = dot_prec != "ieee"
     h_dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32  # fp16 input: fp32 h (see prefer_split)
     h = torch.empty(index.num_chunks, HV, K, V, dtype=h_dtype, device=w.device)
     vn = torch.empty(B, T, HV, V, dtype=u.dtype, device=w.device)  # bf16 only with bf16 intermediates
+    if N == 0:
+        return h, vn
     args = (w, u, kg, gC, h, vn, initial_state, ht, index.cu_seqlens, index.chunk_offsets, T, index.chunks_per_seq,
             N * HV)
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, USE_INITIAL_STATE=initial_state is not None,
@@ -638,7 +661,6 @@ def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, ind
         block_v = block_v or _default_block_v(V, N * HV, w)
         chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
                                                                     num_stages=num_stages)
-    state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config, o_hilo)
     return h, vn
 
 

@@ -367,14 +367,16 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
         assert _rel_rms(saved[name], recomputed[name]) <= tol, f"d{name}: {_rel_rms(saved[name], recomputed[name]):.1e}"
 
 
-@pytest.mark.parametrize("name", ["FLASHKDA_BWD_SAVE_LOCAL", "FLASHKDA_BWD_SAVE_STATES", "FLASHKDA_BWD_DH_ALL_HEADS"])
+@pytest.mark.parametrize("name", ["FLASHKDA_BWD_SAVE_LOCAL", "FLASHKDA_BWD_SAVE_STATES", "FLASHKDA_BWD_DH_ALL_HEADS",
+                                  "FLASHKDA_BWD_RECOMPUTE_ALL_HEADS"])
 def test_save_switches_reject_unknown_values(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import flashkda.autograd as autograd
 
     monkeypatch.setenv(name, "maybe")
     read = {autograd.SAVE_LOCAL_ENV: autograd.save_local_enabled,
             autograd.SAVE_STATES_ENV: autograd.save_states_enabled,
-            autograd.DH_ALL_HEADS_ENV: autograd.dh_all_heads_enabled}[name]
+            autograd.DH_ALL_HEADS_ENV: autograd.dh_all_heads_enabled,
+            autograd.RECOMPUTE_ALL_HEADS_ENV: autograd.recompute_all_heads_enabled}[name]
     with pytest.raises(ValueError, match=f"{name}='maybe'"):
         read()
 
@@ -461,6 +463,59 @@ def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(device
                 output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                                    lower_bound=-5.0, safe_gate=True, disable_recompute=True))
     _check_gradients(case, device)
+
+
+@pytest.mark.parametrize("case", _DH_ALL_HEADS_CASES)
+def test_state_passes_over_all_heads_with_recomputed_operands(case: Case, device: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASHKDA_BWD_RECOMPUTE_ALL_HEADS=1 (bf16, nothing more kept by the forward): the backward rebuilds ``w``,
+    ``u``, ``qg``, ``kend``, ``Γ_C`` of all heads from the raw inputs and the saved inverse, runs the state recompute
+    and the reverse pass once over all heads, never per slice, and meets the fp64 bound (varlen with an empty and
+    partial sequences, GVA, bounded gate, state in/out, K = 128, two head slices)."""
+    import flashkda.autograd as autograd
+    from flashkda import chunk_bwd
+
+    def never(*args, **kwargs):
+        raise AssertionError("a per-slice state pass ran although the passes ran over all heads")
+
+    monkeypatch.setenv(autograd.RECOMPUTE_ALL_HEADS_ENV, "1")
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
+    if case.HV % 2 == 0 and case.H % 2 == 0:
+        monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+        monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    _check_gradients(case, device)
+
+
+def test_recomputed_operands_equal_the_forward_ones(device: str) -> None:
+    """The backward's rebuild of ``w``, ``u``, ``qg``, ``kend``, ``Γ_C`` (all heads, bf16) against the forward intra
+    kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits."""
+    from flashkda.autograd import KDAOptions
+    from flashkda.chunk_bwd_layout import make_layout
+    from flashkda.chunk_bwd_prologue import slot_tokens
+    from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
+    from flashkda.chunk_fwd import chunk_kda_fwd
+
+    torch.manual_seed(9)
+    T, H, HV, K, V = 150, 1, 2, 64, 32
+    cu = torch.tensor([0, 40, 40, 150], device=device)
+    q, k = (torch.randn(1, T, H, K, device=device).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, T, HV, V, device=device).to(torch.bfloat16)
+    g = torch.randn(1, T, HV, K, device=device).to(torch.bfloat16)
+    beta = torch.randn(1, T, HV, device=device).to(torch.bfloat16)
+    A_log, dt_bias = torch.log(torch.empty(HV, device=device).uniform_(1, 4)), 0.5 * torch.randn(HV * K, device=device)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 safe_gate=True, lower_bound=-5.0)
+    *_, saved = chunk_kda_fwd(q, k, v, g, beta, K**-0.5, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
+                              output_local=True, local_heads=1, output_operands=True, **flags)
+    opts = KDAOptions(scale=K**-0.5, output_final_state=False, allow_neg_eigval=False, state_v_first=False,
+                      disable_recompute=False, forward_impl="kernels", **flags)
+    layout = make_layout(1, T, cu, 64, device)
+    w, u, qg, kend, gC = chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout,
+                                                      slot_tokens(layout, device), saved.local[2])
+    fw, fqg, fkg, fgC = saved.operands
+    assert _rel_rms(w, fw) <= 1e-2 and _rel_rms(qg, fqg) <= 1e-2 and _rel_rms(kend, fkg) <= 1e-2
+    assert _rel_rms(gC, fgC[: layout.num_chunks]) <= 1e-5
 
 
 def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -> None:
