@@ -4,8 +4,8 @@
 
 * forward: the forward kernels (``flashkda.chunk_fwd.chunk_kda_fwd``: fused gate, L2 norm, beta sigmoid, chunked
   recurrence); saved: the inputs and the intra kernel's ``Aqk``, ``Akk`` and inverse. ``disable_recompute=True``
-  trades memory for speed as fla's option does: for bf16 input the forward also keeps its bf16 per-chunk states
-  ``h``, ``v_new`` and the intra stage's ``w``, ``qg``, ``kg`` (+768 MiB at B1-T8192-H64), so the backward runs no
+  trades memory for speed as fla's option does: for bf16 input the forward also keeps its per-chunk states ``h``
+  (bf16), ``v_new`` (fp32) and the intra stage's ``w``, ``qg``, ``kg`` (~+900 MiB at B1-T8192-H64), so the backward runs no
   state recompute and one reverse state pass over all heads; other dtypes run the training forward of
   `flashkda.chunk_bwd` and keep its fp32 states. fp64 inputs (tests) always run the training forward.
 * backward: rebuilds the prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``, ``dt_bias``, the beta
@@ -252,7 +252,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
                 output_local=save_local, local_heads=ctx.head_slices[0][1] - ctx.head_slices[0][0],
-                output_states=save_states, output_operands=save_operands,
+                output_states=save_states, output_operands=save_operands, fp32_u=save_states,
             )
             o, ht = result[:2]
             if save_local or save_states or save_operands:

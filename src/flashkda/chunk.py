@@ -70,7 +70,7 @@ def chunk_kda(
         lower_bound: floor of the bounded gate, e.g. ``-5.0``; None selects the softplus gate.
         disable_recompute: training only: keep the forward's per-chunk states (for bf16 also the reverse state
             pass's operands) for the backward instead of recomputing them, as fla's option does; more memory
-            between forward and backward (+768 MiB at B1-T8192-H64), ~1.3 ms less per step there (H200). Ignored
+            between forward and backward (~+900 MiB at B1-T8192-H64), ~1.2 ms less per step there (H200). Ignored
             without gradients.
         return_intermediate_states: not supported (raises ValueError; fla's backend falls back).
         state_v_first: states are ``[V, K]`` per head.

@@ -62,6 +62,7 @@ def chunk_kda_fwd(
     local_heads: int | None = None,
     output_states: bool = False,
     output_operands: bool = False,
+    fp32_u: bool = False,
 ) -> tuple:
     """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
 
@@ -83,6 +84,7 @@ def chunk_kda_fwd(
             when the fused path ran (it keeps no per-chunk states).
         output_operands: also return the intra stage's ``(w, qg, kg, gC)`` as stored (``[B, T, HV, K]`` each, bf16
             for bf16 input, and ``gC`` ``[NC, HV, K]`` fp32), for ``flashkda.chunk_bwd_dh_tokens``.
+        fp32_u: ``u`` and the state stage's ``v_new`` in fp32 (see ``chunk_kda_fwd_intra``).
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
@@ -100,7 +102,7 @@ def chunk_kda_fwd(
     w, u, qg, kg, Aqk, gC, *local = chunk_kda_fwd_intra(
         q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, index, work_dtype, dot_prec, store_local=output_local,
-        local_heads=local_heads,
+        local_heads=local_heads, fp32_u=fp32_u,
     )
     states = [] if output_states else None
     result = chunk_kda_fwd_state_o(

@@ -471,7 +471,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
                         split_wu=False, wu_config=None, pass1_slice=None, merge=None, bf16_intermediates=None,
-                        store_local=False, local_heads=None):
+                        store_local=False, local_heads=None, fp32_u=False):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -492,6 +492,9 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             slice by head slice: ``[HV / local_heads, NC, local_heads, 64, 64]`` each (``NC = index.num_chunks``;
             zero rows on padding) in Aqk's dtype, so each slice of the backward reads a contiguous block.
         local_heads: value heads per slice of that layout (a divisor of HV; None: HV).
+        fp32_u: store ``u`` in fp32 whatever the intermediates' dtype (the state stage then keeps ``v_new`` in fp32
+            too): the training backward that takes the forward's ``v_new`` needs it, since ``v_new = u - w S`` cancels
+            and a bf16 ``u`` tripled the fp64-reference error of ``dA_log`` (flashkda.autograd).
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
@@ -509,7 +512,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
     w = torch.empty(B, T, HV, K, dtype=work_dtype, device=q.device)
     kg = torch.empty_like(w)
     qg = torch.empty(B, T, HV, K, dtype=mid_dtype, device=q.device)
-    u = torch.empty(B, T, HV, V, dtype=mid_dtype, device=q.device)
+    u = torch.empty(B, T, HV, V, dtype=torch.float32 if fp32_u else mid_dtype, device=q.device)
     Aqk = torch.empty(B, T, HV, BT, dtype=mid_dtype, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     LHS = local_heads or HV
