@@ -158,8 +158,9 @@ def save_local_enabled() -> bool:
 
 
 #: Environment switch, opt-in (``disable_recompute=True`` sets it for bf16): the training forward also keeps the split
-#: state path's bf16 ``h`` and ``v_new`` (``[NC, HV, K, V]`` + ``[B, T, HV, V]``, 384 MiB at B1-T8192-H64) so the
-#: backward skips its state recompute (-0.3 ms there on the H200, 2026-12-02); ``1`` turns it on.
+#: state path's ``h`` (bf16) and ``v_new`` (fp32: see ``fp32_u``), ``[NC, HV, K, V]`` + ``[B, T, HV, V]``, ~520 MiB at
+#: B1-T8192-H64, so the backward skips its state recompute (-0.3 ms there on the H200, 2026-12-02, with ``v_new`` in
+#: bf16); ``1`` turns it on.
 SAVE_STATES_ENV = "FLASHKDA_BWD_SAVE_STATES"
 
 
