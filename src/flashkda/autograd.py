@@ -384,21 +384,22 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
     fused = not torch.is_grad_enabled()
     do_dtype = do.dtype if do is not None and fused and fused_wy(dot_precision, K, V) else cdt
     dv_new_all = dhe_all = None
-    if ctx.operands and local and fused and do is not None:
+    all_heads = local and fused and do is not None
+    kept = all_heads and bool(ctx.operands)
+    rebuilt = (all_heads and not kept and q.dtype == torch.bfloat16 and K <= 256 and h is None
+               and recompute_all_heads_enabled())
+    if kept or rebuilt:
         index = build_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
-        w_t, qg_t, kg_t, gC = ctx.operands
+        if kept:
+            w_t, qg_t, kg_t, gC = ctx.operands
+        else:
+            # the operands and (unless kept) the states of all heads rebuilt here, then both passes once
+            w_t, u_t, qg_t, kg_t, gC = chunk_kda_recompute_operands(*raw, A_log, dt_bias, opts, layout, tok,
+                                                                    local[2])
+            if not states:
+                states = state_pass(w_t, u_t, kg_t, gC, h0, None, False, index, "tf32")
+            del u_t
         ctx.operands = []
-        dv_new_all, dhe_all, dh0 = chunk_kda_bwd_dh_tokens(qg_t, kg_t, w_t, gC, local[0], do.contiguous(), dhtc,
-                                                           index, store_dh0=h0 is not None)
-        del w_t, qg_t, kg_t, gC
-    elif (local and fused and do is not None and q.dtype == torch.bfloat16 and K <= 256 and h is None
-          and recompute_all_heads_enabled()):
-        # the operands and (unless kept) the states of all heads rebuilt here, then both passes once
-        index = build_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
-        w_t, u_t, qg_t, kg_t, gC = chunk_kda_recompute_operands(*raw, A_log, dt_bias, opts, layout, tok, local[2])
-        if not states:
-            states = state_pass(w_t, u_t, kg_t, gC, h0, None, False, index, "tf32")
-        del u_t
         dv_new_all, dhe_all, dh0 = chunk_kda_bwd_dh_tokens(qg_t, kg_t, w_t, gC, local[0], do.contiguous(), dhtc,
                                                            index, store_dh0=h0 is not None)
         del w_t, qg_t, kg_t, gC
@@ -408,7 +409,7 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
 
         chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
         if do is not None:
-            doc = head_slice_to_chunks(do, layout, hv0, hv1, do_dtype)
+            doc = head_slice_to_chunks(do, layout, tok, hv0, hv1, do_dtype)
         else:
             doc = torch.zeros_like(chunks[2])
         common = dict(scale=opts.scale, initial_state=part(h0), chunk_offsets=layout.chunk_offsets, dht=part(dhtc),
@@ -421,10 +422,10 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             h_s, v_new_s = part(h), part(v_new)
             if states and h_s is None:
                 h_s = widen_head_slice(states[0], hv0, hv1, layout.num_chunks)
-                v_new_s = head_slice_to_chunks(states[1], layout, hv0, hv1, cdt)
+                v_new_s = head_slice_to_chunks(states[1], layout, tok, hv0, hv1, cdt)
             dv_new_s = dhe_s = None
             if dv_new_all is not None:
-                dv_new_s = head_slice_to_chunks(dv_new_all, layout, hv0, hv1, cdt)
+                dv_new_s = head_slice_to_chunks(dv_new_all, layout, tok, hv0, hv1, cdt)
                 dhe_s = widen_head_slice(dhe_all, hv0, hv1, layout.num_chunks)
                 if hv1 == HV:
                     dv_new_all = dhe_all = None

@@ -2,7 +2,7 @@
 
 The reverse state pass over all heads (``flashkda.chunk_bwd_dh_tokens``) and the state recompute over all heads
 (``flashkda.chunk_state.state_pass``) read ``w``, ``u``, ``qg``, ``kend = k e^{Γ_C - Γ}`` and ``Γ_C`` in the
-forward's token layout ``[B, T, HV, D]``. ``disable_recompute=True`` keeps the forward's copies (+768 MiB between
+forward's token layout ``[B, T, HV, D]``. ``disable_recompute=True`` keeps the forward's copies (~+900 MiB between
 forward and backward at B1-T8192-H64, with the states); this pass rebuilds them in the backward instead, as fla's
 ``recompute_w_u`` does, from the raw inputs and the forward's saved inverse ``M = (I + Diag(beta) Akk)^-1``:
 one program per (chunk, value head) runs the prologue's L2 norm, gate, in-chunk cumulative sum and beta sigmoid

@@ -110,40 +110,37 @@ def saved_inverse_fp32(m: torch.Tensor, beta: torch.Tensor | None = None) -> tor
 
 
 @triton.jit
-def head_slice_to_chunks_kernel(x, gather, out, hv0, T, NT, HV, HS, C: tl.constexpr, D: tl.constexpr,
-                                BD: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # program (chunk c, head j of the slice, feature block): out[c, j] = x[tokens of c, hv0 + j] (zero past the end)
+def head_slice_to_chunks_kernel(x, tok, out, hv0, HV, HS, C: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    # program (chunk c, head j of the slice, feature block): out[c, j] = x[tokens of c, hv0 + j] (zero on padding)
     i_ch, i_d = tl.program_id(0), tl.program_id(1)
     i_c, i_j = i_ch // HS, i_ch % HS
     o_s = tl.arange(0, C)
     o_d = i_d * BD + tl.arange(0, BD)
-    if IS_VARLEN:
-        tok = tl.load(gather + i_c.to(tl.int64) * C + o_s)
-        m_s = tok < T
-    else:
-        t = (i_c % NT) * C + o_s
-        m_s = t < T
-        tok = (i_c // NT).to(tl.int64) * T + t
+    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
+    m_s = b_tok >= 0
     m_d = o_d < D
-    b_x = tl.load(x + (tok[:, None] * HV + hv0 + i_j) * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
-                  other=0.0)
+    b_x = tl.load(x + (tl.where(m_s, b_tok, 0)[:, None] * HV + hv0 + i_j) * D + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)
     tl.store(out + (i_ch.to(tl.int64) * C + o_s[:, None]) * D + o_d[None, :], b_x.to(out.dtype.element_ty),
              mask=m_d[None, :])
 
 
-def head_slice_to_chunks(x: torch.Tensor, layout: ChunkLayout, hv0: int, hv1: int, dtype: torch.dtype) -> torch.Tensor:
+def head_slice_to_chunks(x: torch.Tensor, layout: ChunkLayout, tok: torch.Tensor, hv0: int, hv1: int,
+                         dtype: torch.dtype) -> torch.Tensor:
     """``to_chunks(x[:, :, hv0:hv1], layout, dtype)`` in one Triton pass.
 
     Args:
         x: ``[B, T, HV, D]`` (``[1, T, HV, D]`` for varlen layouts), any float dtype; made contiguous if it is not.
         layout: the chunked layout of ``x``'s tokens (`flashkda.chunk_bwd_layout.make_layout`).
+        tok: ``flashkda.chunk_bwd_prologue.slot_tokens(layout)``: the flattened token of every chunk slot, -1 on
+            padding.
         hv0, hv1: the head slice, ``0 <= hv0 < hv1 <= HV``.
         dtype: dtype of the result (the conversion happens in the copy).
 
     Returns:
         ``[NC, hv1 - hv0, C, D]`` contiguous, zero on the padding slots of each sequence's last chunk.
     """
-    B, T, HV, D = x.shape
+    HV, D = x.shape[2], x.shape[3]
     if not 0 <= hv0 < hv1 <= HV:
         raise ValueError(f"head slice {hv0}:{hv1} is outside 0:{HV}")
     x = x.contiguous()
@@ -151,9 +148,6 @@ def head_slice_to_chunks(x: torch.Tensor, layout: ChunkLayout, hv0: int, hv1: in
     out = torch.empty(NC, HS, C, D, dtype=dtype, device=x.device)
     if NC and D:
         BD = min(128, triton.next_power_of_2(D))
-        varlen = layout.gather_index is not None
-        head_slice_to_chunks_kernel[(NC * HS, triton.cdiv(D, BD))](
-            x, layout.gather_index if varlen else x, out, hv0, T, max(NC // max(B, 1), 1), HV, HS, C=C, D=D, BD=BD,
-            IS_VARLEN=varlen, num_warps=4,
-        )
+        head_slice_to_chunks_kernel[(NC * HS, triton.cdiv(D, BD))](x, tok, out, hv0, HV, HS, C=C, D=D, BD=BD,
+                                                                   num_warps=4)
     return out

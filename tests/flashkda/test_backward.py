@@ -556,19 +556,21 @@ def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -
 @pytest.mark.parametrize("cu_seqlens", [None, (0, 30, 30, 100, 163)], ids=["fixed-B2", "varlen-empty"])
 def test_head_slice_to_chunks_equals_to_chunks_of_the_slice(cu_seqlens, device: str) -> None:
     from flashkda.chunk_bwd_layout import make_layout, to_chunks
+    from flashkda.chunk_bwd_prologue import slot_tokens
     from flashkda.chunk_bwd_saved import head_slice_to_chunks
 
     torch.manual_seed(3)
     B, T = (2, 150) if cu_seqlens is None else (1, 163)
     cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=device)
     layout = make_layout(B, T, cu, 64, device)
+    tok = slot_tokens(layout, device)
     x = torch.randn(B, T, 5, 48, device=device).to(torch.bfloat16)
     for hv0, hv1, dtype in ((1, 3, torch.float32), (0, 5, torch.bfloat16), (4, 5, torch.float32)):
-        ours = head_slice_to_chunks(x, layout, hv0, hv1, dtype)
+        ours = head_slice_to_chunks(x, layout, tok, hv0, hv1, dtype)
         assert ours.dtype == dtype and ours.is_contiguous()
         assert torch.equal(ours, to_chunks(x[:, :, hv0:hv1], layout, dtype))
     with pytest.raises(ValueError, match="head slice 3:7"):
-        head_slice_to_chunks(x, layout, 3, 7, torch.float32)
+        head_slice_to_chunks(x, layout, tok, 3, 7, torch.float32)
 
 
 def test_widen_head_slice_copies_the_slice_in_fp32(device: str) -> None:
