@@ -17,7 +17,16 @@ import triton
 import triton.language as tl
 
 from benchmarks.kda.resource_report import compile_one, ctas_per_sm, ptxas_usage
-from flashkda import chunk_bwd_gated, chunk_bwd_gates, chunk_bwd_h, chunk_bwd_inverse, chunk_bwd_ut
+from flashkda import (
+    chunk_bwd_gated,
+    chunk_bwd_gates,
+    chunk_bwd_h,
+    chunk_bwd_inverse,
+    chunk_bwd_prologue,
+    chunk_bwd_recompute,
+    chunk_bwd_ut,
+)
+from flashkda.chunk_state import PREC_HILO
 
 K = V = 128
 C = 64
@@ -74,6 +83,18 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
             cx = dict(HV=1, C=C, K=K, V=V, BV=bv, USE_H0=True, STORE_H=True, STORE_O=False, STORE_HT=False,
                       USE_DHT=True, STORE_DH0=True, DOT_PRECISION="ieee", DT=tl.bfloat16)
             add(f"{name} BV{bv}", fn, types, cx, nw)
+    # raw-input kernels (bf16 inputs, bounded in-kernel gate, L2 norm, beta sigmoid)
+    gate = dict(USE_L2=True, USE_GATE=True, USE_A=True, USE_BIAS=True, USE_LB=True, USE_SIGMOID=True)
+    raw = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log=f32, dt_bias=f32, tok="*i64",
+               lower_bound="fp32", beta_scale="fp32", scale="fp32", hv0="i32", NCL="i32")
+    fn = chunk_bwd_recompute.chunk_kda_recompute_operands_kernel
+    add("recompute operands", fn, {**{n: f32 for n in fn.arg_names}, **raw, "minv": "*bf16", "w": "*bf16",
+                                   "qg": "*bf16", "kend": "*bf16"},
+        dict(H=16, HV=16, HS=8, C=C, K=K, V=V, BV=V, PREC=PREC_HILO, EMULATE=False, **gate), 8)
+    fn = chunk_bwd_prologue.chunk_kda_prologue_fwd_kernel
+    for store in (True, False):
+        add(f"prologue fwd{'' if store else ' no factors'}", fn, {**{n: f32 for n in fn.arg_names}, **raw},
+            dict(H=16, HV=16, HVS=8, C=C, K=K, V=V, BV=V, STORE_FACTORS=store, **gate), 8)
     return out
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_kda_train_fwd
 from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
+from flashkda.chunk_bwd_gated import fused_gates
 from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
 from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
 from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
@@ -182,16 +183,17 @@ def dh_all_heads_enabled() -> bool:
     return env_flag(DH_ALL_HEADS_ENV, False)
 
 
-#: Environment switch, opt-in (not timed yet): without ``disable_recompute`` (bf16), the backward rebuilds the state
-#: passes' operands of all heads in bf16 from the raw inputs and the saved inverse (``flashkda.chunk_bwd_recompute``,
-#: as fla's ``recompute_w_u``), recomputes the states of all heads in one launch and runs the reverse pass once over
-#: all heads, instead of both passes once per head slice; nothing more is kept between forward and backward.
+#: Environment switch, on by default (``0`` turns it off): without ``disable_recompute`` (bf16), the backward rebuilds
+#: the state passes' operands of all heads in bf16 from the raw inputs and the saved inverse
+#: (``flashkda.chunk_bwd_recompute``, as fla's ``recompute_w_u``), recomputes the states of all heads in one launch and
+#: runs the reverse pass once over all heads, instead of both passes once per head slice; nothing more is kept between
+#: forward and backward. First timed 2026-12-03 (benchmarks/kda/NOTES.md).
 RECOMPUTE_ALL_HEADS_ENV = "FLASHKDA_BWD_RECOMPUTE_ALL_HEADS"
 
 
 def recompute_all_heads_enabled() -> bool:
     """Whether the default backward runs its state passes over all heads at once (read at each backward call)."""
-    return env_flag(RECOMPUTE_ALL_HEADS_ENV, False)
+    return env_flag(RECOMPUTE_ALL_HEADS_ENV, True)
 
 
 def _fused_prologue(q: torch.Tensor) -> bool:
@@ -403,11 +405,14 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
         dv_new_all, dhe_all, dh0 = chunk_kda_bwd_dh_tokens(qg_t, kg_t, w_t, gC, local[0], do.contiguous(), dhtc,
                                                            index, store_dh0=h0 is not None)
         del w_t, qg_t, kg_t, gC
+    # with both state passes done (or kept) for all heads, only the unfused gate chain would read qg, kend, dec
+    factors = not (dv_new_all is not None and (states or h is not None) and fused_gates(dot_precision, K))
     for hv0, hv1 in slices:
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
 
-        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1))
+        chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1),
+                                                      store_factors=factors)
         if do is not None:
             doc = head_slice_to_chunks(do, layout, tok, hv0, hv1, do_dtype)
         else:

@@ -96,7 +96,7 @@ def chunk_kda_prologue_fwd_kernel(
     lower_bound, beta_scale, scale, hv0,
     H: tl.constexpr, HV: tl.constexpr, HVS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
-    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr,
+    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr, STORE_FACTORS: tl.constexpr,
 ):
     # value head i_hv of the raw inputs (HV heads) is head i_s of the chunked slice (HVS heads from hv0)
     i_c, i_s = tl.program_id(0), tl.program_id(1)
@@ -117,10 +117,11 @@ def chunk_kda_prologue_fwd_kernel(
     b_gend = tl.sum(b_g, axis=0)
     b_eg = tl.exp(b_gam)
     tl.store(gamc + out_k, b_gam)
-    tl.store(qgc + out_k, (scale * b_q * b_eg).to(qgc.dtype.element_ty))
     tl.store(kgc + out_k, b_k * b_eg)
-    tl.store(kendc + out_k, (b_k * tl.exp(b_gend[None, :] - b_gam)).to(kendc.dtype.element_ty))
-    tl.store(decc + (i_c.to(tl.int64) * HVS + i_s) * K + o_k, tl.exp(b_gend))
+    if STORE_FACTORS:
+        tl.store(qgc + out_k, (scale * b_q * b_eg).to(qgc.dtype.element_ty))
+        tl.store(kendc + out_k, (b_k * tl.exp(b_gend[None, :] - b_gam)).to(kendc.dtype.element_ty))
+        tl.store(decc + (i_c.to(tl.int64) * HVS + i_s) * K + o_k, tl.exp(b_gend))
     b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_SIGMOID:
         b_b = tl.where(m_t, beta_scale * tl.sigmoid(b_b), 0.0)
@@ -233,11 +234,14 @@ def _flags(opts, A_log, dt_bias) -> dict:
 
 
 def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
-                           heads: tuple[int, int] | None = None):
+                           heads: tuple[int, int] | None = None, store_factors: bool = True):
     """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
     ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
     ``heads=(hv0, hv1)`` restricts the output to value heads ``hv0 <= hv < hv1`` (whole GVA groups); default all.
+    ``store_factors=False`` leaves out ``qg``, ``kend`` and ``dec`` (returned as None): only the state passes read
+    them (and the unfused gate chain): a backward whose state passes already ran over all heads skips three of seven
+    ``[C, K]`` writes.
 
     Returns:
         ``((qc, kc, vc, None, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HS, C, *]`` (``HS`` heads of
@@ -253,15 +257,19 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
     qc, kc = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
     vc = torch.empty(NC, HS, C, V, **f32)
     bc = torch.empty(NC, HS, C, **f32)
-    gam, qg, kg, kend = (torch.empty(NC, HS, C, K, **f32) for _ in range(4))
-    dec = torch.empty(NC, HS, K, **f32)
+    gam, kg = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
+    qg = kend = dec = None
+    if store_factors:
+        qg, kend = (torch.empty(NC, HS, C, K, **f32) for _ in range(2))
+        dec = torch.empty(NC, HS, K, **f32)
     dummy = qc
     chunk_kda_prologue_fwd_kernel[(NC, HS)](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
-        qc, kc, vc, bc, gam, qg, kg, kend, dec,
+        qc, kc, vc, bc, gam, qg if store_factors else dummy, kg, kend if store_factors else dummy,
+        dec if store_factors else dummy,
         float(opts.lower_bound) if opts.lower_bound is not None else 0.0, 2.0 if opts.allow_neg_eigval else 1.0,
         opts.scale, hv0, H=H, HV=HV, HVS=HS, C=C, K=K, V=V, BV=triton.next_power_of_2(V),
-        USE_L2=opts.use_qk_l2norm_in_kernel, **_flags(opts, A_log, dt_bias),
+        USE_L2=opts.use_qk_l2norm_in_kernel, **_flags(opts, A_log, dt_bias), STORE_FACTORS=store_factors,
         num_warps=4 if K * max(K, V) <= 64 * 64 else 8,
     )
     return (qc, kc, vc, None, bc), (gam, qg, kg, kend, dec)

@@ -34,7 +34,7 @@ def chunk_kda_recompute_operands_kernel(
     lower_bound, beta_scale, scale, NCL,
     H: tl.constexpr, HV: tl.constexpr, HS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
-    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr, EMULATE: tl.constexpr,
+    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr,
 ):
     # program (chunk i_c, value head i_hv); minv is [HV / HS, NCL, HS, C, C] (head i_hv in slice i_hv // HS)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -60,10 +60,10 @@ def chunk_kda_recompute_operands_kernel(
     # [C, C]: the saved inverse; w = M (beta k e^Γ), u = M (beta v), right operands as bf16 hi/lo splits
     p_m = minv + (((i_hv // HS) * NCL + i_c).to(tl.int64) * HS + i_hv % HS) * C * C
     b_m = tl.load(p_m + o_s[:, None] * C + o_s[None, :]).to(tl.float32)
-    b_w = _dot(b_m, b_b[:, None] * b_k * b_eg, tl.zeros([C, K], dtype=tl.float32), PREC_HILO, EMULATE)
+    b_w = _dot(b_m, b_b[:, None] * b_k * b_eg, tl.zeros([C, K], dtype=tl.float32), PREC, EMULATE)
     tl.store(w + p_k, cast_for_store(b_w, w.dtype.element_ty), mask=m_tk)
     b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-    b_u = _dot(b_m, b_b[:, None] * b_v, tl.zeros([C, BV], dtype=tl.float32), PREC_HILO, EMULATE)
+    b_u = _dot(b_m, b_b[:, None] * b_v, tl.zeros([C, BV], dtype=tl.float32), PREC, EMULATE)
     tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
 
 
@@ -101,7 +101,7 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
         H=H, HV=HV, HS=minv.shape[2], C=C, K=K, V=V, BV=triton.next_power_of_2(V),
         USE_L2=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel, USE_A=A_log is not None,
         USE_BIAS=dt_bias is not None, USE_LB=opts.lower_bound is not None,
-        USE_SIGMOID=opts.use_beta_sigmoid_in_kernel, EMULATE=not q.is_cuda,
+        USE_SIGMOID=opts.use_beta_sigmoid_in_kernel, PREC=PREC_HILO, EMULATE=not q.is_cuda,
         num_warps=4 if K * max(K, V) <= 64 * 64 else 8,
     )
     return w, u, qg, kend, gC

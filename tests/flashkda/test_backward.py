@@ -487,6 +487,36 @@ def test_state_passes_over_all_heads_with_recomputed_operands(case: Case, device
     _check_gradients(case, device)
 
 
+def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(device: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once both state passes ran over all heads, the per-slice prologue leaves out ``qg``, ``kend`` and ``dec``
+    (read only by the state passes and the unfused gate chain): with the fused gate chain (bf16 on a GPU, added for
+    the interpreter here) every slice asks for no factors and the gradients still meet the fp64 bound."""
+    import flashkda.autograd as autograd
+    from flashkda import chunk_bwd_gated
+
+    asked = []
+    prologue = autograd.chunk_kda_prologue_fwd
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("store_factors", True))
+        chunks, factors = prologue(*args, **kwargs)
+        assert (factors[1] is None) == (not asked[-1]), "store_factors did not decide what the prologue wrote"
+        return chunks, factors
+
+    monkeypatch.setenv(autograd.RECOMPUTE_ALL_HEADS_ENV, "1")
+    monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
+    monkeypatch.setattr(autograd, "chunk_kda_prologue_fwd", spy)
+    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    case = Case(T=150, H=2, HV=4, dtype=torch.bfloat16, cu_seqlens=(0, 37, 37, 150), initial_state=True,
+                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                                   lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True))
+    _check_gradients(case, device)
+    # the backward's slices only: the forward on a GPU takes the forward kernels, in the interpreter the prologue
+    assert asked[-2:] == [False, False], asked
+
+
 def test_recomputed_operands_equal_the_forward_ones(device: str) -> None:
     """The backward's rebuild of ``w``, ``u``, ``qg``, ``kend``, ``Γ_C`` (all heads, bf16) against the forward intra
     kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits."""
