@@ -253,7 +253,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
               "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128),
               "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
               "ours_save_states": autograd.save_states_enabled() or disable_recompute,
-              "ours_dh_all_heads": autograd.dh_all_heads_enabled() or disable_recompute}
+              "ours_dh_all_heads": autograd.dh_all_heads_enabled() or disable_recompute,
+              "ours_recompute_all_heads": autograd.recompute_all_heads_enabled() and not disable_recompute}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:

@@ -102,6 +102,6 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
         USE_L2=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel, USE_A=A_log is not None,
         USE_BIAS=dt_bias is not None, USE_LB=opts.lower_bound is not None,
         USE_SIGMOID=opts.use_beta_sigmoid_in_kernel, PREC=PREC_HILO, EMULATE=not q.is_cuda,
-        num_warps=4 if K * max(K, V) <= 64 * 64 else 8,
+        num_warps=4 if K * max(K, V) <= 64 * 64 and V >= K else 8,
     )
     return w, u, qg, kend, gC

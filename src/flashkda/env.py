@@ -14,7 +14,7 @@ variable and the values it takes, never a silent fallback: ``FLASHKDA_BF16_INTER
 | ``FLASHKDA_BWD_SAVE_LOCAL`` | 1, 0 | each training forward call |
 | ``FLASHKDA_BWD_SAVE_STATES`` | 0, 1 | each training forward call |
 | ``FLASHKDA_BWD_DH_ALL_HEADS`` | 0, 1 | each training forward call |
-| ``FLASHKDA_BWD_RECOMPUTE_ALL_HEADS`` | 0, 1 | each training backward call |
+| ``FLASHKDA_BWD_RECOMPUTE_ALL_HEADS`` | 1, 0 | each training backward call |
 """
 
 from __future__ import annotations
