@@ -18,6 +18,7 @@ import triton.language as tl
 
 from benchmarks.kda.resource_report import compile_one, ctas_per_sm, ptxas_usage
 from flashkda import (
+    chunk_bwd_dh_tokens,
     chunk_bwd_gated,
     chunk_bwd_gates,
     chunk_bwd_h,
@@ -26,7 +27,7 @@ from flashkda import (
     chunk_bwd_recompute,
     chunk_bwd_ut,
 )
-from flashkda.chunk_state import PREC_HILO
+from flashkda.chunk_state import PREC_BF16, PREC_HILO
 
 K = V = 128
 C = 64
@@ -95,6 +96,12 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
     for store in (True, False):
         add(f"prologue fwd{'' if store else ' no factors'}", fn, {**{n: f32 for n in fn.arg_names}, **raw},
             dict(H=16, HV=16, HVS=8, C=C, K=K, V=V, BV=V, STORE_FACTORS=store, **gate), 8)
+    fn = chunk_bwd_dh_tokens.chunk_kda_bwd_kernel_dh_tokens
+    types = {**{n: f32 for n in fn.arg_names}, "qg": "*bf16", "kg": "*bf16", "w": "*bf16", "aqk": "*bf16",
+             "do": "*bf16", "dv_new": "*bf16", "cu_seqlens": "*i32", "chunk_offsets": "*i32", "T": "i32", "NTS": "i32",
+             "NCL": "i32", "NCD": "i32"}
+    add("dh_tokens BV64", fn, types, dict(HV=16, HS=8, K=K, V=V, BT=C, BKB=64, NKB=K // 64, BV=64, USE_DHT=True,
+                                          STORE_DH0=True, IS_VARLEN=True, PREC=PREC_BF16, EMULATE=False), 4)
     return out
 
 

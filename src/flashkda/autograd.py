@@ -435,7 +435,8 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             dv_new_s = dhe_s = None
             if dv_new_all is not None:
                 dv_new_s = head_slice_to_chunks(dv_new_all, layout, tok, hv0, hv1, cdt)
-                dhe_s = widen_head_slice(dhe_all, hv0, hv1, layout.num_chunks)
+                # fp32 already and laid out slice by slice: the slice's block, no copy
+                dhe_s = dhe_all[hv0 // (hv1 - hv0), : layout.num_chunks]
                 if hv1 == HV:
                     dv_new_all = dhe_all = None
             q_c, k_c, v_c, _, beta_c = chunks

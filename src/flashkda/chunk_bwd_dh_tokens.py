@@ -10,8 +10,8 @@ For bf16 input the forward intra kernel already writes every operand of the pass
 backward's ``kend``), ``w`` and ``Γ_C`` per chunk, and with ``store_local`` the chunk-local ``Aqk`` (zero above the
 diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them
 (``FLASHKDA_BWD_DH_ALL_HEADS``) and this pass runs once, before the head slices, writing ``dv_new`` (token layout,
-bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[NC, HV, K, V]``, the layout of the forward's
-``h``) and ``dh0``. ``dhe`` stays fp32: stored in bf16 it raised the fp64-reference error of ``dA_log``/``dt_bias``
+bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[HV / HS, NC, HS, K, V]``: head slice by head slice like
+``Aqk``, so each slice of the backward reads its part in place, without a copy) and ``dh0``. ``dhe`` stays fp32: stored in bf16 it raised the fp64-reference error of ``dA_log``/``dt_bias``
 (sums of ``dG`` over every token) from ~0.8e-3 to 3.4e-3 on the CPU and to 1.1e-2 on an H200 in one test draw
 (2026-12-02), over the 1e-2 bound; fp32 costs 256 MiB more at B1-T8192-H64, still under fla's peak. Per chunk, walking back with ``dS`` (gradient of the state at the chunk
 end)::
@@ -64,13 +64,14 @@ def _tile_update(b_dh, qg_h, w_h, gC_t, b_do, b_ndvn, o_t, m_t, o_k, HV: tl.cons
 @triton.jit(do_not_specialize=["T"])
 def chunk_kda_bwd_kernel_dh_tokens(
     qg, kg, w, gC, aqk, do, dht, dhe, dv_new, dh0, cu_seqlens, chunk_offsets,
-    T, NTS, NCL,
+    T, NTS, NCL, NCD,
     HV: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr,
     NKB: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One program per (V block, sequence, value head); ``dS`` as ``NKB`` ``[BKB, BV]`` fp32 tiles (``b_dh1`` ..
-    ``b_dh4``). ``aqk`` is ``[HV / HS, NCL, HS, BT, BT]`` (head ``i_hv`` in slice ``i_hv // HS``)."""
+    ``b_dh4``). ``aqk`` is ``[HV / HS, NCL, HS, BT, BT]`` and ``dhe`` ``[HV / HS, NCD, HS, K, V]`` (head ``i_hv`` in
+    slice ``i_hv // HS``)."""
     tl.static_assert(NKB * BKB == K and NKB <= 4)
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0 = _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
@@ -98,7 +99,8 @@ def chunk_kda_bwd_kernel_dh_tokens(
     w_h = w + (bos * HV + i_hv) * K
     do_h = do + (bos * HV + i_hv) * V
     dvn_h = dv_new + (bos * HV + i_hv) * V
-    dhe_h = dhe + (c0 * HV + i_hv) * K * V
+    # dhe is [HV / HS, NC, HS, K, V] like aqk (NC = NCD chunks): each head slice of the backward is one contiguous block
+    dhe_h = dhe + (((i_hv // HS) * NCD + c0) * HS + i_hv % HS) * K * V
     gC_h = gC + (c0 * HV + i_hv) * K
     a_h = aqk + (((i_hv // HS) * NCL + c0) * HS + i_hv % HS) * BT * BT
     for i_r in range(0, NT):
@@ -106,7 +108,7 @@ def chunk_kda_bwd_kernel_dh_tokens(
         o_t = i_t * BT + o_c
         m_t = o_t < Tn
         m_tv = m_t[:, None] & m_v[None, :]
-        dhe_t = dhe_h + i_t * (HV * K * V) + o_s
+        dhe_t = dhe_h + i_t * (HS * K * V) + o_s
         tl.store(dhe_t, cast_for_store(b_dh1, dhe.dtype.element_ty), mask=m_s)
         if NKB > 1:
             tl.store(dhe_t + BKB * V, cast_for_store(b_dh2, dhe.dtype.element_ty), mask=m_s)
@@ -178,8 +180,9 @@ def chunk_kda_bwd_dh_tokens(
         block_v, num_warps, num_stages: force the launch (None: as the per-slice blocked pass picks it).
 
     Returns:
-        ``(dv_new [B, T, HV, V] bf16, dhe [NC, HV, K, V] fp32, dh0 [N, HV, K, V] fp32 or None)``; ``dhe[c]`` is the
-        gradient of the state at the end of chunk ``c``.
+        ``(dv_new [B, T, HV, V] bf16, dhe [HV / HS, NC, HS, K, V] fp32, dh0 [N, HV, K, V] fp32 or None)`` with
+        ``HS = aqk.shape[2]``; ``dhe[s, c, j]`` is the gradient of the state of head ``s * HS + j`` at the end of
+        chunk ``c``.
     """
     B, T, HV, K = qg.shape
     V = do.shape[-1]
@@ -191,7 +194,7 @@ def chunk_kda_bwd_dh_tokens(
                          f"{tuple(aqk.shape)}")
     assert all(x.is_contiguous() for x in (qg, kg, w, gC, aqk, do)), "operands must be contiguous"
     dv_new = torch.empty(B, T, HV, V, dtype=torch.bfloat16, device=qg.device)
-    dhe = torch.empty(NC, HV, K, V, dtype=torch.float32, device=qg.device)
+    dhe = torch.empty(HV // aqk.shape[2], NC, aqk.shape[2], K, V, dtype=torch.float32, device=qg.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=qg.device) if store_dh0 else None
     if N == 0:
         return dv_new, dhe, dh0
@@ -201,7 +204,7 @@ def chunk_kda_bwd_dh_tokens(
     chunk_kda_bwd_kernel_dh_tokens[(triton.cdiv(V, BV), N, HV)](
         qg, kg, w, gC, aqk, do, dht if dht is not None else dh0 if dh0 is not None else dhe, dhe, dv_new,
         dh0 if dh0 is not None else dhe, index.cu_seqlens, index.chunk_offsets,
-        T, index.chunks_per_seq, aqk.shape[1],
+        T, index.chunks_per_seq, aqk.shape[1], NC,
         HV=HV, HS=aqk.shape[2], K=K, V=V, BT=CHUNK_SIZE, BKB=BKB, NKB=K // BKB, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=store_dh0, IS_VARLEN=index.is_varlen, PREC=PREC_BF16,
         EMULATE=not qg.is_cuda, num_warps=num_warps or warps, num_stages=num_stages or stages,
