@@ -89,9 +89,10 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
     raw = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log=f32, dt_bias=f32, tok="*i64",
                lower_bound="fp32", beta_scale="fp32", scale="fp32", hv0="i32", NCL="i32")
     fn = chunk_bwd_recompute.chunk_kda_recompute_operands_kernel
-    add("recompute operands", fn, {**{n: f32 for n in fn.arg_names}, **raw, "minv": "*bf16", "w": "*bf16",
-                                   "qg": "*bf16", "kend": "*bf16"},
-        dict(H=16, HV=16, HS=8, C=C, K=K, V=V, BV=V, PREC=PREC_HILO, EMULATE=False, **gate), 8)
+    for bks, nw in ((K, 8), (64, 8), (64, 4), (32, 4), (32, 8)):
+        add(f"recompute operands BKS{bks}", fn, {**{n: f32 for n in fn.arg_names}, **raw, "minv": "*bf16",
+                                                 "w": "*bf16", "qg": "*bf16", "kend": "*bf16"},
+            dict(H=16, HV=16, HS=8, C=C, K=K, V=V, BV=V, BKS=bks, BVS=bks, PREC=PREC_HILO, EMULATE=False, **gate), nw)
     fn = chunk_bwd_prologue.chunk_kda_prologue_fwd_kernel
     for store in (True, False):
         add(f"prologue fwd{'' if store else ' no factors'}", fn, {**{n: f32 for n in fn.arg_names}, **raw},

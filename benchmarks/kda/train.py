@@ -215,7 +215,7 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     """
     import torch
 
-    from flashkda import autograd, chunk_bwd_gated
+    from flashkda import autograd, chunk_bwd_gated, chunk_bwd_recompute
     from flashkda.chunk_bwd_gated import fused_gates
     from flashkda.chunk_bwd_local import gated_dot_precision
     from flashkda.chunk_bwd_ut import fused_wy
@@ -254,7 +254,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
               "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
               "ours_save_states": autograd.save_states_enabled() or disable_recompute,
               "ours_dh_all_heads": autograd.dh_all_heads_enabled() or disable_recompute,
-              "ours_recompute_all_heads": autograd.recompute_all_heads_enabled() and not disable_recompute}
+              "ours_recompute_all_heads": autograd.recompute_all_heads_enabled() and not disable_recompute,
+              "ours_recompute_slice": chunk_bwd_recompute.RECOMPUTE_SLICE}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:
@@ -474,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-recompute", action="store_true",
                         help="after each row, the same row with disable_recompute=True on both sides")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--recompute-slice", type=int, default=None,
+                        help="column slice of the backward's all-heads operand rebuild (default: whole rows)")
     parser.add_argument("--profile", action="store_true",
                         help="print CUDA kernel profiles of ours and fla at the first row")
     parser.add_argument("--ncu-range", action="store_true",
@@ -484,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time ours with forward_impl='training' (the backward's own forward pipeline)")
     args = parser.parse_args(argv)
     import torch
+
+    from flashkda import chunk_bwd_recompute
+
+    chunk_bwd_recompute.RECOMPUTE_SLICE = args.recompute_slice
 
     if not torch.cuda.is_available():
         print("benchmarks.kda.train needs a CUDA device; nothing measured", file=sys.stderr)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from flashkda.chunk_bwd_h import _dot
 from flashkda.chunk_bwd_layout import ChunkLayout
-from flashkda.chunk_bwd_prologue import chunk_slots, load_gate, load_qk
+from flashkda.chunk_bwd_prologue import load_gate, load_qk
 from flashkda.chunk_state import PREC_HILO
 from flashkda.rounding import cast_for_store
 
@@ -33,26 +33,19 @@ def chunk_kda_recompute_operands_kernel(
     q, k, v, g, beta, A_log, dt_bias, tok, minv, w, u, qg, kend, gC,
     lower_bound, beta_scale, scale, NCL,
     H: tl.constexpr, HV: tl.constexpr, HS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr, USE_A: tl.constexpr, USE_BIAS: tl.constexpr,
-    USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr, PREC: tl.constexpr, EMULATE: tl.constexpr,
+    BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr,
+    USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr, PREC: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
-    # program (chunk i_c, value head i_hv); minv is [HV / HS, NCL, HS, C, C] (head i_hv in slice i_hv // HS)
+    # program (chunk i_c, value head i_hv); minv is [HV / HS, NCL, HS, C, C] (head i_hv in slice i_hv // HS). Every
+    # output is column-separable (the gate, its cumulative sum and M x act per column), so K and V are walked in
+    # slices of BKS / BVS columns; only the L2 norms need whole rows (a pre-pass when BKS < K).
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    o_s, o_k, o_v, b_tok, m_t, m_tk, m_tv = chunk_slots(tok, i_c, C, K, V, BV)
-    # token-layout offsets of this head's rows, [C, K] / [C, BV]
-    p_k = (b_tok[:, None] * HV + i_hv) * K + o_k[None, :]
-    p_v = (b_tok[:, None] * HV + i_hv) * V + o_v[None, :]
-    # [C, K]
-    b_q, b_k = load_qk(q, k, b_tok, m_tk, i_h, o_k, H, K, USE_L2)
-    b_g = load_gate(g, A_log, dt_bias, lower_bound, b_tok, m_tk, i_hv, o_k, HV, K, USE_GATE, USE_A, USE_BIAS, USE_LB)
-    # Γ (in-chunk cumulative gate) and Γ_C
-    b_gam = tl.cumsum(b_g, axis=0)
-    b_gend = tl.sum(b_g, axis=0)
-    b_eg = tl.exp(b_gam)
-    tl.store(qg + p_k, cast_for_store(scale * b_q * b_eg, qg.dtype.element_ty), mask=m_tk)
-    tl.store(kend + p_k, cast_for_store(b_k * tl.exp(b_gend[None, :] - b_gam), kend.dtype.element_ty), mask=m_tk)
-    tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_gend)
+    o_s = tl.arange(0, C)
+    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
+    m_t = b_tok >= 0
+    b_tok = tl.where(m_t, b_tok, 0)
     # [C]
     b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_SIGMOID:
@@ -60,11 +53,52 @@ def chunk_kda_recompute_operands_kernel(
     # [C, C]: the saved inverse; w = M (beta k e^Γ), u = M (beta v), right operands as bf16 hi/lo splits
     p_m = minv + (((i_hv // HS) * NCL + i_c).to(tl.int64) * HS + i_hv % HS) * C * C
     b_m = tl.load(p_m + o_s[:, None] * C + o_s[None, :]).to(tl.float32)
-    b_w = _dot(b_m, b_b[:, None] * b_k * b_eg, tl.zeros([C, K], dtype=tl.float32), PREC, EMULATE)
-    tl.store(w + p_k, cast_for_store(b_w, w.dtype.element_ty), mask=m_tk)
-    b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-    b_u = _dot(b_m, b_b[:, None] * b_v, tl.zeros([C, BV], dtype=tl.float32), PREC, EMULATE)
-    tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
+    SLICED_L2: tl.constexpr = USE_L2 and BKS < K
+    b_rq = tl.full([C], 1.0, dtype=tl.float32)
+    b_rk = tl.full([C], 1.0, dtype=tl.float32)
+    if SLICED_L2:
+        b_sq = tl.zeros([C], dtype=tl.float32)
+        b_sk = tl.zeros([C], dtype=tl.float32)
+        for i_k in tl.static_range(0, K, BKS):
+            o_k = i_k + tl.arange(0, BKS)
+            b_q, b_k = load_qk(q, k, b_tok, m_t[:, None] & (o_k[None, :] < K), i_h, o_k, H, K, False)
+            b_sq += tl.sum(b_q * b_q, axis=1)
+            b_sk += tl.sum(b_k * b_k, axis=1)
+        b_rq = 1.0 / tl.sqrt(b_sq + 1e-6)
+        b_rk = 1.0 / tl.sqrt(b_sk + 1e-6)
+    for i_k in tl.static_range(0, K, BKS):
+        o_k = i_k + tl.arange(0, BKS)
+        m_tk = m_t[:, None] & (o_k[None, :] < K)
+        # token-layout offsets of this head's rows, [C, BKS]
+        p_k = (b_tok[:, None] * HV + i_hv) * K + o_k[None, :]
+        b_q, b_k = load_qk(q, k, b_tok, m_tk, i_h, o_k, H, K, USE_L2 and not SLICED_L2)
+        if SLICED_L2:
+            b_q = b_q * b_rq[:, None]
+            b_k = b_k * b_rk[:, None]
+        b_g = load_gate(g, A_log, dt_bias, lower_bound, b_tok, m_tk, i_hv, o_k, HV, K, USE_GATE, USE_A, USE_BIAS,
+                        USE_LB)
+        # Γ (in-chunk cumulative gate) and Γ_C
+        b_gam = tl.cumsum(b_g, axis=0)
+        b_gend = tl.sum(b_g, axis=0)
+        b_eg = tl.exp(b_gam)
+        tl.store(qg + p_k, cast_for_store(scale * b_q * b_eg, qg.dtype.element_ty), mask=m_tk)
+        tl.store(kend + p_k, cast_for_store(b_k * tl.exp(b_gend[None, :] - b_gam), kend.dtype.element_ty), mask=m_tk)
+        tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_gend)
+        b_w = _dot(b_m, b_b[:, None] * b_k * b_eg, tl.zeros([C, BKS], dtype=tl.float32), PREC, EMULATE)
+        tl.store(w + p_k, cast_for_store(b_w, w.dtype.element_ty), mask=m_tk)
+    for i_v in tl.static_range(0, BV, BVS):
+        o_v = i_v + tl.arange(0, BVS)
+        m_tv = m_t[:, None] & (o_v[None, :] < V)
+        p_v = (b_tok[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_u = _dot(b_m, b_b[:, None] * b_v, tl.zeros([C, BVS], dtype=tl.float32), PREC, EMULATE)
+        tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
+
+
+#: Column slice of the rebuild (K and V walked ``RECOMPUTE_SLICE`` columns at a time; None: whole rows, the kernel
+#: timed on the H200 on 2026-12-03: 0.90 ms at B1-T8192-H64, 180 registers at 8 warps, one CTA per SM). Offline
+#: (sm_90, Triton 3.9) 64-column slices need fewer registers (see NOTES); not timed yet.
+RECOMPUTE_SLICE: int | None = None
 
 
 def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
@@ -93,12 +127,14 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
     if NC == 0:
         return w, u, qg, kend, gC
     dummy = gC
+    BV = triton.next_power_of_2(V)
     chunk_kda_recompute_operands_kernel[(NC, HV)](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, tok,
         minv, w, u, qg, kend, gC,
         float(opts.lower_bound) if opts.lower_bound is not None else 0.0, 2.0 if opts.allow_neg_eigval else 1.0,
         opts.scale, minv.shape[1],
-        H=H, HV=HV, HS=minv.shape[2], C=C, K=K, V=V, BV=triton.next_power_of_2(V),
+        H=H, HV=HV, HS=minv.shape[2], C=C, K=K, V=V, BV=BV, BKS=min(K, RECOMPUTE_SLICE or K),
+        BVS=min(BV, RECOMPUTE_SLICE or BV),
         USE_L2=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel, USE_A=A_log is not None,
         USE_BIAS=dt_bias is not None, USE_LB=opts.lower_bound is not None,
         USE_SIGMOID=opts.use_beta_sigmoid_in_kernel, PREC=PREC_HILO, EMULATE=not q.is_cuda,

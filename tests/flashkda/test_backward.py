@@ -517,15 +517,20 @@ def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(de
     assert asked[-2:] == [False, False], asked
 
 
-def test_recomputed_operands_equal_the_forward_ones(device: str) -> None:
+@pytest.mark.parametrize("column_slice", [None, 32], ids=["whole-rows", "32-column-slices"])
+def test_recomputed_operands_equal_the_forward_ones(column_slice: int | None, device: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward's rebuild of ``w``, ``u``, ``qg``, ``kend``, ``Γ_C`` (all heads, bf16) against the forward intra
-    kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits."""
+    kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits; whole
+    rows or K = 64 in two column slices (the L2 norms then come from a pre-pass over the slices)."""
+    from flashkda import chunk_bwd_recompute
     from flashkda.autograd import KDAOptions
     from flashkda.chunk_bwd_layout import make_layout
     from flashkda.chunk_bwd_prologue import slot_tokens
     from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
     from flashkda.chunk_fwd import chunk_kda_fwd
 
+    monkeypatch.setattr(chunk_bwd_recompute, "RECOMPUTE_SLICE", column_slice)
     torch.manual_seed(9)
     T, H, HV, K, V = 150, 1, 2, 64, 32
     cu = torch.tensor([0, 40, 40, 150], device=device)
