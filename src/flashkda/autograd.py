@@ -415,6 +415,11 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
         def part(x: torch.Tensor | None, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor | None:
             return x if x is None or (hv0, hv1) == (0, HV) else x[:, hv0:hv1].contiguous()
 
+        def block(x: torch.Tensor, hv0: int = hv0, hv1: int = hv1) -> torch.Tensor:
+            # this slice's [NC, HS, ...] block of a tensor laid out slice by slice, [slices, NC', HS, ...] (varlen:
+            # the forward's chunk count NC' is an upper bound); contiguous, no copy
+            return x[hv0 // (hv1 - hv0), : layout.num_chunks]
+
         chunks, gate_factors = chunk_kda_prologue_fwd(*raw, A_log, dt_bias, opts, layout, tok, heads=(hv0, hv1),
                                                       store_factors=factors)
         if do is not None:
@@ -426,8 +431,7 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
         if fused:
             saved = None
             if local:
-                # contiguous [NC, HS, C, C] blocks (varlen: the forward's chunk count is an upper bound)
-                saved = SavedLocal(*(x[hv0 // (hv1 - hv0), : layout.num_chunks] for x in local))
+                saved = SavedLocal(*(block(x) for x in local))
             h_s, v_new_s = part(h), part(v_new)
             if states and h_s is None:
                 h_s = widen_head_slice(states[0], hv0, hv1, layout.num_chunks)
@@ -435,8 +439,7 @@ def _backward_in_head_slices(ctx, inputs, opts: KDAOptions, layout: ChunkLayout,
             dv_new_s = dhe_s = None
             if dv_new_all is not None:
                 dv_new_s = head_slice_to_chunks(dv_new_all, layout, tok, hv0, hv1, cdt)
-                # fp32 already and laid out slice by slice: the slice's block, no copy
-                dhe_s = dhe_all[hv0 // (hv1 - hv0), : layout.num_chunks]
+                dhe_s = block(dhe_all)  # fp32 already
                 if hv1 == HV:
                     dv_new_all = dhe_all = None
             q_c, k_c, v_c, _, beta_c = chunks

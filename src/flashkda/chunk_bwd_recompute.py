@@ -21,7 +21,7 @@ import triton.language as tl
 
 from flashkda.chunk_bwd_h import _dot
 from flashkda.chunk_bwd_layout import ChunkLayout
-from flashkda.chunk_bwd_prologue import load_gate, load_qk
+from flashkda.chunk_bwd_prologue import chunk_slots, load_gate, load_qk
 from flashkda.chunk_state import PREC_HILO
 from flashkda.rounding import cast_for_store
 
@@ -42,10 +42,7 @@ def chunk_kda_recompute_operands_kernel(
     # slices of BKS / BVS columns; only the L2 norms need whole rows (a pre-pass when BKS < K).
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    o_s = tl.arange(0, C)
-    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
-    m_t = b_tok >= 0
-    b_tok = tl.where(m_t, b_tok, 0)
+    o_s, _, _, b_tok, m_t, _, _ = chunk_slots(tok, i_c, C, K, V, BV)
     # [C]
     b_b = tl.load(beta + b_tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_SIGMOID:
@@ -95,9 +92,10 @@ def chunk_kda_recompute_operands_kernel(
         tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
 
 
-#: Column slice of the rebuild (K and V walked ``RECOMPUTE_SLICE`` columns at a time; None: whole rows, the kernel
-#: timed on the H200 on 2026-12-03: 0.90 ms at B1-T8192-H64, 180 registers at 8 warps, one CTA per SM). Offline
-#: (sm_90, Triton 3.9) 64-column slices need fewer registers (see NOTES); not timed yet.
+#: Column slice of the rebuild (K and V walked ``RECOMPUTE_SLICE`` columns at a time; None: whole rows, as timed on the
+#: H200 on 2026-12-03: 0.90 ms at B1-T8192-H64, one CTA of 8 warps per SM). Offline (sm_90, Triton 3.9, K = V = 128)
+#: 32-column slices take 108 registers at 8 warps, two CTAs per SM, against 175 for whole rows (benchmarks/kda/NOTES.md);
+#: not timed yet.
 RECOMPUTE_SLICE: int | None = None
 
 

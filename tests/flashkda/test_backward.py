@@ -109,6 +109,15 @@ def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _slice_heads_finely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's head slices as narrow as whole GVA groups allow (no memory or state-pass parallelism floor), so
+    that the small test cases run several slices."""
+    import flashkda.autograd as autograd
+
+    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
+    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+
+
 def _rel_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (ours.double() - ref.double()).pow(2).mean().sqrt()
     return (diff / ref.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
@@ -247,8 +256,7 @@ def test_backward_in_head_slices_equals_one_pass(disable_recompute: bool, device
     do = torch.randn(1, 100, 4, 32, dtype=torch.float64, device=device)
     dht = torch.randn(2, 4, 32, 32, dtype=torch.float64, device=device)
     _, _, one = _run(chunk_kda_autograd, x, case, do, dht)
-    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    _slice_heads_finely(monkeypatch)
     assert autograd.backward_head_slices(2, 3, 4, 2, 64, 32, 32) == [(0, 2), (2, 4)]
     _, _, sliced = _run(chunk_kda_autograd, x, case, do, dht)
     for name in x:
@@ -349,8 +357,7 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
     x = _inputs(case, device)
     do = torch.randn(1, case.T, 4, 32, dtype=torch.float64, device=device)
     dht = torch.randn(3, 4, 32, 32, dtype=torch.float64, device=device)
-    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    _slice_heads_finely(monkeypatch)
     monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "0")
     _, _, recomputed = _run(chunk_kda_autograd, x, case, do, dht)
 
@@ -403,8 +410,7 @@ def test_saved_states_replace_the_state_recompute(case: Case, device: str, monke
     if case.dtype == torch.bfloat16 or device == "cpu":
         monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", no_recompute)
     if case.HV % 2 == 0:
-        monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-        monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+        _slice_heads_finely(monkeypatch)
     _check_gradients(case, device)
 
 
@@ -437,8 +443,7 @@ def test_reverse_state_pass_over_all_heads(case: Case, save_states: bool, device
     monkeypatch.setenv(autograd.SAVE_STATES_ENV, "1" if save_states else "0")
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", no_slice_pass)
     if case.HV % 2 == 0 and case.H % 2 == 0:
-        monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-        monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+        _slice_heads_finely(monkeypatch)
     _check_gradients(case, device)
 
 
@@ -457,8 +462,7 @@ def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(device
     monkeypatch.setenv(autograd.DH_ALL_HEADS_ENV, "0")
     monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
-    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+    _slice_heads_finely(monkeypatch)
     case = Case(T=150, H=2, HV=4, dtype=torch.bfloat16, cu_seqlens=(0, 37, 37, 150), initial_state=True,
                 output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                                    lower_bound=-5.0, safe_gate=True, disable_recompute=True))
@@ -482,8 +486,7 @@ def test_state_passes_over_all_heads_with_recomputed_operands(case: Case, device
     monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
     if case.HV % 2 == 0 and case.H % 2 == 0:
-        monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-        monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
+        _slice_heads_finely(monkeypatch)
     _check_gradients(case, device)
 
 
@@ -507,11 +510,8 @@ def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(de
     monkeypatch.setenv(autograd.RECOMPUTE_ALL_HEADS_ENV, "1")
     monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
     monkeypatch.setattr(autograd, "chunk_kda_prologue_fwd", spy)
-    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
-    case = Case(T=150, H=2, HV=4, dtype=torch.bfloat16, cu_seqlens=(0, 37, 37, 150), initial_state=True,
-                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                                   lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True))
+    _slice_heads_finely(monkeypatch)
+    case = _DH_ALL_HEADS_CASES[0].values[0]  # varlen with an empty sequence, GVA, bounded gate, state in/out
     _check_gradients(case, device)
     # the backward's slices only: the forward on a GPU takes the forward kernels, in the interpreter the prologue
     assert asked[-2:] == [False, False], asked
