@@ -30,7 +30,7 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def run_stages(x: dict, B: int, T: int, varlen: bool, fp32_u: bool):
+def run_stages(x: dict, B: int, T: int, varlen: bool, fp32_u: bool, o_config=None, o_hilo=None):
     """The three forward stages on ``x`` (``[B, T, ...]`` tensors), as ``B`` sequences or one varlen batch."""
     H, D = x["q"].shape[2], x["q"].shape[3]
     if varlen:
@@ -47,7 +47,7 @@ def run_stages(x: dict, B: int, T: int, varlen: bool, fp32_u: bool):
     ht = torch.empty(B, H, D, D, dtype=torch.float32, device=w.device)
     h, vn = state_pass(w, u, kg, gC, x["initial_state"], ht, False, index, dot_precision_for(dtype))
     o = torch.empty(*w.shape[:3], D, dtype=dtype, device=w.device)
-    state_output(qg, Aqk, h, vn, o, index, dot_precision_for(dtype), D)
+    state_output(qg, Aqk, h, vn, o, index, dot_precision_for(dtype), D, o_config, o_hilo)
     shaped = lambda t: t.reshape(B, T, *t.shape[2:])  # noqa: E731
     rows = torch.arange(Aqk.shape[1], device=Aqk.device) % CHUNK_SIZE
     Aqk = torch.where(rows[:, None, None] >= torch.arange(CHUNK_SIZE, device=Aqk.device), Aqk, 0)  # unwritten above
@@ -94,6 +94,8 @@ def main(argv=None) -> None:
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--H", type=int, default=64)
     p.add_argument("--D", type=int, default=128)
+    p.add_argument("--o-configs", action="store_true",
+                   help="also run the output kernel in every forced configuration (fp32 u, fixed and varlen)")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -121,6 +123,18 @@ def main(argv=None) -> None:
         print("  varlen vs fixed, same data: " + "  ".join(
             f"{n} {rel(var[n], fixed[n]):.1e}" for n in ("w", "u", "qg", "kg", "Aqk", "gC", "h", "vn", "o", "ht")),
             flush=True)
+
+    if a.o_configs:
+        from flashkda.chunk_state import O_CONFIGS
+
+        for cfg in O_CONFIGS:
+            for hilo in (False, True):
+                errs = []
+                for varlen in (False, True):
+                    s = run_stages(x, B, T, varlen, True, o_config=cfg, o_hilo=hilo)
+                    errs.append(check_output_stage(s, B, T))
+                print(f"output kernel BV:BK:warps {':'.join(map(str, cfg))} hilo {hilo}: fp32-u output stage "
+                      f"fixed {errs[0]:.2e} varlen {errs[1]:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ class KDAOptions:
     state_v_first: bool
     disable_recompute: bool
     forward_impl: str = "kernels"
+    cu_seqlens_cpu: torch.Tensor | None = None
+    """Host copy of ``cu_seqlens`` (sizes the chunked layout without reading the device)."""
 
 
 def kda_gate_torch(
@@ -230,7 +232,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions):
         B, T = q.shape[:2]
-        layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
+        layout = make_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device, opts.cu_seqlens_cpu)
         fused_fwd = _forward_kernels()
         h = v_new = None
         # disable_recompute for bf16 keeps the forward kernels' own states and operands (below)
@@ -518,6 +520,7 @@ def chunk_kda_autograd(
     dt_bias: torch.Tensor | None = None,
     disable_recompute: bool = False,
     forward_impl: str = "kernels",
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Differentiable chunked KDA with fla ``chunk_kda`` semantics (inputs already validated by the caller).
 
@@ -537,13 +540,15 @@ def chunk_kda_autograd(
         safe_gate: fla's bounded-gate flag (gates in ``[-5, 0)``); passed to the forward kernels.
         lower_bound: bounded gate floor, e.g. -5.0 (with ``use_gate_in_kernel``).
         state_v_first: states are ``[..., V, K]``.
-        cu_seqlens: ``[N + 1]`` cumulative lengths for varlen (``B == 1``); read on the host once.
+        cu_seqlens: ``[N + 1]`` cumulative lengths for varlen (``B == 1``); read on the host once per tensor object
+            (a loop that reuses it, or passes ``cu_seqlens_cpu``, never waits for the device).
         A_log: ``[HV]`` gate rate, with ``use_gate_in_kernel``.
         dt_bias: ``[HV * K]`` gate bias, with ``use_gate_in_kernel``.
         disable_recompute: keep the per-chunk states (and, for bf16, the reverse state pass's operands) from the
             forward: more memory between forward and backward, no state recompute (see the module docstring).
         forward_impl: ``"kernels"`` runs the forward kernels (``flashkda.chunk_fwd``); ``"training"`` runs the
             backward's own pipeline forward (`flashkda.chunk_bwd.chunk_kda_train_fwd`), for comparing the two.
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (validated by the caller), or None.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``q``'s dtype; ``final_state`` float32 (float64 for
@@ -580,6 +585,7 @@ def chunk_kda_autograd(
         state_v_first=state_v_first,
         disable_recompute=disable_recompute,
         forward_impl=forward_impl,
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     if not use_gate_in_kernel:
         A_log = dt_bias = None

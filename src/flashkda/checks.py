@@ -1,7 +1,8 @@
 """Argument validation shared by every public FlashKDA entry: one place that names the bad argument.
 
 Every check here runs on shapes, dtypes and devices only, except the ``cu_seqlens`` content check, which reads
-``cu_seqlens_cpu`` when given (no host synchronisation) and is skipped while a CUDA graph is being captured.
+``cu_seqlens_cpu`` when given (no host synchronisation), else the device tensor once per tensor object
+(`flashkda.seqlens`), and is skipped while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from flashkda.seqlens import host_cu_seqlens
 
 #: Input dtypes the kernels accept for q, k, v.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -99,7 +102,7 @@ def check_cu_seqlens(shapes: KDAShapes, cu_seqlens, cu_seqlens_cpu, device: torc
                              f", got shape {list(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
         host = cu_seqlens_cpu
     elif not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        host = cu_seqlens.cpu()
+        host = host_cu_seqlens(cu_seqlens)  # read once per tensor object: repeated calls do not wait
     if host is not None:
         vals = host.tolist()
         if vals[0] != 0 or vals[-1] != shapes.T or any(b < a for a, b in zip(vals, vals[1:])):

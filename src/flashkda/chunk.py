@@ -150,7 +150,7 @@ def chunk_kda(
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
-            disable_recompute=disable_recompute,
+            disable_recompute=disable_recompute, cu_seqlens_cpu=cu_seqlens_cpu,
         )
 
     o, final_state, _ = chunk_kda_fwd(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashkda.seqlens import IdentityCache, host_cu_seqlens
+
 __all__ = ["ChunkLayout", "from_chunks", "make_layout", "to_chunks"]
 
 
@@ -36,7 +38,8 @@ class ChunkLayout:
     """Varlen only: ``[T]`` int64 chunk slot of every token."""
 
 
-def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device: torch.device) -> ChunkLayout:
+def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device: torch.device,
+                cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkLayout:
     """Plan the chunked layout.
 
     Args:
@@ -45,15 +48,31 @@ def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device:
         cu_seqlens: ``[N + 1]`` cumulative lengths, or None for ``B`` sequences of length ``T``.
         C: chunk size (a multiple of 16).
         device: where the index tensors live.
+        cu_seqlens_cpu: the host copy of ``cu_seqlens``, if the caller has one.
 
     Returns:
-        A `ChunkLayout`. Varlen reads ``cu_seqlens`` on the host once (one synchronisation).
+        A `ChunkLayout`. Varlen needs ``cu_seqlens`` on the host: ``cu_seqlens_cpu``, or one read of the device
+        tensor per tensor object (`flashkda.seqlens`); the layout of the last few ``cu_seqlens`` objects is kept, and
+        the index tensors go to the device without waiting for it, so a training loop that reuses its
+        ``cu_seqlens`` (or passes ``cu_seqlens_cpu``) never synchronises here.
     """
     if cu_seqlens is None:
         nt = -(-T // C)
         offsets = torch.arange(B + 1, dtype=torch.int32, device=device) * nt
         return ChunkLayout(B, T, C, B * nt, offsets, None, None)
-    bounds = cu_seqlens.detach().to("cpu", torch.int64)
+    key = (T, C, torch.device(device))
+    layout = _LAYOUTS.get(cu_seqlens, *key)
+    if layout is None:
+        layout = _LAYOUTS.put(cu_seqlens, _varlen_layout(T, host_cu_seqlens(cu_seqlens, cu_seqlens_cpu), C, device),
+                              *key)
+    return layout
+
+
+#: Varlen layouts of the last few ``cu_seqlens`` tensors (the index tensors are ~``T`` int64 each).
+_LAYOUTS = IdentityCache(size=2)
+
+
+def _varlen_layout(T: int, bounds: torch.Tensor, C: int, device: torch.device) -> ChunkLayout:
     lens = bounds[1:] - bounds[:-1]
     nts = (lens + C - 1) // C
     offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
@@ -66,15 +85,16 @@ def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device:
     valid = pos < lens[seq_of_chunk].unsqueeze(1)
     gather = torch.where(valid, tok, torch.full_like(tok, T)).reshape(-1)
     scatter = torch.nonzero(valid.reshape(-1)).squeeze(1)
-    return ChunkLayout(
-        1,
-        T,
-        C,
-        num_chunks,
-        offsets.to(device=device, dtype=torch.int32),
-        gather.to(device),
-        scatter.to(device),
-    )
+    return ChunkLayout(1, T, C, num_chunks, _to_device(offsets.to(torch.int32), device), _to_device(gather, device),
+                       _to_device(scatter, device))
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host ``x`` on ``device``; to a GPU from pinned memory without waiting (a pageable copy synchronises)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def to_chunks(x: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype | None = None) -> torch.Tensor:

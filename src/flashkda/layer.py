@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashkda.autograd import chunk_kda_autograd, kda_gate_torch
+from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["KDACache", "KimiDeltaAttention"]
 
@@ -305,7 +306,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = _RMSNormSigmoidGated(self.head_v_dim, norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
-    def _mix(self, q, k, v, g, beta, recurrent_state, use_cache, cu_seqlens):
+    def _mix(self, q, k, v, g, beta, recurrent_state, use_cache, cu_seqlens, cu_seqlens_cpu=None):
         kwargs = dict(
             initial_state=recurrent_state,
             output_final_state=use_cache,
@@ -319,6 +320,8 @@ class KimiDeltaAttention(nn.Module):
             A_log=self.A_log,
             dt_bias=self.dt_bias,
         )
+        if cu_seqlens is not None:
+            kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
         chunk_kda, fused_recurrent_kda = _kda_ops()
         decode = not torch.is_grad_enabled() and q.shape[1] <= 64 and not self.training
         if decode and fused_recurrent_kda is not None:
@@ -384,7 +387,7 @@ class KimiDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             if x.shape[0] != 1:
                 raise ValueError(f"cu_seqlens needs B == 1 (packed input), got B={x.shape[0]}")
-            bounds = cu_seqlens.detach().cpu().to(torch.int64)
+            bounds = host_cu_seqlens(cu_seqlens)
         else:
             bounds = torch.arange(B + 1, dtype=torch.int64) * T
         rows = x.reshape(-1, self.hidden_size)
@@ -408,7 +411,8 @@ class KimiDeltaAttention(nn.Module):
         g = self.f_proj(x).reshape(*lead, self.num_v_heads, self.head_k_dim)
         beta = self.b_proj(x)
         recurrent_state = last.get("recurrent_state") if last is not None else None
-        o, recurrent_state = self._mix(q, k, v, g, beta, recurrent_state, bool(use_cache), cu_seqlens)
+        o, recurrent_state = self._mix(q, k, v, g, beta, recurrent_state, bool(use_cache), cu_seqlens,
+                                       None if cu_seqlens is None else bounds)
 
         if past_key_values is not None and use_cache:
             past_key_values.update(

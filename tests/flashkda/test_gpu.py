@@ -149,3 +149,28 @@ def test_chunk_matches_fla_on_gpu(case, monkeypatch):
         fo, fs = fla_kda.chunk_kda(*args, **kw)
     assert_close("o vs fla", fo, o, 1e-2)
     assert_close("final_state vs fla", fs, s, 1e-2)
+
+
+@pytest.mark.parametrize("host_copy", ["cu_seqlens_cpu", "reused-cu_seqlens"])
+def test_varlen_training_step_runs_without_host_sync(host_copy):
+    """A second training step (forward and backward) on the same varlen batch never waits for the device: with
+    ``cu_seqlens_cpu``, or with the same ``cu_seqlens`` tensor again (its host copy and layout are kept)."""
+    case = CASES[-1]
+    args, kw = make_call(case, "cuda")
+    if host_copy == "reused-cu_seqlens":
+        kw.pop("cu_seqlens_cpu")
+    inputs = [x.detach().clone().requires_grad_() for x in args]
+
+    def step():
+        o, s = flashkda.chunk_kda(*inputs, **kw)
+        return torch.autograd.grad((o, s), inputs, (torch.ones_like(o), torch.ones_like(s)))
+
+    first = step()  # compiles and autotunes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
