@@ -249,10 +249,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             # the all-heads reverse pass reads the forward's bf16 operands and its saved Aqk
             save_operands = (save_local and q.dtype == torch.bfloat16 and K <= 256
                              and (keep_all or dh_all_heads_enabled()))
-            # Kept states take u (hence v_new) in fp32 for accuracy, except varlen: there the H200 forward with fp32
-            # u moved o 7e-3 (RMS, relative) from the bf16-u forward against 2.8e-3 at fixed length and 2.8e-3 in
-            # the interpreter, and failed the gate against fla (2.6e-2, 2026-12-03 06:20 UTC); cause not found yet.
-            fp32_u = save_states and cu_seqlens is None
+            # kept states take u (hence v_new) in fp32 for accuracy (see chunk_kda_fwd_intra's fp32_u)
+            fp32_u = save_states
             result = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),

@@ -387,10 +387,11 @@ def chunk_kda_fwd_kernel_o(
     HALF_IN: tl.constexpr = False,
 ):
     """Output of every chunk in parallel, one program per (V block, chunk, head): ``o = qg h + Aqk v_new`` (h and
-    v_new as stored). fp32 qg/Aqk/v_new go in at ``DOT_PREC``, or with ``HILO`` (bf16 h) as bf16 hi/lo splits: qg h
-    as two bf16 products, Aqk v_new as three (the lo x lo term, 2^-16 relative, is dropped); all-bf16 operands keep
-    the products on the tensor cores' 16-bit path, which takes either operand layout. ``HALF_IN`` (qg, Aqk and
-    v_new stored bf16) with ``HILO``: one bf16 product each."""
+    v_new as stored). The products take fp32 operands at ``DOT_PREC``, or with ``HILO`` (only for ``HALF_IN``: qg,
+    Aqk, v_new and h all stored bf16) one bf16 product each, on the tensor cores' 16-bit path, which takes either
+    operand layout. (A hi/lo split of fp32 v_new in bf16 products was offered until 2026-12-03: Triton 3.6 compiled
+    it wrong on an H200 at 4 warps, relative error 1e-2 to 1e-1 at BV:BK 64:64, 128:64, 32:64; see NOTES.md.)"""
+    tl.static_assert(HALF_IN or not HILO, "HILO products need bf16 qg, Aqk and v_new (HALF_IN)")
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
     if i_n < 0:
@@ -408,27 +409,18 @@ def chunk_kda_fwd_kernel_o(
         m_k = o_k < K
         b_q = tl.load(qg_c + o_c[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h_c + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        # 2: PREC_HILO, 3: PREC_BF16
-        if HILO and HALF_IN:
-            b_qh, b_ql = _operand(b_q.to(tl.float32), 3, EMULATE)
+        if HILO:
+            b_qh, b_ql = _operand(b_q.to(tl.float32), 3, EMULATE)  # 3: PREC_BF16
             b_o = _dot_acc(b_h, b_qh, b_ql, b_o, 3, EMULATE, LEFT=False)
-        elif HILO:
-            b_qh, b_ql = _operand(b_q.to(tl.float32), 2, EMULATE)
-            b_o = _dot_acc(b_h, b_qh, b_ql, b_o, 2, EMULATE, LEFT=False)
         else:
             b_o += tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision=DOT_PREC)
     # only the lower triangle of Aqk was written
     b_A = tl.load(Aqk + (t0 * HV + i_hv) * BT + o_c[:, None] * (HV * BT) + o_c[None, :],
                   mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
     b_vn = tl.load(vn + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
-    if HILO and HALF_IN:
+    if HILO:
         b_vh, b_vl = _operand(b_vn.to(tl.float32), 3, EMULATE)
         b_o = _dot_acc(b_A, b_vh, b_vl, b_o, 3, EMULATE)
-    elif HILO:
-        b_ah, b_al = _operand(b_A.to(tl.float32), 2, EMULATE)
-        b_vh, b_vl = _operand(b_vn.to(tl.float32), 2, EMULATE)
-        b_o = _dot_acc(b_ah, b_vh, b_vl, b_o, 2, EMULATE)
-        b_o = _dot_acc(b_al, b_vh, b_vh, b_o, 3, EMULATE)
     else:
         b_o += tl.dot(b_A.to(tl.float32), b_vn.to(tl.float32), input_precision=DOT_PREC)
     tl.store(o + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :],
@@ -480,7 +472,7 @@ chunk_kda_fwd_kernel_o_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv, "BK": bk}, num_warps=nw, num_stages=2) for bv, bk, nw in O_CONFIGS],
     key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC", "HILO"],
 )(chunk_kda_fwd_kernel_o)
-#: With bf16 h the autotuner also picks between tf32 and bf16 hi/lo products (both within the accuracy budget).
+#: With every operand stored bf16 the autotuner also picks between tf32 and bf16 products (both exact on bf16 values).
 chunk_kda_fwd_kernel_o_tuned_bf16 = triton.autotune(
     configs=[triton.Config({"BV": bv, "BK": bk, "HILO": hilo}, num_warps=nw, num_stages=2)
              for bv, bk, nw in O_CONFIGS for hilo in (False, True)],
@@ -689,22 +681,23 @@ def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None, o_hilo=N
     """``o = qg h + Aqk v_new`` for every chunk in parallel (``chunk_kda_fwd_kernel_o``; ``h`` ``[NC, HV, K, V]``,
     ``vn`` ``[B, T, HV, V]``); separate from ``_state_split`` so the benchmarks can time it alone.
 
-    ``o_config``: ``(BV, BK, warps[, stages])`` forced (None: autotuned on a GPU). ``o_hilo``: bf16 hi/lo products
-    (only with bf16 ``h``; None: autotuned on a GPU with bf16 ``h``, hi/lo on the interpreter)."""
+    ``o_config``: ``(BV, BK, warps[, stages])`` forced (None: autotuned on a GPU). ``o_hilo``: bf16 products, taken
+    only when ``qg``, ``Aqk``, ``vn`` and ``h`` are all stored bf16 (None: autotuned on a GPU, on in the interpreter);
+    otherwise the products take fp32 operands at ``dot_prec``."""
     T, HV, K = qg.shape[1:]
     V = vn.shape[-1]
-    bf16_h = h.dtype == torch.bfloat16
+    half_in = all(x.dtype == torch.bfloat16 for x in (qg, Aqk, vn, h))
     args = (qg, Aqk, h, vn, o, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, EMULATE=not qg.is_cuda,
-                HALF_IN=qg.dtype == torch.bfloat16 and Aqk.dtype == torch.bfloat16 and vn.dtype == torch.bfloat16)
+                HALF_IN=half_in)
     if qg.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), index.num_chunks, HV)  # noqa: E731
-        if bf16_h and o_hilo is None:
+        if half_in and o_hilo is None:
             chunk_kda_fwd_kernel_o_tuned_bf16[grid](*args, **meta)
         else:
-            chunk_kda_fwd_kernel_o_tuned[grid](*args, **meta, HILO=bool(o_hilo) and bf16_h)
+            chunk_kda_fwd_kernel_o_tuned[grid](*args, **meta, HILO=bool(o_hilo) and half_in)
     else:
-        hilo = bf16_h and (o_hilo is None or bool(o_hilo))
+        hilo = half_in and (o_hilo is None or bool(o_hilo))
         bv, bk, nw, ns = (*o_config, 2)[:4] if o_config else (min(64, triton.next_power_of_2(V)), min(64, BK), 4, 2)
         chunk_kda_fwd_kernel_o[(triton.cdiv(V, bv), index.num_chunks, HV)](*args, BV=bv, BK=bk, **meta, HILO=hilo,
                                                                           num_warps=nw, num_stages=ns)
