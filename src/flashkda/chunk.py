@@ -76,8 +76,9 @@ def chunk_kda(
         state_v_first: states are ``[V, K]`` per head.
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths for a flattened varlen batch (``B == 1``);
             empty sequences and any lengths are allowed.
-        cu_seqlens_cpu: CPU copy of ``cu_seqlens``; when given, validation reads it and the call never waits
-            for the device.
+        cu_seqlens_cpu: CPU copy of ``cu_seqlens``; when given, validation (and the training path's chunked layout)
+            read it and the call never waits for the device. Without it the device tensor is read once per tensor
+            object (`flashkda.seqlens`), so a loop that reuses its ``cu_seqlens`` waits only on the first call.
         cp_context: context parallelism is not supported (must be None).
         use_graph, max_num_seqs: accepted; every call is already free of host syncs when ``cu_seqlens_cpu`` is
             given (or while capturing), so it can be captured in a CUDA graph.
