@@ -6,11 +6,10 @@
 # A (parallel, nothing timed, cap KDA_WARM_CAP, 150 s): fla's and our first call at every row, ours with the switch
 #   off, with the saved states and with the all-heads reverse pass at B1-T8192-H64, one untimed pass of the gate-chain
 #   sweep.
-# B1: ours only at B1-T8192-H64, saved matrices on / off / on with the saved states (FLASHKDA_BWD_SAVE_STATES=1,
-#   opt-in; KDA_AB_CFGS, default "1:0 0:0 1:1 1:0 0:0 1:1" as
-#   SAVE_LOCAL:SAVE_STATES[:DH_ALL_HEADS[:RECOMPUTE_ALL_HEADS[:RECOMPUTE_SLICE]]],
-#   empty: none),
-#   twice (each its own process, cap 50 s): the same-run A/B/C; then
+# B1: ours only at KDA_AB_CASES (default B1-T8192-H64; each configuration's process capped at KDA_AB_CAP, 50 s),
+#   saved matrices on / off / on with the saved states (FLASHKDA_BWD_SAVE_STATES=1, opt-in; KDA_AB_CFGS, default
+#   "1:0 0:0 1:1 1:0 0:0 1:1" as SAVE_LOCAL:SAVE_STATES[:DH_ALL_HEADS[:RECOMPUTE_ALL_HEADS[:RECOMPUTE_SLICE]]],
+#   empty: none), twice (each its own process): the same-run A/B/C; then
 #   the gate-chain kernels against each other (benchmarks.kda.bwd_sweep --gates $KDA_GATES, default "32:2 rows:32:4";
 #   the whole-chunk kernel timed here at 02:50 and 03:00 UTC was deleted after, see NOTES; KDA_SWEEP_CAP=0 skips it).
 # B2 (cap KDA_MAIN_CAP, 300 s): the fp64 gate, the four rows against fla with a profile of the first, the loss check
@@ -39,16 +38,17 @@ timeout -k 5 "$WARM" $SWEEP --rep 1 > "$LOGS/A_sweep.log" 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in "$LOGS"/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 4; done
-echo "=== phase B1: save-local A/B, ours only, B1-T8192-H64 $(date +%T)"
+AB_CASES=${KDA_AB_CASES:-B1-T8192-H64}
+echo "=== phase B1: save-local A/B, ours only, $AB_CASES $(date +%T)"
 for cfg in ${KDA_AB_CFGS-1:0 0:0 1:1 1:0 0:0 1:1}; do
   IFS=: read -r save_local save_states dh_all recompute_all recompute_slice <<< "$cfg"
   echo "--- FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states" \
     "FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0} FLASHKDA_BWD_RECOMPUTE_ALL_HEADS=${recompute_all:-0}" \
     "--recompute-slice ${recompute_slice:-none}"
   FLASHKDA_BWD_SAVE_LOCAL=$save_local FLASHKDA_BWD_SAVE_STATES=$save_states FLASHKDA_BWD_DH_ALL_HEADS=${dh_all:-0} \
-    FLASHKDA_BWD_RECOMPUTE_ALL_HEADS=${recompute_all:-0} timeout -k 5 50 $TRAIN --ours-only --no-write \
-    --no-gate --steps 0 --rep 10 --cases B1-T8192-H64 ${recompute_slice:+--recompute-slice $recompute_slice} 2>&1 \
-    | grep -v "^\s*$" | tail -n 3
+    FLASHKDA_BWD_RECOMPUTE_ALL_HEADS=${recompute_all:-0} timeout -k 5 "${KDA_AB_CAP:-50}" $TRAIN --ours-only --no-write \
+    --no-gate --steps 0 --rep 10 --cases $AB_CASES ${recompute_slice:+--recompute-slice $recompute_slice} 2>&1 \
+    | grep "ms (p20"
 done
 echo "=== phase B1: gate-chain sweep $(date +%T)"
 [ "${KDA_SWEEP_CAP:-90}" = 0 ] || timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP 2>&1 | tee "$LOGS/B_sweep.log"
