@@ -249,8 +249,6 @@ class ChunkKDAFunction(torch.autograd.Function):
             # the all-heads reverse pass reads the forward's bf16 operands and its saved Aqk
             save_operands = (save_local and q.dtype == torch.bfloat16 and K <= 256
                              and (keep_all or dh_all_heads_enabled()))
-            # kept states take u (hence v_new) in fp32 for accuracy (see chunk_kda_fwd_intra's fp32_u)
-            fp32_u = save_states
             result = fused_fwd(
                 q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), opts.scale,
                 initial_state=None if initial_state is None else initial_state.contiguous(),
@@ -259,7 +257,8 @@ class ChunkKDAFunction(torch.autograd.Function):
                 allow_neg_eigval=opts.allow_neg_eigval, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
                 state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
                 output_local=save_local, local_heads=ctx.head_slices[0][1] - ctx.head_slices[0][0],
-                output_states=save_states, output_operands=save_operands, fp32_u=fp32_u,
+                # kept states take u (hence v_new) in fp32 for accuracy (see chunk_kda_fwd_intra's fp32_u)
+                output_states=save_states, output_operands=save_operands, fp32_u=save_states,
             )
             o, ht = result[:2]
             if save_local or save_states or save_operands:

@@ -92,10 +92,10 @@ def chunk_kda_recompute_operands_kernel(
         tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
 
 
-#: Column slice of the rebuild (K and V walked ``RECOMPUTE_SLICE`` columns at a time; None: whole rows, as timed on the
-#: H200 on 2026-12-03: 0.90 ms at B1-T8192-H64, one CTA of 8 warps per SM). Offline (sm_90, Triton 3.9, K = V = 128)
-#: 32-column slices take 108 registers at 8 warps, two CTAs per SM, against 175 for whole rows (benchmarks/kda/NOTES.md);
-#: not timed yet.
+#: Column slice of the rebuild (K and V walked ``RECOMPUTE_SLICE`` columns at a time; None: whole rows, the default).
+#: Offline (sm_90, Triton 3.9, K = V = 128) 32-column slices take 108 registers at 8 warps, two CTAs per SM, against
+#: 175 and one CTA for whole rows, but on the H200 (2026-12-03 08:57, same call, B1-T8192-H64) the step took 10.57 /
+#: 10.47 ms with them against 10.51 / 10.39 with whole rows: no gain, so they stay opt-in (benchmarks/kda/NOTES.md).
 RECOMPUTE_SLICE: int | None = None
 
 

@@ -380,11 +380,11 @@ class KimiDeltaAttention(nn.Module):
             keep = attention_mask.bool()
             indices = torch.nonzero(keep.flatten()).squeeze(1)
             lens = keep.sum(1).cpu()
-            cu_seqlens = torch.zeros(B + 1, dtype=torch.int64)
-            cu_seqlens[1:] = lens.cumsum(0)
+            bounds = torch.zeros(B + 1, dtype=torch.int64)
+            bounds[1:] = lens.cumsum(0)
             x = x.reshape(B * T, -1).index_select(0, indices).unsqueeze(0)
-            cu_seqlens = cu_seqlens.to(x.device)
-        if cu_seqlens is not None:
+            cu_seqlens = bounds.to(x.device)
+        elif cu_seqlens is not None:
             if x.shape[0] != 1:
                 raise ValueError(f"cu_seqlens needs B == 1 (packed input), got B={x.shape[0]}")
             bounds = host_cu_seqlens(cu_seqlens)
