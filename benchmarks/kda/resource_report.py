@@ -41,12 +41,10 @@ def kernel_spec(fn, types: dict, constexprs: dict):
             {n: constexprs[n] for n in fn.arg_names if n in constexprs})
 
 
-def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False, store_local: bool = False,
-                  pre_gate: bool = True):
+def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False, store_local: bool = False):
     """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting
     (``store_t``: the intra kernel stops after the inverse, as in the split w/u path; ``merge``: stacked Aqk/Akk
-    products; ``store_local``: the training forward, which also writes Akk and the inverse; ``pre_gate``: the gate
-    prologue kernel runs first, as by default)."""
+    products; ``store_local``: the training forward, which also writes Akk and the inverse)."""
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
@@ -55,21 +53,18 @@ def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = Fa
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
-                  MERGE=merge, STORE_LOCAL=store_local, LHS=1, PRE_GATE=pre_gate)
-    (intra, io), (gate_fn, _) = kernel_signatures(work)
-    specs = [kernel_spec(intra, io, common)]
-    return specs + [kernel_spec(gate_fn, io, {**common, "BK": chunk_intra.GATE_SLICE})] if pre_gate else specs
+                  MERGE=merge, STORE_LOCAL=store_local, LHS=1)
+    return [kernel_spec(fn, types, common) for fn, types in kernel_signatures(work)]
 
 
 def kernel_signatures(work: str):
-    """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype): the intra
-    kernel, then the gate prologue."""
+    """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype)."""
     io = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
               cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
               u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", AqkC="*fp32", Akk="*fp32", Minv="*fp32",
-              Gs="*fp32", Gref="*fp32", rq="*fp32", rk="*fp32", scale="fp32",
+              scale="fp32",
               lower_bound="fp32", T="i32", NTS="i32", NCL="i32")
-    return [(chunk_intra.chunk_kda_fwd_kernel_intra, io), (chunk_intra.chunk_kda_fwd_kernel_gate, io)]
+    return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
 
 
 def state_config(dtype: str, block_v: int):
@@ -250,9 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true", help="intra kernel with the stacked Aqk/Akk products")
     ap.add_argument("--no-intra", action="store_true")
     ap.add_argument("--store-local", action="store_true", help="intra kernel of the training forward (STORE_LOCAL)")
-    ap.add_argument("--gate-prologue", type=int, choices=[0, 1], default=1,
-                    help="1 (the default path): the intra kernel reads the gate prologue's sums, and the prologue "
-                         "kernel is reported too; 0: the intra kernel activates and sums the gate itself")
     ap.add_argument("--lines", action="store_true",
                     help="intra kernel: instructions per source line, loop trips folded in (see line_profile)")
     args = ap.parse_args(argv)
@@ -278,18 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                trips=[128] if args.lines else None)
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
-            for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge, args.store_local,
-                                             bool(args.gate_prologue)):
+            for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge, args.store_local):
                 for nw in args.warps:
                     for cap in args.maxnreg:
-                        # loops in address order: L2 norms (the intra kernel's only without the prologue), pass 1,
-                        # pass 2 (w, then u); the prologue's: L2 norms, gate slices
-                        if fn is chunk_intra.chunk_kda_fwd_kernel_gate:
-                            trips = [cx["K"] // cx["BKN"], cx["K"] // chunk_intra.GATE_SLICE]
-                        else:
-                            trips = [cx["K"] // cx["BKC"], cx["K"] // cx["BS"], cx["V"] // cx["BS"]]
-                            if not args.gate_prologue:
-                                trips.insert(0, cx["K"] // cx["BKN"])
+                        # loops in address order: L2 norms, pass 1, pass 2 (w, then u)
+                        trips = [cx["K"] // cx["BKN"], cx["K"] // cx["BKC"], cx["K"] // cx["BS"], cx["V"] // cx["BS"]]
                         report(fn, sig, cx, dtype, gate, nw, cap, args.sass, trips=trips if args.lines else None)
     return 0
 

@@ -94,9 +94,8 @@ def _extra(t_ours, mem_fla: float, mem_ours: float, floor_ms: float, err_o: floa
 def stage_times(x: dict, device: str, rep: int) -> dict:
     """Median ms of our two stages alone (intra-chunk; state + output, which the state path says), for NOTES.md."""
     from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-    from flashkda.chunk_intra import CHUNK_SIZE, GATE_PROLOGUE_ENV, bf16_intermediates_enabled, chunk_kda_fwd_intra
+    from flashkda.chunk_intra import CHUNK_SIZE, bf16_intermediates_enabled, chunk_kda_fwd_intra
     from flashkda.chunk_state import chunk_kda_fwd_state_o, prefer_split
-    from flashkda.env import env_flag
     from flashkda.index import build_chunk_index
 
     q = x["q"]
@@ -111,8 +110,7 @@ def stage_times(x: dict, device: str, rep: int) -> dict:
     return {"intra ms": round(time_fn(intra, device=device, rep=rep).median_ms, 3),
             "state+o ms": round(time_fn(state, device=device, rep=rep).median_ms, 3),
             "state path": "split (state-only + output kernel)" if split else "fused",
-            "intermediates": "bf16" if bf16_intermediates_enabled() else "fp32 (FLASHKDA_BF16_INTERMEDIATES=0)",
-            "gate prologue": "on" if env_flag(GATE_PROLOGUE_ENV, True) else "off (FLASHKDA_GATE_PROLOGUE=0)"}
+            "intermediates": "bf16" if bf16_intermediates_enabled() else "fp32 (FLASHKDA_BF16_INTERMEDIATES=0)"}
 
 
 def run_prefill(case: Case, device: str, bw: float, rep: int) -> Row:

@@ -39,11 +39,6 @@ BF16_INTERMEDIATES_ENV = "FLASHKDA_BF16_INTERMEDIATES"
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
-#: Environment switch of the gate prologue (`chunk_kda_fwd_kernel_gate`): on unless set to ``0`` (the intra kernel
-#: then activates and sums the gate itself, exchanging the sub-chunk sums between warps).
-GATE_PROLOGUE_ENV = "FLASHKDA_GATE_PROLOGUE"
-#: Width of the K slices of the gate prologue.
-GATE_SLICE = 32
 
 
 def bf16_intermediates_enabled() -> bool:
@@ -199,88 +194,17 @@ def chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT: tl.constex
     return i_n, bos + i_j.to(tl.int64) * BT, eos
 
 
-#: Rows of the per-sub-chunk gate sums the gate prologue writes for each (chunk, value head), ``[NREF, 4, K]`` fp32
-#: (row ``a`` of each is for sub-chunk ``a``): Σ_{b<a} s_b (the sub-chunk's start from the chunk start), Σ_{b>=a} s_b
-#: (the chunk end from the sub-chunk start), s_a, e^{Σ_{2<=b<a} s_b} and e^{Σ_{a<b<2} s_b} (both <= 1; the far-pair
-#: factors through the chunk middle), each summed directly over the sub-chunk sums ``s_b``.
-NREF = 5
-_NREF = tl.constexpr(NREF)
-
-
-@triton.jit(do_not_specialize=["T", "lower_bound", "scale"])
-def chunk_kda_fwd_kernel_gate(
-    q, k, g, A_log, dt_bias, cu_seqlens, chunk_offsets, chunk_map, Gs, Gref, gC, rq, rk,
-    scale, lower_bound, T, NTS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BKN: tl.constexpr, USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """The intra kernel's per-channel gate work, one program per (chunk, value head): the activated gate's cumulative
-    sum from each sub-chunk's start (``Gs``, ``[B, T, HV, K]`` fp32), the sub-chunk sum combinations of `NREF`
-    (``Gref``, ``[NC, HV, NREF, 4, K]``), ``Γ_C`` (``gC``, ``[NC, HV, K]``) and, with the L2 norm, ``scale / |q_t|``
-    and ``1 / |k_t|`` (``rq``, ``rk``, ``[B, T, H]``, written by the first value head of each GVA group).
-
-    Split out because these are per-row combinations of per-sub-chunk values: in the intra kernel's ``[BT, BKC]``
-    tiles each warp holds one sub-chunk, so every combination was an exchange between warps; reading them back
-    from memory is a plain (broadcast) load."""
-    tl.static_assert(BT == 4 * BC, "four sub-chunks per chunk")
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
-    if i_n < 0:
-        return
-    o_r = tl.arange(0, BT)
-    m_r = o_r < eos - t0
-    if USE_L2NORM:
-        # the norms of q/k head i_h, once per GVA group
-        i_h = i_hv // (HV // H)
-        if i_hv % (HV // H) == 0:
-            b_rq, b_rk = inv_norms(q, k, t0, t0, eos, i_h, scale, H, K, BT, BT, BKN, USE_L2NORM)
-            tl.store(rq + (t0 + o_r) * H + i_h, b_rq, mask=m_r)
-            tl.store(rk + (t0 + o_r) * H + i_h, b_rk, mask=m_r)
-    if HAS_A:
-        b_A = tl.load(A_log + i_hv).to(tl.float32)
-    else:
-        b_A = 0.0
-    o_a = tl.arange(0, 4)[:, None]
-    o_b = tl.arange(0, 4)[None, :]
-    p_ref = Gref + (i_c.to(tl.int64) * HV + i_hv) * (_NREF * 4 * K)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_g = activate_gate(_tile(g, t0, eos, i_hv, o_k, HV, K, BT), dt_bias, b_A, lower_bound, i_hv, o_k, m_r, K,
-                            USE_GATE, HAS_A, HAS_BIAS, USE_LOWER_BOUND)
-        b_g3 = tl.reshape(b_g, [4, BC, BK])
-        _put_tile(Gs, tl.reshape(tl.cumsum(b_g3, 1), [BT, BK]), t0, eos, i_hv, o_k, HV, K, BT)
-        # [4, BK] sub-chunk sums
-        b_s4 = tl.sum(b_g3, 1)
-        tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_s4, 0), mask=m_k)
-        o_ak = o_a * K + o_k[None, :]
-        m_ak = (o_a < 4) & m_k[None, :]
-        tl.store(p_ref + o_ak, _sub_sums(b_s4, o_b < o_a), mask=m_ak)
-        tl.store(p_ref + 4 * K + o_ak, _sub_sums(b_s4, o_b >= o_a), mask=m_ak)
-        tl.store(p_ref + 8 * K + o_ak, b_s4, mask=m_ak)
-        tl.store(p_ref + 12 * K + o_ak, fast_exp(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a))), mask=m_ak)
-        tl.store(p_ref + 16 * K + o_ak, fast_exp(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2))), mask=m_ak)
-
-
-@triton.jit
-def _ref_rows(p_ref, j: tl.constexpr, o_blk, o_k, K: tl.constexpr):
-    """``[BT, len(o_k)]``: row ``t`` holds sub-chunk ``t // BC``'s entry of combination ``j`` of `NREF` (a broadcast
-    load: the rows of a sub-chunk read the same address)."""
-    return tl.load(p_ref + j * 4 * K + o_blk[:, None] * K + o_k[None, :], mask=(o_k < K)[None, :], other=0.0)
-
-
 @triton.jit(do_not_specialize=["T", "lower_bound", "scale", "NCL"])
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunk_map,
-    w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv, Gs, Gref, rq, rk,
+    w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv,
     scale, lower_bound, T, NTS, NCL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr, LHS: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    STORE_T: tl.constexpr, MERGE: tl.constexpr, STORE_LOCAL: tl.constexpr, PRE_GATE: tl.constexpr,
+    STORE_T: tl.constexpr, MERGE: tl.constexpr, STORE_LOCAL: tl.constexpr,
 ):
     tl.static_assert(BT == 4 * BC, "the kernel is written out for four sub-chunks")
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -299,14 +223,7 @@ def chunk_kda_fwd_kernel_intra(
 
     # [BT] reciprocal L2 norms of q (with the scale) and k, and the activated beta. Nothing else is live yet, so
     # the norms read BKN-wide slices (fewer dependent trips to memory than the BKC slices of the passes below).
-    if PRE_GATE and USE_L2NORM:
-        b_rq = tl.load(rq + (t0 + o_r) * H + i_h, mask=m_r, other=0.0)
-        b_rk = tl.load(rk + (t0 + o_r) * H + i_h, mask=m_r, other=0.0)
-    else:
-        b_rq, b_rk = inv_norms(q, k, t0, t0, eos, i_h, scale, H, K, BT, BT, BKN, USE_L2NORM)
-    if PRE_GATE:
-        # the gate prologue's sub-chunk sum combinations (chunk_kda_fwd_kernel_gate)
-        p_ref = Gref + (i_c.to(tl.int64) * HV + i_hv) * (_NREF * 4 * K)
+    b_rq, b_rk = inv_norms(q, k, t0, t0, eos, i_h, scale, H, K, BT, BT, BKN, USE_L2NORM)
     b_b = tl.load(beta + t0 * HV + i_hv + o_r * HV, mask=m_r, other=0.0).to(tl.float32)
     b_b = tl.where(m_r, beta_map(b_b, BETA_SIGMOID, ALLOW_NEG_EIGVAL), 0.0)
 
@@ -336,10 +253,7 @@ def chunk_kda_fwd_kernel_intra(
     # Software pipelining by hand: the next slice's g/q/k loads are issued before this slice's work, so each
     # slice waits on memory once per program instead of once per slice (raw dtype: 4 registers a tile).
     o_k = tl.arange(0, BKC)
-    if PRE_GATE:
-        b_gn = _raw_tile(Gs, t0, eos, i_hv, o_k, HV, K, BT)
-    else:
-        b_gn = _raw_tile(g, t0, eos, i_hv, o_k, HV, K, BT)
+    b_gn = _raw_tile(g, t0, eos, i_hv, o_k, HV, K, BT)
     b_qn = _raw_tile(q, t0, eos, i_h, o_k, H, K, BT)
     b_kn = _raw_tile(k, t0, eos, i_h, o_k, H, K, BT)
     for i_k in range(0, tl.cdiv(K, BKC)):
@@ -349,34 +263,21 @@ def chunk_kda_fwd_kernel_intra(
         b_g = b_gn.to(tl.float32)
         b_q = b_qn.to(tl.float32) * b_rq[:, None]
         b_k = b_kn.to(tl.float32) * b_rk[:, None]
-        if PRE_GATE:
-            b_gn = _raw_tile(Gs, t0, eos, i_hv, o_k + BKC, HV, K, BT)
-        else:
-            b_gn = _raw_tile(g, t0, eos, i_hv, o_k + BKC, HV, K, BT)
+        b_gn = _raw_tile(g, t0, eos, i_hv, o_k + BKC, HV, K, BT)
         b_qn = _raw_tile(q, t0, eos, i_h, o_k + BKC, H, K, BT)
         b_kn = _raw_tile(k, t0, eos, i_h, o_k + BKC, H, K, BT)
-        # [BT, BKC] cumulative gate from each sub-chunk's start; per row, its sub-chunk's sums Σ_{b<a} s_b (b_c0),
-        # Σ_{b>=a} s_b (b_c1) and s_a (b_c2).
-        if PRE_GATE:
-            b_G = b_g
-            b_c0 = _ref_rows(p_ref, 0, o_blk, o_k, K)
-            b_c1 = _ref_rows(p_ref, 1, o_blk, o_k, K)
-            b_c2 = _ref_rows(p_ref, 2, o_blk, o_k, K)
-        else:
-            b_g = activate_gate(b_g, dt_bias, b_A, lower_bound, i_hv, o_k, m_r, K, USE_GATE, HAS_A, HAS_BIAS,
-                                USE_LOWER_BOUND)
-            b_g3 = tl.reshape(b_g, [4, BC, BKC])
-            b_G = tl.reshape(tl.cumsum(b_g3, 1), [BT, BKC])
-            # [4, BKC] sub-chunk sums
-            b_s4 = tl.sum(b_g3, 1)
-            tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_s4, 0), mask=m_k)
-            b_c0 = _per_row(_sub_sums(b_s4, o_b < o_a), BC, BKC)
-            b_c1 = _per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC)
-            b_c2 = _per_row(b_s4, BC, BKC)
+        b_g = activate_gate(b_g, dt_bias, b_A, lower_bound, i_hv, o_k, m_r, K, USE_GATE, HAS_A, HAS_BIAS,
+                            USE_LOWER_BOUND)
+        # [4, BC, BKC] -> [BT, BKC] cumulative gate from each sub-chunk's start; [4, BKC] sub-chunk sums.
+        b_g3 = tl.reshape(b_g, [4, BC, BKC])
+        b_G = tl.reshape(tl.cumsum(b_g3, 1), [BT, BKC])
+        b_s4 = tl.sum(b_g3, 1)
+        tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, tl.sum(b_s4, 0), mask=m_k)
         # Γ_i relative to the chunk start (qg, w) and Γ_C - Γ_i (kg), each from sub-chunk sums.
-        b_eG = fast_exp(b_c0 + b_G)
+        b_eG = fast_exp(_per_row(_sub_sums(b_s4, o_b < o_a), BC, BKC) + b_G)
         _put_tile(qg, b_q * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
-        _put_tile(kg, b_k * fast_exp(b_c1 - b_G), t0, eos, i_hv, o_k, HV, K, BT)
+        _put_tile(kg, b_k * fast_exp(_per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC) - b_G), t0, eos, i_hv, o_k,
+                  HV, K, BT)
         # Right-hand side of the WY solve for w; pass 2 (or chunk_kda_fwd_kernel_wu) overwrites it with w.
         if STORE_T:
             _put_tile(w, b_k * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
@@ -388,7 +289,7 @@ def chunk_kda_fwd_kernel_intra(
         b_qr = b_q * b_eGr
         b_kr = b_k * b_eGr
         # Columns relative to the end of their sub-chunk (factors <= 1).
-        b_kc = b_k * fast_exp(b_c2 - b_G)
+        b_kc = b_k * fast_exp(_per_row(b_s4, BC, BKC) - b_G)
         for a in tl.static_range(1, 4, 2):
             # adjacent pair (a, a - 1)
             m_row = (o_blk == a)[:, None]
@@ -404,13 +305,8 @@ def chunk_kda_fwd_kernel_intra(
         # Far pairs through the chunk middle: rows of sub-chunk 3 gain e^{s_2}, columns of sub-chunk 0 e^{s_1}.
         m_row = (o_blk >= 2)[:, None]
         m_col = (o_blk < 2)[:, None]
-        if PRE_GATE:
-            b_rs = tl.where(m_row, _ref_rows(p_ref, 3, o_blk, o_k, K), 0.0)
-            b_kc = tl.where(m_col, b_kc * _ref_rows(p_ref, 4, o_blk, o_k, K), 0.0)
-        else:
-            b_rs = tl.where(m_row, fast_exp(_per_row(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a)), BC, BKC)), 0.0)
-            b_kc = tl.where(m_col, b_kc * fast_exp(_per_row(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2)), BC, BKC)),
-                            0.0)
+        b_rs = tl.where(m_row, fast_exp(_per_row(_sub_sums(b_s4, (o_b >= 2) & (o_b < o_a)), BC, BKC)), 0.0)
+        b_kc = tl.where(m_col, b_kc * fast_exp(_per_row(_sub_sums(b_s4, (o_b > o_a) & (o_b < 2)), BC, BKC)), 0.0)
         if MERGE:
             b_AX += tl.dot(_stack_rows(b_qr * b_rs, b_kr * b_rs, BT, BKC), tl.trans(b_kc), input_precision=DOT_PREC)
         else:
@@ -558,7 +454,7 @@ INTRA_CONFIGS = [(16, 4, False, None), (64, 4, False, None), (64, 4, True, None)
 chunk_kda_fwd_kernel_intra_tuned = triton.autotune(
     configs=[triton.Config({"BS": bs, "MERGE": merge}, num_warps=nw, num_stages=1, maxnreg=cap)
              for bs, nw, merge, cap in INTRA_CONFIGS],
-    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC", "STORE_T", "STORE_LOCAL", "PRE_GATE"],
+    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC", "STORE_T", "STORE_LOCAL"],
 )(chunk_kda_fwd_kernel_intra)
 #: Configurations of the separate w/u kernel (slice width, warps).
 WU_CONFIGS = [(64, 8), (128, 8), (32, 4)]
@@ -575,7 +471,7 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
                         split_wu=False, wu_config=None, pass1_slice=None, merge=None, bf16_intermediates=None,
-                        store_local=False, local_heads=None, fp32_u=False, gate_prologue=None):
+                        store_local=False, local_heads=None, fp32_u=False):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
     Args:
@@ -599,9 +495,6 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         fp32_u: store ``u`` in fp32 whatever the intermediates' dtype (the state stage then keeps ``v_new`` in fp32
             too): the training backward that takes the forward's ``v_new`` needs it, since ``v_new = u - w S`` cancels
             and a bf16 ``u`` tripled the fp64-reference error of ``dA_log`` (flashkda.autograd).
-        gate_prologue: run the gate's per-channel work in `chunk_kda_fwd_kernel_gate` first (None: on unless the
-            environment sets ``FLASHKDA_GATE_PROLOGUE=0``); its ``[B, T, HV, K]`` fp32 cumulative sums live only
-            for this call.
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
@@ -631,26 +524,8 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         return w, u, qg, kg, Aqk, gC, *local
     Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
     AqkC, Akk, Minv = local or (None, None, None)
-    lower = 0.0 if lower_bound is None else float(lower_bound)
-    if gate_prologue is None:
-        gate_prologue = env_flag(GATE_PROLOGUE_ENV, True)
-    Gs = Gref = rq = rk = None
-    if gate_prologue:
-        Gs = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
-        Gref = torch.empty(index.num_chunks, HV, NREF, 4, K, dtype=torch.float32, device=q.device)
-        if use_qk_l2norm_in_kernel:
-            rq = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-            rk = torch.empty_like(rq)
-        chunk_kda_fwd_kernel_gate[(index.num_chunks, HV)](
-            q, k, g, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map, Gs, Gref, gC, rq, rk,
-            scale, lower, T, index.chunks_per_seq,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(GATE_SLICE, triton.next_power_of_2(K)),
-            BKN=min(64, triton.next_power_of_2(K)), USE_GATE=use_gate_in_kernel, HAS_A=A_log is not None,
-            HAS_BIAS=dt_bias is not None, USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm_in_kernel,
-            IS_VARLEN=index.is_varlen, num_warps=4,
-        )
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
-            w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv, Gs, Gref, rq, rk, scale, lower, T,
+            w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv, scale, 0.0 if lower_bound is None else float(lower_bound), T,
             index.chunks_per_seq, index.num_chunks)
     meta = dict(
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=pass1_slice or SLICE, BKN=min(64, triton.next_power_of_2(K)), LHS=LHS,
@@ -661,7 +536,6 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         # The diagonal inverses keep fp32 accuracy (they were exact fp32 row steps before): three tf32
         # products per product when the rest of the stage uses tf32.
         INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3", STORE_T=split_wu, STORE_LOCAL=store_local,
-        PRE_GATE=gate_prologue,
     )
     grid = (index.num_chunks, HV)
     if split_wu:

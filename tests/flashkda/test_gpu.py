@@ -75,7 +75,7 @@ def _forced_forward(monkeypatch, intra_kw, state_kw):
     case = CASES[0]
     args, kw = make_call(case, "cuda")
     intra, state = ci.chunk_kda_fwd_intra, cs.chunk_kda_fwd_state_o
-    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_intra", lambda *a, **k: intra(*a, **k, **intra_kw))
+    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_intra", lambda *a, **k: intra(*a, **{**k, **intra_kw}))
     monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: state(*a, **{**k, **state_kw}))
     fwd_kw = {n: kw[n] for n in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
                                  "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate",

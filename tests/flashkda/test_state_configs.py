@@ -158,24 +158,3 @@ def test_bf16_intermediates_switch(env, dtype, device, monkeypatch):
     assert seen == [dtype]
     assert_close("o", ro, o, TOL[case.dtype])
     assert_close("final_state", rs, s, TOL[case.dtype])
-
-
-#: The gate prologue against the intra kernel's own gate work: every gate form, GVA, no in-kernel L2 norm, a varlen
-#: batch with an empty sequence and a tail chunk.
-GATE_PROLOGUE_CASES = [
-    CASES[0],
-    KDACase(T=150, H=1, HV=2, K=64, V=32, dtype=torch.bfloat16, gate="softplus", lengths=(37, 0, 113)),
-    KDACase(T=130, H=2, HV=2, K=32, V=32, dtype=torch.float32, gate="pre", l2norm=False),
-    KDACase(T=100, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, gate="bounded-noA"),
-]
-
-
-@pytest.mark.parametrize("case", GATE_PROLOGUE_CASES, ids=[c.id() for c in GATE_PROLOGUE_CASES])
-def test_gate_prologue_matches_the_in_kernel_gate(case, device):
-    """``gate_prologue`` (the default) and the intra kernel's own gate activation and sums give the same
-    intermediates, and both the fp64 result."""
-    with_prologue = _check(case, device, dict(gate_prologue=True), dict(block_v=32))
-    in_kernel = _check(case, device, dict(gate_prologue=False), dict(block_v=32))
-    names = ("w", "u", "qg", "kg")
-    for name, a, b in zip(names, with_prologue, in_kernel):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
