@@ -22,10 +22,7 @@ MID_CASES=${KDA_MID_CASES:-H64-T8192 H12-T8192 H32-T131072 H64-T32768 H96-T8192}
 SWEEP="python3 -m benchmarks.kda.variants --intra --wu --h --state --hb 64:4:3:3:2 32:4:3:3:2 --cases"
 
 echo "=== phase A (parallel, cap ${WARM}s) $(date +%T)"
-timeout -k 5 "$WARM" $PASS H64-T8192 H64-varlen6 H64-varlen1024x8 H64-T32768 > $LOGS/A_h64.log 2>&1 &
-timeout -k 5 "$WARM" $PASS H96-T8192 H96-varlen6 H96-varlen1024x8 > $LOGS/A_h96.log 2>&1 &
-timeout -k 5 "$WARM" $PASS H12-T8192 > $LOGS/A_h12.log 2>&1 &
-timeout -k 5 "$WARM" $PASS H32-T131072 decode-B256-H32 > $LOGS/A_h32.log 2>&1 &
+start_fwd_warmups "$WARM"
 FLASHKDA_BF16_INTERMEDIATES=0 timeout -k 5 "$WARM" $PASS $MID_CASES > $LOGS/A_mid.log 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 120 tests/flashkda/test_gpu.py \
   > $LOGS/A_gputests.log 2>&1 &

@@ -26,3 +26,14 @@ start_train_warmups() {
   timeout -k 5 "$cap" python3 -m benchmarks.kda.train --warmup fla --cases > "$LOGS/A_fla_lm.log" 2>&1 &
   timeout -k 5 "$cap" python3 -m benchmarks.kda.train --warmup ours --cases "$@" > "$LOGS/A_ours.log" 2>&1 &
 }
+
+# start_fwd_warmups CAP: in the background (the caller waits), one untimed pass of every forward row, one process per
+# head count (fla compiles per head count; logs A_h64.log, A_h96.log, A_h12.log, A_h32.log), under `timeout CAP`.
+start_fwd_warmups() {
+  local cap=$1
+  local pass="python3 -m benchmarks.kda.run --no-write --rep 1 --cases"
+  timeout -k 5 "$cap" $pass H64-T8192 H64-varlen6 H64-varlen1024x8 H64-T32768 > "$LOGS/A_h64.log" 2>&1 &
+  timeout -k 5 "$cap" $pass H96-T8192 H96-varlen6 H96-varlen1024x8 > "$LOGS/A_h96.log" 2>&1 &
+  timeout -k 5 "$cap" $pass H12-T8192 > "$LOGS/A_h12.log" 2>&1 &
+  timeout -k 5 "$cap" $pass H32-T131072 decode-B256-H32 > "$LOGS/A_h32.log" 2>&1 &
+}

@@ -26,10 +26,11 @@ class IdentityCache:
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
 
     def get(self, tensor: torch.Tensor, *key) -> Any:
-        entry = self._entries.get((id(tensor), tensor._version, *key))
+        full = (id(tensor), tensor._version, *key)
+        entry = self._entries.get(full)
         if entry is None or entry[0] is not tensor:
             return None
-        self._entries.move_to_end((id(tensor), tensor._version, *key))
+        self._entries.move_to_end(full)
         return entry[1]
 
     def put(self, tensor: torch.Tensor, value: Any, *key) -> Any:
