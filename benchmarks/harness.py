@@ -53,6 +53,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def rms_ratio(x, ref) -> float:
+    """Relative RMS error ``|x - ref|_2 / |ref|_2`` of two tensors of any shape and dtype, in fp64."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
 def time_fn(
     fn: Callable[[], object],
     *,

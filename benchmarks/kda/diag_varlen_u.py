@@ -15,6 +15,7 @@ import argparse
 
 import torch
 
+from benchmarks.harness import rms_ratio
 from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
 from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
 from flashkda.chunk_state import state_output, state_pass
@@ -23,11 +24,6 @@ from flashkda.reference import chunk_kda_reference
 
 #: The inputs laid out ``[B, T, ...]`` (reshaped to one varlen sequence batch); the others are per head or sequence.
 SEQ_TENSORS = ("q", "k", "v", "g", "beta")
-
-
-def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def run_stages(x: dict, B: int, T: int, varlen: bool, fp32_u: bool, o_config=None, o_hilo=None):
@@ -66,7 +62,7 @@ def check_output_stage(s: dict, B: int, T: int) -> float:
     A = torch.where(mask, A.permute(0, 1, 3, 2, 4), 0.0)  # [B, NCs, H, C, C]; the upper triangle is unwritten
     h = s["h"].double().reshape(B, NCs, *s["h"].shape[1:])  # [B, NCs, H, K, V]
     o = torch.einsum("bnchk,bnhkv->bnchv", qg, h) + torch.einsum("bnhij,bnjhv->bnihv", A, vn)
-    return rel(s["o"].reshape(o.shape), o)
+    return rms_ratio(s["o"].reshape(o.shape), o)
 
 
 def check_state_stage(s: dict, B: int, T: int, h0: torch.Tensor) -> tuple[float, float]:
@@ -85,7 +81,7 @@ def check_state_stage(s: dict, B: int, T: int, h0: torch.Tensor) -> tuple[float,
         S = torch.exp(gC[:, c])[..., None] * S + torch.einsum("bchk,bchv->bhkv", kg[:, c], vn)
     h = torch.stack(hs, 1).reshape(s["h"].shape)
     vn = torch.stack(vns, 1).reshape(s["vn"].shape)
-    return rel(s["h"], h), rel(s["vn"], vn)
+    return rms_ratio(s["h"], h), rms_ratio(s["vn"], vn)
 
 
 def main(argv=None) -> None:
@@ -116,13 +112,13 @@ def main(argv=None) -> None:
             eh, ev = check_state_stage(s, B, T, x["initial_state"])
             per_chunk = ((s["o"].double() - ref_o).reshape(B, T // CHUNK_SIZE, -1).pow(2).mean((0, 2)).sqrt()
                          / ref_o.pow(2).mean().sqrt())
-            print(f"{name:18s} o vs fp64 {rel(s['o'], ref_o):.2e}  ht {rel(s['ht'], ref_ht):.2e}  "
+            print(f"{name:18s} o vs fp64 {rms_ratio(s['o'], ref_o):.2e}  ht {rms_ratio(s['ht'], ref_ht):.2e}  "
                   f"state stage h {eh:.2e} v_new {ev:.2e}  output stage {check_output_stage(s, B, T):.2e}  "
                   f"o error by chunk of the sequence: {' '.join(f'{e:.1e}' for e in per_chunk.tolist())}", flush=True)
         fixed, var = runs[f"{'fp32' if fp32_u else 'bf16'}-u fixed"], runs[f"{'fp32' if fp32_u else 'bf16'}-u varlen"]
-        print("  varlen vs fixed, same data: " + "  ".join(
-            f"{n} {rel(var[n], fixed[n]):.1e}" for n in ("w", "u", "qg", "kg", "Aqk", "gC", "h", "vn", "o", "ht")),
-            flush=True)
+        names = ("w", "u", "qg", "kg", "Aqk", "gC", "h", "vn", "o", "ht")
+        print("  varlen vs fixed, same data: " + "  ".join(f"{n} {rms_ratio(var[n], fixed[n]):.1e}" for n in names),
+              flush=True)
 
     if a.o_configs:
         from flashkda.chunk_state import O_CONFIGS

@@ -20,13 +20,8 @@ import time
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 os.environ.setdefault("FLASHKDA_DISABLE", "1")
 
-from benchmarks.harness import Row, machine_info, machine_line, time_fn, write_results  # noqa: E402
+from benchmarks.harness import Row, machine_info, machine_line, rms_ratio, time_fn, write_results  # noqa: E402
 from benchmarks.kda.registry import CASES, DECODE, PREFILL, Case  # noqa: E402
-
-
-def rms_ratio(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def make_inputs(case: Case, device: str, seed: int = 0):

@@ -39,6 +39,7 @@ from benchmarks.harness import (  # noqa: E402
     Row,
     machine_info,
     machine_line,
+    rms_ratio,
     time_fn,
     update_markdown,
     write_results,
@@ -56,11 +57,6 @@ FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_
              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 TOL = 1e-2
-
-
-def rms_ratio(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def make_inputs(B: int, T: int, H: int, lengths, device: str, D: int = 128, seed: int = 0):
