@@ -184,3 +184,31 @@ def test_layer_matches_fla_layer_with_copied_weights(config: dict, monkeypatch: 
     gr = torch.autograd.grad(yr, [x, *theirs.parameters()], dy)
     for name, a, b in zip(["x", *dict(ours.named_parameters())], g, gr):
         assert _rel_rms(a, b) <= 5e-3, name
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_decode_steps_launch_the_recurrent_kernel(steps: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-4 token no-grad step through the layer reaches the Triton recurrent kernel, not a Python loop, and its
+    state continues the chunk path's state (same layout)."""
+    import flashkda.fused_recurrent as decode
+
+    launches = []
+    launch = decode.fused_recurrent_kda_fwd
+
+    def spy(*args, **kwargs):
+        launches.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "fused_recurrent_kda_fwd", spy)
+    torch.manual_seed(2)
+    layer = KimiDeltaAttention(layer_idx=0, hidden_size=64, head_dim=32, num_heads=2, lower_bound=-5.0,
+                               safe_gate=True).to(device).eval()
+    x = torch.randn(2, 20 + steps, 64, device=device)
+    with torch.no_grad():
+        full, _, _ = layer(x)
+        cache = KDACache()
+        prefix, _, _ = layer(x[:, :20], past_key_values=cache, use_cache=True)
+        assert launches == []  # prefill runs the chunk path
+        step, _, _ = layer(x[:, 20:], past_key_values=cache, use_cache=True)
+    assert launches == [torch.Size([2, steps, 2, 32])]
+    torch.testing.assert_close(torch.cat([prefix, step], 1), full, rtol=1e-4, atol=1e-5)
