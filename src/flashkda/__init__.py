@@ -9,7 +9,7 @@ probes, no kernel compilation, no fla import.
 from flashkda import reference
 from flashkda.chunk import chunk_kda
 from flashkda.compat import fwd
-from flashkda.fused_recurrent import fused_recurrent_kda
+from flashkda.decode import fused_recurrent_kda
 from flashkda.layer import KDACache, KimiDeltaAttention
 
 __version__ = "0.1.0"

@@ -39,12 +39,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashkda.autograd import chunk_kda_autograd, kda_gate_torch
+from flashkda.chunk import chunk_kda
+from flashkda.decode import fused_recurrent_kda
 from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["KDACache", "KimiDeltaAttention"]
 
 logger = logging.getLogger(__name__)
+
+#: No-grad calls of at most this many tokens per sequence (decode steps, speculative drafts) run the recurrent
+#: kernel: one launch, no chunk padding.
+DECODE_MAX_TOKENS = 4
 
 
 class KDACache:
@@ -163,39 +168,6 @@ class _RMSNormSigmoidGated(nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return (y * torch.sigmoid(g.float())).to(x.dtype)
-
-
-def _recurrent_kda_torch(q, k, v, g, beta, *, initial_state, A_log, dt_bias, lower_bound, allow_neg_eigval, scale):
-    """Token-by-token KDA for short no-grad decode calls (fp32; equal-length input; V-first state ``[N, HV, V, K]``).
-
-    Used when the forward teammate's ``fused_recurrent_kda`` is absent: a decode step is one tiny recurrence, which
-    the chunked path would pad to a whole chunk.
-    """
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    qf = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6)
-    kf = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)
-    qf, kf = qf.repeat_interleave(HV // H, dim=2) * scale, kf.repeat_interleave(HV // H, dim=2)
-    gf = kda_gate_torch(g, A_log, dt_bias, lower_bound)
-    bf = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
-    vf = v.float()
-    S = initial_state.float() if initial_state is not None else vf.new_zeros(B, HV, v.shape[-1], K)
-    outs = []
-    for t in range(T):
-        S = S * gf[:, t].exp().unsqueeze(-2)  # [B, HV, V, K] decays along K
-        pred = (S * kf[:, t].unsqueeze(-2)).sum(-1)  # [B, HV, V]
-        S = S + (bf[:, t, :, None] * (vf[:, t] - pred)).unsqueeze(-1) * kf[:, t].unsqueeze(-2)
-        outs.append((S * qf[:, t].unsqueeze(-2)).sum(-1))
-    return torch.stack(outs, 1).to(q.dtype), S
-
-
-def _kda_ops():
-    """The forward teammate's public ops when present, else None (the layer then uses the autograd path)."""
-    try:
-        from flashkda import chunk as chunk_mod
-    except ImportError:
-        return None, None
-    return getattr(chunk_mod, "chunk_kda", None), getattr(chunk_mod, "fused_recurrent_kda", None)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -322,18 +294,12 @@ class KimiDeltaAttention(nn.Module):
         )
         if cu_seqlens is not None:
             kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
-        chunk_kda, fused_recurrent_kda = _kda_ops()
-        decode = not torch.is_grad_enabled() and q.shape[1] <= 64 and not self.training
-        if decode and fused_recurrent_kda is not None:
+        longest = q.shape[1]
+        if cu_seqlens_cpu is not None:
+            longest = int(cu_seqlens_cpu.diff().max()) if cu_seqlens_cpu.numel() > 1 else 0
+        if not torch.is_grad_enabled() and not self.training and longest <= DECODE_MAX_TOKENS:
             return fused_recurrent_kda(q, k, v, g, beta, **kwargs)
-        if decode and cu_seqlens is None and q.shape[1] <= 4:
-            return _recurrent_kda_torch(
-                q, k, v, g, beta, initial_state=recurrent_state, A_log=self.A_log, dt_bias=self.dt_bias,
-                lower_bound=self.lower_bound, allow_neg_eigval=self.allow_neg_eigval, scale=self.head_k_dim**-0.5,
-            )
-        if chunk_kda is not None:
-            return chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, **kwargs)
-        return chunk_kda_autograd(q, k, v, g, beta, scale=self.head_k_dim**-0.5, safe_gate=self.safe_gate, **kwargs)
+        return chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, **kwargs)
 
     def forward(
         self,

@@ -190,7 +190,7 @@ def test_layer_matches_fla_layer_with_copied_weights(config: dict, monkeypatch: 
 def test_decode_steps_launch_the_recurrent_kernel(steps: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1-4 token no-grad step through the layer reaches the Triton recurrent kernel, not a Python loop, and its
     state continues the chunk path's state (same layout)."""
-    import flashkda.fused_recurrent as decode
+    import flashkda.decode as decode
 
     launches = []
     launch = decode.fused_recurrent_kda_fwd
