@@ -209,15 +209,18 @@ def write_results(
     results_dir: Path | None = None,
     markdown: Path | None = None,
     info: dict | None = None,
+    update_table: bool = False,
 ) -> Path:
-    """Write `results/<component>-<date>.json` and refresh the component's section of BENCHMARKS.md.
+    """Write `results/<component>-<date>.json`; refresh the component's section of BENCHMARKS.md only when asked.
 
     Args:
         component: benchmark name (``kda``, ``ep``, ``env``, ``smoke``); also the BENCHMARKS.md section key.
         rows: measured rows.
         title: section heading; defaults to the component name.
         results_dir: where the JSON goes (default `benchmarks/results/`).
-        markdown: the markdown file to update (default `BENCHMARKS.md`); pass a path in tests.
+        markdown: a markdown file to update (tests pass one); with None, BENCHMARKS.md is updated only when
+            ``update_table`` is set (a bench's ``--update-table``): committed tables never change by accident.
+        update_table: refresh the section of BENCHMARKS.md.
 
     Returns:
         Path of the JSON file written.
@@ -235,7 +238,8 @@ def write_results(
         "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    update_markdown(component, rows, info, title=title, markdown=markdown, json_name=path.name)
+    if update_table or markdown is not None:
+        update_markdown(component, rows, info, title=title, markdown=markdown, json_name=path.name)
     return path
 
 

@@ -2,33 +2,52 @@
 
 fla has no entry-point discovery: backends are classes registered with ``@register(chunk_kda)``. The start-up
 hook (``flashkda_hook``, loaded by ``k3_flashkda.pth``) calls ``register_with_fla()`` right after
-``fla.ops.kda.chunk`` is imported, so programs that only import fla run our kernels. Lower priority wins in fla;
-MoonshotAI's CUTLASS backend uses 3, so ours (2) is tried first. Each call is verified: anything we reject (a
-feature we lack, a bad argument, an input requiring grad without ``flashkda.autograd``) falls back to fla's own
-path, and fla logs each rejection reason once. ``FLASHKDA_DISABLE=1`` turns the backend off at any time.
+``fla.ops.kda.chunk`` is imported, so programs that only import fla can run our kernels. Lower priority wins in
+fla; MoonshotAI's CUTLASS backend uses 3, so ours (2) is asked first, and its verifier accepts a call only where
+``flashkda.dispatch`` measured us faster than every other backend that would take it (fla's Triton path and any
+registered backend whose verifier accepts). Everything else (a feature we lack, a bad argument, a shape class we
+were not measured faster on) is declined with the reason, which fla logs once, and fla or the CUTLASS backend
+serves it. ``FLASHKDA_DISPATCH=auto|always|never`` (``FLASHKDA_DISABLE=1`` = never) is read on every call.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
 import torch
 
-from flashkda.env import env_flag
+from flashkda.dispatch import DISPATCH_ENV, DispatchPolicy, ShapeClass, device_arch, dispatch_mode
 
 logger = logging.getLogger(__name__)
 
 BACKEND_TYPE = "k3_flashkda"
 PRIORITY = 2
-DISABLE_ENV = "FLASHKDA_DISABLE"
 _state = {"registered": False, "dispatched": False}
+_POLICY = DispatchPolicy()
 
 
 def is_disabled() -> bool:
-    """``FLASHKDA_DISABLE`` (0 or 1; any other value raises ValueError naming it, see `flashkda.env`)."""
-    return env_flag(DISABLE_ENV, False)
+    """Whether dispatch is off (``FLASHKDA_DISPATCH=never`` or ``FLASHKDA_DISABLE=1``; ValueError on a bad value)."""
+    return dispatch_mode() == "never"
+
+
+def competitors(*args, **kwargs) -> tuple[str, ...]:
+    """The backends that would serve this fla call if we declined: ``"fla"`` (its own path, always) and each other
+    registered, enabled backend whose verifier accepts the call (e.g. ``"flash_kda"``, the CUTLASS FlashKDA)."""
+    from inspect import unwrap
+
+    from fla.backends import _function_registries
+    from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+
+    names = ["fla"]
+    registry = _function_registries.get(unwrap(fla_chunk_kda))
+    for backend in registry._get_sorted_backends() if registry is not None else ():
+        if backend.backend_type == BACKEND_TYPE or not (backend.is_available() and backend.is_enabled()):
+            continue
+        if backend.verify("chunk_kda", *args, **kwargs)[0]:
+            names.append(backend.backend_type)
+    return tuple(names)
 
 
 def chunk_kda_verifier(
@@ -47,17 +66,25 @@ def chunk_kda_verifier(
         return False, "return_intermediate_states is not supported"
     if kwargs.get("chunk_size", 64) not in (32, 64):
         return False, "chunk_size must be 32 or 64"
-    if not isinstance(q, torch.Tensor):
-        return False, "q is not a tensor"
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4 and v.dim() == 4):
+        return False, "q and v must be 4-D tensors [B, T, H, K] and [B, T, HV, V]"
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False, f"{q.device.type} tensors need TRITON_INTERPRET=1"
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
-    if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        if importlib.util.find_spec("flashkda.autograd") is None:
-            return False, "inputs require grad and flashkda.autograd is not available"
-        K = q.shape[-1]
-        if K < 16 or K > 256 or K & (K - 1):
-            return False, f"training needs K in 16, 32, 64, 128, 256; got K={K}"
+    training = needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if training and not (16 <= q.shape[-1] <= 256 and q.shape[-1] & (q.shape[-1] - 1) == 0):
+        return False, f"training needs K in 16, 32, 64, 128, 256; got K={q.shape[-1]}"
+    # The policy first: it is cheaper than the argument checks and declines most calls.
+    decision = _POLICY.decide(
+        ShapeClass.of_call(q, v, cu_seqlens, training),
+        device_arch(q.device),
+        competitors(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                    disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                    cp_context, use_graph, max_num_seqs, **kwargs),
+    )
+    if not decision.serve:
+        return False, decision.reason
     try:
         s = checks.check_qkvgb(q, k, v, g, beta)
         s = checks.check_cu_seqlens(s, cu_seqlens, cu_seqlens_cpu, q.device)
@@ -75,15 +102,16 @@ def chunk_kda(*args, **kwargs):
 
     if not _state["dispatched"]:
         _state["dispatched"] = True
-        logger.info("flashkda: fla.ops.kda.chunk_kda is served by FlashKDA (set %s=1 to turn off)", DISABLE_ENV)
+        logger.info("flashkda: fla.ops.kda.chunk_kda calls are served by FlashKDA where calibrated faster "
+                    "(%s=never turns it off)", DISPATCH_ENV)
     return ours(*args, **kwargs)
 
 
 def register_with_fla() -> bool:
     """Register the FlashKDA backend with fla's ``chunk_kda`` dispatcher.
 
-    Idempotent; imports fla. Returns True when registered (now or before), False when disabled by
-    ``FLASHKDA_DISABLE=1``.
+    Idempotent; imports fla. Returns True when registered (now or before), False when dispatch is off
+    (``FLASHKDA_DISPATCH=never`` or ``FLASHKDA_DISABLE=1``).
     """
     if is_disabled():
         return False
@@ -93,7 +121,7 @@ def register_with_fla() -> bool:
     from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
 
     class K3FlashKDABackend(BaseBackend):
-        """FlashKDA Triton kernels (k3-infra) for ``fla.ops.kda.chunk_kda``; off with ``FLASHKDA_DISABLE=1``."""
+        """FlashKDA Triton kernels (k3-infra) for ``fla.ops.kda.chunk_kda``; off with ``FLASHKDA_DISPATCH=never``."""
 
         backend_type = BACKEND_TYPE
         package_name = "flashkda"

@@ -4,7 +4,8 @@ The interpreter imports this package at start-up, so it must stay cheap: it impo
 (already loaded) and installs a duck-typed meta-path finder (importing ``importlib.abc`` alone costs ~25 ms).
 The finder wraps the loader of ``fla.ops.kda.chunk``; once that module has executed,
 ``flashkda.backend.register_with_fla()`` adds our backend to fla's ``chunk_kda`` dispatcher. torch, triton, fla
-and flashkda are imported only if the program itself imports fla's KDA ops. ``FLASHKDA_DISABLE=1`` skips it all.
+and flashkda are imported only if the program itself imports fla's KDA ops. ``FLASHKDA_DISPATCH=never`` (or
+``FLASHKDA_DISABLE=1``) skips it all.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ class FlaKDAFinder:
 
 
 def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (idempotent; no-op with ``FLASHKDA_DISABLE=1``).
+    """Put the finder first on ``sys.meta_path`` (idempotent; no-op with ``FLASHKDA_DISPATCH=never``).
 
     If fla's KDA module is already imported (e.g. the hook was installed late), register right away.
     """
-    if os.environ.get("FLASHKDA_DISABLE") == "1":
+    if os.environ.get("FLASHKDA_DISABLE") == "1" or os.environ.get("FLASHKDA_DISPATCH", "").strip().lower() == "never":
         return
     if any(isinstance(f, FlaKDAFinder) for f in sys.meta_path):
         return

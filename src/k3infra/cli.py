@@ -128,6 +128,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", module, *args.rest], cwd=root, env=env)
 
 
+def cmd_kda_dispatch(args: argparse.Namespace) -> int:
+    from flashkda.dispatch import dispatch_report
+
+    print(dispatch_report(args.arch))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3infra", description=__doc__)
     parser.add_argument("--version", action="version", version=f"k3-infra {__version__}")
@@ -140,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("component", help=f"one of {', '.join(BENCH_NAMES)}")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark runner")
     bench.set_defaults(func=cmd_bench)
+    kda = sub.add_parser("kda", help="FlashKDA tools").add_subparsers(dest="kda_command", required=True)
+    dispatch = kda.add_parser("dispatch", help="which backend serves fla's chunk_kda per common shape, and why")
+    dispatch.add_argument("--arch", default=None,
+                          help="GPU architecture to report on, e.g. sm_90 (default: this machine's GPU, else sm_90)")
+    dispatch.set_defaults(func=cmd_kda_dispatch)
     return parser
 
 
