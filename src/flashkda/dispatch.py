@@ -150,7 +150,7 @@ class CalibrationTable:
             )
             for m in rows:
                 if not (m.ours_ms > 0 and all(v > 0 for v in m.baselines_ms.values())):
-                    raise ValueError(f"row {m.row!r} has a non-positive time")
+                    raise ValueError(f"calibration table {source}: row {m.row!r} has a non-positive time")
             return cls(str(data["arch"]), str(data["device"]), str(data["measured"]), str(data["commit"]), rows,
                        dict(data.get("versions", {})))
         except (KeyError, TypeError, AttributeError) as e:
