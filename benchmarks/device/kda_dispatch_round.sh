@@ -19,12 +19,12 @@ cutlass() {
   if ! ls "$FLASHKDA_SRC"/flash_kda_C*.so >/dev/null 2>&1; then
     mkdir -p /tmp/nogit && printf '#!/bin/sh\nexit 0\n' > /tmp/nogit/git && chmod +x /tmp/nogit/git
     local t0=$SECONDS
-    (cd "$FLASHKDA_SRC" && PATH=/tmp/nogit:$PATH FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=8 MAX_JOBS=2 \
+    (cd "$FLASHKDA_SRC" && PATH=/tmp/nogit:$PATH FLASH_KDA_VERSION_SUFFIX=.post0 FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=8 MAX_JOBS=2 \
       python3 setup.py build_ext --inplace) > "$LOGS/cutlass_build.log" 2>&1
     echo "cutlass build: exit $? in $((SECONDS - t0)) s"; tail -5 "$LOGS/cutlass_build.log"
     cp "$FLASHKDA_SRC"/flash_kda_C*.so "$OUT/" 2>/dev/null
   fi
-  export PYTHONPATH="$FLASHKDA_SRC:$PYTHONPATH"
+  ls "$FLASHKDA_SRC"/flash_kda_C*.so >/dev/null 2>&1 && export PYTHONPATH="$FLASHKDA_SRC:$PYTHONPATH"
   python3 -c 'import flash_kda; print("flash_kda importable")'
 }
 
@@ -62,4 +62,4 @@ for step in "$@"; do
 done
 cp src/flashkda/calibration/*.json "$OUT/" 2>/dev/null
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/autotune-cache.tgz" -T -) 2>/dev/null
-cp $LOGS/*.log "$OUT/" 2>/dev/null; ls -la "$OUT"
+tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; ls -la "$OUT"

@@ -21,5 +21,4 @@ status=${PIPESTATUS[0]}
 # only the results this run wrote: $OUT comes back with a limited number of files
 mkdir -p "$OUT/results"
 find benchmarks/results -name '*.json' -newer /tmp/k3_run_start -exec cp {} "$OUT/results/" \;
-cp BENCHMARKS.md "$OUT/" 2>/dev/null
 exit "$status"

@@ -119,7 +119,6 @@ def training_step(fn, x: dict, kw: dict, do, dht):
 def backends(mode: str) -> dict:
     """The ``chunk_kda`` implementations to time: fla's own path, the CUTLASS FlashKDA (when importable, for
     inference) and ours. fla's entry is unwrapped from its dispatcher, so no backend (ours included) serves it."""
-    import importlib.util
     from inspect import unwrap
 
     import fla.ops.kda.chunk as fla_chunk
@@ -127,10 +126,15 @@ def backends(mode: str) -> dict:
     import flashkda
 
     found = {"fla": unwrap(fla_chunk.chunk_kda)}
-    if mode == "inference" and importlib.util.find_spec("flash_kda") is not None:
-        from fla.ops.kda.backends.flash_kda import FlashKDABackend
+    if mode == "inference":
+        try:
+            import flash_kda  # noqa: F401  (its compiled extension too)
+        except ImportError:
+            pass
+        else:
+            from fla.ops.kda.backends.flash_kda import FlashKDABackend
 
-        found["flash_kda"] = FlashKDABackend().chunk_kda
+            found["flash_kda"] = FlashKDABackend().chunk_kda
     found["flashkda"] = flashkda.chunk_kda
     return found
 
