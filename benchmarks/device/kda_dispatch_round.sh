@@ -55,7 +55,7 @@ for step in "$@"; do
     decode) $run python3 -m benchmarks.kda.decode ;;
     cal-inf) $run python3 -m benchmarks.kda.calibrate --modes inference --write-table ;;
     cal-train) $run python3 -m benchmarks.kda.calibrate --modes training --table-out "$OUT/calibration-train.json" ;;
-    dispatch) $run python3 -m benchmarks.kda.dispatch_bench ;;
+    dispatch) $run python3 -m benchmarks.kda.dispatch_bench ${DISPATCH_ARGS:-} ;;
     gpu-tests) $run python3 -m pytest -q -m gpu tests/flashkda -p no:cacheprovider 2>&1 | tail -25 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
