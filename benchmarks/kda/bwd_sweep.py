@@ -2,7 +2,7 @@
 
 Times ``flashkda.chunk_kda`` forward + backward at a training row with the fused gate chain
 (``chunk_kda_gated_dots_gates_bwd``: kernel, K slice, warps), the K-sliced ``Akk``/``Aqk`` recompute
-(``chunk_kda_gated_dots``: K slice, warps) and the V block of the two state passes (``flashkda.chunk_bwd_h``: the
+(``chunk_kda_gated_dots``: K slice, warps) and the V block of the two state passes (``flashkda.bwd.state``: the
 state recompute and the reverse pass; default: the finest split that gives 256 programs, down to 16) set to each
 configuration in turn, every configuration's gradients
 checked against the default's first (relative RMS <= 1e-3; a configuration that disagrees is reported, not timed).
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the backward sweep needs a CUDA device; nothing timed", file=sys.stderr)
         return 1
     import flashkda
-    from flashkda import chunk_bwd_gated as gated
-    from flashkda import chunk_bwd_h
+    from flashkda.bwd import gated_dots as gated
+    from flashkda.bwd import state
 
     c = TRAIN_CASES[args.case]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     defaults = (gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS)
     gates_kernel = gated.GATES_BWD_KERNEL
     ref = None
-    block_v = chunk_bwd_h._block_v
+    block_v = state._block_v
     configs = [("gates", s) for s in args.gates] + [("dots", s) for s in args.dots[1:]] + [("bv", s) for s in args.bv]
     try:
         for kind, spec in configs:
@@ -81,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                 bk, warps = int(spec), 0
             gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = defaults
             gated.GATES_BWD_KERNEL = gates_kernel
-            chunk_bwd_h._block_v = block_v
+            state._block_v = block_v
             if kind == "gates":
                 gated.GATES_BWD_KERNEL = kernel
                 gated.GATES_BWD_BK, gated.GATES_BWD_WARPS = bk, warps
             elif kind == "dots":
                 gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = bk, warps
             else:
-                chunk_bwd_h._block_v = lambda K, V, programs, bv=bk: min(bv, triton.next_power_of_2(V))
+                state._block_v = lambda K, V, programs, bv=bk: min(bv, triton.next_power_of_2(V))
             _, _, grads = run()
             if ref is None:
                 ref = grads
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gated.GATES_BWD_BK, gated.GATES_BWD_WARPS, gated.GATED_DOTS_BK, gated.GATED_DOTS_WARPS = defaults
         gated.GATES_BWD_KERNEL = gates_kernel
-        chunk_bwd_h._block_v = block_v
+        state._block_v = block_v
     if args.state:
         _sweep_state(args.case, args.state, args.rep, device)
     return 0
@@ -136,9 +136,9 @@ def _sweep_state(case: str, specs: list[str], rep: int, device: str, D: int = 12
     import torch
     import torch.nn.functional as F
 
-    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-    from flashkda.chunk_bwd_layout import make_layout, to_chunks
-    from flashkda.chunk_bwd_local import chunk_local_prepare
+    from flashkda.bwd.layout import make_layout, to_chunks
+    from flashkda.bwd.local import chunk_local_prepare
+    from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
 
     launches = {spec: _state_launch(spec) for spec in specs}
     c = TRAIN_CASES[case]

@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     import flashkda
     import flashkda.autograd as autograd
     from benchmarks.kda.train import TRAIN_CASES, make_inputs, step
-    from flashkda import chunk_bwd_gated
+    from flashkda.bwd import gated_dots
 
     if args.slices is not None:
         autograd.BWD_HEAD_SLICES = args.slices
     # bf16 calls on a GPU take the fused gate chain with tf32 products; the interpreter's products are "ieee", so
     # admit that precision too (same kernels and tensors; only the products' rounding differs)
-    chunk_bwd_gated.FUSED_GATES_PRECISIONS = ("tf32", "ieee")
+    gated_dots.FUSED_GATES_PRECISIONS = ("tf32", "ieee")
     x, extra = make_inputs(args.B, args.T, args.H, None, "cpu")
     do = torch.randn(args.B, args.T, args.H, 128, dtype=torch.bfloat16)
     dht = torch.randn(args.B, args.H, 128, 128)

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from flashkda import chunk_intra, chunk_state
+from flashkda.fwd import intra, state
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Registers per SM and the per-thread cap on sm_90; used to report resident CTAs per SM.
@@ -48,8 +48,8 @@ def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = Fa
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
-    common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=chunk_intra.SLICE,
-                  BS=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
+    common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=intra.SLICE,
+                  BS=intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
                   DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
@@ -64,14 +64,14 @@ def kernel_signatures(work: str):
               u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", AqkC="*fp32", Akk="*fp32", Minv="*fp32",
               scale="fp32",
               lower_bound="fp32", T="i32", NTS="i32", NCL="i32")
-    return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
+    return [(intra.chunk_kda_fwd_kernel_intra, io)]
 
 
 def state_config(dtype: str, block_v: int):
     """(kernel, runtime-argument types, constexprs) of the state + output kernel (K = V = 128, initial and final
     state, fixed length)."""
     work = "bf16" if dtype == "bf16" else "fp32"
-    fn = chunk_state.chunk_kda_fwd_kernel_state_o
+    fn = state.chunk_kda_fwd_kernel_state_o
     types = dict(w=f"*{work}", u="*fp32", qg="*fp32", kg=f"*{work}", Aqk="*fp32", gC="*fp32", o="*bf16",
                  h0="*fp32", ht="*fp32", h="*fp32", cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32",
                  PROGRAMS="i32")
@@ -84,11 +84,11 @@ def state_config(dtype: str, block_v: int):
 def blocked_state_config(block_v: int):
     """(kernel, types, constexprs) of the blocked state-only pass as bf16 input runs it by default (bf16 w, kg, u,
     v_new and h; state rounded to bf16 in ``w S``, v_new as a hi/lo split in ``kgᵀ v_new``; K = V = 128)."""
-    fn = chunk_state.chunk_kda_fwd_kernel_h_blocked
+    fn = state.chunk_kda_fwd_kernel_h_blocked
     types = dict(w="*bf16", u="*bf16", kg="*bf16", gC="*fp32", h="*bf16", vn="*bf16", h0="*fp32", ht="*fp32",
                  cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32", PROGRAMS="i32")
     cx = dict(HV=1, K=128, V=128, BT=64, BKB=64, NKB=2, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
-              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=chunk_state.PREC_BF16, PREC_KV=chunk_state.PREC_HILO,
+              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=state.PREC_BF16, PREC_KV=state.PREC_HILO,
               EMULATE=False)
     return kernel_spec(fn, types, cx)
 
@@ -97,8 +97,8 @@ def split_state_configs(dtype: str, block_v: int, hilo: bool):
     """(kernel, types, constexprs) of the state-only recurrence and the output kernel (K = V = 128, fixed length)."""
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
-    h_fn, o_fn, wu_fn = chunk_state.chunk_kda_fwd_kernel_h, chunk_state.chunk_kda_fwd_kernel_o, \
-        chunk_intra.chunk_kda_fwd_kernel_wu
+    h_fn, o_fn, wu_fn = state.chunk_kda_fwd_kernel_h, state.chunk_kda_fwd_kernel_o, \
+        intra.chunk_kda_fwd_kernel_wu
     types = dict(w=f"*{work}", u="*fp32", kg=f"*{work}", gC="*fp32", h=f"*{work}", vn="*fp32", h0="*fp32",
                  ht="*fp32", cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", T="i32", NTS="i32",
                  PROGRAMS="i32", qg="*fp32", Aqk="*fp32", o="*bf16", v="*bf16", Tb="*fp32")

@@ -211,10 +211,12 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     """
     import torch
 
-    from flashkda import autograd, chunk_bwd_gated, chunk_bwd_recompute
-    from flashkda.chunk_bwd_gated import fused_gates
-    from flashkda.chunk_bwd_local import gated_dot_precision
-    from flashkda.chunk_bwd_ut import fused_wy
+    from flashkda import autograd
+    from flashkda.bwd import gated_dots as bwd_gated_dots
+    from flashkda.bwd import recompute
+    from flashkda.bwd.gated_dots import fused_gates
+    from flashkda.bwd.local import gated_dot_precision
+    from flashkda.bwd.wy import fused_wy
 
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
@@ -247,11 +249,11 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
               "ours_gated_dots": gated_dots, "ours_head_slices": len(slices),
               "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128),
-              "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
+              "ours_gates_kernel": bwd_gated_dots.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
               "ours_save_states": autograd.save_states_enabled() or disable_recompute,
               "ours_dh_all_heads": autograd.dh_all_heads_enabled() or disable_recompute,
               "ours_recompute_all_heads": autograd.recompute_all_heads_enabled() and not disable_recompute,
-              "ours_recompute_slice": chunk_bwd_recompute.RECOMPUTE_SLICE}
+              "ours_recompute_slice": recompute.RECOMPUTE_SLICE}
     for n in args.slices:
         autograd.BWD_HEAD_SLICES = n
         try:
@@ -484,9 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from flashkda import chunk_bwd_recompute
+    from flashkda.bwd import recompute
 
-    chunk_bwd_recompute.RECOMPUTE_SLICE = args.recompute_slice
+    recompute.RECOMPUTE_SLICE = args.recompute_slice
 
     if not torch.cuda.is_available():
         print("benchmarks.kda.train needs a CUDA device; nothing measured", file=sys.stderr)

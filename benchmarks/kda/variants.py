@@ -37,7 +37,7 @@ WU_SWEEP = ["64:8", "128:8", "32:4", "64:4"]
 #: The split state path (state-only recurrence, then the parallel output kernel): (V tile, warps, stages, hi/lo).
 H_SWEEP = ["32:4:1:0", "32:4:2:0", "64:4:2:0", "16:4:2:0", "64:8:2:0", "32:2:2:0"]
 #: The blocked state pass (64-row state tiles), then the parallel output kernel: (V tile, warps, stages, operand
-#: precision of w S, of kgᵀ v_new; 1 tf32, 2 hi/lo bf16, 3 bf16 as in flashkda.chunk_state).
+#: precision of w S, of kgᵀ v_new; 1 tf32, 2 hi/lo bf16, 3 bf16 as in flashkda.fwd.state).
 HB_SWEEP = ["32:4:2:3:2", "64:4:2:3:2", "32:2:2:3:2", "64:2:2:3:2", "32:4:3:3:2", "64:4:3:3:2", "64:8:2:3:2",
             "64:4:2:2:2", "64:4:2:1:1", "64:4:2:3:3"]
 #: The output kernel alone: (V tile, K slice, warps, stages, bf16 hi/lo products).
@@ -85,9 +85,9 @@ def sweep_case(name: str, args) -> None:
     from benchmarks.harness import time_fn
     from benchmarks.kda.registry import CASES
     from benchmarks.kda.run import make_inputs
-    from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-    from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
-    from flashkda.chunk_state import chunk_kda_fwd_state_o
+    from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+    from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
+    from flashkda.fwd.state import chunk_kda_fwd_state_o
     from flashkda.index import build_chunk_index
 
     print(f"--- {name}", flush=True)
@@ -151,7 +151,7 @@ def sweep_case(name: str, args) -> None:
             _report(f"state blocked h BV:warps:stages:prec_ws:prec_kv={spec} + o autotuned", fn, o_ref,
                     lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
         if args.h or args.hb or args.o:  # the output kernel alone (its inputs' values do not matter for its time)
-            from flashkda.chunk_state import state_output
+            from flashkda.fwd.state import state_output
 
             qg, Aqk, u = ref[2], ref[4], ref[1]
             h = torch.randn(index.num_chunks, *qg.shape[2:], u.shape[-1], device="cuda").to(torch.bfloat16)

@@ -2,15 +2,15 @@
 
 `chunk_kda_autograd` (called by the public ``flashkda.chunk_kda`` after validation) applies `ChunkKDAFunction`:
 
-* forward: the forward kernels (``flashkda.chunk_fwd.chunk_kda_fwd``: fused gate, L2 norm, beta sigmoid, chunked
+* forward: the forward kernels (``flashkda.fwd.chunk_fwd.chunk_kda_fwd``: fused gate, L2 norm, beta sigmoid, chunked
   recurrence); saved: the inputs and the intra kernel's ``Aqk``, ``Akk`` and inverse. ``disable_recompute=True``
   trades memory for speed as fla's option does: for bf16 input the forward also keeps its per-chunk states ``h``
   (bf16), ``v_new`` (fp32) and the intra stage's ``w``, ``qg``, ``kg`` (~+900 MiB at B1-T8192-H64), so the backward runs no
   state recompute and one reverse state pass over all heads; other dtypes run the training forward of
-  `flashkda.chunk_bwd` and keep its fp32 states. fp64 inputs (tests) always run the training forward.
+  `flashkda.bwd.chunk_bwd` and keep its fp32 states. fp64 inputs (tests) always run the training forward.
 * backward: rebuilds the prologue (L2 norm of q/k, the KDA gate from raw ``g``, ``A_log``, ``dt_bias``, the beta
-  sigmoid, GVA expansion, the chunked fp32 layout ``[NC, HV, C, D]`` of `flashkda.chunk_bwd_layout`) with one
-  Triton pass (`flashkda.chunk_bwd_prologue`), runs `flashkda.chunk_bwd.chunk_kda_train_bwd` (Triton state passes
+  sigmoid, GVA expansion, the chunked fp32 layout ``[NC, HV, C, D]`` of `flashkda.bwd.layout`) with one
+  Triton pass (`flashkda.bwd.prologue`), runs `flashkda.bwd.chunk_bwd.chunk_kda_train_bwd` (Triton state passes
   + chunk-local chain rule), and maps the chunked gradients back to the raw inputs with the prologue's backward
   pass. fp64 inputs (or a K that is not a power of two) rebuild the prologue as recorded torch ops instead and
   pull back with one ``autograd.grad`` call.
@@ -27,16 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashkda.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_kda_train_fwd
-from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
-from flashkda.chunk_bwd_gated import fused_gates
-from flashkda.chunk_bwd_layout import ChunkLayout, from_chunks, make_layout, to_chunks
-from flashkda.chunk_bwd_prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
-from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
-from flashkda.chunk_bwd_saved import SavedLocal, head_slice_to_chunks, widen_head_slice
-from flashkda.chunk_bwd_ut import fused_wy
-from flashkda.chunk_state import state_pass
+from flashkda.bwd.chunk_bwd import chunk_kda_slice_bwd, chunk_kda_train_bwd, chunk_kda_train_fwd
+from flashkda.bwd.gated_dots import fused_gates
+from flashkda.bwd.layout import ChunkLayout, from_chunks, make_layout, to_chunks
+from flashkda.bwd.prologue import RawGrads, chunk_kda_prologue_bwd, chunk_kda_prologue_fwd, slot_tokens
+from flashkda.bwd.recompute import chunk_kda_recompute_operands
+from flashkda.bwd.saved import SavedLocal, head_slice_to_chunks, widen_head_slice
+from flashkda.bwd.state_tokens import chunk_kda_bwd_dh_tokens
+from flashkda.bwd.wy import fused_wy
 from flashkda.env import env_flag
+from flashkda.fwd.state import state_pass
 from flashkda.index import build_chunk_index
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda_autograd", "kda_gate_torch"]
@@ -174,7 +174,7 @@ def save_states_enabled() -> bool:
 
 #: Environment switch, opt-in (``disable_recompute=True`` sets it for bf16): for bf16 input the training forward also
 #: keeps the intra stage's ``w``, ``qg``, ``kg`` (``[B, T, HV, K]`` bf16 each, 384 MiB at B1-T8192-H64, freed once
-#: read) and the backward runs its reverse state pass once over all heads on them (``flashkda.chunk_bwd_dh_tokens``)
+#: read) and the backward runs its reverse state pass once over all heads on them (``flashkda.bwd.state_tokens``)
 #: instead of once per head slice on fp32 chunked copies (-0.5 ms there on the H200, 2026-12-02); ``1`` turns it on.
 #: Needs the saved chunk-local matrices (``FLASHKDA_BWD_SAVE_LOCAL``).
 DH_ALL_HEADS_ENV = "FLASHKDA_BWD_DH_ALL_HEADS"
@@ -187,7 +187,7 @@ def dh_all_heads_enabled() -> bool:
 
 #: Environment switch, on by default (``0`` turns it off): without ``disable_recompute`` (bf16), the backward rebuilds
 #: the state passes' operands of all heads in bf16 from the raw inputs and the saved inverse
-#: (``flashkda.chunk_bwd_recompute``, as fla's ``recompute_w_u``), recomputes the states of all heads in one launch and
+#: (``flashkda.bwd.recompute``, as fla's ``recompute_w_u``), recomputes the states of all heads in one launch and
 #: runs the reverse pass once over all heads, instead of both passes once per head slice; nothing more is kept between
 #: forward and backward. First timed 2026-12-03 (benchmarks/kda/NOTES.md).
 RECOMPUTE_ALL_HEADS_ENV = "FLASHKDA_BWD_RECOMPUTE_ALL_HEADS"
@@ -214,7 +214,7 @@ def _state_in(initial_state: torch.Tensor | None, opts: KDAOptions, cdt: torch.d
 def _forward_kernels():
     """The forward teammate's fused forward, or None when it is not importable."""
     try:
-        from flashkda.chunk_fwd import chunk_kda_fwd
+        from flashkda.fwd.chunk_fwd import chunk_kda_fwd
     except ImportError:
         return None
     return chunk_kda_fwd
@@ -548,8 +548,8 @@ def chunk_kda_autograd(
         dt_bias: ``[HV * K]`` gate bias, with ``use_gate_in_kernel``.
         disable_recompute: keep the per-chunk states (and, for bf16, the reverse state pass's operands) from the
             forward: more memory between forward and backward, no state recompute (see the module docstring).
-        forward_impl: ``"kernels"`` runs the forward kernels (``flashkda.chunk_fwd``); ``"training"`` runs the
-            backward's own pipeline forward (`flashkda.chunk_bwd.chunk_kda_train_fwd`), for comparing the two.
+        forward_impl: ``"kernels"`` runs the forward kernels (``flashkda.fwd.chunk_fwd``); ``"training"`` runs the
+            backward's own pipeline forward (`flashkda.bwd.chunk_bwd.chunk_kda_train_fwd`), for comparing the two.
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (validated by the caller), or None.
 
     Returns:

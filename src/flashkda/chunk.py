@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from flashkda import checks
-from flashkda.chunk_fwd import chunk_kda_fwd
+from flashkda.fwd.chunk_fwd import chunk_kda_fwd
 
 _GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 

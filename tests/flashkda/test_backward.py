@@ -150,17 +150,17 @@ _FUSED_CASES = {"T96-K64-V64-bf16-state": True, "fp16-varlen-GVA-gate": True, "v
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in _FUSED_CASES])
 def test_gradients_with_the_fused_chain_rule(case: Case, wy: bool, device: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused chain-rule passes of bf16/fp16 callers on a GPU (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`,
-    `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_gates_bwd`) at every precision, so that the interpreter runs them
+    """The fused chain-rule passes of bf16/fp16 callers on a GPU (`flashkda.bwd.wy.chunk_kda_bwd_wy`,
+    `flashkda.bwd.gated_dots.chunk_kda_gated_dots_gates_bwd`) at every precision, so that the interpreter runs them
     too, with the UT pass fused (opt-in, FLASHKDA_BWD_FUSED_WY=1) or as GEMMs (the default); V = 48 leaves a partial
     V slice."""
-    from flashkda import chunk_bwd_gated, chunk_bwd_inverse, chunk_bwd_ut
+    from flashkda.bwd import gated_dots, inverse, wy
 
-    monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee") if wy else ())
-    monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", True)
-    monkeypatch.setattr(chunk_bwd_gated, "GATED_DOTS_BK", 32)
+    monkeypatch.setattr(wy, "FUSED_WY_PRECISIONS", ("tf32", "ieee") if wy else ())
+    monkeypatch.setattr(inverse, "BLOCK_INVERSE", True)
+    monkeypatch.setattr(gated_dots, "GATED_DOTS_BK", 32)
     if _FUSED_CASES[next(c.id for c in CASES if c.values[0] is case)]:
-        monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
+        monkeypatch.setattr(gated_dots, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
     _check_gradients(case, device)
 
 
@@ -348,7 +348,7 @@ def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, de
     backward's recompute of them: gradients equal the recomputing backward's over varlen with partial and empty
     sequences, GVA, the bounded in-kernel gate, state in/out and two head slices, and the recompute never runs."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    from flashkda.bwd import chunk_bwd
 
     case = Case(T=150, H=2, HV=4, dtype=dtype, cu_seqlens=(0, 37, 37, 150), initial_state=True,
                 output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -398,7 +398,7 @@ def test_saved_states_replace_the_state_recompute(case: Case, device: str, monke
     for bf16 input) instead of recomputing them: every gradient still meets the fp64 bound, over bf16, fp16 varlen
     GVA, empty and partial varlen sequences and state in/out, and the recompute never runs (two head slices)."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    from flashkda.bwd import chunk_bwd
 
     def no_recompute(*args, **kwargs):
         raise AssertionError("the backward recomputed the states although the forward kept them")
@@ -430,11 +430,11 @@ _DH_ALL_HEADS_CASES = [
 def test_reverse_state_pass_over_all_heads(case: Case, save_states: bool, device: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """With FLASHKDA_BWD_DH_ALL_HEADS=1 (bf16) the reverse state pass runs once over all heads on the forward's bf16
-    ``w``, ``qg``, ``kg`` (`flashkda.chunk_bwd_dh_tokens`) and never per slice: every gradient (``dh0`` included)
+    ``w``, ``qg``, ``kg`` (`flashkda.bwd.state_tokens`) and never per slice: every gradient (``dh0`` included)
     meets the fp64 bound over varlen with an empty and partial sequences, GVA, the bounded gate, state in/out, two
     head slices, K = 128 (two state tiles) and with the states recomputed or kept."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    from flashkda.bwd import chunk_bwd
 
     def no_slice_pass(*args, **kwargs):
         raise AssertionError("the reverse state pass ran per slice although it ran over all heads")
@@ -453,7 +453,7 @@ def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(device
     recomputes the states nor runs a per-slice reverse pass, whatever the opt-in switches say, and meets the fp64
     bound (varlen with an empty sequence, GVA, bounded gate, state in/out, two head slices)."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    from flashkda.bwd import chunk_bwd
 
     def never(*args, **kwargs):
         raise AssertionError("disable_recompute=True ran a state pass the forward's tensors should replace")
@@ -477,7 +477,7 @@ def test_state_passes_over_all_heads_with_recomputed_operands(case: Case, device
     and the reverse pass once over all heads, never per slice, and meets the fp64 bound (varlen with an empty and
     partial sequences, GVA, bounded gate, state in/out, K = 128, two head slices)."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    from flashkda.bwd import chunk_bwd
 
     def never(*args, **kwargs):
         raise AssertionError("a per-slice state pass ran although the passes ran over all heads")
@@ -496,7 +496,7 @@ def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(de
     (read only by the state passes and the unfused gate chain): with the fused gate chain (bf16 on a GPU, added for
     the interpreter here) every slice asks for no factors and the gradients still meet the fp64 bound."""
     import flashkda.autograd as autograd
-    from flashkda import chunk_bwd_gated
+    from flashkda.bwd import gated_dots
 
     asked = []
     prologue = autograd.chunk_kda_prologue_fwd
@@ -508,7 +508,7 @@ def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(de
         return chunks, factors
 
     monkeypatch.setenv(autograd.RECOMPUTE_ALL_HEADS_ENV, "1")
-    monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
+    monkeypatch.setattr(gated_dots, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
     monkeypatch.setattr(autograd, "chunk_kda_prologue_fwd", spy)
     _slice_heads_finely(monkeypatch)
     case = _DH_ALL_HEADS_CASES[0].values[0]  # varlen with an empty sequence, GVA, bounded gate, state in/out
@@ -523,14 +523,14 @@ def test_recomputed_operands_equal_the_forward_ones(column_slice: int | None, de
     """The backward's rebuild of ``w``, ``u``, ``qg``, ``kend``, ``Γ_C`` (all heads, bf16) against the forward intra
     kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits; whole
     rows or K = 64 in two column slices (the L2 norms then come from a pre-pass over the slices)."""
-    from flashkda import chunk_bwd_recompute
     from flashkda.autograd import KDAOptions
-    from flashkda.chunk_bwd_layout import make_layout
-    from flashkda.chunk_bwd_prologue import slot_tokens
-    from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
-    from flashkda.chunk_fwd import chunk_kda_fwd
+    from flashkda.bwd import recompute
+    from flashkda.bwd.layout import make_layout
+    from flashkda.bwd.prologue import slot_tokens
+    from flashkda.bwd.recompute import chunk_kda_recompute_operands
+    from flashkda.fwd.chunk_fwd import chunk_kda_fwd
 
-    monkeypatch.setattr(chunk_bwd_recompute, "RECOMPUTE_SLICE", column_slice)
+    monkeypatch.setattr(recompute, "RECOMPUTE_SLICE", column_slice)
     torch.manual_seed(9)
     T, H, HV, K, V = 150, 1, 2, 64, 32
     cu = torch.tensor([0, 40, 40, 150], device=device)
@@ -556,9 +556,9 @@ def test_recomputed_operands_equal_the_forward_ones(column_slice: int | None, de
 def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -> None:
     """The all-heads pass against the per-slice blocked pass on the same (bf16-representable) operands: equal
     ``dv_new`` (rounded to bf16 once), ``dhe`` and ``dh0``, over varlen with an empty sequence."""
-    from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
-    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh
-    from flashkda.chunk_bwd_layout import make_layout, to_chunks
+    from flashkda.bwd.layout import make_layout, to_chunks
+    from flashkda.bwd.state import chunk_kda_bwd_dh
+    from flashkda.bwd.state_tokens import chunk_kda_bwd_dh_tokens
     from flashkda.index import build_chunk_index
 
     torch.manual_seed(7)
@@ -593,9 +593,9 @@ def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -
 
 @pytest.mark.parametrize("cu_seqlens", [None, (0, 30, 30, 100, 163)], ids=["fixed-B2", "varlen-empty"])
 def test_head_slice_to_chunks_equals_to_chunks_of_the_slice(cu_seqlens, device: str) -> None:
-    from flashkda.chunk_bwd_layout import make_layout, to_chunks
-    from flashkda.chunk_bwd_prologue import slot_tokens
-    from flashkda.chunk_bwd_saved import head_slice_to_chunks
+    from flashkda.bwd.layout import make_layout, to_chunks
+    from flashkda.bwd.prologue import slot_tokens
+    from flashkda.bwd.saved import head_slice_to_chunks
 
     torch.manual_seed(3)
     B, T = (2, 150) if cu_seqlens is None else (1, 163)
@@ -612,7 +612,7 @@ def test_head_slice_to_chunks_equals_to_chunks_of_the_slice(cu_seqlens, device: 
 
 
 def test_widen_head_slice_copies_the_slice_in_fp32(device: str) -> None:
-    from flashkda.chunk_bwd_saved import widen_head_slice
+    from flashkda.bwd.saved import widen_head_slice
 
     torch.manual_seed(5)
     x = torch.randn(7, 6, 32, 48, device=device).to(torch.bfloat16)

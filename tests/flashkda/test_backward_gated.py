@@ -1,4 +1,4 @@
-"""The fused gated-dot kernels (`flashkda.chunk_bwd_gated`) against fp64 torch (`gated_dot`, `gated_dot_bwd`), with
+"""The fused gated-dot kernels (`flashkda.bwd.gated_dots`) against fp64 torch (`gated_dot`, `gated_dot_bwd`), with
 mild gates and with the strongest bounded gate (-5 per token, -320 over a chunk), where naive exp(+-G) overflows."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
-from flashkda.chunk_bwd_local import gated_dot, gated_dot_bwd
+from flashkda.bwd.gated_dots import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
+from flashkda.bwd.local import gated_dot, gated_dot_bwd
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,7 +68,7 @@ def test_gated_dots_backward_row_scale_and_aqk_scale_equal_prescaled_gradients(d
 
 
 def test_ut_inverse_and_its_beta_scaled_copy(device: str) -> None:
-    from flashkda.chunk_bwd_inverse import ut_inverse
+    from flashkda.bwd.inverse import ut_inverse
 
     torch.manual_seed(6)
     k = F.normalize(torch.randn(4, 64, 32, device=device, dtype=torch.float64), dim=-1)
@@ -83,7 +83,7 @@ def test_ut_inverse_and_its_beta_scaled_copy(device: str) -> None:
 
 def test_ut_backward_pass_matches_torch(device: str) -> None:
     """`chunk_kda_bwd_ut` equals the torch expressions it replaces, for a V that is not a multiple of its tile."""
-    from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
+    from flashkda.bwd.wy import chunk_kda_bwd_ut
 
     torch.manual_seed(7)
     nb, C, K, V = 3, 64, 32, 48
@@ -100,7 +100,7 @@ def test_ut_backward_pass_matches_torch(device: str) -> None:
 
 def test_fused_wy_pass_matches_torch(device: str) -> None:
     """`chunk_kda_bwd_wy` equals the torch products and expressions it replaces, for V = 40 (a partial V slice)."""
-    from flashkda.chunk_bwd_ut import chunk_kda_bwd_wy
+    from flashkda.bwd.wy import chunk_kda_bwd_wy
 
     torch.manual_seed(8)
     nb, C, K, V = 3, 64, 32, 40
@@ -128,11 +128,11 @@ def test_fused_gated_dots_and_gate_chain_match_the_two_passes(
     backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token), with either kernel and
     with or without the row scale of dAkk; K = 64 gives the "blocks" kernel two 32-wide feature slices (two programs
     per chunk). The upper triangles of the dA inputs hold random values: both kernels must ignore them."""
-    from flashkda import chunk_bwd_gated
-    from flashkda.chunk_bwd_gated import chunk_kda_gated_dots_gates_bwd
-    from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
+    from flashkda.bwd import gated_dots
+    from flashkda.bwd.gated_dots import chunk_kda_gated_dots_gates_bwd
+    from flashkda.bwd.gates import chunk_kda_bwd_gates
 
-    monkeypatch.setattr(chunk_bwd_gated, "GATES_BWD_KERNEL", kernel)
+    monkeypatch.setattr(gated_dots, "GATES_BWD_KERNEL", kernel)
     torch.manual_seed(9)
     nb, C, K, scale = 2, 64, 64, 0.3
     q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
@@ -175,10 +175,10 @@ def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
 def test_unit_lower_inverse_matches_torch(C: int, blocked: bool, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the blocked kernel chosen (the default; FLASHKDA_BWD_FUSED_WY=0 turns it off), C = 64 runs it
     (product-form diagonal blocks, block substitution); other C, and the row-loop choice, the row loop."""
-    from flashkda import chunk_bwd_inverse
-    from flashkda.chunk_bwd_inverse import unit_lower_inverse
+    from flashkda.bwd import inverse
+    from flashkda.bwd.inverse import unit_lower_inverse
 
-    monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", blocked)
+    monkeypatch.setattr(inverse, "BLOCK_INVERSE", blocked)
 
     torch.manual_seed(3)
     k = F.normalize(torch.randn(5, C, 32, device=device, dtype=torch.float64), dim=-1)
@@ -199,7 +199,7 @@ def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> Non
 
     GPU only: Triton's CPU interpreter has no bf16 matrix product (numpy has no bf16 type).
     """
-    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
+    from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
 
     torch.manual_seed(4)
     NC, HV, C, K, V = 4, 2, 64, 32, 32
@@ -226,8 +226,8 @@ def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: s
     """bf16 gradients with the fused gate chain (the default), alone or with the opt-in fused UT pass (tf32
     products, 8 warps: not runnable in the interpreter as compiled), against the unfused GEMMs and passes, at
     K = V = 128 with the bounded in-kernel gate and varlen."""
-    from flashkda import chunk_bwd_gated, chunk_bwd_ut
     from flashkda.autograd import chunk_kda_autograd
+    from flashkda.bwd import gated_dots, wy
 
     torch.manual_seed(12)
     T, H, K = 700, 4, 128
@@ -241,11 +241,11 @@ def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: s
     grads = {}
     for fused in (True, False):
         if fused:
-            monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32",) if wy else ())
-            monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32",))
+            monkeypatch.setattr(wy, "FUSED_WY_PRECISIONS", ("tf32",) if wy else ())
+            monkeypatch.setattr(gated_dots, "FUSED_GATES_PRECISIONS", ("tf32",))
         else:
-            monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ())
-            monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ())
+            monkeypatch.setattr(wy, "FUSED_WY_PRECISIONS", ())
+            monkeypatch.setattr(gated_dots, "FUSED_GATES_PRECISIONS", ())
         o, _ = chunk_kda_autograd(*x.values(), scale=K**-0.5, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                   use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
@@ -256,7 +256,7 @@ def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: s
 
 def test_saved_inverse_widens_and_scales_columns(device: str) -> None:
     """`saved_inverse_fp32` gives ``M`` and ``M Diag(beta)`` in fp32 from a bf16 copy, exactly."""
-    from flashkda.chunk_bwd_saved import saved_inverse_fp32
+    from flashkda.bwd.saved import saved_inverse_fp32
 
     torch.manual_seed(4)
     m = torch.randn(3, 2, 64, 64, device=device).to(torch.bfloat16)

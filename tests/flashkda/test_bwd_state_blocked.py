@@ -1,4 +1,4 @@
-"""The training state passes of ``flashkda.chunk_bwd_h``, blocked and flat kernels, against fp64 torch recurrences.
+"""The training state passes of ``flashkda.bwd.state``, blocked and flat kernels, against fp64 torch recurrences.
 
 Chunk-local inputs (``w, u, qg, Aqk, kend, dec``) come from ``chunk_local_prepare`` in fp64 on random chunked
 inputs (varlen tails zero padded) and are given to the kernels in fp32. Each pass is checked against the module
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashkda import chunk_bwd_h
-from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-from flashkda.chunk_bwd_layout import make_layout, to_chunks
-from flashkda.chunk_bwd_local import chunk_local_prepare
+from flashkda.bwd import state
+from flashkda.bwd.layout import make_layout, to_chunks
+from flashkda.bwd.local import chunk_local_prepare
+from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
 from tests.flashkda.kda_cases import assert_close
 
 C = 64
@@ -206,7 +206,7 @@ def test_training_gradients_blocked_equal_flat(dtype: torch.dtype, device: str,
     do = torch.randn(1, case.T, case.HV, case.V, dtype=torch.float64, device=device)
     dht = torch.randn(3, case.HV, case.K, case.V, dtype=torch.float64, device=device)
     o, ht, grads = _run(chunk_kda_autograd, x, case, do, dht)
-    monkeypatch.setattr(chunk_bwd_h, "BLOCKED_MAX_K", 0)
+    monkeypatch.setattr(state, "BLOCKED_MAX_K", 0)
     o_flat, ht_flat, grads_flat = _run(chunk_kda_autograd, x, case, do, dht)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     assert_close("o", o_flat, o, tol)

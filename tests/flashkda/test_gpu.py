@@ -6,9 +6,9 @@ import torch
 
 import flashkda
 from flashkda import reference
-from flashkda.chunk_fwd import chunk_kda_fwd
-from flashkda.chunk_intra import INTRA_CONFIGS, WU_CONFIGS
-from flashkda.chunk_state import H_CONFIGS, HB_CONFIGS, O_CONFIGS, STATE_CONFIGS
+from flashkda.fwd.chunk_fwd import chunk_kda_fwd
+from flashkda.fwd.intra import INTRA_CONFIGS, WU_CONFIGS
+from flashkda.fwd.state import H_CONFIGS, HB_CONFIGS, O_CONFIGS, STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 pytestmark = pytest.mark.gpu
@@ -69,14 +69,14 @@ def test_fused_recurrent_decode_matches_fp64_on_gpu(dtype):
 
 def _forced_forward(monkeypatch, intra_kw, state_kw):
     """chunk_kda_fwd on CASES[0] with one stage forced to one launch configuration, and the fp64 reference."""
-    import flashkda.chunk_intra as ci
-    import flashkda.chunk_state as cs
+    import flashkda.fwd.intra as ci
+    import flashkda.fwd.state as cs
 
     case = CASES[0]
     args, kw = make_call(case, "cuda")
     intra, state = ci.chunk_kda_fwd_intra, cs.chunk_kda_fwd_state_o
-    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_intra", lambda *a, **k: intra(*a, **{**k, **intra_kw}))
-    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: state(*a, **{**k, **state_kw}))
+    monkeypatch.setattr("flashkda.fwd.chunk_fwd.chunk_kda_fwd_intra", lambda *a, **k: intra(*a, **{**k, **intra_kw}))
+    monkeypatch.setattr("flashkda.fwd.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: state(*a, **{**k, **state_kw}))
     fwd_kw = {n: kw[n] for n in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
                                  "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate",
                                  "lower_bound", "A_log", "dt_bias") if n in kw}

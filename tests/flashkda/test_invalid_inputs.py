@@ -113,7 +113,7 @@ def test_environment_choices_name_the_choices(monkeypatch):
 def test_import_time_switches_fail_at_import_with_their_name(name, value):
     path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, name: value, "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, "-c", "import flashkda.chunk_bwd"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", "import flashkda.bwd.chunk_bwd"], env=env, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode != 0
     assert f"{name}={value!r}" in out.stderr, out.stderr[-2000:]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from flashkda import reference
-from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, WU_CONFIGS, chunk_kda_fwd_intra
-from flashkda.chunk_state import (
+from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+from flashkda.fwd.intra import CHUNK_SIZE, INTRA_CONFIGS, WU_CONFIGS, chunk_kda_fwd_intra
+from flashkda.fwd.state import (
     H_CONFIGS,
     HB_CONFIGS,
     O_CONFIGS,
@@ -141,7 +141,7 @@ def test_bf16_intermediates_switch(env, dtype, device, monkeypatch):
     """``FLASHKDA_BF16_INTERMEDIATES`` reaches ``flashkda.chunk_kda``: bf16 buffers unless it is ``0``, fp64
     accuracy kept either way."""
     import flashkda
-    import flashkda.chunk_fwd as chunk_fwd
+    import flashkda.fwd.chunk_fwd as chunk_fwd
 
     seen = []
     state = chunk_fwd.chunk_kda_fwd_state_o

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_layout import ChunkLayout
+from flashkda.bwd.layout import ChunkLayout
 
 __all__ = ["SavedLocal", "head_slice_to_chunks", "saved_inverse_fp32", "widen_head_slice"]
 
@@ -27,7 +27,7 @@ __all__ = ["SavedLocal", "head_slice_to_chunks", "saved_inverse_fp32", "widen_he
 @dataclass(frozen=True)
 class SavedLocal:
     """The forward kernels' chunk-local matrices for the heads of one backward slice, contiguous ``[NC, HS, C, C]``
-    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s
+    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.fwd.intra.chunk_kda_fwd_intra``'s
     ``store_local``). The Triton passes read ``aqk`` and ``akk`` as they are (they load into fp32 registers); the
     torch GEMMs need ``minv`` in fp32, converted where it is read (`saved_inverse_fp32`)."""
 
@@ -131,8 +131,8 @@ def head_slice_to_chunks(x: torch.Tensor, layout: ChunkLayout, tok: torch.Tensor
 
     Args:
         x: ``[B, T, HV, D]`` (``[1, T, HV, D]`` for varlen layouts), any float dtype; made contiguous if it is not.
-        layout: the chunked layout of ``x``'s tokens (`flashkda.chunk_bwd_layout.make_layout`).
-        tok: ``flashkda.chunk_bwd_prologue.slot_tokens(layout)``: the flattened token of every chunk slot, -1 on
+        layout: the chunked layout of ``x``'s tokens (`flashkda.bwd.layout.make_layout`).
+        tok: ``flashkda.bwd.prologue.slot_tokens(layout)``: the flattened token of every chunk slot, -1 on
             padding.
         hv0, hv1: the head slice, ``0 <= hv0 < hv1 <= HV``.
         dtype: dtype of the result (the conversion happens in the copy).

@@ -2,7 +2,7 @@
 
 ``Akk[t, i] = sum_d k_td k_id exp(G_td - G_id)`` (``i < t``) and ``Aqk[t, i] = scale * sum_d q_td k_id exp(G_td -
 G_id)`` (``i <= t``) over a chunk of ``C`` tokens, with ``G`` the in-chunk cumulative log-gate. The torch versions
-(`flashkda.chunk_bwd_local.gated_dot` / `gated_dot_bwd`) read and write every ``[C, K]`` operand about ten times
+(`flashkda.bwd.local.gated_dot` / `gated_dot_bwd`) read and write every ``[C, K]`` operand about ten times
 through exponentials, slices and concatenations; here one program per (chunk, head, 16-row block) keeps its tiles
 in registers and never materialises the scaled operands.
 
@@ -125,7 +125,7 @@ def _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k
 
 @triton.jit
 def _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg, dkg, dkend, dq, dk, dg, scale):
-    """Adds the gate-factor terms of `flashkda.chunk_bwd_gates` to one row block's ``(dq, dk, dG)`` (``qg``, ``kg``,
+    """Adds the gate-factor terms of `flashkda.bwd.gates` to one row block's ``(dq, dk, dG)`` (``qg``, ``kg``,
     ``kend`` rebuilt from q, k and G), turns dG into dg by the reverse cumulative sum with ``b_carry`` (the sum over
     the later rows), stores the three at ``p`` and returns the carry for the block above."""
     b_eg = tl.exp(b_g)
@@ -266,7 +266,7 @@ def chunk_kda_bwd_kernel_gated_dots_gates(
     HAS_RS: tl.constexpr,
 ):
     # One program per chunk, BK features at a time, walks its row blocks from the last to the first: the gated-product
-    # gradients of a block (_gated_dots_bwd_rows), plus the gate-factor terms of flashkda.chunk_bwd_gates with qg,
+    # gradients of a block (_gated_dots_bwd_rows), plus the gate-factor terms of flashkda.bwd.gates with qg,
     # kend and dec rebuilt from q, k and G, then dg = reverse cumulative sum of dG, carried across blocks. dq, dk, dG
     # never leave the chip.
     i_b = tl.program_id(0)
@@ -464,7 +464,7 @@ def chunk_kda_gated_dots_gates_bwd(
     dot_precision: str,
     dakk_row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`chunk_kda_gated_dots_bwd` and `flashkda.chunk_bwd_gates.chunk_kda_bwd_gates` in one pass: ``(dq, dk, dg)``.
+    """`chunk_kda_gated_dots_bwd` and `flashkda.bwd.gates.chunk_kda_bwd_gates` in one pass: ``(dq, dk, dg)``.
 
     Args:
         q, k, gam: ``[..., C, K]`` chunked queries, keys and in-chunk cumulative log-gate ``G``.
@@ -477,7 +477,7 @@ def chunk_kda_gated_dots_gates_bwd(
     Returns:
         ``dq``, ``dk``, ``dg`` ``[..., C, K]`` in ``q``'s dtype; ``dg`` is w.r.t. the per-token gate (``G`` is its
         in-chunk cumulative sum). Sums stay fp32: fp32 callers, whose ``dA_log`` needs ``dG`` in fp64, keep the two
-        separate passes (`flashkda.chunk_bwd_local`).
+        separate passes (`flashkda.bwd.local`).
     """
     _check(q, k, gam, dakk, daqk, dqg, dkg, dkend)
     *lead, C, K = q.shape

@@ -1,12 +1,12 @@
 """The operands of the training backward's state passes, recomputed for all value heads at once in bf16.
 
-The reverse state pass over all heads (``flashkda.chunk_bwd_dh_tokens``) and the state recompute over all heads
-(``flashkda.chunk_state.state_pass``) read ``w``, ``u``, ``qg``, ``kend = k e^{Γ_C - Γ}`` and ``Γ_C`` in the
+The reverse state pass over all heads (``flashkda.bwd.state_tokens``) and the state recompute over all heads
+(``flashkda.fwd.state.state_pass``) read ``w``, ``u``, ``qg``, ``kend = k e^{Γ_C - Γ}`` and ``Γ_C`` in the
 forward's token layout ``[B, T, HV, D]``. ``disable_recompute=True`` keeps the forward's copies (~+900 MiB between
 forward and backward at B1-T8192-H64, with the states); this pass rebuilds them in the backward instead, as fla's
 ``recompute_w_u`` does, from the raw inputs and the forward's saved inverse ``M = (I + Diag(beta) Akk)^-1``:
 one program per (chunk, value head) runs the prologue's L2 norm, gate, in-chunk cumulative sum and beta sigmoid
-(``flashkda.chunk_bwd_prologue``) and the two products ``w = M (beta k e^Γ)``, ``u = M (beta v)``.
+(``flashkda.bwd.prologue``) and the two products ``w = M (beta k e^Γ)``, ``u = M (beta v)``.
 
 Traffic per (chunk, head), bf16 with K = V = 128: reads q, k, v, g (64 KiB), beta, ``M`` (8 KiB); writes w, qg, kend
 (48 KiB, bf16), u (32 KiB, fp32) and ``Γ_C``; ~1.3 GB at B1-T8192-H64, ~0.3 ms at 4.1 TB/s (fla's ``recompute_w_u``:
@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_h import _dot
-from flashkda.chunk_bwd_layout import ChunkLayout
-from flashkda.chunk_bwd_prologue import chunk_slots, load_gate, load_qk
-from flashkda.chunk_state import PREC_HILO
+from flashkda.bwd.layout import ChunkLayout
+from flashkda.bwd.prologue import chunk_slots, load_gate, load_qk
+from flashkda.bwd.state import _dot
+from flashkda.fwd.state import PREC_HILO
 from flashkda.rounding import cast_for_store
 
 __all__ = ["chunk_kda_recompute_operands"]
@@ -106,7 +106,7 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``: the raw inputs
             (contiguous, bf16); A_log ``[HV]``, dt_bias ``[HV * K]`` or None; opts: `flashkda.autograd.KDAOptions`.
-        layout, tok: the chunked layout and `flashkda.chunk_bwd_prologue.slot_tokens` of it.
+        layout, tok: the chunked layout and `flashkda.bwd.prologue.slot_tokens` of it.
         minv: ``[HV / HS, NC', HS, C, C]`` the forward's saved ``(I + Diag(beta) Akk)^-1`` (``NC' >= NC``).
 
     Returns:

@@ -1,9 +1,9 @@
 """Inter-chunk state recurrences for training: the forward state pass (``h``, ``v_new``, ``o``) and the reverse
 gradient pass (``dh``, ``dv_new``, ``dh0``).
 
-Both work on the chunked layout of ``flashkda.chunk_bwd_layout``: every tensor is ``[NC, HV, C, D]`` (chunk, value
+Both work on the chunked layout of ``flashkda.bwd.layout``: every tensor is ``[NC, HV, C, D]`` (chunk, value
 head, position in chunk, feature), sequence ``n`` owns chunks ``chunk_offsets[n] .. chunk_offsets[n + 1]``, and the
-chunk-local quantities come from ``flashkda.chunk_bwd_local.chunk_local_prepare``:
+chunk-local quantities come from ``flashkda.bwd.local.chunk_local_prepare``:
 
 * ``qg = scale * q * exp(G)``, ``w = T (k * exp(G))``, ``u = T v`` with ``T = (I + L)^-1 Diag(beta)``,
 * ``Aqk`` (lower triangular, scale folded in), ``kend = k * exp(G_C - G)``, ``dec = exp(G_C)``,
@@ -28,7 +28,7 @@ Each pass has two kernels with the same math, inputs and outputs. The flat ones 
 ``[C, K]`` fp32 operands overflow shared memory once pipelined (372 KiB at K = 128 with 3 stages, 227 KiB on an
 H200), so they run with one stage. The blocked ones (``*_blocked``, the default for K <= 256, timed in
 ``_blocked_launch``; as the forward's
-``flashkda.chunk_state.chunk_kda_fwd_kernel_h_blocked``) hold it as up to four ``[BKB, BV]`` tiles of 64 rows, load
+``flashkda.fwd.state.chunk_kda_fwd_kernel_h_blocked``) hold it as up to four ``[BKB, BV]`` tiles of 64 rows, load
 the operands they need transposed straight from memory as ``[BKB, C]`` tiles, and issue loads that depend on the
 chunk index only, so that the software pipeliner can prefetch the next chunk's tiles (2 stages up to K = 128).
 """
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
+from flashkda.fwd.state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
 
@@ -178,7 +178,7 @@ def chunk_kda_bwd_kernel_dh(
 
 @triton.jit
 def _dot(b_a, b_x, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
-    """``acc + a @ x`` for fp32 ``a``, ``x`` and ``acc``, the operands at ``PREC`` (``flashkda.chunk_state``'s
+    """``acc + a @ x`` for fp32 ``a``, ``x`` and ``acc``, the operands at ``PREC`` (``flashkda.fwd.state``'s
     ``PREC_*``): 0 exact, 1 tf32, 2 bf16 ``a`` times the bf16 hi/lo split of ``x``, 3 both rounded to bf16; the
     forward state pass's ``_operand`` and ``_dot_acc`` (bf16 held as fp32 and rounded to nearest on the
     interpreter)."""

@@ -11,7 +11,7 @@ With ``M = (I + Diag(beta) Akk)^-1`` and ``[w, u] = M Diag(beta) [kg, v]``, the 
   temporary of it per chunk, the largest tensors of the backward),
 
 replacing about a dozen element-wise and reduction launches. ``dAkk = beta * dl = -beta * P`` is not formed either:
-`flashkda.chunk_bwd_gated.chunk_kda_gated_dots_bwd` takes ``P`` with the row scale ``-beta``.
+`flashkda.bwd.gated_dots.chunk_kda_gated_dots_bwd` takes ``P`` with the row scale ``-beta``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def chunk_kda_bwd_kernel_wy(
 ):
     # One program per (chunk, head) walks V in BD-wide slices; y_u never leaves registers, y_wn and P (and, with
     # GATE_PRODUCTS, do v_new^T, do h^T and v_new dhe^T) accumulate over the slices. Every right-hand operand is read transposed straight from
-    # memory (no register transpose of an fp32 dot operand, see flashkda.chunk_bwd_gated).
+    # memory (no register transpose of an fp32 dot operand, see flashkda.bwd.gated_dots).
     i_b = tl.program_id(0).to(tl.int64)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, K)

@@ -1,12 +1,12 @@
 """The training backward's reverse state pass over all value heads at once, on the forward's own tensors.
 
-The per-slice pass (``flashkda.chunk_bwd_h.chunk_kda_bwd_dh``) reads fp32 chunked copies that the backward prologue
+The per-slice pass (``flashkda.bwd.state.chunk_kda_bwd_dh``) reads fp32 chunked copies that the backward prologue
 writes for one head slice at a time, so it runs once per slice with half (or a quarter) of the programs a launch
 over all heads would have: each program walks its whole sequence, so the passes take about as long per slice as
 one pass over all heads would (H200, B1-T8192-H64: 2 x ~0.6 ms per step against fla's 0.39 ms for all heads).
 
 For bf16 input the forward intra kernel already writes every operand of the pass for all heads, in the token layout
-``[B, T, HV, D]`` and bf16 (see ``flashkda.chunk_intra``): ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}`` (the
+``[B, T, HV, D]`` and bf16 (see ``flashkda.fwd.intra``): ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}`` (the
 backward's ``kend``), ``w`` and ``Γ_C`` per chunk, and with ``store_local`` the chunk-local ``Aqk`` (zero above the
 diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them
 (``FLASHKDA_BWD_DH_ALL_HEADS``) and this pass runs once, before the head slices, writing ``dv_new`` (token layout,
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_h import _blocked_launch, _dot, _state_tile
-from flashkda.chunk_intra import CHUNK_SIZE
-from flashkda.chunk_state import PREC_BF16, _seq_span
+from flashkda.bwd.state import _blocked_launch, _dot, _state_tile
+from flashkda.fwd.intra import CHUNK_SIZE
+from flashkda.fwd.state import PREC_BF16, _seq_span
 from flashkda.index import ChunkIndex
 from flashkda.rounding import cast_for_store
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_layout import ChunkLayout
+from flashkda.bwd.layout import ChunkLayout
 from flashkda.ops import softplus
 
 __all__ = ["RawGrads", "chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "slot_tokens"]
@@ -246,7 +246,7 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
     Returns:
         ``((qc, kc, vc, None, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HS, C, *]`` (``HS`` heads of
         the slice; the gate itself is not written, only its in-chunk cumulative sum ``G``) and the chunk's gate
-        factors (``dec`` is ``[NC, HS, K]``), as `flashkda.chunk_bwd_local.chunk_local_prepare` takes them.
+        factors (``dec`` is ``[NC, HS, K]``), as `flashkda.bwd.local.chunk_local_prepare` takes them.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

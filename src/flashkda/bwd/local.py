@@ -2,7 +2,7 @@
 
 Everything here is independent of the recurrent state, so every chunk of every head is processed at once as a
 batched matrix product over the chunked layout ``[NC, HV, C, D]``. The state-dependent part of the backward lives
-in ``flashkda.chunk_bwd_h``; this module turns its outputs (``h``, ``dh``, ``v_new``, ``dv_new``) into the
+in ``flashkda.bwd.state``; this module turns its outputs (``h``, ``dh``, ``v_new``, ``dv_new``) into the
 cotangents of the chunk-local quantities and pulls them back to ``q, k, v, g, beta``.
 
 Numerics: the gated products ``sum_d a_td b_id exp(G_td - G_id)`` are never formed as ``exp(G_t) * exp(-G_i)``
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flashkda.chunk_bwd_gated import (
+from flashkda.bwd.gated_dots import (
     chunk_kda_gated_dots,
     chunk_kda_gated_dots_bwd,
 )
-from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
-from flashkda.chunk_bwd_inverse import ut_inverse
+from flashkda.bwd.gates import chunk_kda_bwd_gates
+from flashkda.bwd.inverse import ut_inverse
 from flashkda.env import env_choice
 
 __all__ = [
@@ -282,7 +282,7 @@ def gated_dots_and_gates_bwd(q, k, gam, qg, kend, dec, p, daqk, dqg, dkg, dkend,
                              dot_precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dg)`` by the two separate passes (gated-product backward, then `chunk_kda_bwd_gates`) for callers
     the fused gate chain does not serve: fp32 callers (``"ieee"``: ``dG`` assembled in fp64) and ``K > 128``.
-    ``p`` is ``-dl`` before the strict-lower mask (see ``flashkda.chunk_bwd_ut``); all ``[..., C, *]`` fp32."""
+    ``p`` is ``-dl`` before the strict-lower mask (see ``flashkda.bwd.wy``); all ``[..., C, *]`` fp32."""
     if dot_precision == "ieee":
         dq, dk, dgam = _gated_dots_bwd_fp64(q, k, gam, -beta.unsqueeze(-1) * p, scale * daqk)
     else:

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_gates_bwd, fused_gates
-from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-from flashkda.chunk_bwd_inverse import ut_inverse
-from flashkda.chunk_bwd_local import (
+from flashkda.bwd.gated_dots import chunk_kda_gated_dots, chunk_kda_gated_dots_gates_bwd, fused_gates
+from flashkda.bwd.inverse import ut_inverse
+from flashkda.bwd.local import (
     chunk_local_bwd,
     chunk_local_prepare,
     gated_dot_precision,
     gated_dots_and_gates_bwd,
 )
-from flashkda.chunk_bwd_saved import SavedLocal, saved_inverse_fp32
-from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
+from flashkda.bwd.saved import SavedLocal, saved_inverse_fp32
+from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
+from flashkda.bwd.wy import chunk_kda_bwd_ut, chunk_kda_bwd_wy, fused_wy
 
 __all__ = ["chunk_kda_slice_bwd", "chunk_kda_train_bwd", "chunk_kda_train_fwd"]
 
@@ -140,7 +140,7 @@ def chunk_kda_slice_bwd(
             ``do`` fp32 or its own half dtype when the fused UT pass runs), as the Triton prologue writes them;
             ``h``, ``v_new`` fp32 ``[NC, HS, K, V]`` / ``[NC, HS, C, V]`` kept from the forward, or None to recompute
             them; ``dv_new``, ``dhe`` (same shapes) from a reverse state pass already run over all heads
-            (``flashkda.chunk_bwd_dh_tokens``), or None to run it here. The list is emptied on entry: this pass then
+            (``flashkda.bwd.state_tokens``), or None to run it here. The list is emptied on entry: this pass then
             holds the only references, so the caller must keep none.
         scale, initial_state, chunk_offsets, dht, dot_precision: as in `chunk_kda_train_bwd`.
         saved_local: the forward kernels' ``Aqk``, ``Akk`` and inverse (`SavedLocal`), or None to recompute them.
@@ -185,13 +185,13 @@ def chunk_kda_slice_bwd(
     if minv is None:
         minv = saved_inverse_fp32(saved_local.minv)
     if fused_wy(dot_precision, K, V):
-        # one Triton pass: y_u, y_wn, P and the gate-chain products stay on chip (flashkda.chunk_bwd_ut)
+        # one Triton pass: y_u, y_wn, P and the gate-chain products stay on chip (flashkda.bwd.wy)
         dv, dkg, dbeta, ddec, p, daqk, dqg, dkend = chunk_kda_bwd_wy(
             minv, dv_new, h, v_new, do, dhe, kg, v, akk, beta, dot_precision=dot_precision
         )
         del minv, dv_new, h, v_new, do, dhe, kg, v, akk
     else:
-        # y_u = M^T dv_new; y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.chunk_bwd_ut
+        # y_u = M^T dv_new; y_wn = -M^T dw and P = -dl (before the strict-lower mask): see flashkda.bwd.wy
         dqg = do @ h.transpose(-1, -2)
         dkend = v_new @ dhe.transpose(-1, -2)
         y_u = minv.transpose(-1, -2) @ dv_new

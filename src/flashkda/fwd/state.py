@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_intra import CHUNK_SIZE, chunk_span
+from flashkda.fwd.intra import CHUNK_SIZE, chunk_span
 from flashkda.rounding import cast_for_store, round_bf16
 
 
@@ -518,7 +518,7 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
             by the fused path, which keeps no per-chunk states.
 
     Returns:
-        ``(o, final_state, h)`` as ``flashkda.chunk_fwd.chunk_kda_fwd``.
+        ``(o, final_state, h)`` as ``flashkda.fwd.chunk_fwd.chunk_kda_fwd``.
     """
     B, T, HV, K = w.shape
     V = u.shape[-1]
@@ -613,7 +613,7 @@ def state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, 
     kernel; the training backward also runs it to recompute the states of all heads at once).
 
     bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o); v_new is stored in u's dtype,
-    bf16 by default (``flashkda.chunk_intra.bf16_intermediates_enabled``: o's fp64-gate error 3.1e-3 on an H200,
+    bf16 by default (``flashkda.fwd.intra.bf16_intermediates_enabled``: o's fp64-gate error 3.1e-3 on an H200,
     budget 5e-3; the CPU numbers that once kept it fp32 came from the interpreter's truncating casts). Inside the
     recurrence v_new stays fp32 in registers and enters ``kgᵀ v_new`` as a bf16 hi/lo split (bf16 there raised
     the final-state error by ~0.7e-3). fp32 input keeps fp32 everywhere with exact products.
