@@ -4,13 +4,12 @@ fla has no entry-point discovery: backends are classes registered with ``@regist
 hook (``flashkda_hook``, loaded by ``k3_flashkda.pth``) calls ``register_with_fla()`` right after
 ``fla.ops.kda.chunk`` is imported, so programs that only import fla run our kernels. Lower priority wins in fla;
 MoonshotAI's CUTLASS backend uses 3, so ours (2) is tried first. Each call is verified: anything we reject (a
-feature we lack, a bad argument, an input requiring grad without ``flashkda.autograd``) falls back to fla's own
+feature we lack, a bad argument, a training call with an unsupported head dim) falls back to fla's own
 path, and fla logs each rejection reason once. ``FLASHKDA_DISABLE=1`` turns the backend off at any time.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
@@ -53,8 +52,6 @@ def chunk_kda_verifier(
         return False, f"{q.device.type} tensors need TRITON_INTERPRET=1"
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        if importlib.util.find_spec("flashkda.autograd") is None:
-            return False, "inputs require grad and flashkda.autograd is not available"
         K = q.shape[-1]
         if K < 16 or K > 256 or K & (K - 1):
             return False, f"training needs K in 16, 32, 64, 128, 256; got K={K}"

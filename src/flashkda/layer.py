@@ -39,7 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashkda.autograd import chunk_kda_autograd, kda_gate_torch
+from flashkda.bwd.prologue import kda_gate_torch
+from flashkda.chunk import chunk_kda_autograd
 from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["KDACache", "KimiDeltaAttention"]

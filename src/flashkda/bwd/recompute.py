@@ -2,15 +2,14 @@
 
 The reverse state pass over all heads (``flashkda.bwd.state_tokens``) and the state recompute over all heads
 (``flashkda.fwd.state.state_pass``) read ``w``, ``u``, ``qg``, ``kend = k e^{Γ_C - Γ}`` and ``Γ_C`` in the
-forward's token layout ``[B, T, HV, D]``. ``disable_recompute=True`` keeps the forward's copies (~+900 MiB between
-forward and backward at B1-T8192-H64, with the states); this pass rebuilds them in the backward instead, as fla's
+forward's token layout ``[B, T, HV, D]``. ``disable_recompute=True`` keeps the forward's copies (more memory
+between forward and backward); this pass rebuilds them in the backward instead, as fla's
 ``recompute_w_u`` does, from the raw inputs and the forward's saved inverse ``M = (I + Diag(beta) Akk)^-1``:
 one program per (chunk, value head) runs the prologue's L2 norm, gate, in-chunk cumulative sum and beta sigmoid
 (``flashkda.bwd.prologue``) and the two products ``w = M (beta k e^Γ)``, ``u = M (beta v)``.
 
 Traffic per (chunk, head), bf16 with K = V = 128: reads q, k, v, g (64 KiB), beta, ``M`` (8 KiB); writes w, qg, kend
-(48 KiB, bf16), u (32 KiB, fp32) and ``Γ_C``; ~1.3 GB at B1-T8192-H64, ~0.3 ms at 4.1 TB/s (fla's ``recompute_w_u``:
-0.34 ms there).
+(48 KiB, bf16), u (32 KiB, fp32) and ``Γ_C``.
 """
 
 from __future__ import annotations
@@ -33,13 +32,11 @@ def chunk_kda_recompute_operands_kernel(
     q, k, v, g, beta, A_log, dt_bias, tok, minv, w, u, qg, kend, gC,
     lower_bound, beta_scale, scale, NCL,
     H: tl.constexpr, HV: tl.constexpr, HS: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr,
+    BV: tl.constexpr, USE_L2: tl.constexpr, USE_GATE: tl.constexpr,
     USE_A: tl.constexpr, USE_BIAS: tl.constexpr, USE_LB: tl.constexpr, USE_SIGMOID: tl.constexpr, PREC: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    # program (chunk i_c, value head i_hv); minv is [HV / HS, NCL, HS, C, C] (head i_hv in slice i_hv // HS). Every
-    # output is column-separable (the gate, its cumulative sum and M x act per column), so K and V are walked in
-    # slices of BKS / BVS columns; only the L2 norms need whole rows (a pre-pass when BKS < K).
+    # program (chunk i_c, value head i_hv); minv is [HV / HS, NCL, HS, C, C] (head i_hv in slice i_hv // HS)
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     o_s, _, _, b_tok, m_t, _, _ = chunk_slots(tok, i_c, C, K, V, BV)
@@ -50,53 +47,27 @@ def chunk_kda_recompute_operands_kernel(
     # [C, C]: the saved inverse; w = M (beta k e^Γ), u = M (beta v), right operands as bf16 hi/lo splits
     p_m = minv + (((i_hv // HS) * NCL + i_c).to(tl.int64) * HS + i_hv % HS) * C * C
     b_m = tl.load(p_m + o_s[:, None] * C + o_s[None, :]).to(tl.float32)
-    SLICED_L2: tl.constexpr = USE_L2 and BKS < K
-    b_rq = tl.full([C], 1.0, dtype=tl.float32)
-    b_rk = tl.full([C], 1.0, dtype=tl.float32)
-    if SLICED_L2:
-        b_sq = tl.zeros([C], dtype=tl.float32)
-        b_sk = tl.zeros([C], dtype=tl.float32)
-        for i_k in tl.static_range(0, K, BKS):
-            o_k = i_k + tl.arange(0, BKS)
-            b_q, b_k = load_qk(q, k, b_tok, m_t[:, None] & (o_k[None, :] < K), i_h, o_k, H, K, False)
-            b_sq += tl.sum(b_q * b_q, axis=1)
-            b_sk += tl.sum(b_k * b_k, axis=1)
-        b_rq = 1.0 / tl.sqrt(b_sq + 1e-6)
-        b_rk = 1.0 / tl.sqrt(b_sk + 1e-6)
-    for i_k in tl.static_range(0, K, BKS):
-        o_k = i_k + tl.arange(0, BKS)
-        m_tk = m_t[:, None] & (o_k[None, :] < K)
-        # token-layout offsets of this head's rows, [C, BKS]
-        p_k = (b_tok[:, None] * HV + i_hv) * K + o_k[None, :]
-        b_q, b_k = load_qk(q, k, b_tok, m_tk, i_h, o_k, H, K, USE_L2 and not SLICED_L2)
-        if SLICED_L2:
-            b_q = b_q * b_rq[:, None]
-            b_k = b_k * b_rk[:, None]
-        b_g = load_gate(g, A_log, dt_bias, lower_bound, b_tok, m_tk, i_hv, o_k, HV, K, USE_GATE, USE_A, USE_BIAS,
-                        USE_LB)
-        # Γ (in-chunk cumulative gate) and Γ_C
-        b_gam = tl.cumsum(b_g, axis=0)
-        b_gend = tl.sum(b_g, axis=0)
-        b_eg = tl.exp(b_gam)
-        tl.store(qg + p_k, cast_for_store(scale * b_q * b_eg, qg.dtype.element_ty), mask=m_tk)
-        tl.store(kend + p_k, cast_for_store(b_k * tl.exp(b_gend[None, :] - b_gam), kend.dtype.element_ty), mask=m_tk)
-        tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_gend)
-        b_w = _dot(b_m, b_b[:, None] * b_k * b_eg, tl.zeros([C, BKS], dtype=tl.float32), PREC, EMULATE)
-        tl.store(w + p_k, cast_for_store(b_w, w.dtype.element_ty), mask=m_tk)
-    for i_v in tl.static_range(0, BV, BVS):
-        o_v = i_v + tl.arange(0, BVS)
-        m_tv = m_t[:, None] & (o_v[None, :] < V)
-        p_v = (b_tok[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = _dot(b_m, b_b[:, None] * b_v, tl.zeros([C, BVS], dtype=tl.float32), PREC, EMULATE)
-        tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
-
-
-#: Column slice of the rebuild (K and V walked ``RECOMPUTE_SLICE`` columns at a time; None: whole rows, the default).
-#: Offline (sm_90, Triton 3.9, K = V = 128) 32-column slices take 108 registers at 8 warps, two CTAs per SM, against
-#: 175 and one CTA for whole rows, but on the H200 (2026-12-03 08:57, same call, B1-T8192-H64) the step took 10.57 /
-#: 10.47 ms with them against 10.51 / 10.39 with whole rows: no gain, so they stay opt-in (benchmarks/kda/NOTES.md).
-RECOMPUTE_SLICE: int | None = None
+    o_k = tl.arange(0, K)
+    m_tk = m_t[:, None] & (o_k[None, :] < K)
+    # token-layout offsets of this head's rows, [C, K]
+    p_k = (b_tok[:, None] * HV + i_hv) * K + o_k[None, :]
+    b_q, b_k = load_qk(q, k, b_tok, m_tk, i_h, o_k, H, K, USE_L2)
+    b_g = load_gate(g, A_log, dt_bias, lower_bound, b_tok, m_tk, i_hv, o_k, HV, K, USE_GATE, USE_A, USE_BIAS, USE_LB)
+    # Γ (in-chunk cumulative gate) and Γ_C
+    b_gam = tl.cumsum(b_g, axis=0)
+    b_gend = tl.sum(b_g, axis=0)
+    b_eg = tl.exp(b_gam)
+    tl.store(qg + p_k, cast_for_store(scale * b_q * b_eg, qg.dtype.element_ty), mask=m_tk)
+    tl.store(kend + p_k, cast_for_store(b_k * tl.exp(b_gend[None, :] - b_gam), kend.dtype.element_ty), mask=m_tk)
+    tl.store(gC + (i_c.to(tl.int64) * HV + i_hv) * K + o_k, b_gend)
+    b_w = _dot(b_m, b_b[:, None] * b_k * b_eg, tl.zeros([C, K], dtype=tl.float32), PREC, EMULATE)
+    tl.store(w + p_k, cast_for_store(b_w, w.dtype.element_ty), mask=m_tk)
+    o_v = tl.arange(0, BV)
+    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    p_v = (b_tok[:, None] * HV + i_hv) * V + o_v[None, :]
+    b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+    b_u = _dot(b_m, b_b[:, None] * b_v, tl.zeros([C, BV], dtype=tl.float32), PREC, EMULATE)
+    tl.store(u + p_v, cast_for_store(b_u, u.dtype.element_ty), mask=m_tv)
 
 
 def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout, tok: torch.Tensor,
@@ -105,7 +76,7 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``: the raw inputs
-            (contiguous, bf16); A_log ``[HV]``, dt_bias ``[HV * K]`` or None; opts: `flashkda.autograd.KDAOptions`.
+            (contiguous, bf16); A_log ``[HV]``, dt_bias ``[HV * K]`` or None; opts: `flashkda.chunk.KDAOptions`.
         layout, tok: the chunked layout and `flashkda.bwd.prologue.slot_tokens` of it.
         minv: ``[HV / HS, NC', HS, C, C]`` the forward's saved ``(I + Diag(beta) Akk)^-1`` (``NC' >= NC``).
 
@@ -119,7 +90,7 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
         raise ValueError(f"minv must be [HV / HS, >= {NC}, HS, {C}, {C}] for HV={HV}, got {tuple(minv.shape)}")
     w, qg, kend = (torch.empty(B, T, HV, K, device=q.device, dtype=torch.bfloat16) for _ in range(3))
     # u stays fp32: v_new = u - w S cancels, and u rounded to bf16 tripled the fp64-reference error of dA_log and
-    # dt_bias (CPU, 2026-12-02: 1.0e-3 -> 3.4e-3; fp32 u: 1.3e-3); the state pass then stores v_new in fp32 too
+    # dt_bias; the state pass then stores v_new in fp32 too
     u = torch.empty(B, T, HV, V, device=q.device, dtype=torch.float32)
     gC = torch.empty(NC, HV, K, device=q.device, dtype=torch.float32)
     if NC == 0:
@@ -131,8 +102,7 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
         minv, w, u, qg, kend, gC,
         float(opts.lower_bound) if opts.lower_bound is not None else 0.0, 2.0 if opts.allow_neg_eigval else 1.0,
         opts.scale, minv.shape[1],
-        H=H, HV=HV, HS=minv.shape[2], C=C, K=K, V=V, BV=BV, BKS=min(K, RECOMPUTE_SLICE or K),
-        BVS=min(BV, RECOMPUTE_SLICE or BV),
+        H=H, HV=HV, HS=minv.shape[2], C=C, K=K, V=V, BV=BV,
         USE_L2=opts.use_qk_l2norm_in_kernel, USE_GATE=opts.use_gate_in_kernel, USE_A=A_log is not None,
         USE_BIAS=dt_bias is not None, USE_LB=opts.lower_bound is not None,
         USE_SIGMOID=opts.use_beta_sigmoid_in_kernel, PREC=PREC_HILO, EMULATE=not q.is_cuda,

@@ -1,9 +1,9 @@
-"""Inter-chunk state recurrences for training: the forward state pass (``h``, ``v_new``, ``o``) and the reverse
-gradient pass (``dh``, ``dv_new``, ``dh0``).
+"""Inter-chunk state recurrences of the training backward on the chunked layout: the state recompute (``h``,
+``v_new``) and the reverse gradient pass (``dh``, ``dv_new``, ``dh0``).
 
 Both work on the chunked layout of ``flashkda.bwd.layout``: every tensor is ``[NC, HV, C, D]`` (chunk, value
 head, position in chunk, feature), sequence ``n`` owns chunks ``chunk_offsets[n] .. chunk_offsets[n + 1]``, and the
-chunk-local quantities come from ``flashkda.bwd.local.chunk_local_prepare``:
+chunk-local quantities come from the backward prologue or ``flashkda.bwd.local.chunk_local_prepare``:
 
 * ``qg = scale * q * exp(G)``, ``w = T (k * exp(G))``, ``u = T v`` with ``T = (I + L)^-1 Diag(beta)``,
 * ``Aqk`` (lower triangular, scale folded in), ``kend = k * exp(G_C - G)``, ``dec = exp(G_C)``,
@@ -12,7 +12,6 @@ where ``G`` is the in-chunk cumulative sum of the log-space gate. Per chunk (``S
 chunk start)::
 
     v_new = u - w S
-    o     = qg S + Aqk v_new
     S'    = Diag(dec) S + kend^T v_new
 
 The reverse pass walks the chunks backwards with ``dS`` (gradient of the loss w.r.t. the state at the chunk end)::
@@ -20,17 +19,13 @@ The reverse pass walks the chunks backwards with ``dS`` (gradient of the loss w.
     dv_new = Aqk^T do + kend dS
     dS    <- Diag(dec) dS + qg^T do - w^T dv_new
 
-One program owns one (sequence, value head, V-block) and keeps its ``[K, BV]`` fp32 state in registers for the
-whole sequence, so the state never round-trips through HBM except where it is stored for the backward.
+One program owns one (sequence, value head, V-block) and keeps its fp32 state in registers for the whole sequence
+as up to four ``[BKB, BV]`` tiles of 64 rows (K <= 256). Operands needed transposed are loaded as ``[BKB, C]``
+tiles straight from memory, and every load depends on the chunk index only, so the software pipeliner can prefetch
+the next chunk's tiles (2 stages up to K = 128).
 
-Each pass has two kernels with the same math, inputs and outputs. The flat ones (``chunk_kda_fwd_kernel_h``,
-``chunk_kda_bwd_kernel_dh``) hold the state as one ``[K, BV]`` tile and transpose operands in registers; their
-``[C, K]`` fp32 operands overflow shared memory once pipelined (372 KiB at K = 128 with 3 stages, 227 KiB on an
-H200), so they run with one stage. The blocked ones (``*_blocked``, the default for K <= 256, timed in
-``_blocked_launch``; as the forward's
-``flashkda.fwd.state.chunk_kda_fwd_kernel_h_blocked``) hold it as up to four ``[BKB, BV]`` tiles of 64 rows, load
-the operands they need transposed straight from memory as ``[BKB, C]`` tiles, and issue loads that depend on the
-chunk index only, so that the software pipeliner can prefetch the next chunk's tiles (2 stages up to K = 128).
+The forward's state pass (``flashkda.fwd.state.state_pass``) is the same recurrence on the token layout ``[B, T, HV,
+D]`` with the gate as per-chunk sums; this one reads the per-slice chunked copies the backward prologue writes.
 """
 
 from __future__ import annotations
@@ -44,136 +39,6 @@ import triton.language as tl
 from flashkda.fwd.state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
-
-
-@triton.jit
-def chunk_kda_fwd_kernel_h(
-    w,
-    u,
-    qg,
-    aqk,
-    kend,
-    dec,
-    h0,
-    h,
-    v_new,
-    o,
-    ht,
-    chunk_offsets,
-    HV: tl.constexpr,
-    C: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    USE_H0: tl.constexpr,
-    STORE_H: tl.constexpr,
-    STORE_O: tl.constexpr,
-    STORE_HT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DT: tl.constexpr,
-):
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
-    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = (o_k[:, None] < K) & m_v[None, :]
-    m_cv = (o_c[:, None] < C) & m_v[None, :]
-    # [K, BV]
-    b_h = tl.zeros([K, BV], dtype=tl.float32)
-    if USE_H0:
-        p_h0 = h0 + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(p_h0, mask=m_kv, other=0.0).to(tl.float32)
-    for i_c in range(c_start, c_end):
-        i_ch = i_c * HV + i_h
-        if STORE_H:
-            p_h = h + i_ch * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_kv)
-        # [C, K]
-        b_w = tl.load(w + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        # [C, BV]
-        b_u = tl.load(u + i_ch * C * V + o_c[:, None] * V + o_v[None, :], mask=m_cv, other=0.0).to(tl.float32)
-        b_vn = b_u - tl.dot(b_w.to(DT), b_h.to(DT), input_precision=DOT_PRECISION)
-        tl.store(v_new + i_ch * C * V + o_c[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_cv)
-        if STORE_O:
-            # [C, K], [C, C]
-            b_q = tl.load(qg + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-            b_a = tl.load(aqk + i_ch * C * C + o_c[:, None] * C + o_c[None, :]).to(tl.float32)
-            b_o = tl.dot(b_q.to(DT), b_h.to(DT), input_precision=DOT_PRECISION)
-            b_o += tl.dot(b_a.to(DT), b_vn.to(DT), input_precision=DOT_PRECISION)
-            tl.store(o + i_ch * C * V + o_c[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_cv)
-        # [C, K], [K]
-        b_ke = tl.load(kend + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        b_d = tl.load(dec + i_ch * K + o_k).to(tl.float32)
-        b_h = b_h * b_d[:, None] + tl.dot(tl.trans(b_ke.to(DT)), b_vn.to(DT), input_precision=DOT_PRECISION)
-    if STORE_HT:
-        p_ht = ht + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit
-def chunk_kda_bwd_kernel_dh(
-    qg,
-    aqk,
-    kend,
-    dec,
-    w,
-    do,
-    dht,
-    dhe,
-    dv_new,
-    dh0,
-    chunk_offsets,
-    HV: tl.constexpr,
-    C: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    USE_DHT: tl.constexpr,
-    STORE_DH0: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DT: tl.constexpr,
-):
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
-    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = (o_k[:, None] < K) & m_v[None, :]
-    m_cv = (o_c[:, None] < C) & m_v[None, :]
-    # [K, BV]: gradient w.r.t. the state at the end of the current chunk
-    b_dh = tl.zeros([K, BV], dtype=tl.float32)
-    if USE_DHT:
-        p_dht = dht + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_dh = tl.load(p_dht, mask=m_kv, other=0.0).to(tl.float32)
-    for i_r in range(0, c_end - c_start):
-        i_ch = (c_end - 1 - i_r) * HV + i_h
-        p_dhe = dhe + i_ch * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_dhe, b_dh.to(p_dhe.dtype.element_ty), mask=m_kv)
-        # [C, BV], [C, C], [C, K]
-        b_do = tl.load(do + i_ch * C * V + o_c[:, None] * V + o_v[None, :], mask=m_cv, other=0.0).to(tl.float32)
-        b_a = tl.load(aqk + i_ch * C * C + o_c[:, None] * C + o_c[None, :]).to(tl.float32)
-        b_ke = tl.load(kend + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        b_dvn = tl.dot(tl.trans(b_a.to(DT)), b_do.to(DT), input_precision=DOT_PRECISION)
-        b_dvn += tl.dot(b_ke.to(DT), b_dh.to(DT), input_precision=DOT_PRECISION)
-        tl.store(
-            dv_new + i_ch * C * V + o_c[:, None] * V + o_v[None, :], b_dvn.to(dv_new.dtype.element_ty), mask=m_cv
-        )
-        b_q = tl.load(qg + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        b_w = tl.load(w + i_ch * C * K + o_c[:, None] * K + o_k[None, :]).to(tl.float32)
-        b_d = tl.load(dec + i_ch * K + o_k).to(tl.float32)
-        b_dh = (
-            b_dh * b_d[:, None]
-            + tl.dot(tl.trans(b_q.to(DT)), b_do.to(DT), input_precision=DOT_PRECISION)
-            - tl.dot(tl.trans(b_w.to(DT)), b_dvn.to(DT), input_precision=DOT_PRECISION)
-        )
-    if STORE_DH0:
-        p_dh0 = dh0 + (i_n * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
@@ -208,17 +73,14 @@ def _state_tile(p, m, BKB: tl.constexpr, BV: tl.constexpr, LOAD: tl.constexpr):
 
 
 @triton.jit
-def chunk_kda_fwd_kernel_h_blocked(
+def chunk_kda_fwd_kernel_h(
     w,
     u,
-    qg,
-    aqk,
     kend,
     dec,
     h0,
     h,
     v_new,
-    o,
     ht,
     chunk_offsets,
     HV: tl.constexpr,
@@ -230,17 +92,14 @@ def chunk_kda_fwd_kernel_h_blocked(
     NKB: tl.constexpr,
     USE_H0: tl.constexpr,
     STORE_H: tl.constexpr,
-    STORE_O: tl.constexpr,
     STORE_HT: tl.constexpr,
     PREC_WS: tl.constexpr,
-    PREC_QS: tl.constexpr,
-    PREC_AV: tl.constexpr,
     PREC_KV: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """``chunk_kda_fwd_kernel_h`` with the state as ``NKB`` ``[BKB, BV]`` tiles (``b_h1`` .. ``b_h4``): ``w S`` and
-    ``qg S`` are sums of one product per tile, the state update one product per tile with ``kend`` read transposed.
-    ``PREC_*``: operand precision (see ``_dot``) of ``w S``, ``qg S``, ``Aqk v_new`` and ``kend^T v_new``."""
+    """State recompute with the state as ``NKB`` ``[BKB, BV]`` tiles (``b_h1`` .. ``b_h4``): ``w S`` is a sum of one
+    product per tile, the state update one product per tile with ``kend`` read transposed. ``PREC_*``: operand
+    precision (see ``_dot``) of ``w S`` and ``kend^T v_new``."""
     tl.static_assert(NKB * BKB == K and NKB <= 4)
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -264,7 +123,7 @@ def chunk_kda_fwd_kernel_h_blocked(
         b_h4 = _state_tile(h0 + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_H0)
     for i_c in range(c_start, c_end):
         i_ch = i_c * HV + i_h
-        w_c, qg_c, ke_c, d_c = w + i_ch * C * K, qg + i_ch * C * K, kend + i_ch * C * K, dec + i_ch * K
+        w_c, ke_c, d_c = w + i_ch * C * K, kend + i_ch * C * K, dec + i_ch * K
         o_cv = i_ch * C * V + o_c[:, None] * V + o_v[None, :]
         if STORE_H:
             h_c = h + i_ch * K * V + o_s
@@ -285,18 +144,6 @@ def chunk_kda_fwd_kernel_h_blocked(
             b_ws = _dot(_ck(w_c, o_c, o_k4, K), b_h4, b_ws, PREC_WS, EMULATE)
         b_vn = tl.load(u + o_cv, mask=m_cv, other=0.0).to(tl.float32) - b_ws
         tl.store(v_new + o_cv, b_vn.to(v_new.dtype.element_ty), mask=m_cv)
-        if STORE_O:
-            b_o = _dot(_ck(qg_c, o_c, o_k1, K), b_h1, tl.zeros([C, BV], dtype=tl.float32), PREC_QS, EMULATE)
-            if NKB > 1:
-                b_o = _dot(_ck(qg_c, o_c, o_k2, K), b_h2, b_o, PREC_QS, EMULATE)
-            if NKB > 2:
-                b_o = _dot(_ck(qg_c, o_c, o_k3, K), b_h3, b_o, PREC_QS, EMULATE)
-            if NKB > 3:
-                b_o = _dot(_ck(qg_c, o_c, o_k4, K), b_h4, b_o, PREC_QS, EMULATE)
-            # [C, C]
-            b_a = tl.load(aqk + i_ch * C * C + o_c[:, None] * C + o_c[None, :]).to(tl.float32)
-            b_o = _dot(b_a, b_vn, b_o, PREC_AV, EMULATE)
-            tl.store(o + o_cv, b_o.to(o.dtype.element_ty), mask=m_cv)
         # [BKB, BV] x NKB
         b_h1 = _dot(_kc(ke_c, o_c, o_k1, K), b_vn, b_h1 * tl.load(d_c + o_k1)[:, None], PREC_KV, EMULATE)
         if NKB > 1:
@@ -317,7 +164,7 @@ def chunk_kda_fwd_kernel_h_blocked(
 
 
 @triton.jit
-def chunk_kda_bwd_kernel_dh_blocked(
+def chunk_kda_bwd_kernel_dh(
     qg,
     aqk,
     kend,
@@ -344,7 +191,7 @@ def chunk_kda_bwd_kernel_dh_blocked(
     PREC_WD: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """``chunk_kda_bwd_kernel_dh`` with ``dS`` as ``NKB`` ``[BKB, BV]`` tiles (``b_dh1`` .. ``b_dh4``): ``kend dS``
+    """Reverse state pass with ``dS`` as ``NKB`` ``[BKB, BV]`` tiles (``b_dh1`` .. ``b_dh4``): ``kend dS``
     is a sum of one product per tile, the update of each tile reads ``qg`` and ``w`` transposed, and ``Aqk^T do``
     reads ``Aqk`` transposed. ``PREC_*``: operand precision (see ``_dot``) of ``Aqk^T do``, ``kend dS``, ``qg^T do``
     and ``w^T dv_new``."""
@@ -418,80 +265,24 @@ def chunk_kda_bwd_kernel_dh_blocked(
             tl.store(dh0_n + 3 * BKB * V, b_dh4.to(dh0.dtype.element_ty), mask=m_s)
 
 
-def _block_v(K: int, V: int, programs_per_block: int) -> int:
-    # Keep the [K, BV] fp32 state at <= 8K elements per program so it stays in registers, and split V finer when
-    # (sequences x heads) alone would leave most of the GPU's ~132 SMs idle (each program walks its whole sequence).
-    bv = max(16, min(triton.next_power_of_2(V), 8192 // K, 64))
-    while bv > 16 and programs_per_block * triton.cdiv(V, bv) < 256:
-        bv //= 2
-    return bv
-
-
-def _operands(dot_precision: str) -> dict:
-    # "tf32" marks a bf16/fp16 caller: the state-pass products then take bf16 operands with fp32 accumulation (the
-    # configuration the forward kernels run on Hopper), otherwise exact fp32 products.
-    if dot_precision == "tf32":
-        return dict(DOT_PRECISION="ieee", DT=tl.bfloat16)
-    return dict(DOT_PRECISION=dot_precision, DT=tl.float32)
-
-
-#: Largest key dimension the blocked kernels hold (four 64-row state tiles); wider keys take the flat kernels.
-BLOCKED_MAX_K = 256
-# Operand precision of every product of the blocked kernels per caller precision: the flat kernels' semantics.
-_BLOCKED_PRECS = {"tf32": PREC_BF16, "ieee": PREC_IEEE}
+# Operand precision of every product per caller precision: "tf32" marks a bf16/fp16 caller, whose state-pass
+# products take bf16 operands with fp32 accumulation; "ieee" exact fp32 products.
+_PRECS = {"tf32": PREC_BF16, "ieee": PREC_IEEE}
 
 
 @dataclass(frozen=True)
 class _Launch:
-    """Kernel choice and launch configuration of one state pass."""
+    """Launch configuration of one state pass."""
 
-    blocked: bool
     BV: int
     num_warps: int
     num_stages: int
 
 
-def _launch(
-    K: int,
-    V: int,
-    programs_per_block: int,
-    dot_precision: str,
-    blocked: bool | None,
-    block_v: int | None,
-    num_warps: int | None,
-    num_stages: int | None,
-) -> _Launch:
-    if blocked is None:
-        blocked = K <= BLOCKED_MAX_K
-    if blocked and K > BLOCKED_MAX_K:
-        raise ValueError(f"blocked: the blocked state kernels hold K <= {BLOCKED_MAX_K}, got K={K}")
-    if blocked and dot_precision not in _BLOCKED_PRECS:
-        raise ValueError(f"dot_precision: the blocked state kernels take 'ieee' or 'tf32', got {dot_precision!r}")
-    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
-        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-    if blocked:
-        BV, warps, stages = _blocked_launch(K, V, programs_per_block)
-    else:
-        BV = _block_v(K, V, programs_per_block) if block_v is None else block_v
-        # The loop carries several [C, K] fp32 dot operands; software pipelining would multiply their shared-memory
-        # footprint past the H200's 227 KiB (372 KiB at K = 128 with 3 stages).
-        warps, stages = (4 if K <= 64 or BV <= 32 else 8), 1
-    return _Launch(
-        blocked,
-        BV if block_v is None else block_v,
-        warps if num_warps is None else num_warps,
-        stages if num_stages is None else num_stages,
-    )
-
-
-def _blocked_launch(K: int, V: int, programs_per_head: int) -> tuple[int, int, int]:
-    """(V block, warps, pipeline stages) of a blocked pass: the widest V block up to 64 that still gives 128
-    programs (about one per SM), 4 warps, 2 stages. Forced, not autotuned (autotuning inside training steps costs too
-    much). Timed on the H200 (2026-12-01 07:10 UTC, ``bwd_sweep --state``; ms for the forward with o, the recompute,
-    the reverse pass): B1-T8192-H64 64:4:2 0.753 / 0.603 / 0.840 against flat 1.018 / 0.794 / 1.046 (32:4:2 1.211 /
-    0.605 / 1.293, 64:8:2 0.840 / 0.697 / 1.081); B1-T32768-H32 32:4:2 2.128 / 1.713 / 2.403 against flat 3.246 /
-    2.247 / 3.151 (64:4:2 2.466 / 1.879 / 2.467). K = 256 (not timed) keeps 8 warps and one stage: two stages took
-    240 KiB of shared memory and 4 warps spilled in an offline sm90 compile."""
+def state_launch(K: int, V: int, programs_per_head: int) -> tuple[int, int, int]:
+    """``(V block, warps, pipeline stages)`` of a state pass: the widest V block up to 64 that still gives 128
+    programs (about one per SM), 4 warps and 2 stages (K = 256: 8 warps, one stage). Forced, not autotuned:
+    autotuning inside training steps costs too much (measurements: docs/flashkda-performance.md)."""
     BV = min(64, max(16, triton.next_power_of_2(V)))
     while BV > 16 and programs_per_head * triton.cdiv(V, BV) < 128:
         BV //= 2
@@ -500,79 +291,66 @@ def _blocked_launch(K: int, V: int, programs_per_head: int) -> tuple[int, int, i
     return BV, 4, 2
 
 
+def _launch(K: int, V: int, programs_per_head: int, dot_precision: str, block_v: int | None,
+            num_warps: int | None, num_stages: int | None) -> _Launch:
+    if K > 256:
+        raise ValueError(f"K: the state passes hold K <= 256 (four 64-row tiles), got K={K}")
+    if dot_precision not in _PRECS:
+        raise ValueError(f"dot_precision: the state passes take 'ieee' or 'tf32', got {dot_precision!r}")
+    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    BV, warps, stages = state_launch(K, V, programs_per_head)
+    return _Launch(
+        BV if block_v is None else block_v,
+        warps if num_warps is None else num_warps,
+        stages if num_stages is None else num_stages,
+    )
+
+
 def _blocked_meta(K: int, dot_precision: str, names: tuple[str, ...], device: torch.device) -> dict:
     BKB = min(64, max(16, triton.next_power_of_2(K)))
     meta = dict(BKB=BKB, NKB=triton.cdiv(K, BKB), EMULATE=device.type != "cuda")
-    meta.update({name: _BLOCKED_PRECS[dot_precision] for name in names})
+    meta.update({name: _PRECS[dot_precision] for name in names})
     return meta
 
 
 def chunk_kda_fwd_h(
     w: torch.Tensor,
     u: torch.Tensor,
-    qg: torch.Tensor,
-    aqk: torch.Tensor,
     kend: torch.Tensor,
     dec: torch.Tensor,
     initial_state: torch.Tensor | None,
     chunk_offsets: torch.Tensor,
     *,
-    store_o: bool,
     store_h: bool,
     store_final_state: bool,
     dot_precision: str = "ieee",
-    blocked: bool | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Forward state pass; ``blocked`` picks the kernel (None: blocked for ``K <= BLOCKED_MAX_K``), ``block_v``,
-    ``num_warps`` and ``num_stages`` force its launch (None: ``_block_v`` and ``_blocked_launch`` or the flat
-    kernel's own). Returns ``(o, final_state, h, v_new)`` (the first three None unless asked for)."""
-    assert all(x.is_contiguous() for x in (w, u, qg, aqk, kend, dec)), "chunked inputs must be contiguous"
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """State recompute: ``(final_state [N, HV, K, V] or None, h [NC, HV, K, V] or None, v_new [NC, HV, C, V])``.
+
+    ``w``, ``kend`` ``[NC, HV, C, K]``, ``u`` ``[NC, HV, C, V]``, ``dec`` ``[NC, HV, K]`` (contiguous, one float
+    dtype; outputs in it); ``block_v``, ``num_warps`` and ``num_stages`` force the launch (None: `_launch`'s)."""
+    assert all(x.is_contiguous() for x in (w, u, kend, dec)), "chunked inputs must be contiguous"
     NC, HV, C, K = w.shape
     V = u.shape[-1]
     N = chunk_offsets.numel() - 1
-    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
+    cfg = _launch(K, V, N * HV, dot_precision, block_v, num_warps, num_stages)
     v_new = torch.empty_like(u)
-    o = torch.empty_like(u) if store_o else None
     h = w.new_empty(NC, HV, K, V) if store_h else None
     ht = w.new_empty(N, HV, K, V) if store_final_state else None
     dummy = v_new
-    args = (
-        w,
-        u,
-        qg,
-        aqk,
-        kend,
-        dec,
-        initial_state if initial_state is not None else dummy,
-        h if h is not None else dummy,
-        v_new,
-        o if o is not None else dummy,
-        ht if ht is not None else dummy,
-        chunk_offsets,
-    )
-    meta = dict(
-        HV=HV,
-        C=C,
-        K=K,
-        V=V,
-        BV=cfg.BV,
-        USE_H0=initial_state is not None,
-        STORE_H=store_h,
-        STORE_O=store_o,
-        STORE_HT=store_final_state,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
     grid = (N, HV, triton.cdiv(V, cfg.BV))
-    if cfg.blocked:
-        precs = ("PREC_WS", "PREC_QS", "PREC_AV", "PREC_KV")
-        chunk_kda_fwd_kernel_h_blocked[grid](*args, **meta, **_blocked_meta(K, dot_precision, precs, w.device))
-    else:
-        chunk_kda_fwd_kernel_h[grid](*args, **meta, **_operands(dot_precision))
-    return o, ht, h, v_new
+    chunk_kda_fwd_kernel_h[grid](
+        w, u, kend, dec, initial_state if initial_state is not None else dummy, h if h is not None else dummy,
+        v_new, ht if ht is not None else dummy, chunk_offsets,
+        HV=HV, C=C, K=K, V=V, BV=cfg.BV, USE_H0=initial_state is not None, STORE_H=store_h,
+        STORE_HT=store_final_state, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_blocked_meta(K, dot_precision, ("PREC_WS", "PREC_KV"), w.device),
+    )
+    return ht, h, v_new
 
 
 def chunk_kda_bwd_dh(
@@ -587,49 +365,26 @@ def chunk_kda_bwd_dh(
     *,
     store_dh0: bool,
     dot_precision: str = "ieee",
-    blocked: bool | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Reverse state pass; ``blocked``, ``block_v``, ``num_warps`` and ``num_stages`` as in `chunk_kda_fwd_h`.
-    Returns ``(dv_new, dh at every chunk end, dh0 or None)``."""
+    """Reverse state pass: ``(dv_new [NC, HV, C, V], dh at every chunk end [NC, HV, K, V], dh0 or None)``;
+    ``aqk`` ``[NC, HV, C, C]``, ``do`` ``[NC, HV, C, V]``, the rest as in `chunk_kda_fwd_h`."""
     assert all(x.is_contiguous() for x in (qg, aqk, kend, dec, w, do)), "chunked inputs must be contiguous"
     NC, HV, C, K = w.shape
     V = do.shape[-1]
     N = chunk_offsets.numel() - 1
-    cfg = _launch(K, V, N * HV, dot_precision, blocked, block_v, num_warps, num_stages)
-    dv_new = torch.empty_like(do, dtype=w.dtype)  # do may be kept in its bf16/fp16 dtype (exact), dv_new not
+    cfg = _launch(K, V, N * HV, dot_precision, block_v, num_warps, num_stages)
+    dv_new = torch.empty_like(do, dtype=w.dtype)
     dhe = w.new_empty(NC, HV, K, V)
     dh0 = w.new_empty(N, HV, K, V) if store_dh0 else None
-    args = (
-        qg,
-        aqk,
-        kend,
-        dec,
-        w,
-        do,
-        dht if dht is not None else dv_new,
-        dhe,
-        dv_new,
-        dh0 if dh0 is not None else dv_new,
-        chunk_offsets,
-    )
-    meta = dict(
-        HV=HV,
-        C=C,
-        K=K,
-        V=V,
-        BV=cfg.BV,
-        USE_DHT=dht is not None,
-        STORE_DH0=store_dh0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
     grid = (N, HV, triton.cdiv(V, cfg.BV))
-    if cfg.blocked:
-        precs = ("PREC_AD", "PREC_KD", "PREC_QD", "PREC_WD")
-        chunk_kda_bwd_kernel_dh_blocked[grid](*args, **meta, **_blocked_meta(K, dot_precision, precs, w.device))
-    else:
-        chunk_kda_bwd_kernel_dh[grid](*args, **meta, **_operands(dot_precision))
+    chunk_kda_bwd_kernel_dh[grid](
+        qg, aqk, kend, dec, w, do, dht if dht is not None else dv_new, dhe, dv_new,
+        dh0 if dh0 is not None else dv_new, chunk_offsets,
+        HV=HV, C=C, K=K, V=V, BV=cfg.BV, USE_DHT=dht is not None, STORE_DH0=store_dh0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_blocked_meta(K, dot_precision, ("PREC_AD", "PREC_KD", "PREC_QD", "PREC_WD"), w.device),
+    )
     return dv_new, dhe, dh0

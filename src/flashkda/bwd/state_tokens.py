@@ -3,24 +3,24 @@
 The per-slice pass (``flashkda.bwd.state.chunk_kda_bwd_dh``) reads fp32 chunked copies that the backward prologue
 writes for one head slice at a time, so it runs once per slice with half (or a quarter) of the programs a launch
 over all heads would have: each program walks its whole sequence, so the passes take about as long per slice as
-one pass over all heads would (H200, B1-T8192-H64: 2 x ~0.6 ms per step against fla's 0.39 ms for all heads).
+one pass over all heads would.
 
 For bf16 input the forward intra kernel already writes every operand of the pass for all heads, in the token layout
 ``[B, T, HV, D]`` and bf16 (see ``flashkda.fwd.intra``): ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}`` (the
 backward's ``kend``), ``w`` and ``Γ_C`` per chunk, and with ``store_local`` the chunk-local ``Aqk`` (zero above the
-diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them
-(``FLASHKDA_BWD_DH_ALL_HEADS``) and this pass runs once, before the head slices, writing ``dv_new`` (token layout,
-bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[HV / HS, NC, HS, K, V]``: head slice by head slice like
-``Aqk``, so each slice of the backward reads its part in place, without a copy) and ``dh0``. ``dhe`` stays fp32: stored in bf16 it raised the fp64-reference error of ``dA_log``/``dt_bias``
-(sums of ``dG`` over every token) from ~0.8e-3 to 3.4e-3 on the CPU and to 1.1e-2 on an H200 in one test draw
-(2026-12-02), over the 1e-2 bound; fp32 costs 256 MiB more at B1-T8192-H64, still under fla's peak. Per chunk, walking back with ``dS`` (gradient of the state at the chunk
-end)::
+diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them with
+``disable_recompute`` (or `flashkda.bwd.recompute` rebuilds them) and this pass runs once, before the head slices,
+writing ``dv_new`` (token layout, bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[HV / HS,
+NC, HS, K, V]``: head slice by head slice like ``Aqk``, so each slice of the backward reads its part in place,
+without a copy) and ``dh0``. ``dhe`` stays fp32: in bf16 it costs ``dA_log``/``dt_bias`` (sums of ``dG`` over every
+token) the 1e-2 bound (docs/flashkda-performance.md). Per chunk, walking back with ``dS`` (gradient of the state at
+the chunk end)::
 
     dv_new = Aqk^T do + kend dS
     dS    <- Diag(e^{Γ_C}) dS + qg^T do - w^T dv_new
 
 Traffic per (chunk, head), K = V = 128: reads qg, kg, w, do (4 x 16 KiB) and Aqk (8 KiB), writes dv_new (16 KiB) and
-dhe (64 KiB); ~1.2 GB at B1-T8192-H64, ~0.3 ms at 4.1 TB/s. The chain of chunks is serial, so the pass is
+dhe (64 KiB). The chain of chunks is serial, so the pass is
 latency-bound (one program per sequence, head and V block, as the forward's blocked state pass).
 """
 
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.bwd.state import _blocked_launch, _dot, _state_tile
+from flashkda.bwd.state import _dot, _state_tile, state_launch
 from flashkda.fwd.intra import CHUNK_SIZE
 from flashkda.fwd.state import PREC_BF16, _seq_span
 from flashkda.index import ChunkIndex
@@ -198,7 +198,7 @@ def chunk_kda_bwd_dh_tokens(
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=qg.device) if store_dh0 else None
     if N == 0:
         return dv_new, dhe, dh0
-    BV, warps, stages = _blocked_launch(K, V, N * HV)
+    BV, warps, stages = state_launch(K, V, N * HV)
     BV = block_v or BV
     BKB = min(64, K)
     chunk_kda_bwd_kernel_dh_tokens[(triton.cdiv(V, BV), N, HV)](

@@ -1,4 +1,4 @@
-"""Inter-chunk stage: the state recurrence with the output fused in, one program per (V block, sequence, head).
+"""Inter-chunk stage: the state recurrence and the output, one program per (V block, sequence, head).
 
 Per chunk, with the state ``S`` (``[K, BV]``, fp32, in registers for the whole sequence)::
 
@@ -8,19 +8,15 @@ Per chunk, with the state ``S`` (``[K, BV]``, fp32, in registers for the whole s
 
 Fusing the output here means the per-chunk states never go to memory (fla writes them out, ``NT x K x V`` per
 head, and reads them back in a third kernel). Splitting V into ``BV``-wide blocks multiplies the number of
-independent programs by ``V / BV``, which is what keeps an H200 busy when there are few heads and sequences.
+independent programs by ``V / BV``, which is what keeps a GPU busy when there are few heads and sequences.
 
-Products take fp32 operands (tf32 tensor cores for half inputs): rounding the state to bf16 for ``w S`` and
-``qg S`` alone costs ~1e-3 of RMS error against fp64, a fifth of the bf16 budget.
-
+The fused kernel (``chunk_kda_fwd_kernel_state_o``) takes fp32 operands (tf32 tensor cores for half inputs).
 Traffic per (chunk, head), bf16 with K = V = 128: reads w, qg, kg, u, Aqk (74 KiB, shared by the V blocks through
 L2) and writes o (16 KiB); the chain of chunks is sequential, so short rows of work are latency-bound.
 
-Split path (``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o``), used when there are fewer fused programs
-than SMs (``prefer_split``): the serial kernel carries only ``v_new`` and ``S`` (reads w, kg, u, Γ_C) and stores the
-state at every chunk start (bf16 for half input) and ``v_new`` (fp32); the output of all chunks is then one parallel
-kernel. On the H200 this took the H32-T131072 stage from 12.9 to 9.7 ms and left H64-T8192 unchanged
-(benchmarks/kda/NOTES.md).
+Split path (``chunk_kda_fwd_kernel_h`` then ``chunk_kda_fwd_kernel_o``; `prefer_split` chooses): the serial kernel
+carries only ``v_new`` and ``S`` (reads w, kg, u, Γ_C) as up to four 64-row state tiles and stores the state at
+every chunk start (bf16 for bf16 input) and ``v_new``; the output of all chunks is then one parallel kernel.
 """
 
 import torch
@@ -133,81 +129,6 @@ def chunk_kda_fwd_kernel_state_o(
         tl.store(ht + i_s + o_s, b_S, mask=m_kv)
 
 
-@triton.jit
-def _bf16_split(b_x, EMULATE: tl.constexpr):
-    """``x = hi + lo`` with both parts bf16 (16 significant bits together); fp32-held bf16 values on the
-    interpreter, whose bf16 products are not reliable."""
-    return _operand(b_x, 2, EMULATE)  # 2: PREC_HILO
-
-
-@triton.jit
-def _mma(b_a, b_b, HILO: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``a @ b`` with fp32 accumulation, ``a`` holding bf16 values (w, kg as stored) and ``b`` fp32.
-
-    ``HILO``: two bf16 tensor-core products over the hi/lo split of ``b`` (16 significant bits, more than tf32's
-    11, at half of tf32's operand bytes and twice its rate); otherwise one product with fp32 operands at
-    ``DOT_PREC``.
-    """
-    if HILO:
-        b_hi, b_lo = _bf16_split(b_b, EMULATE)
-        if EMULATE:
-            b_a = b_a.to(tl.float32)
-            return (tl.dot(b_a, b_hi, input_precision="ieee")
-                    + tl.dot(b_a, b_lo, input_precision="ieee"))
-        b_a = b_a.to(tl.bfloat16)
-        return tl.dot(b_a, b_lo, tl.dot(b_a, b_hi))
-    return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), input_precision=DOT_PREC)
-
-
-@triton.jit(do_not_specialize=["T"])
-def chunk_kda_fwd_kernel_h(
-    w, u, kg, gC, h, vn, h0, ht, cu_seqlens, chunk_offsets,
-    T, NTS, PROGRAMS,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HILO: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """State-only recurrence, one program per (V block, sequence, head): per chunk it stores the state at the chunk
-    start ``h`` and ``v_new = u - w S``, then ``S = Diag(e^{Γ_C}) S + kgᵀ v_new``. Only w, kg, u and Γ_C are read
-    per step (no qg, Aqk or o), so the serial chain carries two products."""
-    i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # [BK, BV] state tile
-    bos, eos, c0, o_s, i_s, b_S = _seq_start(i_n, i_v, i_hv, h0, cu_seqlens, chunk_offsets, T, NTS, HV, K, V, BK,
-                                             BV, USE_INITIAL_STATE, STATE_V_FIRST, IS_VARLEN)
-    NT = tl.cdiv(eos - bos, BT)
-    o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-
-    Tn = (eos - bos).to(tl.int32)
-    w_h = w + (bos * HV + i_hv) * K
-    kg_h = kg + (bos * HV + i_hv) * K
-    u_h = u + (bos * HV + i_hv) * V
-    vn_h = vn + (bos * HV + i_hv) * V
-    h_h = h + (c0 * HV + i_hv) * K * V
-    gC_c = gC + (c0 * HV + i_hv) * K
-    o_hs = o_k[:, None] * V + o_v[None, :]
-    for i_t in range(0, NT):
-        o_t = i_t * BT + o_c
-        m_t = o_t < Tn
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        # loads depend on i_t only, so the pipeliner may issue them a chunk ahead (num_stages > 1)
-        b_w = tl.load(w_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
-        b_kg = tl.load(kg_h + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
-        b_u = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
-        b_gC = tl.load(gC_c + i_t * (HV * K) + o_k, mask=m_k, other=0.0)
-        tl.store(h_h + i_t * (HV * K * V) + o_hs, cast_for_store(b_S, h.dtype.element_ty), mask=m_kv)
-        # [BT, BV]
-        b_vn = b_u.to(tl.float32) - _mma(b_w, b_S, HILO, EMULATE, DOT_PREC)
-        tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], cast_for_store(b_vn, vn.dtype.element_ty), mask=m_tv)
-        # [BK, BV]
-        b_S = b_S * tl.exp(b_gC)[:, None] + _mma(tl.trans(b_kg), b_vn, HILO, EMULATE, DOT_PREC)
-
-    if STORE_FINAL_STATE:
-        tl.store(ht + i_s + o_s, b_S, mask=m_kv)
-
-
 #: Operand precisions of the blocked state pass's two chain products (``PREC_WS`` for ``w S``, ``PREC_KV`` for
 #: ``kgᵀ v_new``): the left operand (w, kg) is exact in its stored dtype; the right one (S, v_new) is fp32 and goes in
 #: exactly (``IEEE``), as tf32 (``TF32``, 11 significant bits), as the sum of two bf16 products over its hi/lo split
@@ -304,7 +225,7 @@ def _update_block(kg_t, gC_t, b_S, b_hi, b_lo, o_t, m_t, o_k, HV: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def chunk_kda_fwd_kernel_h_blocked(
+def chunk_kda_fwd_kernel_h(
     w, u, kg, gC, h, vn, h0, ht, cu_seqlens, chunk_offsets,
     T, NTS, PROGRAMS,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr,
@@ -312,8 +233,9 @@ def chunk_kda_fwd_kernel_h_blocked(
     STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr, PREC_WS: tl.constexpr, PREC_KV: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """``chunk_kda_fwd_kernel_h`` with the ``[K, BV]`` state held as ``NKB`` (1-4) separate ``[BKB, BV]`` tiles:
-    each chain product is a sum over (or a set of) products on 64-row blocks, and kg's blocks are loaded
+    """State-only recurrence: per chunk it stores the state at the chunk start ``h`` and ``v_new = u - w S``, then
+    ``S = Diag(e^{Γ_C}) S + kgᵀ v_new``. The ``[K, BV]`` state is held as ``NKB`` (1-4) separate ``[BKB, BV]``
+    tiles: each chain product is a sum over (or a set of) products on 64-row blocks, and kg's blocks are loaded
     transposed rather than transposed in registers. Operand precisions per product: ``PREC_*`` above."""
     i_v, i_n, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, c0 = _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
@@ -389,8 +311,8 @@ def chunk_kda_fwd_kernel_o(
     """Output of every chunk in parallel, one program per (V block, chunk, head): ``o = qg h + Aqk v_new`` (h and
     v_new as stored). The products take fp32 operands at ``DOT_PREC``, or with ``HILO`` (only for ``HALF_IN``: qg,
     Aqk, v_new and h all stored bf16) one bf16 product each, on the tensor cores' 16-bit path, which takes either
-    operand layout. (A hi/lo split of fp32 v_new in bf16 products was offered until 2026-12-03: Triton 3.6 compiled
-    it wrong on an H200 at 4 warps, relative error 1e-2 to 1e-1 at BV:BK 64:64, 128:64, 32:64; see NOTES.md.)"""
+    operand layout. (A hi/lo split of fp32 v_new is not offered: Triton 3.6 compiled it wrong, see
+    docs/flashkda-performance.md.)"""
     tl.static_assert(HALF_IN or not HILO, "HILO products need bf16 qg, Aqk and v_new (HALF_IN)")
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
@@ -427,10 +349,8 @@ def chunk_kda_fwd_kernel_o(
              cast_for_store(b_o, o.dtype.element_ty), mask=m_tv)
 
 
-#: Tile configurations tried on first use of each shape class on a GPU (V tile, warps, pipeline stages); the choice
-#: depends on how many (sequence, head) programs there are, hence the PROGRAMS key. Measured at H64-T8192
-#: (benchmarks/kda/NOTES.md): 2 stages, a register prefetch of the next chunk and a bf16 hi/lo split of the chain
-#: products were all slower or failed, so none of them is offered.
+#: Fused state/output configurations the autotuner tries on a GPU (V tile, warps, pipeline stages); the choice
+#: depends on how many (sequence, head) programs there are, hence the PROGRAMS key.
 STATE_CONFIGS = [(16, 4, 1), (32, 4, 1), (64, 8, 1)]
 chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS],
@@ -438,33 +358,15 @@ chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
 )(chunk_kda_fwd_kernel_state_o)
 
 
-#: State-only recurrence configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU. Measured at
-#: H64-T8192 / H32-T131072 (NOTES.md, tf32 chain): 32:4:2 best at both (1.051 / 9.72 ms with the output kernel),
-#: 32:4:1 1.099, 64:4:2 1.168, 16:4:2 1.362 / 10.78, 64:8:2 1.128.
-H_CONFIGS = [(32, 4, 2), (64, 8, 2), (16, 4, 2)]
-#: With the hi/lo bf16 chain products one pipeline stage crashed (CUDA illegal memory access, Triton 3.6, H200), so
-#: only pipelined configurations are offered or accepted for it.
-HILO_MIN_STAGES = 2
-chunk_kda_fwd_kernel_h_tuned = triton.autotune(
-    configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in H_CONFIGS],
-    key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "HILO", "DOT_PREC"],
-)(chunk_kda_fwd_kernel_h)
-#: Blocked state pass configurations (V tile, warps, pipeline stages) the autotuner tries on a GPU. Measured with
-#: the output kernel (2026-12-01 06:30 UTC): best 64:4:3 at H64-T8192 (0.950 ms) and H64-T32768, 32:4:3 at H12-T8192
-#: (0.394) and H32-T131072 (7.99); 2 warps (up to 2.1x slower) and 64:8:2 (1.213) were dropped.
+#: State-only pass configurations the autotuner tries on a GPU (V tile, warps, pipeline stages).
 HB_CONFIGS = [(32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 4, 3)]
-chunk_kda_fwd_kernel_h_blocked_tuned = triton.autotune(
+chunk_kda_fwd_kernel_h_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in HB_CONFIGS],
     key=["PROGRAMS", "HV", "K", "V", "IS_VARLEN", "STATE_V_FIRST", "PREC_WS", "PREC_KV"],
-)(chunk_kda_fwd_kernel_h_blocked)
-#: Largest key dimension the blocked pass holds (four 64-row tiles); wider keys use ``chunk_kda_fwd_kernel_h``.
-BLOCKED_MAX_K = 256
-#: Operand precisions of the blocked pass for bf16 input: (``w S``, ``kgᵀ v_new``). Measured on the CPU against fp64
-#: with round-to-nearest emulation (bf16, T = 300, K = V = 128, three gate kinds): the state rounded to bf16 in
-#: ``w S`` leaves o and the final state unchanged (3.2e-3); v_new rounded to bf16 in ``kgᵀ v_new`` raises the final
-#: state's error to 3.4-3.8e-3 (and to ~6e-3 with the interpreter's truncating casts, which first decided this), so
-#: v_new goes in as its hi/lo split: three bf16 products per 64-row block and step (fla takes two), 2.5% slower than
-#: both rounded on the H200 (0.997 vs 0.972 ms with the output kernel, 06:29 UTC), for 1/4 more of the budget left.
+)(chunk_kda_fwd_kernel_h)
+#: Operand precisions of the state-only pass for bf16 input (``w S``, ``kgᵀ v_new``): the state rounded to bf16 in
+#: ``w S`` costs no accuracy, v_new goes in as its hi/lo split (rounded to bf16 it raised the final state's error by
+#: ~0.5e-3; docs/flashkda-performance.md).
 HALF_PRECS = (PREC_BF16, PREC_HILO)
 #: Output-kernel configurations (V tile, K slice, warps).
 O_CONFIGS = [(64, 64, 4), (64, 64, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (32, 64, 4)]
@@ -490,28 +392,24 @@ def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
 
 def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_state, state_v_first, index,
                           out_dtype, dot_prec, output_h=False, block_v=None, out=None, final_state=None,
-                          num_warps=4, num_stages=1, split=None, o_config=None, hilo=False, blocked=None,
-                          precs=None, o_hilo=None, states_out=None):
+                          num_warps=4, num_stages=1, split=None, o_config=None, precs=None, o_hilo=None,
+                          states_out=None):
     """State recurrence and output from the intra stage's tensors.
 
     Args:
-        w, kg: ``[B, T, HV, K]`` (work dtype); u: ``[B, T, HV, V]`` fp32; qg: ``[B, T, HV, K]`` fp32; Aqk:
-            ``[B, T, HV, 64]`` fp32 (lower triangle); gC: ``[NC, HV, K]`` fp32 chunk gate sums.
+        w, kg, qg, u: ``[B, T, HV, K]`` / ``[B, T, HV, V]`` in the work dtype (``u`` may be fp32); Aqk:
+            ``[B, T, HV, 64]`` (lower triangle); gC: ``[NC, HV, K]`` fp32 chunk gate sums.
         initial_state, output_final_state, state_v_first: as in ``flashkda.chunk_kda``.
         index: ``ChunkIndex`` of the batch. out_dtype: dtype of ``o``. dot_prec: ``"ieee"`` or ``"tf32"``.
         output_h: also return the fp32 states at chunk starts (fused kernel only).
         block_v, num_warps, num_stages: force one configuration of the recurrence kernel (None: autotuned on a
             GPU, a picked V tile on the interpreter).
         out, final_state: optional preallocated outputs.
-        split: True runs the state-only recurrence (states stored bf16 for half input) and a parallel output
-            kernel; False the fused recurrence with the output inside. None: ``prefer_split`` unless ``output_h``.
-        o_config: ``(BV, BK, warps[, stages])`` forced for the output kernel of the split path (None: autotuned on
-            a GPU). o_hilo: its products as bf16 hi/lo splits (only with bf16 h; None: autotuned with the tiles).
-        hilo: split path with bf16 ``w``/``kg`` and the flat (``blocked=False``) state pass: the chain products as
-            two bf16 products over a hi/lo split of the fp32 state and v_new instead of one tf32 product.
-        blocked: split path's state pass on 64-row state tiles (``chunk_kda_fwd_kernel_h_blocked``); None: when
-            ``K <= BLOCKED_MAX_K`` and not ``hilo``.
-        precs: ``(PREC_WS, PREC_KV)`` of the blocked pass (None: ``HALF_PRECS`` for bf16, tf32 for fp16, exact
+        split: True runs the state-only pass (`state_pass`, states stored bf16 for bf16 input) and the parallel
+            output kernel (`state_output`); False the fused recurrence with the output inside. None:
+            `prefer_split` unless ``output_h``.
+        o_config, o_hilo: force the output kernel's tiles and products (see `state_output`).
+        precs: ``(PREC_WS, PREC_KV)`` of the state-only pass (None: ``HALF_PRECS`` for bf16, tf32 for fp16, exact
             for fp32 input).
         states_out: a list that receives ``(h, v_new)`` of the split path (``h`` ``[NC, HV, K, V]`` and ``v_new``
             ``[B, T, HV, V]`` in their stored dtypes, bf16 for bf16 input) for the training backward; left empty
@@ -535,14 +433,11 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
         return o, ht, h
     BK = max(16, triton.next_power_of_2(K))
     if split:
-        if hilo and block_v is not None and num_stages < HILO_MIN_STAGES:
-            raise ValueError(f"num_stages: the hi/lo chain products need >= {HILO_MIN_STAGES} pipeline stages "
-                             f"(one stage crashed on the device), got {num_stages}")
         if output_h:
             raise ValueError("output_h: the split state path keeps its states in its own dtype; use split=False")
-        states = _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK,
-                              block_v, num_warps, num_stages, o_config, hilo and w.dtype == torch.bfloat16, blocked,
-                              precs, o_hilo)
+        states = state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, block_v, num_warps,
+                            num_stages, precs)
+        state_output(qg, Aqk, *states, o, index, dot_prec, BK, o_config, o_hilo)
         if states_out is not None:
             states_out.extend(states)
         return o, ht, h
@@ -562,28 +457,16 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
 
 
 def prefer_split(programs_per_block: int, V: int, w: torch.Tensor, dot_prec: str = "ieee") -> bool:
-    """Split (state-only recurrence + parallel output kernel) for bf16 input with the blocked state pass (K <= 256),
-    otherwise when the fused recurrence would have fewer 32-wide programs than SMs, i.e. when the serial chain, not
-    the per-chunk work, sets the time.
-
-    Blocked split vs fused on the H200 (2026-12-01 06:30 UTC, benchmarks/kda/state_round.sh): H64-T8192 0.950 vs
-    1.031 ms, H64-T32768 3.48 vs ~3.96 (00:00 UTC run), and at few programs H12-T8192 0.394 vs flat split 0.510,
-    H32-T131072 7.99 vs flat split 9.67.
-
-    Measured on the H200 (NOTES.md): H32-T131072 (128 programs) fused 12.94 ms vs split 9.72 ms; H64-T8192 (256
-    programs) fused 1.035 vs split 1.051 ms, where the fused stage also keeps no per-chunk states in memory. The
-    interpreter (CPU tensors) always splits, so the CPU suite runs the split path everywhere (the fused one in its
-    forced-configuration tests).
-
-    fp16 input (fp32 work tensors with tf32 products) keeps the fused path on CUDA: with the split path its fp64
-    GPU case (T300-H1-HV2-K256-V64-float16-bounded-noA) failed on the H200 (2026-12-01 02:13 UTC, h then stored
-    bf16); h is fp32 for fp16 input since, but that is not verified on a device.
-    """
+    """Whether the state stage runs split (state-only pass + parallel output kernel) rather than fused: always for
+    bf16 input and on the interpreter (CPU tensors, so the CPU suite runs the split path everywhere and the fused
+    one in its forced-configuration tests); never for fp16 input (fp32 work tensors with tf32 products); for fp32
+    input when the fused recurrence would have fewer 32-wide programs than SMs, i.e. when the serial chain, not the
+    per-chunk work, sets the time. (Measurements: docs/flashkda-performance.md.)"""
     if not w.is_cuda:
         return True
     if w.dtype == torch.float32 and dot_prec != "ieee":
         return False
-    if w.dtype == torch.bfloat16 and w.shape[-1] <= BLOCKED_MAX_K:
+    if w.dtype == torch.bfloat16:
         return True
     num_sms = torch.cuda.get_device_properties(w.device).multi_processor_count
     return programs_per_block * triton.cdiv(V, 32) < num_sms
@@ -594,87 +477,52 @@ def _default_block_v(V, programs_per_block, w):
     return pick_block_v(V, programs_per_block, num_sms)
 
 
-def _state_split(w, u, qg, kg, Aqk, gC, o, initial_state, ht, state_v_first, index, dot_prec, BK, block_v,
-                 num_warps, num_stages, o_config, hilo, blocked=None, precs=None, o_hilo=None):
-    """The split path: the state-only pass (`state_pass`) then ``chunk_kda_fwd_kernel_o`` (`state_output`).
+def state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, block_v=None, num_warps=4,
+               num_stages=1, precs=None):
+    """The state-only recurrence (``chunk_kda_fwd_kernel_h``): the state at every chunk start and ``v_new``,
+    without the output (the split path's first kernel; the training backward also runs it to recompute the states
+    of all heads at once).
 
-    Returns ``(h, v_new)`` as stored (``[NC, HV, K, V]``, ``[B, T, HV, V]``).
-    """
-    h, vn = state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, BK, block_v, num_warps,
-                       num_stages, hilo, blocked, precs)
-    state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config, o_hilo)
-    return h, vn
-
-
-def state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, BK=None, block_v=None, num_warps=4,
-               num_stages=1, hilo=False, blocked=None, precs=None):
-    """The state-only recurrence (``chunk_kda_fwd_kernel_h_blocked``, or ``chunk_kda_fwd_kernel_h`` with
-    ``blocked=False``): the state at every chunk start and ``v_new``, without the output (the split path's first
-    kernel; the training backward also runs it to recompute the states of all heads at once).
-
-    bf16 input: h is stored bf16 (only ``qg h`` reads it: +0.4e-3 RMS error on o); v_new is stored in u's dtype,
-    bf16 by default (``flashkda.fwd.intra.bf16_intermediates_enabled``: o's fp64-gate error 3.1e-3 on an H200,
-    budget 5e-3; the CPU numbers that once kept it fp32 came from the interpreter's truncating casts). Inside the
-    recurrence v_new stays fp32 in registers and enters ``kgᵀ v_new`` as a bf16 hi/lo split (bf16 there raised
-    the final-state error by ~0.7e-3). fp32 input keeps fp32 everywhere with exact products.
+    bf16 input: h is stored bf16 (only ``qg h`` reads it); v_new is stored in u's dtype. Inside the recurrence v_new
+    stays fp32 in registers and enters ``kgᵀ v_new`` as a bf16 hi/lo split (`HALF_PRECS`). fp16 input keeps fp32 w,
+    kg and h with tf32 products; fp32 input fp32 everywhere with exact products.
 
     Args:
         w, kg: ``[B, T, HV, K]``; u: ``[B, T, HV, V]``; gC: ``[NC, HV, K]`` fp32 (as the intra stage writes them).
         initial_state, ht: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None; ``ht`` receives
             the final states.
-        index: ``ChunkIndex`` of the batch. dot_prec: ``"ieee"`` or ``"tf32"``. BK: padded K (None: derived).
-        block_v, num_warps, num_stages, hilo, blocked, precs: as in `chunk_kda_fwd_state_o`.
+        index: ``ChunkIndex`` of the batch. dot_prec: ``"ieee"`` or ``"tf32"``.
+        block_v, num_warps, num_stages, precs: as in `chunk_kda_fwd_state_o`.
 
     Returns ``(h, v_new)`` as stored (``[NC, HV, K, V]``, ``[B, T, HV, V]``).
     """
     B, T, HV, K = w.shape
     V = u.shape[-1]
     N = index.num_seqs
-    BK = BK or max(16, triton.next_power_of_2(K))
-    half = dot_prec != "ieee"
-    h_dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32  # fp16 input: fp32 h (see prefer_split)
+    h_dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
     h = torch.empty(index.num_chunks, HV, K, V, dtype=h_dtype, device=w.device)
-    vn = torch.empty(B, T, HV, V, dtype=u.dtype, device=w.device)  # bf16 only with bf16 intermediates
+    vn = torch.empty(B, T, HV, V, dtype=u.dtype, device=w.device)
     if N == 0:
         return h, vn
-    args = (w, u, kg, gC, h, vn, initial_state, ht, index.cu_seqlens, index.chunk_offsets, T, index.chunks_per_seq,
-            N * HV)
-    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, USE_INITIAL_STATE=initial_state is not None,
-                STORE_FINAL_STATE=ht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen,
-                HILO=half and hilo, EMULATE=not w.is_cuda, DOT_PREC=dot_prec)
-    if blocked is None:
-        blocked = K <= BLOCKED_MAX_K and not hilo
-    if blocked:
-        _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_stages)
-    elif w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
-        grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), N, HV)  # noqa: E731
-        chunk_kda_fwd_kernel_h_tuned[grid](*args, **meta)
-    else:
-        block_v = block_v or _default_block_v(V, N * HV, w)
-        chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
-                                                                    num_stages=num_stages)
-    return h, vn
-
-
-def _blocked_h(args, meta, precs, half, w, K, V, N, HV, block_v, num_warps, num_stages):
-    """Launches ``chunk_kda_fwd_kernel_h_blocked`` with ``_state_split``'s arguments (``meta`` without the flat
-    kernel's ``BK``/``HILO``/``DOT_PREC``)."""
-    if precs is None and not half:
+    if precs is None and dot_prec == "ieee":
         precs = (PREC_IEEE, PREC_IEEE)
     elif precs is None:
         # fp16 input has fp32 w/kg (bf16 would round them), so its products stay tf32
         precs = HALF_PRECS if w.dtype == torch.bfloat16 else (PREC_TF32, PREC_TF32)
     BKB = min(64, max(16, triton.next_power_of_2(K)))
-    meta = {k: x for k, x in meta.items() if k not in ("BK", "HILO", "DOT_PREC")}
-    meta.update(BKB=BKB, NKB=triton.cdiv(K, BKB), PREC_WS=precs[0], PREC_KV=precs[1])
+    args = (w, u, kg, gC, h, vn, initial_state, ht, index.cu_seqlens, index.chunk_offsets, T, index.chunks_per_seq,
+            N * HV)
+    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, USE_INITIAL_STATE=initial_state is not None,
+                STORE_FINAL_STATE=ht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen,
+                EMULATE=not w.is_cuda, BKB=BKB, NKB=triton.cdiv(K, BKB), PREC_WS=precs[0], PREC_KV=precs[1])
     if w.is_cuda and block_v is None and triton.next_power_of_2(V) >= 64:
         grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), N, HV)  # noqa: E731
-        chunk_kda_fwd_kernel_h_blocked_tuned[grid](*args, **meta)
+        chunk_kda_fwd_kernel_h_tuned[grid](*args, **meta)
     else:
         block_v = block_v or _default_block_v(V, N * HV, w)
-        chunk_kda_fwd_kernel_h_blocked[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta,
-                                                                          num_warps=num_warps,
-                                                                          num_stages=num_stages)
+        chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
+                                                                  num_stages=num_stages)
+    return h, vn
 
 
 def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None, o_hilo=None):
