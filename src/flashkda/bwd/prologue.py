@@ -142,14 +142,7 @@ def chunk_kda_prologue_bwd_kernel_vgb(
 ):
     i_c, i_s = tl.program_id(0), tl.program_id(1)
     i_hv = hv0 + i_s
-    o_s = tl.arange(0, C)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, BV)
-    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
-    m_t = b_tok >= 0
-    b_tok = tl.where(m_t, b_tok, 0)
-    m_tk = m_t[:, None] & (o_k[None, :] < K)
-    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    o_s, o_k, o_v, b_tok, m_t, m_tk, m_tv = chunk_slots(tok, i_c, C, K, V, BV)
     in_k = (i_c.to(tl.int64) * HVS + i_s) * C * K + o_s[:, None] * K + o_k[None, :]
     in_v = (i_c.to(tl.int64) * HVS + i_s) * C * V + o_s[:, None] * V + o_v[None, :]
     b_dv = tl.load(dvc + in_v, mask=o_v[None, :] < V, other=0.0)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from flashkda.fwd.state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
+from flashkda.rounding import cast_for_store
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
 
@@ -73,6 +74,55 @@ def _state_tile(p, m, BKB: tl.constexpr, BV: tl.constexpr, LOAD: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(i_v, V: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr):
+    """Offsets of a program's state tiles: ``o_v`` ``[BV]`` (its V block), the row offsets ``o_k1`` .. ``o_k4``
+    ``[BKB]`` of tiles 1..4, and the offsets ``o_s`` and mask ``m_s`` ``[BKB, BV]`` of tile 1 in one head's
+    ``[K, V]`` state (tile j sits at ``o_s + (j - 1) BKB V``)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_k1 = tl.arange(0, BKB)
+    o_s = o_k1[:, None] * V + o_v[None, :]
+    m_s = (o_k1[:, None] < BKB) & (o_v < V)[None, :]
+    return o_v, o_k1, BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1, o_s, m_s
+
+
+@triton.jit
+def _state_tiles(p, m, V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr, LOAD: tl.constexpr):
+    """Tiles 1..4 (``[BKB, BV]`` fp32) of the state at ``p`` (tile j at ``p + (j - 1) BKB V``, masked by ``m``);
+    zeros without ``LOAD`` and past ``NKB`` (where the kernels never read them)."""
+    return (_state_tile(p, m, BKB, BV, LOAD), _state_tile(p + BKB * V, m, BKB, BV, LOAD and NKB > 1),
+            _state_tile(p + 2 * BKB * V, m, BKB, BV, LOAD and NKB > 2),
+            _state_tile(p + 3 * BKB * V, m, BKB, BV, LOAD and NKB > 3))
+
+
+@triton.jit
+def store_state_tiles(p, b_1, b_2, b_3, b_4, m, V: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr):
+    """Stores the first ``NKB`` tiles where `_state_tiles` reads them, cast to ``p``'s dtype (`cast_for_store`)."""
+    tl.store(p, cast_for_store(b_1, p.dtype.element_ty), mask=m)
+    if NKB > 1:
+        tl.store(p + BKB * V, cast_for_store(b_2, p.dtype.element_ty), mask=m)
+    if NKB > 2:
+        tl.store(p + 2 * BKB * V, cast_for_store(b_3, p.dtype.element_ty), mask=m)
+    if NKB > 3:
+        tl.store(p + 3 * BKB * V, cast_for_store(b_4, p.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _program(chunk_offsets, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+             BKB: tl.constexpr):
+    """This program's (sequence, value head, V block) of a chunked state pass: the head ``i_h``, the sequence's
+    chunk range ``[c_start, c_end)``, the offset ``i_s`` of its ``[K, V]`` state, the chunk rows ``o_c`` and the
+    ``[C, BV]`` mask ``m_cv``, then `_tile_offsets`."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
+    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
+    o_c = tl.arange(0, C)
+    o_v, o_k1, o_k2, o_k3, o_k4, o_s, m_s = _tile_offsets(i_v, V, BV, BKB)
+    m_cv = (o_c[:, None] < C) & (o_v < V)[None, :]
+    i_s = (i_n * HV + i_h).to(tl.int64) * K * V
+    return i_h, c_start, c_end, i_s, o_c, m_cv, o_v, o_k1, o_k2, o_k3, o_k4, o_s, m_s
+
+
+@triton.jit
 def chunk_kda_fwd_kernel_h(
     w,
     u,
@@ -101,39 +151,16 @@ def chunk_kda_fwd_kernel_h(
     product per tile, the state update one product per tile with ``kend`` read transposed. ``PREC_*``: operand
     precision (see ``_dot``) of ``w S`` and ``kend^T v_new``."""
     tl.static_assert(NKB * BKB == K and NKB <= 4)
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
-    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
-    o_c = tl.arange(0, C)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_cv = (o_c[:, None] < C) & (o_v < V)[None, :]
-    o_k1 = tl.arange(0, BKB)
-    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
-    # tile j of a head's [K, V] state sits at o_s + (j - 1) * BKB * V
-    o_s = o_k1[:, None] * V + o_v[None, :]
-    m_s = (o_k1[:, None] < BKB) & (o_v < V)[None, :]
-    i_s = (i_n * HV + i_h).to(tl.int64) * K * V
+    i_h, c_start, c_end, i_s, o_c, m_cv, o_v, o_k1, o_k2, o_k3, o_k4, o_s, m_s = _program(chunk_offsets, HV, C, K, V,
+                                                                                          BV, BKB)
     # [BKB, BV] x NKB
-    b_h1 = _state_tile(h0 + i_s + o_s, m_s, BKB, BV, USE_H0)
-    if NKB > 1:
-        b_h2 = _state_tile(h0 + i_s + BKB * V + o_s, m_s, BKB, BV, USE_H0)
-    if NKB > 2:
-        b_h3 = _state_tile(h0 + i_s + 2 * BKB * V + o_s, m_s, BKB, BV, USE_H0)
-    if NKB > 3:
-        b_h4 = _state_tile(h0 + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_H0)
+    b_h1, b_h2, b_h3, b_h4 = _state_tiles(h0 + i_s + o_s, m_s, V, BKB, BV, NKB, USE_H0)
     for i_c in range(c_start, c_end):
         i_ch = i_c * HV + i_h
         w_c, ke_c, d_c = w + i_ch * C * K, kend + i_ch * C * K, dec + i_ch * K
         o_cv = i_ch * C * V + o_c[:, None] * V + o_v[None, :]
         if STORE_H:
-            h_c = h + i_ch * K * V + o_s
-            tl.store(h_c, b_h1.to(h.dtype.element_ty), mask=m_s)
-            if NKB > 1:
-                tl.store(h_c + BKB * V, b_h2.to(h.dtype.element_ty), mask=m_s)
-            if NKB > 2:
-                tl.store(h_c + 2 * BKB * V, b_h3.to(h.dtype.element_ty), mask=m_s)
-            if NKB > 3:
-                tl.store(h_c + 3 * BKB * V, b_h4.to(h.dtype.element_ty), mask=m_s)
+            store_state_tiles(h + i_ch * K * V + o_s, b_h1, b_h2, b_h3, b_h4, m_s, V, BKB, NKB)
         # [C, BV]
         b_ws = _dot(_ck(w_c, o_c, o_k1, K), b_h1, tl.zeros([C, BV], dtype=tl.float32), PREC_WS, EMULATE)
         if NKB > 1:
@@ -153,14 +180,7 @@ def chunk_kda_fwd_kernel_h(
         if NKB > 3:
             b_h4 = _dot(_kc(ke_c, o_c, o_k4, K), b_vn, b_h4 * tl.load(d_c + o_k4)[:, None], PREC_KV, EMULATE)
     if STORE_HT:
-        ht_n = ht + i_s + o_s
-        tl.store(ht_n, b_h1.to(ht.dtype.element_ty), mask=m_s)
-        if NKB > 1:
-            tl.store(ht_n + BKB * V, b_h2.to(ht.dtype.element_ty), mask=m_s)
-        if NKB > 2:
-            tl.store(ht_n + 2 * BKB * V, b_h3.to(ht.dtype.element_ty), mask=m_s)
-        if NKB > 3:
-            tl.store(ht_n + 3 * BKB * V, b_h4.to(ht.dtype.element_ty), mask=m_s)
+        store_state_tiles(ht + i_s + o_s, b_h1, b_h2, b_h3, b_h4, m_s, V, BKB, NKB)
 
 
 @triton.jit
@@ -196,38 +216,15 @@ def chunk_kda_bwd_kernel_dh(
     reads ``Aqk`` transposed. ``PREC_*``: operand precision (see ``_dot``) of ``Aqk^T do``, ``kend dS``, ``qg^T do``
     and ``w^T dv_new``."""
     tl.static_assert(NKB * BKB == K and NKB <= 4)
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c_start = tl.load(chunk_offsets + i_n).to(tl.int64)
-    c_end = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
-    o_c = tl.arange(0, C)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_cv = (o_c[:, None] < C) & (o_v < V)[None, :]
-    o_k1 = tl.arange(0, BKB)
-    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
-    # tile j of a head's [K, V] state gradient sits at o_s + (j - 1) * BKB * V
-    o_s = o_k1[:, None] * V + o_v[None, :]
-    m_s = (o_k1[:, None] < BKB) & (o_v < V)[None, :]
-    i_s = (i_n * HV + i_h).to(tl.int64) * K * V
+    i_h, c_start, c_end, i_s, o_c, m_cv, o_v, o_k1, o_k2, o_k3, o_k4, o_s, m_s = _program(chunk_offsets, HV, C, K, V,
+                                                                                          BV, BKB)
     # [BKB, BV] x NKB: gradient w.r.t. the state at the end of the current chunk
-    b_dh1 = _state_tile(dht + i_s + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 1:
-        b_dh2 = _state_tile(dht + i_s + BKB * V + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 2:
-        b_dh3 = _state_tile(dht + i_s + 2 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 3:
-        b_dh4 = _state_tile(dht + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
+    b_dh1, b_dh2, b_dh3, b_dh4 = _state_tiles(dht + i_s + o_s, m_s, V, BKB, BV, NKB, USE_DHT)
     for i_r in range(0, c_end - c_start):
         i_ch = (c_end - 1 - i_r) * HV + i_h
         w_c, qg_c, ke_c, d_c = w + i_ch * C * K, qg + i_ch * C * K, kend + i_ch * C * K, dec + i_ch * K
         o_cv = i_ch * C * V + o_c[:, None] * V + o_v[None, :]
-        dhe_c = dhe + i_ch * K * V + o_s
-        tl.store(dhe_c, b_dh1.to(dhe.dtype.element_ty), mask=m_s)
-        if NKB > 1:
-            tl.store(dhe_c + BKB * V, b_dh2.to(dhe.dtype.element_ty), mask=m_s)
-        if NKB > 2:
-            tl.store(dhe_c + 2 * BKB * V, b_dh3.to(dhe.dtype.element_ty), mask=m_s)
-        if NKB > 3:
-            tl.store(dhe_c + 3 * BKB * V, b_dh4.to(dhe.dtype.element_ty), mask=m_s)
+        store_state_tiles(dhe + i_ch * K * V + o_s, b_dh1, b_dh2, b_dh3, b_dh4, m_s, V, BKB, NKB)
         # [C, BV], [C, C] (Aqk^T)
         b_do = tl.load(do + o_cv, mask=m_cv, other=0.0).to(tl.float32)
         b_at = tl.load(aqk + i_ch * C * C + o_c[:, None] + o_c[None, :] * C).to(tl.float32)
@@ -255,14 +252,7 @@ def chunk_kda_bwd_kernel_dh(
             b_dh4 = _dot(_kc(qg_c, o_c, o_k4, K), b_do, b_dh4 * tl.load(d_c + o_k4)[:, None], PREC_QD, EMULATE)
             b_dh4 = _dot(_kc(w_c, o_c, o_k4, K), b_ndvn, b_dh4, PREC_WD, EMULATE)
     if STORE_DH0:
-        dh0_n = dh0 + i_s + o_s
-        tl.store(dh0_n, b_dh1.to(dh0.dtype.element_ty), mask=m_s)
-        if NKB > 1:
-            tl.store(dh0_n + BKB * V, b_dh2.to(dh0.dtype.element_ty), mask=m_s)
-        if NKB > 2:
-            tl.store(dh0_n + 2 * BKB * V, b_dh3.to(dh0.dtype.element_ty), mask=m_s)
-        if NKB > 3:
-            tl.store(dh0_n + 3 * BKB * V, b_dh4.to(dh0.dtype.element_ty), mask=m_s)
+        store_state_tiles(dh0 + i_s + o_s, b_dh1, b_dh2, b_dh3, b_dh4, m_s, V, BKB, NKB)
 
 
 # Operand precision of every product per caller precision: "tf32" marks a bf16/fp16 caller, whose state-pass

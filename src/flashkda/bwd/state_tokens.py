@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.bwd.state import _dot, _state_tile, state_launch
+from flashkda.bwd.state import _dot, _state_tiles, _tile_offsets, state_launch, store_state_tiles
 from flashkda.fwd.intra import CHUNK_SIZE
 from flashkda.fwd.state import PREC_BF16, _seq_span
 from flashkda.index import ChunkIndex
@@ -77,22 +77,12 @@ def chunk_kda_bwd_kernel_dh_tokens(
     bos, eos, c0 = _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
     Tn = (eos - bos).to(tl.int32)
-    o_c, o_v = tl.arange(0, BT), i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BT)
+    o_v, o_k1, o_k2, o_k3, o_k4, o_s, m_s = _tile_offsets(i_v, V, BV, BKB)
     m_v = o_v < V
-    o_k1 = tl.arange(0, BKB)
-    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
-    # tile j of a head's [K, V] state (gradient) sits at o_s + (j - 1) * BKB * V
-    o_s = o_k1[:, None] * V + o_v[None, :]
-    m_s = (o_k1[:, None] < BKB) & m_v[None, :]
     i_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
     # [BKB, BV] x NKB: gradient w.r.t. the state at the end of the current chunk
-    b_dh1 = _state_tile(dht + i_s + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 1:
-        b_dh2 = _state_tile(dht + i_s + BKB * V + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 2:
-        b_dh3 = _state_tile(dht + i_s + 2 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 3:
-        b_dh4 = _state_tile(dht + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
+    b_dh1, b_dh2, b_dh3, b_dh4 = _state_tiles(dht + i_s + o_s, m_s, V, BKB, BV, NKB, USE_DHT)
 
     qg_h = qg + (bos * HV + i_hv) * K
     kg_h = kg + (bos * HV + i_hv) * K
@@ -108,14 +98,7 @@ def chunk_kda_bwd_kernel_dh_tokens(
         o_t = i_t * BT + o_c
         m_t = o_t < Tn
         m_tv = m_t[:, None] & m_v[None, :]
-        dhe_t = dhe_h + i_t * (HS * K * V) + o_s
-        tl.store(dhe_t, cast_for_store(b_dh1, dhe.dtype.element_ty), mask=m_s)
-        if NKB > 1:
-            tl.store(dhe_t + BKB * V, cast_for_store(b_dh2, dhe.dtype.element_ty), mask=m_s)
-        if NKB > 2:
-            tl.store(dhe_t + 2 * BKB * V, cast_for_store(b_dh3, dhe.dtype.element_ty), mask=m_s)
-        if NKB > 3:
-            tl.store(dhe_t + 3 * BKB * V, cast_for_store(b_dh4, dhe.dtype.element_ty), mask=m_s)
+        store_state_tiles(dhe_h + i_t * (HS * K * V) + o_s, b_dh1, b_dh2, b_dh3, b_dh4, m_s, V, BKB, NKB)
         # [BT, BV]; [BT, BT] = Aqk^T (columns past the sequence end masked: padding rows of Aqk are not relied on)
         b_do = tl.load(do_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         a_t = a_h + i_t * (HS * BT * BT)
@@ -141,14 +124,7 @@ def chunk_kda_bwd_kernel_dh_tokens(
         if NKB > 3:
             b_dh4 = _tile_update(b_dh4, qg_h, w_h, gC_t, b_do, b_ndvn, o_t, m_t, o_k4, HV, K, PREC, EMULATE)
     if STORE_DH0:
-        dh0_n = dh0 + i_s + o_s
-        tl.store(dh0_n, b_dh1, mask=m_s)
-        if NKB > 1:
-            tl.store(dh0_n + BKB * V, b_dh2, mask=m_s)
-        if NKB > 2:
-            tl.store(dh0_n + 2 * BKB * V, b_dh3, mask=m_s)
-        if NKB > 3:
-            tl.store(dh0_n + 3 * BKB * V, b_dh4, mask=m_s)
+        store_state_tiles(dh0 + i_s + o_s, b_dh1, b_dh2, b_dh3, b_dh4, m_s, V, BKB, NKB)
 
 
 def chunk_kda_bwd_dh_tokens(
