@@ -47,7 +47,7 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
     gates_kernel = gates.chunk_kda_bwd_kernel_gates
     add("gates", gates_kernel, {**{n: f32 for n in gates_kernel.arg_names}, "scale": "fp32"}, dict(C=C, K=K, BK=32), 4)
     for bv in (16, 32, 64):
-        state_kernels = (("recompute_h", state.chunk_kda_fwd_kernel_h, ("PREC_WS", "PREC_KV")),
+        state_kernels = (("recompute_h", state.chunk_kda_recompute_kernel_h, ("PREC_WS", "PREC_KV")),
                          ("bwd_dh", state.chunk_kda_bwd_kernel_dh, ("PREC_AD", "PREC_KD", "PREC_QD", "PREC_WD")))
         for name, fn, precs in state_kernels:
             types = {n: f32 for n in fn.arg_names}

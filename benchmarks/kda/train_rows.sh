@@ -14,7 +14,7 @@ WARM=${KDA_WARM_CAP:-150}
 ROWS="B1-T8192-H64 B8-T4096-H32 B1-T32768-H32 varlen1024x8-H64"
 echo "=== phase A (parallel warm-up, cap ${WARM}s) $(date +%T)"
 start_train_warmups "$WARM" $ROWS
-timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider --timeout 120 tests/flashkda/test_bwd_state_blocked.py \
+timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider --timeout 120 tests/flashkda/test_bwd_state.py \
   tests/flashkda/test_backward.py > $LOGS/A_tests.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"

@@ -333,7 +333,7 @@ def test_disable_recompute_replaces_the_state_recompute(case: Case, device: str,
     # GPU fp16 (and small-K fp32) input may take the fused path, which keeps none, and the backward then recomputes
     # them.
     if case.dtype == torch.bfloat16 or device == "cpu":
-        monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", no_recompute)
+        monkeypatch.setattr(chunk_bwd, "chunk_kda_recompute_h", no_recompute)
     _check_gradients(case, device, disable_recompute=True, head_slices=2 if case.H % 2 == 0 else None)
 
 
@@ -360,7 +360,7 @@ def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(case: 
     def never(*args, **kwargs):
         raise AssertionError("disable_recompute=True ran a state pass the forward's tensors should replace")
 
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_recompute_h", never)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
     _check_gradients(case, device, disable_recompute=True, head_slices=2 if case.H % 2 == 0 else None)
 
@@ -377,7 +377,7 @@ def test_state_passes_over_all_heads_with_recomputed_operands(case: Case, device
     def never(*args, **kwargs):
         raise AssertionError("a per-slice state pass ran although the passes ran over all heads")
 
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_recompute_h", never)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
     _check_gradients(case, device, head_slices=2 if case.H % 2 == 0 else None)
 

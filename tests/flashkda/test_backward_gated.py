@@ -124,7 +124,7 @@ def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> Non
 
     GPU only: Triton's CPU interpreter has no bf16 matrix product (numpy has no bf16 type).
     """
-    from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
+    from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_recompute_h
 
     torch.manual_seed(4)
     NC, HV, C, K, V = 4, 2, 64, 32, 32
@@ -136,7 +136,8 @@ def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> Non
     offsets = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
     out = {}
     for mode in ("ieee", "tf32"):
-        fwd = chunk_kda_fwd_h(w, u, kend, dec, h0, offsets, store_h=True, store_final_state=True, dot_precision=mode)
+        fwd = chunk_kda_recompute_h(w, u, kend, dec, h0, offsets, store_h=True, store_final_state=True,
+                                    dot_precision=mode)
         bwd = chunk_kda_bwd_dh(qg, aqk, kend, dec, w, do, dht, offsets, store_dh0=True, dot_precision=mode)
         out[mode] = (*fwd, *bwd)
     for name, exact, approx in zip(("ht", "h", "v_new", "dv_new", "dhe", "dh0"), out["ieee"], out["tf32"]):

@@ -135,3 +135,14 @@ def test_every_keyword_of_fla_chunk_kda_is_accepted():
 def test_a_lower_bound_that_is_not_negative_is_named(lower_bound):
     with pytest.raises(ValueError, match=f"`lower_bound` must be negative .*, got {lower_bound}"):
         flashkda.chunk_kda(**_good(), use_gate_in_kernel=True, lower_bound=lower_bound, dt_bias=torch.zeros(H * K))
+
+
+def test_no_environment_switch_but_the_user_facing_ones():
+    """Only ``FLASHKDA_DISABLE`` (and the dispatch policy's switches) are read: the A/B switches whose defaults won
+    are gone with their losing paths (docs/flashkda-performance.md)."""
+    import re
+    from pathlib import Path
+
+    package = Path(flashkda.__file__).parent
+    names = {n for path in package.rglob("*.py") for n in re.findall(r"FLASHKDA_[A-Z_]+", path.read_text())}
+    assert names <= {"FLASHKDA_DISABLE", "FLASHKDA_DISPATCH", "FLASHKDA_CALIBRATION"}, sorted(names)

@@ -35,7 +35,7 @@ from flashkda.bwd.prologue import (
 )
 from flashkda.bwd.recompute import chunk_kda_recompute_operands
 from flashkda.bwd.saved import SavedLocal, head_slice_to_chunks, saved_inverse_fp32, widen_head_slice
-from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
+from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_recompute_h
 from flashkda.bwd.state_tokens import chunk_kda_bwd_dh_tokens
 from flashkda.bwd.wy import chunk_kda_bwd_ut
 from flashkda.fwd.state import state_pass
@@ -119,7 +119,7 @@ def chunk_kda_fwd_fp64(q, k, v, g, beta, A_log, dt_bias, initial_state, opts: KD
     """
     chunks = chunk_kda_prologue_torch(q, k, v, g, beta, A_log, dt_bias, opts, layout)
     local = chunk_local_prepare(*chunks, opts.scale)
-    ht, h, v_new = chunk_kda_fwd_h(
+    ht, h, v_new = chunk_kda_recompute_h(
         local.w, local.u, local.kend, local.dec, state_in(initial_state, opts, q.dtype),
         layout.chunk_offsets, store_h=True, store_final_state=opts.output_final_state, dot_precision="ieee",
     )
@@ -292,7 +292,7 @@ def chunk_kda_bwd_chunked(
         ``(dq, dk, dv, dg, dbeta, dh0)`` in the chunked layout; ``dh0`` is None without ``initial_state``.
     """
     local = chunk_local_prepare(q, k, v, g, beta, scale, gate_factors)
-    _, h, v_new = chunk_kda_fwd_h(
+    _, h, v_new = chunk_kda_recompute_h(
         local.w, local.u, local.kend, local.dec, initial_state, chunk_offsets,
         store_h=True, store_final_state=False, dot_precision=dot_precision,
     )
@@ -344,7 +344,7 @@ def _chunk_bwd_slice(
         w = minv_b @ kg
         if recompute_states:
             u = minv_b @ v
-            _, h, v_new = chunk_kda_fwd_h(
+            _, h, v_new = chunk_kda_recompute_h(
                 w, u, kend, dec, initial_state, chunk_offsets,
                 store_h=True, store_final_state=False, dot_precision=dot_precision,
             )

@@ -39,7 +39,7 @@ import triton.language as tl
 from flashkda.fwd.state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
 from flashkda.rounding import cast_for_store
 
-__all__ = ["chunk_kda_bwd_dh", "chunk_kda_fwd_h"]
+__all__ = ["chunk_kda_bwd_dh", "chunk_kda_recompute_h", "state_launch", "store_state_tiles"]
 
 
 @triton.jit
@@ -123,7 +123,7 @@ def _program(chunk_offsets, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def chunk_kda_fwd_kernel_h(
+def chunk_kda_recompute_kernel_h(
     w,
     u,
     kend,
@@ -304,7 +304,7 @@ def _blocked_meta(K: int, dot_precision: str, names: tuple[str, ...], device: to
     return meta
 
 
-def chunk_kda_fwd_h(
+def chunk_kda_recompute_h(
     w: torch.Tensor,
     u: torch.Tensor,
     kend: torch.Tensor,
@@ -333,7 +333,7 @@ def chunk_kda_fwd_h(
     ht = w.new_empty(N, HV, K, V) if store_final_state else None
     dummy = v_new
     grid = (N, HV, triton.cdiv(V, cfg.BV))
-    chunk_kda_fwd_kernel_h[grid](
+    chunk_kda_recompute_kernel_h[grid](
         w, u, kend, dec, initial_state if initial_state is not None else dummy, h if h is not None else dummy,
         v_new, ht if ht is not None else dummy, chunk_offsets,
         HV=HV, C=C, K=K, V=V, BV=cfg.BV, USE_H0=initial_state is not None, STORE_H=store_h,
@@ -360,7 +360,7 @@ def chunk_kda_bwd_dh(
     num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reverse state pass: ``(dv_new [NC, HV, C, V], dh at every chunk end [NC, HV, K, V], dh0 or None)``;
-    ``aqk`` ``[NC, HV, C, C]``, ``do`` ``[NC, HV, C, V]``, the rest as in `chunk_kda_fwd_h`."""
+    ``aqk`` ``[NC, HV, C, C]``, ``do`` ``[NC, HV, C, V]``, the rest as in `chunk_kda_recompute_h`."""
     assert all(x.is_contiguous() for x in (qg, aqk, kend, dec, w, do)), "chunked inputs must be contiguous"
     NC, HV, C, K = w.shape
     V = do.shape[-1]

@@ -153,7 +153,7 @@ def chunk_kda_bwd_dh_tokens(
         dht: ``[N, HV, K, V]`` fp32 gradient of the final state, or None.
         index: the forward's ``ChunkIndex`` (``flashkda.index.build_chunk_index`` with chunk size 64).
         store_dh0: also return the gradient of the initial state.
-        block_v, num_warps, num_stages: force the launch (None: as the per-slice blocked pass picks it).
+        block_v, num_warps, num_stages: force the launch (None: `flashkda.bwd.state.state_launch`).
 
     Returns:
         ``(dv_new [B, T, HV, V] bf16, dhe [HV / HS, NC, HS, K, V] fp32, dh0 [N, HV, K, V] fp32 or None)`` with

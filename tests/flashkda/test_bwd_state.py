@@ -1,4 +1,4 @@
-"""The training state passes of ``flashkda.bwd.state`` against fp64 torch recurrences.
+"""The training state passes of ``flashkda.bwd.state`` (recompute and reverse) against fp64 torch recurrences.
 
 Chunk-local inputs (``w, u, qg, Aqk, kend, dec``) come from ``chunk_local_prepare`` in fp64 on random chunked
 inputs (varlen tails zero padded) and are given to the kernels in fp32. Each pass is checked against the module
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from flashkda.bwd.layout import make_layout, to_chunks
 from flashkda.bwd.local import chunk_local_prepare
-from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_fwd_h
+from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_recompute_h
 from tests.flashkda.kda_cases import assert_close
 
 C = 64
@@ -113,7 +113,7 @@ def _ref_bwd(local, offsets, do, dht, rnd):
 
 def _fwd(local, offsets, h0, dot_precision, *, store_h=True, store_final_state=True, **launch):
     f32 = lambda x: None if x is None else x.float().contiguous()  # noqa: E731
-    return chunk_kda_fwd_h(f32(local.w), f32(local.u), f32(local.kend), f32(local.dec), f32(h0), offsets,
+    return chunk_kda_recompute_h(f32(local.w), f32(local.u), f32(local.kend), f32(local.dec), f32(h0), offsets,
                            store_h=store_h, store_final_state=store_final_state, dot_precision=dot_precision, **launch)
 
 
@@ -183,8 +183,8 @@ def test_invalid_launch_arguments_are_rejected(device: str) -> None:
     for K, kw, match in ((512, {}, "K <= 256"), (32, dict(block_v=24), "block_v"),
                          (32, dict(dot_precision="tf32x3"), "dot_precision")):
         with pytest.raises(ValueError, match=match):
-            chunk_kda_fwd_h(z(1, 1, C, K), z(1, 1, C, 32), z(1, 1, C, K), z(1, 1, K), None, offsets, store_h=False,
-                            store_final_state=False, **kw)
+            chunk_kda_recompute_h(z(1, 1, C, K), z(1, 1, C, 32), z(1, 1, C, K), z(1, 1, K), None, offsets,
+                                  store_h=False, store_final_state=False, **kw)
         with pytest.raises(ValueError, match=match):
             chunk_kda_bwd_dh(z(1, 1, C, K), z(1, 1, C, C), z(1, 1, C, K), z(1, 1, K), z(1, 1, C, K), z(1, 1, C, 32),
                              None, offsets, store_dh0=False, **kw)
