@@ -17,7 +17,7 @@ import triton
 
 from benchmarks.kda.resource_report import compile_one, ctas_per_sm, ptxas_usage
 from flashkda.bwd import gated_dots, gates, prologue, recompute, state, state_tokens, wy
-from flashkda.fwd.state import PREC_BF16, PREC_HILO
+from flashkda.rounding import PREC_BF16, PREC_HILO
 
 K = V = 128
 C = 64

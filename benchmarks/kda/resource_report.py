@@ -27,6 +27,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from flashkda.fwd import intra, state
+from flashkda.rounding import PREC_BF16, PREC_HILO
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Registers per SM and the per-thread cap on sm_90; used to report resident CTAs per SM.
@@ -87,7 +88,7 @@ def blocked_state_config(block_v: int):
     types = dict(w="*bf16", u="*bf16", kg="*bf16", gC="*fp32", h="*bf16", vn="*bf16", h0="*fp32", ht="*fp32",
                  cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32", PROGRAMS="i32")
     cx = dict(HV=1, K=128, V=128, BT=64, BKB=64, NKB=2, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
-              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=state.PREC_BF16, PREC_KV=state.PREC_HILO,
+              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=PREC_BF16, PREC_KV=PREC_HILO,
               EMULATE=False)
     return kernel_spec(fn, types, cx)
 

@@ -128,7 +128,7 @@ def sweep_case(name: str, args) -> None:
             _report(f"state blocked h BV:warps:stages:prec_ws:prec_kv={spec} + o autotuned", fn, o_ref,
                     lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
         if args.hb or args.o:  # the output kernel alone (its inputs' values do not matter for its time)
-            from flashkda.fwd.state import state_output
+            from flashkda.fwd.output import state_output
 
             qg, Aqk, u = ref[2], ref[4], ref[1]
             h = torch.randn(index.num_chunks, *qg.shape[2:], u.shape[-1], device="cuda").to(torch.bfloat16)

@@ -7,7 +7,8 @@ import torch
 import flashkda
 from flashkda import reference
 from flashkda.fwd.intra import INTRA_CONFIGS
-from flashkda.fwd.state import HB_CONFIGS, O_CONFIGS, STATE_CONFIGS
+from flashkda.fwd.output import O_CONFIGS
+from flashkda.fwd.state import HB_CONFIGS, STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 pytestmark = pytest.mark.gpu

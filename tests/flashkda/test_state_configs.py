@@ -8,16 +8,10 @@ import torch
 from flashkda import reference
 from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
 from flashkda.fwd.intra import CHUNK_SIZE, INTRA_CONFIGS, chunk_kda_fwd_intra
-from flashkda.fwd.state import (
-    HB_CONFIGS,
-    O_CONFIGS,
-    PREC_BF16,
-    PREC_HILO,
-    PREC_TF32,
-    STATE_CONFIGS,
-    chunk_kda_fwd_state_o,
-)
+from flashkda.fwd.output import O_CONFIGS
+from flashkda.fwd.state import HB_CONFIGS, STATE_CONFIGS, chunk_kda_fwd_state_o
 from flashkda.index import build_chunk_index
+from flashkda.rounding import PREC_BF16, PREC_HILO, PREC_TF32
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 CASES = [KDACase(T=150, H=1, HV=2, K=64, V=64, dtype=dtype, gate="bounded", beta_logits=True, lengths=(70, 0, 80))

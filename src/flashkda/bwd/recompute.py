@@ -21,8 +21,7 @@ import triton.language as tl
 from flashkda.bwd.layout import ChunkLayout
 from flashkda.bwd.prologue import chunk_slots, load_gate, load_qk
 from flashkda.bwd.state import _dot
-from flashkda.fwd.state import PREC_HILO
-from flashkda.rounding import cast_for_store
+from flashkda.rounding import PREC_HILO, cast_for_store
 
 __all__ = ["chunk_kda_recompute_operands"]
 

@@ -36,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.fwd.state import PREC_BF16, PREC_IEEE, _dot_acc, _operand
-from flashkda.rounding import cast_for_store
+from flashkda.rounding import PREC_BF16, PREC_IEEE, cast_for_store, dot_acc, operand_split
 
 __all__ = ["chunk_kda_bwd_dh", "chunk_kda_recompute_h", "state_launch", "store_state_tiles"]
 
@@ -46,10 +45,10 @@ __all__ = ["chunk_kda_bwd_dh", "chunk_kda_recompute_h", "state_launch", "store_s
 def _dot(b_a, b_x, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ x`` for fp32 ``a``, ``x`` and ``acc``, the operands at ``PREC`` (``flashkda.fwd.state``'s
     ``PREC_*``): 0 exact, 1 tf32, 2 bf16 ``a`` times the bf16 hi/lo split of ``x``, 3 both rounded to bf16; the
-    forward state pass's ``_operand`` and ``_dot_acc`` (bf16 held as fp32 and rounded to nearest on the
+    `flashkda.rounding.operand_split` and `flashkda.rounding.dot_acc` (bf16 held as fp32 and rounded to nearest on the
     interpreter)."""
-    b_hi, b_lo = _operand(b_x, PREC, EMULATE)
-    return _dot_acc(b_a, b_hi, b_lo, b_acc, PREC, EMULATE)
+    b_hi, b_lo = operand_split(b_x, PREC, EMULATE)
+    return dot_acc(b_a, b_hi, b_lo, b_acc, PREC, EMULATE)
 
 
 @triton.jit

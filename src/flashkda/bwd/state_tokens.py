@@ -32,9 +32,9 @@ import triton.language as tl
 
 from flashkda.bwd.state import _dot, _state_tiles, _tile_offsets, state_launch, store_state_tiles
 from flashkda.fwd.intra import CHUNK_SIZE
-from flashkda.fwd.state import PREC_BF16, _seq_span
+from flashkda.fwd.state import _seq_span
 from flashkda.index import ChunkIndex
-from flashkda.rounding import cast_for_store
+from flashkda.rounding import PREC_BF16, cast_for_store
 
 __all__ = ["chunk_kda_bwd_dh_tokens"]
 

@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.fwd.intra import CHUNK_SIZE, chunk_span
-from flashkda.rounding import cast_for_store, round_bf16
+from flashkda.fwd.intra import CHUNK_SIZE
+from flashkda.fwd.output import state_output
+from flashkda.rounding import PREC_BF16, PREC_HILO, PREC_IEEE, PREC_TF32, cast_for_store, dot_acc, operand_split
 
 
 @triton.jit
@@ -129,55 +130,6 @@ def chunk_kda_fwd_kernel_state_o(
         tl.store(ht + i_s + o_s, b_S, mask=m_kv)
 
 
-#: Operand precisions of the blocked state pass's two chain products (``PREC_WS`` for ``w S``, ``PREC_KV`` for
-#: ``kgᵀ v_new``): the left operand (w, kg) is exact in its stored dtype; the right one (S, v_new) is fp32 and goes in
-#: exactly (``IEEE``), as tf32 (``TF32``, 11 significant bits), as the sum of two bf16 products over its hi/lo split
-#: (``HILO``, 16 bits) or rounded to bf16 (``BF16``, 8 bits, fla's choice).
-PREC_IEEE, PREC_TF32, PREC_HILO, PREC_BF16 = 0, 1, 2, 3
-
-
-@triton.jit
-def _operand(b_x, PREC: tl.constexpr, EMULATE: tl.constexpr):
-    """The fp32 right operand ``x`` as ``(hi, lo)`` for ``_dot_acc`` (``lo`` only meaningful for ``PREC_HILO``);
-    bf16 parts are held as fp32 on the interpreter (``round_bf16``), whose bf16 products are not reliable. One return
-    statement: Triton refuses returns of different types even in branches a constexpr rules out."""
-    if PREC >= 2:
-        b_hi = round_bf16(b_x, EMULATE)
-        b_lo = round_bf16(b_x - b_hi.to(tl.float32), EMULATE)
-    else:
-        b_hi, b_lo = b_x, b_x
-    return b_hi, b_lo
-
-
-@triton.jit
-def _dot_acc(b_a, b_hi, b_lo, b_acc, PREC: tl.constexpr, EMULATE: tl.constexpr, LEFT: tl.constexpr = True):
-    """``acc + a @ x`` with fp32 accumulation, ``x`` given as ``_operand``'s ``(hi, lo)``; ``a`` is rounded to bf16
-    for ``PREC_HILO``/``PREC_BF16`` (to nearest, on the interpreter too). ``LEFT=False``: ``acc + x @ a`` instead."""
-    if PREC == 0:
-        b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "ieee", LEFT)
-    elif PREC == 1:
-        b_acc = _mm_side(b_a.to(tl.float32), b_hi, b_acc, "tf32", LEFT)
-    elif EMULATE:
-        b_ab = round_bf16(b_a.to(tl.float32), True)
-        if PREC == 2:
-            b_acc = _mm_side(b_ab, b_lo, b_acc, "ieee", LEFT)
-        b_acc = _mm_side(b_ab, b_hi, b_acc, "ieee", LEFT)
-    else:
-        if PREC == 2:
-            b_acc = _mm_side(b_a.to(tl.bfloat16), b_lo, b_acc, None, LEFT)
-        b_acc = _mm_side(b_a.to(tl.bfloat16), b_hi, b_acc, None, LEFT)
-    return b_acc
-
-
-@triton.jit
-def _mm_side(b_a, b_x, b_acc, DOT_PREC: tl.constexpr, LEFT: tl.constexpr):
-    if LEFT:
-        b_acc = tl.dot(b_a, b_x, b_acc, input_precision=DOT_PREC)
-    else:
-        b_acc = tl.dot(b_x, b_a, b_acc, input_precision=DOT_PREC)
-    return b_acc
-
-
 @triton.jit
 def _state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
     """Offsets and mask of the ``[BKB, BV]`` tile at rows ``o_k``, columns ``o_v`` of one head's state."""
@@ -209,8 +161,8 @@ def _ws_block(w_t, b_S, b_acc, o_t, m_t, o_k, HV: tl.constexpr, K: tl.constexpr,
               EMULATE: tl.constexpr):
     """``acc + w[:, o_k] S_block`` for the chunk rows ``o_t``; ``[BT, BV]``."""
     b_w = tl.load(w_t + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
-    b_hi, b_lo = _operand(b_S, PREC, EMULATE)
-    return _dot_acc(b_w, b_hi, b_lo, b_acc, PREC, EMULATE)
+    b_hi, b_lo = operand_split(b_S, PREC, EMULATE)
+    return dot_acc(b_w, b_hi, b_lo, b_acc, PREC, EMULATE)
 
 
 @triton.jit
@@ -221,7 +173,7 @@ def _update_block(kg_t, gC_t, b_S, b_hi, b_lo, o_t, m_t, o_k, HV: tl.constexpr, 
     m_k = o_k < K
     b_kt = tl.load(kg_t + o_t[None, :] * (HV * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
     b_gC = tl.load(gC_t + o_k, mask=m_k, other=0.0)
-    return _dot_acc(b_kt, b_hi, b_lo, b_S * tl.exp(b_gC)[:, None], PREC, EMULATE)
+    return dot_acc(b_kt, b_hi, b_lo, b_S * tl.exp(b_gC)[:, None], PREC, EMULATE)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -281,7 +233,7 @@ def chunk_kda_fwd_kernel_h(
         # [BT, BV]
         b_vn = tl.load(u_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32) - b_ws
         tl.store(vn_h + o_t[:, None] * (HV * V) + o_v[None, :], cast_for_store(b_vn, vn.dtype.element_ty), mask=m_tv)
-        b_hi, b_lo = _operand(b_vn, PREC_KV, EMULATE)
+        b_hi, b_lo = operand_split(b_vn, PREC_KV, EMULATE)
         b_S1 = _update_block(kg_h, gC_t, b_S1, b_hi, b_lo, o_t, m_t, o_k1, HV, K, PREC_KV, EMULATE)
         if NKB > 1:
             b_S2 = _update_block(kg_h, gC_t, b_S2, b_hi, b_lo, o_t, m_t, o_k2, HV, K, PREC_KV, EMULATE)
@@ -298,55 +250,6 @@ def chunk_kda_fwd_kernel_h(
             _state_out(ht + i_s, b_S3, o_k3, o_v, K, V, STATE_V_FIRST)
         if NKB > 3:
             _state_out(ht + i_s, b_S4, o_k4, o_v, K, V, STATE_V_FIRST)
-
-
-@triton.jit(do_not_specialize=["T"])
-def chunk_kda_fwd_kernel_o(
-    qg, Aqk, h, vn, o, cu_seqlens, chunk_offsets, chunk_map,
-    T, NTS,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, HILO: tl.constexpr, EMULATE: tl.constexpr,
-    HALF_IN: tl.constexpr = False,
-):
-    """Output of every chunk in parallel, one program per (V block, chunk, head): ``o = qg h + Aqk v_new`` (h and
-    v_new as stored). The products take fp32 operands at ``DOT_PREC``, or with ``HILO`` (only for ``HALF_IN``: qg,
-    Aqk, v_new and h all stored bf16) one bf16 product each, on the tensor cores' 16-bit path, which takes either
-    operand layout. (A hi/lo split of fp32 v_new is not offered: Triton 3.6 compiled it wrong, see
-    docs/flashkda-performance.md.)"""
-    tl.static_assert(HALF_IN or not HILO, "HILO products need bf16 qg, Aqk and v_new (HALF_IN)")
-    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
-    if i_n < 0:
-        return
-    o_c = tl.arange(0, BT)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t = o_c < eos - t0
-    m_v = o_v < V
-    m_tv = m_t[:, None] & m_v[None, :]
-    h_c = h + (i_c.to(tl.int64) * HV + i_hv) * K * V
-    qg_c = qg + (t0 * HV + i_hv) * K
-    b_o = tl.zeros([BT, BV], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q = tl.load(qg_c + o_c[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_h = tl.load(h_c + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        if HILO:
-            b_qh, b_ql = _operand(b_q.to(tl.float32), 3, EMULATE)  # 3: PREC_BF16
-            b_o = _dot_acc(b_h, b_qh, b_ql, b_o, 3, EMULATE, LEFT=False)
-        else:
-            b_o += tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision=DOT_PREC)
-    # only the lower triangle of Aqk was written
-    b_A = tl.load(Aqk + (t0 * HV + i_hv) * BT + o_c[:, None] * (HV * BT) + o_c[None, :],
-                  mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
-    b_vn = tl.load(vn + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
-    if HILO:
-        b_vh, b_vl = _operand(b_vn.to(tl.float32), 3, EMULATE)
-        b_o = _dot_acc(b_A, b_vh, b_vl, b_o, 3, EMULATE)
-    else:
-        b_o += tl.dot(b_A.to(tl.float32), b_vn.to(tl.float32), input_precision=DOT_PREC)
-    tl.store(o + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :],
-             cast_for_store(b_o, o.dtype.element_ty), mask=m_tv)
 
 
 #: Fused state/output configurations the autotuner tries on a GPU (V tile, warps, pipeline stages); the choice
@@ -368,18 +271,6 @@ chunk_kda_fwd_kernel_h_tuned = triton.autotune(
 #: ``w S`` costs no accuracy, v_new goes in as its hi/lo split (rounded to bf16 it raised the final state's error by
 #: ~0.5e-3; docs/flashkda-performance.md).
 HALF_PRECS = (PREC_BF16, PREC_HILO)
-#: Output-kernel configurations (V tile, K slice, warps).
-O_CONFIGS = [(64, 64, 4), (64, 64, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (32, 64, 4)]
-chunk_kda_fwd_kernel_o_tuned = triton.autotune(
-    configs=[triton.Config({"BV": bv, "BK": bk}, num_warps=nw, num_stages=2) for bv, bk, nw in O_CONFIGS],
-    key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC", "HILO"],
-)(chunk_kda_fwd_kernel_o)
-#: With every operand stored bf16 the autotuner also picks between tf32 and bf16 products (both exact on bf16 values).
-chunk_kda_fwd_kernel_o_tuned_bf16 = triton.autotune(
-    configs=[triton.Config({"BV": bv, "BK": bk, "HILO": hilo}, num_warps=nw, num_stages=2)
-             for bv, bk, nw in O_CONFIGS for hilo in (False, True)],
-    key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC"],
-)(chunk_kda_fwd_kernel_o)
 
 
 def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
@@ -523,29 +414,3 @@ def state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, 
         chunk_kda_fwd_kernel_h[(triton.cdiv(V, block_v), N, HV)](*args, BV=block_v, **meta, num_warps=num_warps,
                                                                   num_stages=num_stages)
     return h, vn
-
-
-def state_output(qg, Aqk, h, vn, o, index, dot_prec, BK, o_config=None, o_hilo=None):
-    """``o = qg h + Aqk v_new`` for every chunk in parallel (``chunk_kda_fwd_kernel_o``; ``h`` ``[NC, HV, K, V]``,
-    ``vn`` ``[B, T, HV, V]``); separate from ``_state_split`` so the benchmarks can time it alone.
-
-    ``o_config``: ``(BV, BK, warps[, stages])`` forced (None: autotuned on a GPU). ``o_hilo``: bf16 products, taken
-    only when ``qg``, ``Aqk``, ``vn`` and ``h`` are all stored bf16 (None: autotuned on a GPU, on in the interpreter);
-    otherwise the products take fp32 operands at ``dot_prec``."""
-    T, HV, K = qg.shape[1:]
-    V = vn.shape[-1]
-    half_in = all(x.dtype == torch.bfloat16 for x in (qg, Aqk, vn, h))
-    args = (qg, Aqk, h, vn, o, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
-    meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, EMULATE=not qg.is_cuda,
-                HALF_IN=half_in)
-    if qg.is_cuda and o_config is None and triton.next_power_of_2(V) >= 64:
-        grid = lambda cfg: (triton.cdiv(V, cfg["BV"]), index.num_chunks, HV)  # noqa: E731
-        if half_in and o_hilo is None:
-            chunk_kda_fwd_kernel_o_tuned_bf16[grid](*args, **meta)
-        else:
-            chunk_kda_fwd_kernel_o_tuned[grid](*args, **meta, HILO=bool(o_hilo) and half_in)
-    else:
-        hilo = half_in and (o_hilo is None or bool(o_hilo))
-        bv, bk, nw, ns = (*o_config, 2)[:4] if o_config else (min(64, triton.next_power_of_2(V)), min(64, BK), 4, 2)
-        chunk_kda_fwd_kernel_o[(triton.cdiv(V, bv), index.num_chunks, HV)](*args, BV=bv, BK=bk, **meta, HILO=hilo,
-                                                                          num_warps=nw, num_stages=ns)
