@@ -1,6 +1,6 @@
 """Offline sm_90 resource report of the FlashKDA backward kernels: registers, spills, shared memory, CTAs per SM.
 
-Compiles the training kernels (``flashkda.chunk_bwd_*``) for an H100/H200 on a machine without a GPU, with the
+Compiles the training kernels (``flashkda.bwd``) for an H100/H200 on a machine without a GPU, with the
 helpers of `benchmarks.kda.resource_report` (``triton.compile`` on an ``ASTSource``, the wheel's ``ptxas -v``).
 Nothing runs, so the numbers predict occupancy only; they are no timing. K = V = 128, C = 64, bf16 callers
 (``tf32`` / bf16 operands) and fp32 callers (``ieee``).
@@ -14,20 +14,10 @@ import argparse
 import sys
 
 import triton
-import triton.language as tl
 
 from benchmarks.kda.resource_report import compile_one, ctas_per_sm, ptxas_usage
-from flashkda import (
-    chunk_bwd_dh_tokens,
-    chunk_bwd_gated,
-    chunk_bwd_gates,
-    chunk_bwd_h,
-    chunk_bwd_inverse,
-    chunk_bwd_prologue,
-    chunk_bwd_recompute,
-    chunk_bwd_ut,
-)
-from flashkda.chunk_state import PREC_BF16, PREC_HILO
+from flashkda.bwd import gated_dots, gates, prologue, recompute, state, state_tokens, wy
+from flashkda.rounding import PREC_BF16, PREC_HILO
 
 K = V = 128
 C = 64
@@ -43,61 +33,41 @@ def configs() -> list[tuple[str, object, dict, dict, int]]:
         out.append((name, fn, sig, {n: cx[n] for n in fn.arg_names if n in cx}, nw))
 
     f32 = "*fp32"
-    for blocked in (True, False):
-        fn = (chunk_bwd_inverse.unit_lower_inverse_kernel_blocked if blocked
-              else chunk_bwd_inverse.unit_lower_inverse_kernel)
-        add("inverse blocked" if blocked else "inverse row loop", fn, dict(l=f32, beta=f32, m=f32, mb=f32),
-            dict(C=C, BC=chunk_bwd_inverse.BLOCK, HAS_BETA=True), 4)
     for prec in ("tf32", "ieee"):
-        for bk, nw in ((32, 4), (32, 2), (64, 4), (128, 4)):
-            add(f"gated_dots fwd {prec} BK{bk}", chunk_bwd_gated.chunk_kda_fwd_kernel_gated_dots,
-                dict(q=f32, k=f32, gam=f32, akk=f32, aqk=f32, scale="fp32"),
-                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec), nw)
-        add(f"gated_dots bwd {prec}", chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots,
+        add(f"gated_dots bwd {prec}", gated_dots.chunk_kda_bwd_kernel_gated_dots,
             dict(q=f32, k=f32, gam=f32, dakk=f32, daqk=f32, dakk_rs=f32, daqk_scale="fp32", dq=f32, dk=f32,
-                 dgam=f32), dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=K, DOT_PRECISION=prec, HAS_RS=True), 8)
-    fused = chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots_gates
-    for prec in ("tf32", "ieee"):
-        for bk, nw in ((32, 4), (32, 2), (64, 4), (128, 8)):
-            add(f"gated_dots+gates {prec} BK{bk}", fused, {**{n: f32 for n in fused.arg_names}, "scale": "fp32"},
-                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
-    blocks = chunk_bwd_gated.chunk_kda_bwd_kernel_gated_dots_gates_blocks
+                 dgam=f32), dict(C=C, K=K, BC=gated_dots.BC, BK=K, DOT_PRECISION=prec, HAS_RS=True), 8)
+    blocks = gated_dots.chunk_kda_bwd_kernel_gated_dots_gates_blocks
     for prec in ("tf32", "ieee"):
         for bk, nw in ((32, 4), (16, 4), (32, 8), (32, 2), (16, 2), (64, 8)):
             add(f"gates blocks {prec} BK{bk}", blocks, {**{n: f32 for n in blocks.arg_names}, "scale": "fp32"},
-                dict(C=C, K=K, BC=chunk_bwd_gated.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
-    wy = chunk_bwd_ut.chunk_kda_bwd_kernel_wy
-    for prec, gp, bd, nw in ((p, gp, bd, nw) for p in ("tf32", "ieee") for gp in (True, False) for bd in (16, 32)
-                             for nw in (4, 8)):
-        add(f"wy {prec} {'gate ' if gp else ''}BD{bd}", wy, {n: f32 for n in wy.arg_names},
-            dict(C=C, K=K, V=V, BD=bd, DOT_PRECISION=prec, GATE_PRODUCTS=gp), nw)
-    add("ut", chunk_bwd_ut.chunk_kda_bwd_kernel_ut, {n: f32 for n in chunk_bwd_ut.chunk_kda_bwd_kernel_ut.arg_names},
+                dict(C=C, K=K, BC=gated_dots.BC, BK=bk, DOT_PRECISION=prec, HAS_RS=True), nw)
+    add("ut", wy.chunk_kda_bwd_kernel_ut, {n: f32 for n in wy.chunk_kda_bwd_kernel_ut.arg_names},
         dict(C=C, K=K, V=V, BD=32, BV=V), 4)
-    gates = chunk_bwd_gates.chunk_kda_bwd_kernel_gates
-    add("gates", gates, {**{n: f32 for n in gates.arg_names}, "scale": "fp32"}, dict(C=C, K=K, BK=32), 4)
+    gates_kernel = gates.chunk_kda_bwd_kernel_gates
+    add("gates", gates_kernel, {**{n: f32 for n in gates_kernel.arg_names}, "scale": "fp32"}, dict(C=C, K=K, BK=32), 4)
     for bv in (16, 32, 64):
-        nw = 4 if bv <= 32 else 8
-        state_kernels = (("fwd_h", chunk_bwd_h.chunk_kda_fwd_kernel_h), ("bwd_dh", chunk_bwd_h.chunk_kda_bwd_kernel_dh))
-        for name, fn in state_kernels:
+        state_kernels = (("recompute_h", state.chunk_kda_recompute_kernel_h, ("PREC_WS", "PREC_KV")),
+                         ("bwd_dh", state.chunk_kda_bwd_kernel_dh, ("PREC_AD", "PREC_KD", "PREC_QD", "PREC_WD")))
+        for name, fn, precs in state_kernels:
             types = {n: f32 for n in fn.arg_names}
             types["chunk_offsets"] = "*i32"
-            cx = dict(HV=1, C=C, K=K, V=V, BV=bv, USE_H0=True, STORE_H=True, STORE_O=False, STORE_HT=False,
-                      USE_DHT=True, STORE_DH0=True, DOT_PRECISION="ieee", DT=tl.bfloat16)
-            add(f"{name} BV{bv}", fn, types, cx, nw)
+            cx = dict(HV=1, C=C, K=K, V=V, BV=bv, BKB=64, NKB=K // 64, USE_H0=True, STORE_H=True, STORE_HT=False,
+                      USE_DHT=True, STORE_DH0=True, EMULATE=False, **{n: PREC_BF16 for n in precs})
+            add(f"{name} BV{bv}", fn, types, cx, 4)
     # raw-input kernels (bf16 inputs, bounded in-kernel gate, L2 norm, beta sigmoid)
     gate = dict(USE_L2=True, USE_GATE=True, USE_A=True, USE_BIAS=True, USE_LB=True, USE_SIGMOID=True)
     raw = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log=f32, dt_bias=f32, tok="*i64",
                lower_bound="fp32", beta_scale="fp32", scale="fp32", hv0="i32", NCL="i32")
-    fn = chunk_bwd_recompute.chunk_kda_recompute_operands_kernel
-    for bks, nw in ((K, 8), (64, 8), (64, 4), (32, 4), (32, 8)):
-        add(f"recompute operands BKS{bks}", fn, {**{n: f32 for n in fn.arg_names}, **raw, "minv": "*bf16",
-                                                 "w": "*bf16", "qg": "*bf16", "kend": "*bf16"},
-            dict(H=16, HV=16, HS=8, C=C, K=K, V=V, BV=V, BKS=bks, BVS=bks, PREC=PREC_HILO, EMULATE=False, **gate), nw)
-    fn = chunk_bwd_prologue.chunk_kda_prologue_fwd_kernel
+    fn = recompute.chunk_kda_recompute_operands_kernel
+    add("recompute operands", fn, {**{n: f32 for n in fn.arg_names}, **raw, "minv": "*bf16", "w": "*bf16",
+                                   "qg": "*bf16", "kend": "*bf16"},
+        dict(H=16, HV=16, HS=8, C=C, K=K, V=V, BV=V, PREC=PREC_HILO, EMULATE=False, **gate), 8)
+    fn = prologue.chunk_kda_prologue_fwd_kernel
     for store in (True, False):
         add(f"prologue fwd{'' if store else ' no factors'}", fn, {**{n: f32 for n in fn.arg_names}, **raw},
             dict(H=16, HV=16, HVS=8, C=C, K=K, V=V, BV=V, STORE_FACTORS=store, **gate), 8)
-    fn = chunk_bwd_dh_tokens.chunk_kda_bwd_kernel_dh_tokens
+    fn = state_tokens.chunk_kda_bwd_kernel_dh_tokens
     types = {**{n: f32 for n in fn.arg_names}, "qg": "*bf16", "kg": "*bf16", "w": "*bf16", "aqk": "*bf16",
              "do": "*bf16", "dv_new": "*bf16", "cu_seqlens": "*i32", "chunk_offsets": "*i32", "T": "i32", "NTS": "i32",
              "NCL": "i32", "NCD": "i32"}

@@ -4,8 +4,8 @@
 # fla compiles for minutes at each new shape, which cut the fla-comparison tests in every earlier round, so each of
 # them runs in its own process (separate shapes compile on separate cores) beside one process for all the others.
 # One cap for all (KDA_CHECK_CAP, 330 s); the summary lists each process's passed/failed counts. Then a per-kernel
-# CUDA profile of our forward and fla's at KDA_PROFILE_CASES (benchmarks.kda.profile_fwd) and the backward's
-# gated-product launch sweep (benchmarks.kda.bwd_sweep), both compiled beside the tests and run after them.
+# CUDA profile of our forward and fla's at KDA_PROFILE_CASES (benchmarks.kda.profile_fwd), compiled beside the tests
+# and run after them.
 set -u
 source benchmarks/kda/round_env.sh check_round
 CAP=${KDA_CHECK_CAP:-330}
@@ -22,15 +22,13 @@ PROFILE_CASES=${KDA_PROFILE_CASES:-H64-T8192 H12-T8192}
 for c in $PROFILE_CASES; do
   timeout -k 5 "$CAP" python3 -m benchmarks.kda.profile_fwd --cases "$c" > /dev/null 2>&1 &
 done
-timeout -k 5 "$CAP" python3 -m benchmarks.kda.bwd_sweep --rep 1 > /dev/null 2>&1 &
 wait
 echo "=== tests done $(date +%T)"
 timeout -k 5 "${KDA_PROFILE_CAP:-60}" python3 -m benchmarks.kda.profile_fwd --cases $PROFILE_CASES > $LOGS/profile.txt 2>&1
 grep -E "^(H[0-9]|===)" $LOGS/profile.txt
-timeout -k 5 "${KDA_SWEEP_CAP:-60}" python3 -m benchmarks.kda.bwd_sweep --rep 10 2>&1 | tee $LOGS/sweep.txt | grep -v "^\s*$"
 for f in $LOGS/*.log; do
   echo "--- $f: $(grep -c '^PASSED' "$f") passed, $(grep -c '^FAILED\|^ERROR' "$f") failed"
   grep -E "^(PASSED|FAILED|ERROR)|Error|assert" "$f" | head -n 40
 done
-cat $LOGS/*.log $LOGS/profile.txt $LOGS/sweep.txt > "$OUT/check_round.log"
+cat $LOGS/*.log $LOGS/profile.txt > "$OUT/check_round.log"
 exit 0

@@ -23,7 +23,7 @@ done < <(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/fl
   | grep "matches_fla" | grep -E "${KDA_FLA_TESTS:-.}")
 if [ "${KDA_GPU_TESTS:-1}" = 1 ]; then
   timeout -k 5 "$CAP" $PYT -m gpu tests/flashkda -k "not matches_fla" > $LOGS/A_gpu.log 2>&1 &
-  timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state_blocked.py \
+  timeout -k 5 "$CAP" $PYT tests/flashkda/test_state_configs.py tests/flashkda/test_bwd_state.py \
     > $LOGS/A_state.log 2>&1 &
 fi
 start_train_warmups "$CAP" $ROWS

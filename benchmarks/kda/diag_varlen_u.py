@@ -16,9 +16,10 @@ import argparse
 import torch
 
 from benchmarks.harness import rms_ratio
-from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
-from flashkda.chunk_state import state_output, state_pass
+from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
+from flashkda.fwd.output import state_output
+from flashkda.fwd.state import state_pass
 from flashkda.index import build_chunk_index
 from flashkda.reference import chunk_kda_reference
 
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
               flush=True)
 
     if a.o_configs:
-        from flashkda.chunk_state import O_CONFIGS
+        from flashkda.fwd.output import O_CONFIGS
 
         for cfg in O_CONFIGS:
             for hilo in (False, True):

@@ -4,26 +4,22 @@
 # fla compiles its forward for 60-100 s per head count, so the call has two phases:
 #   A (parallel, nothing written): one untimed pass of every row per head count in its own process (fla and ours
 #     compile into Triton's on-disk cache; autotune results are NOT cached, so phase B autotunes on a quiet GPU), the
-#     gpu tests, the CPU suite's state-stage tests on CUDA, a pass of the fp32-intermediate rows and a compile pass of
-#     the state-stage sweep.
-#   B (sequential, timed, results written): every row with the default path, the KDA_MID_CASES rows with the opt-in
-#     fp32 intermediates (FLASHKDA_BF16_INTERMEDIATES=0, own results file), then the state-stage sweep
-#     (benchmarks.kda.variants: the output kernel alone at every tile and product precision, the blocked state pass
+#     gpu tests, the CPU suite's state-stage tests on CUDA and a compile pass of the state-stage sweep.
+#   B (sequential, timed, results written): every row with the default path, then the state-stage sweep
+#     (benchmarks.kda.variants: the output kernel alone at every tile and product precision, the state-only pass
 #     with the output kernel) at KDA_SWEEP_CASES.
 # Caps from the environment (seconds): KDA_WARM_CAP (phase A, 170), KDA_MAIN_CAP (default rows, 200),
-# KDA_MID_CAP (fp32-intermediate rows, 120), KDA_SWEEP_CAP (sweep, 90).
+# KDA_SWEEP_CAP (sweep, 90).
 set -u
 source benchmarks/kda/round_env.sh fwd_round
 export TRITON_CACHE_AUTOTUNING=0
 WARM=${KDA_WARM_CAP:-170}
 PASS="python3 -m benchmarks.kda.run --no-write --rep 1 --cases"
 SWEEP_CASES=${KDA_SWEEP_CASES:-H64-T8192}
-MID_CASES=${KDA_MID_CASES:-H64-T8192 H12-T8192 H32-T131072 H64-T32768 H96-T8192}
-SWEEP="python3 -m benchmarks.kda.variants --intra --wu --h --state --hb 64:4:3:3:2 32:4:3:3:2 --cases"
+SWEEP="python3 -m benchmarks.kda.variants --intra --state --hb 64:4:3:3:2 32:4:3:3:2 --cases"
 
 echo "=== phase A (parallel, cap ${WARM}s) $(date +%T)"
 start_fwd_warmups "$WARM"
-FLASHKDA_BF16_INTERMEDIATES=0 timeout -k 5 "$WARM" $PASS $MID_CASES > $LOGS/A_mid.log 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 120 tests/flashkda/test_gpu.py \
   > $LOGS/A_gputests.log 2>&1 &
 timeout -k 5 "$WARM" python3 -m pytest -q -rA -p no:cacheprovider --timeout 120 tests/flashkda/test_state_configs.py \
@@ -36,10 +32,6 @@ for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 14; don
 echo "=== phase B: default path $(date +%T)"
 timeout -k 5 "${KDA_MAIN_CAP:-200}" python3 -m benchmarks.kda.run --rep 10 2>&1 | tee $LOGS/B_default.log
 echo "=== default rc=${PIPESTATUS[0]} $(date +%T)"
-sleep 1  # results files are named by the second a benchmark starts
-echo "=== phase B: fp32 intermediates (FLASHKDA_BF16_INTERMEDIATES=0) $(date +%T)"
-FLASHKDA_BF16_INTERMEDIATES=0 timeout -k 5 "${KDA_MID_CAP:-120}" python3 -m benchmarks.kda.run --rep 10 \
-  --cases $MID_CASES 2>&1 | tee $LOGS/B_mid.log
 echo "=== phase B: state-stage sweep $(date +%T)"
 timeout -k 5 "${KDA_SWEEP_CAP:-90}" $SWEEP $SWEEP_CASES 2>&1 | tee $LOGS/B_sweep.log
 cat $LOGS/A_*.log > "$OUT/phaseA.log"

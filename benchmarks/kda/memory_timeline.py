@@ -115,20 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    import flashkda
-    import flashkda.autograd as autograd
     from benchmarks.kda.train import TRAIN_CASES, make_inputs, step
-    from flashkda import chunk_bwd_gated
+    from flashkda.chunk import chunk_kda_autograd
 
-    if args.slices is not None:
-        autograd.BWD_HEAD_SLICES = args.slices
-    # bf16 calls on a GPU take the fused gate chain with tf32 products; the interpreter's products are "ieee", so
-    # admit that precision too (same kernels and tensors; only the products' rounding differs)
-    chunk_bwd_gated.FUSED_GATES_PRECISIONS = ("tf32", "ieee")
+    def ours(q, k, v, g, beta, **kw):
+        # a GPU's bf16 backward (dot_precision "tf32": the fused gate chain), also in the interpreter
+        return chunk_kda_autograd(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, dot_precision="tf32",
+                                  head_slices=args.slices, **kw)
+
     x, extra = make_inputs(args.B, args.T, args.H, None, "cpu")
     do = torch.randn(args.B, args.T, args.H, 128, dtype=torch.bfloat16)
     dht = torch.randn(args.B, args.H, 128, 128)
-    _, timeline = track(lambda: step(flashkda.chunk_kda, x, extra, do, dht))
+    _, timeline = track(lambda: step(ours, x, extra, do, dht))
     scale = 1.0
     if args.scale_to:
         c = TRAIN_CASES[args.scale_to]

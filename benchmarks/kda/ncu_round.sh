@@ -13,7 +13,7 @@ WARM=${KDA_WARM_CAP:-150}
 ROWS=${KDA_ROWS:-H64-T8192 H64-T32768 H12-T8192}
 NCU_CASES=${KDA_NCU_CASES-H64-T8192}
 # each entry: NAME=VALUE of one environment switch
-VARIANTS=${KDA_VARIANTS-FLASHKDA_BF16_INTERMEDIATES=0}
+VARIANTS=${KDA_VARIANTS-}
 VARIANT_ROWS=${KDA_VARIANT_ROWS:-$ROWS}
 PASS="python3 -m benchmarks.kda.run --no-write --rep 1 --cases"
 
@@ -26,7 +26,7 @@ for grp in $(for r in $ROWS; do echo "${r%%-*}"; done | sort -u); do
 done
 for v in $VARIANTS; do env "$v" timeout -k 5 "$WARM" $PASS $VARIANT_ROWS > "$LOGS/A_${v%%=*}.log" 2>&1 & done
 timeout -k 5 "${KDA_TEST_CAP:-$WARM}" python3 -m pytest -q -rA -m gpu -p no:cacheprovider --timeout 120 tests/flashkda/test_gpu.py \
-  -k "${KDA_GPU_TESTS:-intermediate_storage or intra_stage or chunk_matches_fp64}" > $LOGS/A_gputests.log 2>&1 &
+  -k "${KDA_GPU_TESTS:-intra_stage or chunk_matches_fp64}" > $LOGS/A_gputests.log 2>&1 &
 wait
 echo "=== phase A done $(date +%T)"
 for f in $LOGS/A_*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -n 12; done

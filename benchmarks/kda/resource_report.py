@@ -5,7 +5,7 @@ ptxas that ships in Triton's wheel, and prints one line per (kernel, configurati
 these numbers predict occupancy only; they are no timing.
 
 Usage: ``python -m benchmarks.kda.resource_report [--warps 4 8] [--gate bounded softplus] [--sass] [--lines]
-[--state BV:WARPS:STAGES ...] [--split BV:WARPS:STAGES:HILO ...] [--blocked BV:WARPS:STAGES ...] [--store-t] [--merge]
+[--state BV:WARPS:STAGES ...] [--blocked BV:WARPS:STAGES ...] [--merge]
 [--no-intra]``.
 Configurations: bf16 input (tf32 products, bf16 w/kg) and fp32 input (ieee products), K = V = 128, fixed-length,
 in-kernel gate with ``lower_bound`` + ``safe_gate`` (the benchmark setting) or the softplus gate (pair-by-pair
@@ -26,7 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from flashkda import chunk_intra, chunk_state
+from flashkda.fwd import intra, state
+from flashkda.rounding import PREC_BF16, PREC_HILO
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Registers per SM and the per-thread cap on sm_90; used to report resident CTAs per SM.
@@ -41,18 +42,17 @@ def kernel_spec(fn, types: dict, constexprs: dict):
             {n: constexprs[n] for n in fn.arg_names if n in constexprs})
 
 
-def intra_configs(dtype: str, gate: str, store_t: bool = False, merge: bool = False, store_local: bool = False):
-    """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting
-    (``store_t``: the intra kernel stops after the inverse, as in the split w/u path; ``merge``: stacked Aqk/Akk
-    products; ``store_local``: the training forward, which also writes Akk and the inverse)."""
+def intra_configs(dtype: str, gate: str, merge: bool = False, store_local: bool = False):
+    """(kernel, runtime-argument types, constexprs) for each kernel of the intra stage at one setting (``merge``:
+    stacked Aqk/Akk products; ``store_local``: the training forward, which also writes Akk and the inverse)."""
     work = "bf16" if dtype == "bf16" else "fp32"
     prec = "tf32" if dtype == "bf16" else "ieee"
     bounded = gate == "bounded"
-    common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=chunk_intra.SLICE,
-                  BS=chunk_intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
+    common = dict(H=1, HV=1, K=128, V=128, BT=64, BC=16, BK=128, BV=128, BKC=intra.SLICE,
+                  BS=intra.SLICE, BKN=64, USE_GATE=True, HAS_A=True,
                   HAS_BIAS=True, USE_LOWER_BOUND=bounded,
                   USE_L2NORM=True, BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, SAFE_GATE=bounded, IS_VARLEN=False,
-                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3", STORE_T=store_t,
+                  DOT_PREC=prec, INV_PREC="ieee" if prec == "ieee" else "tf32x3",
                   MERGE=merge, STORE_LOCAL=store_local, LHS=1)
     return [kernel_spec(fn, types, common) for fn, types in kernel_signatures(work)]
 
@@ -61,17 +61,17 @@ def kernel_signatures(work: str):
     """Runtime-argument types of the intra-stage kernels (bf16 inputs; ``work`` is the w/kg dtype)."""
     io = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
               cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", w=f"*{work}", kg=f"*{work}",
-              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", Tb="*fp32", AqkC="*fp32", Akk="*fp32", Minv="*fp32",
+              u="*fp32", qg="*fp32", Aqk="*fp32", gC="*fp32", AqkC="*fp32", Akk="*fp32", Minv="*fp32",
               scale="fp32",
               lower_bound="fp32", T="i32", NTS="i32", NCL="i32")
-    return [(chunk_intra.chunk_kda_fwd_kernel_intra, io)]
+    return [(intra.chunk_kda_fwd_kernel_intra, io)]
 
 
 def state_config(dtype: str, block_v: int):
     """(kernel, runtime-argument types, constexprs) of the state + output kernel (K = V = 128, initial and final
     state, fixed length)."""
     work = "bf16" if dtype == "bf16" else "fp32"
-    fn = chunk_state.chunk_kda_fwd_kernel_state_o
+    fn = state.chunk_kda_fwd_kernel_state_o
     types = dict(w=f"*{work}", u="*fp32", qg="*fp32", kg=f"*{work}", Aqk="*fp32", gC="*fp32", o="*bf16",
                  h0="*fp32", ht="*fp32", h="*fp32", cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32",
                  PROGRAMS="i32")
@@ -84,27 +84,13 @@ def state_config(dtype: str, block_v: int):
 def blocked_state_config(block_v: int):
     """(kernel, types, constexprs) of the blocked state-only pass as bf16 input runs it by default (bf16 w, kg, u,
     v_new and h; state rounded to bf16 in ``w S``, v_new as a hi/lo split in ``kgᵀ v_new``; K = V = 128)."""
-    fn = chunk_state.chunk_kda_fwd_kernel_h_blocked
+    fn = state.chunk_kda_fwd_kernel_h
     types = dict(w="*bf16", u="*bf16", kg="*bf16", gC="*fp32", h="*bf16", vn="*bf16", h0="*fp32", ht="*fp32",
                  cu_seqlens="*i32", chunk_offsets="*i32", T="i32", NTS="i32", PROGRAMS="i32")
     cx = dict(HV=1, K=128, V=128, BT=64, BKB=64, NKB=2, BV=block_v, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
-              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=chunk_state.PREC_BF16, PREC_KV=chunk_state.PREC_HILO,
+              STATE_V_FIRST=False, IS_VARLEN=False, PREC_WS=PREC_BF16, PREC_KV=PREC_HILO,
               EMULATE=False)
     return kernel_spec(fn, types, cx)
-
-
-def split_state_configs(dtype: str, block_v: int, hilo: bool):
-    """(kernel, types, constexprs) of the state-only recurrence and the output kernel (K = V = 128, fixed length)."""
-    work = "bf16" if dtype == "bf16" else "fp32"
-    prec = "tf32" if dtype == "bf16" else "ieee"
-    h_fn, o_fn, wu_fn = chunk_state.chunk_kda_fwd_kernel_h, chunk_state.chunk_kda_fwd_kernel_o, \
-        chunk_intra.chunk_kda_fwd_kernel_wu
-    types = dict(w=f"*{work}", u="*fp32", kg=f"*{work}", gC="*fp32", h=f"*{work}", vn="*fp32", h0="*fp32",
-                 ht="*fp32", cu_seqlens="*i32", chunk_offsets="*i32", chunk_map="*i32", T="i32", NTS="i32",
-                 PROGRAMS="i32", qg="*fp32", Aqk="*fp32", o="*bf16", v="*bf16", Tb="*fp32")
-    cx = dict(HV=1, K=128, V=128, BT=64, BK=128, BV=block_v, BS=64, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
-              STATE_V_FIRST=False, IS_VARLEN=False, HILO=hilo, EMULATE=False, DOT_PREC=prec)
-    return [kernel_spec(fn, types, {**cx, **over}) for fn, over in ((h_fn, {}), (o_fn, dict(BK=64)), (wu_fn, {}))]
 
 
 def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None, num_stages: int = 1):
@@ -237,11 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sass", action="store_true", help="also count LDL/STL/HMMA/HGMMA/BAR/SHFL in the SASS")
     ap.add_argument("--state", nargs="*", default=[], metavar="BV:WARPS:STAGES",
                     help="also (or with --no-intra, only) the state + output kernel at these configurations")
-    ap.add_argument("--split", nargs="*", default=[], metavar="BV:WARPS:STAGES:HILO",
-                    help="also the split path: state-only kernel, output kernel (BV, BK 64), w/u kernel (slice 64)")
     ap.add_argument("--blocked", nargs="*", default=[], metavar="BV:WARPS:STAGES",
                     help="also the blocked state-only pass (bf16 input defaults); with --lines, 128 chunk steps")
-    ap.add_argument("--store-t", action="store_true", help="intra kernel of the split w/u path (no pass 2)")
     ap.add_argument("--merge", action="store_true", help="intra kernel with the stacked Aqk/Akk products")
     ap.add_argument("--no-intra", action="store_true")
     ap.add_argument("--store-local", action="store_true", help="intra kernel of the training forward (STORE_LOCAL)")
@@ -258,11 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtype:
             fn, sig, cx = state_config(dtype, bv)
             report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"state_o {spec}")
-    for spec in args.split:
-        bv, nw, ns, hilo = (int(p) for p in spec.split(":"))
-        for dtype in args.dtype:
-            for fn, sig, cx in split_state_configs(dtype, bv, bool(hilo)):
-                report(fn, sig, cx, dtype, "-", nw, 0, args.sass, ns, name=f"{fn.__name__[21:]} {spec}")
     for spec in args.blocked:
         bv, nw, ns = (int(p) for p in spec.split(":"))
         fn, sig, cx = blocked_state_config(bv)
@@ -270,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                trips=[128] if args.lines else None)
     for dtype in args.dtype if not args.no_intra else []:
         for gate in args.gate:
-            for fn, sig, cx in intra_configs(dtype, gate, args.store_t, args.merge, args.store_local):
+            for fn, sig, cx in intra_configs(dtype, gate, args.merge, args.store_local):
                 for nw in args.warps:
                     for cap in args.maxnreg:
                         # loops in address order: L2 norms, pass 1, pass 2 (w, then u)

@@ -88,9 +88,9 @@ def _extra(t_ours, mem_fla: float, mem_ours: float, floor_ms: float, err_o: floa
 
 def stage_times(x: dict, device: str, rep: int) -> dict:
     """Median ms of our two stages alone (intra-chunk; state + output, which the state path says), for NOTES.md."""
-    from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-    from flashkda.chunk_intra import CHUNK_SIZE, bf16_intermediates_enabled, chunk_kda_fwd_intra
-    from flashkda.chunk_state import chunk_kda_fwd_state_o, prefer_split
+    from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+    from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
+    from flashkda.fwd.state import chunk_kda_fwd_state_o, prefer_split
     from flashkda.index import build_chunk_index
 
     q = x["q"]
@@ -105,7 +105,7 @@ def stage_times(x: dict, device: str, rep: int) -> dict:
     return {"intra ms": round(time_fn(intra, device=device, rep=rep).median_ms, 3),
             "state+o ms": round(time_fn(state, device=device, rep=rep).median_ms, 3),
             "state path": "split (state-only + output kernel)" if split else "fused",
-            "intermediates": "bf16" if bf16_intermediates_enabled() else "fp32 (FLASHKDA_BF16_INTERMEDIATES=0)"}
+            "intermediates": "bf16" if mid[2].element_size() == 2 else "fp32"}
 
 
 def run_prefill(case: Case, device: str, bw: float, rep: int) -> Row:

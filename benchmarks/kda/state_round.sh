@@ -6,8 +6,8 @@
 set -u
 source benchmarks/kda/round_env.sh state_round
 CAP=${KDA_STATE_CAP:-240}
-BIG="--intra --wu --h 32:4:2:0 --state 64:8:1 32:4:1"
-SMALL="--intra --wu --h 32:4:2:0 --state --hb 32:4:2:3:2 64:4:2:3:2 32:2:2:3:2 64:2:2:3:2 32:4:3:3:2 64:4:3:3:2"
+BIG="--intra --state 64:8:1 32:4:1"
+SMALL="--intra --state --hb 32:4:2:3:2 64:4:2:3:2 32:2:2:3:2 64:2:2:3:2 32:4:3:3:2 64:4:3:3:2"
 echo "=== compile pass + tests $(date +%T)"
 timeout -k 5 "$CAP" python3 -m benchmarks.kda.variants --cases H64-T8192 --rep 1 $BIG > $LOGS/c_big.log 2>&1 &
 for c in H12-T8192 H64-T32768 H32-T131072; do

@@ -16,12 +16,12 @@ model built from ``fla.layers.KimiDeltaAttention`` with copied weights, and fla'
 yardstick) trained on the same batches; the row keeps the curves' summary.
 
 Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-write] [--steps N] [--profile
-[--ncu-range]] [--no-gate] [--training-fwd] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
+[--ncu-range]] [--no-gate] [--ours-only] [--warmup {ours,fla}] [--slices N ...] [--loop-first]
 [--gate-T T ...] [--disable-recompute]``. ``--cases`` with no name runs no op row (only the training loop). Every
 phase prints its elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file
 is rewritten after every row, so a run cut by a time cap keeps the rows it finished. ``--profile`` prints the CUDA
-kernel table of ours and of fla at the first row (both kept in its JSON row). ``benchmarks/kda/gates_round.sh`` and
-``train_rows.sh`` are device calls that run it; ``train_ncu_round.sh`` runs it under Nsight Compute.
+kernel table of ours and of fla at the first row (both kept in its JSON row). ``train_rows.sh`` is a device call
+that runs it; ``train_ncu_round.sh`` runs it under Nsight Compute.
 """
 
 from __future__ import annotations
@@ -176,8 +176,6 @@ def warm_case(name: str, fn, device: str, log: Progress, slices: list[int] = ())
     ours also once per head-slice count of ``slices`` (the slice width is a compile-time constant of some kernels)."""
     import torch
 
-    from flashkda import autograd
-
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
@@ -185,20 +183,19 @@ def warm_case(name: str, fn, device: str, log: Progress, slices: list[int] = ())
     dht = torch.randn(N, c["H"], 128, 128, device=device)
     for n in (None, *slices):
         log(f"{name}: warm-up call" + ("" if n is None else f" with {n} head slices"))
-        autograd.BWD_HEAD_SLICES = n
-        try:
-            step(fn, x, extra, do, dht)
-            torch.cuda.synchronize()
-        finally:
-            autograd.BWD_HEAD_SLICES = None
+        step(fn if n is None else ours_in_head_slices(n), x, extra, do, dht)
+        torch.cuda.synchronize()
     log(f"{name}: warm")
 
 
-def ours_training_forward(q, k, v, g, beta, **kw):
-    """``flashkda.chunk_kda``'s training path with the backward's own forward pipeline (``forward_impl``)."""
-    from flashkda.autograd import chunk_kda_autograd
+def ours_in_head_slices(n: int):
+    """``flashkda.chunk_kda``'s training path with its backward in ``n`` head slices (``head_slices``)."""
+    from flashkda.chunk import chunk_kda_autograd
 
-    return chunk_kda_autograd(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, forward_impl="training", **kw)
+    def fn(q, k, v, g, beta, **kw):
+        return chunk_kda_autograd(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, head_slices=n, **kw)
+
+    return fn
 
 
 def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: str, log: Progress,
@@ -211,10 +208,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     """
     import torch
 
-    from flashkda import autograd, chunk_bwd_gated, chunk_bwd_recompute
-    from flashkda.chunk_bwd_gated import fused_gates
-    from flashkda.chunk_bwd_local import gated_dot_precision
-    from flashkda.chunk_bwd_ut import fused_wy
+    from flashkda.bwd.chunk_bwd import backward_head_slices
+    from flashkda.bwd.gated_dots import fused_gates
 
     c = TRAIN_CASES[name]
     x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
@@ -225,9 +220,8 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
     do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
     dht = torch.randn(N, c["H"], 128, 128, device=device)
-    gated_dots = gated_dot_precision("tf32")
     NC = sum(-(-n // 64) for n in c["lengths"]) if c["lengths"] else c["B"] * -(-c["T"] // 64)
-    slices = autograd.backward_head_slices(N, NC, c["H"], 1, 64, 128, 128)
+    slices = backward_head_slices(N, NC, c["H"], 1, 64, 128, 128)
     params = dict(B=c["B"], T=c["T"], H=c["H"], K=128, V=128, dtype="bf16", varlen=c["lengths"] is not None)
 
     def run_fla():
@@ -245,27 +239,15 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     log(f"{name}: ours {t_ours.median_ms:.2f} ms (p20-p80 {t_ours.p20_ms:.2f}-{t_ours.p80_ms:.2f}), "
         f"peak {mem_ours:.0f} MiB")
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
-              "ours_gated_dots": gated_dots, "ours_head_slices": len(slices),
-              "ours_fused_wy": fused_wy("tf32", 128, 128), "ours_fused_gates": fused_gates("tf32", 128),
-              "ours_gates_kernel": chunk_bwd_gated.GATES_BWD_KERNEL, "ours_save_local": autograd.save_local_enabled(),
-              "ours_save_states": autograd.save_states_enabled() or disable_recompute,
-              "ours_dh_all_heads": autograd.dh_all_heads_enabled() or disable_recompute,
-              "ours_recompute_all_heads": autograd.recompute_all_heads_enabled() and not disable_recompute,
-              "ours_recompute_slice": chunk_bwd_recompute.RECOMPUTE_SLICE}
+              "ours_head_slices": len(slices), "ours_fused_gates": fused_gates("tf32", 128)}
     for n in args.slices:
-        autograd.BWD_HEAD_SLICES = n
-        try:
-            t_n = time_fn(run_ours, device=device, warmup=2, rep=args.rep)
-            mem_n = peak_extra_mib(run_ours, device)
-        finally:
-            autograd.BWD_HEAD_SLICES = None
+        def run_sliced(n: int = n):
+            return step(ours_in_head_slices(n), x, extra, do, dht)
+
+        t_n = time_fn(run_sliced, device=device, warmup=2, rep=args.rep)
+        mem_n = peak_extra_mib(run_sliced, device)
         extras[f"ours_ms_{n}_slices"], extras[f"ours_peak_MiB_{n}_slices"] = t_n.median_ms, round(mem_n)
         log(f"{name}: ours with {n} head slices {t_n.median_ms:.2f} ms, peak {mem_n:.0f} MiB")
-    if args.training_fwd:
-        log(f"{name}: first call of ours with forward_impl='training'")
-        t_tf = time_fn(lambda: step(ours_training_forward, x, extra, do, dht), device=device, warmup=2, rep=args.rep)
-        extras["ours_training_fwd_ms"] = t_tf.median_ms
-        log(f"{name}: ours with the training forward {t_tf.median_ms:.2f} ms")
     if with_profile:
         extras["ours_profile_top"] = profile(run_ours)
     if args.ours_only:
@@ -471,22 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-recompute", action="store_true",
                         help="after each row, the same row with disable_recompute=True on both sides")
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--recompute-slice", type=int, default=None,
-                        help="column slice of the backward's all-heads operand rebuild (default: whole rows)")
     parser.add_argument("--profile", action="store_true",
                         help="print CUDA kernel profiles of ours and fla at the first row")
     parser.add_argument("--ncu-range", action="store_true",
                         help="with --profile: then one step of ours and of fla inside a CUDA profiler range (for "
                              "ncu --profile-from-start off, benchmarks/kda/train_ncu_round.sh)")
     parser.add_argument("--no-gate", action="store_true", help="skip the fp64 reference gate (rows still check fla)")
-    parser.add_argument("--training-fwd", action="store_true",
-                        help="also time ours with forward_impl='training' (the backward's own forward pipeline)")
     args = parser.parse_args(argv)
     import torch
-
-    from flashkda import chunk_bwd_recompute
-
-    chunk_bwd_recompute.RECOMPUTE_SLICE = args.recompute_slice
 
     if not torch.cuda.is_available():
         print("benchmarks.kda.train needs a CUDA device; nothing measured", file=sys.stderr)

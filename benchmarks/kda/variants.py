@@ -9,15 +9,13 @@ The intra stage leaves the blocks of ``Aqk`` above the diagonal unwritten (the s
 its outputs are compared where they are defined; the whole-buffer difference is printed too, because a comparison
 of the whole buffer reads whatever the allocator left there.
 
-The split paths are swept too: ``--wu`` (intra stage as two kernels: the intra kernel up to the inverse, then the
-w/u kernel) and ``--h`` (state-only recurrence storing bf16 states, then the parallel output kernel, autotuned;
-``HILO`` 1 takes the chain products as two bf16 products over a hi/lo split; ``--hb`` the blocked state pass on
-64-row state tiles at per-product operand precisions). The split state path stores states
-in bf16, so it is compared with the fused stage at 5e-3 relative.
+The split state path is swept too: ``--hb`` the state-only pass on 64-row state tiles at per-product operand
+precisions, then the parallel output kernel (autotuned). It stores states in bf16, so it is compared with the fused
+stage at 5e-3 relative.
 
 Usage: ``python -m benchmarks.kda.variants [--cases H64-T8192 ...] [--rep N]
-[--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...] [--wu SLICE:WARPS ...]
-[--h BV:WARPS:STAGES:HILO ...] [--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--o BV:BK:WARPS:STAGES:HILO ...]``
+[--intra WARPS:MAXNREG:SLICE[:PASS1_SLICE[:MERGE]] ...] [--state BV:WARPS:STAGES ...]
+[--hb BV:WARPS:STAGES:PREC_WS:PREC_KV ...] [--o BV:BK:WARPS:STAGES:HILO ...]``
 (CUDA only). The first
 configuration of the intra and state lists is the reference (the fused defaults when a list is empty).
 """
@@ -32,12 +30,8 @@ import time
 STATE_SWEEP = ["32:4:1", "64:8:1", "16:4:1", "64:4:1", "32:8:1", "32:4:2"]
 #: Intra-stage configurations swept by default: (warps, register cap or 0, pass-2 slice width).
 INTRA_SWEEP = ["4:0:16", "4:0:16:0:1", "4:0:64:0:1", "4:168:16", "4:168:16:0:1", "4:128:16:0:1", "8:0:16:0:1"]
-#: The intra stage split in two (intra kernel up to the inverse, then the w/u kernel): (slice width, warps).
-WU_SWEEP = ["64:8", "128:8", "32:4", "64:4"]
-#: The split state path (state-only recurrence, then the parallel output kernel): (V tile, warps, stages, hi/lo).
-H_SWEEP = ["32:4:1:0", "32:4:2:0", "64:4:2:0", "16:4:2:0", "64:8:2:0", "32:2:2:0"]
 #: The blocked state pass (64-row state tiles), then the parallel output kernel: (V tile, warps, stages, operand
-#: precision of w S, of kgᵀ v_new; 1 tf32, 2 hi/lo bf16, 3 bf16 as in flashkda.chunk_state).
+#: precision of w S, of kgᵀ v_new; 1 tf32, 2 hi/lo bf16, 3 bf16 as in flashkda.fwd.state).
 HB_SWEEP = ["32:4:2:3:2", "64:4:2:3:2", "32:2:2:3:2", "64:2:2:3:2", "32:4:3:3:2", "64:4:3:3:2", "64:8:2:3:2",
             "64:4:2:2:2", "64:4:2:1:1", "64:4:2:3:3"]
 #: The output kernel alone: (V tile, K slice, warps, stages, bf16 hi/lo products).
@@ -63,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=20)
     parser.add_argument("--intra", nargs="*", default=INTRA_SWEEP)
     parser.add_argument("--state", nargs="*", default=STATE_SWEEP)
-    parser.add_argument("--wu", nargs="*", default=WU_SWEEP)
-    parser.add_argument("--h", nargs="*", default=H_SWEEP)
     parser.add_argument("--hb", nargs="*", default=HB_SWEEP)
     parser.add_argument("--o", nargs="*", default=O_SWEEP)
     args = parser.parse_args(argv)
@@ -85,9 +77,9 @@ def sweep_case(name: str, args) -> None:
     from benchmarks.harness import time_fn
     from benchmarks.kda.registry import CASES
     from benchmarks.kda.run import make_inputs
-    from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-    from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
-    from flashkda.chunk_state import chunk_kda_fwd_state_o
+    from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+    from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
+    from flashkda.fwd.state import chunk_kda_fwd_state_o
     from flashkda.index import build_chunk_index
 
     print(f"--- {name}", flush=True)
@@ -110,13 +102,6 @@ def sweep_case(name: str, args) -> None:
 
     with torch.inference_mode():
         ref = intra(args.intra[0] if args.intra else "4:0:16")
-        for spec in args.wu:
-            t0 = time.time()
-            bs, nw = (int(p) for p in spec.split(":"))
-            fn = lambda bs=bs, nw=nw: chunk_kda_fwd_intra(  # noqa: E731
-                q, x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], q.shape[-1] ** -0.5, -5.0, True,
-                True, True, False, True, index, work_dtype_for(q.dtype), prec, split_wu=True, wu_config=(bs, nw))
-            _report(f"intra split + wu slice:warps={spec}", fn, ref, rel_defined, 5e-3, args.rep, t0)
         for spec in args.intra:
             t0 = time.time()
             try:
@@ -134,24 +119,16 @@ def sweep_case(name: str, args) -> None:
                 print(f"intra {spec}: FAILED {type(exc).__name__}: {exc}"[:400], flush=True)
         o_ref = chunk_kda_fwd_state_o(*ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=32,
                                       split=False)[0]
-        for spec in args.h:
-            bv, nw, ns, hilo = (int(p) for p in spec.split(":"))
-            t0 = time.time()
-            fn = lambda bv=bv, nw=nw, ns=ns, hilo=hilo: chunk_kda_fwd_state_o(  # noqa: E731
-                *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw, num_stages=ns,
-                split=True, hilo=bool(hilo), blocked=False)
-            _report(f"state split h BV:warps:stages:hilo={spec} + o autotuned", fn, o_ref,
-                    lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
         for spec in args.hb:
             bv, nw, ns, pws, pkv = (int(p) for p in spec.split(":"))
             t0 = time.time()
             fn = lambda bv=bv, nw=nw, ns=ns, pws=pws, pkv=pkv: chunk_kda_fwd_state_o(  # noqa: E731
                 *ref, x["initial_state"], True, False, index, q.dtype, prec, block_v=bv, num_warps=nw, num_stages=ns,
-                split=True, blocked=True, precs=(pws, pkv))
+                split=True, precs=(pws, pkv))
             _report(f"state blocked h BV:warps:stages:prec_ws:prec_kv={spec} + o autotuned", fn, o_ref,
                     lambda out, r: rel(out[0], r), 5e-3, args.rep, t0)
-        if args.h or args.hb or args.o:  # the output kernel alone (its inputs' values do not matter for its time)
-            from flashkda.chunk_state import state_output
+        if args.hb or args.o:  # the output kernel alone (its inputs' values do not matter for its time)
+            from flashkda.fwd.output import state_output
 
             qg, Aqk, u = ref[2], ref[4], ref[1]
             h = torch.randn(index.num_chunks, *qg.shape[2:], u.shape[-1], device="cuda").to(torch.bfloat16)

@@ -86,12 +86,13 @@ def chunk_kda_verifier(
     if not decision.serve:
         return False, decision.reason
     try:
+        checks.check_kwargs(kwargs)
         s = checks.check_qkvgb(q, k, v, g, beta)
         s = checks.check_cu_seqlens(s, cu_seqlens, cu_seqlens_cpu, q.device)
         checks.check_state("initial_state", initial_state, s, state_v_first, q.device)
         checks.check_flags(use_beta_sigmoid_in_kernel, allow_neg_eigval)
         checks.check_gate_params(s, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, q.device)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         return False, str(e)
     return True, None
 

@@ -17,6 +17,8 @@ from flashkda.seqlens import host_cu_seqlens
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Largest head dimensions the kernels hold in one tile.
 MAX_HEAD_DIM = 256
+#: The keywords fla-core 0.6.0's ``chunk_kda`` reads from its ``**kwargs``.
+FLA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
 
 
 @dataclass(frozen=True)
@@ -95,13 +97,20 @@ def check_cu_seqlens(shapes: KDAShapes, cu_seqlens, cu_seqlens_cpu, device: torc
     if shapes.B != 1:
         raise ValueError(f"`cu_seqlens` needs batch size 1 (flattened sequences), got B={shapes.B}")
     host = None
+    capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
     if cu_seqlens_cpu is not None:
         cu_seqlens_cpu = _tensor("cu_seqlens_cpu", cu_seqlens_cpu)
-        if cu_seqlens_cpu.shape != cu_seqlens.shape or cu_seqlens_cpu.device.type != "cpu":
-            raise ValueError(f"`cu_seqlens_cpu` must be a CPU copy of `cu_seqlens` (shape {list(cu_seqlens.shape)})"
-                             f", got shape {list(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+        if cu_seqlens_cpu.dtype not in (torch.int32, torch.int64) or cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"`cu_seqlens_cpu` must be a CPU copy of `cu_seqlens` (int32/int64), got "
+                             f"{cu_seqlens_cpu.dtype} on {cu_seqlens_cpu.device}")
         host = cu_seqlens_cpu
-    elif not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not capturing:
+            # one device read per `cu_seqlens` tensor object (cached): a loop that reuses it never waits again
+            device_values = host_cu_seqlens(cu_seqlens)
+            if cu_seqlens_cpu.shape != device_values.shape or not torch.equal(cu_seqlens_cpu.long(), device_values):
+                raise ValueError(f"`cu_seqlens_cpu` {_head(cu_seqlens_cpu)} must equal `cu_seqlens` "
+                                 f"{_head(device_values)}")
+    elif not capturing:
         host = host_cu_seqlens(cu_seqlens)  # read once per tensor object: repeated calls do not wait
     if host is not None:
         vals = host.tolist()
@@ -109,6 +118,19 @@ def check_cu_seqlens(shapes: KDAShapes, cu_seqlens, cu_seqlens_cpu, device: torc
             raise ValueError(f"`cu_seqlens` must rise from 0 to T={shapes.T} without decreasing, got {vals[:8]}"
                              f"{' ...' if len(vals) > 8 else ''}")
     return KDAShapes(**{**shapes.__dict__, "N": cu_seqlens.numel() - 1})
+
+
+def _head(x: torch.Tensor) -> str:
+    vals = x.tolist()
+    return f"{vals[:8]}{' ...' if len(vals) > 8 else ''}"
+
+
+def check_kwargs(kwargs: dict, accepted: tuple[str, ...] = FLA_KWARGS) -> None:
+    """Raises TypeError naming the first keyword of ``kwargs`` (the ``**kwargs`` of a ``chunk_kda`` call) that fla's
+    ``chunk_kda`` does not read either, as Python does for a misspelled keyword."""
+    for name in kwargs:
+        if name not in accepted:
+            raise TypeError(f"chunk_kda() got an unexpected keyword argument {name!r}")
 
 
 def check_state(name: str, state, shapes: KDAShapes, state_v_first: bool, device: torch.device) -> None:
@@ -131,6 +153,9 @@ def check_gate_params(shapes: KDAShapes, use_gate_in_kernel: bool, A_log, dt_bia
     """Checks the in-kernel gate parameters; returns ``(A_log [HV] fp32 or None, dt_bias [HV*K] fp32 or None)``."""
     if lower_bound is not None and not isinstance(lower_bound, (int, float)):
         raise ValueError(f"`lower_bound` must be a float or None, got {type(lower_bound).__name__}")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"`lower_bound` must be negative (the floor of the log-space gate, e.g. -5.0), "
+                         f"got {lower_bound}")
     if not use_gate_in_kernel:
         return None, None
     if A_log is None and lower_bound is None:

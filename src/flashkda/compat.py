@@ -11,7 +11,7 @@ import torch
 
 from flashkda import checks
 from flashkda.chunk import needs_grad
-from flashkda.chunk_fwd import chunk_kda_fwd
+from flashkda.fwd.chunk_fwd import chunk_kda_fwd
 
 
 def fwd(

@@ -1,20 +1,11 @@
 """FlashKDA's environment switches, parsed in one place.
 
 Every ``FLASHKDA_*`` switch is a flag or a choice. A value outside the accepted set is an error that names the
-variable and the values it takes, never a silent fallback: ``FLASHKDA_BF16_INTERMEDIATES=false`` once meant "on".
+variable and the values it takes, never a silent fallback (``=false`` must not mean "on").
 
 | variable | values (default first) | read |
 |---|---|---|
 | ``FLASHKDA_DISABLE`` | 0, 1 | each fla dispatch |
-| ``FLASHKDA_BF16_INTERMEDIATES`` | 1, 0 | each forward call |
-| ``FLASHKDA_BWD_GATED_DOTS`` | tf32, ieee | import |
-| ``FLASHKDA_BWD_FUSED_GATES`` | 1, 0 | import |
-| ``FLASHKDA_BWD_GATES_KERNEL`` | blocks, rows | import |
-| ``FLASHKDA_BWD_FUSED_WY`` | 0, 1 | import |
-| ``FLASHKDA_BWD_SAVE_LOCAL`` | 1, 0 | each training forward call |
-| ``FLASHKDA_BWD_SAVE_STATES`` | 0, 1 | each training forward call |
-| ``FLASHKDA_BWD_DH_ALL_HEADS`` | 0, 1 | each training forward call |
-| ``FLASHKDA_BWD_RECOMPUTE_ALL_HEADS`` | 1, 0 | each training backward call |
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashkda.autograd import chunk_kda_autograd
+from flashkda.chunk import chunk_kda_autograd
 from flashkda.reference import chunk_kda_reference
 
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -109,15 +109,6 @@ def _inputs(case: Case, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _slice_heads_finely(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward's head slices as narrow as whole GVA groups allow (no memory or state-pass parallelism floor), so
-    that the small test cases run several slices."""
-    import flashkda.autograd as autograd
-
-    monkeypatch.setattr(autograd, "BWD_SLICE_BYTES", 0)
-    monkeypatch.setattr(autograd, "BWD_MIN_STATE_PROGRAMS", 1)
-
-
 def _rel_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (ours.double() - ref.double()).pow(2).mean().sqrt()
     return (diff / ref.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
@@ -141,30 +132,22 @@ def test_gradients_match_fp64_reference(case: Case, device: str) -> None:
     _check_gradients(case, device)
 
 
-# case id -> also the fused gated-product/gate-chain pass (its fp32 sums are for half-precision callers only)
-_FUSED_CASES = {"T96-K64-V64-bf16-state": True, "fp16-varlen-GVA-gate": True, "varlen-15-0-65-15-state": False,
-                "V48-not-power-of-two": False}
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("T96-K64-V64-bf16-state", "fp16-varlen-GVA-gate")])
+def test_gradients_with_a_gpus_product_precision(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward of bf16/fp16 callers on a GPU (``dot_precision="tf32"``: bf16 state-pass operands, the fused
+    gated-product/gate-chain pass `flashkda.bwd.gated_dots.chunk_kda_gated_dots_gates_bwd`), also in the
+    interpreter, meets the fp64 bound."""
+    from flashkda.bwd import chunk_bwd
+
+    fused = []
+    gates_bwd = chunk_bwd.chunk_kda_gated_dots_gates_bwd
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_gated_dots_gates_bwd",
+                        lambda *a, **k: fused.append(1) or gates_bwd(*a, **k))
+    _check_gradients(case, device, dot_precision="tf32")
+    assert fused, "the fused gate chain did not run"
 
 
-@pytest.mark.parametrize("wy", [True, False], ids=["fused-wy", "gemm-wy"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in _FUSED_CASES])
-def test_gradients_with_the_fused_chain_rule(case: Case, wy: bool, device: str,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused chain-rule passes of bf16/fp16 callers on a GPU (`flashkda.chunk_bwd_ut.chunk_kda_bwd_wy`,
-    `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_gates_bwd`) at every precision, so that the interpreter runs them
-    too, with the UT pass fused (opt-in, FLASHKDA_BWD_FUSED_WY=1) or as GEMMs (the default); V = 48 leaves a partial
-    V slice."""
-    from flashkda import chunk_bwd_gated, chunk_bwd_inverse, chunk_bwd_ut
-
-    monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32", "ieee") if wy else ())
-    monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", True)
-    monkeypatch.setattr(chunk_bwd_gated, "GATED_DOTS_BK", 32)
-    if _FUSED_CASES[next(c.id for c in CASES if c.values[0] is case)]:
-        monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
-    _check_gradients(case, device)
-
-
-def _check_gradients(case: Case, device: str) -> None:
+def _check_gradients(case: Case, device: str, **kw) -> None:
     torch.manual_seed(zlib.crc32(str(case).encode()))  # per case and reproducible (str hashes vary per process)
     x = _inputs(case, device)
     ref_x = {k: v.detach().double().requires_grad_() for k, v in x.items()}
@@ -174,7 +157,7 @@ def _check_gradients(case: Case, device: str) -> None:
     dht = torch.randn(N, HV, K, V, dtype=torch.float64, device=device)
     if case.opts.get("state_v_first"):
         dht = dht.transpose(-1, -2).contiguous()
-    o, ht, grads = _run(chunk_kda_autograd, x, case, do, dht)
+    o, ht, grads = _run(chunk_kda_autograd, x, case, do, dht, **kw)
     ro, rht, ref_grads = _run(chunk_kda_reference, ref_x, case, do, dht)
 
     tol = TOLERANCE[case.dtype]
@@ -242,11 +225,10 @@ def test_disable_recompute_gives_identical_gradients(device: str) -> None:
 
 
 @pytest.mark.parametrize("disable_recompute", [False, True], ids=["recompute", "kept-states"])
-def test_backward_in_head_slices_equals_one_pass(disable_recompute: bool, device: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backward_in_head_slices_equals_one_pass(disable_recompute: bool, device: str) -> None:
     """Forcing the fused backward to run GVA group by group (4 value heads, 2 per q/k head: two slices, the second
     starting at head 2) gives the gradients of the single pass, over varlen, in-kernel gate and state in/out."""
-    import flashkda.autograd as autograd
+    from flashkda.bwd.chunk_bwd import backward_head_slices
 
     case = Case(T=100, H=2, HV=4, cu_seqlens=(0, 37, 100), initial_state=True, output_final_state=True,
                 opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
@@ -256,9 +238,9 @@ def test_backward_in_head_slices_equals_one_pass(disable_recompute: bool, device
     do = torch.randn(1, 100, 4, 32, dtype=torch.float64, device=device)
     dht = torch.randn(2, 4, 32, 32, dtype=torch.float64, device=device)
     _, _, one = _run(chunk_kda_autograd, x, case, do, dht)
-    _slice_heads_finely(monkeypatch)
-    assert autograd.backward_head_slices(2, 3, 4, 2, 64, 32, 32) == [(0, 2), (2, 4)]
-    _, _, sliced = _run(chunk_kda_autograd, x, case, do, dht)
+    assert backward_head_slices(2, 3, 4, 2, 64, 32, 32) == [(0, 4)]
+    assert backward_head_slices(2, 3, 4, 2, 64, 32, 32, count=2) == [(0, 2), (2, 4)]
+    _, _, sliced = _run(chunk_kda_autograd, x, case, do, dht, head_slices=2)
     for name in x:
         torch.testing.assert_close(sliced[name], one[name], rtol=1e-6, atol=1e-7, msg=name)
 
@@ -267,7 +249,7 @@ def test_head_slices_follow_memory_and_state_pass_parallelism() -> None:
     """The fewest slices that bring the fp32 intermediates under 3 GiB, keeping >= 16 (sequence, head) pairs per
     state pass: B1-T8192-H64 (~5.4 GB) and varlen 8 x 1024 H64 halve once, B8-T4096-H32 (~10.7 GB) twice,
     B1-T32768-H32 (32 pairs) once only; GVA slices hold whole groups; small calls stay whole."""
-    from flashkda.autograd import backward_head_slices
+    from flashkda.bwd.chunk_bwd import backward_head_slices
 
     assert backward_head_slices(1, 128, 64, 1, 64, 128, 128) == [(0, 32), (32, 64)]
     assert backward_head_slices(8, 128, 64, 1, 64, 128, 128) == [(0, 32), (32, 64)]
@@ -278,21 +260,12 @@ def test_head_slices_follow_memory_and_state_pass_parallelism() -> None:
     assert backward_head_slices(2, 4, 8, 1, 64, 64, 64) == [(0, 8)]
 
 
-def test_training_pipeline_forward_matches_the_forward_kernels(device: str) -> None:
-    case = Case(T=100, H=1, HV=2, initial_state=True, output_final_state=True,
-                opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-                          use_beta_sigmoid_in_kernel=True))
-    torch.manual_seed(6)
-    x = _inputs(case, device)
-    do = torch.randn(1, 100, 2, 32, dtype=torch.float64, device=device)
-    dht = torch.randn(1, 2, 32, 32, dtype=torch.float64, device=device)
-    o1, ht1, g1 = _run(chunk_kda_autograd, x, case, do, dht, forward_impl="kernels")
-    o2, ht2, g2 = _run(chunk_kda_autograd, x, case, do, dht, forward_impl="training")
-    assert _rel_rms(o2, o1) <= 1e-5 and _rel_rms(ht2, ht1) <= 1e-5
-    for name in x:
-        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="forward_impl"):
-        chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.1, forward_impl="cuda")
+def test_bad_backward_options_are_named(device: str) -> None:
+    x = _inputs(Case(T=20, H=2, HV=4), device)
+    with pytest.raises(ValueError, match="dot_precision must be 'tf32' or 'ieee', got 'fast'"):
+        chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.1, dot_precision="fast")
+    with pytest.raises(ValueError, match="head_slices must divide the 2 GVA groups, got 3"):
+        chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.1, head_slices=3)
 
 
 def test_head_dim_that_is_not_a_power_of_two_is_rejected_for_training(device: str) -> None:
@@ -341,77 +314,27 @@ def test_fla_chunk_kda_training_call_is_served_by_flashkda(device: str, monkeypa
         assert _rel_rms(grads[name], ref) <= 1e-4, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_saved_chunk_local_matrices_replace_the_recompute(dtype: torch.dtype, device: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The forward kernels' ``Aqk``, ``Akk`` and inverse (FLASHKDA_BWD_SAVE_LOCAL, the default) stand in for the
-    backward's recompute of them: gradients equal the recomputing backward's over varlen with partial and empty
-    sequences, GVA, the bounded in-kernel gate, state in/out and two head slices, and the recompute never runs."""
-    import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
-
-    case = Case(T=150, H=2, HV=4, dtype=dtype, cu_seqlens=(0, 37, 37, 150), initial_state=True,
-                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                                   lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True))
-    torch.manual_seed(11)
-    x = _inputs(case, device)
-    do = torch.randn(1, case.T, 4, 32, dtype=torch.float64, device=device)
-    dht = torch.randn(3, 4, 32, 32, dtype=torch.float64, device=device)
-    _slice_heads_finely(monkeypatch)
-    monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "0")
-    _, _, recomputed = _run(chunk_kda_autograd, x, case, do, dht)
-
-    def no_recompute(*args, **kwargs):
-        raise AssertionError("the backward recomputed Akk/Aqk although the forward saved them")
-
-    monkeypatch.setenv(autograd.SAVE_LOCAL_ENV, "1")
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_gated_dots", no_recompute)
-    monkeypatch.setattr(chunk_bwd, "ut_inverse", no_recompute)
-    _, _, saved = _run(chunk_kda_autograd, x, case, do, dht)
-    # fp32: the same math in another rounding order; bf16: the saved matrices are rounded to bf16 like fla's
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for name in x:
-        assert _rel_rms(saved[name], recomputed[name]) <= tol, f"d{name}: {_rel_rms(saved[name], recomputed[name]):.1e}"
-
-
-@pytest.mark.parametrize("name", ["FLASHKDA_BWD_SAVE_LOCAL", "FLASHKDA_BWD_SAVE_STATES", "FLASHKDA_BWD_DH_ALL_HEADS",
-                                  "FLASHKDA_BWD_RECOMPUTE_ALL_HEADS"])
-def test_save_switches_reject_unknown_values(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import flashkda.autograd as autograd
-
-    monkeypatch.setenv(name, "maybe")
-    read = {autograd.SAVE_LOCAL_ENV: autograd.save_local_enabled,
-            autograd.SAVE_STATES_ENV: autograd.save_states_enabled,
-            autograd.DH_ALL_HEADS_ENV: autograd.dh_all_heads_enabled,
-            autograd.RECOMPUTE_ALL_HEADS_ENV: autograd.recompute_all_heads_enabled}[name]
-    with pytest.raises(ValueError, match=f"{name}='maybe'"):
-        read()
-
-
 _SAVE_STATES_CASES = ("T96-K64-V64-bf16-state", "fp16-varlen-GVA-gate", "varlen-15-0-65-15-state",
                       "gate-lower-bound-GVA")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in _SAVE_STATES_CASES])
-def test_saved_states_replace_the_state_recompute(case: Case, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FLASHKDA_BWD_SAVE_STATES=1 the backward takes the forward's per-chunk states (bf16 ``h`` and ``v_new``
-    for bf16 input) instead of recomputing them: every gradient still meets the fp64 bound, over bf16, fp16 varlen
-    GVA, empty and partial varlen sequences and state in/out, and the recompute never runs (two head slices)."""
-    import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+def test_disable_recompute_replaces_the_state_recompute(case: Case, device: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``disable_recompute=True`` the backward takes the forward's per-chunk states (bf16 ``h`` for bf16 input)
+    instead of recomputing them: every gradient still meets the fp64 bound, over bf16, fp16 varlen GVA, empty and
+    partial varlen sequences and state in/out, and the recompute never runs (two head slices where GVA allows)."""
+    from flashkda.bwd import chunk_bwd
 
     def no_recompute(*args, **kwargs):
         raise AssertionError("the backward recomputed the states although the forward kept them")
 
-    monkeypatch.setenv(autograd.SAVE_STATES_ENV, "1")
     # Only the split forward state path stores states: bf16 input everywhere, every dtype in the interpreter. On a
     # GPU fp16 (and small-K fp32) input may take the fused path, which keeps none, and the backward then recomputes
-    # them (the 2026-12-02 22:46 UTC gpu run failed here on fp16 for that reason, not on a gradient).
+    # them.
     if case.dtype == torch.bfloat16 or device == "cpu":
-        monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", no_recompute)
-    if case.HV % 2 == 0:
-        _slice_heads_finely(monkeypatch)
-    _check_gradients(case, device)
+        monkeypatch.setattr(chunk_bwd, "chunk_kda_recompute_h", no_recompute)
+    _check_gradients(case, device, disable_recompute=True, head_slices=2 if case.H % 2 == 0 else None)
 
 
 _DH_ALL_HEADS_CASES = [
@@ -425,69 +348,38 @@ _DH_ALL_HEADS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("save_states", [False, True], ids=["recompute-states", "saved-states"])
 @pytest.mark.parametrize("case", _DH_ALL_HEADS_CASES)
-def test_reverse_state_pass_over_all_heads(case: Case, save_states: bool, device: str,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FLASHKDA_BWD_DH_ALL_HEADS=1 (bf16) the reverse state pass runs once over all heads on the forward's bf16
-    ``w``, ``qg``, ``kg`` (`flashkda.chunk_bwd_dh_tokens`) and never per slice: every gradient (``dh0`` included)
-    meets the fp64 bound over varlen with an empty and partial sequences, GVA, the bounded gate, state in/out, two
-    head slices, K = 128 (two state tiles) and with the states recomputed or kept."""
-    import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
-
-    def no_slice_pass(*args, **kwargs):
-        raise AssertionError("the reverse state pass ran per slice although it ran over all heads")
-
-    monkeypatch.setenv(autograd.DH_ALL_HEADS_ENV, "1")
-    monkeypatch.setenv(autograd.SAVE_STATES_ENV, "1" if save_states else "0")
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", no_slice_pass)
-    if case.HV % 2 == 0 and case.H % 2 == 0:
-        _slice_heads_finely(monkeypatch)
-    _check_gradients(case, device)
-
-
-def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(device: str,
+def test_disable_recompute_keeps_the_forward_states_and_operands_for_bf16(case: Case, device: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``disable_recompute=True`` (bf16) is the memory-for-speed trade of fla's option: the backward neither
-    recomputes the states nor runs a per-slice reverse pass, whatever the opt-in switches say, and meets the fp64
-    bound (varlen with an empty sequence, GVA, bounded gate, state in/out, two head slices)."""
-    import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    recomputes the states nor runs a per-slice reverse pass (`flashkda.bwd.state_tokens` runs once over all heads on
+    the forward's ``w``, ``qg``, ``kg``), and meets the fp64 bound (varlen with an empty sequence, GVA, bounded gate,
+    state in/out, K = 128, two head slices where GVA allows)."""
+    from flashkda.bwd import chunk_bwd
 
     def never(*args, **kwargs):
         raise AssertionError("disable_recompute=True ran a state pass the forward's tensors should replace")
 
-    monkeypatch.setenv(autograd.SAVE_STATES_ENV, "0")
-    monkeypatch.setenv(autograd.DH_ALL_HEADS_ENV, "0")
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_recompute_h", never)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
-    _slice_heads_finely(monkeypatch)
-    case = Case(T=150, H=2, HV=4, dtype=torch.bfloat16, cu_seqlens=(0, 37, 37, 150), initial_state=True,
-                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                                   lower_bound=-5.0, safe_gate=True, disable_recompute=True))
-    _check_gradients(case, device)
+    _check_gradients(case, device, disable_recompute=True, head_slices=2 if case.H % 2 == 0 else None)
 
 
 @pytest.mark.parametrize("case", _DH_ALL_HEADS_CASES)
 def test_state_passes_over_all_heads_with_recomputed_operands(case: Case, device: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASHKDA_BWD_RECOMPUTE_ALL_HEADS=1 (bf16, nothing more kept by the forward): the backward rebuilds ``w``,
+    """bf16 without ``disable_recompute`` (nothing more kept by the forward): the backward rebuilds ``w``,
     ``u``, ``qg``, ``kend``, ``Γ_C`` of all heads from the raw inputs and the saved inverse, runs the state recompute
     and the reverse pass once over all heads, never per slice, and meets the fp64 bound (varlen with an empty and
     partial sequences, GVA, bounded gate, state in/out, K = 128, two head slices)."""
-    import flashkda.autograd as autograd
-    from flashkda import chunk_bwd
+    from flashkda.bwd import chunk_bwd
 
     def never(*args, **kwargs):
         raise AssertionError("a per-slice state pass ran although the passes ran over all heads")
 
-    monkeypatch.setenv(autograd.RECOMPUTE_ALL_HEADS_ENV, "1")
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_fwd_h", never)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_recompute_h", never)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dh", never)
-    if case.HV % 2 == 0 and case.H % 2 == 0:
-        _slice_heads_finely(monkeypatch)
-    _check_gradients(case, device)
+    _check_gradients(case, device, head_slices=2 if case.H % 2 == 0 else None)
 
 
 def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(device: str,
@@ -495,11 +387,10 @@ def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(de
     """Once both state passes ran over all heads, the per-slice prologue leaves out ``qg``, ``kend`` and ``dec``
     (read only by the state passes and the unfused gate chain): with the fused gate chain (bf16 on a GPU, added for
     the interpreter here) every slice asks for no factors and the gradients still meet the fp64 bound."""
-    import flashkda.autograd as autograd
-    from flashkda import chunk_bwd_gated
+    from flashkda.bwd import chunk_bwd
 
     asked = []
-    prologue = autograd.chunk_kda_prologue_fwd
+    prologue = chunk_bwd.chunk_kda_prologue_fwd
 
     def spy(*args, **kwargs):
         asked.append(kwargs.get("store_factors", True))
@@ -507,30 +398,22 @@ def test_all_heads_backward_with_the_fused_gate_chain_skips_the_state_factors(de
         assert (factors[1] is None) == (not asked[-1]), "store_factors did not decide what the prologue wrote"
         return chunks, factors
 
-    monkeypatch.setenv(autograd.RECOMPUTE_ALL_HEADS_ENV, "1")
-    monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32", "ieee"))
-    monkeypatch.setattr(autograd, "chunk_kda_prologue_fwd", spy)
-    _slice_heads_finely(monkeypatch)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_prologue_fwd", spy)
     case = _DH_ALL_HEADS_CASES[0].values[0]  # varlen with an empty sequence, GVA, bounded gate, state in/out
-    _check_gradients(case, device)
+    _check_gradients(case, device, dot_precision="tf32", head_slices=2)
     # the backward's slices only: the forward on a GPU takes the forward kernels, in the interpreter the prologue
     assert asked[-2:] == [False, False], asked
 
 
-@pytest.mark.parametrize("column_slice", [None, 32], ids=["whole-rows", "32-column-slices"])
-def test_recomputed_operands_equal_the_forward_ones(column_slice: int | None, device: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recomputed_operands_equal_the_forward_ones(device: str) -> None:
     """The backward's rebuild of ``w``, ``u``, ``qg``, ``kend``, ``Γ_C`` (all heads, bf16) against the forward intra
-    kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits; whole
-    rows or K = 64 in two column slices (the L2 norms then come from a pre-pass over the slices)."""
-    from flashkda import chunk_bwd_recompute
-    from flashkda.autograd import KDAOptions
-    from flashkda.chunk_bwd_layout import make_layout
-    from flashkda.chunk_bwd_prologue import slot_tokens
-    from flashkda.chunk_bwd_recompute import chunk_kda_recompute_operands
-    from flashkda.chunk_fwd import chunk_kda_fwd
+    kernel's own, same inputs: varlen with an empty sequence, GVA, the bounded in-kernel gate, beta logits."""
+    from flashkda.bwd.layout import make_layout
+    from flashkda.bwd.prologue import slot_tokens
+    from flashkda.bwd.recompute import chunk_kda_recompute_operands
+    from flashkda.chunk import KDAOptions
+    from flashkda.fwd.chunk_fwd import chunk_kda_fwd
 
-    monkeypatch.setattr(chunk_bwd_recompute, "RECOMPUTE_SLICE", column_slice)
     torch.manual_seed(9)
     T, H, HV, K, V = 150, 1, 2, 64, 32
     cu = torch.tensor([0, 40, 40, 150], device=device)
@@ -544,7 +427,7 @@ def test_recomputed_operands_equal_the_forward_ones(column_slice: int | None, de
     *_, saved = chunk_kda_fwd(q, k, v, g, beta, K**-0.5, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
                               output_local=True, local_heads=1, output_operands=True, **flags)
     opts = KDAOptions(scale=K**-0.5, output_final_state=False, allow_neg_eigval=False, state_v_first=False,
-                      disable_recompute=False, forward_impl="kernels", **flags)
+                      disable_recompute=False, **flags)
     layout = make_layout(1, T, cu, 64, device)
     w, u, qg, kend, gC = chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout,
                                                       slot_tokens(layout, device), saved.local[2])
@@ -556,9 +439,9 @@ def test_recomputed_operands_equal_the_forward_ones(column_slice: int | None, de
 def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -> None:
     """The all-heads pass against the per-slice blocked pass on the same (bf16-representable) operands: equal
     ``dv_new`` (rounded to bf16 once), ``dhe`` and ``dh0``, over varlen with an empty sequence."""
-    from flashkda.chunk_bwd_dh_tokens import chunk_kda_bwd_dh_tokens
-    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh
-    from flashkda.chunk_bwd_layout import make_layout, to_chunks
+    from flashkda.bwd.layout import make_layout, to_chunks
+    from flashkda.bwd.state import chunk_kda_bwd_dh
+    from flashkda.bwd.state_tokens import chunk_kda_bwd_dh_tokens
     from flashkda.index import build_chunk_index
 
     torch.manual_seed(7)
@@ -593,9 +476,9 @@ def test_reverse_state_pass_over_all_heads_matches_the_slice_pass(device: str) -
 
 @pytest.mark.parametrize("cu_seqlens", [None, (0, 30, 30, 100, 163)], ids=["fixed-B2", "varlen-empty"])
 def test_head_slice_to_chunks_equals_to_chunks_of_the_slice(cu_seqlens, device: str) -> None:
-    from flashkda.chunk_bwd_layout import make_layout, to_chunks
-    from flashkda.chunk_bwd_prologue import slot_tokens
-    from flashkda.chunk_bwd_saved import head_slice_to_chunks
+    from flashkda.bwd.layout import make_layout, to_chunks
+    from flashkda.bwd.prologue import slot_tokens
+    from flashkda.bwd.saved import head_slice_to_chunks
 
     torch.manual_seed(3)
     B, T = (2, 150) if cu_seqlens is None else (1, 163)
@@ -612,7 +495,7 @@ def test_head_slice_to_chunks_equals_to_chunks_of_the_slice(cu_seqlens, device: 
 
 
 def test_widen_head_slice_copies_the_slice_in_fp32(device: str) -> None:
-    from flashkda.chunk_bwd_saved import widen_head_slice
+    from flashkda.bwd.saved import widen_head_slice
 
     torch.manual_seed(5)
     x = torch.randn(7, 6, 32, 48, device=device).to(torch.bfloat16)

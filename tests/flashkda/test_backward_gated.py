@@ -1,4 +1,4 @@
-"""The fused gated-dot kernels (`flashkda.chunk_bwd_gated`) against fp64 torch (`gated_dot`, `gated_dot_bwd`), with
+"""The gated-dot backward kernels (`flashkda.bwd.gated_dots`) against fp64 torch (`gated_dot`, `gated_dot_bwd`), with
 mild gates and with the strongest bounded gate (-5 per token, -320 over a chunk), where naive exp(+-G) overflows."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashkda.chunk_bwd_gated import chunk_kda_gated_dots, chunk_kda_gated_dots_bwd
-from flashkda.chunk_bwd_local import gated_dot, gated_dot_bwd
+from flashkda.bwd.gated_dots import chunk_kda_gated_dots_bwd
+from flashkda.bwd.local import gated_dot, gated_dot_bwd
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -23,23 +23,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         pytest.param(64, "floor", id="K64-gate-at-lower-bound"),
     ],
 )
-def test_fused_gated_dots_match_fp64_torch(K: int, gate: str, device: str) -> None:
+def test_gated_dots_backward_matches_fp64_torch(K: int, gate: str, device: str) -> None:
     torch.manual_seed(K)
-    nb, C, scale = 3, 64, K**-0.5
+    nb, C = 3, 64
     q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
     if gate == "floor":
         g = -5.0 * torch.sigmoid(4 + torch.randn(nb, C, K, device=device))  # close to -5 everywhere
     else:
         g = F.logsigmoid(torch.randn(nb, C, K, device=device))
     gam = g.cumsum(1)
-    akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision="ieee")
     q64, k64, g64 = q.double(), k.double(), gam.double()
-    ref_akk = gated_dot(k64, k64, g64, strict=True)
-    ref_aqk = gated_dot(q64, k64, g64, strict=False) * scale
-    assert torch.isfinite(akk).all() and torch.isfinite(aqk).all()
-    assert _rel(akk, ref_akk) < 1e-5 and _rel(aqk, ref_aqk) < 1e-5
-    assert not akk.triu().any() and not aqk.triu(1).any()
-
     dakk = torch.randn(nb, C, C, device=device).tril(-1)
     daqk = torch.randn(nb, C, C, device=device).tril()
     dq, dk, dgam = chunk_kda_gated_dots_bwd(q, k, gam, dakk, daqk, dot_precision="ieee")
@@ -67,23 +60,9 @@ def test_gated_dots_backward_row_scale_and_aqk_scale_equal_prescaled_gradients(d
         assert _rel(a, b.double()) < 1e-6, name
 
 
-def test_ut_inverse_and_its_beta_scaled_copy(device: str) -> None:
-    from flashkda.chunk_bwd_inverse import ut_inverse
-
-    torch.manual_seed(6)
-    k = F.normalize(torch.randn(4, 64, 32, device=device, dtype=torch.float64), dim=-1)
-    akk = (k @ k.transpose(1, 2)).tril(-1)
-    beta = torch.rand(4, 64, device=device, dtype=torch.float64)
-    noise = torch.randn(4, 64, 64, device=device, dtype=torch.float64).triu()  # must be ignored
-    m, mb = ut_inverse((akk + noise).float().contiguous(), beta.float().contiguous())
-    eye = torch.eye(64, device=device, dtype=torch.float64)
-    ref = torch.linalg.inv(eye + beta[..., None] * akk)
-    assert _rel(m, ref) < 1e-5 and _rel(mb, ref * beta[:, None, :]) < 1e-5
-
-
 def test_ut_backward_pass_matches_torch(device: str) -> None:
     """`chunk_kda_bwd_ut` equals the torch expressions it replaces, for a V that is not a multiple of its tile."""
-    from flashkda.chunk_bwd_ut import chunk_kda_bwd_ut
+    from flashkda.bwd.wy import chunk_kda_bwd_ut
 
     torch.manual_seed(7)
     nb, C, K, V = 3, 64, 32, 48
@@ -98,41 +77,16 @@ def test_ut_backward_pass_matches_torch(device: str) -> None:
     assert _rel(dv, b * y_u.double()) < 1e-6 and _rel(dkg, -b * y_wn.double()) < 1e-6
     assert _rel(dbeta, ref_dbeta) < 1e-5 and _rel(ddec, (h.double() * dhe.double()).sum(-1)) < 1e-6
 
-def test_fused_wy_pass_matches_torch(device: str) -> None:
-    """`chunk_kda_bwd_wy` equals the torch products and expressions it replaces, for V = 40 (a partial V slice)."""
-    from flashkda.chunk_bwd_ut import chunk_kda_bwd_wy
 
-    torch.manual_seed(8)
-    nb, C, K, V = 3, 64, 32, 40
-    m, akk = torch.randn(nb, C, C, device=device).tril(), torch.randn(nb, C, C, device=device)
-    dv_new, v_new, do, v = (torch.randn(nb, C, V, device=device) for _ in range(4))
-    h, dhe = torch.randn(nb, K, V, device=device), torch.randn(nb, K, V, device=device)
-    kg, beta = torch.randn(nb, C, K, device=device), torch.rand(nb, C, device=device)
-    got = chunk_kda_bwd_wy(m, dv_new, h, v_new, do, dhe, kg, v, akk, beta, dot_precision="ieee")
-    m, akk, dv_new, v_new, do, v, h, dhe, kg, beta = (
-        x.double() for x in (m, akk, dv_new, v_new, do, v, h, dhe, kg, beta))
-    y_u = m.transpose(-1, -2) @ dv_new
-    y_wn, p = y_u @ h.transpose(-1, -2), y_u @ v_new.transpose(-1, -2)
-    dbeta = (y_u * v).sum(-1) - (y_wn * kg).sum(-1) - (p * akk.tril(-1)).sum(-1)
-    ref = (beta[..., None] * y_u, -beta[..., None] * y_wn, dbeta, (h * dhe).sum(-1), p,
-           do @ v_new.transpose(-1, -2), do @ h.transpose(-1, -2), v_new @ dhe.transpose(-1, -2))
-    for name, a, b in zip(("dv", "dkg", "dbeta", "ddec", "P", "daqk", "dqg", "dkend"), got, ref):
-        assert _rel(a, b) < 1e-5, name
-
-
-@pytest.mark.parametrize(("kernel", "row_scale"), [("blocks", True), ("blocks", False), ("rows", True)])
-def test_fused_gated_dots_and_gate_chain_match_the_two_passes(
-    kernel: str, row_scale: bool, device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("row_scale", [True, False], ids=["row-scale", "no-row-scale"])
+def test_fused_gated_dots_and_gate_chain_match_the_two_passes(row_scale: bool, device: str) -> None:
     """`chunk_kda_gated_dots_gates_bwd` (one pass, qg/kend/dec rebuilt from q, k, G) equals the gated-product
-    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token), with either kernel and
-    with or without the row scale of dAkk; K = 64 gives the "blocks" kernel two 32-wide feature slices (two programs
-    per chunk). The upper triangles of the dA inputs hold random values: both kernels must ignore them."""
-    from flashkda import chunk_bwd_gated
-    from flashkda.chunk_bwd_gated import chunk_kda_gated_dots_gates_bwd
-    from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
+    backward followed by the gate-chain kernel, at the strongest bounded gate (-5 per token), with or without the row
+    scale of dAkk; K = 64 gives the kernel two 32-wide feature slices (two programs per chunk). The upper triangles
+    of the dA inputs hold random values: both kernels must ignore them."""
+    from flashkda.bwd.gated_dots import chunk_kda_gated_dots_gates_bwd
+    from flashkda.bwd.gates import chunk_kda_bwd_gates
 
-    monkeypatch.setattr(chunk_bwd_gated, "GATES_BWD_KERNEL", kernel)
     torch.manual_seed(9)
     nb, C, K, scale = 2, 64, 64, 0.3
     q, k = (F.normalize(torch.randn(nb, C, K, device=device), dim=-1) for _ in range(2))
@@ -164,42 +118,13 @@ def test_torch_gated_dot_backward_matches_autograd(device: str) -> None:
     torch.testing.assert_close(a.detach() * da - b.detach() * db, gg)
 
 
-@pytest.mark.parametrize(
-    ("C", "blocked"),
-    [
-        pytest.param(64, True, id="C64-blocked"),
-        pytest.param(64, False, id="C64-row-loop"),
-        pytest.param(32, True, id="C32-row-loop"),
-    ],
-)
-def test_unit_lower_inverse_matches_torch(C: int, blocked: bool, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the blocked kernel chosen (the default; FLASHKDA_BWD_FUSED_WY=0 turns it off), C = 64 runs it
-    (product-form diagonal blocks, block substitution); other C, and the row-loop choice, the row loop."""
-    from flashkda import chunk_bwd_inverse
-    from flashkda.chunk_bwd_inverse import unit_lower_inverse
-
-    monkeypatch.setattr(chunk_bwd_inverse, "BLOCK_INVERSE", blocked)
-
-    torch.manual_seed(3)
-    k = F.normalize(torch.randn(5, C, 32, device=device, dtype=torch.float64), dim=-1)
-    # beta up to 2 (allow_neg_eigval): the inverse's entries grow well past 1
-    lower = (torch.rand(5, C, 1, device=device, dtype=torch.float64) * 2 * (k @ k.transpose(1, 2))).tril(-1)
-    noise = torch.randn(5, C, C, device=device, dtype=torch.float64).triu()  # must be ignored
-    inv = unit_lower_inverse((lower + noise).float().contiguous())
-    eye = torch.eye(C, device=device, dtype=torch.float64)
-    ref = torch.linalg.solve_triangular(eye + lower, eye.expand(5, C, C), upper=False, unitriangular=True)
-    assert torch.isfinite(inv).all()
-    assert _rel(inv, ref) < 1e-5
-    assert not inv.triu(1).any() and bool((inv.diagonal(dim1=-2, dim2=-1) == 1).all())
-
-
 @pytest.mark.gpu
 def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> None:
     """The bf16-operand mode of the state passes (used for bf16 callers on GPUs) stays within bf16 accuracy.
 
     GPU only: Triton's CPU interpreter has no bf16 matrix product (numpy has no bf16 type).
     """
-    from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
+    from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_recompute_h
 
     torch.manual_seed(4)
     NC, HV, C, K, V = 4, 2, 64, 32, 32
@@ -211,23 +136,20 @@ def test_state_passes_with_bf16_operands_track_fp32_products(device: str) -> Non
     offsets = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
     out = {}
     for mode in ("ieee", "tf32"):
-        fwd = chunk_kda_fwd_h(w, u, qg, aqk, kend, dec, h0, offsets, store_o=True, store_h=True,
-                              store_final_state=True, dot_precision=mode)
+        fwd = chunk_kda_recompute_h(w, u, kend, dec, h0, offsets, store_h=True, store_final_state=True,
+                                    dot_precision=mode)
         bwd = chunk_kda_bwd_dh(qg, aqk, kend, dec, w, do, dht, offsets, store_dh0=True, dot_precision=mode)
         out[mode] = (*fwd, *bwd)
-    for name, exact, approx in zip(("o", "ht", "h", "v_new", "dv_new", "dhe", "dh0"), out["ieee"], out["tf32"]):
+    for name, exact, approx in zip(("ht", "h", "v_new", "dv_new", "dhe", "dh0"), out["ieee"], out["tf32"]):
         assert _rel(approx, exact.double()) < 2e-2, name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wy", [False, True], ids=["gates", "gates+wy"])
-def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 gradients with the fused gate chain (the default), alone or with the opt-in fused UT pass (tf32
-    products, 8 warps: not runnable in the interpreter as compiled), against the unfused GEMMs and passes, at
-    K = V = 128 with the bounded in-kernel gate and varlen."""
-    from flashkda import chunk_bwd_gated, chunk_bwd_ut
-    from flashkda.autograd import chunk_kda_autograd
+def test_fused_chain_rule_matches_the_exact_one_on_the_gpu(device: str) -> None:
+    """bf16 gradients of a GPU's default backward (``dot_precision="tf32"``: the fused gate chain, bf16 state-pass
+    operands) against the exact-product one (``"ieee"``: separate passes, dG in fp64), at K = V = 128 with the
+    bounded in-kernel gate and varlen."""
+    from flashkda.chunk import chunk_kda_autograd
 
     torch.manual_seed(12)
     T, H, K = 700, 4, 128
@@ -239,24 +161,19 @@ def test_fused_chain_rule_matches_the_unfused_one_on_the_gpu(wy: bool, device: s
     cu = torch.tensor([0, 300, 301, 700], device=device)
     do = torch.randn(1, T, H, K, device=device, dtype=torch.bfloat16)
     grads = {}
-    for fused in (True, False):
-        if fused:
-            monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ("tf32",) if wy else ())
-            monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ("tf32",))
-        else:
-            monkeypatch.setattr(chunk_bwd_ut, "FUSED_WY_PRECISIONS", ())
-            monkeypatch.setattr(chunk_bwd_gated, "FUSED_GATES_PRECISIONS", ())
+    for precision in ("tf32", "ieee"):
         o, _ = chunk_kda_autograd(*x.values(), scale=K**-0.5, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias,
                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
-        grads[fused] = torch.autograd.grad((o.float() * do.float()).sum(), [*x.values(), A_log, dt_bias])
-    for name, a, b in zip([*x, "A_log", "dt_bias"], grads[True], grads[False]):
+                                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                  dot_precision=precision)
+        grads[precision] = torch.autograd.grad((o.float() * do.float()).sum(), [*x.values(), A_log, dt_bias])
+    for name, a, b in zip([*x, "A_log", "dt_bias"], grads["tf32"], grads["ieee"]):
         assert torch.isfinite(a).all() and _rel(a, b.double()) < 1e-2, name
 
 
 def test_saved_inverse_widens_and_scales_columns(device: str) -> None:
     """`saved_inverse_fp32` gives ``M`` and ``M Diag(beta)`` in fp32 from a bf16 copy, exactly."""
-    from flashkda.chunk_bwd_saved import saved_inverse_fp32
+    from flashkda.bwd.saved import saved_inverse_fp32
 
     torch.manual_seed(4)
     m = torch.randn(3, 2, 64, 64, device=device).to(torch.bfloat16)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flashkda.autograd import chunk_kda_autograd
+from flashkda.chunk import chunk_kda_autograd
 from flashkda.reference import chunk_kda_reference
 
 D, H, K, T = 32, 2, 16, 80

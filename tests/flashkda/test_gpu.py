@@ -6,9 +6,9 @@ import torch
 
 import flashkda
 from flashkda import reference
-from flashkda.chunk_fwd import chunk_kda_fwd
-from flashkda.chunk_intra import INTRA_CONFIGS, WU_CONFIGS
-from flashkda.chunk_state import H_CONFIGS, HB_CONFIGS, O_CONFIGS, STATE_CONFIGS
+from flashkda.fwd.intra import INTRA_CONFIGS
+from flashkda.fwd.output import O_CONFIGS
+from flashkda.fwd.state import HB_CONFIGS, STATE_CONFIGS
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 pytestmark = pytest.mark.gpu
@@ -67,79 +67,61 @@ def test_fused_recurrent_decode_matches_fp64_on_gpu(dtype):
     assert_close("final_state", rs, s, TOL[dtype])
 
 
-def _forced_forward(monkeypatch, intra_kw, state_kw):
-    """chunk_kda_fwd on CASES[0] with one stage forced to one launch configuration, and the fp64 reference."""
-    import flashkda.chunk_intra as ci
-    import flashkda.chunk_state as cs
+def _forced_forward(intra_kw, state_kw):
+    """The two forward stages on CASES[0], each with the launch keywords given (one configuration forced), against
+    the fp64 reference."""
+    from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+    from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
+    from flashkda.fwd.state import chunk_kda_fwd_state_o
+    from flashkda.index import build_chunk_index
 
     case = CASES[0]
     args, kw = make_call(case, "cuda")
-    intra, state = ci.chunk_kda_fwd_intra, cs.chunk_kda_fwd_state_o
-    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_intra", lambda *a, **k: intra(*a, **{**k, **intra_kw}))
-    monkeypatch.setattr("flashkda.chunk_fwd.chunk_kda_fwd_state_o", lambda *a, **k: state(*a, **{**k, **state_kw}))
-    fwd_kw = {n: kw[n] for n in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
-                                 "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate",
-                                 "lower_bound", "A_log", "dt_bias") if n in kw}
+    q = args[0]
+    index = build_chunk_index(case.B, case.T, kw.get("cu_seqlens"), CHUNK_SIZE)
+    prec = dot_precision_for(q.dtype)
+    flags = [kw.get(name, False) for name in ("use_gate_in_kernel", "use_qk_l2norm_in_kernel",
+                                              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate")]
     with torch.inference_mode():
-        o, s, _ = chunk_kda_fwd(*args, scale=case.K ** -0.5, **fwd_kw)
+        mid = chunk_kda_fwd_intra(*args, kw.get("A_log"), kw.get("dt_bias"), case.K ** -0.5, kw.get("lower_bound"),
+                                  *flags, index, work_dtype_for(q.dtype), prec, **intra_kw)
+        o, s, _ = chunk_kda_fwd_state_o(*mid, kw.get("initial_state"), True, case.v_first, index, q.dtype, prec,
+                                        **state_kw)
         ro, rs = reference.chunk_kda_reference(*args, **kw)
     assert_close("o", ro, o, TOL[case.dtype])
     assert_close("final_state", rs, s, TOL[case.dtype])
 
 
 @pytest.mark.parametrize("config", STATE_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in STATE_CONFIGS])
-def test_state_stage_configs_match_fp64_on_gpu(config, monkeypatch):
+def test_state_stage_configs_match_fp64_on_gpu(config):
     """Every configuration the state-stage autotuner may pick, forced one at a time, on bf16 input."""
     block_v, num_warps, num_stages = config
-    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=False))
-
-
-@pytest.mark.parametrize("hilo", [False, True], ids=["tf32", "hilo"])
-@pytest.mark.parametrize("config", H_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in H_CONFIGS])
-def test_split_state_configs_match_fp64_on_gpu(config, hilo, monkeypatch):
-    """Every configuration of the state-only recurrence (bf16 input), with tf32 or hi/lo bf16 chain products (all
-    pipelined: one stage crashed with hi/lo, which the launcher now refuses)."""
-    block_v, num_warps, num_stages = config
-    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=True,
-                                          hilo=hilo, blocked=False))
+    _forced_forward({}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=False))
 
 
 @pytest.mark.parametrize("config", HB_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in HB_CONFIGS])
-def test_blocked_state_configs_match_fp64_on_gpu(config, monkeypatch):
+def test_blocked_state_configs_match_fp64_on_gpu(config):
     """Every configuration of the blocked state pass (bf16 input, default operand precisions)."""
     block_v, num_warps, num_stages = config
-    _forced_forward(monkeypatch, {}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=True,
-                                          blocked=True))
-
-
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
-def test_intermediate_storage_matches_fp64_on_gpu(bf16, monkeypatch):
-    """qg, u, Aqk and v_new stored in bf16 (the default for bf16 input) or fp32 (``FLASHKDA_BF16_INTERMEDIATES=0``)."""
-    _forced_forward(monkeypatch, dict(bf16_intermediates=bf16), {})
+    _forced_forward({}, dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages, split=True))
 
 
 @pytest.mark.parametrize("fp32_u", [False, True], ids=["bf16-u", "fp32-u"])
 @pytest.mark.parametrize("o_hilo", [False, True], ids=["tf32", "hilo"])
 @pytest.mark.parametrize("config", O_CONFIGS, ids=[f"BV{c[0]}-BK{c[1]}-w{c[2]}" for c in O_CONFIGS])
-def test_output_kernel_configs_match_fp64_on_gpu(config, o_hilo, fp32_u, monkeypatch):
+def test_output_kernel_configs_match_fp64_on_gpu(config, o_hilo, fp32_u):
     """Every output-kernel configuration, with bf16 ``v_new`` (inference) and fp32 ``v_new`` (the training forward
     that keeps its states): the hi/lo split of fp32 ``v_new`` that Triton 3.6 compiled wrong at 4 warps (relative
     error up to 0.11, 2026-12-03) must not come back."""
-    _forced_forward(monkeypatch, dict(fp32_u=fp32_u), dict(split=True, o_config=config, o_hilo=o_hilo))
-
-
-@pytest.mark.parametrize("config", WU_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in WU_CONFIGS])
-def test_split_intra_configs_match_fp64_on_gpu(config, monkeypatch):
-    """The intra stage as two kernels (up to the inverse; then w and u), each w/u configuration forced."""
-    _forced_forward(monkeypatch, dict(split_wu=True, wu_config=config), {})
+    _forced_forward(dict(fp32_u=fp32_u), dict(split=True, o_config=config, o_hilo=o_hilo))
 
 
 @pytest.mark.parametrize("config", INTRA_CONFIGS,
                          ids=[f"BS{c[0]}-w{c[1]}{'-merge' * c[2]}-r{c[3]}" for c in INTRA_CONFIGS])
-def test_intra_stage_configs_match_fp64_on_gpu(config, monkeypatch):
+def test_intra_stage_configs_match_fp64_on_gpu(config):
     """Every configuration the intra-stage autotuner may pick, forced one at a time, on bf16 input."""
     solve_slice, num_warps, merge, maxnreg = config
-    _forced_forward(monkeypatch, dict(solve_slice=solve_slice, num_warps=num_warps, merge=merge, maxnreg=maxnreg), {})
+    _forced_forward(dict(solve_slice=solve_slice, num_warps=num_warps, merge=merge, maxnreg=maxnreg), {})
 
 
 @pytest.mark.parametrize("case", CASES[:2] + CASES[-1:], ids=[c.id() for c in CASES[:2] + CASES[-1:]])

@@ -1,17 +1,10 @@
 """Bad input raises ValueError naming the argument, before any kernel runs."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import flashkda
 from flashkda.env import env_choice, env_flag
-
-ROOT = Path(__file__).resolve().parents[2]
 
 B, T, H, K, V = 1, 8, 2, 16, 16
 
@@ -82,13 +75,6 @@ def test_mismatched_devices_are_named():
         flashkda.chunk_kda(**{**_good(), "v": meta})
 
 
-@pytest.mark.parametrize("value", ["maybe", "2", "fp32"])
-def test_a_bad_environment_switch_is_named(value, monkeypatch):
-    monkeypatch.setenv("FLASHKDA_BF16_INTERMEDIATES", value)
-    with pytest.raises(ValueError, match=f"FLASHKDA_BF16_INTERMEDIATES={value!r}: expected 1 or 0"):
-        flashkda.chunk_kda(**_good())
-
-
 @pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("On", True), ("yes", True),
                                              ("0", False), ("false", False), (" OFF ", False)])
 def test_environment_flags_take_the_usual_words(value, expected, monkeypatch):
@@ -107,13 +93,56 @@ def test_environment_choices_name_the_choices(monkeypatch):
         env_choice("FLASHKDA_TEST_CHOICE", "tf32", ("tf32", "ieee"))
 
 
-@pytest.mark.parametrize("name, value", [("FLASHKDA_BWD_GATED_DOTS", "fast"), ("FLASHKDA_BWD_FUSED_GATES", "2"),
-                                         ("FLASHKDA_BWD_FUSED_WY", "sometimes"),
-                                         ("FLASHKDA_BWD_GATES_KERNEL", "loops")])
-def test_import_time_switches_fail_at_import_with_their_name(name, value):
-    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, name: value, "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, "-c", "import flashkda.chunk_bwd"], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode != 0
-    assert f"{name}={value!r}" in out.stderr, out.stderr[-2000:]
+def _varlen():
+    return {**_good(), "cu_seqlens": torch.tensor([0, 3, 8])}
+
+
+@pytest.mark.parametrize("host", [[0, 5, 8], [0, 3, 3, 8]], ids=["other-lengths", "other-count"])
+def test_a_cu_seqlens_cpu_that_disagrees_with_cu_seqlens_is_named(host):
+    with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` .* must equal `cu_seqlens`"):
+        flashkda.chunk_kda(**_varlen(), cu_seqlens_cpu=torch.tensor(host))
+
+
+def test_a_matching_cu_seqlens_cpu_is_accepted():
+    with torch.no_grad():
+        o, s = flashkda.chunk_kda(**_varlen(), cu_seqlens_cpu=torch.tensor([0, 3, 8], dtype=torch.int32),
+                                  output_final_state=True)
+    assert o.shape == (B, T, H, V) and s.shape == (2, H, K, V)
+
+
+@pytest.mark.parametrize("name", ["output_final_sate", "initial_states", "A_logs", "dtbias"])
+def test_an_unknown_keyword_is_a_type_error_naming_it(name):
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+        flashkda.chunk_kda(**_good(), **{name: None})
+
+
+def test_every_keyword_of_fla_chunk_kda_is_accepted():
+    """fla-core 0.6.0's signature (and the keywords its body reads from ``**kwargs``) are ours, so that calls routed
+    through fla's dispatcher keep working."""
+    import inspect
+
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    ours = inspect.signature(flashkda.chunk_kda).parameters
+    theirs = [n for n, p in inspect.signature(fla_kda.chunk_kda).parameters.items() if p.kind != p.VAR_KEYWORD]
+    assert [n for n in theirs if n not in ours] == []
+    gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(H), dt_bias=torch.zeros(H * K))
+    with torch.no_grad(), pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        flashkda.chunk_kda(**_good(), **gate, chunk_size=32, use_graph=True, max_num_seqs=4,
+                           transpose_state_layout=False)
+
+
+@pytest.mark.parametrize("lower_bound", [2.0, 0.0])
+def test_a_lower_bound_that_is_not_negative_is_named(lower_bound):
+    with pytest.raises(ValueError, match=f"`lower_bound` must be negative .*, got {lower_bound}"):
+        flashkda.chunk_kda(**_good(), use_gate_in_kernel=True, lower_bound=lower_bound, dt_bias=torch.zeros(H * K))
+
+
+def test_no_environment_switch_but_the_user_facing_ones():
+    """Only ``FLASHKDA_DISABLE`` (and the dispatch policy's switches) are read: the A/B switches whose defaults won
+    are gone with their losing paths (docs/flashkda-performance.md)."""
+    import re
+    from pathlib import Path
+
+    package = Path(flashkda.__file__).parent
+    names = {n for path in package.rglob("*.py") for n in re.findall(r"FLASHKDA_[A-Z_]+", path.read_text())}
+    assert names <= {"FLASHKDA_DISABLE", "FLASHKDA_DISPATCH", "FLASHKDA_CALIBRATION"}, sorted(names)

@@ -4,7 +4,7 @@ unmodified (the GPU test of a training step without host sync is in test_gpu.py)
 import pytest
 import torch
 
-from flashkda.chunk_bwd_layout import make_layout
+from flashkda.bwd.layout import make_layout
 from flashkda.seqlens import IdentityCache, host_cu_seqlens
 
 

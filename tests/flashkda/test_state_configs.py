@@ -1,25 +1,17 @@
 """Both forward stages give the fp64 result in every launch configuration their autotuners may pick (intra: pass-2
-slice width and warps, or the split w/u kernel's slice and warps; state: V tile, warps, pipeline stages of the fused
-or the flat or blocked state-only kernel, the output kernel's tiles and product precisions, the bf16 hi/lo chain
-products), with a varlen tail chunk and an empty sequence."""
+slice width and warps; state: V tile, warps, pipeline stages of the fused or the state-only kernel, the output
+kernel's tiles and product precisions), with a varlen tail chunk and an empty sequence."""
 
 import pytest
 import torch
 
 from flashkda import reference
-from flashkda.chunk_fwd import dot_precision_for, work_dtype_for
-from flashkda.chunk_intra import CHUNK_SIZE, INTRA_CONFIGS, WU_CONFIGS, chunk_kda_fwd_intra
-from flashkda.chunk_state import (
-    H_CONFIGS,
-    HB_CONFIGS,
-    O_CONFIGS,
-    PREC_BF16,
-    PREC_HILO,
-    PREC_TF32,
-    STATE_CONFIGS,
-    chunk_kda_fwd_state_o,
-)
+from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
+from flashkda.fwd.intra import CHUNK_SIZE, INTRA_CONFIGS, chunk_kda_fwd_intra
+from flashkda.fwd.output import O_CONFIGS
+from flashkda.fwd.state import HB_CONFIGS, STATE_CONFIGS, chunk_kda_fwd_state_o
 from flashkda.index import build_chunk_index
+from flashkda.rounding import PREC_BF16, PREC_HILO, PREC_TF32
 from tests.flashkda.kda_cases import TOL, KDACase, assert_close, make_call
 
 CASES = [KDACase(T=150, H=1, HV=2, K=64, V=64, dtype=dtype, gate="bounded", beta_logits=True, lengths=(70, 0, 80))
@@ -35,20 +27,12 @@ def test_state_stage_configs_match_fp64(config, case, device):
                                   split=False))
 
 
-@pytest.mark.parametrize("config", H_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in H_CONFIGS])
-def test_split_state_configs_match_fp64(config, device):
-    """The flat state pass (``[K, BV]`` state in one tile)."""
-    block_v, num_warps, num_stages = config
-    _check(CASES[1], device, {}, dict(block_v=min(block_v, CASES[1].V), num_warps=num_warps,
-                                      num_stages=num_stages, split=True, blocked=False))
-
-
 @pytest.mark.parametrize("config", HB_CONFIGS, ids=[f"BV{c[0]}-w{c[1]}-s{c[2]}" for c in HB_CONFIGS])
 @pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
 def test_blocked_state_configs_match_fp64(config, case, device):
     block_v, num_warps, num_stages = config
     _check(case, device, {}, dict(block_v=min(block_v, case.V), num_warps=num_warps, num_stages=num_stages,
-                                  split=True, blocked=True))
+                                  split=True))
 
 
 #: Key widths 32 (one 32-row tile), 128 (two 64-row tiles) and 256 (four), V-first state, GVA, a varlen tail, no
@@ -68,7 +52,7 @@ BLOCKED_CASES = [
 def test_blocked_state_pass_matches_fp64(case, precs, device):
     """Every key width the blocked pass tiles, at each operand precision offered for half input (fp32 input is
     exact whatever ``precs`` says it would be for half input: its products are fp32)."""
-    _check(case, device, {}, dict(block_v=32, split=True, blocked=True,
+    _check(case, device, {}, dict(block_v=32, split=True,
                                   precs=None if case.dtype == torch.float32 else precs))
 
 
@@ -77,25 +61,6 @@ def test_blocked_state_pass_matches_fp64(case, precs, device):
 @pytest.mark.parametrize("case", CASES, ids=[str(c.dtype)[6:] for c in CASES])
 def test_split_state_output_configs_match_fp64(o_config, o_hilo, case, device):
     _check(case, device, {}, dict(block_v=32, split=True, o_config=o_config, o_hilo=o_hilo))
-
-
-def test_split_state_hilo_chain_matches_fp64(device):
-    """bf16 w/kg: the chain products as two bf16 products over the hi/lo split of the state and v_new."""
-    _check(CASES[1], device, {}, dict(block_v=32, num_stages=2, split=True, hilo=True))
-
-
-def test_hilo_chain_refuses_one_pipeline_stage(device):
-    with pytest.raises(ValueError, match="num_stages"):
-        _check(CASES[1], device, {}, dict(block_v=32, num_stages=1, split=True, hilo=True))
-
-
-@pytest.mark.parametrize("config", WU_CONFIGS, ids=[f"BS{c[0]}-w{c[1]}" for c in WU_CONFIGS])
-def test_split_intra_configs_match_fp64(config, device):
-    _check(CASES[1], device, dict(split_wu=True, wu_config=config), dict(block_v=32))
-
-
-def test_split_intra_matches_fp64_in_fp32(device):
-    _check(CASES[0], device, dict(split_wu=True), dict(block_v=32))
 
 
 #: The interpreter ignores register caps, so each (slice, warps, stacked products) configuration is run once.
@@ -132,29 +97,4 @@ def _check(case, device, intra_kw, state_kw):
 def test_bf16_intermediates_match_fp64(case, o_hilo, device):
     """The bf16 storage of qg, u, Aqk and v_new (the default for bf16 input) stays within the bf16 budget (the
     interpreter rounds stores to nearest, as the GPU does)."""
-    _check(case, device, dict(bf16_intermediates=True), dict(block_v=32, split=True, o_hilo=o_hilo))
-
-
-@pytest.mark.parametrize("env, dtype", [(None, torch.bfloat16), ("1", torch.bfloat16), ("0", torch.float32)],
-                         ids=["default", "on", "off"])
-def test_bf16_intermediates_switch(env, dtype, device, monkeypatch):
-    """``FLASHKDA_BF16_INTERMEDIATES`` reaches ``flashkda.chunk_kda``: bf16 buffers unless it is ``0``, fp64
-    accuracy kept either way."""
-    import flashkda
-    import flashkda.chunk_fwd as chunk_fwd
-
-    seen = []
-    state = chunk_fwd.chunk_kda_fwd_state_o
-    monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_state_o", lambda *a, **k: seen.append(a[1].dtype) or state(*a, **k))
-    if env is None:
-        monkeypatch.delenv("FLASHKDA_BF16_INTERMEDIATES", raising=False)
-    else:
-        monkeypatch.setenv("FLASHKDA_BF16_INTERMEDIATES", env)
-    case = BLOCKED_CASES[1]
-    args, kw = make_call(case, device)
-    with torch.no_grad():
-        o, s = flashkda.chunk_kda(*args, **kw)
-    ro, rs = reference.chunk_kda_reference(*args, **kw)
-    assert seen == [dtype]
-    assert_close("o", ro, o, TOL[case.dtype])
-    assert_close("final_state", rs, s, TOL[case.dtype])
+    _check(case, device, {}, dict(block_v=32, split=True, o_hilo=o_hilo))

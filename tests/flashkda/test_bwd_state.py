@@ -1,12 +1,11 @@
-"""The training state passes of ``flashkda.chunk_bwd_h``, blocked and flat kernels, against fp64 torch recurrences.
+"""The training state passes of ``flashkda.bwd.state`` (recompute and reverse) against fp64 torch recurrences.
 
 Chunk-local inputs (``w, u, qg, Aqk, kend, dec``) come from ``chunk_local_prepare`` in fp64 on random chunked
 inputs (varlen tails zero padded) and are given to the kernels in fp32. Each pass is checked against the module
 docstring's recurrence in fp64 twice: with every product's operands rounded as the kernel rounds them (bf16 for
 ``dot_precision="tf32"``; a tight bound, since only accumulation order and fp32 sums differ) and exact (the suite's
 budgets: 1e-4 for fp32 callers, 1e-2 for bf16). The explicit backward recurrence is itself checked against fp64
-autograd through the forward one. Flat and blocked kernels are compared with each other where both can run (the
-interpreter's bf16 products are wrong, so the flat kernel's bf16 operands run on a GPU only).
+autograd through the forward one.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashkda import chunk_bwd_h
-from flashkda.chunk_bwd_h import chunk_kda_bwd_dh, chunk_kda_fwd_h
-from flashkda.chunk_bwd_layout import make_layout, to_chunks
-from flashkda.chunk_bwd_local import chunk_local_prepare
+from flashkda.bwd.layout import make_layout, to_chunks
+from flashkda.bwd.local import chunk_local_prepare
+from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_recompute_h
 from tests.flashkda.kda_cases import assert_close
 
 C = 64
@@ -80,7 +78,8 @@ def _rounding(dot_precision: str):
 
 
 def _ref_fwd(local, offsets, h0, rnd):
-    """``(o, final_state, h, v_new)`` of the forward recurrence, operands of every product through ``rnd``."""
+    """``(o, final_state, h, v_new)`` of the forward recurrence, operands of every product through ``rnd`` (``o``
+    for `test_reference_backward_is_fp64_autograd`'s loss)."""
     HV, K, V = local.w.shape[1], local.w.shape[-1], local.u.shape[-1]
     o, h, v_new, ht = [], [], [], []
     for n in range(len(offsets) - 1):
@@ -112,11 +111,10 @@ def _ref_bwd(local, offsets, do, dht, rnd):
     return dv_new, dhe, torch.stack(dh0)
 
 
-def _fwd(local, offsets, h0, dot_precision, *, store_o=True, store_h=True, store_final_state=True, **launch):
+def _fwd(local, offsets, h0, dot_precision, *, store_h=True, store_final_state=True, **launch):
     f32 = lambda x: None if x is None else x.float().contiguous()  # noqa: E731
-    return chunk_kda_fwd_h(f32(local.w), f32(local.u), f32(local.qg), f32(local.aqk), f32(local.kend),
-                           f32(local.dec), f32(h0), offsets, store_o=store_o, store_h=store_h,
-                           store_final_state=store_final_state, dot_precision=dot_precision, **launch)
+    return chunk_kda_recompute_h(f32(local.w), f32(local.u), f32(local.kend), f32(local.dec), f32(h0), offsets,
+                           store_h=store_h, store_final_state=store_final_state, dot_precision=dot_precision, **launch)
 
 
 def _bwd(local, offsets, do, dht, dot_precision, **launch):
@@ -127,29 +125,21 @@ def _bwd(local, offsets, do, dht, dot_precision, **launch):
                             f32(dht), offsets, store_dh0=True, dot_precision=dot_precision, **launch)
 
 
-def _flat_runs(dot_precision: str, device: str) -> bool:
-    return dot_precision == "ieee" or device == "cuda"
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_forward_state_pass(case: StateCase, device: str) -> None:
     local, offsets, h0, _, _ = _chunked_inputs(case, device)
     rnd = _rounding(case.dot_precision)
     exact, rounded = _ref_fwd(local, offsets, h0, lambda x: x), _ref_fwd(local, offsets, h0, rnd)
-    ours = _fwd(local, offsets, h0, case.dot_precision, blocked=True)
-    for name, x, ref, ref_r in zip(("o", "final state", "h", "v_new"), ours, exact, rounded):
+    ours = _fwd(local, offsets, h0, case.dot_precision)
+    for name, x, ref, ref_r in zip(("final state", "h", "v_new"), ours, exact[1:], rounded[1:]):
         assert x.dtype == torch.float32
         assert_close(name, ref_r, x, SAME_ROUNDING[case.dot_precision])
         assert_close(name, ref, x, BUDGET[case.dot_precision])
-    if _flat_runs(case.dot_precision, device):
-        flat = _fwd(local, offsets, h0, case.dot_precision, blocked=False)
-        for name, x, ref in zip(("o", "final state", "h", "v_new"), ours, flat):
-            assert_close(f"{name} blocked vs flat", ref, x, SAME_ROUNDING[case.dot_precision])
-    # the backward's recompute (no o, no final state) and the training forward (no h) store the same tensors
-    o, ht, h, v_new = _fwd(local, offsets, h0, case.dot_precision, store_o=False, store_final_state=False)
-    assert o is None and ht is None and torch.equal(h, ours[2]) and torch.equal(v_new, ours[3])
-    o, ht, h, v_new = _fwd(local, offsets, h0, case.dot_precision, store_h=False)
-    assert h is None and torch.equal(o, ours[0]) and torch.equal(ht, ours[1]) and torch.equal(v_new, ours[3])
+    # the backward's recompute (no final state) and the fp64 forward (no h) store the same tensors
+    ht, h, v_new = _fwd(local, offsets, h0, case.dot_precision, store_final_state=False)
+    assert ht is None and torch.equal(h, ours[1]) and torch.equal(v_new, ours[2])
+    ht, h, v_new = _fwd(local, offsets, h0, case.dot_precision, store_h=False)
+    assert h is None and torch.equal(ht, ours[0]) and torch.equal(v_new, ours[2])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -157,15 +147,11 @@ def test_backward_state_pass(case: StateCase, device: str) -> None:
     local, offsets, _, do, dht = _chunked_inputs(case, device)
     rnd = _rounding(case.dot_precision)
     exact, rounded = _ref_bwd(local, offsets, do, dht, lambda x: x), _ref_bwd(local, offsets, do, dht, rnd)
-    ours = _bwd(local, offsets, do, dht, case.dot_precision, blocked=True)
+    ours = _bwd(local, offsets, do, dht, case.dot_precision)
     for name, x, ref, ref_r in zip(("dv_new", "dh", "dh0"), ours, exact, rounded):
         assert x.dtype == torch.float32
         assert_close(name, ref_r, x, SAME_ROUNDING[case.dot_precision])
         assert_close(name, ref, x, BUDGET[case.dot_precision])
-    if _flat_runs(case.dot_precision, device):
-        flat = _bwd(local, offsets, do, dht, case.dot_precision, blocked=False)
-        for name, x, ref in zip(("dv_new", "dh", "dh0"), ours, flat):
-            assert_close(f"{name} blocked vs flat", ref, x, SAME_ROUNDING[case.dot_precision])
 
 
 def test_reference_backward_is_fp64_autograd(device: str) -> None:
@@ -191,38 +177,14 @@ def test_reference_backward_is_fp64_autograd(device: str) -> None:
         torch.testing.assert_close(x, ref, rtol=1e-10, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_training_gradients_blocked_equal_flat(dtype: torch.dtype, device: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """``chunk_kda_autograd`` (varlen with an empty sequence, state in and out) gives the same outputs and gradients
-    with the default (blocked) state passes as with the flat ones."""
-    from flashkda.autograd import chunk_kda_autograd
-    from tests.flashkda.test_backward import Case, _inputs, _run
-
-    case = Case(T=100, H=1, HV=2, K=64, V=32, dtype=dtype, cu_seqlens=(0, 30, 30, 100), initial_state=True,
-                output_final_state=True, opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True))
-    torch.manual_seed(3)
-    x = _inputs(case, device)
-    do = torch.randn(1, case.T, case.HV, case.V, dtype=torch.float64, device=device)
-    dht = torch.randn(3, case.HV, case.K, case.V, dtype=torch.float64, device=device)
-    o, ht, grads = _run(chunk_kda_autograd, x, case, do, dht)
-    monkeypatch.setattr(chunk_bwd_h, "BLOCKED_MAX_K", 0)
-    o_flat, ht_flat, grads_flat = _run(chunk_kda_autograd, x, case, do, dht)
-    tol = 1e-6 if dtype == torch.float32 else 1e-3
-    assert_close("o", o_flat, o, tol)
-    assert_close("final state", ht_flat, ht, tol)
-    for name in x:
-        assert_close(f"d{name}", grads_flat[name], grads[name], tol)
-
-
 def test_invalid_launch_arguments_are_rejected(device: str) -> None:
     z = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
     offsets = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    for K, kw, match in ((512, dict(blocked=True), "blocked"), (32, dict(block_v=24), "block_v"),
-                         (32, dict(dot_precision="tf32x3", blocked=True), "dot_precision")):
+    for K, kw, match in ((512, {}, "K <= 256"), (32, dict(block_v=24), "block_v"),
+                         (32, dict(dot_precision="tf32x3"), "dot_precision")):
         with pytest.raises(ValueError, match=match):
-            chunk_kda_fwd_h(z(1, 1, C, K), z(1, 1, C, 32), z(1, 1, C, K), z(1, 1, C, C), z(1, 1, C, K), z(1, 1, K),
-                            None, offsets, store_o=True, store_h=False, store_final_state=False, **kw)
+            chunk_kda_recompute_h(z(1, 1, C, K), z(1, 1, C, 32), z(1, 1, C, K), z(1, 1, K), None, offsets,
+                                  store_h=False, store_final_state=False, **kw)
         with pytest.raises(ValueError, match=match):
             chunk_kda_bwd_dh(z(1, 1, C, K), z(1, 1, C, C), z(1, 1, C, K), z(1, 1, K), z(1, 1, C, K), z(1, 1, C, 32),
                              None, offsets, store_dh0=False, **kw)

@@ -1,14 +1,14 @@
 """What the training forward keeps for the backward, made into the backward's operands (fp32, one head slice).
 
-* `SavedLocal`: the intra kernel's ``Aqk``, ``Akk`` and solved inverse (``FLASHKDA_BWD_SAVE_LOCAL``, the default), of
-  which only the inverse needs fp32 (`saved_inverse_fp32`, also ``M Diag(beta)``) for the torch GEMMs.
+* `SavedLocal`: the intra kernel's ``Aqk``, ``Akk`` and solved inverse, of which only the inverse needs fp32
+  (`saved_inverse_fp32`, also ``M Diag(beta)``) for the torch GEMMs.
 * The split state path's ``h`` (the state at every chunk start, ``[NC, HV, K, V]``, bf16 for bf16 input), which the
-  backward can take instead of recomputing it (``FLASHKDA_BWD_SAVE_STATES=1``). A head slice of it is a strided view;
-  `widen_head_slice` copies it into a contiguous fp32 ``[NC, HS, K, V]`` in one pass (torch's generic strided copy
-  ran at ~1.2 TB/s for such views).
+  backward takes instead of recomputing it with ``disable_recompute``. A head slice of it is a strided view;
+  `widen_head_slice` copies it into a contiguous fp32 ``[NC, HS, K, V]`` in one pass.
 * Token-layout tensors (``do``, the kept ``v_new``, the all-heads pass's ``dv_new``): `head_slice_to_chunks` cuts a
-  head slice into the chunked layout ``[NC, HS, C, D]`` in the wanted dtype in one pass (``to_chunks`` of a head-slice
-  view is torch's strided copy: 0.28 ms for two slices of ``do`` at B1-T8192-H64 on the H200).
+  head slice into the chunked layout ``[NC, HS, C, D]`` in the wanted dtype in one pass.
+
+(torch's strided copies of such views were slow: docs/flashkda-performance.md.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_layout import ChunkLayout
+from flashkda.bwd.layout import ChunkLayout
 
 __all__ = ["SavedLocal", "head_slice_to_chunks", "saved_inverse_fp32", "widen_head_slice"]
 
@@ -27,7 +27,7 @@ __all__ = ["SavedLocal", "head_slice_to_chunks", "saved_inverse_fp32", "widen_he
 @dataclass(frozen=True)
 class SavedLocal:
     """The forward kernels' chunk-local matrices for the heads of one backward slice, contiguous ``[NC, HS, C, C]``
-    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.chunk_intra.chunk_kda_fwd_intra``'s
+    blocks in their stored dtype (bf16 for bf16 input; see ``flashkda.fwd.intra.chunk_kda_fwd_intra``'s
     ``store_local``). The Triton passes read ``aqk`` and ``akk`` as they are (they load into fp32 registers); the
     torch GEMMs need ``minv`` in fp32, converted where it is read (`saved_inverse_fp32`)."""
 
@@ -93,7 +93,7 @@ def saved_inverse_fp32(m: torch.Tensor, beta: torch.Tensor | None = None) -> tor
         beta: ``[..., C]`` or None.
 
     Returns:
-        ``[..., C, C]`` fp32, contiguous. (torch's strided broadcast multiply ran at ~0.7 TB/s here, H200.)
+        ``[..., C, C]`` fp32, contiguous.
     """
     assert m.is_contiguous() and m.shape[-1] == m.shape[-2], "need contiguous square blocks"
     C = m.shape[-1]
@@ -131,8 +131,8 @@ def head_slice_to_chunks(x: torch.Tensor, layout: ChunkLayout, tok: torch.Tensor
 
     Args:
         x: ``[B, T, HV, D]`` (``[1, T, HV, D]`` for varlen layouts), any float dtype; made contiguous if it is not.
-        layout: the chunked layout of ``x``'s tokens (`flashkda.chunk_bwd_layout.make_layout`).
-        tok: ``flashkda.chunk_bwd_prologue.slot_tokens(layout)``: the flattened token of every chunk slot, -1 on
+        layout: the chunked layout of ``x``'s tokens (`flashkda.bwd.layout.make_layout`).
+        tok: ``flashkda.bwd.prologue.slot_tokens(layout)``: the flattened token of every chunk slot, -1 on
             padding.
         hv0, hv1: the head slice, ``0 <= hv0 < hv1 <= HV``.
         dtype: dtype of the result (the conversion happens in the copy).

@@ -19,13 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_layout import ChunkLayout
+from flashkda.bwd.layout import ChunkLayout, to_chunks
 from flashkda.ops import softplus
 
-__all__ = ["RawGrads", "chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "slot_tokens"]
+__all__ = [
+    "RawGrads", "chunk_kda_prologue_bwd", "chunk_kda_prologue_fwd", "chunk_kda_prologue_torch", "kda_gate_torch",
+    "slot_tokens",
+]
 
 L2NORM_EPS = 1e-6
 
@@ -138,14 +142,7 @@ def chunk_kda_prologue_bwd_kernel_vgb(
 ):
     i_c, i_s = tl.program_id(0), tl.program_id(1)
     i_hv = hv0 + i_s
-    o_s = tl.arange(0, C)
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, BV)
-    b_tok = tl.load(tok + i_c.to(tl.int64) * C + o_s)
-    m_t = b_tok >= 0
-    b_tok = tl.where(m_t, b_tok, 0)
-    m_tk = m_t[:, None] & (o_k[None, :] < K)
-    m_tv = m_t[:, None] & (o_v[None, :] < V)
+    o_s, o_k, o_v, b_tok, m_t, m_tk, m_tv = chunk_slots(tok, i_c, C, K, V, BV)
     in_k = (i_c.to(tl.int64) * HVS + i_s) * C * K + o_s[:, None] * K + o_k[None, :]
     in_v = (i_c.to(tl.int64) * HVS + i_s) * C * V + o_s[:, None] * V + o_v[None, :]
     b_dv = tl.load(dvc + in_v, mask=o_v[None, :] < V, other=0.0)
@@ -237,7 +234,7 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
                            heads: tuple[int, int] | None = None, store_factors: bool = True):
     """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
-    ``opts`` is a `flashkda.autograd.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
+    ``opts`` is a `flashkda.chunk.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
     ``heads=(hv0, hv1)`` restricts the output to value heads ``hv0 <= hv < hv1`` (whole GVA groups); default all.
     ``store_factors=False`` leaves out ``qg``, ``kend`` and ``dec`` (returned as None): only the state passes read
     them (and the unfused gate chain): a backward whose state passes already ran over all heads skips three of seven
@@ -246,7 +243,7 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
     Returns:
         ``((qc, kc, vc, None, bc), (G, qg, kg, kend, dec))``: the chunked inputs ``[NC, HS, C, *]`` (``HS`` heads of
         the slice; the gate itself is not written, only its in-chunk cumulative sum ``G``) and the chunk's gate
-        factors (``dec`` is ``[NC, HS, K]``), as `flashkda.chunk_bwd_local.chunk_local_prepare` takes them.
+        factors (``dec`` is ``[NC, HS, K]``), as `flashkda.bwd.local.chunk_local_prepare` takes them.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -335,3 +332,57 @@ def chunk_kda_prologue_bwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
         USE_L2=opts.use_qk_l2norm_in_kernel, num_warps=4,
     )
     return grads if out is not None else grads.finish(A_log, dt_bias, opts)
+
+
+def kda_gate_torch(
+    g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None
+) -> torch.Tensor:
+    """The in-kernel KDA gate as differentiable torch ops (fla's ``fused_kda_gate`` semantics), fp32 (fp64 in).
+
+    Args:
+        g: ``[B, T, HV, K]`` raw gate input.
+        A_log: ``[HV]`` or None (only with ``lower_bound``).
+        dt_bias: ``[HV * K]`` or None.
+        lower_bound: None for ``-exp(A_log) * softplus(g + dt_bias)``; else
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (without ``exp(A_log)`` when ``A_log`` is None).
+
+    Returns:
+        ``[B, T, HV, K]`` log-space decay, float32 (float64 for float64 ``g``).
+    """
+    HV, K = g.shape[-2:]
+    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    x = g.to(dtype)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dtype).reshape(HV, K)
+    if lower_bound is None:
+        return -A_log.to(dtype).reshape(HV, 1).exp() * F.softplus(x)
+    if A_log is not None:
+        x = A_log.to(dtype).reshape(HV, 1).exp() * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def _l2norm_torch(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def chunk_kda_prologue_torch(q, k, v, g, beta, A_log, dt_bias, opts, layout: ChunkLayout):
+    """`chunk_kda_prologue_fwd` as differentiable torch ops (fp64 inputs, tests): activations and GVA expansion, then
+    the chunked layout ``[NC, HV, C, D]``.
+
+    Returns:
+        ``(qc, kc, vc, gc, bc)`` chunked, fp64 for fp64 inputs (else fp32), ``bc`` ``[NC, HV, C]``.
+    """
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    HV = v.shape[2]
+    q, k = q.to(cdt), k.to(cdt)
+    if opts.use_qk_l2norm_in_kernel:
+        q, k = _l2norm_torch(q), _l2norm_torch(k)
+    g = kda_gate_torch(g, A_log, dt_bias, opts.lower_bound).to(cdt) if opts.use_gate_in_kernel else g.to(cdt)
+    beta = beta.to(cdt)
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if opts.allow_neg_eigval else 1.0)
+    if HV != q.shape[2]:
+        q, k = q.repeat_interleave(HV // q.shape[2], dim=2), k.repeat_interleave(HV // k.shape[2], dim=2)
+    qc, kc, vc, gc = (to_chunks(x, layout) for x in (q, k, v.to(cdt), g))
+    bc = to_chunks(beta.unsqueeze(-1), layout).squeeze(-1)
+    return qc, kc, vc, gc, bc

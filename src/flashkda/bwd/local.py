@@ -2,7 +2,7 @@
 
 Everything here is independent of the recurrent state, so every chunk of every head is processed at once as a
 batched matrix product over the chunked layout ``[NC, HV, C, D]``. The state-dependent part of the backward lives
-in ``flashkda.chunk_bwd_h``; this module turns its outputs (``h``, ``dh``, ``v_new``, ``dv_new``) into the
+in ``flashkda.bwd.state``; this module turns its outputs (``h``, ``dh``, ``v_new``, ``dv_new``) into the
 cotangents of the chunk-local quantities and pulls them back to ``q, k, v, g, beta``.
 
 Numerics: the gated products ``sum_d a_td b_id exp(G_td - G_id)`` are never formed as ``exp(G_t) * exp(-G_i)``
@@ -19,32 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from flashkda.chunk_bwd_gated import (
-    chunk_kda_gated_dots,
-    chunk_kda_gated_dots_bwd,
-)
-from flashkda.chunk_bwd_gates import chunk_kda_bwd_gates
-from flashkda.chunk_bwd_inverse import ut_inverse
-from flashkda.env import env_choice
+from flashkda.bwd.gated_dots import chunk_kda_gated_dots_bwd
+from flashkda.bwd.gates import chunk_kda_bwd_gates
 
 __all__ = [
     "SUB_CHUNK", "ChunkLocal", "chunk_local_bwd", "chunk_local_prepare", "gated_dot", "gated_dot_bwd",
-    "gated_dot_precision", "gated_dots_and_gates_bwd",
+    "gated_dots_and_gates_bwd",
 ]
 
 SUB_CHUNK = 16
-# Product precision of the 16-row gated products (recompute of Akk/Aqk and their backward) for bf16/fp16 callers,
-# read once from FLASHKDA_BWD_GATED_DOTS like fla's FLA_TRIL_PRECISION: "tf32" (default, tensor cores, as fla's
-# intra-chunk solve) or "ieee" (exact fp32 FMA loops). H200, Triton 3.6, B1-T8192-H64 (2026-12-01 01:41 UTC,
-# benchmarks/kda/NOTES.md): kernel time 2.15 + 2.54 ms (ieee) -> 1.40 + 2.02 ms (tf32), fp64 gate (T = 200) worst
-# 2.9e-3 both ways; fla notes that tf32 rounding grows the safe-gate gradient error with context length, and at
-# T = 32768 ours vs fla reached 8.6e-3 (ddt_bias) against a 1e-2 bound. fp32 callers always get exact products.
-GATED_DOT_PRECISION = env_choice("FLASHKDA_BWD_GATED_DOTS", "tf32", ("tf32", "ieee"))
-
-
-def gated_dot_precision(dot_precision: str) -> str:
-    """The gated products' precision for a caller whose other products run at ``dot_precision``."""
-    return GATED_DOT_PRECISION if dot_precision == "tf32" else "ieee"
 
 
 @dataclass(frozen=True)
@@ -108,12 +91,6 @@ def gated_dot(a: torch.Tensor, b: torch.Tensor, gam: torch.Tensor, *, strict: bo
     return torch.cat(columns, dim=-1)
 
 
-def _fused(x: torch.Tensor) -> bool:
-    # The Triton gated-dot kernels serve fp32 tiles of power-of-two width; fp64 (tests) takes the torch path.
-    K = x.shape[-1]
-    return x.dtype == torch.float32 and K >= 16 and K & (K - 1) == 0 and not torch.is_grad_enabled()
-
-
 def chunk_local_prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,7 +99,6 @@ def chunk_local_prepare(
     beta: torch.Tensor,
     scale: float,
     gate_factors: tuple[torch.Tensor, ...] | None = None,
-    dot_precision: str = "ieee",
 ) -> ChunkLocal:
     """Chunk-local KDA quantities from chunked inputs (differentiable torch ops).
 
@@ -136,7 +112,6 @@ def chunk_local_prepare(
         scale: query scale.
         gate_factors: ``(G, qg, kg, kend, dec)`` when already computed (the Triton prologue writes them); else
             they are computed here from ``g``.
-        dot_precision: the caller's product precision (``"tf32"`` for bf16/fp16 callers, see `gated_dot_precision`).
 
     Returns:
         A `ChunkLocal`. Differentiable by torch autograd when called with grad enabled (torch path).
@@ -151,20 +126,13 @@ def chunk_local_prepare(
         qg = (scale * q) * torch.exp(gam)
         kend = k * torch.exp(gam_end - gam)
         dec = torch.exp(gam_end.squeeze(-2))
-    if _fused(q):
-        akk, aqk = chunk_kda_gated_dots(q, k, gam, scale, dot_precision=gated_dot_precision(dot_precision))
-    else:
-        akk = gated_dot(k, k, gam, strict=True)
-        aqk = gated_dot(q, k, gam, strict=False) * scale
+    akk = gated_dot(k, k, gam, strict=True)
+    aqk = gated_dot(q, k, gam, strict=False) * scale
     # (I + Diag(beta) Akk) [w, u] = Diag(beta) [k * exp(G), v]: the UT transform.
     b = beta.unsqueeze(-1)
-    if _fused(q):
-        _, minv_b = ut_inverse(akk, beta.contiguous())
-        w, u = minv_b @ kg, minv_b @ v
-    else:
-        lhs = b * akk + torch.eye(C, dtype=k.dtype, device=k.device)
-        wu = torch.linalg.solve_triangular(lhs, b * torch.cat([kg, v], dim=-1), upper=False, unitriangular=True)
-        w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
+    lhs = b * akk + torch.eye(C, dtype=k.dtype, device=k.device)
+    wu = torch.linalg.solve_triangular(lhs, b * torch.cat([kg, v], dim=-1), upper=False, unitriangular=True)
+    w, u = (x.contiguous() for x in wu.split([K, v.shape[-1]], dim=-1))
     return ChunkLocal(qg=qg, aqk=aqk, kend=kend, dec=dec, w=w, u=u, akk=akk, gam=gam, kg=kg)
 
 
@@ -282,12 +250,12 @@ def gated_dots_and_gates_bwd(q, k, gam, qg, kend, dec, p, daqk, dqg, dkg, dkend,
                              dot_precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dg)`` by the two separate passes (gated-product backward, then `chunk_kda_bwd_gates`) for callers
     the fused gate chain does not serve: fp32 callers (``"ieee"``: ``dG`` assembled in fp64) and ``K > 128``.
-    ``p`` is ``-dl`` before the strict-lower mask (see ``flashkda.chunk_bwd_ut``); all ``[..., C, *]`` fp32."""
+    ``p`` is ``-dl`` before the strict-lower mask (see ``flashkda.bwd.wy``); all ``[..., C, *]`` fp32."""
     if dot_precision == "ieee":
         dq, dk, dgam = _gated_dots_bwd_fp64(q, k, gam, -beta.unsqueeze(-1) * p, scale * daqk)
     else:
         dq, dk, dgam = chunk_kda_gated_dots_bwd(
-            q, k, gam, p, daqk, dot_precision=gated_dot_precision(dot_precision),
+            q, k, gam, p, daqk, dot_precision=dot_precision,
             dakk_row_scale=(-beta).contiguous(), daqk_scale=scale,
         )
     return chunk_kda_bwd_gates(k, gam, qg, kend, dec, dq, dk, dgam, dqg, dkg, dkend, ddec, scale)
@@ -298,7 +266,7 @@ def _gated_dots_bwd_fp64(q, k, gam, dakk, daqk):
 
     Every pair ``(t, i)`` adds ``+x`` to ``dG_t`` and ``-x`` to ``dG_i`` on two different summation paths, and
     ``dA_log = sum_s G_s dG_s`` weights what fp32 leaves of that cancellation by cumulative gates of up to ~100
-    nats: ``dA_log`` reached 1.6e-4 against the fp64 reference with fp32 sums (benchmarks/kda/NOTES.md). ``dG`` stays
+    nats: with fp32 sums ``dA_log`` exceeded the 1e-4 bound against the fp64 reference. ``dG`` stays
     fp64 for `chunk_kda_bwd_gates`, which then sums in fp64 too. (Triton's fp64 ``tl.dot`` is not relied on: not
     every Triton release lowers it on NVIDIA.)
     """

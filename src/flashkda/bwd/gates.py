@@ -2,7 +2,7 @@
 
 The chunk-local quantities depend on ``G = cumsum(g)`` through ``qg = scale * q * exp(G)``, ``kg = k * exp(G)``,
 ``kend = k * exp(G_C - G)`` and ``dec = exp(G_C)`` (besides the gated products, whose gradients arrive as
-``dq_in, dk_in, dgam_in`` from `flashkda.chunk_bwd_gated`). This kernel adds those four terms to ``dq``, ``dk`` and
+``dq_in, dk_in, dgam_in`` from `flashkda.bwd.gated_dots`). This kernel adds those four terms to ``dq``, ``dk`` and
 ``dG``, then turns ``dG`` into ``dg`` by a reverse cumulative sum, reading each operand once: the torch sequence it
 replaces makes about fifteen passes over ``[NC, HV, C, K]`` tensors.
 """
@@ -84,7 +84,7 @@ def chunk_kda_bwd_gates(
     """``(dq, dk, dg)`` ``[..., C, K]``: the gated-product gradients plus the gate-factor terms, ``dg = revcumsum(dG)``.
 
     Shapes: every ``[..., C, K]`` operand contiguous; ``dec``, ``ddec`` ``[..., K]``. The terms are added and
-    summed in ``dgam_in``'s dtype (fp64 for fp32 callers, see `flashkda.chunk_bwd_gated.chunk_kda_gated_dots_bwd`);
+    summed in ``dgam_in``'s dtype (fp64 for fp32 callers, see `flashkda.bwd.gated_dots.chunk_kda_gated_dots_bwd`);
     the outputs have ``k``'s dtype. ``dq`` and ``dk`` are written into ``dq_in`` and ``dk_in``, ``dg`` into
     ``dgam_in`` when that has ``k``'s dtype (each program reads its tile before writing it).
     """

@@ -26,24 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.env import env_flag
 from flashkda.ops import L2NORM_EPS, beta_map, fast_exp, fast_rsqrt, kda_gate
 from flashkda.rounding import cast_for_store
 
 #: Tokens per chunk and per sub-chunk; the kernel is written out for exactly four sub-chunks.
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
-#: Environment switch of the bf16 storage of qg, u, Aqk (and of v_new in the state stage) for bf16 input: on unless
-#: set to ``0`` (fp32 storage, ~1e-3 less RMS error in o, 0.3 ms slower at H64-T8192 on an H200).
-BF16_INTERMEDIATES_ENV = "FLASHKDA_BF16_INTERMEDIATES"
 #: Width of the K slices of pass 1 (one slice of q/k/g live at a time next to the [64, 64] accumulators) and the
 #: default width of the K/V slices of pass 2 (w and u, after the accumulators are dead).
 SLICE = 16
-
-
-def bf16_intermediates_enabled() -> bool:
-    """Whether bf16 callers store qg, u, Aqk and v_new in bf16 (the default; ``FLASHKDA_BF16_INTERMEDIATES=0``: fp32)."""
-    return env_flag(BF16_INTERMEDIATES_ENV, True)
 
 
 @triton.jit
@@ -197,14 +188,14 @@ def chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT: tl.constex
 @triton.jit(do_not_specialize=["T", "lower_bound", "scale", "NCL"])
 def chunk_kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunk_map,
-    w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv,
+    w, u, qg, kg, Aqk, gC, AqkC, Akk, Minv,
     scale, lower_bound, T, NTS, NCL,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr, BS: tl.constexpr, BKN: tl.constexpr, LHS: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr,
     SAFE_GATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    STORE_T: tl.constexpr, MERGE: tl.constexpr, STORE_LOCAL: tl.constexpr,
+    MERGE: tl.constexpr, STORE_LOCAL: tl.constexpr,
 ):
     tl.static_assert(BT == 4 * BC, "the kernel is written out for four sub-chunks")
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -278,11 +269,8 @@ def chunk_kda_fwd_kernel_intra(
         _put_tile(qg, b_q * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
         _put_tile(kg, b_k * fast_exp(_per_row(_sub_sums(b_s4, o_b >= o_a), BC, BKC) - b_G), t0, eos, i_hv, o_k,
                   HV, K, BT)
-        # Right-hand side of the WY solve for w; pass 2 (or chunk_kda_fwd_kernel_wu) overwrites it with w.
-        if STORE_T:
-            _put_tile(w, b_k * b_eG, t0, eos, i_hv, o_k, HV, K, BT)
-        else:
-            _put_tile(w, b_k * b_eG * b_b[:, None], t0, eos, i_hv, o_k, HV, K, BT)
+        # Right-hand side of the WY solve for w; pass 2 overwrites it with w.
+        _put_tile(w, b_k * b_eG * b_b[:, None], t0, eos, i_hv, o_k, HV, K, BT)
 
         # Row operands relative to their sub-chunk's start (factors <= 1).
         b_eGr = fast_exp(b_G)
@@ -379,12 +367,6 @@ def chunk_kda_fwd_kernel_intra(
     if STORE_LOCAL:
         # (I + L)⁻¹ itself (lower triangular, unit diagonal; zero on padding rows), so the backward needs no solve
         tl.store(Minv + p_l + o_rr, cast_for_store(tl.where(m_r[:, None], b_T, 0.0), Minv.dtype.element_ty))
-    if STORE_T:
-        # w and u by chunk_kda_fwd_kernel_wu: w = (T Diag(β)) (k e^Γ), u = (T Diag(β)) v
-        tl.store(Tb + (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :], b_T * b_b[None, :],
-                 mask=m_r[:, None])
-        return
-
     # Pass 2, slice by slice: w over the stored right-hand sides (every thread must see them: barrier first, and
     # again before a slice is overwritten), u = T (β v) straight from v. Loads run one slice ahead as in pass 1;
     # a prefetched w slice is consumed before the barrier that precedes its overwrite.
@@ -409,68 +391,21 @@ def chunk_kda_fwd_kernel_intra(
         _put_tile(u, b_x, t0, eos, i_hv, o_v, HV, V, BT)
 
 
-
-@triton.jit(do_not_specialize=["T"])
-def chunk_kda_fwd_kernel_wu(
-    v, w, u, Tb, cu_seqlens, chunk_offsets, chunk_map, T, NTS,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """The WY factors from the stored inverse, one program per (chunk, value head): ``w = Tb (k e^Γ)`` over the
-    right-hand side the intra kernel left in ``w`` (overwritten in place) and ``u = Tb v``, with
-    ``Tb = (I + L)⁻¹ Diag(β)`` ``[BT, BT]`` fp32. Plain GEMM-shaped work, so it runs at far more programs per SM
-    than the intra kernel."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, t0, eos = chunk_span(i_c, cu_seqlens, chunk_offsets, chunk_map, T, NTS, BT, IS_VARLEN)
-    if i_n < 0:
-        return
-    o_r = tl.arange(0, BT)
-    b_T = tl.load(Tb + (t0 * HV + i_hv) * BT + o_r[:, None] * (HV * BT) + o_r[None, :],
-                  mask=(o_r < eos - t0)[:, None], other=0.0)
-    _wu_from_inverse(v, w, u, b_T, t0, eos, i_hv, HV, K, V, BT, BS, DOT_PREC)
-
-
-@triton.jit
-def _wu_from_inverse(v, w, u, b_T, t0, eos, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``w = b_T w`` in place (each slice is loaded whole before it is overwritten) and ``u = b_T v``, in
-    ``[BT, BS]`` slices; ``b_T``: ``[BT, BT]`` fp32 ``(I + L)⁻¹ Diag(β)``."""
-    for i_k in range(0, tl.cdiv(K, BS)):
-        o_k = i_k * BS + tl.arange(0, BS)
-        b_x = _tile(w, t0, eos, i_hv, o_k, HV, K, BT)
-        _put_tile(w, tl.dot(b_T, b_x, input_precision=DOT_PREC), t0, eos, i_hv, o_k, HV, K, BT)
-    for i_v in range(0, tl.cdiv(V, BS)):
-        o_v = i_v * BS + tl.arange(0, BS)
-        b_x = _tile(v, t0, eos, i_hv, o_v, HV, V, BT)
-        _put_tile(u, tl.dot(b_T, b_x, input_precision=DOT_PREC), t0, eos, i_hv, o_v, HV, V, BT)
-
-
 #: Launch configurations tried on first use of each shape class on a GPU (pass-2 slice width, warps, stacked Aqk/Akk
-#: products, register cap): 4 warps (one warpgroup: the [64, 64] products map onto wgmma). Measured at H64-T8192
-#: (H200, 2026-12-01 01:54 UTC, NOTES.md): 16/4/plain 1.798 ms, 64/4/stacked 1.775, 16/4/stacked 1.914; register
-#: caps were slower (168: 1.869, stacked 2.109; 128: 3.374), as were 8 warps (1.8x) and 32-wide pass-1 slices (6%),
-#: so none of those is offered. All give the same math (rounding order aside).
+#: products, register cap): 4 warps (one warpgroup: the [64, 64] products map onto wgmma); register caps, 8 warps and
+#: 32-wide pass-1 slices were slower (docs/flashkda-performance.md). All give the same math (rounding order aside).
 INTRA_CONFIGS = [(16, 4, False, None), (64, 4, False, None), (64, 4, True, None)]
 chunk_kda_fwd_kernel_intra_tuned = triton.autotune(
     configs=[triton.Config({"BS": bs, "MERGE": merge}, num_warps=nw, num_stages=1, maxnreg=cap)
              for bs, nw, merge, cap in INTRA_CONFIGS],
-    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC", "STORE_T", "STORE_LOCAL"],
+    key=["H", "HV", "K", "V", "IS_VARLEN", "SAFE_GATE", "USE_GATE", "DOT_PREC", "STORE_LOCAL"],
 )(chunk_kda_fwd_kernel_intra)
-#: Configurations of the separate w/u kernel (slice width, warps).
-WU_CONFIGS = [(64, 8), (128, 8), (32, 4)]
-chunk_kda_fwd_kernel_wu_tuned = triton.autotune(
-    configs=[triton.Config({"BS": bs}, num_warps=nw, num_stages=2) for bs, nw in WU_CONFIGS],
-    key=["HV", "K", "V", "IS_VARLEN", "DOT_PREC"],
-    # w is overwritten in place (right-hand side -> w): without the restore, each configuration the autotuner times
-    # would multiply the previous one's w again on the first call of a shape class
-    restore_value=["w"],
-)(chunk_kda_fwd_kernel_wu)
 
 
 def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, use_gate_in_kernel,
                         use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                         index, work_dtype, dot_prec, num_warps=None, maxnreg=None, solve_slice=None,
-                        split_wu=False, wu_config=None, pass1_slice=None, merge=None, bf16_intermediates=None,
+                        pass1_slice=None, merge=None,
                         store_local=False, local_heads=None, fp32_u=False):
     """Runs the intra-chunk stage (see the module docstring) on validated, contiguous inputs.
 
@@ -482,11 +417,6 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
             a GPU).
         pass1_slice: width of the K slices of pass 1 (default ``SLICE``).
         merge: force the stacked Aqk/Akk products on or off (None: autotuned on a GPU, off on the interpreter).
-        split_wu: stop the intra kernel after the inverse (stored as ``(I + L)⁻¹ Diag(β)``, ``[B, T, HV, 64]``
-            fp32) and form w and u in ``chunk_kda_fwd_kernel_wu``. wu_config: ``(slice, warps)`` forced for it.
-        bf16_intermediates: store qg, u and Aqk in ``work_dtype`` when it is bf16 (None: `bf16_intermediates_enabled`,
-            on unless the environment sets ``FLASHKDA_BF16_INTERMEDIATES=0``). Measured on an H200 (2026-12-01):
-            fp64-gate RMS error of o 3.1e-3 (fp32 storage: 2.0e-3; budget 5e-3), H64-T8192 2.25 vs 2.57 ms.
         store_local: also write, for the training backward, ``Aqk`` (zero above the diagonal), the raw
             strictly-lower ``Akk`` and the solved ``(I + Diag(β) Akk)⁻¹`` in the backward's chunked layout, head
             slice by head slice: ``[HV / local_heads, NC, local_heads, 64, 64]`` each (``NC = index.num_chunks``;
@@ -494,38 +424,34 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         local_heads: value heads per slice of that layout (a divisor of HV; None: HV).
         fp32_u: store ``u`` in fp32 whatever the intermediates' dtype (the state stage then keeps ``v_new`` in fp32
             too): the training backward that takes the forward's ``v_new`` needs it, since ``v_new = u - w S`` cancels
-            and a bf16 ``u`` tripled the fp64-reference error of ``dA_log`` (flashkda.autograd).
+            and a bf16 ``u`` tripled the fp64-reference error of ``dA_log`` (flashkda.bwd.chunk_bwd).
 
     Returns:
         ``(w, u, qg, kg, Aqk, gC)``: w, kg ``[B, T, HV, K]`` work dtype; u ``[B, T, HV, V]``, qg
-        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) bf16 with ``bf16_intermediates``, else fp32;
+        ``[B, T, HV, K]``, Aqk ``[B, T, HV, 64]`` (lower triangle written) in the work dtype;
         gC ``[NC, HV, K]`` fp32. With ``store_local``, ``(AqkC, Akk, Minv)`` follow (layout above).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT, BC = CHUNK_SIZE, SUB_CHUNK
-    # In bf16, qg, u and Aqk each add ~0.5-0.6e-3 RMS error to o (fp64 model with round-to-nearest storage), on top
-    # of ~1.8e-3 for w, kg, h and o in bf16; they halve the bytes of both stages.
-    if bf16_intermediates is None:
-        bf16_intermediates = bf16_intermediates_enabled()
-    mid_dtype = torch.bfloat16 if bf16_intermediates and work_dtype == torch.bfloat16 else torch.float32
+    # qg, u and Aqk are stored in the work dtype: bf16 halves the bytes of both stages for ~0.5e-3 more RMS error in o
+    # each (docs/flashkda-performance.md)
     w = torch.empty(B, T, HV, K, dtype=work_dtype, device=q.device)
     kg = torch.empty_like(w)
-    qg = torch.empty(B, T, HV, K, dtype=mid_dtype, device=q.device)
-    u = torch.empty(B, T, HV, V, dtype=torch.float32 if fp32_u else mid_dtype, device=q.device)
-    Aqk = torch.empty(B, T, HV, BT, dtype=mid_dtype, device=q.device)
+    qg = torch.empty(B, T, HV, K, dtype=work_dtype, device=q.device)
+    u = torch.empty(B, T, HV, V, dtype=torch.float32 if fp32_u else work_dtype, device=q.device)
+    Aqk = torch.empty(B, T, HV, BT, dtype=work_dtype, device=q.device)
     gC = torch.empty(index.num_chunks, HV, K, dtype=torch.float32, device=q.device)
     LHS = local_heads or HV
     if HV % LHS:
         raise ValueError(f"local_heads must divide the {HV} value heads, got {LHS}")
     shape = (HV // LHS, index.num_chunks, LHS, BT, BT)
-    local = tuple(torch.empty(shape, dtype=mid_dtype, device=q.device) for _ in range(3)) if store_local else ()
+    local = tuple(torch.empty(shape, dtype=work_dtype, device=q.device) for _ in range(3)) if store_local else ()
     if index.num_chunks == 0:
         return w, u, qg, kg, Aqk, gC, *local
-    Tb = torch.empty(B, T, HV, BT, dtype=torch.float32, device=q.device) if split_wu else None
     AqkC, Akk, Minv = local or (None, None, None)
     args = (q, k, v, g, beta, A_log, dt_bias, index.cu_seqlens, index.chunk_offsets, index.chunk_map,
-            w, u, qg, kg, Aqk, gC, Tb, AqkC, Akk, Minv, scale, 0.0 if lower_bound is None else float(lower_bound), T,
+            w, u, qg, kg, Aqk, gC, AqkC, Akk, Minv, scale, 0.0 if lower_bound is None else float(lower_bound), T,
             index.chunks_per_seq, index.num_chunks)
     meta = dict(
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKC=pass1_slice or SLICE, BKN=min(64, triton.next_power_of_2(K)), LHS=LHS,
@@ -535,21 +461,10 @@ def chunk_kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, us
         SAFE_GATE=safe_gate, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec,
         # The diagonal inverses keep fp32 accuracy (they were exact fp32 row steps before): three tf32
         # products per product when the rest of the stage uses tf32.
-        INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3", STORE_T=split_wu, STORE_LOCAL=store_local,
+        INV_PREC="ieee" if dot_prec == "ieee" else "tf32x3", STORE_LOCAL=store_local,
     )
     grid = (index.num_chunks, HV)
-    if split_wu:
-        # no pass 2: the slice width is unused
-        chunk_kda_fwd_kernel_intra[grid](*args, **meta, BS=SLICE, MERGE=bool(merge), num_warps=num_warps or 4,
-                                         maxnreg=maxnreg)
-        args = (v, w, u, Tb, index.cu_seqlens, index.chunk_offsets, index.chunk_map, T, index.chunks_per_seq)
-        meta = dict(HV=HV, K=K, V=V, BT=BT, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec)
-        if q.is_cuda and wu_config is None:
-            chunk_kda_fwd_kernel_wu_tuned[grid](*args, **meta)
-        else:
-            bs, nw = wu_config or (min(64, triton.next_power_of_2(max(K, V))), 4)
-            chunk_kda_fwd_kernel_wu[grid](*args, **meta, BS=bs, num_warps=nw, num_stages=2)
-    elif q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None and merge is None:
+    if q.is_cuda and num_warps is None and maxnreg is None and solve_slice is None and merge is None:
         chunk_kda_fwd_kernel_intra_tuned[grid](*args, **meta)
     else:
         # Register cap per thread (None: ptxas decides, 255 today).

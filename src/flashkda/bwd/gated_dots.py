@@ -1,10 +1,12 @@
-"""Fused gated intra-chunk products for training: ``Akk``/``Aqk`` and their backward, one Triton kernel each.
+"""Backward of the gated intra-chunk products ``Akk``/``Aqk`` (the forward intra kernel writes the products), alone
+or fused with the gate chain.
 
 ``Akk[t, i] = sum_d k_td k_id exp(G_td - G_id)`` (``i < t``) and ``Aqk[t, i] = scale * sum_d q_td k_id exp(G_td -
 G_id)`` (``i <= t``) over a chunk of ``C`` tokens, with ``G`` the in-chunk cumulative log-gate. The torch versions
-(`flashkda.chunk_bwd_local.gated_dot` / `gated_dot_bwd`) read and write every ``[C, K]`` operand about ten times
+(`flashkda.bwd.local.gated_dot` / `gated_dot_bwd`) read and write every ``[C, K]`` operand about ten times
 through exponentials, slices and concatenations; here one program per (chunk, head, 16-row block) keeps its tiles
-in registers and never materialises the scaled operands.
+in registers and never materialises the scaled operands. `chunk_kda_gated_dots_gates_bwd` also runs the
+chain rule of the gate factors (`flashkda.bwd.gates`) in the same pass, so ``dq``, ``dk``, ``dG`` never leave the chip.
 
 Numerics as in the torch versions: a 16x16 block below the diagonal uses the gate at the last row of its column
 block as the reference (both exponentials ``<= 1``), a diagonal block its middle row.
@@ -16,82 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.env import env_choice, env_flag
-
-__all__ = ["FUSED_GATES_PRECISIONS", "fused_gates", "chunk_kda_gated_dots", "chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd"]
+__all__ = ["chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd", "fused_gates"]
 
 BC = 16
-#: K slice and warps of the Akk/Aqk recompute (`chunk_kda_gated_dots`). Whole-K tiles (the 01:41 UTC round: 1.40 ms at
-#: B1-T8192-H64) took 255 registers with 240 B spilled (tf32, 4 warps, offline sm_90); 32-wide slices keep only
-#: [16, 32] tiles live (0.88 vs 1.20 ms, 04:00 UTC H200 profile). None: whole K.
-GATED_DOTS_BK: int | None = 32
-GATED_DOTS_WARPS = 4
-
-
-@triton.jit
-def _gated_dots_block(q, k, gam, base, o_r, o_c, i_ref, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """``[BC, BC]`` products ``sum_d a_td k_id exp(G_td - G_id)`` for rows ``o_r`` and columns ``o_c`` (a = q, k),
-    with ``G`` referenced at row ``i_ref`` (both factors bounded), accumulated over ``BK``-wide slices of K so that
-    only ``[BC, BK]`` tiles are live."""
-    o_d = tl.arange(0, BK)
-    b_aqk = tl.zeros([o_r.shape[0], o_c.shape[0]], dtype=tl.float32)
-    b_akk = tl.zeros([o_r.shape[0], o_c.shape[0]], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + o_d
-        # [BC, BK] rows; [BK, BC] columns read transposed straight from memory (no register transpose of an fp32
-        # dot operand: the pattern of an illegal memory access under tf32 seen in another kernel, NOTES.md)
-        p_r = base + o_r[:, None] * K + o_k[None, :]
-        p_t = base + o_c[None, :] * K + o_k[:, None]
-        b_ref = tl.load(gam + base + i_ref * K + o_k).to(tl.float32)
-        b_e = tl.exp(tl.load(gam + p_r).to(tl.float32) - b_ref[None, :])
-        b_kt = tl.load(k + p_t).to(tl.float32) * tl.exp(b_ref[:, None] - tl.load(gam + p_t).to(tl.float32))
-        b_aqk += tl.dot(tl.load(q + p_r).to(tl.float32) * b_e, b_kt, input_precision=DOT_PRECISION)
-        b_akk += tl.dot(tl.load(k + p_r).to(tl.float32) * b_e, b_kt, input_precision=DOT_PRECISION)
-    return b_aqk, b_akk
-
-
-@triton.jit
-def chunk_kda_fwd_kernel_gated_dots(
-    q,
-    k,
-    gam,
-    akk,
-    aqk,
-    scale,
-    C: tl.constexpr,
-    K: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    i_b, i_r = tl.program_id(0), tl.program_id(1)
-    base = i_b.to(tl.int64) * C * K
-    base_a = i_b.to(tl.int64) * C * C
-    o_i = tl.arange(0, BC)
-    o_r = i_r * BC + o_i
-    # diagonal block, reference = middle row
-    b_aqk, b_akk = _gated_dots_block(q, k, gam, base, o_r, o_r, i_r * BC + BC // 2, C, K, BK, DOT_PRECISION)
-    m_incl = o_i[:, None] >= o_i[None, :]
-    m_strict = o_i[:, None] > o_i[None, :]
-    p_out = o_r[:, None] * C + o_r[None, :]
-    tl.store(aqk + base_a + p_out, tl.where(m_incl, b_aqk * scale, 0.0).to(aqk.dtype.element_ty))
-    tl.store(akk + base_a + p_out, tl.where(m_strict, b_akk, 0.0).to(akk.dtype.element_ty))
-
-    # blocks left of the diagonal, reference = last row of the column block
-    for i_c in range(0, i_r):
-        o_c = i_c * BC + o_i
-        b_aqk, b_akk = _gated_dots_block(q, k, gam, base, o_r, o_c, i_c * BC + BC - 1, C, K, BK, DOT_PRECISION)
-        p_out = o_r[:, None] * C + o_c[None, :]
-        tl.store(aqk + base_a + p_out, (b_aqk * scale).to(aqk.dtype.element_ty))
-        tl.store(akk + base_a + p_out, b_akk.to(akk.dtype.element_ty))
-
-    # blocks right of the diagonal are zero
-    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_c in range(i_r + 1, C // BC):
-        p_out = o_r[:, None] * C + (i_c * BC + o_i)[None, :]
-        tl.store(aqk + base_a + p_out, b_zero.to(aqk.dtype.element_ty))
-        tl.store(akk + base_a + p_out, b_zero.to(akk.dtype.element_ty))
 
 
 @triton.jit
@@ -125,7 +54,7 @@ def _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k
 
 @triton.jit
 def _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg, dkg, dkend, dq, dk, dg, scale):
-    """Adds the gate-factor terms of `flashkda.chunk_bwd_gates` to one row block's ``(dq, dk, dG)`` (``qg``, ``kg``,
+    """Adds the gate-factor terms of `flashkda.bwd.gates` to one row block's ``(dq, dk, dG)`` (``qg``, ``kg``,
     ``kend`` rebuilt from q, k and G), turns dG into dg by the reverse cumulative sum with ``b_carry`` (the sum over
     the later rows), stores the three at ``p`` and returns the carry for the block above."""
     b_eg = tl.exp(b_g)
@@ -243,59 +172,6 @@ def chunk_kda_bwd_kernel_gated_dots(
 
 
 @triton.jit
-def chunk_kda_bwd_kernel_gated_dots_gates(
-    q,
-    k,
-    gam,
-    dakk,
-    daqk,
-    dakk_rs,
-    dqg,
-    dkg,
-    dkend,
-    ddec,
-    dq,
-    dk,
-    dg,
-    scale,
-    C: tl.constexpr,
-    K: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HAS_RS: tl.constexpr,
-):
-    # One program per chunk, BK features at a time, walks its row blocks from the last to the first: the gated-product
-    # gradients of a block (_gated_dots_bwd_rows), plus the gate-factor terms of flashkda.chunk_bwd_gates with qg,
-    # kend and dec rebuilt from q, k and G, then dg = reverse cumulative sum of dG, carried across blocks. dq, dk, dG
-    # never leave the chip.
-    i_b = tl.program_id(0)
-    base = i_b.to(tl.int64) * C * K
-    o_i = tl.arange(0, BC)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        # [BK] G at the chunk end; it feeds kend (every row) and dec = exp(G_C): its gradient reaches every row of dg
-        b_gend = tl.load(gam + base + (C - 1) * K + o_k).to(tl.float32)
-        b_carry = tl.exp(b_gend) * tl.load(ddec + i_b.to(tl.int64) * K + o_k).to(tl.float32)
-        for i_r in range(0, C // BC):
-            # [BC, BK]
-            p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
-            b_kend = tl.load(k + p).to(tl.float32) * tl.exp(b_gend[None, :] - tl.load(gam + p).to(tl.float32))
-            b_carry += tl.sum(b_kend * tl.load(dkend + p).to(tl.float32), axis=0)
-        for i in range(0, C // BC):
-            i_r = C // BC - 1 - i
-            b_dq, b_dk, b_dgam = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, scale, i_b, i_r, i_k, C, K, BC,
-                                                      BK, DOT_PRECISION, HAS_RS)
-            # [BC, BK]
-            p = base + (i_r * BC + o_i)[:, None] * K + o_k[None, :]
-            b_q = tl.load(q + p).to(tl.float32)
-            b_k = tl.load(k + p).to(tl.float32)
-            b_g = tl.load(gam + p).to(tl.float32)
-            b_carry = _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg, dkg, dkend, dq, dk,
-                                       dg, scale)
-
-
-@triton.jit
 def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
     q,
     k,
@@ -400,22 +276,6 @@ def _check(*xs: torch.Tensor) -> None:
     assert C % BC == 0 and K == triton.next_power_of_2(K) and K >= 16, f"unsupported tile C={C}, K={K}"
 
 
-def chunk_kda_gated_dots(
-    q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, scale: float, *, dot_precision: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Akk, Aqk)`` ``[..., C, C]`` from ``q, k, gam`` ``[..., C, K]`` (zero where masked; ``Aqk`` scaled)."""
-    _check(q, k, gam)
-    *lead, C, K = q.shape
-    nb = q.numel() // (C * K)
-    akk = q.new_empty(*lead, C, C)
-    aqk = q.new_empty(*lead, C, C)
-    chunk_kda_fwd_kernel_gated_dots[(nb, C // BC)](
-        q, k, gam, akk, aqk, scale, C=C, K=K, BC=BC, BK=min(K, GATED_DOTS_BK or K),
-        DOT_PRECISION=dot_precision, num_warps=GATED_DOTS_WARPS,
-    )
-    return akk, aqk
-
-
 def chunk_kda_gated_dots_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -464,7 +324,7 @@ def chunk_kda_gated_dots_gates_bwd(
     dot_precision: str,
     dakk_row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`chunk_kda_gated_dots_bwd` and `flashkda.chunk_bwd_gates.chunk_kda_bwd_gates` in one pass: ``(dq, dk, dg)``.
+    """`chunk_kda_gated_dots_bwd` and `flashkda.bwd.gates.chunk_kda_bwd_gates` in one pass: ``(dq, dk, dg)``.
 
     Args:
         q, k, gam: ``[..., C, K]`` chunked queries, keys and in-chunk cumulative log-gate ``G``.
@@ -477,7 +337,7 @@ def chunk_kda_gated_dots_gates_bwd(
     Returns:
         ``dq``, ``dk``, ``dg`` ``[..., C, K]`` in ``q``'s dtype; ``dg`` is w.r.t. the per-token gate (``G`` is its
         in-chunk cumulative sum). Sums stay fp32: fp32 callers, whose ``dA_log`` needs ``dG`` in fp64, keep the two
-        separate passes (`flashkda.chunk_bwd_local`).
+        separate passes (`flashkda.bwd.local`).
     """
     _check(q, k, gam, dakk, daqk, dqg, dkg, dkend)
     *lead, C, K = q.shape
@@ -489,40 +349,18 @@ def chunk_kda_gated_dots_gates_bwd(
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(gam)
     args = (q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale)
     BK = min(K, GATES_BWD_BK)
-    blocks = GATES_BWD_KERNEL == "blocks"
-    warps = GATES_BWD_WARPS or (2 if blocks else 4)
-    if blocks:
-        chunk_kda_bwd_kernel_gated_dots_gates_blocks[(nb, K // BK)](
-            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=warps,
-        )
-    else:
-        chunk_kda_bwd_kernel_gated_dots_gates[(nb,)](
-            *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=warps, num_stages=1,
-        )
+    chunk_kda_bwd_kernel_gated_dots_gates_blocks[(nb, K // BK)](
+        *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
+    )
     return dq, dk, dg
 
 
-#: Feature slice and warps of `chunk_kda_gated_dots_gates_bwd` (warps None: 2 for the "blocks" kernel, 4 for "rows").
-#: Sweep at B1-T8192-H64 (H200, 2026-12-02 00:53 UTC, whole forward + backward step, ms): blocks BK:warps 32:2
-#: 12.40, 32:4 12.82, 16:2 13.44, 32:8 15.27, 16:4 15.46; rows 32:4 12.76. Offline sm_90 (Triton 3.9, tf32): blocks
-#: 32:4 219 registers, 32:2 255, no spills; rows 32:4 157 (3 CTAs per SM).
+#: Feature slice and warps of `chunk_kda_gated_dots_gates_bwd` (measurements: docs/flashkda-performance.md).
 GATES_BWD_BK = 32
-GATES_BWD_WARPS: int | None = None
-#: Which kernel runs the fused pass: "blocks" (`chunk_kda_bwd_kernel_gated_dots_gates_blocks`: one program per chunk
-#: and feature slice, one product per side and row block against whole-chunk operands) or "rows" (one program per
-#: chunk, loops over 16-row blocks that reload their operands; 2.66 ms at B1-T8192-H64, 00:34 UTC). Read from
-#: FLASHKDA_BWD_GATES_KERNEL.
-GATES_BWD_KERNEL = env_choice("FLASHKDA_BWD_GATES_KERNEL", "blocks", ("blocks", "rows"))
-
-
-#: Precisions at which the chain rule takes `chunk_kda_gated_dots_gates_bwd` (bf16/fp16 callers on a GPU; tests add
-#: "ieee" for half-precision cases in the interpreter). Passed the fp64 gate on an H200 (04:00 UTC; 2.73 ms at
-#: B1-T8192-H64 against 2.86 for the two passes it replaces); FLASHKDA_BWD_FUSED_GATES=0 leaves it out.
-FUSED_GATES_PRECISIONS: tuple[str, ...] = (
-    ("tf32",) if env_flag("FLASHKDA_BWD_FUSED_GATES", True) else ()
-)
+GATES_BWD_WARPS = 2
 
 
 def fused_gates(dot_precision: str, K: int) -> bool:
-    """Whether the chain rule runs `chunk_kda_gated_dots_gates_bwd` (``K <= 128``: at 256 its tiles would spill)."""
-    return dot_precision in FUSED_GATES_PRECISIONS and K <= 128
+    """Whether the chain rule runs `chunk_kda_gated_dots_gates_bwd`: bf16/fp16 callers on a GPU (``"tf32"``; fp32
+    callers assemble ``dG`` in fp64, see `flashkda.bwd.local`) with ``K <= 128`` (at 256 its tiles would spill)."""
+    return dot_precision == "tf32" and K <= 128

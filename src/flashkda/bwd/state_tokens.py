@@ -1,26 +1,26 @@
 """The training backward's reverse state pass over all value heads at once, on the forward's own tensors.
 
-The per-slice pass (``flashkda.chunk_bwd_h.chunk_kda_bwd_dh``) reads fp32 chunked copies that the backward prologue
+The per-slice pass (``flashkda.bwd.state.chunk_kda_bwd_dh``) reads fp32 chunked copies that the backward prologue
 writes for one head slice at a time, so it runs once per slice with half (or a quarter) of the programs a launch
 over all heads would have: each program walks its whole sequence, so the passes take about as long per slice as
-one pass over all heads would (H200, B1-T8192-H64: 2 x ~0.6 ms per step against fla's 0.39 ms for all heads).
+one pass over all heads would.
 
 For bf16 input the forward intra kernel already writes every operand of the pass for all heads, in the token layout
-``[B, T, HV, D]`` and bf16 (see ``flashkda.chunk_intra``): ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}`` (the
+``[B, T, HV, D]`` and bf16 (see ``flashkda.fwd.intra``): ``qg = scale q e^Γ``, ``kg = k e^{Γ_C - Γ}`` (the
 backward's ``kend``), ``w`` and ``Γ_C`` per chunk, and with ``store_local`` the chunk-local ``Aqk`` (zero above the
-diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them
-(``FLASHKDA_BWD_DH_ALL_HEADS``) and this pass runs once, before the head slices, writing ``dv_new`` (token layout,
-bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[HV / HS, NC, HS, K, V]``: head slice by head slice like
-``Aqk``, so each slice of the backward reads its part in place, without a copy) and ``dh0``. ``dhe`` stays fp32: stored in bf16 it raised the fp64-reference error of ``dA_log``/``dt_bias``
-(sums of ``dG`` over every token) from ~0.8e-3 to 3.4e-3 on the CPU and to 1.1e-2 on an H200 in one test draw
-(2026-12-02), over the 1e-2 bound; fp32 costs 256 MiB more at B1-T8192-H64, still under fla's peak. Per chunk, walking back with ``dS`` (gradient of the state at the chunk
-end)::
+diagonal) in the slices' layout ``[slices, NC, HS, C, C]``. The training forward keeps them with
+``disable_recompute`` (or `flashkda.bwd.recompute` rebuilds them) and this pass runs once, before the head slices,
+writing ``dv_new`` (token layout, bf16 as fla stores it), the state gradient at every chunk end ``dhe`` (``[HV / HS,
+NC, HS, K, V]``: head slice by head slice like ``Aqk``, so each slice of the backward reads its part in place,
+without a copy) and ``dh0``. ``dhe`` stays fp32: in bf16 it costs ``dA_log``/``dt_bias`` (sums of ``dG`` over every
+token) the 1e-2 bound (docs/flashkda-performance.md). Per chunk, walking back with ``dS`` (gradient of the state at
+the chunk end)::
 
     dv_new = Aqk^T do + kend dS
     dS    <- Diag(e^{Γ_C}) dS + qg^T do - w^T dv_new
 
 Traffic per (chunk, head), K = V = 128: reads qg, kg, w, do (4 x 16 KiB) and Aqk (8 KiB), writes dv_new (16 KiB) and
-dhe (64 KiB); ~1.2 GB at B1-T8192-H64, ~0.3 ms at 4.1 TB/s. The chain of chunks is serial, so the pass is
+dhe (64 KiB). The chain of chunks is serial, so the pass is
 latency-bound (one program per sequence, head and V block, as the forward's blocked state pass).
 """
 
@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flashkda.chunk_bwd_h import _blocked_launch, _dot, _state_tile
-from flashkda.chunk_intra import CHUNK_SIZE
-from flashkda.chunk_state import PREC_BF16, _seq_span
+from flashkda.bwd.state import _dot, _state_tiles, _tile_offsets, state_launch, store_state_tiles
+from flashkda.fwd.intra import CHUNK_SIZE
+from flashkda.fwd.state import _seq_span
 from flashkda.index import ChunkIndex
-from flashkda.rounding import cast_for_store
+from flashkda.rounding import PREC_BF16, cast_for_store
 
 __all__ = ["chunk_kda_bwd_dh_tokens"]
 
@@ -77,22 +77,12 @@ def chunk_kda_bwd_kernel_dh_tokens(
     bos, eos, c0 = _seq_span(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
     Tn = (eos - bos).to(tl.int32)
-    o_c, o_v = tl.arange(0, BT), i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BT)
+    o_v, o_k1, o_k2, o_k3, o_k4, o_s, m_s = _tile_offsets(i_v, V, BV, BKB)
     m_v = o_v < V
-    o_k1 = tl.arange(0, BKB)
-    o_k2, o_k3, o_k4 = BKB + o_k1, 2 * BKB + o_k1, 3 * BKB + o_k1
-    # tile j of a head's [K, V] state (gradient) sits at o_s + (j - 1) * BKB * V
-    o_s = o_k1[:, None] * V + o_v[None, :]
-    m_s = (o_k1[:, None] < BKB) & m_v[None, :]
     i_s = (i_n.to(tl.int64) * HV + i_hv) * K * V
     # [BKB, BV] x NKB: gradient w.r.t. the state at the end of the current chunk
-    b_dh1 = _state_tile(dht + i_s + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 1:
-        b_dh2 = _state_tile(dht + i_s + BKB * V + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 2:
-        b_dh3 = _state_tile(dht + i_s + 2 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
-    if NKB > 3:
-        b_dh4 = _state_tile(dht + i_s + 3 * BKB * V + o_s, m_s, BKB, BV, USE_DHT)
+    b_dh1, b_dh2, b_dh3, b_dh4 = _state_tiles(dht + i_s + o_s, m_s, V, BKB, BV, NKB, USE_DHT)
 
     qg_h = qg + (bos * HV + i_hv) * K
     kg_h = kg + (bos * HV + i_hv) * K
@@ -108,14 +98,7 @@ def chunk_kda_bwd_kernel_dh_tokens(
         o_t = i_t * BT + o_c
         m_t = o_t < Tn
         m_tv = m_t[:, None] & m_v[None, :]
-        dhe_t = dhe_h + i_t * (HS * K * V) + o_s
-        tl.store(dhe_t, cast_for_store(b_dh1, dhe.dtype.element_ty), mask=m_s)
-        if NKB > 1:
-            tl.store(dhe_t + BKB * V, cast_for_store(b_dh2, dhe.dtype.element_ty), mask=m_s)
-        if NKB > 2:
-            tl.store(dhe_t + 2 * BKB * V, cast_for_store(b_dh3, dhe.dtype.element_ty), mask=m_s)
-        if NKB > 3:
-            tl.store(dhe_t + 3 * BKB * V, cast_for_store(b_dh4, dhe.dtype.element_ty), mask=m_s)
+        store_state_tiles(dhe_h + i_t * (HS * K * V) + o_s, b_dh1, b_dh2, b_dh3, b_dh4, m_s, V, BKB, NKB)
         # [BT, BV]; [BT, BT] = Aqk^T (columns past the sequence end masked: padding rows of Aqk are not relied on)
         b_do = tl.load(do_h + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         a_t = a_h + i_t * (HS * BT * BT)
@@ -141,14 +124,7 @@ def chunk_kda_bwd_kernel_dh_tokens(
         if NKB > 3:
             b_dh4 = _tile_update(b_dh4, qg_h, w_h, gC_t, b_do, b_ndvn, o_t, m_t, o_k4, HV, K, PREC, EMULATE)
     if STORE_DH0:
-        dh0_n = dh0 + i_s + o_s
-        tl.store(dh0_n, b_dh1, mask=m_s)
-        if NKB > 1:
-            tl.store(dh0_n + BKB * V, b_dh2, mask=m_s)
-        if NKB > 2:
-            tl.store(dh0_n + 2 * BKB * V, b_dh3, mask=m_s)
-        if NKB > 3:
-            tl.store(dh0_n + 3 * BKB * V, b_dh4, mask=m_s)
+        store_state_tiles(dh0 + i_s + o_s, b_dh1, b_dh2, b_dh3, b_dh4, m_s, V, BKB, NKB)
 
 
 def chunk_kda_bwd_dh_tokens(
@@ -177,7 +153,7 @@ def chunk_kda_bwd_dh_tokens(
         dht: ``[N, HV, K, V]`` fp32 gradient of the final state, or None.
         index: the forward's ``ChunkIndex`` (``flashkda.index.build_chunk_index`` with chunk size 64).
         store_dh0: also return the gradient of the initial state.
-        block_v, num_warps, num_stages: force the launch (None: as the per-slice blocked pass picks it).
+        block_v, num_warps, num_stages: force the launch (None: `flashkda.bwd.state.state_launch`).
 
     Returns:
         ``(dv_new [B, T, HV, V] bf16, dhe [HV / HS, NC, HS, K, V] fp32, dh0 [N, HV, K, V] fp32 or None)`` with
@@ -198,7 +174,7 @@ def chunk_kda_bwd_dh_tokens(
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=qg.device) if store_dh0 else None
     if N == 0:
         return dv_new, dhe, dh0
-    BV, warps, stages = _blocked_launch(K, V, N * HV)
+    BV, warps, stages = state_launch(K, V, N * HV)
     BV = block_v or BV
     BKB = min(64, K)
     chunk_kda_bwd_kernel_dh_tokens[(triton.cdiv(V, BV), N, HV)](

@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from flashkda.chunk_intra import CHUNK_SIZE, chunk_kda_fwd_intra
-from flashkda.chunk_state import chunk_kda_fwd_state_o
+from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
+from flashkda.fwd.state import chunk_kda_fwd_state_o
 from flashkda.index import build_chunk_index
 
 
@@ -83,7 +83,7 @@ def chunk_kda_fwd(
         output_states: also return the split state path's ``(h, v_new)`` as stored (bf16 for bf16 input), empty
             when the fused path ran (it keeps no per-chunk states).
         output_operands: also return the intra stage's ``(w, qg, kg, gC)`` as stored (``[B, T, HV, K]`` each, bf16
-            for bf16 input, and ``gC`` ``[NC, HV, K]`` fp32), for ``flashkda.chunk_bwd_dh_tokens``.
+            for bf16 input, and ``gC`` ``[NC, HV, K]`` fp32), for ``flashkda.bwd.state_tokens``.
         fp32_u: ``u`` and the state stage's ``v_new`` in fp32 (see ``chunk_kda_fwd_intra``).
 
     Returns:

@@ -1,0 +1,1 @@
+"""Backward stages of chunked KDA, chained by `chunk_bwd`."""
