@@ -8,7 +8,8 @@
 #   decode       decode tokens/s vs fla (benchmarks/kda/decode.py)
 #   cal-inf      calibration, inference rows (benchmarks/kda/calibrate.py --modes inference)
 #   cal-train    calibration, training rows (the fla-autotune cache covers the H64/H32 rows)
-#   dispatch     fla chunk_kda with the hook on vs off (benchmarks/kda/dispatch_bench.py)
+#   dispatch     fla chunk_kda with the hook on vs off, inference rows (benchmarks/kda/dispatch_bench.py)
+#   dispatch-train  the same, training rows at H64 (the committed fla autotune cache covers them)
 #   gpu-tests    the gpu-marked flashkda tests
 # Triton's cache is kept in .triton-cache (a warm machine keeps it between calls) and packed to $OUT at the end.
 set -uo pipefail
@@ -55,7 +56,8 @@ for step in "$@"; do
     decode) $run python3 -m benchmarks.kda.decode ;;
     cal-inf) $run python3 -m benchmarks.kda.calibrate --modes inference --write-table ;;
     cal-train) $run python3 -m benchmarks.kda.calibrate --modes training --table-out "$OUT/calibration-train.json" ;;
-    dispatch) $run python3 -m benchmarks.kda.dispatch_bench ${DISPATCH_ARGS:-} ;;
+    dispatch) $run python3 -m benchmarks.kda.dispatch_bench --modes inference ;;
+    dispatch-train) $run python3 -m benchmarks.kda.dispatch_bench --modes training --rows H64-T8192 H64-varlen-1kx8 ;;
     gpu-tests) $run python3 -m pytest -q -m gpu tests/flashkda -p no:cacheprovider 2>&1 | tail -25 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
