@@ -58,7 +58,7 @@ for step in "$@"; do
     cal-train) $run python3 -m benchmarks.kda.calibrate --modes training --table-out "$OUT/calibration-train.json" ;;
     dispatch) $run python3 -m benchmarks.kda.dispatch_bench --modes inference ;;
     dispatch-train) $run python3 -m benchmarks.kda.dispatch_bench --modes training --rows H64-T8192 H64-varlen-1kx8 ;;
-    gpu-tests) $run python3 -m pytest -q -m gpu tests/flashkda -p no:cacheprovider 2>&1 | tail -25 ;;
+    gpu-tests) $run python3 -m pytest -q -m gpu tests/flashkda/test_gpu.py tests/flashkda/test_layer.py -p no:cacheprovider 2>&1 | tail -25 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
