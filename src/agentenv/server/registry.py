@@ -259,7 +259,9 @@ class Registry:
             return self._add(sb.id, template, key, timeout_s, limits, metadata or {}, env_vars or {})
         except errors.SandboxNotFoundError as e:
             raise HTTPError(404, f"template {template!r} not found: {e}") from e
-        except (errors.SandboxError, ValueError) as e:
+        except ValueError as e:  # the runtime refused the name (a path, a NUL, too long)
+            raise HTTPError(400, f"templateID {template!r} is not a valid template name: {e}") from e
+        except errors.SandboxError as e:
             raise HTTPError(500, f"sandbox failed to start: {e}") from e
         finally:
             self._unreserve(token)
