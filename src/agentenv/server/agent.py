@@ -587,12 +587,11 @@ class Agent:
         if os.path.isdir(path):
             raise Fault("invalid_argument", f"path {path!r} is a directory")
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size > MAX_READ:
-                    raise Fault("resource_exhausted", f"file {path!r} is larger than {MAX_READ} bytes")
-                return {}, f.read()
+            return {}, watching.read_regular(path, MAX_READ)
         except FileNotFoundError as e:
             raise Fault("not_found", f"file {path!r} does not exist") from e
+        except ValueError as e:
+            raise Fault("resource_exhausted" if "bytes" in str(e) else "invalid_argument", str(e)) from e
 
     def op_write(self, conn, req, blob):
         path = resolve(req["path"], req.get("user"))
