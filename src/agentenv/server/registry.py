@@ -433,4 +433,7 @@ class Registry:
                     self.backend.destroy(snap_id)
                 except errors.SandboxError as e:
                     log.warning("deleting snapshot %s: %s", snap_id, e)
+            # the image seeds go too, unless another user of the data directory still has sandboxes there
+            if not any(i.kind in ("sandbox", "snapshot") for i in self.backend.list()):
+                self.backend.gc(everything=True)
         self.state.close()
