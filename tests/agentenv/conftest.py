@@ -29,6 +29,33 @@ def _unusable() -> str | None:
 REASON = _unusable()
 
 
+def host_state() -> dict[str, set[str]]:
+    """Every agentenv cgroup on this host (``group/name``) and every mount of a sandbox layer or overlay."""
+    groups = set()
+    pids_root = cgroups.CGROUP_ROOT / "pids"
+    if pids_root.is_dir():
+        for group in pids_root.glob("agentenv-*"):
+            groups |= {f"{group.name}/{name}" for name in
+                       next(iter(cgroups.leftover_groups(group.name).values()), [])}
+    mounts = {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if "/layers/" in line.split()[4]}
+    return {"cgroups": groups, "mounts": mounts}
+
+
+_BEFORE = host_state() if REASON is None else None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when it leaves sandbox cgroups (so processes, seeds) or layer mounts behind on the host."""
+    if _BEFORE is None:
+        return
+    now = host_state()
+    leaked = {kind: sorted(now[kind] - _BEFORE[kind]) for kind in now}
+    if any(leaked.values()):
+        session.config.get_terminal_writer().line(f"agentenv leak check: the tests left {leaked}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "no_runtime: runs without root or cgroups (pure-Python checks)")
 
