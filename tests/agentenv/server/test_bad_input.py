@@ -53,3 +53,18 @@ def test_plain_json_process_start_is_a_4xx_naming_content_type(server, e2b_sandb
     assert 400 <= resp.status < 500, body
     assert "Content-Type" in body["message"]
     assert e2b_sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
+@pytest.mark.parametrize("body", [
+    {"action": {"type": "bash", "command": "true"}, "timeout": 0.0},
+    {"action": {"type": "bash", "command": "true"}, "timeout": -1e16},
+    {"action": {"type": "bash", "command": "true"}, "timeout": "5"},
+    {"action": {"type": "bash", "command": True}},
+    {"action": {"type": "python", "code": None}},
+    {"action": {"type": "bash", "command": "true"}, "reward_cmd": ["echo", "1"]},
+], ids=["timeout-0", "timeout-negative", "timeout-str", "command-bool", "code-null", "reward-list"])
+def test_bad_step_is_a_400_naming_the_field(server, e2b_sandbox, body):
+    sid = e2b_sandbox.sandbox_id
+    status, answer = call(server, "POST", f"/agentenv/v1/sandboxes/{sid}/step", body, key_headers(server))
+    assert status == 400, answer
+    assert any(name in answer["message"] for name in ("timeout", "command", "code", "reward_cmd")), answer
