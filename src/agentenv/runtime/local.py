@@ -371,6 +371,9 @@ class NamespaceBackend(Backend):
         _check_ttl(ttl_s)
         if source.startswith("snap-"):
             return self.restore(source, limits, ttl_s=ttl_s)
+        manifest = self.store.load_image(source)
+        if manifest is not None and manifest.get("template"):
+            return self.restore(self._template_snapshot(source, manifest), limits, ttl_s=ttl_s)
         with self.store.locked():
             manifest = self._image(source)
             if manifest.get("template"):
@@ -438,6 +441,16 @@ class NamespaceBackend(Backend):
         self.store.save_image(name, {"name": name, "layers": [], "usr_bind": bool(base.get("usr_bind")),
                                      "template": snap, "from": image, "setup": list(setup)})
         return snap
+
+    def _template_snapshot(self, name: str, manifest: dict) -> str:
+        """The live snapshot of template `name`; rebuilt from its image and setup when it is gone (a `gc` with
+        ``everything``, a reboot)."""
+        snap = manifest["template"]
+        rec = self.store.read_record(snap)
+        if rec is not None and rec.kind == "snapshot" and self._alive(rec):
+            return snap
+        log.info("template %s: snapshot %s is gone; rebuilding it from its setup", name, snap)
+        return self.template(name, manifest.get("from") or "host", manifest.get("setup") or ())
 
     def pause(self, sandbox_id: str) -> None:
         self._record(sandbox_id)
