@@ -30,7 +30,7 @@ from pathlib import Path
 from agentenv import errors
 from agentenv.limits import Limits
 from agentenv.protocol import SandboxInfo
-from agentenv.runtime import cgroups, egress, images, rootfs
+from agentenv.runtime import cgroups, egress, images, rootfs, spawner
 from agentenv.runtime.backend import Backend
 from agentenv.runtime.client import Connection
 from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, proc_start_time
@@ -307,7 +307,8 @@ class NamespaceBackend(Backend):
                         prepare_move()
 
                 reply, _ = conn.request({"op": "fork", "rebase": moving, "usr_bind": parent.usr_bind,
-                                         "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
+                                         "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own,
+                                                       "nproc": spawner.nproc_for(limits.pids)}
                                                       for c, own in zip(children, own_root)]},
                                         fds=fds, timeout_s=30.0, on_child=on_child)
                 answered = True

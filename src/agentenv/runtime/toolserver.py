@@ -464,6 +464,7 @@ class ToolServer:
                     c.close()
                 self.conns = []
                 self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
+                self.spawner.nproc = child.get("nproc")
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
                 self.listener = listener

@@ -24,6 +24,7 @@ import json
 import os
 import pwd
 import queue
+import resource
 import shutil
 import signal
 import socket
@@ -365,6 +366,7 @@ class Agent:
                 popen = subprocess.Popen(argv, stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
                                          start_new_session=True, close_fds=True)
+            _limit_child(popen.pid)
         except FileNotFoundError as e:
             raise Fault("not_found", f"command not found: {argv[0]!r}") from e
         except PermissionError as e:
@@ -694,7 +696,29 @@ def main() -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    _keep_headroom()
     Agent(listener).serve()
+
+
+_CHILD_NPROC: int | None = None
+
+
+def _keep_headroom() -> None:
+    """The launcher gave this agent the commands' soft RLIMIT_NPROC: keep it for the agent's children, and
+    lift the agent's own to the hard limit, so a fork bomb in a command leaves the agent room to serve."""
+    global _CHILD_NPROC
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != hard:
+        _CHILD_NPROC = soft
+        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+
+
+def _limit_child(pid: int) -> None:
+    if _CHILD_NPROC is not None:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_NPROC, (_CHILD_NPROC, resource.RLIM_INFINITY))
+        except (ProcessLookupError, PermissionError, ValueError):
+            pass
 
 
 if __name__ in ("__main__", "agentenv_envd_agent"):
