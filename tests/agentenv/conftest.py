@@ -29,44 +29,47 @@ def _unusable() -> str | None:
 REASON = _unusable()
 
 
-def host_state() -> dict[str, set[str]]:
-    """Every agentenv cgroup on this host (``group/name``) and every mount of a sandbox layer or overlay."""
-    groups = set()
-    pids_root = cgroups.CGROUP_ROOT / "pids"
-    if pids_root.is_dir():
-        for group in pids_root.glob("agentenv-*"):
-            groups |= {f"{group.name}/{name}" for name in
-                       next(iter(cgroups.leftover_groups(group.name).values()), [])}
-    mounts = {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if "/layers/" in line.split()[4]}
+SESSION_HOMES: set[str] = set()
+"""Every data directory a runtime used in this test session (recorded by `Store`, and `start_server` for the
+server subprocesses): the end-of-session leak check looks at these, not at other users of this host."""
+
+
+def _record_homes() -> None:
+    from agentenv.runtime import store
+
+    init = store.Store.__init__
+
+    def recording_init(self, home, *args, **kwargs):
+        init(self, home, *args, **kwargs)
+        SESSION_HOMES.add(os.path.realpath(home))
+
+    store.Store.__init__ = recording_init
+
+
+def host_state(homes: set[str]) -> dict[str, list[str]]:
+    """The agentenv cgroups (``group/name``) and layer mounts on this host that belong to data dirs `homes`."""
+    groups = []
+    for home in sorted(homes):
+        group = cgroups.group_for(home)
+        groups += [f"{group}/{name}" for name in sorted({n for names in cgroups.leftover_groups(group).values()
+                                                         for n in names})]
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if any(line.split()[4].startswith(home + "/") for home in homes)]
     return {"cgroups": groups, "mounts": mounts}
 
 
-_BEFORE = host_state() if REASON is None else None
+if REASON is None:
+    _record_homes()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run when it leaves sandbox cgroups (so processes, seeds) or layer mounts behind on the host."""
-    if _BEFORE is None:
+    """Fail the run when it left sandbox cgroups (so processes, seeds) or layer mounts of its data dirs behind."""
+    if REASON is not None:
         return
-    now = host_state()
-    leaked = {kind: sorted(now[kind] - _BEFORE[kind]) for kind in now}
+    leaked = host_state(SESSION_HOMES)
     if any(leaked.values()):
         session.config.get_terminal_writer().line(f"agentenv leak check: the tests left {leaked}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "no_runtime: runs without root or cgroups (pure-Python checks)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if REASON is None:
-        return
-    here = Path(__file__).parent
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(here) and "no_runtime" not in item.keywords:
-            item.add_marker(pytest.mark.skip(reason=REASON))
 
 
 def leftovers(home: Path) -> dict:

@@ -20,5 +20,6 @@ def test_command_api_survives_a_fork_bomb(sandbox_factory):
 def test_commands_get_the_share_and_keep_the_hard_limit(sandbox_factory):
     """Set just after the start (a command that forks at once may get a few children in before it)."""
     sb = sandbox_factory(limits=Limits(pids=64))
-    line = next(x for x in sb.exec("sleep 0.2; cat /proc/self/limits").stdout.splitlines() if x.startswith("Max processes"))
+    limits = sb.exec("sleep 0.2; cat /proc/self/limits").stdout.splitlines()
+    line = next(x for x in limits if x.startswith("Max processes"))
     assert line.split()[2] == "56" and line.split()[3] != "56", line

@@ -155,8 +155,7 @@ def _serve(sock: socket.socket) -> None:
 
 def _start(req: dict, fds: list[int], sel: selectors.BaseSelector) -> dict:
     try:
-        proc = subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=req["env"],
-                                cwd=req["cwd"], start_new_session=True, close_fds=True)
+        proc = _popen_limited(req, fds)
     except OSError as e:
         kind = next((k for cls, k in _ERRORS.items() if isinstance(e, cls)), "internal")
         return {"kind": kind, "message": f"{req['argv'][0]!r}: {e.strerror}",
@@ -164,9 +163,34 @@ def _start(req: dict, fds: list[int], sel: selectors.BaseSelector) -> dict:
     finally:
         for fd in fds:
             os.close(fd)
-    limit_nproc(proc.pid, req.get("nproc"))
     sel.register(os.pidfd_open(proc.pid), selectors.EVENT_READ, proc)
     return {"pid": proc.pid}
+
+
+def _popen_limited(req: dict, fds: list[int]) -> subprocess.Popen:
+    """Start the command with soft RLIMIT_NPROC `req["nproc"]`, inherited at the fork (the launcher lowers its
+    own soft limit around it). When the commands' share is used up, that fork fails: the command then starts
+    with the launcher's limit, lowered right after (a command that forks in its first instants may get some
+    children past the share; the pids cgroup still bounds them)."""
+    nproc = req.get("nproc")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+
+    def popen() -> subprocess.Popen:
+        return subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=req["env"],
+                                cwd=req["cwd"], start_new_session=True, close_fds=True)
+
+    if nproc is None:
+        return popen()
+    resource.setrlimit(resource.RLIMIT_NPROC, (min(nproc, hard), hard))
+    try:
+        return popen()
+    except BlockingIOError:  # the share is full (a fork bomb): start it on the headroom, limited at once
+        pass
+    finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    proc = popen()
+    limit_nproc(proc.pid, nproc)
+    return proc
 
 
 PIDS_HEADROOM_MIN = 4
