@@ -72,6 +72,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "no_runtime: runs without root or cgroups (pure-Python checks)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if REASON is None:
+        return
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here) and "no_runtime" not in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=REASON))
+
+
 def leftovers(home: Path) -> dict:
     """What a data directory still holds: mounts, agentenv cgroups, tool-server processes, layer dirs, records."""
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
