@@ -29,6 +29,49 @@ def _unusable() -> str | None:
 REASON = _unusable()
 
 
+SESSION_HOMES: set[str] = set()
+"""Every data directory a runtime used in this test session (recorded by `Store`, and `start_server` for the
+server subprocesses): the end-of-session leak check looks at these, not at other users of this host."""
+
+
+def _record_homes() -> None:
+    from agentenv.runtime import store
+
+    init = store.Store.__init__
+
+    def recording_init(self, home, *args, **kwargs):
+        init(self, home, *args, **kwargs)
+        SESSION_HOMES.add(os.path.realpath(home))
+
+    store.Store.__init__ = recording_init
+
+
+def host_state(homes: set[str]) -> dict[str, list[str]]:
+    """The agentenv cgroups (``group/name``) and layer mounts on this host that belong to data dirs `homes`."""
+    groups = []
+    for home in sorted(homes):
+        group = cgroups.group_for(home)
+        groups += [f"{group}/{name}" for name in sorted({n for names in cgroups.leftover_groups(group).values()
+                                                         for n in names})]
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if any(line.split()[4].startswith(home + "/") for home in homes)]
+    return {"cgroups": groups, "mounts": mounts}
+
+
+if REASON is None:
+    _record_homes()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when it left sandbox cgroups (so processes, seeds) or layer mounts of its data dirs behind."""
+    if REASON is not None:
+        return
+    leaked = host_state(SESSION_HOMES)
+    if any(leaked.values()):
+        session.config.get_terminal_writer().line(f"agentenv leak check: the tests left {leaked}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "no_runtime: runs without root or cgroups (pure-Python checks)")
 

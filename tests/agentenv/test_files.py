@@ -38,3 +38,11 @@ def test_missing_paths_raise_not_found_and_sandbox_stays_usable(sandbox):
 def test_bad_paths_raise_value_error(sandbox, path):
     with pytest.raises(ValueError, match="path"):
         sandbox.files.read(path)
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/tmp/fifo", "/dev/null"], ids=["dev-zero", "fifo", "dev-null"])
+def test_reading_a_non_regular_file_is_refused_at_once(sandbox, path):
+    sandbox.exec("mkfifo /tmp/fifo")
+    with pytest.raises(SandboxError, match="not a regular file"):
+        sandbox.files.read(path, text=False)
+    assert sandbox.exec("echo alive").stdout == "alive\n"

@@ -51,3 +51,25 @@ def test_tarball_device_members_are_dropped(tmp_path):
     root = _layer_root(store, images.build_from_path(store, "tarred", tar_path))
     assert (root / "file").read_text() == "x"
     assert not os.path.lexists(root / "null")
+
+
+@pytest.mark.timeout(120)
+def test_usr_bind_image_from_a_small_directory_runs_commands(tmp_path, leak_report):
+    """A directory with only app files: /bin and /lib64 links, /tmp 1777, a root-owned root and /tmp."""
+    from agentenv import Sandbox
+    from agentenv.runtime.local import NamespaceBackend
+
+    src = tmp_path / "src"
+    (src / "app").mkdir(parents=True)
+    (src / "app" / "x").write_text("hi\n")
+    os.chown(src, 200000, 200000)  # a source tree owned outside the uid range (e.g. from a rootless build)
+    backend = NamespaceBackend(tmp_path / "home")
+    try:
+        images.build_from_path(backend.store, "app", src, usr_bind=True)
+        with Sandbox.create("app", backend=backend) as sb:
+            r = sb.exec("cat /app/x; stat -c '%a %u' /tmp /; readlink /bin /lib64")
+            assert r.exit_code == 0, r.stderr
+            assert r.stdout.split("\n")[:5] == ["hi", "1777 0", "755 0", "usr/bin", "usr/lib64"], r.stdout
+    finally:
+        backend.gc(everything=True)
+    assert not any(leak_report(tmp_path / "home").values())

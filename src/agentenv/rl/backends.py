@@ -222,6 +222,7 @@ class LocalHandle(SandboxHandle):
         self.sb = sandbox
         self.id = sandbox.id
         self._provider = provider
+        provider._track(self)
 
     def exec(self, command: str, *, cwd: str, timeout_s: float, max_output: int) -> ExecResult:
         r = self.sb.exec(command, cwd=cwd, timeout=timeout_s, max_output=max_output)
@@ -244,9 +245,12 @@ class LocalHandle(SandboxHandle):
         return [LocalHandle(kid, self._provider) for kid in self.sb.fork(n)]
 
     def snapshot(self) -> str:
-        return self.sb.snapshot()
+        snap = self.sb.snapshot()
+        self._provider._track_snapshot(snap)
+        return snap
 
     def destroy(self) -> None:
+        self._provider._untrack(self.id)
         self.sb.destroy()
 
 
@@ -267,11 +271,42 @@ class LocalProvider(SandboxProvider):
 
     def __init__(self, backend=None, *, home: str | None = None):
         super().__init__()
+        self._own_backend = backend is None
         if backend is None:
             from agentenv.sandbox import default_backend
 
             backend = default_backend(home)
         self.backend = backend
+        self._made: dict[str, LocalHandle] = {}
+        self._snapshots: set[str] = set()
+        self._made_lock = threading.Lock()
+
+    def _track(self, handle: LocalHandle) -> None:
+        with self._made_lock:
+            self._made[handle.id] = handle
+
+    def _track_snapshot(self, snapshot_id: str) -> None:
+        with self._made_lock:
+            self._snapshots.add(snapshot_id)
+
+    def _untrack(self, sandbox_id: str) -> None:
+        with self._made_lock:
+            self._made.pop(sandbox_id, None)
+            self._snapshots.discard(sandbox_id)
+
+    def close(self) -> None:
+        """Destroy every sandbox and snapshot this provider made and did not destroy; with its own backend,
+        also the image seeds of that data directory once no sandbox or snapshot of anybody's is left in it."""
+        super().close()
+        with self._made_lock:
+            handles, self._made = list(self._made.values()), {}
+            snaps, self._snapshots = list(self._snapshots), set()
+        for handle in handles:
+            handle.sb.destroy()
+        for snap in snaps:
+            self.drop_snapshot(snap)
+        if self._own_backend and not any(i.kind in ("sandbox", "snapshot") for i in self.backend.list()):
+            self.backend.gc(everything=True)
 
     @property
     def location(self) -> str:

@@ -57,7 +57,9 @@ def content_id(root: Path) -> str:
 def _shift_owner(root: Path) -> None:
     """Map owners 0..65535 to the sandboxes' host range (uid u becomes HOST_UID + u)."""
     for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames, None]:
+        # each directory once, as the walk's `dirpath` (a link to a directory is listed, never walked)
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        for name in [*links, *filenames, None]:
             path = Path(dirpath) if name is None else Path(dirpath) / name
             st = path.lstat()
             uid = HOST_UID + st.st_uid if st.st_uid < UID_RANGE else HOST_UID + 65534
@@ -66,10 +68,21 @@ def _shift_owner(root: Path) -> None:
 
 
 def _ensure_required(root: Path) -> None:
+    """The mount points and /tmp (mode 1777) every root needs, and the root directory itself, owned by root."""
+    os.lchown(root, 0, 0)
     for name in REQUIRED_DIRS:
         target = root / name
         if not target.exists() and not target.is_symlink():
-            target.mkdir(mode=0o1777 if name == "tmp" else 0o755)
+            target.mkdir()
+            os.chmod(target, 0o1777 if name == "tmp" else 0o755)  # not in mkdir: the umask would clear bits
+
+
+def _link_usr_dirs(root: Path) -> None:
+    """`/bin`, `/sbin`, `/lib`, `/lib64` as links into /usr (merged-/usr layout) where the root lacks them."""
+    for link in ("bin", "sbin", "lib", "lib64"):
+        target = f"usr/{link}"
+        if Path("/" + target).exists() and not os.path.lexists(root / link):
+            os.symlink(target, root / link)
 
 
 def _commit_layer(store: Store, staging: Path) -> str:
@@ -103,10 +116,7 @@ def build_host(store: Store, name: str = "host") -> dict:
         os.chmod(root / "var/tmp", 0o1777)
         os.chmod(root / "root", 0o700)
         (root / "bin").rmdir()
-        for link in ("bin", "sbin", "lib", "lib64"):
-            target = f"usr/{link}"
-            if Path("/" + target).exists():
-                os.symlink(target, root / link)
+        _link_usr_dirs(root)
         for rel, text in _ETC.items():
             (root / rel).write_text(text)
         manifest = {"name": name, "layers": [_commit_layer(store, root)], "usr_bind": True, "template": None}
@@ -157,6 +167,8 @@ def build_from_path(store: Store, name: str, source: Path, *, usr_bind: bool = F
                     tar.extractall(root, filter=_tar_filter_no_devices)
             else:
                 raise ValueError(f"source {str(source)!r} is neither a directory nor a tarball")
+            if usr_bind:  # the host's /usr comes at start; its merged-/usr links are this layer's to make
+                _link_usr_dirs(root)
             layer = _commit_layer(store, root)
         except BaseException:
             shutil.rmtree(root.parent, ignore_errors=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from agentenv import errors
 from agentenv.limits import Limits
 from agentenv.protocol import SandboxInfo
-from agentenv.runtime import cgroups, egress, images, rootfs
+from agentenv.runtime import cgroups, egress, images, rootfs, spawner
 from agentenv.runtime.backend import Backend
 from agentenv.runtime.client import Connection
 from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, proc_start_time
@@ -307,7 +307,8 @@ class NamespaceBackend(Backend):
                         prepare_move()
 
                 reply, _ = conn.request({"op": "fork", "rebase": moving, "usr_bind": parent.usr_bind,
-                                         "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own}
+                                         "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own,
+                                                       "nproc": spawner.nproc_for(limits.pids)}
                                                       for c, own in zip(children, own_root)]},
                                         fds=fds, timeout_s=30.0, on_child=on_child)
                 answered = True
@@ -371,6 +372,9 @@ class NamespaceBackend(Backend):
         _check_ttl(ttl_s)
         if source.startswith("snap-"):
             return self.restore(source, limits, ttl_s=ttl_s)
+        manifest = self.store.load_image(source)
+        if manifest is not None and manifest.get("template"):
+            return self.restore(self._template_snapshot(source, manifest), limits, ttl_s=ttl_s)
         with self.store.locked():
             manifest = self._image(source)
             if manifest.get("template"):
@@ -438,6 +442,16 @@ class NamespaceBackend(Backend):
         self.store.save_image(name, {"name": name, "layers": [], "usr_bind": bool(base.get("usr_bind")),
                                      "template": snap, "from": image, "setup": list(setup)})
         return snap
+
+    def _template_snapshot(self, name: str, manifest: dict) -> str:
+        """The live snapshot of template `name`; rebuilt from its image and setup when it is gone (a `gc` with
+        ``everything``, a reboot)."""
+        snap = manifest["template"]
+        rec = self.store.read_record(snap)
+        if rec is not None and rec.kind == "snapshot" and self._alive(rec):
+            return snap
+        log.info("template %s: snapshot %s is gone; rebuilding it from its setup", name, snap)
+        return self.template(name, manifest.get("from") or "host", manifest.get("setup") or ())
 
     def pause(self, sandbox_id: str) -> None:
         self._record(sandbox_id)

@@ -11,6 +11,7 @@ with the pid, and later with the exit status (it is the parent, watching pidfds)
 from __future__ import annotations
 
 import os
+import resource
 import selectors
 import socket
 import subprocess
@@ -56,6 +57,9 @@ class Spawner:
         self._sock: socket.socket | None = None
         self._pid: int | None = None
         self._exits: dict[int, int] = {}
+        self.nproc: int | None = None
+        """Soft RLIMIT_NPROC of each command (None: inherited), so the sandbox's pids limit keeps headroom for
+        the tool server and agent when a command forks without bound (`nproc_for`)."""
 
     def _ensure(self) -> socket.socket:
         if self._sock is not None:
@@ -82,7 +86,8 @@ class Spawner:
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe() if stdin_pipe else (os.open("/dev/null", os.O_RDONLY), -1)
         try:
-            protocol.send_msg(sock, {"argv": argv, "env": env, "cwd": cwd}, fds=[in_r, out_w, err_w])
+            protocol.send_msg(sock, {"argv": argv, "env": env, "cwd": cwd, "nproc": self.nproc},
+                              fds=[in_r, out_w, err_w])
         finally:
             for fd in (in_r, out_w, err_w):
                 os.close(fd)
@@ -150,8 +155,7 @@ def _serve(sock: socket.socket) -> None:
 
 def _start(req: dict, fds: list[int], sel: selectors.BaseSelector) -> dict:
     try:
-        proc = subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=req["env"],
-                                cwd=req["cwd"], start_new_session=True, close_fds=True)
+        proc = _popen_limited(req, fds)
     except OSError as e:
         kind = next((k for cls, k in _ERRORS.items() if isinstance(e, cls)), "internal")
         return {"kind": kind, "message": f"{req['argv'][0]!r}: {e.strerror}",
@@ -161,3 +165,50 @@ def _start(req: dict, fds: list[int], sel: selectors.BaseSelector) -> dict:
             os.close(fd)
     sel.register(os.pidfd_open(proc.pid), selectors.EVENT_READ, proc)
     return {"pid": proc.pid}
+
+
+def _popen_limited(req: dict, fds: list[int]) -> subprocess.Popen:
+    """Start the command with soft RLIMIT_NPROC `req["nproc"]`, inherited at the fork (the launcher lowers its
+    own soft limit around it). When the commands' share is used up, that fork fails: the command then starts
+    with the launcher's limit, lowered right after (a command that forks in its first instants may get some
+    children past the share; the pids cgroup still bounds them)."""
+    nproc = req.get("nproc")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+
+    def popen() -> subprocess.Popen:
+        return subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=req["env"],
+                                cwd=req["cwd"], start_new_session=True, close_fds=True)
+
+    if nproc is None:
+        return popen()
+    resource.setrlimit(resource.RLIMIT_NPROC, (min(nproc, hard), hard))
+    try:
+        return popen()
+    except BlockingIOError:  # the share is full (a fork bomb): start it on the headroom, limited at once
+        pass
+    finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    proc = popen()
+    limit_nproc(proc.pid, nproc)
+    return proc
+
+
+PIDS_HEADROOM_MIN = 4
+
+
+def nproc_for(pids: int) -> int:
+    """The per-uid process limit for commands in a sandbox of `pids` processes: an eighth (at least
+    `PIDS_HEADROOM_MIN`) stays for the tool server, the launcher and the envd agent."""
+    return max(1, pids - max(PIDS_HEADROOM_MIN, pids // 8))
+
+
+def limit_nproc(pid: int, nproc: int | None) -> None:
+    """Set the soft RLIMIT_NPROC of the just-started `pid` (the hard limit stays, so the agent may restore its
+    own). Set right after the (vfork) start, before the command's program has run any code of its own;
+    best effort, the pids cgroup is the hard bound."""
+    if nproc is None:
+        return
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NPROC, (nproc, resource.prlimit(pid, resource.RLIMIT_NPROC)[1]))
+    except (ProcessLookupError, PermissionError, ValueError):
+        pass

@@ -75,6 +75,9 @@ def proc_start_time(pid: int) -> int | None:
         return None
     return int(fields[19])
 
+MAX_NAME = 128
+"""Longest image or template name (a file name under images/, with room for the suffix)."""
+
 
 class Store:
     """Files and mounts under one data directory.
@@ -155,8 +158,8 @@ class Store:
 
     # ---- images ---------------------------------------------------------------------------------------
     def image_path(self, name: str) -> Path:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"image must be a plain name, got {name!r}")
+        if not name or "/" in name or name.startswith(".") or "\0" in name or len(name) > MAX_NAME:
+            raise ValueError(f"image must be a plain name of at most {MAX_NAME} characters, got {name[:80]!r}")
         return self.images / f"{name}.json"
 
     def load_image(self, name: str) -> dict | None:

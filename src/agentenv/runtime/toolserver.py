@@ -28,9 +28,12 @@ import time
 from agentenv import protocol
 from agentenv.runtime import rootfs, seccomp, sessions, spawner
 from agentenv.runtime import syscalls as sc
+from agentenv.server.watch import read_regular
 
 NS_SANDBOX = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWCGROUP
 OUTPUT_CAP = 16 << 20
+MAX_READ = 256 << 20
+"""Largest file `files.read` returns (the tool server holds it in memory); larger ones are refused."""
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _AGENT_FILTER = seccomp.build_filter(seccomp.AGENT_DENY, block_namespace_clone=True)
 _BASE_FILTER = seccomp.build_filter(seccomp.BASE_DENY)
@@ -296,8 +299,10 @@ class ToolServer:
         path = req["path"]
         if os.path.isdir(path):
             raise RequestError("is_directory", f"{path!r} is a directory")
-        with open(path, "rb") as f:
-            return {}, f.read()
+        try:
+            return {}, read_regular(path, MAX_READ)
+        except ValueError as e:
+            raise RequestError("invalid", str(e)) from e
 
     def op_write(self, conn, req, blob, fds):
         path = req["path"]
@@ -459,6 +464,7 @@ class ToolServer:
                     c.close()
                 self.conns = []
                 self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
+                self.spawner.nproc = child.get("nproc")
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
                 self.listener = listener

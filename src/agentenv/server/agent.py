@@ -24,6 +24,7 @@ import json
 import os
 import pwd
 import queue
+import resource
 import shutil
 import signal
 import socket
@@ -365,6 +366,7 @@ class Agent:
                 popen = subprocess.Popen(argv, stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
                                          start_new_session=True, close_fds=True)
+            _limit_child(popen.pid)
         except FileNotFoundError as e:
             raise Fault("not_found", f"command not found: {argv[0]!r}") from e
         except PermissionError as e:
@@ -587,12 +589,11 @@ class Agent:
         if os.path.isdir(path):
             raise Fault("invalid_argument", f"path {path!r} is a directory")
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size > MAX_READ:
-                    raise Fault("resource_exhausted", f"file {path!r} is larger than {MAX_READ} bytes")
-                return {}, f.read()
+            return {}, watching.read_regular(path, MAX_READ)
         except FileNotFoundError as e:
             raise Fault("not_found", f"file {path!r} does not exist") from e
+        except ValueError as e:
+            raise Fault("resource_exhausted" if "bytes" in str(e) else "invalid_argument", str(e)) from e
 
     def op_write(self, conn, req, blob):
         path = resolve(req["path"], req.get("user"))
@@ -695,7 +696,29 @@ def main() -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    _keep_headroom()
     Agent(listener).serve()
+
+
+_CHILD_NPROC: int | None = None
+
+
+def _keep_headroom() -> None:
+    """The launcher gave this agent the commands' soft RLIMIT_NPROC: keep it for the agent's children, and
+    lift the agent's own to the hard limit, so a fork bomb in a command leaves the agent room to serve."""
+    global _CHILD_NPROC
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != hard:
+        _CHILD_NPROC = soft
+        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+
+
+def _limit_child(pid: int) -> None:
+    if _CHILD_NPROC is not None:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_NPROC, (_CHILD_NPROC, resource.RLIM_INFINITY))
+        except (ProcessLookupError, PermissionError, ValueError):
+            pass
 
 
 if __name__ in ("__main__", "agentenv_envd_agent"):

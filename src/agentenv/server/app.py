@@ -38,11 +38,13 @@ INTERPRETER_PORT = 49999
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def default_state_dir() -> Path:
-    """``$AGENTENV_SERVER_STATE`` or ``<AGENTENV_HOME or /var/lib/agentenv>/server``."""
+def default_state_dir(home: Path | str | None = None) -> Path:
+    """``$AGENTENV_SERVER_STATE``, else ``<home>/server`` (`home` default: the runtime's `default_home()`)."""
     if os.environ.get("AGENTENV_SERVER_STATE"):
         return Path(os.environ["AGENTENV_SERVER_STATE"])
-    return Path(os.environ.get("AGENTENV_HOME", "/var/lib/agentenv")) / "server"
+    from agentenv.runtime.store import default_home
+
+    return Path(home if home is not None else default_home()) / "server"
 
 
 class App:
@@ -146,7 +148,8 @@ class Server:
             from agentenv.sandbox import default_backend
 
             backend = default_backend(home)
-        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir(
+            home if home is not None else getattr(getattr(backend, "store", None), "home", None))
         self.keys = KeyStore(self.state_dir)
         self.registry = Registry(backend, self.state_dir, limits)
         self.recovered = self.registry.adopt()
@@ -175,10 +178,10 @@ class Server:
 
     def stop(self, *, kill_all: bool = False) -> None:
         """Stop serving; with `kill_all`, kill every sandbox and snapshot (else the next server adopts them)."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread is not None:
+        if self._thread is not None:  # shutdown() waits for a serve_forever loop, so only for a started one
+            self.httpd.shutdown()
             self._thread.join(timeout=5)
+        self.httpd.server_close()
         self.registry.stop(kill_all=kill_all)
 
     def __enter__(self) -> Server:

@@ -54,7 +54,7 @@ def _state_dir(args):
 
     from agentenv.server.app import default_state_dir
 
-    return Path(args.state_dir) if args.state_dir else default_state_dir()
+    return Path(args.state_dir) if args.state_dir else default_state_dir(getattr(args, "home", None))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -18,6 +18,9 @@ SANDBOX_ROUTE = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)(?:/([a-z]+))?$")
 EXT_ROUTE = re.compile(r"^/agentenv/v1/(sandboxes|snapshots)/([^/]+)/([a-z]+)$")
 MAX_PAGE = 1000
 
+MAX_STEP_TIMEOUT_S = 24 * 3600
+"""Longest `timeout` one step may ask for, in seconds."""
+
 
 class ControlPlane:
     def __init__(self, registry: Registry):
@@ -191,6 +194,13 @@ class ControlPlane:
         if not isinstance(action, dict) or action.get("type") not in ("bash", "python"):
             raise HTTPError(400, 'action must be {"type": "bash", "command": ...} or {"type": "python", "code": ...}')
         timeout = body.get("timeout", 60)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_STEP_TIMEOUT_S:
+            raise HTTPError(400, f"timeout must be a number of seconds in (0, {MAX_STEP_TIMEOUT_S}], got {timeout!r}")
+        field = "command" if action["type"] == "bash" else "code"
+        if not isinstance(action.get(field, ""), str):
+            raise HTTPError(400, f"action.{field} must be a string, got {type(action[field]).__name__}")
+        if not isinstance(body.get("reward_cmd") or "", str):
+            raise HTTPError(400, f"reward_cmd must be a string, got {type(body['reward_cmd']).__name__}")
         try:
             if action["type"] == "bash":
                 r = sb.exec(str(action.get("command", "")), timeout=timeout)

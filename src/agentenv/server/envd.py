@@ -163,6 +163,10 @@ def _upload_metadata(h: Handler) -> dict[str, str]:
     return out
 
 
+STREAMING_RPCS = frozenset({"process.Start", "process.Connect", "process.StreamInput", "filesystem.WatchDir"})
+"""Methods whose messages travel in Connect envelopes, so a plain-JSON (unary) request to them is refused."""
+
+
 class Envd:
     """Routes one sandbox request (already authenticated) to its service."""
 
@@ -177,6 +181,9 @@ class Envd:
             if fn is None:
                 raise ConnectError("unimplemented", f"{service}.{method} is not implemented by agentenv")
             link = self.registry.link(entry.id)
+            if not streaming and f"{service}.{method}" in STREAMING_RPCS:
+                raise ConnectError("invalid_argument", f"{service}.{method} is a streaming call: send Content-Type "
+                                                       f"{connect.STREAM_CONTENT_TYPE} with enveloped messages")
             if method == "StreamInput":  # client stream: each message is forwarded as it arrives
                 reply = self._process_stream_input(link, connect.iter_stream(h.iter_body()), entry)
             else:

@@ -206,11 +206,7 @@ class Handler(BaseHTTPRequestHandler):
             data = b"".join(self.iter_body(limit))
             self._body = data
             return data
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError as e:
-            self.close_connection = True
-            raise HTTPError(400, "bad Content-Length") from e
+        length = self._content_length()
         if length > limit:
             if length <= MAX_DRAIN:  # read and drop it, so the client gets the 413 instead of a broken pipe
                 left = length
@@ -253,7 +249,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.rfile.readline(1024)
                 yield data
         else:
-            left = int(self.headers.get("Content-Length") or 0)
+            left = self._content_length()
             if left > limit:
                 self.close_connection = True
                 raise HTTPError(413, f"request body of {left} bytes exceeds {limit} bytes")
@@ -264,6 +260,14 @@ class Handler(BaseHTTPRequestHandler):
                     return
                 left -= len(data)
                 yield data
+
+    def _content_length(self) -> int:
+        """The Content-Length header as a byte count (absent: 0); 400 unless it is one non-negative integer."""
+        raw = self.headers.get("Content-Length") or "0"
+        if not raw.strip().isdigit():
+            self.close_connection = True  # where the body ends is unknown
+            raise HTTPError(400, f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
+        return int(raw)
 
     def _drain(self) -> None:
         try:

@@ -51,6 +51,8 @@ class Entry:
     env_vars: dict[str, str] = field(default_factory=dict)
     state: str = "running"
     pid: int = 0
+    error: str = ""
+    """Why the sandbox is in state ``error`` (its init died: OOM kill, signal), else empty."""
 
     def model(self) -> dict:
         """E2B's ``Sandbox`` (create/connect) response."""
@@ -68,7 +70,10 @@ class Entry:
 
     def detail(self) -> dict:
         """E2B's ``SandboxDetail``."""
-        return {**self.listed(), "envdAccessToken": self.token}
+        detail = {**self.listed(), "envdAccessToken": self.token}
+        if self.error:
+            detail["error"] = self.error
+        return detail
 
 
 ENVD_VERSION = "0.6.3"
@@ -170,6 +175,8 @@ class Registry:
 
     def link(self, sandbox_id: str) -> AgentLink:
         entry = self.get(sandbox_id)
+        if entry.state == "error":
+            raise HTTPError(502, f"sandbox {sandbox_id} is not running: {entry.error}")
         with self.lock:
             link = self._links.get(sandbox_id)
             if link is None:
@@ -259,7 +266,9 @@ class Registry:
             return self._add(sb.id, template, key, timeout_s, limits, metadata or {}, env_vars or {})
         except errors.SandboxNotFoundError as e:
             raise HTTPError(404, f"template {template!r} not found: {e}") from e
-        except (errors.SandboxError, ValueError) as e:
+        except ValueError as e:  # the runtime refused the name (a path, a NUL, too long)
+            raise HTTPError(400, f"templateID {template!r} is not a valid template name: {e}") from e
+        except errors.SandboxError as e:
             raise HTTPError(500, f"sandbox failed to start: {e}") from e
         finally:
             self._unreserve(token)
@@ -392,9 +401,48 @@ class Registry:
             link.retire(reason)
 
     # ---- reaper -------------------------------------------------------------------------------------------
-    def start_reaper(self, period_s: float = 1.0) -> None:
+    def _dead_init(self, entry: Entry) -> str | None:
+        """Why `entry`'s init (tool server) is gone, or None while it runs."""
+        try:
+            with open(f"/proc/{entry.pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X"):
+                    return None
+        except (OSError, IndexError):
+            pass
+        cgroup = getattr(self.backend, "_cgroup", None)
+        oom = cgroup(entry.id).oom_kills() if cgroup is not None else 0
+        if oom:
+            return f"killed by the OOM killer ({oom} kill(s) at memory_mb={entry.limits.get('memory_mb')})"
+        return "its init process was killed or exited (the memory controller recorded no kill)"
+
+    def check_inits(self) -> list[str]:
+        """Move sandboxes whose init died to state ``error`` with the reason and reclaim their resources now."""
+        failed = []
+        for entry in list(self.entries.values()):
+            if entry.state == "error" or not entry.pid:
+                continue
+            reason = self._dead_init(entry)
+            if reason is None:
+                continue
+            log.warning("sandbox %s died: %s", entry.id, reason)
+            with self.lock:
+                entry.state, entry.error = "error", reason
+                sb = self._runtime.pop(entry.id, None)
+                link = self._links.pop(entry.id, None)
+                self._save()
+            if link is not None:
+                link.close()
+            try:
+                (sb or Sandbox(entry.id, backend=self.backend)).destroy()
+            except errors.SandboxError as e:
+                log.warning("reclaiming dead sandbox %s: %s", entry.id, e)
+            failed.append(entry.id)
+        return failed
+
+    def start_reaper(self, period_s: float = 0.5) -> None:
         def loop() -> None:
             while not self._stop.wait(period_s):
+                self.check_inits()
                 now = time.time()
                 # a paused sandbox's clock stands still (as on E2B) until its lifetime cap
                 due = [e.id for e in list(self.entries.values())
@@ -431,4 +479,7 @@ class Registry:
                     self.backend.destroy(snap_id)
                 except errors.SandboxError as e:
                     log.warning("deleting snapshot %s: %s", snap_id, e)
+            # the image seeds go too, unless another user of the data directory still has sandboxes there
+            if not any(i.kind in ("sandbox", "snapshot") for i in self.backend.list()):
+                self.backend.gc(everything=True)
         self.state.close()

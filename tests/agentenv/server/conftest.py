@@ -46,6 +46,9 @@ class ServerProc:
 def start_server(home: Path, state_dir: Path, *, kill_on_exit: bool = True, create_key: bool = True,
                  extra: tuple[str, ...] = ()) -> ServerProc:
     """Start ``python -m agentenv.server`` on a free port (`extra`: more ``serve`` options); wait until ready."""
+    from tests.agentenv.conftest import SESSION_HOMES
+
+    SESSION_HOMES.add(os.path.realpath(home))
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "agentenv.server", "--home", str(home), "serve", "--port", "0",
            "--exit-with-parent", "--state-dir", str(state_dir)]

@@ -1,0 +1,126 @@
+"""Soak: many sandbox lifecycles with injected faults on one data directory, then a leak count.
+
+One cycle: create, exec, snapshot, fork, restore, destroy all, with a fault injected into one sandbox in
+turn (a memory bomb past `memory_mb`, a write past `disk_mb`, a fork bomb past `pids`, SIGKILL of a sandbox's
+init). After each fault the sandbox's siblings must still answer; after the last cycle a `gc` must find
+nothing to reclaim and the data directory must hold no process, mount, cgroup, layer or record.
+
+Run: ``python -m benchmarks.env.soak --cycles 1000`` (root; writes benchmarks/results/env-soak-*.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init")
+OOM = "python3 -c 'b = []\nwhile True: b.append(bytearray(1 << 20))'"
+DISK_FULL = "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo rc=$?"
+FORK_BOMB = "for i in $(seq 200); do sleep 30 & done 2>/dev/null; wait"
+
+
+def _inject(sb, fault: str, report: Counter) -> None:
+    """Run `fault` in `sb`; count what the sandbox did (survived, error raised)."""
+    from agentenv import errors
+
+    try:
+        if fault == "oom":
+            r = sb.exec(OOM, timeout=30)
+            report[f"oom:exit_{r.exit_code}"] += 1
+        elif fault == "disk_full":
+            r = sb.exec(DISK_FULL, timeout=30)
+            report["disk_full:enospc" if "No space left" in r.stdout else "disk_full:other"] += 1
+        elif fault == "fork_bomb":
+            r = sb.exec(FORK_BOMB, timeout=5)
+            report[f"fork_bomb:exit_{r.exit_code}"] += 1
+        elif fault == "kill_init":
+            os.kill(sb.backend.store.read_record(sb.id).pid, signal.SIGKILL)
+            report["kill_init:sent"] += 1
+    except errors.SandboxError as e:
+        report[f"{fault}:{type(e).__name__}"] += 1
+
+
+def cycle(backend, i: int, report: Counter) -> None:
+    """One lifecycle with fault `FAULTS[i % len(FAULTS)]` injected into the first forked child."""
+    from agentenv import Limits, Sandbox, errors
+
+    fault = FAULTS[i % len(FAULTS)]
+    made = []
+    try:
+        sb = Sandbox.create("host", backend=backend, limits=Limits(memory_mb=128, pids=64, disk_mb=32))
+        made.append(sb)
+        assert sb.exec("echo hi > /root/f && cat /root/f").stdout == "hi\n"
+        snap = sb.snapshot()
+        kids = sb.fork(2)
+        made += kids
+        restored = Sandbox.restore(snap, backend=backend)
+        made.append(restored)
+        _inject(kids[0], fault, report)
+        if fault != "kill_init":
+            try:
+                alive = kids[0].exec("echo ok", timeout=10).stdout == "ok\n"
+            except errors.SandboxError:
+                alive = False
+            report[f"{fault}:sandbox_{'answers' if alive else 'lost'}_after"] += 1
+        for other in (sb, kids[1], restored):
+            if other.exec("cat /root/f").stdout != "hi\n":
+                report["sibling_broken"] += 1
+        try:
+            backend.destroy(snap)
+        except errors.SandboxNotFoundError:
+            pass
+        report["cycles_ok"] += 1
+    except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
+        report[f"cycle_error:{type(e).__name__}"] += 1
+    finally:
+        for sb in reversed(made):
+            sb.destroy()
+
+
+def soak(home: Path, cycles: int) -> dict:
+    """`cycles` lifecycles on a fresh backend at `home`; counts, wall time and what was left behind."""
+    from agentenv.runtime.local import NamespaceBackend
+    from tests.agentenv.conftest import leftovers
+
+    backend = NamespaceBackend(home)
+    report: Counter = Counter()
+    start = time.perf_counter()
+    for i in range(cycles):
+        cycle(backend, i, report)
+    seconds = time.perf_counter() - start
+    gc_found = backend.gc()  # the seed stays; anything else it finds was leaked
+    backend.gc(everything=True)
+    left = leftovers(home)
+    return {"cycles": cycles, "seconds": round(seconds, 2), "counts": dict(sorted(report.items())),
+            "gc_reclaimed_after_soak": gc_found, "leftovers": left, "leaked": any(left.values())}
+
+
+def main() -> None:
+    from benchmarks.harness import Row, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cycles", type=int, default=1000)
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="agentenv-soak-", dir="/tmp"))
+    try:
+        result = soak(home, args.cycles)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    print(json.dumps(result, indent=1))
+    row = Row(case=f"soak-{args.cycles}", baseline="none (correctness run)", baseline_ms=None,
+              ours_ms=result["seconds"] * 1e3 / max(args.cycles, 1), extra=result,
+              note="ours_ms: mean ms per lifecycle (create, exec, snapshot, fork 2, restore, fault, destroy)")
+    scratch = Path(tempfile.mkdtemp())
+    print(write_results("env-soak", [row], markdown=scratch / "BENCHMARKS.md"))
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""A fork bomb fills the sandbox's pids limit only up to the commands' share: the command API still answers."""
+
+from __future__ import annotations
+
+from agentenv import Limits
+
+BOMB = ("setsid -f python3 -c 'import os, time\nwhile True:\n try:\n  os.fork() or time.sleep(600)\n"
+        " except OSError:\n  time.sleep(0.001)' >/dev/null 2>&1 </dev/null; sleep 1")
+"""Takes every process slot that is or becomes free, and keeps them."""
+
+
+def test_command_api_survives_a_fork_bomb(sandbox_factory):
+    sb = sandbox_factory(limits=Limits(pids=64))
+    sb.exec(BOMB, timeout=10)
+    for _ in range(3):
+        assert sb.exec("echo ok", timeout=10).stdout == "ok\n"
+        assert sb.python.run("1 + 1", timeout=10).value == "2"
+
+
+def test_commands_get_the_share_and_keep_the_hard_limit(sandbox_factory):
+    """Set just after the start (a command that forks at once may get a few children in before it)."""
+    sb = sandbox_factory(limits=Limits(pids=64))
+    limits = sb.exec("sleep 0.2; cat /proc/self/limits").stdout.splitlines()
+    line = next(x for x in limits if x.startswith("Max processes"))
+    assert line.split()[2] == "56" and line.split()[3] != "56", line

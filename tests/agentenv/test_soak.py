@@ -1,0 +1,25 @@
+"""A CI-sized soak (benchmarks/env/soak.py): lifecycles with injected faults leave nothing behind."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+CI_CYCLES = 25  # about 1.2 s a cycle on the 2-core runner; `python -m benchmarks.env.soak` runs 1,000
+
+
+def test_soak_with_faults_leaks_nothing():
+    from benchmarks.env.soak import soak
+
+    home = Path(tempfile.mkdtemp(prefix="agentenv-soak-", dir="/tmp"))
+    try:
+        result = soak(home, CI_CYCLES)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    counts = result["counts"]
+    assert counts.get("cycles_ok") == CI_CYCLES, counts
+    assert not counts.get("sibling_broken"), counts
+    assert counts.get("disk_full:enospc") == CI_CYCLES // 5, counts
+    assert result["gc_reclaimed_after_soak"] == {"records": 0, "cgroups": 0, "layers": 0, "network": 0}, result
+    assert not result["leaked"], result["leftovers"]
