@@ -12,6 +12,9 @@ from flashkda.rounding import PREC_BF16, cast_for_store, dot_acc, operand_split
 
 __all__ = ["O_CONFIGS", "state_output"]
 
+#: bf16 operands for `operand_split`/`dot_acc` (a jit function can read only constexpr globals).
+BF16_PRODUCTS = tl.constexpr(PREC_BF16)
+
 
 @triton.jit(do_not_specialize=["T"])
 def chunk_kda_fwd_kernel_o(
@@ -45,8 +48,8 @@ def chunk_kda_fwd_kernel_o(
         b_q = tl.load(qg_c + o_c[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h_c + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         if HILO:
-            b_qh, b_ql = operand_split(b_q.to(tl.float32), PREC_BF16, EMULATE)
-            b_o = dot_acc(b_h, b_qh, b_ql, b_o, PREC_BF16, EMULATE, LEFT=False)
+            b_qh, b_ql = operand_split(b_q.to(tl.float32), BF16_PRODUCTS, EMULATE)
+            b_o = dot_acc(b_h, b_qh, b_ql, b_o, BF16_PRODUCTS, EMULATE, LEFT=False)
         else:
             b_o += tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision=DOT_PREC)
     # only the lower triangle of Aqk was written
@@ -54,8 +57,8 @@ def chunk_kda_fwd_kernel_o(
                   mask=m_t[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
     b_vn = tl.load(vn + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
     if HILO:
-        b_vh, b_vl = operand_split(b_vn.to(tl.float32), PREC_BF16, EMULATE)
-        b_o = dot_acc(b_A, b_vh, b_vl, b_o, PREC_BF16, EMULATE)
+        b_vh, b_vl = operand_split(b_vn.to(tl.float32), BF16_PRODUCTS, EMULATE)
+        b_o = dot_acc(b_A, b_vh, b_vl, b_o, BF16_PRODUCTS, EMULATE)
     else:
         b_o += tl.dot(b_A.to(tl.float32), b_vn.to(tl.float32), input_precision=DOT_PREC)
     tl.store(o + (t0 * HV + i_hv) * V + o_c[:, None] * (HV * V) + o_v[None, :],
