@@ -98,7 +98,9 @@ def _worker(member: str, port: int, ckpt: str, initial: list[str], kill_member: 
 
 def _run(initial: list[str], joiners: list[str], kill_member: str, tmp: Path) -> dict[str, object]:
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
     results: mp.Queue = ctx.Queue()
     procs = {
         m: ctx.Process(target=_worker, args=(m, store.port, str(tmp), initial, kill_member, results))
