@@ -129,6 +129,8 @@ def _run(initial: list[str], joiners: list[str], kill_member: str, tmp: Path) ->
     assert not any(p.is_alive() for p in procs.values())
     if kill_member:
         assert procs[kill_member].exitcode == -signal.SIGKILL
+    exits = {m: p.exitcode for m, p in procs.items() if m != kill_member}
+    assert all(code == 0 for code in exits.values()), f"workers did not exit cleanly: {exits}"
     return outcome
 
 
