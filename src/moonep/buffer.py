@@ -185,6 +185,8 @@ class Buffer:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 0:
             raise ValueError(f"max_tokens_per_rank must be an int >= 0, got {max_tokens_per_rank!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts}): a token's experts are distinct")
         if num_experts % R:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size ({R})")
         if timeout_s <= 0:

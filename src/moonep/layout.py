@@ -34,6 +34,7 @@ STATUS_TEXT = {
     STATUS_DTYPE: "passed tensors of the wrong dtype or device",
     STATUS_IDS: "passed expert ids outside [-1, num_experts)",
 }
+DUPLICATE_TEXT = "passed topk_idx with the same expert twice within one token (each token's ids must be distinct)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,13 +80,17 @@ def problems(gathered_RX: torch.Tensor, S: int, K: int, E: int) -> list[str]:
     """What each rank did wrong, from the gathered rows (one host synchronisation); empty if nothing."""
     idx_RT = gathered_RX[:, 1 : 1 + S * K]
     bad_R = ((idx_RT < -1) | (idx_RT >= E)).any(1)
-    flags = torch.stack([gathered_RX[:, 0].long(), bad_R.long()], 1).cpu().tolist()
+    sorted_RSK = idx_RT.view(-1, S, K).sort(dim=2).values
+    dup_R = ((sorted_RSK[:, :, 1:] == sorted_RSK[:, :, :-1]) & (sorted_RSK[:, :, 1:] >= 0)).flatten(1).any(1)
+    flags = torch.stack([gathered_RX[:, 0].long(), bad_R.long(), dup_R.long()], 1).cpu().tolist()
     found = []
-    for r, (code, bad) in enumerate(flags):
+    for r, (code, bad, dup) in enumerate(flags):
         if code:
             found.append(f"rank {r} {STATUS_TEXT[code]}")
         elif bad:
             found.append(f"rank {r} {STATUS_TEXT[STATUS_IDS]}")
+        elif dup:
+            found.append(f"rank {r} {DUPLICATE_TEXT}")
     return found
 
 

@@ -13,8 +13,8 @@ import torch
 SKEWS = ("uniform", "lognormal1", "lognormal2", "hot_rank", "one_expert", "repeated")
 """uniform: K distinct experts uniformly; lognormal1/2: distinct experts, popularity ``exp(sigma*z)``
 with one popularity vector shared by all ranks; hot_rank: 80% of hits go to rank 0's experts;
-one_expert: every hit of every token goes to expert 0; repeated: K draws with replacement (a token may
-hit one expert twice)."""
+one_expert: every token picks experts ``0..K-1`` (the hottest routing with distinct ids; expert 0 gets a
+hit from every token); repeated: every token of a rank repeats one random set of K distinct experts."""
 
 
 def expert_popularity(skew: str, num_experts: int, num_ranks: int, seed: int = 0) -> torch.Tensor:
@@ -62,21 +62,20 @@ def make_routing(
     Returns:
         ``(topk_idx_sK int64, topk_weights_sK float32)``; weights are multiples of 1/8 in ``[1/8, 1]``.
     """
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts}): a token's experts are distinct")
     pop = expert_popularity(skew, num_experts, num_ranks, seed)
     gen = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 17)
     if num_tokens == 0:
         idx = torch.zeros((0, top_k), dtype=torch.long)
     elif skew == "one_expert":
-        idx = torch.zeros((num_tokens, top_k), dtype=torch.long)
+        idx = torch.arange(top_k).expand(num_tokens, top_k).clone()
     elif skew == "repeated":
-        idx = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+        idx = torch.randperm(num_experts, generator=gen)[:top_k].expand(num_tokens, top_k).clone()
     else:
         # Distinct experts per token, drawn with probability ~ popularity (Gumbel top-k).
         gumbel = -torch.log(-torch.log(torch.rand((num_tokens, num_experts), generator=gen, dtype=torch.float64)))
-        idx = (pop.clamp(min=1e-300).log()[None] + gumbel).topk(min(top_k, num_experts), dim=1).indices
-        if top_k > num_experts:
-            extra = torch.randint(0, num_experts, (num_tokens, top_k - num_experts), generator=gen)
-            idx = torch.cat([idx, extra], dim=1)
+        idx = (pop.clamp(min=1e-300).log()[None] + gumbel).topk(top_k, dim=1).indices
     # Dyadic weights (multiples of 1/8) keep fp32 sums in tests exact.
     weights = torch.randint(1, 9, (num_tokens, top_k), generator=gen).float() / 8
     return idx.to(device), weights.to(device)

@@ -1,0 +1,159 @@
+"""Elastic EP on gloo: 4 workers train a small MoE, one is SIGKILLed mid-step, the 3 survivors regroup and
+redo the step, a 5th worker joins at the next rebalance; the final loss matches a run on 3 ranks from the
+start (the global batch and the math do not depend on the group size). Hard timeout; no process outlives
+the test."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.multiproc
+
+E, H, F, K, TOKENS, STEPS = 12, 8, 16, 2, 24, 16
+KILL_STEP, REBALANCE_EVERY = 5, 4
+LOSS_RTOL = 1e-4
+HARD_TIMEOUT_S = 120.0
+
+
+def _build() -> torch.nn.Module:
+    """MoELayer on the current default group; weights drawn for all E experts, this rank keeps its rows."""
+    from moonep import Buffer, MoELayer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = Buffer(None, TOKENS // 3, H, K, E, dtype=torch.float32, timeout_s=3.0)
+    layer = MoELayer(buffer, F, num_shared=1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            full = torch.randn((E, *param.shape[1:]) if name in ("w1_PFH", "w2_PHF") else param.shape, generator=gen)
+            full *= param.shape[-1] ** -0.5
+            P = E // world
+            param.copy_(full[rank * P : rank * P + P] if name in ("w1_PFH", "w2_PHF") else full)
+    return layer
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(TOKENS, H, generator=gen)
+    return x, torch.tanh(x.flip(1) * 2.0)
+
+
+def _train_step(layer: torch.nn.Module, step: int, rank: int, world: int, die: bool) -> float:
+    x, y = _batch(step)
+    n = TOKENS // world
+    out = layer(x[rank * n : rank * n + n]).out_sH
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward's collectives, before the backward's
+    loss = ((out - y[rank * n : rank * n + n]) ** 2).sum() / (TOKENS * H)
+    layer.zero_grad()
+    loss.backward()
+    for name, param in layer.named_parameters():
+        if name not in ("w1_PFH", "w2_PHF"):  # replicated: data-parallel gradient sum
+            dist.all_reduce(param.grad)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param -= 0.5 * param.grad
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total)
+
+
+def _worker(member: str, port: int, ckpt: str, initial: list[str], kill_member: str, results: mp.Queue) -> None:
+    try:
+        from moonep.elastic import ElasticEP
+
+        elastic = ElasticEP(
+            "127.0.0.1", port, member, _build, ckpt, initial, rebalance_every=REBALANCE_EVERY, stale_s=1.0
+        )
+        if member not in initial:
+            store = elastic.store
+            store.wait(["test/killed"], datetime.timedelta(seconds=60))
+        layer = elastic.start()
+        losses: dict[int, float] = {}
+        while elastic.step < STEPS:
+            with elastic.step_guard() as step:
+                die = member == kill_member and step == KILL_STEP
+                if die:
+                    elastic.store.set("test/killed", repr(time.time()))
+                losses[step] = _train_step(layer, step, elastic.rank, elastic.world_size, die)
+            layer = elastic.model
+        killed_at = float(elastic.store.get("test/killed")) if kill_member else 0.0
+        result = {"losses": losses, "events": elastic.events, "members": elastic.members, "killed_at": killed_at}
+        results.put((member, True, result))
+        elastic.close()
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((member, False, traceback.format_exc()))
+
+
+def _run(initial: list[str], joiners: list[str], kill_member: str, tmp: Path) -> dict[str, object]:
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    results: mp.Queue = ctx.Queue()
+    procs = {
+        m: ctx.Process(target=_worker, args=(m, store.port, str(tmp), initial, kill_member, results))
+        for m in initial + joiners
+    }
+    outcome: dict[str, object] = {}
+    try:
+        for p in procs.values():
+            p.start()
+        deadline = time.monotonic() + HARD_TIMEOUT_S
+        expected = len(procs) - (1 if kill_member else 0)
+        while len(outcome) < expected and time.monotonic() < deadline:
+            try:
+                member, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            assert ok, f"member {member} failed:\n{value}"
+            outcome[member] = value
+        assert len(outcome) == expected, f"only {sorted(outcome)} finished within {HARD_TIMEOUT_S} s"
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert not any(p.is_alive() for p in procs.values())
+    if kill_member:
+        assert procs[kill_member].exitcode == -signal.SIGKILL
+    exits = {m: p.exitcode for m, p in procs.items() if m != kill_member}
+    assert all(code == 0 for code in exits.values()), f"workers did not exit cleanly: {exits}"
+    return outcome
+
+
+def test_survivors_continue_after_sigkill_and_a_joiner_is_admitted(tmp_path: Path) -> None:
+    reference = _run(["a", "b", "c"], [], "", tmp_path / "reference")
+    elastic = _run(["0", "1", "2", "3"], ["4"], "2", tmp_path / "elastic")
+    ref_losses = reference["a"]["losses"]
+    for member in ("0", "1", "3"):
+        result = elastic[member]
+        shrink = [e for e in result["events"] if e["kind"] == "shrink"]
+        assert len(shrink) == 1 and shrink[0]["lost"] == ["2"] and shrink[0]["step"] == KILL_STEP, result["events"]
+        assert shrink[0]["resume_step"] == KILL_STEP
+        assert shrink[0]["at"] - result["killed_at"] < 10.0, "survivors took 10 s or more to regroup"
+        grow = [e for e in result["events"] if e["kind"] == "grow"]
+        assert len(grow) == 1 and grow[0]["joined"] == ["4"], result["events"]
+        assert result["members"] == ["0", "1", "3", "4"]
+        # every step's loss, the redone one included, is the 3-ranks-from-the-start run's
+        assert sorted(result["losses"]) == list(range(STEPS))
+        for step in range(STEPS):
+            assert result["losses"][step] == pytest.approx(ref_losses[step], rel=LOSS_RTOL), step
+    joined = elastic["4"]
+    assert joined["events"][0]["kind"] == "join"
+    first = joined["events"][0]["step"]
+    assert first % REBALANCE_EVERY == 0 and first > KILL_STEP
+    assert sorted(joined["losses"]) == list(range(first, STEPS))
+    assert ref_losses[STEPS - 1] < ref_losses[0]
