@@ -32,7 +32,7 @@ class ByteTokenizer:
 
 
 def tiny_model(vocab_size: int = ByteTokenizer.vocab_size, *, seed: int = 0, n_embd: int = 96, n_layer: int = 2,
-               n_head: int = 4, n_positions: int = 256):
+               n_head: int = 4, n_positions: int = 512):
     """A small GPT-2 causal LM built from a config (random init, no hub weights)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -71,6 +71,9 @@ def encode_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[torch.
 
 def token_logprobs(model, ids: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Log-prob of each next token: ``ids [B, T] -> [B, T]`` (position 0 is 0: it has no context)."""
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and ids.shape[1] > limit:
+        raise ValueError(f"ids: {ids.shape[1]} tokens exceed the model's {limit} positions")
     attention = (ids != pad_id).long()
     logits = model(input_ids=ids.clamp(max=model.config.vocab_size - 1), attention_mask=attention).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -89,11 +92,11 @@ def pad_batch(seqs: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tup
 
 
 @torch.no_grad()
-def generate_action(model, tokenizer, context: str, *, temperature: float = 1.0, max_new_tokens: int = 32,
+def generate_action(model, tokenizer, context: str, *, temperature: float = 1.0, max_new_tokens: int = 24,
                     generator: torch.Generator | None = None) -> str:
     """Sample one action line after `context` (greedy when ``temperature == 0``); stops at newline or eos."""
     ids = tokenizer.encode(context + "A: ", add_special_tokens=False)
-    limit = model.config.n_positions if hasattr(model.config, "n_positions") else 4096
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
     newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
     out = []
     ids = ids[-(limit - max_new_tokens):]
