@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> Path:
                "total_s": time.perf_counter() - t0, "leftover_sandboxes": leftover}
     print(json.dumps(summary), flush=True)
     rows.append(Row(case="mean", baseline="SFT only", baseline_ms=None, ours_ms=summary["total_s"] * 1e3,
-                    extra=summary, note="CPU, torch threads=%d" % args.threads))
+                    extra=summary, note=f"CPU, torch threads={args.threads}"))
     with tempfile.TemporaryDirectory() as scratch:
         return write_results("posttrain", rows, markdown=Path(scratch) / "BENCH.md")
 

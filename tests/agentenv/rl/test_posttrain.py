@@ -14,8 +14,19 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from agentenv.posttrain import (ByteTokenizer, TrainConfig, group_advantages, grpo_loss, make_task,  # noqa: E402
-                                make_tasks, run, sft, sft_loss, tiny_model, write_view)
+from agentenv.posttrain import (  # noqa: E402
+    ByteTokenizer,
+    TrainConfig,
+    group_advantages,
+    grpo_loss,
+    make_task,
+    make_tasks,
+    run,
+    sft,
+    sft_loss,
+    tiny_model,
+    write_view,
+)
 from agentenv.posttrain.tasks import HELD_OUT_FROM, format_action, parse_action  # noqa: E402
 
 
