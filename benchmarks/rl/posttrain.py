@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="posttrain-"))
     parser.add_argument("--sft-steps", type=int, default=80)
+    parser.add_argument("--sft-tasks", type=int, default=8)
     parser.add_argument("--grpo-iters", type=int, default=25)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--threads", type=int, default=2)
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> Path:
     t0 = time.perf_counter()
     with LocalProvider() as provider:
         for seed in range(args.seeds):
-            cfg = TrainConfig(seed=seed, sft_steps=args.sft_steps, grpo_iters=args.grpo_iters,
+            cfg = TrainConfig(seed=seed, sft_steps=args.sft_steps, sft_tasks=args.sft_tasks, grpo_iters=args.grpo_iters,
                               temperature=args.temperature)
             run_dir = Path(args.out) / f"seed{seed}"
             res = asyncio.run(run(run_dir, provider, tiny_model(seed=seed), ByteTokenizer(), cfg))
