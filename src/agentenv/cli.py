@@ -126,6 +126,13 @@ def cmd_image(args: argparse.Namespace) -> int:
     raise SystemExit("agentenv image: expected build, ls or template")
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from agentenv.posttrain.view import write_view
+
+    print(write_view(args.run_dir, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentenv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run", action="append", default=[], help="a setup command (repeatable)")
     t.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=cmd_image)
+    p = sub.add_parser("view", help="write a self-contained HTML page of a post-training run directory")
+    p.add_argument("run_dir")
+    p.add_argument("-o", "--out", default=None, help="output file (default RUN_DIR/view.html)")
+    p.set_defaults(func=cmd_view)
     from agentenv.server.cli import add_subcommands  # `serve` and `keys`: the E2B-compatible HTTP server
 
     add_subcommands(sub)

@@ -1,0 +1,98 @@
+"""Seeded tool tasks with rewards checked in the sandbox, and the compact action grammar a small LM emits.
+
+Each task puts a code word in a file of a small tree; the agent must find it and write it to ``answer.txt``.
+The verifier is a command run in the sandbox (``grep -qx WORD answer.txt``): the agent's text is never trusted.
+Seeds below `HELD_OUT_FROM` are the training split, seeds at or above it the held-out split.
+
+Action grammar (one line per turn), parsed into OpenAI tool calls::
+
+    cat PATH           -> run_shell {"command": "cat PATH"}
+    write PATH TEXT    -> write_file {"path": PATH, "content": TEXT + "\\n"}
+    submit             -> submit {}
+"""
+
+from __future__ import annotations
+
+import random
+
+from agentenv.rl.policy import tool_call
+from agentenv.rl.tasks import CommandVerifier, Setup, TaskSpec
+
+HELD_OUT_FROM = 1_000_000
+"""First seed of the held-out split."""
+
+WORDS = ("red", "blue", "gold", "mint", "oak", "fig", "sun", "ice", "jade", "rose", "lime", "plum")
+FILES = ("note.txt", "key.txt", "info.txt", "code.txt")
+
+
+def make_task(seed: int) -> TaskSpec:
+    """The task of `seed` (deterministic): a code word hidden in one of a few files.
+
+    Raises:
+        ValueError: `seed` is not a non-negative int.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    rng = random.Random(seed)
+    word = rng.choice(WORDS)
+    name = rng.choice(FILES)
+    decoy = rng.choice([w for w in WORDS if w != word])
+    files = {f"/root/task/{name}": f"code: {word}\n", "/root/task/other.log": f"noise {decoy}\n"}
+    instruction = f"find the code in {name}, write it to answer.txt, submit"
+    solution = [tool_call("run_shell", command=f"cat {name}"),
+                tool_call("write_file", path="answer.txt", content=f"{word}\n"), tool_call("submit")]
+    return TaskSpec(id=f"code-{seed}", instruction=instruction, setup=Setup(files=files),
+                    verifier=CommandVerifier(f"grep -qx {word} answer.txt"), max_steps=4, step_timeout_s=10.0,
+                    solution=solution, tags=["posttrain", "held_out" if seed >= HELD_OUT_FROM else "train"])
+
+
+def make_tasks(n: int, *, split: str = "train", start: int = 0) -> list[TaskSpec]:
+    """`n` tasks of a split (``"train"`` or ``"held_out"``), seeds ``start, start+1, ...`` within the split."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    base = 0 if split == "train" else HELD_OUT_FROM
+    return [make_task(base + start + i) for i in range(n)]
+
+
+def parse_action(text: str) -> dict:
+    """One grammar line -> an OpenAI tool call dict; anything else becomes a call the env reports as an error."""
+    line = text.strip().split("\n", 1)[0]
+    head, _, rest = line.partition(" ")
+    if head == "cat" and rest and " " not in rest:
+        return tool_call("run_shell", command=f"cat {rest}")
+    if head == "write":
+        path, _, content = rest.partition(" ")
+        if path and content:
+            return tool_call("write_file", path=path, content=content + "\n")
+    if line == "submit":
+        return tool_call("submit")
+    return tool_call("invalid", text=line[:80])
+
+
+def format_action(call: dict) -> str:
+    """An OpenAI tool call of the grammar's kind -> its grammar line (inverse of `parse_action`).
+
+    Raises:
+        ValueError: the call has no grammar form.
+    """
+    import json
+
+    name = call["function"]["name"]
+    args = json.loads(call["function"]["arguments"] or "{}")
+    if name == "run_shell" and args.get("command", "").startswith("cat "):
+        return args["command"]
+    if name == "write_file":
+        return f"write {args['path']} {args['content'].rstrip(chr(10))}"
+    if name == "submit":
+        return "submit"
+    raise ValueError(f"call: {name} {args} has no grammar form")
+
+
+def format_observation(obs: dict, limit: int = 40) -> str:
+    """The part of an observation the policy sees: the first line of its content, cut to `limit` chars."""
+    text = (obs.get("content") or "").strip().split("\n", 1)[0]
+    if obs.get("error"):
+        text = "error " + obs["error"]["type"]
+    return text[:limit]

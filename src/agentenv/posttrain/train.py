@@ -1,0 +1,201 @@
+"""SFT then GRPO on the seeded code-word tasks, writing a run directory the viewer reads.
+
+Run directory: ``config.json``, ``metrics.jsonl`` (one line per GRPO iteration and per evaluation),
+``groups.jsonl`` (every group: task, parent trajectory, children with actions, observations, rewards),
+``traj/`` (trajectories in the project's JSONL format), ``curves.png`` and ``tb/`` (TensorBoard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from agentenv.posttrain.grpo import group_advantages, grpo_loss, sft_loss
+from agentenv.posttrain.policy import encode_segments, pad_batch, token_logprobs
+from agentenv.posttrain.rollout import EnvClock, evaluate, record_transcripts, rollout_group, transcript_segments
+from agentenv.posttrain.tasks import make_tasks
+from agentenv.rl.policy import ScriptedPolicy
+from agentenv.rl.pool import EnvPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Sizes and hyper-parameters of one SFT + GRPO run."""
+
+    seed: int = 0
+    sft_tasks: int = 8
+    sft_steps: int = 40
+    sft_lr: float = 3e-3
+    grpo_iters: int = 20
+    groups_per_iter: int = 4
+    group_size: int = 8
+    grpo_lr: float = 1e-3
+    clip_eps: float = 0.2
+    beta: float = 0.0
+    temperature: float = 1.0
+    train_tasks: int = 64
+    eval_tasks: int = 32
+    max_envs: int = 64
+
+
+def sft(model, tokenizer, samples: list[list[tuple[str, bool]]], *, steps: int, lr: float, batch: int = 8,
+        seed: int = 0) -> list[float]:
+    """Supervised fine-tuning on segment lists; returns the loss per step."""
+    rng = random.Random(seed)
+    encoded = [encode_segments(tokenizer, s) for s in samples]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        ids, mask = pad_batch([rng.choice(encoded) for _ in range(batch)], tokenizer.pad_token_id)
+        loss = sft_loss(token_logprobs(model, ids, tokenizer.pad_token_id), mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def grpo_step(model, ref_model, opt, tokenizer, groups, *, clip_eps: float, beta: float, epochs: int = 1) -> dict:
+    """One GRPO update from finished groups (lists of `Episode`); returns loss and stats."""
+    rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32)
+    adv = group_advantages(rewards).flatten()
+    episodes = [e for g in groups for e in g]
+    ids, mask = pad_batch([encode_segments(tokenizer, e.segments) for e in episodes], tokenizer.pad_token_id)
+    with torch.no_grad():
+        old = token_logprobs(model, ids, tokenizer.pad_token_id)
+        ref = token_logprobs(ref_model, ids, tokenizer.pad_token_id) if beta > 0 else None
+    model.train()
+    for _ in range(epochs):
+        loss, stats = grpo_loss(token_logprobs(model, ids, tokenizer.pad_token_id), old, adv, mask,
+                                clip_eps=clip_eps, beta=beta, logp_ref=ref)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+    return {"loss": float(loss.detach()), **stats}
+
+
+def _success(episodes) -> float:
+    return sum(e.reward >= 1.0 for e in episodes) / max(1, len(episodes))
+
+
+def _write(path: str, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: TrainConfig | None = None) -> dict:
+    """SFT on scripted transcripts, then GRPO with forked groups; evaluates held-out success after each phase.
+
+    Returns:
+        ``{"solver", "sft", "grpo"}`` held-out success rates, ``env_share`` and ``seconds``.
+    """
+    import copy
+
+    cfg = config or TrainConfig()
+    run_dir = os.fspath(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    traj_dir = os.path.join(run_dir, "traj")
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    metrics_path, groups_path = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "groups.jsonl")
+    for p in (metrics_path, groups_path):
+        if os.path.exists(p):
+            os.remove(p)
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    train_tasks = make_tasks(cfg.train_tasks, split="train", start=cfg.seed * 10_000)
+    held_out = make_tasks(cfg.eval_tasks, split="held_out", start=cfg.seed * 10_000)
+    t_start = time.perf_counter()
+    clock = EnvClock()
+    async with EnvPool(provider, max_envs=cfg.max_envs, record_dir=traj_dir) as pool:
+        sft_set = train_tasks[:cfg.sft_tasks]
+        ids = await clock(record_transcripts(pool, sft_set))
+        solver = await clock(pool.run(held_out, ScriptedPolicy))
+        samples = [transcript_segments(os.path.join(traj_dir, f"{i}.jsonl"), t) for i, t in zip(ids, sft_set)]
+        losses = sft(model, tokenizer, samples, steps=cfg.sft_steps, lr=cfg.sft_lr, seed=cfg.seed)
+        ref_model = copy.deepcopy(model).eval() if cfg.beta > 0 else None
+        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock)
+        result = {"solver": sum(r.reward >= 1.0 for r in solver) / len(solver), "sft": _success(ev)}
+        _write(metrics_path, {"phase": "sft", "iter": 0, "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
+                              "heldout_success": result["sft"], "solver_success": result["solver"]})
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo_lr)
+        env_shares = []
+        for it in range(1, cfg.grpo_iters + 1):
+            t0, policy0 = time.perf_counter(), clock.policy_seconds
+            tasks = rng.sample(train_tasks, cfg.groups_per_iter)
+            groups = await asyncio.gather(*(rollout_group(pool, t, model, tokenizer, cfg.group_size,
+                                                          temperature=cfg.temperature, generator=gen, clock=clock)
+                                            for t in tasks))
+            t_update = time.perf_counter()
+            stats = grpo_step(model, ref_model, opt, tokenizer, groups, clip_eps=cfg.clip_eps, beta=cfg.beta)
+            update_s = time.perf_counter() - t_update
+            wall = time.perf_counter() - t0
+            sample_s = clock.policy_seconds - policy0
+            flat = [e for g in groups for e in g]
+            row = {"phase": "grpo", "iter": it, "reward": sum(e.reward for e in flat) / len(flat),
+                   "train_success": _success(flat), "wall_s": wall, "sample_s": sample_s, "update_s": update_s,
+                   "env_share": max(0.0, wall - sample_s - update_s) / wall, **stats}
+            env_shares.append(row["env_share"])
+            _write(metrics_path, row)
+            for g_index, (task, group) in enumerate(zip(tasks, groups)):
+                _write(groups_path, {"iter": it, "group": g_index, "task_id": task.id,
+                                     "instruction": task.instruction, "parent": group[0].parent_id,
+                                     "children": [asdict(e) | {"segments": None} for e in group]})
+        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock)
+        result["grpo"] = _success(ev)
+        _write(metrics_path, {"phase": "final", "iter": cfg.grpo_iters, "heldout_success": result["grpo"]})
+    result["seconds"] = time.perf_counter() - t_start
+    result["env_share"] = sum(env_shares) / len(env_shares) if env_shares else 0.0
+    write_curves(run_dir)
+    return result
+
+
+def write_curves(run_dir: str) -> None:
+    """``curves.png`` (reward, success, loss, env-time share per GRPO iteration) and TensorBoard scalars under
+    ``tb/``, from ``metrics.jsonl``; each is skipped with a log line when its library is missing."""
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    keys = ("reward", "train_success", "loss", "env_share")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
+        for ax, key in zip(axes, keys):
+            ax.plot([r["iter"] for r in grpo], [r[key] for r in grpo])
+            ax.set_title(key)
+            ax.set_xlabel("GRPO iteration")
+        fig.tight_layout()
+        fig.savefig(os.path.join(run_dir, "curves.png"), dpi=80)
+        plt.close(fig)
+    except ImportError:
+        log.info("matplotlib missing: no curves.png")
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard missing: no tb/")
+        return
+    writer = SummaryWriter(os.path.join(run_dir, "tb"))
+    for r in grpo:
+        for key in keys:
+            writer.add_scalar(f"grpo/{key}", r[key], r["iter"])
+    for r in rows:
+        if "heldout_success" in r:
+            writer.add_scalar(f"heldout_success/{r['phase']}", r["heldout_success"], r["iter"])
+    writer.close()
