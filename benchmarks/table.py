@@ -1,7 +1,7 @@
 """Refresh BENCHMARKS.md from chosen results files: ``python -m benchmarks.table FILE.json [...]``.
 
 The files of each component (the ``component`` field a benchmark wrote) replace that component's section, their
-rows in the order given; nothing else in BENCHMARKS.md changes. Benchmarks themselves never touch the committed tables unless run with ``--update-table``.
+rows in the order given; nothing else in BENCHMARKS.md changes. Benchmarks themselves write only their JSON.
 """
 
 from __future__ import annotations
