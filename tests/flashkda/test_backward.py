@@ -293,6 +293,7 @@ def test_fla_chunk_kda_training_call_is_served_by_flashkda(device: str, monkeypa
 
     monkeypatch.delenv("FLASHKDA_DISABLE", raising=False)
     monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    monkeypatch.setenv("FLASHKDA_DISPATCH", "always")  # the serving path, not the calibrated policy
     assert register_with_fla()
     case = Case(T=70, H=1, HV=2, initial_state=True, output_final_state=True,
                 opts=dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
