@@ -74,15 +74,16 @@ def chunk_kda_verifier(
     training = needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if training and not (16 <= q.shape[-1] <= 256 and q.shape[-1] & (q.shape[-1] - 1) == 0):
         return False, f"training needs K in 16, 32, 64, 128, 256; got K={q.shape[-1]}"
-    # The policy first: it is cheaper than the argument checks and declines most calls.
-    decision = _POLICY.decide(
-        ShapeClass.of_call(q, v, cu_seqlens, training),
-        device_arch(q.device),
-        competitors(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                    disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                    cp_context, use_graph, max_num_seqs, **kwargs),
-    )
+    # The policy first: it is cheaper than the argument checks and declines most calls. Only the calibrated policy
+    # needs to know which other backends would take the call.
+    mode = dispatch_mode()
+    rivals = ("fla",)
+    if mode == "auto":
+        rivals = competitors(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                             disable_recompute, return_intermediate_states, state_v_first, cu_seqlens,
+                             cu_seqlens_cpu, cp_context, use_graph, max_num_seqs, **kwargs)
+    decision = _POLICY.decide(ShapeClass.of_call(q, v, cu_seqlens, training), device_arch(q.device), rivals, mode)
     if not decision.serve:
         return False, decision.reason
     try:

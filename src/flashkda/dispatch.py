@@ -320,12 +320,16 @@ def _cutlass_usable() -> bool:
     return importlib.util.find_spec("flash_kda") is not None and os.environ.get("FLA_FLASH_KDA", "1") != "0"
 
 
+def _default_arch() -> str:
+    """This machine's GPU architecture, else ``sm_90`` (the table the package ships)."""
+    return device_arch(torch.device("cuda")) if torch.cuda.is_available() else "sm_90"
+
+
 def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None) -> list[ReportRow]:
     """Who serves ``fla.ops.kda.chunk_kda`` for the common shapes on ``arch`` (default: this machine's GPU,
     else ``sm_90``), with the CUTLASS FlashKDA counted as a competitor where it is installed and takes the call
     (inference, bf16, K = V = 128, no GVA)."""
-    if arch is None:
-        arch = device_arch(torch.device("cuda")) if torch.cuda.is_available() else "sm_90"
+    arch = arch or _default_arch()
     policy = policy or DispatchPolicy()
     cutlass = _cutlass_usable()
     rows = []
@@ -351,9 +355,9 @@ def dispatch_report(arch: str | None = None, policy: DispatchPolicy | None = Non
         >>> import flashkda
         >>> print(flashkda.dispatch_report("sm_90"))  # doctest: +SKIP
     """
+    arch = arch or _default_arch()
     rows = report_rows(arch, policy)
     mode = dispatch_mode()
-    arch = arch or (device_arch(torch.device("cuda")) if torch.cuda.is_available() else "sm_90")
     lines = [f"fla.ops.kda.chunk_kda dispatch on {arch} ({DISPATCH_ENV}={mode})",
              f"{'shape':<48} {'served by':<10} reason"]
     lines += [f"{r.shape.label():<48} {r.backend:<10} {r.decision.reason}" for r in rows]
