@@ -4,12 +4,14 @@
 # with carry [".whl", ".k3_commit", ".thirdparty"]. Steps, in the order given:
 #   cutlass      build MoonshotAI's CUTLASS FlashKDA from .thirdparty/FlashKDA (its source at the pinned commit and
 #                CUTLASS headers, git-ignored, never committed) unless a built flash_kda_C*.so was carried; the .so
-#                goes to $OUT so the next call can carry it
+#                goes to $OUT gzipped (the raw .so is over the size that comes back); put it in .thirdparty/FlashKDA/
+#                and the next call unpacks it instead of building
 #   decode       decode tokens/s vs fla (benchmarks/kda/decode.py)
 #   cal-inf      calibration, inference rows (benchmarks/kda/calibrate.py --modes inference)
 #   cal-train    calibration, training rows (the fla-autotune cache covers the H64/H32 rows)
 #   dispatch     fla chunk_kda with the hook on vs off, inference rows (benchmarks/kda/dispatch_bench.py)
-#   dispatch-train  the same, training rows at H64 (the committed fla autotune cache covers them)
+#   warm-train   one untimed training call of fla per dispatch row, in parallel (fla autotunes per shape); then `wait`
+#   dispatch-train  the same, training rows
 #   gpu-tests    the gpu-marked flashkda tests
 # Triton's cache is kept in .triton-cache (a warm machine keeps it between calls) and packed to $OUT at the end.
 set -uo pipefail
@@ -17,13 +19,14 @@ source benchmarks/kda/round_env.sh dispatch
 FLASHKDA_SRC=$PWD/.thirdparty/FlashKDA
 
 cutlass() {
+  for gz in "$FLASHKDA_SRC"/flash_kda_C*.so.gz; do [ -f "$gz" ] && gunzip -kf "$gz" && echo "unpacked $gz"; done
   if ! ls "$FLASHKDA_SRC"/flash_kda_C*.so >/dev/null 2>&1; then
     mkdir -p /tmp/nogit && printf '#!/bin/sh\nexit 0\n' > /tmp/nogit/git && chmod +x /tmp/nogit/git
     local t0=$SECONDS
     (cd "$FLASHKDA_SRC" && PATH=/tmp/nogit:$PATH FLASH_KDA_VERSION_SUFFIX=.post0 FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=8 MAX_JOBS=2 \
       python3 setup.py build_ext --inplace) > "$LOGS/cutlass_build.log" 2>&1
     echo "cutlass build: exit $? in $((SECONDS - t0)) s"; tail -5 "$LOGS/cutlass_build.log"
-    cp "$FLASHKDA_SRC"/flash_kda_C*.so "$OUT/" 2>/dev/null
+    for so in "$FLASHKDA_SRC"/flash_kda_C*.so; do gzip -c "$so" > "$OUT/$(basename "$so").gz"; done
   fi
   ls "$FLASHKDA_SRC"/flash_kda_C*.so >/dev/null 2>&1 && export PYTHONPATH="$FLASHKDA_SRC:$PYTHONPATH"
   python3 -c 'import flash_kda; print("flash_kda importable")'
@@ -57,7 +60,12 @@ for step in "$@"; do
     cal-inf) $run python3 -m benchmarks.kda.calibrate --modes inference --write-table ;;
     cal-train) $run python3 -m benchmarks.kda.calibrate --modes training --table-out "$OUT/calibration-train.json" ;;
     dispatch) $run python3 -m benchmarks.kda.dispatch_bench --modes inference ;;
-    dispatch-train) $run python3 -m benchmarks.kda.dispatch_bench --modes training --rows H64-T8192 H64-varlen-1kx8 ;;
+    warm-train) for rows in "H64-T8192 H64-varlen-mixed H64-varlen-1kx8 H64-T32768" "H96-T8192 H96-varlen-mixed H96-varlen-1kx8" \
+                  "H12-T8192 H12-varlen-mixed H12-varlen-1kx8" "H32-T131072"; do
+                  timeout -k 5 "${WARM_CAP:-240}" python3 -m benchmarks.kda.dispatch_bench --no-write --rounds 1 \
+                    --modes training --rows $rows > "$LOGS/warm_train_${rows%% *}.log" 2>&1 &
+                done ;;
+    dispatch-train) $run python3 -m benchmarks.kda.dispatch_bench --modes training ;;
     gpu-tests) $run python3 -m pytest -q -m gpu tests/flashkda/test_gpu.py tests/flashkda/test_layer.py -p no:cacheprovider 2>&1 | tail -25 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

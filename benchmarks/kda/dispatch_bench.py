@@ -2,12 +2,15 @@
 
 Per row, the same dispatched call ``fla.ops.kda.chunk_kda(...)`` is timed with FlashKDA registered and
 ``FLASHKDA_DISPATCH=auto`` (ours serves where the calibration says we are faster) and with
-``FLASHKDA_DISPATCH=never`` (fla, or the CUTLASS FlashKDA where installed, serves everything), interleaved over
-three passes; the row keeps the mean of the medians, the ratio off/on (>= 0.98 is the bar: no slower than noise)
-and who served with the hook on, with the dispatch's reason. Inference rows time the forward, training rows
-forward + backward. Writes ``benchmarks/results/kda-dispatch-<date>.json``.
+``FLASHKDA_DISPATCH=never`` (fla, or the CUTLASS FlashKDA where installed, serves everything). The two settings
+alternate sample by sample (the order flips every round), each sample timing ``CALLS_PER_SAMPLE`` back-to-back calls
+between two CUDA events, so clock drift hits both alike and the host-side dispatch cost is measured as a program
+sees it (hidden behind queued work unless it is longer). The row keeps the medians, the ratio off/on (>= 0.98 is
+the bar: no slower than noise), the spread of the "off" samples (an A/A measure of noise) and who served with the
+hook on, with the dispatch's reason. Inference rows time the forward, training rows forward + backward. Writes
+``benchmarks/results/kda-dispatch-<date>.json``.
 
-Usage: ``python -m benchmarks.kda.dispatch_bench [--rows NAME ...] [--modes inference training] [--rep N]``.
+Usage: ``python -m benchmarks.kda.dispatch_bench [--rows NAME ...] [--modes inference training] [--rounds N]``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import sys
 import time
 
-from benchmarks.harness import Row, machine_info, machine_line, time_fn, write_results
+from benchmarks.harness import Row, machine_info, machine_line, write_results
 from benchmarks.kda.calibrate import VARLEN_EVEN, VARLEN_MIXED, Shape, _fixed, _varlen, call, make_inputs, training_step
 
 ROWS = (
@@ -27,6 +30,37 @@ ROWS = (
     + [_fixed(64, 32768), _fixed(32, 131072)]
 )
 BAR = 0.98
+CALLS_PER_SAMPLE = 4
+
+
+def interleaved_samples(run, rounds: int) -> dict[str, list[float]]:
+    """Per-call milliseconds of ``run`` under ``FLASHKDA_DISPATCH=never`` and ``auto``, sampled alternately."""
+    import torch
+
+    samples: dict[str, list[float]] = {"auto": [], "never": []}
+    for setting in ("never", "auto"):
+        os.environ["FLASHKDA_DISPATCH"] = setting
+        for _ in range(2):
+            run()
+    torch.cuda.synchronize()
+    for i in range(rounds):
+        for setting in ("never", "auto") if i % 2 == 0 else ("auto", "never"):
+            os.environ["FLASHKDA_DISPATCH"] = setting
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(CALLS_PER_SAMPLE):
+                run()
+            end.record()
+            end.synchronize()
+            samples[setting].append(begin.elapsed_time(end) / CALLS_PER_SAMPLE)
+    os.environ["FLASHKDA_DISPATCH"] = "auto"
+    return samples
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def served_by(x: dict, kw: dict) -> tuple[str, str]:
@@ -37,7 +71,7 @@ def served_by(x: dict, kw: dict) -> tuple[str, str]:
     return ("flashkda", "calibrated faster") if ok else ("fla or flash_kda", reason)
 
 
-def time_row(shape: Shape, mode: str, device: str, rep: int) -> Row:
+def time_row(shape: Shape, mode: str, device: str, rounds: int) -> Row:
     import torch
     from fla.ops.kda import chunk_kda
 
@@ -50,21 +84,18 @@ def time_row(shape: Shape, mode: str, device: str, rep: int) -> Row:
     else:
         run = lambda: call(chunk_kda, x, kw)
         ctx = torch.inference_mode
-    samples: dict[str, list[float]] = {"auto": [], "never": []}
     with ctx():
         os.environ["FLASHKDA_DISPATCH"] = "auto"
         who, why = served_by(x, kw)
-        for _ in range(3):
-            for mode_env in ("never", "auto"):
-                os.environ["FLASHKDA_DISPATCH"] = mode_env
-                samples[mode_env].append(time_fn(run, device=device, warmup=2, rep=rep).median_ms)
-    os.environ["FLASHKDA_DISPATCH"] = "auto"
-    on, off = (sum(v) / len(v) for v in (samples["auto"], samples["never"]))
+        samples = interleaved_samples(run, rounds)
+    on, off = _median(samples["auto"]), _median(samples["never"])
+    off_sorted = sorted(samples["never"])
+    quartiles = off_sorted[len(off_sorted) // 4], off_sorted[(3 * len(off_sorted)) // 4]
     return Row(f"{mode}-{shape.name}", "fla.ops.kda.chunk_kda with FLASHKDA_DISPATCH=never", off, on,
                params=dict(mode=mode, H=shape.H, T=shape.T, lengths=shape.lengths),
                extra={"served by (hook on)": who, "reason": why,
-                      "on ms per pass": [round(v, 4) for v in samples["auto"]],
-                      "off ms per pass": [round(v, 4) for v in samples["never"]]},
+                      "samples per setting": rounds, "calls per sample": CALLS_PER_SAMPLE,
+                      "off spread (q3/q1 - 1)": round(quartiles[1] / quartiles[0] - 1, 4)},
                note="" if off / on >= BAR else f"slower than {BAR}x with the hook")
 
 
@@ -72,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=("inference", "training"))
-    parser.add_argument("--rep", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=30, help="samples per setting (alternating on/off)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
 
@@ -97,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.rows and shape.name not in args.rows:
                 continue
             t0 = time.time()
-            row = time_row(shape, mode, "cuda", args.rep)
+            row = time_row(shape, mode, "cuda", args.rounds)
             rows.append(row)
             print(f"{row.case:>28}: off {row.baseline_ms:8.3f}  on {row.ours_ms:8.3f} ms  {row.speedup:5.3f}x  "
                   f"{row.extra['served by (hook on)']}: {row.extra['reason']}  ({time.time() - t0:.0f}s)", flush=True)
