@@ -66,7 +66,7 @@ for step in "$@"; do
                     --modes training --rows $rows > "$LOGS/warm_train_${rows%% *}.log" 2>&1 &
                 done ;;
     dispatch-train) $run python3 -m benchmarks.kda.dispatch_bench --modes training ;;
-    gpu-tests) $run python3 -m pytest -q -m gpu tests/flashkda/test_gpu.py tests/flashkda/test_layer.py -p no:cacheprovider 2>&1 | tail -25 ;;
+    gpu-tests) timeout -k 5 "$((left < ${GPU_TESTS_CAP:-600} ? left : ${GPU_TESTS_CAP:-600}))" python3 -m pytest -q -m gpu tests/flashkda/test_gpu.py tests/flashkda/test_layer.py -p no:cacheprovider 2>&1 | tail -25 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
