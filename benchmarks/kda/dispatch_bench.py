@@ -3,9 +3,9 @@
 Per row, the same dispatched call ``fla.ops.kda.chunk_kda(...)`` is timed with FlashKDA registered and
 ``FLASHKDA_DISPATCH=auto`` (ours serves where the calibration says we are faster) and with
 ``FLASHKDA_DISPATCH=never`` (fla, or the CUTLASS FlashKDA where installed, serves everything). The two settings
-alternate sample by sample (the order flips every round), each sample timing ``CALLS_PER_SAMPLE`` back-to-back calls
+alternate sample by sample (the order flips every round), each sample timing about `SAMPLE_MS` of back-to-back calls
 between two CUDA events, so clock drift hits both alike and the host-side dispatch cost is measured as a program
-sees it (hidden behind queued work unless it is longer). The row keeps the medians, the ratio off/on (>= 0.98 is
+sees it. The row keeps the medians, the ratio off/on (>= 0.98 is
 the bar: no slower than noise), the spread of the "off" samples (an A/A measure of noise) and who served with the
 hook on, with the dispatch's reason. Inference rows time the forward, training rows forward + backward. Writes
 ``benchmarks/results/kda-dispatch-<date>.json``.
@@ -30,11 +30,14 @@ ROWS = (
     + [_fixed(64, 32768), _fixed(32, 131072)]
 )
 BAR = 0.98
-CALLS_PER_SAMPLE = 4
+SAMPLE_MS = 8.0
+"""Each sample times back-to-back calls for about this long (2 to 16 calls), so the first call's host-side work,
+which starts on an idle GPU, weighs as little as it does in a program that keeps the GPU busy."""
 
 
-def interleaved_samples(run, rounds: int) -> dict[str, list[float]]:
-    """Per-call milliseconds of ``run`` under ``FLASHKDA_DISPATCH=never`` and ``auto``, sampled alternately."""
+def interleaved_samples(run, rounds: int) -> tuple[dict[str, list[float]], int]:
+    """Per-call milliseconds of ``run`` under ``FLASHKDA_DISPATCH=never`` and ``auto``, sampled alternately, and
+    the calls per sample."""
     import torch
 
     samples: dict[str, list[float]] = {"auto": [], "never": []}
@@ -43,18 +46,24 @@ def interleaved_samples(run, rounds: int) -> dict[str, list[float]]:
         for _ in range(2):
             run()
     torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    run()
+    end.record()
+    end.synchronize()
+    calls = max(2, min(16, round(SAMPLE_MS / max(begin.elapsed_time(end), 1e-3))))
     for i in range(rounds):
         for setting in ("never", "auto") if i % 2 == 0 else ("auto", "never"):
             os.environ["FLASHKDA_DISPATCH"] = setting
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            for _ in range(CALLS_PER_SAMPLE):
+            for _ in range(calls):
                 run()
             end.record()
             end.synchronize()
-            samples[setting].append(begin.elapsed_time(end) / CALLS_PER_SAMPLE)
+            samples[setting].append(begin.elapsed_time(end) / calls)
     os.environ["FLASHKDA_DISPATCH"] = "auto"
-    return samples
+    return samples, calls
 
 
 def _median(values: list[float]) -> float:
@@ -87,14 +96,14 @@ def time_row(shape: Shape, mode: str, device: str, rounds: int) -> Row:
     with ctx():
         os.environ["FLASHKDA_DISPATCH"] = "auto"
         who, why = served_by(x, kw)
-        samples = interleaved_samples(run, rounds)
+        samples, calls = interleaved_samples(run, rounds)
     on, off = _median(samples["auto"]), _median(samples["never"])
     off_sorted = sorted(samples["never"])
     quartiles = off_sorted[len(off_sorted) // 4], off_sorted[(3 * len(off_sorted)) // 4]
     return Row(f"{mode}-{shape.name}", "fla.ops.kda.chunk_kda with FLASHKDA_DISPATCH=never", off, on,
                params=dict(mode=mode, H=shape.H, T=shape.T, lengths=shape.lengths),
                extra={"served by (hook on)": who, "reason": why,
-                      "samples per setting": rounds, "calls per sample": CALLS_PER_SAMPLE,
+                      "samples per setting": rounds, "calls per sample": calls,
                       "off spread (q3/q1 - 1)": round(quartiles[1] / quartiles[0] - 1, 4)},
                note="" if off / on >= BAR else f"slower than {BAR}x with the hook")
 

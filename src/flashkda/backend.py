@@ -17,7 +17,15 @@ import os
 
 import torch
 
-from flashkda.dispatch import DISPATCH_ENV, DispatchPolicy, ShapeClass, device_arch, dispatch_mode
+from flashkda.dispatch import (
+    CALIBRATION_ENV,
+    DISPATCH_ENV,
+    Decision,
+    DispatchPolicy,
+    ShapeClass,
+    device_arch,
+    dispatch_mode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +33,8 @@ BACKEND_TYPE = "k3_flashkda"
 PRIORITY = 2
 _state = {"registered": False, "dispatched": False}
 _POLICY = DispatchPolicy()
+_DECISIONS: dict[tuple, Decision] = {}
+_MAX_DECISIONS = 4096
 
 
 def is_disabled() -> bool:
@@ -48,6 +58,21 @@ def competitors(*args, **kwargs) -> tuple[str, ...]:
         if backend.verify("chunk_kda", *args, **kwargs)[0]:
             names.append(backend.backend_type)
     return tuple(names)
+
+
+def decide(q: torch.Tensor, v: torch.Tensor, cu_seqlens, training: bool, mode: str,
+           rivals: tuple[str, ...]) -> Decision:
+    """`DispatchPolicy.decide` for this call, memoised on what the decision depends on (it runs on every fla call,
+    where the host time it takes can show up between kernels)."""
+    key = (q.shape, v.shape, q.dtype, q.device, cu_seqlens is None, training, mode, rivals,
+           os.environ.get(CALIBRATION_ENV))
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        if len(_DECISIONS) >= _MAX_DECISIONS:
+            _DECISIONS.clear()
+        decision = _POLICY.decide(ShapeClass.of_call(q, v, cu_seqlens, training), device_arch(q.device), rivals, mode)
+        _DECISIONS[key] = decision
+    return decision
 
 
 def chunk_kda_verifier(
@@ -74,16 +99,17 @@ def chunk_kda_verifier(
     training = needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if training and not (16 <= q.shape[-1] <= 256 and q.shape[-1] & (q.shape[-1] - 1) == 0):
         return False, f"training needs K in 16, 32, 64, 128, 256; got K={q.shape[-1]}"
-    # The policy first: it is cheaper than the argument checks and declines most calls. Only the calibrated policy
-    # needs to know which other backends would take the call.
+    # The policy first: it is cheaper than the argument checks and declines most calls. A call we do not beat fla
+    # on is declined without asking the other backends (more competitors only raise the bar).
     mode = dispatch_mode()
-    rivals = ("fla",)
-    if mode == "auto":
+    decision = decide(q, v, cu_seqlens, training, mode, ("fla",))
+    if decision.serve and mode == "auto":
         rivals = competitors(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                              use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                              disable_recompute, return_intermediate_states, state_v_first, cu_seqlens,
                              cu_seqlens_cpu, cp_context, use_graph, max_num_seqs, **kwargs)
-    decision = _POLICY.decide(ShapeClass.of_call(q, v, cu_seqlens, training), device_arch(q.device), rivals, mode)
+        if rivals != ("fla",):
+            decision = decide(q, v, cu_seqlens, training, mode, rivals)
     if not decision.serve:
         return False, decision.reason
     try:

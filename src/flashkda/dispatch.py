@@ -186,10 +186,18 @@ class Decision:
 def dispatch_mode() -> str:
     """``FLASHKDA_DISPATCH`` with ``FLASHKDA_DISABLE=1`` as an alias of ``never``.
 
+    Read on every fla dispatch, so the parse is memoised on the raw values.
+
     Raises:
         ValueError: a value outside the accepted ones, or ``FLASHKDA_DISABLE=1`` with ``FLASHKDA_DISPATCH=always``
             (the message names both variables).
     """
+    return _parse_mode(os.environ.get(DISPATCH_ENV), os.environ.get(DISABLE_ENV))
+
+
+@lru_cache(maxsize=16)
+def _parse_mode(dispatch: str | None, disable: str | None) -> str:
+    del dispatch, disable  # the cache key; env_choice and env_flag read the same variables
     mode = env_choice(DISPATCH_ENV, "auto", MODES)
     if env_flag(DISABLE_ENV, False):
         if mode == "always":

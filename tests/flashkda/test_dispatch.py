@@ -237,3 +237,26 @@ def test_an_accepting_registered_backend_is_a_competitor(tmp_path):
     first, reason = out.stdout.strip().splitlines()[-2:]
     assert first == "('fla', 'rival') ('fla',)"
     assert "rival was not timed" in reason
+
+
+def test_a_call_slower_than_fla_is_declined_without_asking_other_backends(monkeypatch, tmp_path):
+    """The verifier runs on every fla call: a decline against fla alone must not call the other verifiers, and the
+    decision is memoised per call shape (the table is read once)."""
+    pytest.importorskip("fla")
+    from flashkda import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(DISPATCH_ENV, "auto")
+    q, k, v, g = (torch.randn(1, 40, 2, 16) for _ in range(4))
+    beta = torch.rand(1, 40, 2)
+    path = tmp_path / "slow.json"
+    table(row(1.0, ShapeClass.of_call(q, v, None, training=False), fla=0.5), arch="interpreter").save(path)
+    monkeypatch.setenv(CALIBRATION_ENV, str(path))
+    asked, decided = [], []
+    monkeypatch.setattr(backend, "competitors", lambda *a, **kw: asked.append(1) or ("fla",))
+    real_decide = backend._POLICY.decide
+    monkeypatch.setattr(backend._POLICY, "decide", lambda *a, **kw: decided.append(1) or real_decide(*a, **kw))
+    for _ in range(3):
+        ok, reason = backend.chunk_kda_verifier(q, k, v, g, beta)
+        assert not ok and "0.50x fla" in reason
+    assert asked == [] and len(decided) == 1
