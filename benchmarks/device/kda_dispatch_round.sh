@@ -10,7 +10,8 @@
 #   cal-inf      calibration, inference rows (benchmarks/kda/calibrate.py --modes inference)
 #   cal-train    calibration, training rows (the fla-autotune cache covers the H64/H32 rows)
 #   dispatch     fla chunk_kda with the hook on vs off, inference rows (benchmarks/kda/dispatch_bench.py)
-#   warm-train   one untimed training call of fla per dispatch row, in parallel (fla autotunes per shape); then `wait`
+#   warm-train   one untimed training call of fla per dispatch row, in background processes (fla autotunes per
+#                shape); give `wait` right after it, before any timed step (warm-inf likewise)
 #   dispatch-train  the same, training rows
 #   gpu-tests    the gpu-marked flashkda tests
 # Triton's cache is kept in .triton-cache (a warm machine keeps it between calls) and packed to $OUT at the end.
