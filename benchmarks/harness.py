@@ -2,8 +2,8 @@
 
 Every benchmark times the baseline and ours in the same process and run, on the same inputs, after a
 correctness gate, and records both in one `Row`. `write_results` stores a JSON file under
-`benchmarks/results/` (commit, date, device, versions, every row) and refreshes the component's table in
-`BENCHMARKS.md`.
+`benchmarks/results/` (commit, date, device, versions, every row); `BENCHMARKS.md` changes only through
+`python -m benchmarks.table` (or a bench's ``--update-table``) from chosen results files.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Row:
     """What the baseline is, e.g. ``fla 0.6.0 chunk_kda``."""
     baseline_ms: float | None
     """Median ms of the baseline, or None when it could not run here (`note` says why)."""
-    ours_ms: float
+    ours_ms: float | None
     params: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
     """Further measured columns: GB/s, peak memory, p99, fraction of the floor, ..."""
@@ -173,32 +173,71 @@ class Row:
 
     @property
     def speedup(self) -> float | None:
-        if self.baseline_ms is None or self.ours_ms <= 0:
+        if self.baseline_ms is None or self.ours_ms is None or self.ours_ms <= 0:
             return None
         return self.baseline_ms / self.ours_ms
 
 
+MAX_COLUMNS = 10
+"""Widest table BENCHMARKS.md holds; further measured columns stay in the JSON."""
+
+
 def _fmt(value: object) -> str:
-    if value is None:
-        return "not run"
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _shared_extras(rows: list[Row], room: int) -> list[str]:
+    """Scalar extra columns every row has (a column some rows lack would need filler cells), the first `room`."""
+    scalar = (int, float, str, bool)  # nested dicts and lists stay in the JSON
+    keys = [k for k in rows[0].extra if all(isinstance(r.extra.get(k), scalar) for r in rows)]
+    return keys[: max(room, 0)]
+
+
+def _table(headers: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(_cell(c) for c in cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
 def markdown_table(rows: list[Row]) -> str:
-    extra_keys: list[str] = []
-    for row in rows:
-        extra_keys += [k for k in row.extra if k not in extra_keys]
-    headers = ["case", "baseline", "baseline ms", "ours ms", "speedup", *extra_keys, "note"]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for row in rows:
-        cells = [row.case, row.baseline, _fmt(row.baseline_ms), _fmt(row.ours_ms)]
-        cells.append("not run" if row.speedup is None else f"{row.speedup:.2f}x")
-        cells += [_fmt(row.extra.get(k)) for k in extra_keys]
-        cells.append(row.note)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """Markdown for `rows`: at most `MAX_COLUMNS` columns and no filler cells.
+
+    Rows with a baseline make one table (case, baseline, both medians, speed-up, shared extras, note); rows
+    measured without a baseline make a second one (case, ours, shared extras, note); rows that were not measured
+    at all (``ours_ms`` None) are named in one sentence. Columns only some rows have stay in the JSON.
+    """
+    parts: list[str] = []
+    compared = [r for r in rows if r.baseline_ms is not None and r.ours_ms is not None]
+    alone = [r for r in rows if r.baseline_ms is None and r.ours_ms is not None]
+    for group, fixed in ((compared, ["case", "baseline", "baseline ms", "ours ms", "speed-up"]),
+                         (alone, ["case", "ours ms"])):
+        if not group:
+            continue
+        one_baseline = len({r.baseline for r in group}) == 1
+        head = [h for h in fixed if not (h == "baseline" and one_baseline)]
+        with_note = any(r.note for r in group)
+        extras = _shared_extras(group, MAX_COLUMNS - len(head) - with_note)
+        lines = []
+        for r in group:
+            cells = {"case": r.case, "baseline": r.baseline, "baseline ms": _fmt(r.baseline_ms),
+                     "ours ms": _fmt(r.ours_ms), "speed-up": f"{r.speedup:.2f}x" if r.speedup else "-"}
+            note = [r.note] if with_note else []
+            lines.append([cells[h] for h in head] + [_fmt(r.extra[k]) for k in extras] + note)
+        if group is compared and one_baseline:
+            parts.append(f"Baseline: {group[0].baseline}.")
+        elif group is alone:
+            parts.append("Measured without a baseline in this run (absolute numbers):")
+        parts.append(_table(head + extras + (["note"] if with_note else []), lines))
+    missing = [r.case for r in rows if r.ours_ms is None]
+    if missing:
+        parts.append(f"Not run: {', '.join(missing)}.")
+    return "\n\n".join(parts)
 
 
 def write_results(
@@ -209,18 +248,17 @@ def write_results(
     results_dir: Path | None = None,
     markdown: Path | None = None,
     info: dict | None = None,
-    update_table: bool = False,
 ) -> Path:
-    """Write `results/<component>-<date>.json`; refresh the component's section of BENCHMARKS.md only when asked.
+    """Write `results/<component>-<date>.json` (and nothing else unless `markdown` is given).
 
     Args:
         component: benchmark name (``kda``, ``ep``, ``env``, ``smoke``); also the BENCHMARKS.md section key.
         rows: measured rows.
-        title: section heading; defaults to the component name.
-        results_dir: where the JSON goes (default `benchmarks/results/`).
-        markdown: a markdown file to update (tests pass one); with None, BENCHMARKS.md is updated only when
-            ``update_table`` is set (a bench's ``--update-table``): committed tables never change by accident.
-        update_table: refresh the section of BENCHMARKS.md.
+        title: section heading, stored in the JSON for `benchmarks.table`; defaults to the component name.
+        results_dir: where the JSON goes (default ``$K3INFRA_RESULTS_DIR``, set by ``k3infra bench
+            --results-dir``, else `benchmarks/results/`).
+        markdown: a scratch markdown file to render the table into (tests); BENCHMARKS.md itself changes only
+            through `python -m benchmarks.table` (a bench's ``--update-table``) from chosen results files.
 
     Returns:
         Path of the JSON file written.
@@ -228,17 +266,18 @@ def write_results(
     if not rows:
         raise ValueError("rows is empty: a results file needs at least one measured row")
     info = info or machine_info()
-    results_dir = results_dir or RESULTS_DIR
+    results_dir = results_dir or Path(os.environ.get("K3INFRA_RESULTS_DIR") or RESULTS_DIR)
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = info["date"].replace(":", "").replace("-", "")[:15]
     path = results_dir / f"{component}-{stamp}.json"
     payload = {
         "component": component,
+        "title": title or component,
         "machine": info,
         "rows": [{**asdict(r), "speedup": r.speedup} for r in rows],
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    if update_table or markdown is not None:
+    if markdown is not None:
         update_markdown(component, rows, info, title=title, markdown=markdown, json_name=path.name)
     return path
 

@@ -114,8 +114,8 @@ def main() -> None:
     from tests.agentenv.server.conftest import runtime_leftovers, start_server
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=10000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=10000, help="generated requests in all")
+    parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="agentenv-fuzz-", dir="/tmp"))
     server = start_server(home, home / "state")

@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     add_rl_args(parser)
     parser.add_argument("--component", default="env-rl", help="results name (BENCHMARKS.md section key)")
-    parser.add_argument("--results-dir", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--results-dir", type=Path, default=None, help="where the JSON goes")
+    parser.add_argument("--markdown", type=Path, default=None, help="a scratch markdown file to render the table into")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("the RL benchmark needs root (the sandbox runtime)")

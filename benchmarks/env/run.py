@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl", action="store_true", help="run the RL environment benchmark instead")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per case")
     parser.add_argument("--live", type=int, default=1000, help="sandboxes to keep alive for the density row")
-    parser.add_argument("--results-dir", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--results-dir", type=Path, default=None, help="where the JSON goes")
+    parser.add_argument("--markdown", type=Path, default=None, help="a scratch markdown file to render the table into")
     args = parser.parse_args(argv)
 
     load_start = os.getloadavg()

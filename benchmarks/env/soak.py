@@ -20,6 +20,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.progress import track
+
 FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init")
 OOM = "python3 -c 'b = []\nwhile True: b.append(bytearray(1 << 20))'"
 DISK_FULL = "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo rc=$?"
@@ -92,7 +94,7 @@ def soak(home: Path, cycles: int) -> dict:
     backend = NamespaceBackend(home)
     report: Counter = Counter()
     start = time.perf_counter()
-    for i in range(cycles):
+    for i in track(range(cycles), "soak cycles"):
         cycle(backend, i, report)
     seconds = time.perf_counter() - start
     gc_found = backend.gc()  # the seed stays; anything else it finds was leaked
@@ -106,7 +108,7 @@ def main() -> None:
     from benchmarks.harness import Row, write_results
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cycles", type=int, default=1000)
+    parser.add_argument("--cycles", type=int, default=1000, help="sandbox lifecycles to run (default 1000)")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="agentenv-soak-", dir="/tmp"))
     try:

@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from benchmarks.ep.run import add_shape_args
+from benchmarks.ep.shapes import add_shape_args
 from benchmarks.harness import Row, machine_info, time_fn, write_results
 from moonep.layout import Layout, layout_row
 from moonep.ops import new_slot_rows, reduce_slots, scatter_rows, sum_ranks
@@ -45,10 +45,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     add_shape_args(p)
     p.add_argument("--world", type=int, default=2, help="EP ranks whose layout is simulated")
     p.add_argument("--local-skews", default="uniform,one_expert", help="skews whose stores/reduction are timed")
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--chunks", type=int, default=4, help="row chunks stored into slots one by one, as Buffer does")
+    p.add_argument("--reps", type=int, default=50, help="timed calls per case")
+    p.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    p.add_argument("--no-write", action="store_true", help="print only; write no results JSON")
     return p.parse_args(argv)
 
 

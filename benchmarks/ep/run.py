@@ -27,37 +27,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.ep.naive import naive_combine, naive_dispatch
+from benchmarks.ep.shapes import add_shape_args
 from benchmarks.ep.study import planner_study
 from benchmarks.harness import Row, machine_info, time_fn, write_results
+from benchmarks.progress import track
 from moonep import Buffer
 from moonep.reference import reference_dispatch, reference_plan
 from moonep.skew import make_routing
 
-BENCH_SKEWS = ("uniform", "lognormal1", "lognormal2", "hot_rank", "one_expert")
 BASELINE = "naive all_to_all (token x K copies, host-synced splits)"
-
-
-def add_shape_args(p: argparse.ArgumentParser) -> None:
-    """The K3 layer shapes and routings every EP benchmark takes: tokens per rank, hiddens, E, K, skews."""
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hiddens", default="7168,3584")
-    p.add_argument("--experts", type=int, default=896)
-    p.add_argument("--topk", type=int, default=16)
-    p.add_argument("--skews", default=",".join(BENCH_SKEWS))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
     p.add_argument("--expert-width", type=int, default=512, help="F of the SwiGLU experts whose weights move")
-    p.add_argument("--gate-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--no-study", action="store_true")
+    p.add_argument("--gate-tokens", type=int, default=128, help="tokens per rank of the correctness gate")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per case")
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="torch.distributed backend (gloo: CPU)")
+    p.add_argument("--world", type=int, default=2, help="EP ranks (processes; one GPU each on NCCL)")
+    p.add_argument("--no-study", action="store_true", help="skip the CPU planner study at EP = 8/16/64")
     p.add_argument("--chunk-sweep", default="1,2,8", help="num_chunks values also timed (graph) on uniform routing")
-    p.add_argument("--no-write", action="store_true", help="print only; do not write results/BENCHMARKS.md")
+    p.add_argument("--no-write", action="store_true", help="print only; write no results JSON")
     return p.parse_args(argv)
 
 
@@ -442,13 +434,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
     rows = []
     hp_group = _high_priority_group(world) if args.backend == "nccl" else None
     try:
-        for hidden in [int(h) for h in args.hiddens.split(",")]:
-            for skew in args.skews.split(","):
-                row = _case(args, rank, world, hidden, skew, device, hp_group)
-                rows.append(row)
-                if rank == 0:  # written after every case, so a later failure keeps what was measured
-                    print(json.dumps(row), flush=True)
-                    Path(out_path).write_text(json.dumps(rows))
+        cases = [(int(h), skew) for h in args.hiddens.split(",") for skew in args.skews.split(",")]
+        for hidden, skew in track(cases, "ep cases") if rank == 0 else cases:
+            row = _case(args, rank, world, hidden, skew, device, hp_group)
+            rows.append(row)
+            if rank == 0:  # written after every case, so a later failure keeps what was measured
+                print(json.dumps(row), flush=True)
+                Path(out_path).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import ROOT, Row, machine_info, machine_line, rms_ratio, time_fn, write_results
+from benchmarks.progress import track
 
 VARLEN_MIXED = (1300, 547, 2048, 963, 271, 3063)
 VARLEN_EVEN = (1024,) * 8
@@ -186,7 +187,8 @@ def measure(shape: Shape, mode: str, device: str, rep: int) -> tuple[dict[str, f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
-    parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=("inference", "training"))
+    parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=("inference", "training"),
+                        help="which shape classes to calibrate (default both)")
     parser.add_argument("--rep", type=int, default=15, help="timed calls per backend and pass")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--write-table", action="store_true",
@@ -212,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
     measurements, rows = [], []
     for mode in args.modes:
-        shapes = INFERENCE if mode == "inference" else TRAINING
-        for shape in shapes:
-            if args.rows and shape.name not in args.rows:
-                continue
+        shapes = [s for s in (INFERENCE if mode == "inference" else TRAINING) if not args.rows or s.name in args.rows]
+        for shape in track(shapes, f"calibrate {mode}"):
             t0 = time.time()
             try:
                 times, errors = measure(shape, mode, device, args.rep)

@@ -43,10 +43,10 @@ def run_batch(B: int, H: int, device: str, rep: int) -> Row:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--rep", type=int, default=100)
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256], help="batch sizes (sequences)")
+    parser.add_argument("--heads", type=int, default=64, help="attention heads H")
+    parser.add_argument("--rep", type=int, default=100, help="timed decode steps per side")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no results JSON")
     args = parser.parse_args(argv)
 
     import torch

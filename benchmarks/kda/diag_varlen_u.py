@@ -1,4 +1,4 @@
-"""GPU diagnostic: which forward stage misbehaves at varlen when ``u`` is kept in fp32 (NOTES.md, 2026-12-03).
+"""GPU diagnostic: which forward stage misbehaves at varlen when ``u`` is kept in fp32 (docs/flashkda-performance.md).
 
 The same data runs twice through each stage of the forward (``chunk_kda_fwd_intra``, ``state_pass``,
 ``state_output``): as ``B`` sequences of ``T`` tokens and as one varlen batch of the same ``B`` sequences (``T`` a

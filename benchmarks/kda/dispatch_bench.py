@@ -111,9 +111,10 @@ def time_row(shape: Shape, mode: str, device: str, rounds: int) -> Row:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
-    parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=("inference", "training"))
+    parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=("inference", "training"),
+                        help="which calls to time (default both)")
     parser.add_argument("--rounds", type=int, default=30, help="samples per setting (alternating on/off)")
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no results JSON")
     args = parser.parse_args(argv)
 
     import torch

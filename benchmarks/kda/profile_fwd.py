@@ -1,13 +1,13 @@
-"""FlashKDA forward: per-kernel CUDA times of ours and of fla-core 0.6.0 at benchmark rows, for benchmarks/kda/NOTES.md.
+"""FlashKDA forward: per-kernel CUDA times of ours and of fla-core 0.6.0 at benchmark rows.
 
 Same inputs and flags as ``benchmarks.kda.run`` (inference mode, fla with ``FLA_FLASH_KDA=0``); one profiled call of
-each after a warm-up call, so the stage-by-stage comparison with fla that the NOTES reason about is measured, not
+each after a warm-up call, so the stage-by-stage comparison with fla is measured, not
 guessed. Nothing is written to ``benchmarks/results`` (``benchmarks.kda.run`` times the rows).
 
 With ``--ncu-range`` the torch profiler is not used: every call is warmed up twice (Triton compiles and autotunes
 outside the range), then one call of each runs inside a CUDA profiler range, so ``ncu --profile-from-start off``
 sees exactly one launch of every kernel with the configuration the autotuner chose
-(``benchmarks/kda/ncu_round.sh``).
+(``bash benchmarks/device/run.sh -- ncu --profile-from-start off python3 -m benchmarks.kda.profile_fwd --ncu-range``).
 
 Usage: ``python -m benchmarks.kda.profile_fwd [--cases H64-T8192 ...] [--ours-only] [--ncu-range]`` (CUDA only).
 """

@@ -1,4 +1,4 @@
-"""The KDA benchmark cases (issue 3): prefill rows against fla's chunk_kda, one decode row against
+"""The KDA benchmark cases: prefill rows against fla's chunk_kda, one decode row against
 fla's fused_recurrent_kda. All rows: D = 128, bf16, fp32 initial and final state, inference mode."""
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ def blocked_state_config(block_v: int):
 def compile_one(fn, signature, constexprs, num_warps: int, maxnreg: int | None = None, num_stages: int = 1):
     # Pointers carry the 16-byte alignment that Triton's launcher specialises on at run time (every torch
     # allocation has it): without it the loads compile to scalar 2-byte accesses, the register and spill counts
-    # are not the device's (this report printed 255 registers and 324 B of spills for the intra kernel until
-    # 2026-12-01; with the alignment: 255 and 0, as ncu reads on the H200).
+    # are not the device's (without it the intra kernel reads 255 registers and 324 B of spills; with it 255 and
+    # 0, as ncu reads on the H200).
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if str(signature.get(name, "")).startswith("*")}
     src = ASTSource(fn, signature, constexprs, attrs)

@@ -22,6 +22,7 @@ os.environ.setdefault("FLASHKDA_DISABLE", "1")
 
 from benchmarks.harness import Row, machine_info, machine_line, rms_ratio, time_fn, write_results  # noqa: E402
 from benchmarks.kda.registry import CASES, DECODE, PREFILL, Case  # noqa: E402
+from benchmarks.progress import track  # noqa: E402
 
 
 def make_inputs(case: Case, device: str, seed: int = 0):
@@ -87,7 +88,7 @@ def _extra(t_ours, mem_fla: float, mem_ours: float, floor_ms: float, err_o: floa
 
 
 def stage_times(x: dict, device: str, rep: int) -> dict:
-    """Median ms of our two stages alone (intra-chunk; state + output, which the state path says), for NOTES.md."""
+    """Median ms of our two stages alone (intra-chunk; state + output, which the state path says)."""
     from flashkda.fwd.chunk_fwd import dot_precision_for, work_dtype_for
     from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
     from flashkda.fwd.state import chunk_kda_fwd_state_o, prefer_split
@@ -203,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dispatch", action="store_true", help="fla's chunk_kda with the FlashKDA hook on vs off")
     parser.add_argument("--decode", action="store_true", help="decode tokens/s vs fla's fused_recurrent_kda")
     parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(CASES)}")
-    parser.add_argument("--rep", type=int, default=20)
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--rep", type=int, default=20, help="timed calls per row and side (default 20)")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no results JSON")
     args = parser.parse_args(argv)
     import torch
 
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s (used for the HBM floor)")
     cases = [CASES[n] for n in args.cases] if args.cases else PREFILL[:3] + DECODE + PREFILL[3:]
     rows = []
-    for case in cases:
+    for case in track(cases, "kda cases"):
         t0 = time.time()
         row = (run_decode if case.decode else run_prefill)(case, device, bw, args.rep)
         rows.append(row)
@@ -240,9 +241,9 @@ TITLE = "kda: FlashKDA forward vs fla 0.6.0 (H200, bf16, D=128)"
 def _annotate(rows: list[Row]) -> None:
     for row in rows:
         if not row.case.startswith("decode") and row.speedup is not None and row.speedup < 3:
-            row.note = "misses the 3x goal (see benchmarks/kda/NOTES.md)"
+            row.note = "misses the 3x goal (see docs/flashkda-performance.md)"
         if row.case.startswith("decode") and row.speedup is not None and row.speedup < 1:
-            row.note = "slower than fla (see benchmarks/kda/NOTES.md)"
+            row.note = "slower than fla (see docs/flashkda-performance.md)"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """FlashKDA training benchmark: forward + backward of ours vs fla-core 0.6.0 in one run, correctness gates first.
 
-Rows (issue 4): bf16, K = V = 128, K3 flags (in-kernel L2 norm, bounded gate ``lower_bound=-5`` with ``A_log`` and
+Rows: bf16, K = V = 128, K3 flags (in-kernel L2 norm, bounded gate ``lower_bound=-5`` with ``A_log`` and
 ``dt_bias``, beta sigmoid), fp32 initial and final state, gradients for every input:
 ``B1-T8192-H64``, ``varlen1024x8-H64``, ``B8-T4096-H32``, ``B1-T32768-H32``.
 
@@ -20,8 +20,8 @@ Usage: ``python -m benchmarks.kda.train [--cases [NAME ...]] [--rep N] [--no-wri
 [--gate-T T ...] [--disable-recompute]``. ``--cases`` with no name runs no op row (only the training loop). Every
 phase prints its elapsed seconds (first calls include Triton compilation and fla's autotuning), and the results file
 is rewritten after every row, so a run cut by a time cap keeps the rows it finished. ``--profile`` prints the CUDA
-kernel table of ours and of fla at the first row (both kept in its JSON row). ``train_rows.sh`` is a device call
-that runs it; ``train_ncu_round.sh`` runs it under Nsight Compute.
+kernel table of ours and of fla at the first row (both kept in its JSON row). On the GPU machine:
+``bash benchmarks/device/run.sh "kda --train"``.
 """
 
 from __future__ import annotations
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=None,
                         help=f"subset of {list(TRAIN_CASES)} in this order (none: no op row)")
-    parser.add_argument("--rep", type=int, default=10)
+    parser.add_argument("--rep", type=int, default=10, help="timed steps per row and side (default 10)")
     parser.add_argument("--steps", type=int, default=300, help="training-loop steps (0 to skip)")
     parser.add_argument("--ours-only", action="store_true", help="time only ours (no fla call in the op rows)")
     parser.add_argument("--warmup", choices=("ours", "fla"), default=None,
@@ -452,12 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time ours at every row with these fixed backward head-slice counts")
     parser.add_argument("--disable-recompute", action="store_true",
                         help="after each row, the same row with disable_recompute=True on both sides")
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no results JSON")
     parser.add_argument("--profile", action="store_true",
                         help="print CUDA kernel profiles of ours and fla at the first row")
     parser.add_argument("--ncu-range", action="store_true",
                         help="with --profile: then one step of ours and of fla inside a CUDA profiler range (for "
-                             "ncu --profile-from-start off, benchmarks/kda/train_ncu_round.sh)")
+                             "ncu --profile-from-start off)")
     parser.add_argument("--no-gate", action="store_true", help="skip the fp64 reference gate (rows still check fla)")
     args = parser.parse_args(argv)
     import torch

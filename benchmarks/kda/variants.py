@@ -1,4 +1,4 @@
-"""FlashKDA forward: launch-configuration sweep of our two stages, for benchmarks/kda/NOTES.md.
+"""FlashKDA forward: launch-configuration sweep of our two stages (docs/flashkda-performance.md).
 
 Times the intra-chunk stage at every (warps, maxnreg, pass-2 slice) configuration and the state + output stage at every
 (V tile, warps, pipeline stages) configuration, each checked against the

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +32,7 @@ from flashkda.bwd.chunk_bwd import (
 )
 from flashkda.bwd.layout import make_layout
 from flashkda.fwd.chunk_fwd import chunk_kda_fwd
+from flashkda.options import KDAOptions
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda", "chunk_kda_autograd", "needs_grad"]
 
@@ -183,28 +183,6 @@ def chunk_kda(
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log_k, dt_bias=dt_bias_k,
     )
     return o, final_state
-
-
-@dataclass(frozen=True)
-class KDAOptions:
-    """The non-tensor arguments of one ``chunk_kda`` call."""
-
-    scale: float
-    output_final_state: bool
-    use_qk_l2norm_in_kernel: bool
-    use_gate_in_kernel: bool
-    use_beta_sigmoid_in_kernel: bool
-    allow_neg_eigval: bool
-    safe_gate: bool
-    lower_bound: float | None
-    state_v_first: bool
-    disable_recompute: bool
-    dot_precision: str = "ieee"
-    """``tl.dot`` input precision of the backward's products: ``"tf32"`` (bf16/fp16 on a GPU) or ``"ieee"``."""
-    cu_seqlens_cpu: torch.Tensor | None = None
-    """Host copy of ``cu_seqlens`` (sizes the chunked layout without reading the device)."""
-    head_slices: int | None = None
-    """A fixed number of backward head slices (see `backward_head_slices`), or None for its memory rule."""
 
 
 @contextlib.contextmanager

@@ -13,15 +13,28 @@ rank, T = R*S received rows, P home experts, N redundant weight slots (``num_red
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from moonep.layout import DispatchHandle
 from moonep.ops import expand_rows, reduce_own_and_sum, reduce_slots, sum_ranks
 from moonep.plan import Plan
+from moonep.transports.torch_dist import TorchDistTransport
 
-if TYPE_CHECKING:
-    from moonep.buffer import Buffer, DispatchHandle
+
+class Buffer(Protocol):
+    """What these functions read of a `moonep.Buffer` (passed in by it; this module never imports it)."""
+
+    num_ranks: int
+    rank: int
+    S: int
+    K: int
+    P: int
+    num_redundant_slots: int
+    chunks: list[tuple[int, int]]
+    combine_path: str
+    transport: TorchDistTransport
 
 
 def start_row_gather(buffer: Buffer, x_sH: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -112,7 +112,7 @@ def test_blocked_state_configs_match_fp64_on_gpu(config):
 def test_output_kernel_configs_match_fp64_on_gpu(config, o_hilo, fp32_u):
     """Every output-kernel configuration, with bf16 ``v_new`` (inference) and fp32 ``v_new`` (the training forward
     that keeps its states): the hi/lo split of fp32 ``v_new`` that Triton 3.6 compiled wrong at 4 warps (relative
-    error up to 0.11, 2026-12-03) must not come back."""
+    error up to 0.11) must not come back."""
     _forced_forward(dict(fp32_u=fp32_u), dict(split=True, o_config=config, o_hilo=o_hilo))
 
 

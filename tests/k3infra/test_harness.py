@@ -38,7 +38,7 @@ def test_write_results_records_machine_and_both_sides(tmp_path):
     assert payload["rows"][0]["speedup"] == 4.0
     assert payload["rows"][1]["baseline_ms"] is None
     text = md.read_text()
-    assert "4.00x" in text and "not run" in text
+    assert "4.00x" in text and "| n=20 | 0.7 | baseline not installed |" in text
     write_results("unit", rows[:1], results_dir=tmp_path, markdown=md)
     assert md.read_text().count("<!-- bench:unit -->") == 1
 

@@ -97,7 +97,7 @@ def test_watchdog_times_each_collective_from_when_the_previous_one_completed(tmp
 
 class _CompletedWork:
     """A completed collective whose ``exception()`` behaves as torch 2.11's NCCL Work did on the H200
-    (2026-12-01): the pybind result cannot be converted, so the call raises TypeError."""
+    (torch 2.11): the pybind result cannot be converted, so the call raises TypeError."""
 
     def is_completed(self) -> bool:
         return True

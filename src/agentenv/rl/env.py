@@ -36,16 +36,11 @@ from typing import Any
 
 from agentenv import errors
 from agentenv.rl.backends import SandboxHandle, SandboxProvider
-from agentenv.rl.tasks import TaskSpec, Verdict
+from agentenv.rl.tasks import TaskSpec, Verdict, seed_code
 from agentenv.rl.tools import ToolCall, ToolContext, ToolOutput, parse_action, run_tool, tool_schemas
 from agentenv.rl.trajectory import TrajectoryWriter
 
 log = logging.getLogger(__name__)
-
-
-def seed_code(seed: int) -> str:
-    """Interpreter code that seeds the sandbox's `random` module at reset."""
-    return f"import random as _r; _r.seed({int(seed)}); del _r"
 
 
 def _obs(output: ToolOutput, call: ToolCall | None) -> dict:

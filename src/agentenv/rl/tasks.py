@@ -21,6 +21,12 @@ from agentenv.rl.backends import SandboxHandle
 
 log = logging.getLogger(__name__)
 
+
+def seed_code(seed: int) -> str:
+    """Interpreter code that seeds the sandbox's `random` module at an episode's reset."""
+    return f"import random as _r; _r.seed({int(seed)}); del _r"
+
+
 HIDDEN_DIR = "/tmp/.agentenv-verifier"
 """Where hidden test files are placed while a verifier runs (removed afterwards)."""
 

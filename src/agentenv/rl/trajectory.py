@@ -201,8 +201,7 @@ def replay(path: str | os.PathLike, provider, *, executor=None) -> ReplayReport:
         ValueError: the trajectory's task has a verifier that cannot be rebuilt (a Python callable).
     """
     from agentenv import errors
-    from agentenv.rl.env import seed_code
-    from agentenv.rl.tasks import TaskSpec
+    from agentenv.rl.tasks import TaskSpec, seed_code
     from agentenv.rl.tools import ToolCall, ToolContext, parse_action, run_tool
 
     t0 = time.perf_counter()

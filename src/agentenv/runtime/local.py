@@ -428,17 +428,26 @@ class NamespaceBackend(Backend):
         Raises:
             SandboxError: a setup command failed (its output is in the message); nothing is left behind.
         """
-        from agentenv.sandbox import Sandbox
-
         base = self._image(image)
         self.store.image_path(name)  # validates the name
-        with Sandbox.create(image, backend=self) as sb:
-            for cmd in setup:
-                result = sb.exec(cmd, timeout=timeout_s)
-                if result.exit_code != 0:
-                    raise errors.SandboxError(f"template {name!r}: {cmd!r} exited with {result.exit_code}: "
-                                              f"{(result.stdout + result.stderr)[-2000:]}")
-            snap = sb.snapshot()
+        sid = self.create(image, Limits())
+        try:
+            conn = self.connect(sid)
+            try:
+                for cmd in setup:
+                    reply, _ = conn.request({"op": "exec", "cmd": cmd, "env": None, "cwd": None,
+                                             "timeout": timeout_s, "max_output": None}, timeout_s=timeout_s)
+                    if reply["exit_code"] != 0:
+                        raise errors.SandboxError(f"template {name!r}: {cmd!r} exited with {reply['exit_code']}: "
+                                                  f"{(reply['stdout'] + reply['stderr'])[-2000:]}")
+            finally:
+                conn.close()
+            snap = self.snapshot(sid)
+        finally:
+            try:
+                self.destroy(sid)
+            except errors.SandboxNotFoundError:
+                pass
         self.store.save_image(name, {"name": name, "layers": [], "usr_bind": bool(base.get("usr_bind")),
                                      "template": snap, "from": image, "setup": list(setup)})
         return snap

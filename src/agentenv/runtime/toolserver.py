@@ -28,7 +28,7 @@ import time
 from agentenv import protocol
 from agentenv.runtime import rootfs, seccomp, sessions, spawner
 from agentenv.runtime import syscalls as sc
-from agentenv.server.watch import read_regular
+from agentenv.runtime.fileio import read_regular
 
 NS_SANDBOX = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWCGROUP
 OUTPUT_CAP = 16 << 20

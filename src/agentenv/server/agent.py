@@ -35,9 +35,12 @@ import sys
 import threading
 import time
 
-try:  # in the sandbox the boot program loads `agentenv.server.watch` under this name ahead of this file
+try:  # in the sandbox the boot program loads `agentenv.runtime.fileio` and `agentenv.server.watch` under this name
     import agentenv_envd_watch as watching
+
+    read_regular = watching.read_regular
 except ImportError:
+    from agentenv.runtime.fileio import read_regular
     from agentenv.server import watch as watching
 
 HEADER = struct.Struct("!II")
@@ -589,7 +592,7 @@ class Agent:
         if os.path.isdir(path):
             raise Fault("invalid_argument", f"path {path!r} is a directory")
         try:
-            return {}, watching.read_regular(path, MAX_READ)
+            return {}, read_regular(path, MAX_READ)
         except FileNotFoundError as e:
             raise Fault("not_found", f"file {path!r} does not exist") from e
         except ValueError as e:

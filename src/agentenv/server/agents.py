@@ -56,13 +56,15 @@ def _setns(fd: int) -> None:
 
 
 def _agent_source() -> bytes:
-    """What the boot program reads on stdin: the watch module's length (10 digits), its source, the agent's."""
+    """What the boot program reads on stdin: each helper module as its length (10 digits) and source (the file
+    reader, then the watches; both run in one module namespace), then the agent's source."""
     global _AGENT_SOURCE
     if _AGENT_SOURCE is None:
+        from agentenv.runtime import fileio
         from agentenv.server import watch
 
-        helper = Path(watch.__file__).read_bytes()
-        _AGENT_SOURCE = b"%010d" % len(helper) + helper + Path(wire.__file__).read_bytes()
+        parts = [Path(m.__file__).read_bytes() for m in (fileio, watch)]
+        _AGENT_SOURCE = b"".join(b"%010d" % len(p) + p for p in parts) + Path(wire.__file__).read_bytes()
     return _AGENT_SOURCE
 
 
@@ -179,10 +181,12 @@ class AgentLink:
     def _start(self) -> None:
         from agentenv import errors
 
-        boot = ("import sys, types; src = sys.stdin.buffer.read(); n = int(src[:10]) + 10; "
-                "m = sys.modules['agentenv_envd_watch'] = types.ModuleType('agentenv_envd_watch'); "
-                "exec(compile(src[10:n], 'agentenv-envd-watch', 'exec'), m.__dict__); "
-                "exec(compile(src[n:], 'agentenv-envd-agent', 'exec'), {'__name__': 'agentenv_envd_agent'})")
+        boot = ("import sys, types; src = sys.stdin.buffer.read(); i = 0\n"
+                "m = sys.modules['agentenv_envd_watch'] = types.ModuleType('agentenv_envd_watch')\n"
+                "for name in ('fileio', 'watch'):\n"
+                "    n = int(src[i:i + 10]); exec(compile(src[i + 10:i + 10 + n], 'agentenv-envd-' + name, 'exec'), "
+                "m.__dict__); i += 10 + n\n"
+                "exec(compile(src[i:], 'agentenv-envd-agent', 'exec'), {'__name__': 'agentenv_envd_agent'})")
         try:
             result = self.sandbox.commands.run([AGENT_PYTHON, "-I", "-S", "-c", boot], stdin=_agent_source(),
                                                timeout=START_TIMEOUT_S)

@@ -19,8 +19,6 @@ not take.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from flashkda.bwd.gated_dots import chunk_kda_gated_dots_gates_bwd, fused_gates
@@ -40,9 +38,7 @@ from flashkda.bwd.state_tokens import chunk_kda_bwd_dh_tokens
 from flashkda.bwd.wy import chunk_kda_bwd_ut
 from flashkda.fwd.state import state_pass
 from flashkda.index import build_chunk_index
-
-if TYPE_CHECKING:
-    from flashkda.chunk import KDAOptions
+from flashkda.options import KDAOptions
 
 __all__ = ["backward_head_slices", "chunk_kda_bwd", "chunk_kda_bwd_torch", "chunk_kda_fwd_fp64"]
 

@@ -234,7 +234,7 @@ def chunk_kda_prologue_fwd(q, k, v, g, beta, A_log, dt_bias, opts, layout: Chunk
                            heads: tuple[int, int] | None = None, store_factors: bool = True):
     """Raw ``[B, T, ...]`` inputs to fp32 chunked tensors (see the module docstring).
 
-    ``opts`` is a `flashkda.chunk.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
+    ``opts`` is a `flashkda.options.KDAOptions`; ``tok`` comes from `slot_tokens`. Inputs must be contiguous.
     ``heads=(hv0, hv1)`` restricts the output to value heads ``hv0 <= hv < hv1`` (whole GVA groups); default all.
     ``store_factors=False`` leaves out ``qg``, ``kend`` and ``dec`` (returned as None): only the state passes read
     them (and the unfused gate chain): a backward whose state passes already ran over all heads skips three of seven

@@ -75,7 +75,7 @@ def chunk_kda_recompute_operands(q, k, v, g, beta, A_log, dt_bias, opts, layout:
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``: the raw inputs
-            (contiguous, bf16); A_log ``[HV]``, dt_bias ``[HV * K]`` or None; opts: `flashkda.chunk.KDAOptions`.
+            (contiguous, bf16); A_log ``[HV]``, dt_bias ``[HV * K]`` or None; opts: `flashkda.options.KDAOptions`.
         layout, tok: the chunked layout and `flashkda.bwd.prologue.slot_tokens` of it.
         minv: ``[HV / HS, NC', HS, C, C]`` the forward's saved ``(I + Diag(beta) Akk)^-1`` (``NC' >= NC``).
 
