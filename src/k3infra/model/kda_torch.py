@@ -59,6 +59,11 @@ def _chunk_equal_length(q, k, v, g, beta, scale, S0, chunk_size):
     return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V), S
 
 
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 for half inputs (the state must be fp32); fp64 stays fp64 so tests can check the math exactly.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _pad_time(x: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-x.shape[1]) % multiple
     if not pad:
@@ -79,7 +84,7 @@ def chunk_kda_torch(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Differentiable chunked KDA in fp32 (any device).
+    """Differentiable chunked KDA in fp32 (fp64 for fp64 inputs), any device.
 
     Args:
         q: ``[B, T, H, K]`` queries, already L2-normalised.
@@ -94,7 +99,7 @@ def chunk_kda_torch(
         chunk_size: ``C``.
 
     Returns:
-        ``(o [B, T, H, V]`` in ``q``'s dtype, ``final_state`` or None).
+        ``(o [B, T, H, V]`` in ``q``'s dtype, ``final_state`` fp32 (fp64 for fp64 inputs) or None).
 
     Raises:
         ValueError: shapes disagree, or ``cu_seqlens`` with ``B != 1``.
@@ -107,8 +112,9 @@ def chunk_kda_torch(
         )
     scale = K**-0.5 if scale is None else scale
     dtype = q.dtype
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    S0 = None if initial_state is None else initial_state.float()
+    work = _work_dtype(dtype)
+    q, k, v, g, beta = (t.to(work) for t in (q, k, v, g, beta))
+    S0 = None if initial_state is None else initial_state.to(work)
     if cu_seqlens is None:
         padded = [_pad_time(t, chunk_size) for t in (q, k, v, g)] + [_pad_time(beta.unsqueeze(-1), chunk_size)]
         o, S = _chunk_equal_length(*padded[:4], padded[4].squeeze(-1), scale, S0, chunk_size)
@@ -151,12 +157,13 @@ def recurrent_kda_torch(
     """Token-by-token KDA (decode); same inputs as `chunk_kda_torch` without ``cu_seqlens``.
 
     Returns:
-        ``(o [B, T, H, V]`` in ``q``'s dtype, final state ``[B, H, K, V]`` fp32).
+        ``(o [B, T, H, V]`` in ``q``'s dtype, final state ``[B, H, K, V]`` fp32, fp64 for fp64 inputs).
     """
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    S = initial_state.float() if initial_state is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32)
-    qf, kf, vf, gf, bf = (t.float() for t in (q, k, v, g, beta))
+    work = _work_dtype(q.dtype)
+    S = initial_state.to(work) if initial_state is not None else q.new_zeros(B, H, K, v.shape[-1], dtype=work)
+    qf, kf, vf, gf, bf = (t.to(work) for t in (q, k, v, g, beta))
     outs = []
     for t in range(T):
         S = S * gf[:, t].exp().unsqueeze(-1)
