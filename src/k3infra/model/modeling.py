@@ -109,6 +109,9 @@ def _check_inputs(input_ids, attention_mask, position_ids, cu_seqlens, labels, v
     B, T = input_ids.shape
     if T == 0:
         raise ValueError("input_ids must hold at least one token (T >= 1), got T=0")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
     if attention_mask is not None:
         if attention_mask.shape != (B, T):
             raise ValueError(f"attention_mask must be [B, T] = [{B}, {T}], got {tuple(attention_mask.shape)}")
@@ -276,6 +279,8 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
 
         from moonep import Buffer
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("enable_expert_parallel needs torch.distributed initialised (init_process_group)")
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         E = self.config.n_routed_experts
         if E % size:
