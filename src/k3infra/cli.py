@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--arch", default=None,
                           help="GPU architecture to report on, e.g. sm_90 (default: this machine's GPU, else sm_90)")
     dispatch.set_defaults(func=cmd_kda_dispatch)
+    from k3infra.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
