@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from k3infra.model.config import preset_names
 from k3infra.plan.chart import memory_chart
 from k3infra.plan.cluster import GPUS, load_cluster
 from k3infra.plan.model import load_model, shipped_names
@@ -20,9 +21,14 @@ from k3infra.plan.report import explain, table, to_json
 from k3infra.plan.search import SearchOptions, plan_serve, plan_train
 from k3infra.plan.timing import OVERLAP
 from k3infra.plan.workload import (
-    CACHE_BYTES, OPTIMIZERS, PRECISIONS, RECOMPUTE, WEIGHT_BYTES, ServeWorkload, TrainWorkload,
-)  # fmt: skip
-from k3infra.model.config import preset_names
+    CACHE_BYTES,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE,
+    WEIGHT_BYTES,
+    ServeWorkload,
+    TrainWorkload,
+)
 
 __all__ = ["add_plan_parser", "main"]
 

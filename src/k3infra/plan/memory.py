@@ -17,7 +17,7 @@ from k3infra.plan.model import ModelSpec
 from k3infra.plan.workload import CACHE_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, Layout, ServeWorkload, TrainWorkload
 
 __all__ = ["KDA_CHUNK", "StageSlice", "stages", "layer_activation", "train_memory", "serve_memory", "cache_per_token",
-           "kda_state_bytes"]  # fmt: skip
+           "kda_state_bytes", "weight_bytes"]  # fmt: skip
 
 KDA_CHUNK = 64
 """Chunk length C of the chunked KDA form whose intermediates are saved (``K3_MODEL.md`` §5)."""
@@ -188,6 +188,12 @@ def cache_per_token(model: ModelSpec, cache_dtype: str = "bf16") -> float:
     return total
 
 
+def weight_bytes(model: ModelSpec, expert_dtype: str = "bf16", dense_dtype: str = "bf16") -> float:
+    """Bytes of all weights: routed experts in ``expert_dtype``, everything else in ``dense_dtype``."""
+    total, expert, _ = model.count()
+    return expert * WEIGHT_BYTES[expert_dtype] + (total - expert) * WEIGHT_BYTES[dense_dtype]
+
+
 def kda_state_bytes(model: ModelSpec) -> tuple[float, float]:
     """``(recurrent, conv)`` KDA state bytes per sequence: fp32 ``H·d_h²`` and bf16 ``3·D·(w−1)`` per layer."""
     if not model.kda:
@@ -213,7 +219,8 @@ def serve_memory(model: ModelSpec, layout: Layout, work: ServeWorkload) -> dict[
         if model.mla:  # one latent for all heads: TP ranks split it by tokens (decode context parallel)
             cache += kinds.count("mla") * (model.mla.kv_rank + model.mla.rope) * b / L.tp
         if model.gqa:
-            cache += kinds.count("gqa") * 2 * model.gqa.kv_heads * model.gqa.head_dim * b / min(L.tp, model.gqa.kv_heads)
+            g = model.gqa
+            cache += kinds.count("gqa") * 2 * g.kv_heads * g.head_dim * b / min(L.tp, g.kv_heads)
         terms["kv_cache"] = seqs * work.context / L.cp * cache
         if model.kda:
             k = model.kda

@@ -207,7 +207,9 @@ def _qwen_moe(raw: dict, name: str, source: str) -> ModelSpec:
     d, H, L = g("hidden_size"), g("num_attention_heads"), g("num_hidden_layers")
     kv = raw.get("num_key_value_heads") or H
     hd = raw.get("head_dim") or d // H
-    attn = d * H * hd + 2 * d * kv * hd + H * hd * d + 2 * hd + (2 * kv * hd + H * hd if raw.get("attention_bias") else 0)
+    attn = d * H * hd + 2 * d * kv * hd + H * hd * d + 2 * hd  # q, k, v, o, q_norm, k_norm
+    if raw.get("attention_bias"):
+        attn += H * hd + 2 * kv * hd + d
     E, m = g("num_experts"), g("moe_intermediate_size")
     moe = MoESpec(E, g("num_experts_per_tok"), m, d, 0, False, 3 * d * m, E * d)
     only_dense, step = set(raw.get("mlp_only_layers") or []), raw.get("decoder_sparse_step", 1) or 1

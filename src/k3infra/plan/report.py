@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
+from k3infra.plan.memory import weight_bytes
 from k3infra.plan.search import Plan, PlanResult
 
 __all__ = ["explain", "to_json", "table"]
@@ -28,11 +30,25 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB" if x >= 0.1 * GB or x == 0 else f"{x / 1e6:.3g} MB"
 
 
+def min_gpus_to_load(result: PlanResult) -> int | None:
+    """GPUs whose usable memory holds the serving weights alone (no cache), or None for training."""
+    if result.kind != "serve" or result.workload is None:
+        return None
+    w = result.workload
+    return math.ceil(weight_bytes(result.model, w.weight_dtype, w.dense_weight_dtype) / result.usable)
+
+
 def explain(result: PlanResult, *, efficiency: float | None = None) -> str:
     """The best plan in a few sentences, or why nothing fits."""
     best = result.best
+    load = min_gpus_to_load(result)
+    loading = ""
+    if load is not None:
+        w = result.workload
+        weights = weight_bytes(result.model, w.weight_dtype, w.dense_weight_dtype)
+        loading = f" Weights alone take {_gb(weights)}: at least {load} GPUs of this kind."
     if best is None:
-        return result.reason()
+        return result.reason() + loading
     L = best.layout
     terms = ", ".join(f"{_LABELS.get(k, k)} {_gb(v)}" for k, v in memory_terms(best)[:4])
     head = (
@@ -64,7 +80,7 @@ def explain(result: PlanResult, *, efficiency: float | None = None) -> str:
             mem,
             f"Decode step {1e3 * t['decode_step_s']:.3g} ms ({_gb(t['hbm_bytes'])} read from HBM per GPU per "
             f"stage), {t['decode_tokens_per_s']:,.0f} tokens/s over all sequences; prefill of one context "
-            f"≈ {t['prefill_s']:.3g} s on one replica.",
+            f"≈ {t['prefill_s']:.3g} s on one replica." + loading,
         ]
     if words:
         lines.append(f"Traffic per GPU per step: {words}.")
@@ -98,6 +114,7 @@ def to_json(result: PlanResult, *, top: int = 10, request: dict | None = None) -
         "usable_bytes_per_gpu": result.usable,
         "feasible": result.best is not None,
         "reason": result.reason(),
+        "min_gpus_to_load": min_gpus_to_load(result),
         "evaluated": len(result.plans),
         "n_feasible": len(result.feasible),
         "rejected": result.rejected,

@@ -98,6 +98,7 @@ class PlanResult:
     usable: float
     rejected: dict[str, int] = field(default_factory=dict)
     """Layouts not evaluated, by reason."""
+    workload: TrainWorkload | ServeWorkload | None = None
 
     @property
     def feasible(self) -> list[Plan]:
@@ -180,7 +181,7 @@ def plan_train(model: ModelSpec, cluster: ClusterSpec, work: TrainWorkload, opts
                           ep_imbalance=opts.ep_imbalance)  # fmt: skip
         plans.append(Plan(layout, memory, comm, time, usable, m))
     plans.sort(key=lambda p: (not p.feasible, p.time["step_s"], p.peak))
-    return PlanResult("train", model, cluster, plans, usable, dict(rejected))
+    return PlanResult("train", model, cluster, plans, usable, dict(rejected), work)
 
 
 def plan_serve(model: ModelSpec, cluster: ClusterSpec, work: ServeWorkload, opts: SearchOptions | None = None
@@ -201,4 +202,4 @@ def plan_serve(model: ModelSpec, cluster: ClusterSpec, work: ServeWorkload, opts
         time = serve_time(model, layout, work, cluster, memory, comm, efficiency=opts.efficiency)
         plans.append(Plan(layout, memory, comm, time, usable))
     plans.sort(key=lambda p: (not p.feasible, -p.time["decode_tokens_per_s"], p.peak))
-    return PlanResult("serve", model, cluster, plans, usable, dict(rejected))
+    return PlanResult("serve", model, cluster, plans, usable, dict(rejected), work)
