@@ -83,7 +83,7 @@ def _from_file(path: Path) -> ClusterSpec:
         raw = json.loads(text)
     if not isinstance(raw, dict):
         raise ValueError(f"--cluster {path}: expected a mapping, got {type(raw).__name__}")
-    known = {f.name for f in fields(GPU)} | {"gpus", "nodes", "name"}
+    known = {f.name for f in fields(GPU)} | {"gpu", "gpus", "nodes"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"--cluster {path}: unknown fields {unknown}; expected some of {sorted(known)}")

@@ -116,7 +116,9 @@ class PlanResult:
             closest = min(self.plans, key=lambda p: p.peak)
             return "no layout fits; the closest: " + closest.overflow()
         why = "; ".join(f"{n}× {r}" for r, n in sorted(self.rejected.items(), key=lambda x: -x[1])[:3])
-        return f"no valid layout for {self.cluster.gpus} GPUs: {why}"
+        return f"no valid layout for {self.cluster.gpus} GPUs: " + (
+            why or "none matches the given --tp/--ep/--pp/--vp/--cp/--zero/--redundant choices"
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -149,7 +151,9 @@ def _layouts(model: ModelSpec, cluster: ClusterSpec, opts: SearchOptions, seq_le
                 for vp in _allowed(vps, opts.vp):
                     eps = [e for e in divisors(tp * cp * dp) if experts % e == 0]
                     for ep in _allowed(eps, opts.ep):
-                        zeros = [0] if dp * cp == 1 and tp * cp * dp // ep == 1 else [0, 1, 2, 3]
+                        # Without a data-parallel group every ZeRO stage is stage 0: try it once unless asked.
+                        alone = dp * cp == 1 and tp * cp * dp // ep == 1
+                        zeros = [0] if alone and opts.zero is None else [0, 1, 2, 3]
                         slots = [0] if ep == 1 or not model.moe else [0, experts // ep]
                         for zero, red, rc in itertools.product(
                             _allowed(zeros, opts.zero), _allowed(slots, opts.redundant), recompute
