@@ -125,15 +125,17 @@ def ep_buffer_slots(model: ModelSpec, layout: Layout, tokens: float) -> float:
 
 @functools.lru_cache(maxsize=16384)
 def _stage_table(model: ModelSpec, pp: int, vp: int, recompute: str, act_bytes: float) -> tuple:
-    """Per pipeline rank: ``(slice, non_expert, expert, largest_layer, saved_bytes_per_token, has_moe)``."""
+    """Per pipeline rank: ``(slice, non_expert, expert, largest_layer, saved, working, has_moe)``; ``saved``
+    bytes per token per micro-batch in flight, ``working`` bytes per token once (full recompute)."""
     rows = []
     for sl in stages(len(model.layers), pp, vp):
         ne, e, biggest = _params(model, sl)
         saved = sum(layer_activation(model, i, recompute, act_bytes) for i in sl.layers)
+        working = 0.0
         if recompute == "full" and sl.layers:
-            # The layer being recomputed holds its full working set instead of its checkpoint.
-            saved += max(layer_activation(model, i, "selective", act_bytes) for i in sl.layers) - 2.0 * model.hidden
-        rows.append((sl, ne, e, biggest, saved, any(model.layers[i][1] == "moe" for i in sl.layers)))
+            # One layer at a time is recomputed: its working set replaces its checkpoint, for one micro-batch.
+            working = max(layer_activation(model, i, "selective", act_bytes) for i in sl.layers) - 2.0 * model.hidden
+        rows.append((sl, ne, e, biggest, saved, working, any(model.layers[i][1] == "moe" for i in sl.layers)))
     return tuple(rows)
 
 
@@ -154,7 +156,7 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
     attn_res = (model.attn_res_blocks + 1) * model.hidden * 2.0 if model.attn_res_blocks else 0.0
     logit_bytes = 2.0 if work.chunked_ce else 10.0  # bf16 logits; unchunked CE adds fp32 log-probs and their grad
     best: dict[str, float] | None = None
-    for sl, ne, e, biggest, saved, has_moe in _stage_table(model, L.pp, L.vp, L.recompute, act_bytes):
+    for sl, ne, e, biggest, saved, working, has_moe in _stage_table(model, L.pp, L.vp, L.recompute, act_bytes):
         ne, e = ne / L.tp, e / L.ep
         flight = in_flight(L, sl.stage, micro_batches)
         terms = {
@@ -163,7 +165,7 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
             "optimizer": opt * (ne / o_shard[0] + e / o_shard[1]),
             # FSDP gathers one layer while prefetching the next.
             "fsdp_gather": 2 * WEIGHT_TRAIN_BYTES * biggest / L.tp if L.zero >= 3 else 0.0,
-            "activations": tokens * saved * flight,
+            "activations": tokens * (saved * flight + working),
             "attn_res": tokens * attn_res * flight,
             # One micro-batch of logits, vocab-parallel over TP, all of the CP rank's tokens.
             "logits": tokens * model.vocab * logit_bytes if sl.last else 0.0,
