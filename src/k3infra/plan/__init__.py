@@ -8,14 +8,20 @@ Example::
     'TP1 EP1 PP1 CP1 DP1 Z0'
 """
 
-from k3infra.plan.cluster import GPUS, ClusterSpec, load_cluster
-from k3infra.plan.memory import cache_per_token, kda_state_bytes, serve_memory, train_memory
-from k3infra.plan.model import ModelSpec, load_model, model_from_hf, model_from_k3
-from k3infra.plan.search import Plan, PlanResult, SearchOptions, plan_serve, plan_train
-from k3infra.plan.workload import Layout, ServeWorkload, TrainWorkload
+import importlib
 
-__all__ = [
-    "GPUS", "ClusterSpec", "Layout", "ModelSpec", "Plan", "PlanResult", "SearchOptions", "ServeWorkload",
-    "TrainWorkload", "cache_per_token", "kda_state_bytes", "load_cluster", "load_model", "model_from_hf",
-    "model_from_k3", "plan_serve", "plan_train", "serve_memory", "train_memory",
-]  # fmt: skip
+_WHERE = {
+    "GPUS": "cluster", "ClusterSpec": "cluster", "load_cluster": "cluster",
+    "cache_per_token": "memory", "kda_state_bytes": "memory", "serve_memory": "memory", "train_memory": "memory",
+    "ModelSpec": "model", "load_model": "model", "model_from_hf": "model", "model_from_k3": "model",
+    "Plan": "search", "PlanResult": "search", "SearchOptions": "search", "plan_serve": "search",
+    "plan_train": "search", "Layout": "workload", "ServeWorkload": "workload", "TrainWorkload": "workload",
+}  # fmt: skip
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    # Lazy: `k3infra --help` must not import transformers (the model configs need it) to build its parser.
+    if name not in _WHERE:
+        raise AttributeError(f"module 'k3infra.plan' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"k3infra.plan.{_WHERE[name]}"), name)

@@ -12,23 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from k3infra.model.config import preset_names
-from k3infra.plan.chart import memory_chart
-from k3infra.plan.cluster import GPUS, load_cluster
-from k3infra.plan.model import load_model, shipped_names
-from k3infra.plan.report import explain, table, to_json
-from k3infra.plan.search import SearchOptions, plan_serve, plan_train
-from k3infra.plan.timing import OVERLAP
+from k3infra.plan.cluster import GPUS
 from k3infra.plan.workload import (
     CACHE_BYTES,
     OPTIMIZERS,
+    OVERLAP,
     PRECISIONS,
     RECOMPUTE,
     WEIGHT_BYTES,
-    ServeWorkload,
-    TrainWorkload,
 )
+
+PRESETS = ("k3", "k3-mini", "k3-debug")
+SHIPPED = tuple(sorted(p.stem for p in (Path(__file__).resolve().parent / "configs").glob("*.json")))
 
 __all__ = ["add_plan_parser", "main"]
 
@@ -45,7 +42,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="k3-mini",
-                   help=f"preset {preset_names()}, shipped config {shipped_names()}, or a config.json path "
+                   help=f"preset {PRESETS}, shipped config {SHIPPED}, or a config.json path "
                         "(K3Config, DeepSeek-V3 / Kimi K2, Qwen3-MoE) (default: k3-mini)")
     p.add_argument("--cluster", default="8xH200",
                    help=f"'<count>x<GPU>' with GPU in {tuple(GPUS)} (8 per node; 64xH200 = 8 nodes), "
@@ -110,6 +107,13 @@ def _request(args: argparse.Namespace) -> dict:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run the planner for parsed arguments; 0 when a layout fits, 1 when none does, 2 on bad input."""
+    from k3infra.plan.chart import memory_chart
+    from k3infra.plan.cluster import load_cluster
+    from k3infra.plan.model import load_model
+    from k3infra.plan.report import explain, table, to_json
+    from k3infra.plan.search import SearchOptions, plan_serve, plan_train
+    from k3infra.plan.workload import ServeWorkload, TrainWorkload
+
     try:
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")

@@ -14,8 +14,8 @@ from k3infra.plan.cluster import ClusterSpec
 from k3infra.plan.comm import serve_comm, train_comm
 from k3infra.plan.memory import serve_memory, train_memory
 from k3infra.plan.model import ModelSpec
-from k3infra.plan.timing import OVERLAP, serve_time, train_time
-from k3infra.plan.workload import RECOMPUTE, Layout, ServeWorkload, TrainWorkload
+from k3infra.plan.timing import serve_time, train_time
+from k3infra.plan.workload import OVERLAP, RECOMPUTE, Layout, ServeWorkload, TrainWorkload
 
 __all__ = ["Plan", "PlanResult", "SearchOptions", "plan_train", "plan_serve", "divisors"]
 

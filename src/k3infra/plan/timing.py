@@ -14,9 +14,8 @@ from k3infra.plan.memory import KDA_CHUNK
 from k3infra.plan.model import ModelSpec
 from k3infra.plan.workload import WEIGHT_BYTES, Layout, ServeWorkload, TrainWorkload
 
-__all__ = ["OVERLAP", "model_flops_per_token", "train_time", "serve_time"]
+__all__ = ["model_flops_per_token", "train_time", "serve_time"]
 
-OVERLAP = ("none", "dp", "all")
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> tuple[float, float]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 __all__ = ["RECOMPUTE", "OPTIMIZERS", "WEIGHT_BYTES", "TrainWorkload", "ServeWorkload", "Layout"]
 
 RECOMPUTE = ("none", "selective", "full")
+OVERLAP = ("none", "dp", "all")
+"""Communication hidden behind compute: nothing, data-parallel traffic, or also EP/PP/CP (DualPipe-like)."""
 OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("bf16", "fp8")
 CACHE_BYTES = {"bf16": 2.0, "fp8": 1.0}
