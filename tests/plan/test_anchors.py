@@ -77,3 +77,27 @@ def test_k3_serving_weights():
     assert round(weight_bytes(K3, "mxfp4") / 1e12, 2) == 1.56
     assert round(weight_bytes(K3, "int4", "int4") / 1e12, 1) == 1.4  # "≈1.4 TB after low-precision quantization"
     assert math.ceil(weight_bytes(K3, "fp8", "fp8") / 288e9) == 10  # "≥10 GB300-class GPUs to load"
+
+
+def test_deepseek_v3_published_layout_fits_h800():
+    """DeepSeek-V3: PP16 × EP64 × ZeRO-1 DP on 2048 H800 without TP, FP8, seq 4K, 15,360 sequences per step."""
+    from k3infra.plan import SearchOptions, load_cluster, plan_train
+
+    work = TrainWorkload(seq_len=4096, global_batch_tokens=4096 * 15360, precision="fp8", optimizer="adamw")
+    opts = SearchOptions(tp=(1,), pp=(16,), ep=(64,), zero=(1,), cp=(1,), vp=(1,), recompute=("selective",),
+                         overlap="all")  # fmt: skip
+    result = plan_train(load_model("deepseek-v3"), load_cluster("2048xH800"), work, opts)
+    assert result.best is not None and result.best.layout.dp == 128 and result.best.micro_batches == 120
+
+
+def test_k3_layout_sketch_within_ten_percent():
+    """K3_MODEL.md §5 sketch: 64 nodes, PP16 VP3, EP32, DP32, full recompute at 8K tokens ≈ 114 GB of 141."""
+    from k3infra.plan import SearchOptions, load_cluster, plan_train
+
+    work = TrainWorkload(seq_len=8192, global_batch_tokens=8192 * 1024)
+    opts = SearchOptions(tp=(1,), pp=(16,), vp=(3,), ep=(32,), cp=(1,), zero=(2,), redundant=(28,),
+                         recompute=("full",))  # fmt: skip
+    plan = plan_train(load_model("k3"), load_cluster("512xH200"), work, opts).plans[0]
+    assert plan.memory["moonep_prefetch"] / 1e9 == pytest.approx(1.85, abs=0.01)
+    assert plan.memory["ep_buffer"] / 1e9 == pytest.approx(0.94, abs=0.01)
+    assert plan.peak / 1e9 == pytest.approx(114, rel=0.1)

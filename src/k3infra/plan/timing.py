@@ -80,35 +80,38 @@ def train_time(model: ModelSpec, layout: Layout, work: TrainWorkload, cluster: C
 
 def serve_time(model: ModelSpec, layout: Layout, work: ServeWorkload, cluster: ClusterSpec, memory: dict[str, float],
                comm: dict[str, dict[str, float]], *, efficiency: float = 0.5) -> dict[str, float]:  # fmt: skip
-    """Decode step latency, decode throughput and a prefill (time to first token) estimate for one sequence.
+    """Decode round time, decode throughput and a prefill (time to first token) estimate for one sequence.
 
-    Per pipeline stage the GPU reads its dense weights, the experts its tokens touch (expected distinct experts
-    of ``E`` hit by ``T`` tokens choosing ``k``: ``E·(1 − (1 − k/E)^T)``), its cache and the KDA state
-    (read and written).
+    A replica's ``⌈concurrency/DP⌉`` sequences are split into ``n = min(PP, sequences)`` decode micro-batches.
+    For one micro-batch a stage reads its dense weights, the experts its tokens touch (expected distinct experts
+    of ``E`` hit by ``T`` tokens choosing ``k``: ``E·(1 − (1 − k/E)^T)``), their cache and KDA state (read and
+    written), and sends its share of the step's traffic. Every sequence gains one token per round of ``PP``
+    stage times (``n ≤ PP`` micro-batches each pass every stage once).
     """
     L, gpu = layout, cluster.gpu
     seqs = -(-work.concurrency // L.dp)
-    _, expert, active = model.count()
-    dense_w = (model.count()[0] - expert) / (L.tp * L.pp) * WEIGHT_BYTES[work.dense_weight_dtype]
+    n_mb = min(L.pp, seqs)
+    mb = seqs / n_mb
+    total, expert, active = model.count()
+    dense_w = (total - expert) / (L.tp * L.pp) * WEIGHT_BYTES[work.dense_weight_dtype]
     expert_read = 0.0
     if model.moe:
         e = model.moe
-        tokens_ep = seqs * max(1.0, L.ep / (L.tp * L.cp))
+        tokens_ep = mb * max(1.0, L.ep / (L.tp * L.cp))
         touched = e.experts * (1 - (1 - e.top_k / e.experts) ** tokens_ep)
         expert_read = model.n_moe_layers / L.pp * touched / L.ep * e.expert_params * WEIGHT_BYTES[work.weight_dtype]
-    hbm = dense_w + expert_read + memory["kv_cache"] + 2 * memory["kda_state"]
-    flops = seqs * 2.0 * active / (L.tp * L.cp * L.pp)
+    hbm = dense_w + expert_read + (memory["kv_cache"] + 2 * memory["kda_state"]) / n_mb
+    flops = mb * 2.0 * active / (L.tp * L.cp * L.pp)
     if model.mla:
         a = model.mla
-        flops += seqs * 2 * a.heads * (2 * a.kv_rank + a.rope) * work.context * model.n_attention("mla") / (
-            L.tp * L.cp * L.pp)
+        attention = 2 * a.heads * (2 * a.kv_rank + a.rope) * work.context * model.n_attention("mla")
+        flops += mb * attention / (L.tp * L.cp * L.pp)
     stage = max(hbm / gpu.hbm_bw, flops / (gpu.bf16_flops * efficiency))
-    stage += sum(_link_seconds(entry, cluster) for entry in comm.values())
-    latency = stage * L.pp
+    stage += sum(_link_seconds(entry, cluster) for entry in comm.values()) / n_mb
+    round_s = stage * L.pp
     gemm, attn = model_flops_per_token(model, work.context)
     prefill = work.context * (gemm + attn) / 3 / ((L.world // L.dp) * gpu.bf16_flops * efficiency)
     return {
-        "decode_step_s": latency, "hbm_bytes": hbm,
-        "decode_tokens_per_s": work.concurrency / latency * min(L.pp, seqs),
+        "decode_step_s": round_s, "hbm_bytes": hbm, "decode_tokens_per_s": work.concurrency / round_s,
         "prefill_s": prefill,
     }  # fmt: skip
