@@ -76,3 +76,11 @@ def test_every_option_has_help():
     for kind in plan._subparsers._group_actions[0].choices.values():
         for action in kind._actions:
             assert action.help, action.option_strings
+
+
+def test_json_to_a_file_and_unwritable_path(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "serve", "--model", "k3-mini", "--cluster", "1xH200", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kind"] == "serve"
+    assert main(["plan", "serve", "--model", "k3-mini", "--cluster", "1xH200", "--json", str(tmp_path / "no/x")]) == 2
+    assert "--json" in capsys.readouterr().err

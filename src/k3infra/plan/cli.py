@@ -145,8 +145,12 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            try:
+                with open(args.json, "w") as f:
+                    f.write(text + "\n")
+            except OSError as error:
+                print(f"k3infra plan {args.plan_kind}: error: --json {args.json}: {error}", file=sys.stderr)
+                return 2
     if args.json != "-":
         from rich.console import Console
 
