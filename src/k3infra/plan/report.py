@@ -84,7 +84,26 @@ def explain(result: PlanResult, *, efficiency: float | None = None) -> str:
         ]
     if words:
         lines.append(f"Traffic per GPU per step: {words}.")
+    lines.extend(_alternatives(result, best))
     return "\n".join(lines)
+
+
+def _alternatives(result: PlanResult, best: Plan) -> list[str]:
+    """Why not the runner-up, and why not a faster layout that does not fit."""
+    key = "step_s" if result.kind == "train" else "decode_step_s"
+    out = []
+    feasible = result.feasible
+    if len(feasible) > 1:
+        second = next((p for p in feasible[1:] if p.layout.label() != best.layout.label()), None)
+        if second is not None:
+            gain = second.time[key] / best.time[key] - 1
+            out.append(f"Runner-up {second.layout.label()} ({second.layout.recompute} recompute, "
+                       f"{_gb(second.peak)}) is {100 * gain:.1f}% slower.")  # fmt: skip
+    faster = [p for p in result.plans if not p.feasible and p.time[key] < best.time[key]]
+    if faster:
+        quickest = min(faster, key=lambda p: p.time[key])
+        out.append(f"Faster but not fitting: {quickest.overflow()}.")
+    return out
 
 
 def _plan_json(plan: Plan) -> dict:
