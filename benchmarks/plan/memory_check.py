@@ -101,7 +101,10 @@ def measure(variant: Variant, config: K3Config, device: str) -> tuple[float | No
 
     cls = _model_class()
     torch.manual_seed(0)
-    model = cls(config).to(device=device, dtype=torch.bfloat16)
+    model = cls(config).to(device=device)
+    with torch.no_grad():  # parameters in bf16 (the planner's 2 B); fp32 buffers (router bias, QB statistics) stay
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (variant.batch, variant.seq), device=device)
     cuda = device.startswith("cuda")
     note = ""
