@@ -90,7 +90,7 @@ def _train_step_fn(model, torch, device: str):
             for m, p in zip(master, params):
                 p.copy_(m)
                 p.main_grad.zero_()
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
