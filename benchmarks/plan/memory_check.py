@@ -95,6 +95,22 @@ def _train_step_fn(model, torch, device: str):
     return step
 
 
+def _prefill_fn(model, ids):
+    """A serving engine's prefill: the decoder with a fresh cache, logits of the last position only (what
+    `serve_memory` models). Falls back to the full forward when the model has no ``.model`` / ``cache`` API."""
+    decoder = getattr(model, "model", None)
+    accepted = inspect.signature(decoder.forward).parameters if decoder is not None else {}
+    if "cache" in accepted:
+        from k3infra.model import K3Cache
+
+        def run() -> None:
+            out = decoder(ids, cache=K3Cache(), use_cache=True)
+            model.lm_head(out.last_hidden_state[:, -1:]).float()
+
+        return run, ""
+    return (lambda: model(input_ids=ids)), "full forward: logits of every position, no cache"
+
+
 def measure(variant: Variant, config: K3Config, device: str) -> tuple[float | None, float, str]:
     """Run one variant; ``(peak_bytes or None on CPU, seconds of the measured step, note)``."""
     import torch
@@ -124,21 +140,13 @@ def measure(variant: Variant, config: K3Config, device: str) -> tuple[float | No
             step(ids)
         else:
             model.eval()
-            kwargs = {}
-            accepted = inspect.signature(model.forward).parameters
-            if "logits_to_keep" in accepted:
-                kwargs["logits_to_keep"] = 1
-            if "use_cache" in accepted:
-                kwargs["use_cache"] = True
-            else:
-                note = "forward takes no use_cache: cache not allocated"
+            run, note = _prefill_fn(model, ids)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             begin = time.perf_counter()
             with torch.no_grad():
-                out = model(input_ids=ids, **kwargs)
-            del out
+                run()
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - begin
