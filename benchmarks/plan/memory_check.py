@@ -129,7 +129,8 @@ def measure(variant: Variant, config: K3Config, device: str) -> tuple[float | No
             if variant.recompute == "full":
                 if not getattr(model, "supports_gradient_checkpointing", False):
                     return None, 0.0, "not run: the model does not support gradient checkpointing"
-                model.gradient_checkpointing_enable()
+                enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+                enable()
             model.train()
             step = _train_step_fn(model, torch, device)
             step(ids)  # creates the optimizer states
