@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
     _add_bench(sub)
     _add_kda(sub)
+    from k3infra.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
