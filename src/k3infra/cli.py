@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--arch", default=None,
                           help="GPU architecture to report on, e.g. sm_90 (default: this machine's GPU, else sm_90)")
     dispatch.set_defaults(func=cmd_kda_dispatch)
+    importlib.import_module("k3infra.train.cli").register(sub)
     return parser
 
 

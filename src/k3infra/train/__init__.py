@@ -2,21 +2,23 @@
 
 `train` / `Trainer` run single-process or under ``torchrun`` (FSDP2 data parallel, MoonEP expert parallel,
 Muon + AdamW, DCP checkpoints with exact resume); `prepare_data` builds the corpus, BPE tokenizer and packed rows.
+Names are imported on first use, so ``k3infra --help`` does not load torch.
 """
 
-from k3infra.train.data import TrainData, prepare_data
-from k3infra.train.packing import IGNORE_INDEX, PackedBatch, PackedDataset, pack_rows
-from k3infra.train.trainer import TrainConfig, Trainer, TrainResult, train
+from __future__ import annotations
 
-__all__ = [
-    "IGNORE_INDEX",
-    "PackedBatch",
-    "PackedDataset",
-    "TrainConfig",
-    "TrainData",
-    "TrainResult",
-    "Trainer",
-    "pack_rows",
-    "prepare_data",
-    "train",
-]
+import importlib
+
+_EXPORTS = {
+    "IGNORE_INDEX": "packing", "PackedBatch": "packing", "PackedDataset": "packing", "pack_rows": "packing",
+    "TrainData": "data", "prepare_data": "data",
+    "TrainConfig": "trainer", "TrainResult": "trainer", "Trainer": "trainer", "train": "trainer",
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'k3infra.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"k3infra.train.{_EXPORTS[name]}"), name)

@@ -119,6 +119,8 @@ class TrainResult:
     curve: Path | None
     checkpoint: Path | None
     peak_memory_gib: float | None
+    is_main: bool = True
+    """Whether this process is rank 0 (the one that prints and plots)."""
 
     @property
     def losses(self) -> list[float]:
@@ -136,13 +138,18 @@ def default_model_factory(config: K3Config) -> nn.Module:
     return K3ForCausalLM(config)
 
 
-def _check_model_config(cfg: TrainConfig, config: K3Config, world_size: int) -> None:
+def _check_model_config(cfg: TrainConfig, config: K3Config) -> None:
+    if not isinstance(cfg.ep, int) or cfg.ep < 1:
+        raise ValueError(f"--ep must be a positive int, got {cfg.ep!r}")
     if config.n_routed_experts % cfg.ep:
         raise ValueError(f"--ep {cfg.ep} must divide the routed expert count n_routed_experts="
                          f"{config.n_routed_experts} of --config {cfg.preset}")
     if cfg.seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings} of --config {cfg.preset}")
+
+
+def _check_world(cfg: TrainConfig, world_size: int) -> None:
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the world size {world_size} "
                          "(rows per step are split evenly over the ranks)")
@@ -159,10 +166,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None) -> None:
         self.cfg = cfg = cfg.resolved()
         resume = resolve_checkpoint(cfg.resume) if cfg.resume else None
+        unknown = sorted(k for k in cfg.overrides if k not in K3Config.__annotations__ and not hasattr(K3Config, k))
+        if unknown:
+            raise ValueError(f"--override: unknown K3Config field(s) {unknown}")
         self.config = K3Config.from_preset(cfg.preset, **cfg.overrides)
+        _check_model_config(cfg, self.config)
         self.state: ParallelState = init_parallel(cfg.ep, cfg.device)
         try:
-            _check_model_config(cfg, self.config, self.state.world_size)
+            _check_world(cfg, self.state.world_size)
             self.data = self._prepare_data()
             self._build(model_factory or default_model_factory)
             self.history: list[dict] = []
@@ -315,7 +326,7 @@ class Trainer:
                                         uniform_entropy=self.data.uniform_entropy)
             peak_mem = torch.cuda.max_memory_allocated() / 2**30 if state.device.type == "cuda" else None
             return TrainResult(self.history, self.data.unigram_entropy, self.data.uniform_entropy, out, curve,
-                               checkpoint, peak_mem)
+                               checkpoint, peak_mem, state.is_main)
         finally:
             if writer is not None:
                 writer.close()
