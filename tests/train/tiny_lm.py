@@ -1,12 +1,17 @@
 """A small causal LM with the `K3ForCausalLM` forward contract, for trainer tests that must not depend on the
 K3 model's speed: token embedding, segment-aware causal token mixing (respects ``cu_seqlens``), a top-k MoE with
-a selection-only router bias, ``lm_head``, and the `transformers` label shift."""
+a selection-only router bias, ``lm_head``, and the `transformers` label shift.
+
+``enable_expert_parallel(group)`` keeps ``E / ep`` experts per rank; tokens are exchanged with autograd-aware
+all-gather / all-reduce (a plain collective EP, not MoonEP), enough to exercise the trainer's EP plumbing."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,17 +24,38 @@ class TinyMoE(nn.Module):
         self.register_buffer("bias", torch.zeros(experts))
         self.k = k
         self.updates = 0
+        self.first = 0
+        self.group = None
+
+    def shard(self, group) -> None:
+        ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        per = len(self.experts) // ep
+        self.first = rank * per
+        self.experts = nn.ModuleList(list(self.experts)[self.first : self.first + per])
+        self.experts.expert_parallel_sharded = True
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = torch.sigmoid(self.router(x).float())
         top = torch.topk(scores + self.bias, self.k, dim=-1).indices
         weights = torch.gather(scores, -1, top)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        if self.group is not None:
+            tokens = x.shape[1]
+            x = torch.cat(dist_fn.all_gather(x, group=self.group), 1)
+            weights = torch.cat(dist_fn.all_gather(weights, group=self.group), 1)
+            gathered = [torch.empty_like(top) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(gathered, top, group=self.group)
+            top = torch.cat(gathered, 1)
         out = torch.zeros_like(x)
         for slot in range(self.k):
-            for e, expert in enumerate(self.experts):
+            for e, expert in enumerate(self.experts, start=self.first):
                 mask = (top[..., slot] == e).unsqueeze(-1).to(x.dtype)
                 out = out + mask * weights[..., slot : slot + 1] * expert(x)
+        if self.group is not None:
+            out = dist_fn.all_reduce(out, group=self.group)
+            rank = dist.get_rank(self.group)
+            out = out[:, rank * tokens : (rank + 1) * tokens]
         return out
 
     def update_balancing(self) -> None:
@@ -59,6 +85,10 @@ class TinyLM(nn.Module):
         self.model.norm = nn.RMSNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
+    def enable_expert_parallel(self, group) -> None:
+        for moe in self.moe_layers():
+            moe.shard(group)
+
     def moe_layers(self) -> list[TinyMoE]:
         return [layer.moe for layer in self.model.layers]
 
@@ -78,5 +108,5 @@ class TinyLM(nn.Module):
 
 
 def tiny_factory(config) -> TinyLM:
-    """``K3Config -> TinyLM`` with the config's vocabulary."""
-    return TinyLM(config.vocab_size)
+    """``K3Config -> TinyLM`` with the config's vocabulary and routed-expert count."""
+    return TinyLM(config.vocab_size, experts=config.n_routed_experts // 4)

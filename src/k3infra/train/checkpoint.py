@@ -39,9 +39,8 @@ def _tag_experts(flat: dict[str, Any], expert_names: set[str], ep_rank: int, *, 
     out = {}
     suffix = f"@ep{ep_rank}"
     for key, value in flat.items():
-        if isinstance(value, dict):
-            out[key] = _tag_experts(value, expert_names, ep_rank, tag=tag)
-        elif tag and key in expert_names:
+        # model entries map a name to a tensor, optimizer entries a name to a dict of state tensors
+        if tag and key in expert_names:
             out[key + suffix] = value
         elif not tag and key.endswith(suffix) and key[: -len(suffix)] in expert_names:
             out[key[: -len(suffix)]] = value
