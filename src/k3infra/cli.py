@@ -16,7 +16,7 @@ from k3infra import __version__
 from k3infra.components import COMPONENTS, by_name, probe
 from k3infra.demos import DemoRow
 
-BENCH_NAMES = ("kda", "ep", "env", "smoke")
+BENCH_NAMES = ("kda", "ep", "env", "train", "smoke")
 
 
 def _device() -> str:
