@@ -1,0 +1,178 @@
+"""The K3 KDA token mixer: projections, causal depthwise conv, the bounded low-rank decay and a KDA backend.
+
+Per head (``K3_MODEL.md`` §1)::
+
+    q, k = L2Norm(Swish(Conv4(W x)))   v = Swish(Conv4(W_v x))   β = σ(W_β x)
+    z = W_α↑ W_α↓ x + b_α              g = lower_bound · σ(e^{A_h} z)   (log decay per key channel)
+    S_t = (I − β k kᵀ) Diag(e^g) S_{t−1} + β k vᵀ     õ = S_tᵀ q · d_h^{-1/2}
+    y = W_o[σ(W_g x) ⊙ RMSNorm(õ)]
+
+Backends (``config.kda_backend``): ``torch`` (`k3infra.model.kda_torch`, any device, differentiable),
+``flashkda`` / ``fla`` (Triton, CUDA), ``auto`` = ``flashkda`` on CUDA tensors else ``torch``.
+
+Shape suffixes: B batch, T tokens, D hidden, H heads, K head dim, W conv width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3infra.model.kda_torch import chunk_kda_torch, recurrent_kda_torch
+from k3infra.model.layers import RMSNorm
+
+__all__ = ["K3KDA", "causal_depthwise_conv", "positions_in_sequence"]
+
+#: Decode steps of at most this many tokens run the recurrent form.
+DECODE_MAX_TOKENS = 4
+
+
+def positions_in_sequence(T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``[T]`` int64 index of each token within its packed sequence (plain ``arange`` without ``cu_seqlens``)."""
+    pos = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return pos
+    starts = cu_seqlens[:-1].to(device=device, dtype=torch.long)
+    seq_of_token = torch.searchsorted(cu_seqlens[1:].to(device=device, dtype=torch.long), pos, right=True)
+    return pos - starts[seq_of_token]
+
+
+def causal_depthwise_conv(
+    x_BTD: torch.Tensor, weight_DW: torch.Tensor, state_BWD: torch.Tensor | None, pos_T: torch.Tensor | None
+) -> torch.Tensor:
+    """``y_t = Σ_j weight[:, W−1−j] · x_{t−j}`` without crossing sequence starts.
+
+    Args:
+        x_BTD: inputs.
+        weight_DW: depthwise kernel (last column multiplies the current token).
+        state_BWD: ``[B, W−1, D]`` the previous ``W−1`` inputs (decode), or None (zeros / sequence start).
+        pos_T: position of each token in its sequence (taps reaching before it are dropped), or None when
+            ``state_BWD`` is given.
+    """
+    W = weight_DW.shape[1]
+    T = x_BTD.shape[1]
+    if state_BWD is not None:
+        xx = torch.cat([state_BWD.to(x_BTD.dtype), x_BTD], 1)
+    else:
+        xx = F.pad(x_BTD, (0, 0, W - 1, 0))
+    y = x_BTD * weight_DW[:, W - 1]
+    for j in range(1, W):
+        tap = xx[:, W - 1 - j : W - 1 - j + T] * weight_DW[:, W - 1 - j]
+        if state_BWD is None and pos_T is not None:
+            tap = tap * (pos_T >= j).to(tap.dtype)[None, :, None]
+        y = y + tap
+    return y
+
+
+def _kda_kernels(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "flashkda" if device.type == "cuda" else "torch"
+    if backend in ("flashkda", "fla") and device.type != "cuda":
+        raise ValueError(f"kda_backend={backend!r} needs CUDA tensors, got device {device}; use 'torch' or 'auto'")
+    return backend
+
+
+class K3KDA(nn.Module):
+    """Kimi Delta Attention layer of K3 (parameters exactly those counted by `count_parameters`).
+
+    Args:
+        config: a `K3Config`.
+        layer_idx: index of this layer in the decoder (its cache slot).
+    """
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        d, H, K, W, rank = (config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.kda_conv_size,
+                            config.kda_gate_rank)
+        D = H * K
+        self.layer_idx, self.num_heads, self.head_dim, self.conv_size = layer_idx, H, K, W
+        self.lower_bound, self.chunk_size, self.backend = config.kda_gate_lower_bound, config.kda_chunk_size, \
+            config.kda_backend
+        self.q_proj = nn.Linear(d, D, bias=False)
+        self.k_proj = nn.Linear(d, D, bias=False)
+        self.v_proj = nn.Linear(d, D, bias=False)
+        self.q_conv = nn.Parameter(torch.empty(D, W))
+        self.k_conv = nn.Parameter(torch.empty(D, W))
+        self.v_conv = nn.Parameter(torch.empty(D, W))
+        self.f_a_proj = nn.Linear(d, rank, bias=False)
+        self.f_b_proj = nn.Linear(rank, D, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.g_proj = nn.Linear(d, D, bias=False)
+        self.o_norm = RMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(D, d, bias=False)
+
+    @torch.no_grad()
+    def reset_kda_parameters(self) -> None:
+        """Conv taps ~ U(±1/√W); decay bias so the initial per-token decay ``−g`` spans [0.001, 0.1] (log-uniform)
+        and ``A = 0``: long memory at the start, as fla initialises its gate."""
+        bound = 1 / math.sqrt(self.conv_size)
+        for w in (self.q_conv, self.k_conv, self.v_conv):
+            w.uniform_(-bound, bound)
+        decay = torch.exp(torch.empty_like(self.f_b_proj.bias).uniform_(math.log(1e-3), math.log(1e-1)))
+        frac = (decay / -self.lower_bound).clamp(1e-6, 1 - 1e-6)
+        self.f_b_proj.bias.copy_(torch.log(frac) - torch.log1p(-frac))
+        self.A_log.zero_()
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Mix tokens; ``x_BTD`` ``[B, T, D]``; ``cu_seqlens`` ``[N + 1]`` for packed input (``B == 1``);
+        ``cache`` a `K3Cache` (its KDA slot for this layer is read and updated). Returns ``[B, T, D]``."""
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        state = cache.kda_state(self.layer_idx) if cache is not None else None
+        pos_T = None if state is not None else positions_in_sequence(T, cu_seqlens, x_BTD.device)
+        conv_in = [self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)]
+        convs = []
+        for i, (u, w) in enumerate(zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))):
+            convs.append(F.silu(causal_depthwise_conv(u, w, None if state is None else state.conv[i], pos_T)))
+        q = F.normalize(convs[0].view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x_BTD.dtype)
+        k = F.normalize(convs[1].view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x_BTD.dtype)
+        v = convs[2].view(B, T, H, K)
+        z = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K).float()
+        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * z)
+        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        initial = None if state is None else state.recurrent
+        o, final = self._mix(q, k, v, g, beta, initial, cache is not None, cu_seqlens)
+        if cache is not None:
+            new_conv = [_tail(u, None if state is None else state.conv[i], self.conv_size - 1)
+                        for i, u in enumerate(conv_in)]
+            cache.update_kda(self.layer_idx, final, new_conv, T)
+        o = self.o_norm(o.to(x_BTD.dtype)).reshape(B, T, H * K)
+        return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o)
+
+    def _mix(self, q, k, v, g, beta, initial, want_state, cu_seqlens):
+        backend = _kda_kernels(self.backend, q.device)
+        decode = not torch.is_grad_enabled() and q.shape[1] <= DECODE_MAX_TOKENS and cu_seqlens is None
+        if backend == "torch":
+            if decode:
+                return recurrent_kda_torch(q, k, v, g, beta, initial_state=initial)
+            return chunk_kda_torch(q, k, v, g, beta, initial_state=initial, output_final_state=want_state,
+                                   cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+        if decode:
+            from flashkda import fused_recurrent_kda
+
+            return fused_recurrent_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), initial_state=initial,
+                                       output_final_state=True)
+        if backend == "fla":
+            from fla.ops.kda import chunk_kda
+        else:
+            from flashkda import chunk_kda
+        return chunk_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), initial_state=initial,
+                         output_final_state=want_state, cu_seqlens=cu_seqlens, safe_gate=True)
+
+
+def _tail(u_BTD: torch.Tensor, prev_BWD: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The last ``width`` conv inputs after this call (zeros before the first token)."""
+    if prev_BWD is not None:
+        u_BTD = torch.cat([prev_BWD.to(u_BTD.dtype), u_BTD], 1)
+    if u_BTD.shape[1] < width:
+        u_BTD = F.pad(u_BTD, (0, 0, width - u_BTD.shape[1], 0))
+    return u_BTD[:, u_BTD.shape[1] - width :].detach()

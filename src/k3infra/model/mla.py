@@ -1,0 +1,100 @@
+"""Gated multi-head latent attention (MLA) of K3: q-LoRA, a compressed KV latent, a shared rope-part key that is
+never rotated (NoPE), a sigmoid output gate and softmax scale ``(n + r)^{-1/2}``.
+
+    q = W_qb RMSNorm(W_qa x);  [c | k_r] = W_kva x;  [k_n | v] = W_kvb RMSNorm(c);  k_r shared by heads
+    y = W_o[σ(W_g x) ⊙ softmax(q·[k_n; k_r] / √(n + r)) v]
+
+The decode cache keeps ``[c | k_r]`` (``r_kv + r`` values per token). In training the layer records each head's
+largest pre-softmax logit (``max_logit``) for QK-Clip (`k3infra.model.qk_clip`).
+
+Shape suffixes: B batch, T query tokens, S key tokens, D hidden, H heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3infra.model.layers import RMSNorm
+
+__all__ = ["K3MLA", "attention_mask_for"]
+
+
+def attention_mask_for(T: int, S: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``[T, S]`` bool mask (True = attend) for queries at the last ``T`` of ``S`` positions, block-diagonal over
+    packed sequences when ``cu_seqlens`` is given; None when plain causal with ``T == S`` (SDPA's ``is_causal``)."""
+    if cu_seqlens is None and T == S:
+        return None
+    key = torch.arange(S, device=device)
+    query = torch.arange(S - T, S, device=device)
+    mask = key[None, :] <= query[:, None]
+    if cu_seqlens is not None:
+        bounds = cu_seqlens[1:].to(device=device, dtype=torch.long)
+        seq_q = torch.searchsorted(bounds, query, right=True)
+        seq_k = torch.searchsorted(bounds, key, right=True)
+        mask = mask & (seq_q[:, None] == seq_k[None, :])
+    return mask
+
+
+class K3MLA(nn.Module):
+    """Gated MLA layer (parameters exactly those counted by `count_parameters`).
+
+    Args:
+        config: a `K3Config`.
+        layer_idx: index of this layer in the decoder (its cache slot).
+    """
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        d, H = config.hidden_size, config.mla_num_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.r_kv, self.n, self.r, self.dv = (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                              config.v_head_dim)
+        self.scale = (self.n + self.r) ** -0.5
+        self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.n + self.r), bias=False)
+        self.kv_a_proj = nn.Linear(d, self.r_kv + self.r, bias=False)
+        self.kv_a_norm = RMSNorm(self.r_kv, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.r_kv, H * (self.n + self.dv), bias=False)
+        self.g_proj = nn.Linear(d, H * self.dv, bias=False)
+        self.o_proj = nn.Linear(H * self.dv, d, bias=False)
+        self.register_buffer("max_logit", torch.zeros(H), persistent=False)
+        self.track_max_logit = True
+        """Record ``max_logit`` in training forwards (a detached ``q·kᵀ`` recompute, one sequence at a time)."""
+
+    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Attend; ``x_BTD`` ``[B, T, D]``, ``cu_seqlens`` ``[N + 1]`` (``B == 1``), ``cache`` a `K3Cache`.
+        Returns ``[B, T, D]``."""
+        B, T, _ = x_BTD.shape
+        H, n, r, dv = self.num_heads, self.n, self.r, self.dv
+        q_BHTE = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD))).view(B, T, H, n + r).transpose(1, 2)
+        latent_BTL = self.kv_a_proj(x_BTD)
+        if cache is not None:
+            latent_BTL = cache.update_mla(self.layer_idx, latent_BTL)
+        S = latent_BTL.shape[1]
+        c, k_r = latent_BTL.split([self.r_kv, r], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(c)).view(B, S, H, n + dv)
+        k_n, v = kv.split([n, dv], dim=-1)
+        k_BHSE = torch.cat([k_n, k_r[:, :, None, :].expand(B, S, H, r)], -1).transpose(1, 2)
+        v_BHSV = v.transpose(1, 2)
+        mask_TS = attention_mask_for(T, S, cu_seqlens, x_BTD.device)
+        if self.training and self.track_max_logit:
+            self._record_max_logit(q_BHTE, k_BHSE, mask_TS)
+        o = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=mask_TS is None,
+                                           scale=self.scale)
+        o_BTV = o.transpose(1, 2).reshape(B, T, H * dv)
+        return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o_BTV)
+
+    @torch.no_grad()
+    def _record_max_logit(self, q_BHTE, k_BHSE, mask_TS) -> None:
+        T, S = q_BHTE.shape[2], k_BHSE.shape[2]
+        if mask_TS is None:
+            mask_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTE.device).tril()
+        best = torch.full((self.num_heads,), float("-inf"), device=q_BHTE.device)
+        for b in range(q_BHTE.shape[0]):
+            logits_HTS = (q_BHTE[b].float() @ k_BHSE[b].float().transpose(-1, -2)) * self.scale
+            logits_HTS = logits_HTS.masked_fill(~mask_TS, float("-inf"))
+            best = torch.maximum(best, logits_HTS.amax(dim=(1, 2)))
+        self.max_logit.copy_(torch.maximum(self.max_logit, best.to(self.max_logit.dtype)))

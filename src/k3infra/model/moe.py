@@ -1,0 +1,199 @@
+"""Stable LatentMoE of K3 with Quantile Balancing, local experts or expert parallel through MoonEP.
+
+Forward, as steps (``K3_MODEL.md`` §1):
+    1. router (fp32): ``s = σ(W_r x)``; top-(k+1) on ``s + b`` (``b`` only selects, never weighs); the first ``k``
+       are the token's experts, ``p = s_topk / Σ s_topk`` (times ``routed_scaling_factor``);
+    2. the (k+1)-th value is the token's cutoff ``α``; in training the margins ``s − α`` go into per-expert
+       histograms (Quantile Balancing);
+    3. ``h = W↓ x`` (latent ``ℓ``); routed SiTU-GLU experts on ``h``, gate-weighted sum ``u``;
+    4. ``y = shared(x) + W↑ RMSNorm(u)`` (shared experts full width, replicated on every EP rank).
+
+Quantile Balancing: `K3MoE.update_balancing` (the trainer calls it after each optimizer step) sums the
+histograms over a process group, sets ``b_j = −quantile_{1−k/E}(s_{:,j} − α)`` so that expert ``j`` would have
+been picked by a ``k/E`` share of the batch's tokens, centres ``b`` to mean zero and clears the histograms.
+
+Shape suffixes: s tokens, D hidden, L latent, M expert width, E routed experts, K top-k, P local experts,
+C dispatched slots, X bins.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
+
+__all__ = ["K3MoE", "Router", "grouped_situ"]
+
+logger = logging.getLogger(__name__)
+
+
+class Router(nn.Module):
+    """Sigmoid router in fp32 with a selection-only bias and the Quantile Balancing statistics.
+
+    Buffers: ``bias`` ``[E]`` (persistent; frozen unless `K3MoE.update_balancing` runs), ``qb_hist`` ``[E, X]``
+    margin counts since the last update (not saved).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, bins: int, margin_range: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("bias", torch.zeros(num_experts))
+        self.register_buffer("qb_hist", torch.zeros(num_experts, bins), persistent=False)
+        self.top_k, self.num_experts, self.bins, self.margin_range = top_k, num_experts, bins, margin_range
+
+    def forward(self, x_sD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(topk_idx_sK int64, topk_weights_sK fp32)``; records QB margins in training."""
+        # fp32: sigmoid scores near 0/1 and their normalisation lose precision in bf16.
+        scores_sE = torch.sigmoid(x_sD.float() @ self.weight.float().t())
+        sel = (scores_sE.detach() + self.bias).topk(self.top_k + 1, dim=1)
+        idx_sK = sel.indices[:, : self.top_k]
+        if self.training:
+            self._record(scores_sE.detach(), sel.values[:, self.top_k])
+        weights_sK = scores_sE.gather(1, idx_sK)
+        return idx_sK, weights_sK / weights_sK.sum(1, keepdim=True).clamp(min=1e-20)
+
+    @torch.no_grad()
+    def _record(self, scores_sE: torch.Tensor, cutoff_s: torch.Tensor) -> None:
+        margins_sE = scores_sE - cutoff_s[:, None]
+        X, R = self.bins, self.margin_range
+        bin_sE = ((margins_sE + R) / (2 * R) * X).long().clamp(0, X - 1)
+        flat = (bin_sE + torch.arange(self.num_experts, device=bin_sE.device) * X).flatten()
+        self.qb_hist.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self.qb_hist.dtype))
+
+    @torch.no_grad()
+    def update_bias(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Quantile Balancing step (see the module docstring); returns False if no margins were recorded.
+
+        When torch.distributed is initialised the histograms are all-reduced over ``group`` (None: the default
+        group, as in torch.distributed), so every rank must call it."""
+        hist_EX = self.qb_hist.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(hist_EX, group=group)
+        total = hist_EX[0].sum()
+        if total <= 0:
+            return False
+        target = (1.0 - self.top_k / self.num_experts) * total
+        cdf_EX = hist_EX.cumsum(1)
+        below = cdf_EX - hist_EX  # counts strictly before each bin
+        X, R = self.bins, self.margin_range
+        j = torch.searchsorted(cdf_EX.contiguous(), torch.full((self.num_experts, 1), float(target),
+                                                                device=cdf_EX.device)).clamp(max=X - 1)
+        inside = ((target - below.gather(1, j)) / hist_EX.gather(1, j).clamp(min=1)).clamp(0, 1)
+        quantile_E = ((j.float() + inside) / X * 2 * R - R).squeeze(1)
+        bias = -quantile_E
+        self.bias.copy_(bias - bias.mean())
+        self.qb_hist.zero_()
+        return True
+
+
+def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_beta: float) -> torch.Tensor:
+    """``W2[SiTU-GLU(W1 x, W3 x)]`` per expert over its contiguous rows of ``x_CL``; rows past the counts give 0.
+
+    ``torch._grouped_mm`` on CUDA bf16 (no host sync), else a loop over experts (reads the counts on the host).
+    """
+    if x_CL.is_cuda and x_CL.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = counts_P.cumsum(0).to(torch.int32)
+        a = torch._grouped_mm(x_CL, w1_PML.transpose(1, 2), offs=offs)
+        c = torch._grouped_mm(x_CL, w3_PML.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(situ_glu(a, c, gate_beta, up_beta), w2_PLM.transpose(1, 2), offs=offs)
+        used = torch.arange(x_CL.shape[0], device=x_CL.device) < offs[-1]
+        return y * used[:, None].to(y.dtype)
+    out, start = [], 0
+    for p, count in enumerate(counts_P.tolist()):
+        if count:
+            xp = x_CL[start : start + count]
+            act = situ_glu(xp @ w1_PML[p].t(), xp @ w3_PML[p].t(), gate_beta, up_beta)
+            out.append(act @ w2_PLM[p].t())
+        start += count
+    if start < x_CL.shape[0]:
+        out.append(x_CL.new_zeros(x_CL.shape[0] - start, w2_PLM.shape[1]))
+    return torch.cat(out, 0) if out else x_CL.new_zeros(0, w2_PLM.shape[1])
+
+
+class K3MoE(nn.Module):
+    """Stable LatentMoE FFN (parameters exactly those counted by `count_parameters`).
+
+    Routed expert weights are stacked: ``w1``/``w3`` ``[E, m, ℓ]`` and ``w2`` ``[E, ℓ, m]``; after
+    `enable_expert_parallel` only this rank's ``E / R`` home experts are kept.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        d, E, m, lat = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, config.moe_latent_size
+        self.num_experts, self.top_k, self.scale = E, config.num_experts_per_tok, config.routed_scaling_factor
+        self.gate_beta, self.up_beta = config.situ_gate_beta, config.situ_up_beta
+        self.router = Router(d, E, self.top_k, config.qb_bins, config.qb_margin_range)
+        self.latent_down = nn.Linear(d, lat, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, m, lat))
+        self.w3 = nn.Parameter(torch.empty(E, m, lat))
+        self.w2 = nn.Parameter(torch.empty(E, lat, m))
+        self.latent_norm = RMSNorm(lat, config.rms_norm_eps)
+        self.latent_up = nn.Linear(lat, d, bias=False)
+        self.shared_experts = (SiTUGLU(d, config.n_shared_experts * m, self.gate_beta, self.up_beta)
+                               if config.n_shared_experts else None)
+        self.ep_buffer = None
+        self.ep_rank, self.ep_size = 0, 1
+
+    # -- expert parallel -------------------------------------------------------------------------------------
+
+    def shard_experts(self, buffer, rank: int, size: int) -> None:
+        """Keep only home experts ``[rank·E/size, (rank+1)·E/size)`` and route through ``buffer`` (a
+        `moonep.Buffer` over the EP group with ``hidden = ℓ``)."""
+        P = self.num_experts // size
+        with torch.no_grad():
+            for name in ("w1", "w3", "w2"):
+                full = getattr(self, name)
+                setattr(self, name, nn.Parameter(full[rank * P : (rank + 1) * P].clone(),
+                                                 requires_grad=full.requires_grad))
+        self.ep_buffer, self.ep_rank, self.ep_size = buffer, rank, size
+
+    # -- forward ---------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., D]`` → ``[..., D]``."""
+        shape = x.shape
+        x_sD = x.reshape(-1, shape[-1])
+        idx_sK, weights_sK = self.router(x_sD)
+        weights_sK = weights_sK * self.scale
+        h_sL = self.latent_down(x_sD)
+        if self.ep_buffer is None:
+            u_sL = self._local(h_sL, idx_sK, weights_sK)
+        else:
+            u_sL = self._expert_parallel(h_sL, idx_sK, weights_sK)
+        y = self.latent_up(self.latent_norm(u_sL.to(x.dtype)))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_sD)
+        return y.view(shape)
+
+    def _local(self, h_sL, idx_sK, weights_sK):
+        s, K = idx_sK.shape
+        flat = idx_sK.flatten()
+        order = flat.argsort(stable=True)
+        counts_E = torch.bincount(flat, minlength=self.num_experts)
+        token = order // K
+        y_CL = grouped_situ(h_sL[token], counts_E, self.w1, self.w3, self.w2, self.gate_beta, self.up_beta)
+        w_C = weights_sK.flatten()[order].to(torch.float32)
+        u = torch.zeros(s, h_sL.shape[1], dtype=torch.float32, device=h_sL.device)
+        return u.index_add(0, token, y_CL.float() * w_C[:, None])
+
+    def _expert_parallel(self, h_sL, idx_sK, weights_sK):
+        buf = self.ep_buffer
+        h_in = h_sL.to(buf.dtype)
+        out = buf.dispatch(h_in, idx_sK, weights_sK)
+        plan = out.handle.plan
+        w1 = buf.prefetch_weight(plan, self.w1)
+        w3 = buf.prefetch_weight(plan, self.w3)
+        w2 = buf.prefetch_weight(plan, self.w2)
+        counts = out.counts_L[: w1.shape[0]]
+        y_CL = grouped_situ(out.x_CH, counts, w1, w3, w2, self.gate_beta, self.up_beta)
+        u_sL, _ = buf.combine(y_CL.to(buf.dtype), out.handle)
+        return u_sL.float()
+
+    def update_balancing(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Apply Quantile Balancing from the margins recorded since the last call (with torch.distributed
+        initialised, histograms are summed over ``group``, None = the default group: collective)."""
+        return self.router.update_bias(group)
