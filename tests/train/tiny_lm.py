@@ -20,20 +20,20 @@ class TinyMoE(nn.Module):
     def __init__(self, d: int, experts: int, k: int) -> None:
         super().__init__()
         self.router = nn.Linear(d, experts, bias=False)
-        self.experts = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(experts))
+        self.w1 = nn.Parameter(torch.randn(experts, d, d) * d**-0.5)
         self.register_buffer("bias", torch.zeros(experts))
         self.k = k
         self.updates = 0
         self.first = 0
         self.group = None
+        self.ep_size = 1
 
     def shard(self, group) -> None:
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        per = len(self.experts) // ep
+        per = self.w1.shape[0] // ep
         self.first = rank * per
-        self.experts = nn.ModuleList(list(self.experts)[self.first : self.first + per])
-        self.experts.expert_parallel_sharded = True
-        self.group = group
+        self.w1 = nn.Parameter(self.w1.detach()[self.first : self.first + per].clone())
+        self.group, self.ep_size = group, ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = torch.sigmoid(self.router(x).float())
@@ -49,9 +49,9 @@ class TinyMoE(nn.Module):
             top = torch.cat(gathered, 1)
         out = torch.zeros_like(x)
         for slot in range(self.k):
-            for e, expert in enumerate(self.experts, start=self.first):
+            for e, w in enumerate(self.w1, start=self.first):
                 mask = (top[..., slot] == e).unsqueeze(-1).to(x.dtype)
-                out = out + mask * weights[..., slot : slot + 1] * expert(x)
+                out = out + mask * weights[..., slot : slot + 1] * (x @ w.t())
         if self.group is not None:
             out = dist_fn.all_reduce(out, group=self.group)
             rank = dist.get_rank(self.group)
@@ -85,7 +85,7 @@ class TinyLM(nn.Module):
         self.model.norm = nn.RMSNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
-    def enable_expert_parallel(self, group) -> None:
+    def enable_expert_parallel(self, group, *, max_tokens_per_rank: int) -> None:
         for moe in self.moe_layers():
             moe.shard(group)
 

@@ -19,6 +19,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+"""Names of the stacked ``[E, ·, ·]`` routed-expert parameters in an MoE layer."""
+
 
 @dataclass
 class ParallelState:
@@ -117,16 +120,15 @@ def init_parallel(ep: int, device: str = "auto") -> ParallelState:
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters that expert parallelism shards: those of modules flagged ``expert_parallel_sharded``.
-
-    The model marks each expert container it sharded in ``enable_expert_parallel`` (attribute
-    ``expert_parallel_sharded = True``); their parameters differ between the ranks of an ep group.
-    """
+    """Parameters that expert parallelism sharded: the stacked routed-expert weights (``w1``, ``w2``, ``w3``) of
+    every MoE layer whose ``ep_size`` is above 1; they differ between the ranks of an ep group."""
     out: dict[str, nn.Parameter] = {}
     for name, module in model.named_modules():
-        if getattr(module, "expert_parallel_sharded", False):
-            for pname, param in module.named_parameters():
-                out[f"{name}.{pname}" if name else pname] = param
+        if getattr(module, "ep_size", 1) > 1:
+            for pname in EXPERT_WEIGHTS:
+                param = getattr(module, pname, None)
+                if isinstance(param, nn.Parameter):
+                    out[f"{name}.{pname}" if name else pname] = param
     return out
 
 

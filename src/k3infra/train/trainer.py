@@ -207,7 +207,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = model_factory(self.config)
         if cfg.ep > 1:
-            model.enable_expert_parallel(state.ep_group)
+            model.enable_expert_parallel(state.ep_group,
+                                         max_tokens_per_rank=cfg.batch_size // state.world_size * cfg.seq_len)
         self.moe_layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
         self.expert_names = list(expert_parameters(model))
         experts = list(expert_parameters(model).values())
