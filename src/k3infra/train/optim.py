@@ -1,13 +1,13 @@
 """Optimizers and the learning-rate schedule.
 
-Muon (`ShardedMuon`, a `torch.optim.Muon` whose step also takes FSDP2-sharded DTensors and stacked ``[E, n, m]``
-expert weights, orthogonalising each expert's matrix on its own) updates the weight matrices of attention, dense
-FFN and experts (``adjust_lr_fn="match_rms_adamw"``: the update is scaled by ``0.2·√max(n, m)``, K2's rule, so
-one learning rate serves both optimizers). `torch.optim.AdamW` updates everything Muon should not: the input embedding and ``lm_head`` (their
-rows are per-token vectors, not a linear map to orthogonalise), the router (K3 keeps it in fp32 and treats it as
-a non-matrix parameter), norms, biases, per-head scalars and any parameter that is not 2-D. Both use weight
-decay 0.1 on matrices; norms and biases get no decay. The schedule is a linear warmup over 1% of the steps
-followed by a cosine decay to ``min_lr_ratio`` of the peak.
+Muon (`ShardedMuon`, a `torch.optim.Muon` whose step also takes FSDP2-sharded DTensors and stacked
+``[E, n, m]`` expert weights, orthogonalising each expert's matrix on its own) updates the weight matrices of
+attention, dense FFN and experts (``adjust_lr_fn="match_rms_adamw"``: the update is scaled by
+``0.2·√max(n, m)``, K2's rule, so one learning rate serves both optimizers). `torch.optim.AdamW` updates
+everything Muon should not: the input embedding and ``lm_head`` (their rows are per-token vectors, not a linear
+map to orthogonalise), the router (fp32, zero weight decay), norms, biases, per-head scalars and any parameter
+that is not a matrix. Weight decay 0.1 on matrices; norms, biases and the router get none. The schedule is a
+linear warmup over 1% of the steps followed by a cosine decay to ``min_lr_ratio`` of the peak.
 """
 
 from __future__ import annotations

@@ -317,6 +317,9 @@ class Trainer:
                         writer.log(entry["step"], {"loss": entry["loss"], "lr": entry["lr"], "mfu": entry["mfu"],
                                                    "tokens_per_s": entry["tokens_per_s"]})
                     advance(entry)
+                    if not cfg.progress and state.is_main:
+                        logger.info("step %d/%d loss %.4f %.0f tok/s MFU %s", entry["step"], cfg.steps, entry["loss"],
+                                    entry["tokens_per_s"], format_mfu(entry["mfu"]))
                     done = entry["step"]
                     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
                         checkpoint = self.save(done)
