@@ -47,7 +47,7 @@ def test_packed_sequences_equal_separate_forwards(model):
     docs = [torch.randint(0, 512, (1, n), generator=gen) for n in (9, 1, 14)]
     cu = torch.tensor([0, 9, 10, 24], dtype=torch.int32)
     with torch.no_grad():
-        packed = model(torch.cat(docs, 1), cu_seqlens=cu, use_cache=False).logits
+        packed = model(torch.cat(docs, 1), cu_seqlens=cu).logits  # eval: no cache by default with cu_seqlens
         separate = torch.cat([model(d, use_cache=False).logits for d in docs], 1)
     torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-4)
 

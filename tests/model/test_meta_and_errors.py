@@ -68,7 +68,8 @@ def test_token_ids_out_of_range(model):
         model(torch.tensor([[0, 512]]))
 
 
-def test_kernel_backend_on_cpu_is_refused():
+def test_kernel_backend_on_cpu_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on CPU
     model = K3ForCausalLM(K3Config.from_preset("k3-debug", kda_backend="flashkda"))
     with pytest.raises(ValueError, match="kda_backend"):
         model(torch.zeros(1, 4, dtype=torch.long))

@@ -38,3 +38,19 @@ def test_loss_ignores_minus_100(debug_model):
         loss = debug_model(ids, labels=labels).loss
     expected = torch.nn.functional.cross_entropy(full[0, :5], ids[0, 1:6])
     torch.testing.assert_close(loss, expected)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    from k3infra.model import K3Config as Config
+
+    model = K3ForCausalLM(Config.from_preset("k3-debug")).train()
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    assert model.model.gradient_checkpointing
+    model(ids, labels=ids).loss.backward()
+    for n, g in plain.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, msg=n)

@@ -23,6 +23,7 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -159,7 +160,8 @@ class K3Model(K3PreTrainedModel):
         """See `K3ForCausalLM.forward`."""
         _check_inputs(input_ids, attention_mask, position_ids, cu_seqlens, None, self.config.vocab_size)
         cache = cache if cache is not None else past_key_values
-        use_cache = self.config.use_cache and not self.training if use_cache is None else use_cache
+        if use_cache is None:  # a cache only where it can serve: eval, whole (unpacked) sequences
+            use_cache = self.config.use_cache and not self.training and cu_seqlens is None
         if cache is not None and not isinstance(cache, K3Cache):
             raise TypeError(f"cache must be a K3Cache, got {type(cache).__name__}")
         if use_cache and cache is None:
@@ -234,7 +236,8 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
                 no attention, conv or KDA state crosses a boundary.
             labels: ``[B, T]`` int64 targets aligned with ``input_ids`` (shifted inside); ``-100`` is ignored.
             cache / past_key_values: a `K3Cache` to continue from (decode); updated in place.
-            use_cache: create/return a cache (default: ``config.use_cache`` outside training).
+            use_cache: create/return a cache (default: ``config.use_cache`` outside training, without
+                ``cu_seqlens`` and ``labels``).
             return_dict: accepted; a `CausalLMOutputWithPast` is always returned.
 
         Returns:
@@ -247,6 +250,8 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
         if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
             got = getattr(labels, "shape", labels)
             raise ValueError(f"labels must be [B, T] = {tuple(input_ids.shape)}, got {got}")
+        if use_cache is None and labels is not None:
+            use_cache = False
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cu_seqlens=cu_seqlens,
                          cache=cache, use_cache=use_cache, past_key_values=past_key_values)
         logits = self.lm_head(out.last_hidden_state).float()

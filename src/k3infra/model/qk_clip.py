@@ -21,6 +21,24 @@ from k3infra.model.mla import K3MLA
 __all__ = ["apply_qk_clip"]
 
 
+def _scale_rows(weight: torch.Tensor, scale_rows: torch.Tensor) -> None:
+    """``weight[i, :] *= scale_rows[i]`` in place; a DTensor (FSDP2) scales only the rows of its local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = weight.to_local()
+        shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        if local.numel():
+            if len(shape) != 2 or shape[1] != weight.shape[1]:
+                raise ValueError(f"QK-Clip needs row-sharded weights (Shard(0)), got placements {weight.placements}")
+            rows = scale_rows[offset[0] : offset[0] + shape[0]]
+            local.mul_(rows[:, None].to(device=local.device, dtype=local.dtype))
+        return
+    weight.mul_(scale_rows[:, None].to(device=weight.device, dtype=weight.dtype))
+
+
 @torch.no_grad()
 def apply_qk_clip(
     model: torch.nn.Module, tau: float = 100.0, group: dist.ProcessGroup | None = None
@@ -31,7 +49,8 @@ def apply_qk_clip(
         model: a module containing `K3MLA` layers (they record ``max_logit`` in training forwards).
         tau: the logit threshold (K2: 100).
         group: with torch.distributed initialised, the records are max-reduced over this group first (None:
-            the default group); every rank must call this then.
+            the default group); every rank must call this then. FSDP2-sharded (DTensor, ``Shard(0)``) weights
+            are scaled shard by shard.
 
     Returns:
         ``{module name: [γ per head]}`` for the layers where at least one head was clipped.
@@ -55,8 +74,8 @@ def apply_qk_clip(
         H, n, r, dv = layer.num_heads, layer.n, layer.r, layer.dv
         root = gamma_H.sqrt()
         q_scale = torch.cat([root[:, None].expand(H, n), gamma_H[:, None].expand(H, r)], 1).reshape(-1)
-        layer.q_b_proj.weight.mul_(q_scale[:, None].to(layer.q_b_proj.weight.dtype))
+        _scale_rows(layer.q_b_proj.weight, q_scale)
         kv_scale = torch.cat([root[:, None].expand(H, n), torch.ones(H, dv, device=root.device)], 1).reshape(-1)
-        layer.kv_b_proj.weight.mul_(kv_scale[:, None].to(layer.kv_b_proj.weight.dtype))
+        _scale_rows(layer.kv_b_proj.weight, kv_scale)
         clipped[name] = gamma_H.tolist()
     return clipped
