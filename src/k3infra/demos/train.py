@@ -19,7 +19,7 @@ def run(device: str) -> list[DemoRow]:
     from k3infra.train import TrainConfig, train
     from k3infra.train.metrics import format_mfu
 
-    cfg = TrainConfig(preset="k3-debug", steps=STEPS, seq_len=64, batch_size=8, out="runs/k3-debug-demo",
+    cfg = TrainConfig(preset="k3-debug", steps=STEPS, seq_len=64, batch_size=8, lr=2e-2, out="runs/k3-debug-demo",
                       device="cuda" if device == "cuda" else "cpu", progress=False, tensorboard=True)
     result = train(cfg)
     first, last = result.history[0], result.history[-1]
