@@ -87,3 +87,17 @@ def test_override_must_be_json_object(capsys):
     with pytest.raises(SystemExit):
         k3infra_main(["train", "--override", "[1, 2]"])
     assert "--override must be a JSON object" in capsys.readouterr().err
+
+
+def test_lora_init_from_pretrained_weights(tmp_path, train_cache):
+    base = Trainer(_cfg(tmp_path, train_cache, steps=3), tiny_factory)
+    base.fit()
+    trained = {n: p.detach().clone() for n, p in base.model.named_parameters()}
+    tuned = Trainer(_cfg(tmp_path, train_cache, steps=1, lora=4, out=str(tmp_path / "lora"),
+                         init_from=str(tmp_path / "run")), tiny_factory)
+    weights = dict(tuned.model.get_base_model().named_parameters())
+    tuned.state.close()
+    assert tuned.start_step == 0
+    assert all(torch.equal(weights[n], p) for n, p in trained.items()
+               if n in weights)
+    assert sum(n in weights for n in trained) >= 3

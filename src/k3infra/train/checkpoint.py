@@ -86,7 +86,7 @@ def save_checkpoint(
     return path
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, *, option: str = "--resume") -> Path:
     """A checkpoint folder, or the newest ``step_<N>`` under a run folder or its ``checkpoints/``.
 
     Raises:
@@ -94,7 +94,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """
     root = Path(path)
     if not root.exists():
-        raise FileNotFoundError(f"--resume {str(root)!r} does not exist")
+        raise FileNotFoundError(f"{option} {str(root)!r} does not exist")
     if (root / TRAINER_FILE).is_file():
         return root
     for folder in (root, root / "checkpoints"):
@@ -102,7 +102,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
                  and (p / TRAINER_FILE).is_file()] if folder.is_dir() else []
         if steps:
             return max(steps)[1]
-    raise FileNotFoundError(f"--resume {str(root)!r} holds no checkpoint (expected {TRAINER_FILE} in it or in "
+    raise FileNotFoundError(f"{option} {str(root)!r} holds no checkpoint (expected {TRAINER_FILE} in it or in "
                             "checkpoints/step_<N>/)")
 
 
@@ -132,3 +132,18 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return trainer_state
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load only the model entries of a checkpoint into an unsharded, non-EP ``model`` (``--init-from``).
+
+    Raises:
+        ValueError: the checkpoint was written with expert parallelism (its expert shards are per rank).
+    """
+    state = {"model": model.state_dict()}
+    trainer_state = json.loads((path / TRAINER_FILE).read_text())
+    if trainer_state.get("config", {}).get("ep", 1) != 1:
+        raise ValueError(f"--init-from {str(path)!r} was written with --ep {trainer_state['config']['ep']}; "
+                         "initialise from a checkpoint written with --ep 1")
+    dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["model"])

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ep", type=int, default=1, help="expert-parallel size (MoonEP); must divide the world size and experts")
     add("--out", default="runs/k3-train", help="run folder: checkpoints/, tensorboard/, history.json, curve.png")
     add("--resume", default=None, help="checkpoint folder (or run folder: its newest checkpoint) to continue from")
+    add("--init-from", default=None,
+        help="checkpoint (or run folder) whose model weights start a new run at step 0, e.g. before --lora")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only after the last step)")
     add("--lora", type=int, default=0, metavar="RANK", help="LoRA fine-tuning with this rank through peft (0: off)")
     add("--router-lr-scale", type=float, default=0.0,
@@ -70,6 +72,7 @@ def config_from_args(args: argparse.Namespace):
     return TrainConfig(
         preset=args.config, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         weight_decay=args.weight_decay, optimizer=args.optimizer, ep=args.ep, out=args.out, resume=args.resume,
+        init_from=args.init_from,
         save_every=args.save_every, lora=args.lora, router_lr_scale=args.router_lr_scale,
         activation_checkpointing=args.activation_checkpointing, qk_clip_tau=args.qk_clip_tau, seed=args.seed,
         corpus=list(args.corpus), max_corpus_bytes=int(args.max_corpus_mb * 2**20) or None,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3infra.model.config import K3Config, flops_per_token, preset_names
-from k3infra.train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from k3infra.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
 from k3infra.train.data import TrainData, prepare_data
 from k3infra.train.metrics import TensorBoardLogger, format_mfu, mfu, peak_flops, plot_curves
 from k3infra.train.optim import build_optimizers, build_schedulers
@@ -60,6 +60,8 @@ class TrainConfig:
     ep: int = 1
     out: str = "runs/k3-train"
     resume: str | None = None
+    init_from: str | None = None
+    """Checkpoint (or run folder) whose model weights start this run, with fresh optimizers and step 0 (LoRA)."""
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     lora: int = 0
@@ -166,6 +168,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None) -> None:
         self.cfg = cfg = cfg.resolved()
         resume = resolve_checkpoint(cfg.resume) if cfg.resume else None
+        self.init_from = resolve_checkpoint(cfg.init_from, option="--init-from") if cfg.init_from else None
         unknown = sorted(k for k in cfg.overrides if k not in K3Config.__annotations__ and not hasattr(K3Config, k))
         if unknown:
             raise ValueError(f"--override: unknown K3Config field(s) {unknown}")
@@ -206,6 +209,8 @@ class Trainer:
         cfg, state = self.cfg, self.state
         torch.manual_seed(cfg.seed)
         model = model_factory(self.config)
+        if self.init_from is not None:
+            load_model_weights(self.init_from, model)
         if cfg.ep > 1:
             model.enable_expert_parallel(state.ep_group,
                                          max_tokens_per_rank=cfg.batch_size // state.world_size * cfg.seq_len)
@@ -291,7 +296,7 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------------------
 
     def _trainer_state(self, step: int) -> dict:
-        settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("resume", "progress")}
+        settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("resume", "init_from", "progress")}
         return {"step": step, "history": self.history, "config": settings,
                 "corpus_fingerprint": self.data.corpus_fingerprint}
 
