@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str | None]] = {
     "ep": ("benchmarks.ep.run", "ep"),
     "env": ("benchmarks.env.run", "env"),
     "rl": ("benchmarks.env.rl", "env"),
+    "train": ("benchmarks.train.run", "train"),
     "smoke": ("benchmarks.smoke.run", None),
 }
 BENCH_NAMES = tuple(BENCHES)
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     from k3infra.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
+    importlib.import_module("k3infra.train.cli").register(sub)
     return parser
 
 

@@ -23,6 +23,7 @@ COMPONENTS: tuple[Component, ...] = (
     Component("kda", "flashkda", ("torch", "triton")),
     Component("ep", "moonep", ("torch",)),
     Component("env", "agentenv", ()),
+    Component("train", "k3infra.train", ("torch", "tokenizers", "transformers")),
 )
 
 

@@ -1,0 +1,121 @@
+"""`k3infra bench train`: one K3 training step, FlashKDA + MoonEP against fla kernels + a plain all_to_all EP.
+
+Usage (one H200):  python -m benchmarks.train.run --config k3-mini
+CPU smoke:         python -m benchmarks.train.run --device cpu --config k3-debug --steps 2 --warmup 1
+
+Both variants build the same model from the same seed, read the same packed batches and run the real trainer step
+(forward, backward, Muon + AdamW, QK-Clip, Quantile Balancing). They differ only in the `K3Config` fields given
+by ``--ours`` and ``--baseline`` (JSON). At EP = 1 on one GPU no tokens leave the device, so the MoE dispatcher is
+the local one in both and the measured difference is the KDA kernel; that is recorded in each row's note. On the
+CPU both variants use the torch KDA path (the Triton kernels need a GPU), so the timing is a smoke test only.
+
+Gate: the two variants' first-step losses (same weights, same batch) agree within ``--gate-tol`` nats.
+Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
+``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), peak memory. JSON goes to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.harness import Row, Timing, machine_info, write_results
+from k3infra.train.metrics import format_mfu, mfu
+from k3infra.train.trainer import TrainConfig, Trainer
+
+
+def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+    """Build a trainer, run ``warmup`` untimed and ``steps`` timed steps; close its process group."""
+    trainer = Trainer(cfg)
+    try:
+        if trainer.state.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        entries = [trainer.train_step(step) for step in range(warmup + steps)]
+        timed = entries[warmup:]
+        samples_ms = [cfg.batch_size * cfg.seq_len / e["tokens_per_s"] * 1e3 for e in timed]
+        tokens_per_s = statistics.median(e["tokens_per_s"] for e in timed)
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if trainer.state.device.type == "cuda" else None
+        return {
+            "first_loss": entries[0]["loss"],
+            "timing": Timing.from_samples(samples_ms),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(trainer.flops_per_token, tokens_per_s, trainer.peak, trainer.state.world_size),
+            "flops_per_token": trainer.flops_per_token,
+            "peak_memory_gib": peak_mem,
+            "device": str(trainer.state.device),
+        }
+    finally:
+        trainer.state.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="k3-mini", help="model preset (default k3-mini)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (the bar) or cpu (smoke)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the preset's)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compilation, autotuning)")
+    p.add_argument("--ours", default='{"kda_backend": "flashkda"}', help="K3Config overrides of ours (JSON)")
+    p.add_argument("--baseline", default='{"kda_backend": "fla"}', help="K3Config overrides of the baseline (JSON)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")
+    p.add_argument("--gate-tol", type=float, default=0.05, help="max first-step loss difference (nats)")
+    p.add_argument("--update-table", action="store_true", help="refresh the train section of BENCHMARKS.md")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible (use --device cpu for the smoke run)")
+    variants = {"ours": json.loads(args.ours), "baseline": json.loads(args.baseline)}
+    note = "EP=1 on one device: both use local experts, only the KDA kernel differs"
+    if args.device == "cpu":
+        variants = {name: {**o, "kda_backend": "torch"} for name, o in variants.items()}
+        note = "CPU smoke: both variants run the torch KDA path and local experts (no kernel difference)"
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, overrides in variants.items():
+            cfg = TrainConfig(preset=args.config, steps=args.warmup + args.steps, seq_len=args.seq_len,
+                              batch_size=args.batch_size, out=f"{out}/{name}", device=args.device, progress=False,
+                              tensorboard=False, plot=False, overrides=overrides,
+                              activation_checkpointing=args.activation_checkpointing).resolved()
+            results[name] = measure(cfg, args.steps, args.warmup)
+            r = results[name]
+            print(f"{name:8s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
+                  f"MFU {format_mfu(r['mfu'])}  peak "
+                  f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
+                  f"first loss {r['first_loss']:.4f}")
+    gap = abs(results["ours"]["first_loss"] - results["baseline"]["first_loss"])
+    if gap > args.gate_tol:
+        print(f"gate FAILED: first-step losses differ by {gap:.4f} nats (> {args.gate_tol}); no timing reported")
+        return 1
+    ours, base = results["ours"], results["baseline"]
+    row = Row(
+        case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}",
+        baseline=f"K3 with {variants['baseline']}",
+        baseline_ms=base["timing"].median_ms,
+        ours_ms=ours["timing"].median_ms,
+        params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+                "ours": variants["ours"], "baseline_overrides": variants["baseline"],
+                "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
+        extra={
+            "flops_per_token": ours["flops_per_token"],
+            **{f"{k}_{n}": v[k2] for n, v in results.items()
+               for k, k2 in (("tokens_per_s", "tokens_per_s"), ("mfu", "mfu"), ("peak_memory_gib", "peak_memory_gib"),
+                             ("first_loss", "first_loss"))},
+            "ours_p20_ms": ours["timing"].p20_ms, "ours_p80_ms": ours["timing"].p80_ms,
+            "baseline_p20_ms": base["timing"].p20_ms, "baseline_p80_ms": base["timing"].p80_ms,
+            "first_loss_gap": gap,
+        },
+        note=note,
+    )
+    path = write_results("train", [row], title="K3 training step", info=machine_info(),
+                         update_table=args.update_table)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

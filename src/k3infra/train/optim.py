@@ -1,0 +1,150 @@
+"""Optimizers and the learning-rate schedule.
+
+Muon (`ShardedMuon`, a `torch.optim.Muon` whose step also takes FSDP2-sharded DTensors and stacked
+``[E, n, m]`` expert weights, orthogonalising each expert's matrix on its own) updates the weight matrices of
+attention, dense FFN and experts (``adjust_lr_fn="match_rms_adamw"``: the update is scaled by
+``0.2·√max(n, m)``, K2's rule, so one learning rate serves both optimizers). `torch.optim.AdamW` updates
+everything Muon should not: the input embedding and ``lm_head`` (their rows are per-token vectors, not a linear
+map to orthogonalise), the router (fp32, zero weight decay), norms, biases, per-head scalars and any parameter
+that is not a matrix. Weight decay 0.1 on matrices; norms, biases and the router get none. The schedule is a
+linear warmup over 1% of the steps followed by a cosine decay to ``min_lr_ratio`` of the peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
+"""Parameters whose name contains one of these go to AdamW even when 2-D."""
+
+
+def split_parameters(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list, list]:
+    """Sort trainable parameters into ``(muon, adamw_decay, adamw_no_decay)`` lists of ``(name, param)``."""
+    muon, decay, no_decay = [], [], []
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        if param.ndim in (2, 3) and not any(part in name for part in ADAMW_NAME_PARTS):
+            muon.append((name, param))
+        elif param.ndim >= 2:
+            decay.append((name, param))
+        else:
+            no_decay.append((name, param))
+    return muon, decay, no_decay
+
+
+def build_optimizers(
+    model: nn.Module, *, lr: float, weight_decay: float = 0.1, use_muon: bool = True, router_lr_scale: float = 1.0
+) -> list[torch.optim.Optimizer]:
+    """Muon for matrices (when ``use_muon``) and AdamW for the rest.
+
+    Args:
+        model: the (possibly FSDP-sharded) model; only parameters with ``requires_grad`` are optimised.
+        lr: peak learning rate of both optimizers.
+        weight_decay: decoupled weight decay for matrices (norm weights and biases get none).
+        use_muon: False puts every parameter on AdamW (LoRA fine-tuning, where adapters are low-rank).
+        router_lr_scale: the router's learning rate is ``lr · router_lr_scale``.
+
+    Returns:
+        ``[muon, adamw]`` or ``[adamw]``; an optimizer without parameters is left out.
+
+    Raises:
+        ValueError: ``lr`` or ``weight_decay`` is negative, or nothing is trainable.
+    """
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    muon, decay, no_decay = split_parameters(model.named_parameters())
+    if not use_muon:
+        decay, muon = decay + muon, []
+    if not (muon or decay or no_decay):
+        raise ValueError("the model has no trainable parameter")
+    optimizers: list[torch.optim.Optimizer] = []
+    if muon:
+        optimizers.append(ShardedMuon([p for _, p in muon], lr=lr, weight_decay=weight_decay,
+                                      adjust_lr_fn="match_rms_adamw"))
+    router = [p for n, p in decay + no_decay if "router" in n]
+    router_ids = {id(p) for p in router}
+    groups = [g for g in ({"params": [p for _, p in decay if id(p) not in router_ids], "weight_decay": weight_decay},
+                          {"params": [p for _, p in no_decay if id(p) not in router_ids], "weight_decay": 0.0},
+                          {"params": router, "weight_decay": 0.0, "lr": lr * router_lr_scale}) if g["params"]]
+    if groups:
+        optimizers.append(torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8))
+    return optimizers
+
+
+class ShardedMuon(torch.optim.Muon):
+    """`torch.optim.Muon` (same hyper-parameters, same ``momentum_buffer`` state) for FSDP2 and stacked experts.
+
+    Newton–Schulz needs the whole matrix: a DTensor update is gathered (``full_tensor``), orthogonalised, and each
+    rank keeps its own shard again; a 3-D ``[E, n, m]`` parameter is orthogonalised per ``[n, m]`` slice with the
+    learning-rate scale of one slice. Momentum stays sharded like the parameter.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None) -> None:
+        # the parent accepts only 2-D parameters; 3-D stacked experts are handled per slice in `step`
+        probe = [torch.empty(1, 1)]
+        super().__init__(probe, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        self.param_groups.clear()
+        for group in params if isinstance(params, list) and params and isinstance(params[0], dict) else [
+                {"params": list(params)}]:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon takes 2-D matrices or 3-D stacked experts, got a {tuple(p.shape)} tensor")
+            self.add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            for param, grad, buf in zip(params, grads, bufs):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                full = update.full_tensor() if isinstance(update, DTensor) else update
+                mats = full if full.ndim == 3 else full[None]
+                ortho = torch.stack([_zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
+                                                                 group["eps"]) for m in mats])
+                ortho = ortho.view(full.shape).to(param.dtype)
+                if isinstance(update, DTensor):
+                    ortho = distribute_tensor(ortho, update.device_mesh, update.placements, src_data_rank=None)
+                param.mul_(1 - lr * wd)
+                param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
+        return loss
+
+
+def cosine_with_warmup(total_steps: int, *, warmup_fraction: float = 0.01, min_lr_ratio: float = 0.1):
+    """The LR multiplier ``f(step)``: linear warmup to 1 over ``ceil(warmup_fraction·total_steps)`` steps, then
+    cosine from 1 to ``min_lr_ratio`` at ``total_steps``."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    warmup = max(1, math.ceil(warmup_fraction * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_schedulers(optimizers: list[torch.optim.Optimizer], total_steps: int) -> list:
+    """One `LambdaLR` per optimizer with `cosine_with_warmup`."""
+    factor = cosine_with_warmup(total_steps)
+    return [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]

@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+
+from k3infra.cli import main as k3infra_main
+from k3infra.train import TrainConfig, Trainer
+from tests.train.tiny_lm import tiny_factory
+
+MiB = 1 << 20
+
+
+def _cfg(tmp_path, cache, **kw):
+    base = dict(preset="k3-debug", steps=6, seq_len=32, batch_size=4, out=str(tmp_path / "run"), cache_dir=str(cache),
+                max_corpus_bytes=MiB, qk_clip_tau=0.0, progress=False, tensorboard=False, plot=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_tiny_model_learns_and_writes_outputs(tmp_path, train_cache):
+    trainer = Trainer(_cfg(tmp_path, train_cache, steps=25, lr=1e-2, tensorboard=True, plot=True), tiny_factory)
+    result = trainer.fit()
+    assert len(result.history) == 25 and [h["step"] for h in result.history] == list(range(1, 26))
+    assert result.losses[0] == pytest.approx(result.uniform_entropy, abs=0.5)
+    assert min(result.losses[-5:]) < result.losses[0] - 0.5
+    assert result.curve is not None and result.curve.stat().st_size > 1000
+    assert list((result.out / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((result.out / "history.json").read_text())[-1]["loss"] == result.final_loss
+    assert result.history[0]["mfu"] is None  # CPU: no peak FLOP/s, MFU is n/a
+    assert all(layer.updates == 25 for layer in trainer.model.moe_layers())  # balancing after every step
+
+
+def test_resume_continues_the_identical_curve(tmp_path, train_cache):
+    full = Trainer(_cfg(tmp_path, train_cache, save_every=3), tiny_factory).fit()
+    resumed = Trainer(_cfg(tmp_path, train_cache, out=str(tmp_path / "again"),
+                           resume=str(tmp_path / "run" / "checkpoints" / "step_3")), tiny_factory).fit()
+    assert resumed.history[:3] == full.history[:3]  # the history travels in the checkpoint
+    assert [h["loss"] for h in resumed.history[3:]] == full.losses[3:]  # bit-identical on one process
+    # a run folder resolves to its newest checkpoint
+    latest = Trainer(_cfg(tmp_path, train_cache, out=str(tmp_path / "third"), resume=str(tmp_path / "run")),
+                     tiny_factory)
+    assert latest.start_step == 6
+    latest.state.close()
+
+
+def test_lora_freezes_base_and_router(tmp_path, train_cache):
+    trainer = Trainer(_cfg(tmp_path, train_cache, steps=3, lora=4), tiny_factory)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if "router" in n)
+
+
+def test_lora_router_low_lr(tmp_path, train_cache):
+    trainer = Trainer(_cfg(tmp_path, train_cache, steps=2, lora=4, router_lr_scale=0.1), tiny_factory)
+    trainer.state.close()
+    router = {id(p) for n, p in trainer.model.named_parameters() if "router" in n}
+    assert router and all(p.requires_grad for n, p in trainer.model.named_parameters() if "router" in n)
+    groups = [g for opt in trainer.optimizers for g in opt.param_groups if {id(p) for p in g["params"]} == router]
+    assert len(groups) == 1 and groups[0]["lr"] == pytest.approx(0.1 * trainer.cfg.lr)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--config", "k4"], "--config must be one of"),
+    (["--ep", "3"], "--ep 3 must divide the routed expert count"),
+    (["--ep", "4"], "--ep 4 needs 4 processes"),
+    (["--seq-len", "100000"], "--seq-len 100000 exceeds max_position_embeddings"),
+    (["--steps", "0"], "--steps must be a positive int"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--resume", "/nonexistent/k3-run"], "--resume '/nonexistent/k3-run' does not exist"),
+    (["--lora", "-2"], "--lora must be >= 0"),
+    (["--override", '{"num_experts_per_tok": 32}'], "num_experts_per_tok"),
+    (["--override", '{"hidden_sise": 64}'], "--override: unknown K3Config field"),
+], ids=["unknown-preset", "ep-not-dividing-experts", "ep-without-processes", "seq-len-too-long", "zero-steps",
+        "negative-lr", "missing-resume", "negative-lora", "bad-override-value", "unknown-override-field"])
+def test_bad_config_errors_name_the_option(argv, match, tmp_path, capsys):
+    with pytest.raises(SystemExit, match=match):
+        k3infra_main(["train", "--out", str(tmp_path), "--no-progress", *argv])
+
+
+def test_resume_dir_without_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match="holds no checkpoint"):
+        k3infra_main(["train", "--resume", str(tmp_path)])
+
+
+def test_override_must_be_json_object(capsys):
+    with pytest.raises(SystemExit):
+        k3infra_main(["train", "--override", "[1, 2]"])
+    assert "--override must be a JSON object" in capsys.readouterr().err
+
+
+def test_lora_init_from_pretrained_weights(tmp_path, train_cache):
+    base = Trainer(_cfg(tmp_path, train_cache, steps=3), tiny_factory)
+    base.fit()
+    trained = {n: p.detach().clone() for n, p in base.model.named_parameters()}
+    tuned = Trainer(_cfg(tmp_path, train_cache, steps=1, lora=4, out=str(tmp_path / "lora"),
+                         init_from=str(tmp_path / "run")), tiny_factory)
+    weights = dict(tuned.model.get_base_model().named_parameters())
+    tuned.state.close()
+    assert tuned.start_step == 0
+    assert all(torch.equal(weights[n], p) for n, p in trained.items()
+               if n in weights)
+    assert sum(n in weights for n in trained) >= 3
