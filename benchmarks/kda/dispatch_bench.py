@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -66,12 +67,6 @@ def interleaved_samples(run, rounds: int) -> tuple[dict[str, list[float]], int]:
     return samples, calls
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def served_by(x: dict, kw: dict) -> tuple[str, str]:
     """Who serves this call with the hook on, and why (our verifier's answer)."""
     from flashkda.backend import chunk_kda_verifier
@@ -97,7 +92,7 @@ def time_row(shape: Shape, mode: str, device: str, rounds: int) -> Row:
         os.environ["FLASHKDA_DISPATCH"] = "auto"
         who, why = served_by(x, kw)
         samples, calls = interleaved_samples(run, rounds)
-    on, off = _median(samples["auto"]), _median(samples["never"])
+    on, off = statistics.median(samples["auto"]), statistics.median(samples["never"])
     off_sorted = sorted(samples["never"])
     quartiles = off_sorted[len(off_sorted) // 4], off_sorted[(3 * len(off_sorted)) // 4]
     return Row(f"{mode}-{shape.name}", "fla.ops.kda.chunk_kda with FLASHKDA_DISPATCH=never", off, on,

@@ -110,9 +110,9 @@ def _check_inputs(input_ids, attention_mask, position_ids, cu_seqlens, labels, v
     B, T = input_ids.shape
     if T == 0:
         raise ValueError("input_ids must hold at least one token (T >= 1), got T=0")
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
-        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in "
-                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    low, high = (int(x) for x in torch.aminmax(input_ids))  # one reduction and one device read
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
     if attention_mask is not None:
         if attention_mask.shape != (B, T):
             raise ValueError(f"attention_mask must be [B, T] = [{B}, {T}], got {tuple(attention_mask.shape)}")
@@ -128,6 +128,10 @@ def _check_inputs(input_ids, attention_mask, position_ids, cu_seqlens, labels, v
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be an int32/int64 [N + 1] tensor, got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
+        if cu_seqlens.is_cuda:  # flashkda's cached host copy: its own checks then read the device only once
+            from flashkda.seqlens import host_cu_seqlens
+
+            cu_seqlens = host_cu_seqlens(cu_seqlens)
         c = cu_seqlens.tolist()
         if c[0] != 0 or c[-1] != T or any(b < a for a, b in zip(c[:-1], c[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {c}")
