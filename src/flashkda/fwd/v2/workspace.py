@@ -1,0 +1,139 @@
+"""The workspace that the v2 prepare kernel (K1) writes and the recurrence kernel (K2) reads, and its chunk index.
+
+Layout (all tensors contiguous, token-major like the inputs; ``T_total = B * T`` token rows; ``H`` heads;
+``NT`` 16-token chunks, for varlen a static upper bound whose surplus rows are marked ``-1``)::
+
+    kd, qd, kr   [T_total, H, 128] bf16   k * 2^G,  q * 2^G * scale,  k * 2^(Glast - G)   (k, q L2-normed)
+    inv          [NT, H, 16, 16]   bf16   (I + L)^-1,  L = strict_lower(diag(beta) kd ki^T),  ki = k * 2^-G
+    mqk          [NT, H, 16, 16]   bf16   lower_incl_diag(qd ki^T)
+    glast        [NT, H, 128]      fp32   2^Glast, the per-channel decay of the whole chunk
+    beta         [T_total, H]      fp32   sigmoid(beta)
+    chunk_index  [NT, 3]           int32  (sequence id, first token row, valid tokens); (-1, 0, 0) past the last chunk
+    seq_chunks   [N + 1]           int32  first chunk of each sequence (prefix sum of chunks per sequence)
+
+``G`` is the in-chunk cumsum of the gate in log2 units (``cumsum(g) * log2(e)``), restarting at every chunk;
+``Glast`` is ``G`` at the chunk's last valid token. Chunks never straddle sequences: a sequence's last chunk may
+hold fewer than 16 tokens, and rows past its end are zero in ``inv``/``mqk`` (the token rows simply do not exist).
+The chunks of sequence ``n`` are ``seq_chunks[n] .. seq_chunks[n + 1] - 1``, in token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashkda.index import build_chunk_index
+
+__all__ = ["CHUNK", "HEAD_DIM", "ChunkLayout", "Workspace", "allocate_workspace", "build_chunk_layout"]
+
+CHUNK = 16
+HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the 16-token chunks of a batch live.
+
+    Attributes:
+        num_seqs: number of sequences ``N`` (``B`` for fixed length).
+        num_chunks: ``NT``, rows of ``chunk_index``; exact for fixed length, an upper bound for varlen.
+        total_tokens: ``T_total = B * T``.
+        max_chunks_per_seq: an upper bound of chunks in one sequence (``ceil(T / 16)``).
+        chunk_index: ``[NT, 3]`` int32 ``(sequence id, first token row, valid tokens)``, ``(-1, 0, 0)`` when unused.
+        seq_chunks: ``[N + 1]`` int32 first chunk of each sequence, ``seq_chunks[N]`` = chunks in use.
+        cu_seqlens: ``[N + 1]`` int32 token offsets of the sequences (built for fixed length too).
+    """
+
+    num_seqs: int
+    num_chunks: int
+    total_tokens: int
+    max_chunks_per_seq: int
+    chunk_index: torch.Tensor
+    seq_chunks: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
+    """The chunk layout of ``B`` sequences of ``T`` tokens, or of the varlen batch ``cu_seqlens`` (``B == 1``).
+
+    Every tensor is made by device ops from ``cu_seqlens`` (no host synchronisation, CUDA-graph safe); the varlen
+    chunk count is the static bound ``min(ceil(T / 16) + N - 1, T)``.
+
+    Args:
+        B, T: batch size and padded length of the ``[B, T, ...]`` inputs.
+        cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths (varlen, ``B == 1``), or None.
+        device: where the index tensors live (the inputs' device).
+
+    Returns:
+        `ChunkLayout`.
+    """
+    index = build_chunk_index(B, T, cu_seqlens, CHUNK)
+    nts = -(-T // CHUNK)
+    ids = torch.arange(index.num_chunks, dtype=torch.int32, device=device)
+    if index.is_varlen:
+        cu, seq_chunks = index.cu_seqlens, index.chunk_offsets
+        seq = index.chunk_map
+        live = seq >= 0
+        safe = torch.where(live, seq, torch.zeros_like(seq)).long()
+        first = cu[safe] + (ids - seq_chunks[safe]) * CHUNK
+        valid = torch.clamp(cu[safe + 1] - first, max=CHUNK)
+        first = torch.where(live, first, torch.zeros_like(first))
+        valid = torch.where(live, valid, torch.zeros_like(valid))
+    else:
+        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
+        seq_chunks = torch.arange(B + 1, dtype=torch.int32, device=device) * nts
+        seq = ids // max(nts, 1)
+        within = (ids - seq * nts) * CHUNK
+        first = seq * T + within
+        valid = torch.clamp(T - within, max=CHUNK)
+    chunk_index = torch.stack([seq, first, valid], 1).to(torch.int32).contiguous()
+    return ChunkLayout(num_seqs=index.num_seqs, num_chunks=index.num_chunks, total_tokens=B * T,
+                       max_chunks_per_seq=nts, chunk_index=chunk_index, seq_chunks=seq_chunks.contiguous(),
+                       cu_seqlens=cu.contiguous())
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """K1's outputs, K2's inputs (shapes and meaning in the module docstring)."""
+
+    kd: torch.Tensor
+    qd: torch.Tensor
+    kr: torch.Tensor
+    inv: torch.Tensor
+    mqk: torch.Tensor
+    glast: torch.Tensor
+    beta: torch.Tensor
+    layout: ChunkLayout
+
+    @property
+    def num_heads(self) -> int:
+        return self.kd.shape[1]
+
+
+def allocate_workspace(layout: ChunkLayout, H: int, device: torch.device) -> Workspace:
+    """Uninitialised workspace for ``layout`` and ``H`` heads (K1 writes every element K2 reads).
+
+    Args:
+        layout: from `build_chunk_layout`.
+        H: number of heads.
+        device: the inputs' device.
+
+    Returns:
+        `Workspace` with ``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, 16, 16]`` bf16,
+        ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32.
+    """
+    T_total, NT = layout.total_tokens, layout.num_chunks
+
+    def tokens():
+        return torch.empty(T_total, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+
+    def tiles():
+        return torch.empty(NT, H, CHUNK, CHUNK, dtype=torch.bfloat16, device=device)
+
+    return Workspace(
+        kd=tokens(), qd=tokens(), kr=tokens(), inv=tiles(), mqk=tiles(),
+        glast=torch.empty(NT, H, HEAD_DIM, dtype=torch.float32, device=device),
+        beta=torch.empty(T_total, H, dtype=torch.float32, device=device),
+        layout=layout,
+    )
