@@ -1,0 +1,139 @@
+"""FlashKDA forward v2: the chunk layout, the torch emulation of its kernels against the fp64 oracle (CPU), and the
+Gluon kernels against the emulation (``gpu``)."""
+
+import pytest
+import torch
+
+from flashkda import reference
+from flashkda.fwd.v2.emulate import emulate_chunk_kda, emulate_prepare, neumann_inverse
+from flashkda.fwd.v2.workspace import CHUNK, build_chunk_layout
+from tests.flashkda.kda_cases import assert_close
+
+K = 128
+CPU = torch.device("cpu")
+
+
+def make_inputs(B, T, H, N, seed=0, init=True, a_log=True, device=CPU):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v, g = (randn(B, T, H, K).to(device, torch.bfloat16) for _ in range(4))
+    beta = randn(B, T, H).to(device, torch.bfloat16)
+    A_log = (torch.rand(H, generator=gen) * 2 - 1).to(device) if a_log else None
+    dt_bias = (randn(H * K) * 0.5).to(device)
+    h0 = (randn(N, H, K, K) * 0.1).to(device) if init else None
+    return q, k, v, g, beta, A_log, dt_bias, h0
+
+
+def run_both(B, T, H, cu=None, lower_bound=-5.0, init=True, a_log=True, seed=0):
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    N = B if cu is None else len(cu) - 1
+    q, k, v, g, beta, A_log, dt_bias, h0 = make_inputs(B, T, H, N, seed, init, a_log)
+    layout = build_chunk_layout(B, T, cu_t, CPU)
+    o, s = emulate_chunk_kda(q, k, v, g, beta, K**-0.5, layout, lower_bound, A_log, dt_bias, h0, True)
+    ro, rs = reference.chunk_kda_reference(
+        q, k, v, g, beta, K**-0.5, h0, True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
+    return (o, s), (ro, rs)
+
+
+def expected_index(lengths):
+    rows, starts, first = [], [0], 0
+    for n, length in enumerate(lengths):
+        for c in range(-(-length // CHUNK)):
+            rows.append([n, first + c * CHUNK, min(CHUNK, length - c * CHUNK)])
+        starts.append(len(rows))
+        first += length
+    return rows, starts
+
+
+@pytest.mark.parametrize("lengths", [(50,), (16, 0, 1, 17, 33), (0,), (5, 0, 0, 32)], ids=str)
+def test_varlen_layout_matches_python(lengths):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    T = int(cu[-1])
+    layout = build_chunk_layout(1, T, cu, CPU)
+    rows, starts = expected_index(lengths)
+    assert layout.num_chunks >= len(rows)
+    assert layout.chunk_index.dtype == torch.int32 and layout.chunk_index.shape == (layout.num_chunks, 3)
+    assert layout.chunk_index[: len(rows)].tolist() == rows
+    assert layout.chunk_index[len(rows):].tolist() == [[-1, 0, 0]] * (layout.num_chunks - len(rows))
+    assert layout.seq_chunks.tolist() == starts
+    assert layout.cu_seqlens.tolist() == cu.tolist()
+
+
+def test_fixed_layout_matches_python():
+    layout = build_chunk_layout(3, 40, None, CPU)
+    rows, starts = expected_index((40, 40, 40))
+    assert layout.num_chunks == len(rows) and layout.max_chunks_per_seq == 3
+    assert layout.chunk_index.tolist() == rows
+    assert layout.seq_chunks.tolist() == starts
+
+
+def test_workspace_shapes_and_dtypes():
+    B, T, H = 2, 40, 3
+    q, k, v, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, B)
+    ws = emulate_prepare(q, k, g, beta, K**-0.5, build_chunk_layout(B, T, None, CPU), -5.0, A_log, dt_bias)
+    NT = 6
+    for name, shape, dtype in [("kd", (B * T, H, K), torch.bfloat16), ("qd", (B * T, H, K), torch.bfloat16),
+                               ("kr", (B * T, H, K), torch.bfloat16), ("inv", (NT, H, 16, 16), torch.bfloat16),
+                               ("mqk", (NT, H, 16, 16), torch.bfloat16), ("glast", (NT, H, K), torch.float32),
+                               ("beta", (B * T, H), torch.float32)]:
+        x = getattr(ws, name)
+        assert x.shape == shape and x.dtype == dtype and x.is_contiguous(), name
+    # a partial chunk's inverse and Mqk are zero past its last token (8 valid tokens in chunk 2)
+    assert ws.inv[2, :, 8:].abs().sum() == 0 and ws.mqk[2, :, 8:].abs().sum() == 0
+    assert torch.all(ws.glast > 0) and torch.all(ws.glast <= 1)
+
+
+def test_neumann_inverse_inverts_unit_lower_triangular():
+    gen = torch.Generator().manual_seed(1)
+    L = torch.tril(torch.rand(64, CHUNK, CHUNK, generator=gen) * 0.6 - 0.3, -1)
+    inv = neumann_inverse(L).double()
+    eye = torch.eye(CHUNK, dtype=torch.float64)
+    exact = torch.linalg.inv(eye + L.double())
+    assert torch.allclose(torch.triu(inv, 1), torch.zeros_like(inv))
+    assert ((inv - exact).norm() / exact.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize(
+    "B, T, H, cu, init",
+    [(2, 100, 2, None, True), (1, 64, 1, None, False), (1, 200, 2, (0, 0, 1, 50, 51, 200), True),
+     (1, 15, 1, (0, 15), True)],
+    ids=["fixed-B2-T100-h0", "fixed-T64", "varlen-empty-1tok-partial", "one-partial-chunk"],
+)
+def test_emulation_matches_fp64(B, T, H, cu, init):
+    (o, s), (ro, rs) = run_both(B, T, H, cu, init=init)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert_close("o", ro, o, 5e-3 if cu is None else 6e-3)
+    assert_close("final_state", rs, s, 1e-2)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -2.0, -0.5, -0.1])
+@pytest.mark.parametrize("a_log", [True, False], ids=["A_log", "no-A_log"])
+def test_gate_sweep_is_finite_and_accurate(lower_bound, a_log):
+    (o, s), (ro, rs) = run_both(1, 96, 1, (0, 41, 96), lower_bound=lower_bound, a_log=a_log, seed=3)
+    assert_close("o", ro, o, 6e-3)
+    assert_close("final_state", rs, s, 1e-2)
+
+
+def test_large_gate_logits_stay_finite():
+    B, T, H = 1, 64, 1
+    q, k, v, g, beta, _, dt_bias, h0 = make_inputs(B, T, H, B, seed=4)
+    A_log = torch.full((H,), 6.0)  # exp(A_log) ~ 400: saturated sigmoids, the gate sits at 0 or lower_bound
+    o, s = emulate_chunk_kda(q, k, v, g * 50, beta * 50, K**-0.5, build_chunk_layout(B, T, None, CPU), -5.0, A_log,
+                             dt_bias, h0, True)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+
+
+def test_earlier_outputs_ignore_future_gates():
+    B, T, H = 1, 80, 1
+    q, k, v, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, B, seed=5)
+    layout = build_chunk_layout(B, T, None, CPU)
+    o1, _ = emulate_chunk_kda(q, k, v, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    g2 = g.clone()
+    g2[:, 37:] = torch.randn(B, T - 37, H, K).to(torch.bfloat16) * 4
+    o2, _ = emulate_chunk_kda(q, k, v, g2, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    assert torch.equal(o1[:, :37], o2[:, :37])
+    assert not torch.equal(o1[:, 37:], o2[:, 37:])
