@@ -148,16 +148,20 @@ GPU_CASES = [
 ]
 
 
+def gpu_inputs(B, T, H, cu, a_log, seed):
+    dev = torch.device("cuda")
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=dev)
+    N = B if cu is None else len(cu) - 1
+    return cu_t, make_inputs(B, T, H, N, seed=seed, a_log=a_log, device=dev)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, H, cu, a_log", GPU_CASES)
 def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log):
     from flashkda.fwd.v2.prepare import prepare_fwd
 
-    dev = torch.device("cuda")
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=dev)
-    N = B if cu is None else len(cu) - 1
-    q, k, _, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, N, seed=7, a_log=a_log, device=dev)
-    layout = build_chunk_layout(B, T, cu_t, dev)
+    cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, seed=7)
+    layout = build_chunk_layout(B, T, cu_t, q.device)
     ref = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     torch.cuda.synchronize()
@@ -180,10 +184,7 @@ def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log):
 def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log):
     from flashkda.fwd.v2 import chunk_kda_fwd_v2
 
-    dev = torch.device("cuda")
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=dev)
-    N = B if cu is None else len(cu) - 1
-    q, k, v, g, beta, A_log, dt_bias, h0 = make_inputs(B, T, H, N, seed=8, a_log=a_log, device=dev)
+    cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(B, T, H, cu, a_log, seed=8)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               lower_bound=-5.0, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
     o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, **kw)
