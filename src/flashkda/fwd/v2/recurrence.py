@@ -20,14 +20,14 @@ BLOCK_V = 64
 STAGES = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel():
     from flashkda.fwd.v2 import recurrence_kernel
 
     return recurrence_kernel.kda_fwd_v2_recurrence_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_layouts():
     from triton.experimental.gluon import language as gl
 
