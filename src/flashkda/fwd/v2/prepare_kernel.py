@@ -2,17 +2,18 @@
 
 It imports nothing but Triton, so the offline compile script can load it by path with Triton 3.6 and no torch.
 
-One CTA of 4 warps per (16-token chunk, head). Each thread owns one channel of the chunk's 16 tokens, so the gate's
-cumsum runs in registers and the L2 norms are one cross-warp reduction per token. Per CTA (C = 16, K = 128)::
+One CTA of 8 warps per (16-token chunk, head). Each thread owns 8 tokens of one channel (two lanes share a
+channel), so the gate's cumsum runs in registers plus one shuffle, and the L2 norms are one cross-warp reduction per
+token. Per CTA (C = 16, K = 128)::
 
     q, k, g  [C, K] bf16 -> fp32   rows past the chunk's last token load as 0, and their gate is forced to 0
     G        = cumsum(lower_bound * log2(e) * sigmoid(exp(A_log) * (g + dt_bias)))      (fp32, log2 units)
-    kd, ki, qd, kr = k 2^G, k 2^-G, q 2^G scale, k 2^(Glast - G)                         (rounded to bf16)
+    kd, ki, qd, kr = k 2^G, k 2^-G, q 2^G scale, (k 2^-G) 2^Glast                       (rounded to bf16)
     L        = strict_lower(diag(beta) kd ki^T),  Mqk = lower(qd ki^T)                  (mma.sync, bf16 in, fp32 acc)
     INV      = (I - L)(I + L^2)(I + L^4)(I + L^8)                                        (mma.sync, fp16 in, fp32 acc)
 
 The 16x16 products go through shared memory (bf16 ``kd, qd, ki`` tiles, fp16 16x16 tiles), because an mma.sync
-operand layout spreads a row over four lanes while the elementwise layout keeps a column in one thread.
+operand layout spreads a row over four lanes while the elementwise layout keeps a channel in two lanes.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 CHUNK = gl.constexpr(16)
 HEAD_DIM = gl.constexpr(128)
-NUM_WARPS = gl.constexpr(4)
+NUM_WARPS = gl.constexpr(8)
 LOG2E = gl.constexpr(1.4426950408889634)
 L2NORM_EPS = gl.constexpr(1e-6)
 
-# one channel of 16 tokens per thread
-COL = gl.constexpr(gl.BlockedLayout([16, 1], [1, 32], [1, 4], [0, 1]))
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8]))
+# 8 tokens of one channel per thread
+COL = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, 8], [0, 1]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8], instr_shape=[16, 8]))
 DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 SMEM_TOK = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
@@ -72,11 +73,11 @@ def kda_fwd_v2_prepare_kernel(
     o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
     m_t = o_t < n_valid
     m_tk = gl.expand_dims(m_t, 1) & gl.expand_dims(o_k < K, 0)
-    rows = (first + o_t).to(gl.int64) * H + i_h  # token-head rows
-    o_tk = gl.expand_dims(rows * K, 1) + gl.expand_dims(o_k, 0)
-    b_q = gl.load(q + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-    b_k = gl.load(k + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-    b_g = gl.load(g + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    base = (first.to(gl.int64) * H + i_h) * K  # the chunk's first token-head row; rows within it fit int32
+    o_tk = gl.expand_dims(o_t * (H * K), 1) + gl.expand_dims(o_k, 0)
+    b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    b_g = gl.load(g + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
 
     b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=1) + L2NORM_EPS) * scale, 1)
     b_k = b_k * gl.expand_dims(gl.rsqrt(gl.sum(b_k * b_k, axis=1) + L2NORM_EPS), 1)
@@ -93,11 +94,12 @@ def kda_fwd_v2_prepare_kernel(
     e_pos = gl.exp2(b_G)
     b_kd = (b_k * e_pos).to(gl.bfloat16)
     b_qd = (b_q * e_pos).to(gl.bfloat16)
-    b_ki = (b_k * gl.exp2(-b_G)).to(gl.bfloat16)
-    b_kr = (b_k * gl.exp2(gl.expand_dims(G_last, 0) - b_G)).to(gl.bfloat16)
-    gl.store(kd + o_tk, b_kd, mask=m_tk)
-    gl.store(qd + o_tk, b_qd, mask=m_tk)
-    gl.store(kr + o_tk, b_kr, mask=m_tk)
+    b_k = b_k * gl.exp2(-b_G)
+    b_ki = b_k.to(gl.bfloat16)
+    b_kr = (b_k * gl.expand_dims(gl.exp2(G_last), 0)).to(gl.bfloat16)
+    gl.store(kd + base + o_tk, b_kd, mask=m_tk)
+    gl.store(qd + base + o_tk, b_qd, mask=m_tk)
+    gl.store(kr + base + o_tk, b_kr, mask=m_tk)
     tile = i_c.to(gl.int64) * H + i_h
     live = (n_valid > 0).to(gl.float32)
     gl.store(glast + tile * K + o_k, gl.exp2(G_last) * live)
