@@ -156,14 +156,15 @@ def gpu_inputs(B, T, H, cu, a_log, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunks_per_cta", [1, 4])
 @pytest.mark.parametrize("B, T, H, cu, a_log", GPU_CASES)
-def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log):
+def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, chunks_per_cta):
     from flashkda.fwd.v2.prepare import prepare_fwd
 
     cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, seed=7)
     layout = build_chunk_layout(B, T, cu_t, q.device)
     ref = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, chunks_per_cta=chunks_per_cta)
     torch.cuda.synchronize()
     used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
     for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-6), ("glast", 1e-5),

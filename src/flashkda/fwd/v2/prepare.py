@@ -13,7 +13,10 @@ import torch
 
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, allocate_workspace
 
-__all__ = ["prepare_fwd"]
+__all__ = ["CHUNKS_PER_CTA", "prepare_fwd"]
+
+#: Chunks per CTA of the batched kernel (1 selects the kernel with one CTA per chunk and head).
+CHUNKS_PER_CTA = 4
 
 
 @functools.cache
@@ -41,7 +44,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 
 def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                 layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
-                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
+                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None,
+                chunks_per_cta: int = 1) -> Workspace:
     """Run K1: the workspace for raw inputs (same contract as `emulate.emulate_prepare`).
 
     Args:
@@ -52,11 +56,15 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[H]`` or None; dt_bias: ``[H * 128]`` or None.
         ws: a workspace to fill (from `allocate_workspace` for the same layout and H), or None to allocate one.
+        chunks_per_cta: 1 (one CTA per chunk and head) or `CHUNKS_PER_CTA` (the batched kernel: the 16x16
+            products of 4 chunks at once, no warp computing a copy of another's).
 
     Returns:
         `Workspace`; every element K2 reads is written.
     """
     _check(q, k, g, beta, layout)
+    if chunks_per_cta not in (1, CHUNKS_PER_CTA):
+        raise ValueError(f"chunks_per_cta must be 1 or {CHUNKS_PER_CTA}, got {chunks_per_cta}")
     H = q.shape[2]
     if ws is None:
         ws = allocate_workspace(layout, H, q.device)
@@ -64,12 +72,14 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    mod.kda_fwd_v2_prepare_kernel[(layout.num_chunks, H)](
+    kernel = mod.kda_fwd_v2_prepare_kernel if chunks_per_cta == 1 else mod.kda_fwd_v2_prepare_batched_kernel
+    NT = layout.num_chunks
+    kernel[(-(-NT // chunks_per_cta), H)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
-        float(scale), float(lower_bound) / math.log(2.0), H,
+        float(scale), float(lower_bound) / math.log(2.0), NT, H,
         HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=int(mod.NUM_WARPS),
+        num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS),
     )
     return ws
