@@ -78,7 +78,7 @@ def _neumann_inverse(L1, eye, a_s, b_s, mma: gl.constexpr, dot_a: gl.constexpr, 
 
 @gluon.jit
 def _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale, H,
-                    HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+                    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
     """The elementwise part for one [16, 128] chunk-head: stores ``kd, qd, kr`` and ``glast[tile]``, returns the
     bf16 ``kd, qd, ki`` tiles (in the ``COL`` layout) for the products."""
     C: gl.constexpr = CHUNK
@@ -90,8 +90,14 @@ def _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first
     o_tk = gl.expand_dims(o_t * (H * K), 1) + gl.expand_dims(o_k, 0)
 
 
-    b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-    b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    if GROUP == 1:
+        b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+        b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    else:  # GVA: GROUP value heads share one q/k head
+        base_qk = (first.to(gl.int64) * (H // GROUP) + i_h // GROUP) * K
+        o_qk = gl.expand_dims(o_t * ((H // GROUP) * K), 1) + gl.expand_dims(o_k, 0)
+        b_q = gl.load(q + base_qk + o_qk, mask=m_tk, other=0.0).to(gl.float32)
+        b_k = gl.load(k + base_qk + o_qk, mask=m_tk, other=0.0).to(gl.float32)
     b_g = gl.load(g + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
 
     b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=1) + L2NORM_EPS) * scale, 1)
@@ -130,15 +136,15 @@ def _beta_sigmoid(beta_in, beta, rows, mask):
 
 @gluon.jit
 def kda_fwd_v2_prepare_kernel(
-    q, k, g, beta_in,  # [T_total, H, 128] bf16 x3, [T_total, H] logits (any float)
+    q, k, g, beta_in,  # [T_total, H / GROUP, 128] bf16 x2, [T_total, H, 128], [T_total, H] logits (any float)
     A_log, dt_bias,  # [H], [H * 128] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
     chunk_index,  # [NT, 3] int32 (sequence, first token row, valid tokens)
     kd, qd, kr, inv, mqk, glast, beta,  # the workspace (see flashkda.fwd.v2.workspace)
     scale, gate_scale,  # fp32: query scale, lower_bound * log2(e)
-    NT, H,
-    HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+    NT, H,  # chunks, value heads
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (chunk, head)."""
+    """One CTA per (chunk, value head); GROUP value heads share a q/k head (GVA)."""
     C: gl.constexpr = CHUNK
     i_c = gl.program_id(0)
     i_h = gl.program_id(1)
@@ -146,7 +152,7 @@ def kda_fwd_v2_prepare_kernel(
     n_valid = gl.load(chunk_index + i_c * 3 + 2)
     tile = i_c.to(gl.int64) * H + i_h
     b_kd, b_qd, b_ki = _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid,
-                                       scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
+                                       scale, gate_scale, H, GROUP, HAS_A_LOG, HAS_DT_BIAS)
 
     # ---- 16x16 products
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_kd)
@@ -180,7 +186,7 @@ def kda_fwd_v2_prepare_kernel(
 @gluon.jit
 def kda_fwd_v2_prepare_batched_kernel(
     q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
-    HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
     """One CTA per (CB consecutive chunks, head); arguments as `kda_fwd_v2_prepare_kernel`'s. The elementwise part
     runs chunk by chunk; the products run once for all CB chunks, each warp on its own (chunk, column half)."""
@@ -200,7 +206,8 @@ def kda_fwd_v2_prepare_batched_kernel(
         n_valid = gl.load(chunk_index + c * 3 + 2, mask=m_c, other=0)
         # a chunk past NT has n_valid = 0: every load and store is masked off
         b_kd, b_qd, b_ki = _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
-                                           i_h, first, n_valid, scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
+                                           i_h, first, n_valid, scale, gate_scale, H, GROUP, HAS_A_LOG,
+                                           HAS_DT_BIAS)
         kd_s.index(s).store(b_kd)
         qd_s.index(s).store(b_qd)
         kiT_s.index(s).store(gl.permute(b_ki, [1, 0]))
