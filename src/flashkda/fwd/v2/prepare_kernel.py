@@ -77,28 +77,45 @@ def _neumann_inverse(L1, eye, a_s, b_s, mma: gl.constexpr, dot_a: gl.constexpr, 
 
 
 @gluon.jit
-def _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale, H,
-                    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
-    """The elementwise part for one [16, 128] chunk-head: stores ``kd, qd, kr`` and ``glast[tile]``, returns the
-    bf16 ``kd, qd, ki`` tiles (in the ``COL`` layout) for the products."""
+def _token_offsets(first, n_valid, i_h, H):
+    """Mask ``[C, K]`` of a chunk's valid tokens, the 64-bit offset of its first token-head row and the 32-bit
+    offsets of its elements from there, for tensors with ``H`` heads."""
+    o_t = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, COL))
+    o_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, COL))
+    m_tk = gl.expand_dims(o_t < n_valid, 1) & gl.expand_dims(o_k < HEAD_DIM, 0)
+    base = (first.to(gl.int64) * H + i_h) * HEAD_DIM
+    o_tk = gl.expand_dims(o_t * (H * HEAD_DIM), 1) + gl.expand_dims(o_k, 0)
+    return m_tk, base, o_tk
+
+
+@gluon.jit
+def _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP: gl.constexpr):
+    """A chunk's ``q, k, g`` ``[C, K]`` as stored (0 past its last token); GROUP value heads share a q/k head."""
+    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H)
+    if GROUP == 1:
+        b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0)
+        b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0)
+    else:
+        _, base_qk, o_qk = _token_offsets(first, n_valid, i_h // GROUP, H // GROUP)
+        b_q = gl.load(q + base_qk + o_qk, mask=m_tk, other=0.0)
+        b_k = gl.load(k + base_qk + o_qk, mask=m_tk, other=0.0)
+    b_g = gl.load(g + base + o_tk, mask=m_tk, other=0.0)
+    return b_q, b_k, b_g
+
+
+@gluon.jit
+def _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale,
+                    H, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The elementwise part for one [16, 128] chunk-head from its loaded ``q, k, g``: stores ``kd, qd, kr`` and
+    ``glast[tile]``, returns the bf16 ``kd, qd, ki`` tiles (in the ``COL`` layout) for the products."""
     C: gl.constexpr = CHUNK
     K: gl.constexpr = HEAD_DIM
+    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H)
     o_t = gl.arange(0, C, layout=gl.SliceLayout(1, COL))
     o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
-    m_tk = gl.expand_dims(o_t < n_valid, 1) & gl.expand_dims(o_k < K, 0)
-    base = (first.to(gl.int64) * H + i_h) * K  # the chunk's first token-head row; rows within it fit int32
-    o_tk = gl.expand_dims(o_t * (H * K), 1) + gl.expand_dims(o_k, 0)
-
-
-    if GROUP == 1:
-        b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-        b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-    else:  # GVA: GROUP value heads share one q/k head
-        base_qk = (first.to(gl.int64) * (H // GROUP) + i_h // GROUP) * K
-        o_qk = gl.expand_dims(o_t * ((H // GROUP) * K), 1) + gl.expand_dims(o_k, 0)
-        b_q = gl.load(q + base_qk + o_qk, mask=m_tk, other=0.0).to(gl.float32)
-        b_k = gl.load(k + base_qk + o_qk, mask=m_tk, other=0.0).to(gl.float32)
-    b_g = gl.load(g + base + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    b_q = b_q.to(gl.float32)
+    b_k = b_k.to(gl.float32)
+    b_g = b_g.to(gl.float32)
 
     b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=1) + L2NORM_EPS) * scale, 1)
     b_k = b_k * gl.expand_dims(gl.rsqrt(gl.sum(b_k * b_k, axis=1) + L2NORM_EPS), 1)
@@ -151,8 +168,14 @@ def kda_fwd_v2_prepare_kernel(
     first = gl.load(chunk_index + i_c * 3 + 1)
     n_valid = gl.load(chunk_index + i_c * 3 + 2)
     tile = i_c.to(gl.int64) * H + i_h
-    b_kd, b_qd, b_ki = _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid,
-                                       scale, gate_scale, H, GROUP, HAS_A_LOG, HAS_DT_BIAS)
+    # every global load is issued before any math
+    b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
+    o_i = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
+    o_j = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
+    m_i = o_i < n_valid
+    b_beta = _beta_sigmoid(beta_in, beta, (first + o_i).to(gl.int64) * H + i_h, m_i)
+    b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid,
+                                       scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
 
     # ---- 16x16 products
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_kd)
@@ -162,11 +185,6 @@ def kda_fwd_v2_prepare_kernel(
     zero = gl.zeros([C, C], gl.float32, MMA)
     A_kk = mma_v2(kd_s.load(DOT_A), ki_t, zero)
     A_qk = mma_v2(qd_s.load(DOT_A), ki_t, zero)
-
-    o_i = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
-    o_j = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
-    m_i = o_i < n_valid
-    b_beta = _beta_sigmoid(beta_in, beta, (first + o_i).to(gl.int64) * H + i_h, m_i)
 
     ii = gl.expand_dims(o_i, 1)
     jj = gl.expand_dims(o_j, 0)
@@ -188,8 +206,8 @@ def kda_fwd_v2_prepare_batched_kernel(
     q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
     GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (CB consecutive chunks, head); arguments as `kda_fwd_v2_prepare_kernel`'s. The elementwise part
-    runs chunk by chunk; the products run once for all CB chunks, each warp on its own (chunk, column half)."""
+    """One CTA per (CB consecutive chunks, value head); arguments as `kda_fwd_v2_prepare_kernel`'s. The elementwise
+    part runs chunk by chunk; the products run once for all CB chunks, each warp on its own (chunk, column half)."""
     C: gl.constexpr = CHUNK
     K: gl.constexpr = HEAD_DIM
     i_b = gl.program_id(0)
@@ -201,34 +219,31 @@ def kda_fwd_v2_prepare_batched_kernel(
     kiT_s = gl.allocate_shared_memory(gl.bfloat16, [CB, K, C], SMEM_KT)
     for s in range(CB):
         c = i_b * CB + s
-        m_c = c < NT
-        first = gl.load(chunk_index + c * 3 + 1, mask=m_c, other=0)
-        n_valid = gl.load(chunk_index + c * 3 + 2, mask=m_c, other=0)
-        # a chunk past NT has n_valid = 0: every load and store is masked off
-        b_kd, b_qd, b_ki = _prepare_tokens(q, k, g, A_log, dt_bias, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
-                                           i_h, first, n_valid, scale, gate_scale, H, GROUP, HAS_A_LOG,
-                                           HAS_DT_BIAS)
+        first = gl.load(chunk_index + c * 3 + 1, mask=c < NT, other=0)
+        n_valid = gl.load(chunk_index + c * 3 + 2, mask=c < NT, other=0)  # 0 past NT: all masked off
+        b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
+        b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
+                                           i_h, first, n_valid, scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
         kd_s.index(s).store(b_kd)
         qd_s.index(s).store(b_qd)
         kiT_s.index(s).store(gl.permute(b_ki, [1, 0]))
 
     # ---- 16x16 products, [CB, C, C]
+    o_s = gl.arange(0, CB, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
+    c_s = i_b * CB + o_s
+    m_s = c_s < NT
+    first_s = gl.load(chunk_index + c_s * 3 + 1, mask=m_s, other=0)
+    valid_s = gl.load(chunk_index + c_s * 3 + 2, mask=m_s, other=0)
+    o_i = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
+    m_si = gl.expand_dims(o_i, 0) < gl.expand_dims(valid_s, 1)  # [CB, C]
+    rows = (gl.expand_dims(first_s, 1) + gl.expand_dims(o_i, 0)).to(gl.int64) * H + i_h
+    b_beta = _beta_sigmoid(beta_in, beta, rows, m_si)
     ki_t = kiT_s._reinterpret(gl.bfloat16, [CB, K, C], SMEM_KT3).load(DOT_B3)  # [CB, K, C]
     zero = gl.zeros([CB, C, C], gl.float32, MMA3)
     A_kk = mma_v2(kd_s._reinterpret(gl.bfloat16, [CB, C, K], SMEM_TOK3).load(DOT_A3), ki_t, zero)
     A_qk = mma_v2(qd_s._reinterpret(gl.bfloat16, [CB, C, K], SMEM_TOK3).load(DOT_A3), ki_t, zero)
 
-    o_s = gl.arange(0, CB, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
-    o_i = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
     o_j = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA3)))
-    c_s = i_b * CB + o_s
-    m_s = c_s < NT
-    first_s = gl.load(chunk_index + c_s * 3 + 1, mask=m_s, other=0)
-    valid_s = gl.load(chunk_index + c_s * 3 + 2, mask=m_s, other=0)
-    m_si = gl.expand_dims(o_i, 0) < gl.expand_dims(valid_s, 1)  # [CB, C]
-    rows = (gl.expand_dims(first_s, 1) + gl.expand_dims(o_i, 0)).to(gl.int64) * H + i_h
-    b_beta = _beta_sigmoid(beta_in, beta, rows, m_si)
-
     ii = gl.expand_dims(gl.expand_dims(o_i, 0), 2)  # [1, C, 1]
     jj = gl.expand_dims(gl.expand_dims(o_j, 0), 1)  # [1, 1, C]
     L1 = gl.where(ii > jj, A_kk * gl.expand_dims(b_beta, 2), 0.0)
