@@ -178,7 +178,7 @@ def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, HV, chunks_per_cta
     ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, chunks_per_cta=chunks_per_cta)
     torch.cuda.synchronize()
     used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
-    for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-6), ("glast", 1e-5),
+    for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-5), ("glast", 1e-4),
                         ("mqk", 5e-3), ("inv", 5e-3)):
         x, r = getattr(ws, name), getattr(ref, name)
         if x.shape[0] == layout.num_chunks:
