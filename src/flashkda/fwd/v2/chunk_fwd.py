@@ -18,6 +18,13 @@ __all__ = ["chunk_kda_fwd_v2", "supports_v2", "v2_unsupported_reason"]
 MIN_LOWER_BOUND = -5.0
 
 
+def _has_gluon() -> bool:
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ImportError:  # no triton at all
+        return False
+
+
 def v2_unsupported_reason(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,7 +46,7 @@ def v2_unsupported_reason(
     """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "needs a Hopper (sm_90) GPU"
-    if importlib.util.find_spec("triton.experimental.gluon") is None:
+    if not _has_gluon():
         return "needs Triton with Gluon"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {q.dtype}"
