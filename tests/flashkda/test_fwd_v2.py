@@ -149,6 +149,21 @@ def test_earlier_outputs_ignore_future_gates():
     assert not torch.equal(o1[:, 37:], o2[:, 37:])
 
 
+def test_v2_entry_rejects_what_it_does_not_serve_and_imports_no_kernel():
+    import subprocess
+    import sys
+
+    from flashkda.fwd.v2 import chunk_kda_fwd_v2, supports_v2
+
+    q = torch.zeros(1, 4, 2, K, dtype=torch.bfloat16)
+    assert not supports_v2(q, q, q, q, q[..., 0], lower_bound=-5.0)
+    with pytest.raises(ValueError, match="Hopper"):
+        chunk_kda_fwd_v2(q, q, q, q, q[..., 0], 1.0, lower_bound=-5.0)
+    code = ("import sys, flashkda, flashkda.fwd.v2; "
+            "sys.exit(any(m.endswith(('prepare_kernel', 'recurrence_kernel')) for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 # ---- device: the Gluon kernels (run on the H200 with -m gpu)
 
 GPU_CASES = [
