@@ -79,7 +79,7 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
     mod = _kernel_module()
     kernel = mod.kda_fwd_v2_prepare_kernel if chunks_per_cta == 1 else mod.kda_fwd_v2_prepare_batched_kernel
     NT = layout.num_chunks
-    kernel[(-(-NT // chunks_per_cta), H)](
+    kernel[(-(-NT // chunks_per_cta) * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,

@@ -161,10 +161,11 @@ def kda_fwd_v2_prepare_kernel(
     NT, H,  # chunks, value heads
     GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (chunk, value head); GROUP value heads share a q/k head (GVA)."""
+    """One CTA per (chunk, value head), grid ``NT * H``; GROUP value heads share a q/k head (GVA)."""
     C: gl.constexpr = CHUNK
-    i_c = gl.program_id(0)
-    i_h = gl.program_id(1)
+    # heads fastest: CTAs running together read one contiguous [16, H, 128] block of each input
+    i_c = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
     first = gl.load(chunk_index + i_c * 3 + 1)
     n_valid = gl.load(chunk_index + i_c * 3 + 2)
     tile = i_c.to(gl.int64) * H + i_h
@@ -206,12 +207,13 @@ def kda_fwd_v2_prepare_batched_kernel(
     q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
     GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (CB consecutive chunks, value head); arguments as `kda_fwd_v2_prepare_kernel`'s. The elementwise
-    part runs chunk by chunk; the products run once for all CB chunks, each warp on its own (chunk, column half)."""
+    """One CTA per (CB consecutive chunks, value head), grid ``ceil(NT / CB) * H``; arguments as
+    `kda_fwd_v2_prepare_kernel`'s. The elementwise part runs chunk by chunk; the products run once for all CB
+    chunks, each warp on its own (chunk, column half)."""
     C: gl.constexpr = CHUNK
     K: gl.constexpr = HEAD_DIM
-    i_b = gl.program_id(0)
-    i_h = gl.program_id(1)
+    i_b = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
     # written chunk by chunk through 2D views, read back whole through 3D views of the same bytes (the swizzle
     # of each [16, 128] / [128, 16] slice is the same in both)
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
