@@ -13,14 +13,22 @@ registers between chunks. Per 16-token chunk (shapes per CTA)::
 ``kd, qd, kr, INV, Mqk`` arrive by TMA through a ring of ``STAGES`` shared-memory slots, ``STAGES - 1`` chunks ahead
 of the math; ``v``, ``beta`` and ``glast`` are loaded into registers one chunk ahead. Token rows past a sequence's
 end belong to the next sequence (or are TMA zero fill): ``beta`` and ``U`` are masked to zero there, so they add
-nothing to the state, and ``o`` is stored only for valid rows.
+nothing to the state, and ``o`` is stored only for valid rows. Such rows may even be uninitialised memory (tokens
+after the last sequence): ``v - u`` is selected away there, and the ``kr`` rows of a partial chunk are zeroed in
+shared memory, so no NaN can reach the state.
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 CHUNK = gl.constexpr(16)
 HEAD_DIM = gl.constexpr(128)
@@ -78,6 +86,10 @@ def kda_fwd_v2_recurrence_kernel(
     # o^T stores: 8 consecutive columns (16 bytes) per thread
     o_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
                                               warps_per_cta=[1, num_warps], order=[0, 1])
+    g_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                              warps_per_cta=[num_warps], order=[0])
+    kr_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                               warps_per_cta=[num_warps, 1], order=[1, 0])
 
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kd_desc.layout)
     qd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], qd_desc.layout)
@@ -93,11 +105,11 @@ def kda_fwd_v2_recurrence_kernel(
             _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, bars,
                                s, bos, c0, i_h, H, STAGES)
 
-    # index vectors in the two accumulator layouts
-    o_vc = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_c))  # [BV] state columns
+    # index vectors: tokens and state columns in the accumulator, o-store and glast layouts
     o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))  # [C] tokens
     o_vk = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_k))  # [BV]
     o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, acc_k))  # [K]
+    o_kg = gl.arange(0, K, layout=g_layout)  # [K]
     o_vo = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, o_layout))
     o_to = gl.arange(0, C, layout=gl.SliceLayout(0, o_layout))
 
@@ -108,12 +120,15 @@ def kda_fwd_v2_recurrence_kernel(
     else:
         b_s = gl.zeros([BV, K], gl.float32, layout=acc_k)
 
-    # register prefetch of chunk 0's v^T, beta and glast
+    # register prefetch of chunk 0's v^T, beta and glast; v^T and glast travel in compact layouts (16-byte loads,
+    # one address per thread) and are converted at use
+    rowv = bos.to(gl.int64) + o_to
+    m_tv = o_to < eos - bos
+    b_v = gl.load(v + (rowv[None, :] * H + i_h) * V + o_vo[:, None], mask=m_tv[None, :], other=0.0)  # [BV, C]
     row = bos.to(gl.int64) + o_tc
     m_t = o_tc < eos - bos
-    b_v = gl.load(v + (row[None, :] * H + i_h) * V + o_vc[:, None], mask=m_t[None, :], other=0.0)  # [BV, C]
     b_beta = gl.load(beta + row * H + i_h, mask=m_t, other=0.0)  # [C]
-    b_g = gl.load(glast + (c0 * H + i_h).to(gl.int64) * K + o_kk, mask=n_chunks > 0, other=1.0)  # [K]
+    b_g = gl.load(glast + (c0 * H + i_h).to(gl.int64) * K + o_kg, mask=n_chunks > 0, other=1.0)  # [K]
 
     zero_c = gl.zeros([BV, C], gl.float32, layout=acc_c)
     for j in range(n_chunks):
@@ -128,9 +143,11 @@ def kda_fwd_v2_recurrence_kernel(
         first = j * C + C
         rown = bos.to(gl.int64) + first + o_tc
         m_tn = first + o_tc < eos - bos
-        n_v = gl.load(v + (rown[None, :] * H + i_h) * V + o_vc[:, None], mask=m_tn[None, :], other=0.0)
+        rowv = bos.to(gl.int64) + first + o_to
+        m_tv = first + o_to < eos - bos
+        n_v = gl.load(v + (rowv[None, :] * H + i_h) * V + o_vo[:, None], mask=m_tv[None, :], other=0.0)
         n_beta = gl.load(beta + rown * H + i_h, mask=m_tn, other=0.0)
-        n_g = gl.load(glast + ((c0 + j + 1) * H + i_h).to(gl.int64) * K + o_kk, mask=j + 1 < n_chunks, other=1.0)
+        n_g = gl.load(glast + ((c0 + j + 1) * H + i_h).to(gl.int64) * K + o_kg, mask=j + 1 < n_chunks, other=1.0)
 
         mbarrier.wait(bars.index(slot), phase)
         kd_t = kd_s.index(slot)
@@ -138,6 +155,14 @@ def kda_fwd_v2_recurrence_kernel(
         kr_t = kr_s.index(slot)
         inv_t = inv_s.index(slot)
         mqk_t = mqk_s.index(slot)
+        if j * C + C > eos - bos:
+            # a partial last chunk: its rows past the sequence's end may hold any bits (token rows after the last
+            # sequence are never written), and kr^T U would turn a NaN there into NaN state even with U = 0
+            o_tr = gl.arange(0, C, layout=gl.SliceLayout(1, kr_layout))
+            b_kr = kr_t.load(kr_layout)
+            kr_t.store(gl.where((j * C + o_tr < eos - bos)[:, None], b_kr, 0.0))
+            fence_async_shared()
+            gl.thread_barrier()
 
         # u^T and (qd S)^T from the chunk-start state
         a_s = gl.convert_layout(b_s.to(gl.bfloat16), a_c)  # [BV, K]
@@ -146,14 +171,15 @@ def kda_fwd_v2_recurrence_kernel(
         b_u, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_u, a_s))
         # U^T = ((v - u)^T beta) INV^T, zero past the sequence's end
         m_t = j * C + o_tc < eos - bos
-        b_w = (b_v.to(gl.float32) - b_u) * b_beta[None, :]
+        b_vc = gl.convert_layout(b_v, acc_c).to(gl.float32)
+        b_w = gl.where(m_t[None, :], (b_vc - b_u) * b_beta[None, :], 0.0)
         a_w = gl.convert_layout(b_w.to(gl.bfloat16), a_c)
         b_uu = warpgroup_mma(a_w, inv_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_uu, b_o, a_w = warpgroup_mma_wait(num_outstanding=0, deps=(b_uu, b_o, a_w))
         b_uu = gl.where(m_t[None, :], b_uu, 0.0).to(gl.bfloat16)  # [BV, C]
         # o^T = (qd S)^T + U^T Mqk^T;  S^T = S^T diag(glast) + U^T kr
         b_o = warpgroup_mma(gl.convert_layout(b_uu, a_c), mqk_t.permute((1, 0)), b_o, is_async=True)
-        b_s = b_s * b_g[None, :]
+        b_s = b_s * gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))[None, :]
         a_u = gl.convert_layout(b_uu, a_k)
         b_s = warpgroup_mma(a_u, kr_t, b_s, is_async=True)
         b_o, b_s, a_u = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_s, a_u))
