@@ -137,3 +137,57 @@ def test_earlier_outputs_ignore_future_gates():
     o2, _ = emulate_chunk_kda(q, k, v, g2, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     assert torch.equal(o1[:, :37], o2[:, :37])
     assert not torch.equal(o1[:, 37:], o2[:, 37:])
+
+
+# ---- device: the Gluon kernels (run on the H200 with -m gpu)
+
+GPU_CASES = [
+    pytest.param(2, 200, 3, None, True, id="fixed-B2-T200-H3"),
+    pytest.param(1, 1000, 2, (0, 0, 1, 300, 317, 1000), True, id="varlen-empty-1tok-partial"),
+    pytest.param(1, 515, 2, (0, 515), False, id="varlen-one-seq-no-A_log"),
+]
+
+
+def gpu_inputs(B, T, H, cu, a_log, seed):
+    dev = torch.device("cuda")
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=dev)
+    N = B if cu is None else len(cu) - 1
+    return cu_t, make_inputs(B, T, H, N, seed=seed, a_log=a_log, device=dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, H, cu, a_log", GPU_CASES)
+def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log):
+    from flashkda.fwd.v2.prepare import prepare_fwd
+
+    cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, seed=7)
+    layout = build_chunk_layout(B, T, cu_t, q.device)
+    ref = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    torch.cuda.synchronize()
+    used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
+    for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-6), ("glast", 1e-5),
+                        ("mqk", 5e-3), ("inv", 5e-3)):
+        x, r = getattr(ws, name), getattr(ref, name)
+        if x.shape[0] == layout.num_chunks:
+            x, r = x[:used], r[:used]
+        assert_close(name, r.float(), x.float(), ratio)
+    # rows past a partial chunk's end are exactly zero
+    last = layout.chunk_index[:used, 2] < CHUNK
+    for c in torch.nonzero(last).flatten().tolist():
+        n = int(layout.chunk_index[c, 2])
+        assert ws.inv[c, :, n:].abs().sum() == 0 and ws.mqk[c, :, n:].abs().sum() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, H, cu, a_log", GPU_CASES)
+def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log):
+    from flashkda.fwd.v2 import chunk_kda_fwd_v2
+
+    cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(B, T, H, cu, a_log, seed=8)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
+    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, **kw)
+    ro, rs = reference.chunk_kda_reference(q, k, v, g, beta, K**-0.5, h0, True, **kw)
+    assert_close("o", ro, o, 5e-3 if cu is None else 6e-3)
+    assert_close("final_state", rs, s, 1e-2)

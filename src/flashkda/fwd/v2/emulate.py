@@ -113,9 +113,10 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
     G = gl.cumsum(1)
     Glast = G[:, -1:]  # padded positions add zero, so the last row is the last valid token's G
     kd = _bf16(kn * torch.exp2(G))
-    ki = _bf16(kn * torch.exp2(-G))
+    ki32 = kn * torch.exp2(-G)
+    ki = _bf16(ki32)
     qd = _bf16(qn * torch.exp2(G) * scale)
-    kr = _bf16(kn * torch.exp2(Glast - G))
+    kr = _bf16(ki32 * torch.exp2(Glast))
     # [NT, H, C, K]
     kd_h, ki_h, qd_h = (x.transpose(1, 2) for x in (kd, ki, qd))
     strict = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device), -1)

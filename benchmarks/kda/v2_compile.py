@@ -1,0 +1,119 @@
+"""Offline sm_90a compile of the v2 forward kernels: registers, spills, shared memory and resident CTAs per SM.
+
+Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
+``/work/venv36/bin/python benchmarks/kda/v2_compile.py [--sass] [--dump DIR] [--no-recurrence]``.
+Kernel files are loaded by path, so ``flashkda`` (and torch) are not imported. The prepare kernel (K1) is compiled
+here; the recurrence kernel (K2) by ``v2_compile_recurrence.py`` beside this file, run after K1 when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+HERE = Path(__file__).resolve().parent
+V2_DIR = HERE.parents[1] / "src" / "flashkda" / "fwd" / "v2"
+REGS_PER_SM, SMEM_PER_SM, MAX_CTAS, MAX_WARPS = 65536, 228 * 1024, 32, 64
+
+
+def load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True):
+    mod = load_by_path("flashkda_v2_prepare_kernel", V2_DIR / "prepare_kernel.py")
+    fn = mod.kda_fwd_v2_prepare_kernel
+    types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
+                 chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
+                 glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", H="i32")
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    cx = dict(HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    num_warps = int(mod.NUM_WARPS)
+    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=TARGET, options=dict(num_warps=num_warps))
+
+
+def ptxas_usage(kernel) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) from ``ptxas -v`` on the kernel's PTX."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+
+
+def ctas_per_sm(regs: int, num_warps: int, smem: int) -> int:
+    """Resident CTAs per sm_90 SM allowed by registers (allocated per warp in 256-register units), shared memory,
+    warps and the CTA cap."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = REGS_PER_SM // (per_warp * num_warps)
+    by_smem = SMEM_PER_SM // (smem + 1024) if smem else MAX_CTAS
+    return min(by_regs, by_smem, MAX_WARPS // num_warps, MAX_CTAS)
+
+
+def sass_counts(kernel) -> dict[str, int]:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = ("LDG", "STG", "LDS", "STS", "LDSM", "HMMA", "BAR", "SHFL", "MUFU", "LDL", "STL")
+    return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
+    ap.add_argument("--dump", default=None, help="write the prepare kernel's ttgir/ptx to this folder")
+    ap.add_argument("--no-recurrence", action="store_true", help="skip the recurrence kernel's compile")
+    args = ap.parse_args(argv)
+    print(f"triton {triton.__version__}, target {TARGET}")
+    failed = 0
+    for a_log, bias in ((True, True), (False, False)):
+        name = f"prepare A_log={a_log} dt_bias={bias}"
+        try:
+            k = compile_prepare(a_log, bias)
+        except Exception as exc:  # report every configuration
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
+            continue
+        regs, spill = ptxas_usage(k)
+        nw = k.metadata.num_warps
+        line = (f"{name}: warps={nw} regs={regs} spill_stores={spill}B smem={k.metadata.shared}B "
+                f"ctas/SM={ctas_per_sm(regs, nw, k.metadata.shared)}")
+        if args.sass:
+            line += f" sass={sass_counts(k)}"
+        print(line)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext in ("ttgir", "llir", "ptx"):
+                with open(os.path.join(args.dump, f"prepare.{ext}"), "w") as f:
+                    f.write(k.asm[ext])
+            args.dump = None
+    rec = HERE / "v2_compile_recurrence.py"
+    if not args.no_recurrence and rec.exists():
+        failed += load_by_path("v2_compile_recurrence", rec).main(["--sass"] if args.sass else [])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The v2 forward: K1 (`prepare_fwd`) then K2 (`recurrence_fwd`) over 16-token chunks, for the production case.
+
+`supports_v2` says whether a validated call is in scope; `chunk_kda_fwd_v2` takes the arguments of
+``flashkda.fwd.chunk_fwd.chunk_kda_fwd`` (the subset v2 serves) and returns the same ``(o, final_state, h)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from flashkda.fwd.v2.workspace import HEAD_DIM, build_chunk_layout
+
+__all__ = ["chunk_kda_fwd_v2", "supports_v2", "v2_unsupported_reason"]
+
+#: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
+MIN_LOWER_BOUND = -5.0
+
+
+def v2_unsupported_reason(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    **_ignored,
+) -> str | None:
+    """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs a Hopper (sm_90) GPU"
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        return "needs Triton with Gluon"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return f"needs bf16 q/k/v, got {q.dtype}"
+    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"needs K = V = {HEAD_DIM}, got K={q.shape[-1]}, V={v.shape[-1]}"
+    if v.shape[2] != q.shape[2]:
+        return f"needs HV == H, got HV={v.shape[2]}, H={q.shape[2]}"
+    if not (use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel):
+        return "needs the in-kernel L2 norm, gate and beta sigmoid"
+    if allow_neg_eigval:
+        return "allow_neg_eigval is not supported"
+    if lower_bound is None or not (MIN_LOWER_BOUND <= lower_bound < 0):
+        return f"needs a bounded gate with lower_bound in [{MIN_LOWER_BOUND}, 0), got {lower_bound}"
+    if state_v_first:
+        return "needs the K-first state layout"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return f"needs an fp32 initial_state, got {initial_state.dtype}"
+    if cu_seqlens is not None and q.shape[0] != 1:
+        return "varlen needs B == 1"
+    if dt_bias is not None and dt_bias.numel() != q.shape[2] * HEAD_DIM:
+        return f"needs dt_bias of H*K = {q.shape[2] * HEAD_DIM} elements, got {dt_bias.numel()}"
+    if A_log is not None and A_log.numel() != q.shape[2]:
+        return f"needs A_log of H = {q.shape[2]} elements, got {A_log.numel()}"
+    return None
+
+
+def supports_v2(*args, **kwargs) -> bool:
+    """True when `chunk_kda_fwd_v2` serves this validated call (arguments as `v2_unsupported_reason`)."""
+    return v2_unsupported_reason(*args, **kwargs) is None
+
+
+def chunk_kda_fwd_v2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
+
+    Args:
+        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, H, 128]`` bf16; g: ``[B, T, H, 128]`` raw gate; beta:
+            ``[B, T, H]`` logits; scale: query scale (already defaulted).
+        initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None.
+        output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
+            A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
+
+    Returns:
+        ``(o, final_state, None)``: ``o`` ``[B, T, H, 128]`` bf16, ``final_state`` ``[N, H, 128, 128]`` fp32 or None
+        (the third item stands for ``chunk_kda_fwd``'s per-chunk states, which v2 does not keep).
+
+    Raises:
+        ValueError: the call is outside v2's scope (the message says why).
+    """
+    reason = v2_unsupported_reason(
+        q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias)
+    if reason is not None:
+        raise ValueError(f"chunk_kda_fwd_v2: {reason}")
+    from flashkda.fwd.v2.prepare import prepare_fwd
+    from flashkda.fwd.v2.recurrence import recurrence_fwd
+
+    B, T = q.shape[:2]
+    layout = build_chunk_layout(B, T, cu_seqlens, q.device)
+    ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout, lower_bound,
+                     A_log, dt_bias)
+    o, final = recurrence_fwd(ws, v.contiguous(), initial_state.contiguous() if initial_state is not None else None,
+                              output_final_state)
+    return o, final, None

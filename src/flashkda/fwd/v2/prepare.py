@@ -1,0 +1,75 @@
+"""K1 of the v2 forward: L2 norm, bounded gate, beta sigmoid and the 16x16 chunk matrices, written to the workspace.
+
+The Gluon kernel lives in `flashkda.fwd.v2.prepare_kernel` and is imported on the first launch only, so
+``import flashkda`` works with any Triton (or none) and on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, allocate_workspace
+
+__all__ = ["prepare_fwd"]
+
+
+@functools.cache
+def _kernel_module():
+    from flashkda.fwd.v2 import prepare_kernel
+
+    return prepare_kernel
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, layout: ChunkLayout) -> None:
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor for the Gluon prepare kernel, got device {q.device}")
+    for name, x in (("q", q), ("k", k), ("g", g)):
+        if x.dim() != 4 or x.shape[-1] != HEAD_DIM or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [B, T, H, {HEAD_DIM}], got {tuple(x.shape)}")
+        if x.shape != q.shape or x.device != q.device:
+            raise ValueError(f"{name} {tuple(x.shape)} on {x.device} does not match q {tuple(q.shape)} on {q.device}")
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        raise ValueError(f"q and k must be bf16, got {q.dtype} and {k.dtype}")
+    if tuple(beta.shape) != tuple(q.shape[:3]) or not beta.is_contiguous():
+        raise ValueError(f"beta must be contiguous {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    if layout.total_tokens != q.shape[0] * q.shape[1]:
+        raise ValueError(f"layout has {layout.total_tokens} token rows, q has {q.shape[0] * q.shape[1]}")
+
+
+def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
+                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
+    """Run K1: the workspace for raw inputs (same contract as `emulate.emulate_prepare`).
+
+    Args:
+        q, k: ``[B, T, H, 128]`` bf16, contiguous, on a GPU (sm_80 or newer: mma.sync).
+        g: ``[B, T, H, 128]`` raw gate (bf16 or fp32); beta: ``[B, T, H]`` logits (any float dtype).
+        scale: query scale.
+        layout: from ``build_chunk_layout(B, T, cu_seqlens, device)``.
+        lower_bound: the bounded gate's floor, in ``[-5, 0)``.
+        A_log: ``[H]`` or None; dt_bias: ``[H * 128]`` or None.
+        ws: a workspace to fill (from `allocate_workspace` for the same layout and H), or None to allocate one.
+
+    Returns:
+        `Workspace`; every element K2 reads is written.
+    """
+    _check(q, k, g, beta, layout)
+    H = q.shape[2]
+    if ws is None:
+        ws = allocate_workspace(layout, H, q.device)
+    if layout.num_chunks == 0 or H == 0:
+        return ws
+    dummy = ws.glast
+    mod = _kernel_module()
+    mod.kda_fwd_v2_prepare_kernel[(layout.num_chunks, H)](
+        q, k, g, beta,
+        A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
+        layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
+        float(scale), float(lower_bound) / math.log(2.0), H,
+        HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        num_warps=int(mod.NUM_WARPS),
+    )
+    return ws
