@@ -298,7 +298,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
                 extra[f"rms(state) {name} vs fla"] = float(f"{rms_ratio(out[1], ref[1]):.3e}")
             del out
         del ref
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         medians = {}
         for name, run in runs.items():
             if budget.left() < 15:
@@ -317,7 +318,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         extra["v2/cutlass speed-up"] = round(medians["cutlass"] / medians["v2"], 3)
     log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
     runs.clear()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", medians.get("fla"), medians.get("v2"),
                params=dict(H=shape.H, T=shape.T, B=shape.B, lengths=list(shape.lengths) if shape.lengths else None,
                            dtype="bf16", gate="bounded lower_bound=-5", state="fp32 K-first"),

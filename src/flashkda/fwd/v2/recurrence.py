@@ -41,7 +41,7 @@ def longest_first_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
 
 
-def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int) -> None:
+def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int) -> None:
     if not v.is_cuda:
         raise ValueError(f"v must be a CUDA tensor for the Gluon recurrence, got device {v.device}")
     if v.dtype != torch.bfloat16 or v.dim() != 4 or v.shape[-1] != HEAD_DIM or not v.is_contiguous():
@@ -51,6 +51,8 @@ def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, b
         raise ValueError(f"workspace kd {tuple(ws.kd.shape)} does not match v {tuple(v.shape)}")
     if block_v not in (64, 128):
         raise ValueError(f"block_v must be 64 or 128, got {block_v}")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"stages must be 2, 3 or 4, got {stages}")
     if initial_state is not None:
         want = (ws.layout.num_seqs, H, HEAD_DIM, HEAD_DIM)
         if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != want:
@@ -76,7 +78,7 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16; ``final_state`` or None.
     """
-    _check(ws, v, initial_state, block_v)
+    _check(ws, v, initial_state, block_v, stages)
     B, T, H, V = v.shape
     layout = ws.layout
     N = layout.num_seqs

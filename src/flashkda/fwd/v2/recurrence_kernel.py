@@ -36,7 +36,7 @@ HEAD_DIM = gl.constexpr(128)
 
 @gluon.jit
 def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, bars,
-                       j, bos, c0, i_h, H: gl.constexpr, STAGES: gl.constexpr):
+                       j, bos, c0, i_h, H, STAGES: gl.constexpr):
     slot = j % STAGES
     bar = bars.index(slot)
     nbytes: gl.constexpr = 3 * kd_desc.block_type.nbytes + 2 * inv_desc.block_type.nbytes
@@ -55,7 +55,7 @@ def kda_fwd_v2_recurrence_kernel(
     kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc,  # TMA descriptors: kd/qd/kr [T_total, H*128], inv/mqk [NT*H*16, 16]
     glast, beta, v, o, h0, ht,  # [NT, H, 128] fp32, [T_total, H] fp32, [T_total, H, 128] bf16 x2, [N, H, 128, 128] fp32
     cu_seqlens, seq_chunks, order,  # [N + 1] int32, [N + 1] int32, [N] int32 (longest first)
-    H: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
+    H, BV: gl.constexpr, STAGES: gl.constexpr,
     USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
