@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -48,6 +49,8 @@ SWEEP = (-5.0, -3.0, -1.0, -0.5, -0.1)
 #: HBM bytes per token-head that any forward moves (q, k, v, g in, o out, beta) and the H200's nominal bandwidth.
 BYTES_PER_TOKEN_HEAD = 4 * 128 * 2 + 128 * 2 + 2
 HBM_BYTES_PER_S = 4.8e12
+#: Seconds past ``--budget`` after which the watchdog writes the partial results and exits.
+GRACE_S = 15.0
 
 
 class Budget:
@@ -394,6 +397,23 @@ def run_pytest(timeout: float) -> tuple[int | str, str]:
 # --------------------------------------------------------------------------------------------------------------- main
 
 
+def _write(results: list[Row], info: dict, no_write: bool) -> None:
+    if no_write or not results:
+        return
+    path = write_results(COMPONENT, list(results), title="FlashKDA forward v2 (H200)", info=info)
+    log(f"results: {path}")
+
+
+def _watchdog(budget: Budget, results: list[Row], info: dict, no_write: bool) -> None:
+    """Past the budget (plus a grace period) a kernel is taken to hang: keep what was measured and exit."""
+    while budget.left() > -GRACE_S:
+        time.sleep(1.0)
+    log(f"[watchdog] the run is {GRACE_S:.0f} s past its budget (a hung kernel?): writing what was measured, exiting")
+    info["watchdog"] = "exited past the budget"
+    _write(results, info, no_write)
+    os._exit(3)
+
+
 def dry_run(rows: list[Shape]) -> int:
     """The CPU-possible parts: rows, floors, the emulation against fp64, and the results file (to a temp folder)."""
     import torch
@@ -455,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     log(machine_line(info))
     device = "cuda"
     results: list[Row] = []
+    watchdog = threading.Thread(target=_watchdog, args=(budget, results, info, args.no_write), daemon=True)
+    watchdog.start()
 
     alive = run_probe(min(150.0, budget.left() * 0.4))
     log(f"[probe] {alive}")
@@ -481,10 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row, err = guarded(f"row {shape.name}", time_row, shape, impls, device, args.rep, budget)
         results.append(row or Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", None, None, note=f"failed: {err}"))
-    if not args.no_write:
-        info["missing"] = impls.missing
-        path = write_results(COMPONENT, results, title="FlashKDA forward v2 (H200)", info=info)
-        log(f"results: {path}")
+    info["missing"] = impls.missing
+    _write(results, info, args.no_write)
     log(f"done, {budget.left():.0f} s of the budget left")
     return 0
 
