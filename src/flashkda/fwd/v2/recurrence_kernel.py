@@ -51,6 +51,14 @@ def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s
 
 
 @gluon.jit
+def _store_o(o, b_o, row0, n_valid, i_h, H, o_vo, o_to, V: gl.constexpr, o_layout: gl.constexpr):
+    # o^T [BV, C] of one chunk, rows row0 .. row0 + n_valid - 1, as 16-byte stores of 8 state columns
+    b_oo = gl.convert_layout(b_o, o_layout)
+    rows = row0.to(gl.int64) + o_to
+    gl.store(o + (rows[None, :] * H + i_h) * V + o_vo[:, None], b_oo, mask=(o_to < n_valid)[None, :])
+
+
+@gluon.jit
 def kda_fwd_v2_recurrence_kernel(
     kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc,  # TMA descriptors: kd/qd/kr [T_total, H*128], inv/mqk [NT*H*16, 16]
     glast, beta, v, o, h0, ht,  # [NT, H, 128] fp32, [T_total, H] fp32, [T_total, H, 128] bf16 x2, [N, H, 128, 128] fp32
@@ -131,6 +139,8 @@ def kda_fwd_v2_recurrence_kernel(
     b_g = gl.load(glast + (c0 * H + i_h).to(gl.int64) * K + o_kg, mask=n_chunks > 0, other=1.0)  # [K]
 
     zero_c = gl.zeros([BV, C], gl.float32, layout=acc_c)
+    # o of chunk j - 1, stored while chunk j's first products run
+    o_prev = gl.zeros([BV, C], gl.bfloat16, layout=acc_c)
     for j in range(n_chunks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -148,6 +158,10 @@ def kda_fwd_v2_recurrence_kernel(
         n_v = gl.load(v + (rowv[None, :] * H + i_h) * V + o_vo[:, None], mask=m_tv[None, :], other=0.0)
         n_beta = gl.load(beta + rown * H + i_h, mask=m_tn, other=0.0)
         n_g = gl.load(glast + ((c0 + j + 1) * H + i_h).to(gl.int64) * K + o_kg, mask=j + 1 < n_chunks, other=1.0)
+
+        # this chunk's registers into the accumulator layouts, while its TMA loads may still be in flight
+        b_vc = gl.convert_layout(b_v, acc_c).to(gl.float32)  # [BV, C]
+        b_gk = gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))  # [K]
 
         mbarrier.wait(bars.index(slot), phase)
         kd_t = kd_s.index(slot)
@@ -168,10 +182,11 @@ def kda_fwd_v2_recurrence_kernel(
         a_s = gl.convert_layout(b_s.to(gl.bfloat16), a_c)  # [BV, K]
         b_u = warpgroup_mma(a_s, kd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_o = warpgroup_mma(a_s, qd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
+        if j > 0:
+            _store_o(o, o_prev, bos + j * C - C, eos - bos - j * C + C, i_h, H, o_vo, o_to, V, o_layout)
         b_u, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_u, a_s))
         # U^T = ((v - u)^T beta) INV^T, zero past the sequence's end
         m_t = j * C + o_tc < eos - bos
-        b_vc = gl.convert_layout(b_v, acc_c).to(gl.float32)
         b_w = gl.where(m_t[None, :], (b_vc - b_u) * b_beta[None, :], 0.0)
         a_w = gl.convert_layout(b_w.to(gl.bfloat16), a_c)
         b_uu = warpgroup_mma(a_w, inv_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
@@ -179,20 +194,19 @@ def kda_fwd_v2_recurrence_kernel(
         b_uu = gl.where(m_t[None, :], b_uu, 0.0).to(gl.bfloat16)  # [BV, C]
         # o^T = (qd S)^T + U^T Mqk^T;  S^T = S^T diag(glast) + U^T kr
         b_o = warpgroup_mma(gl.convert_layout(b_uu, a_c), mqk_t.permute((1, 0)), b_o, is_async=True)
-        b_s = b_s * gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))[None, :]
+        b_s = b_s * b_gk[None, :]
         a_u = gl.convert_layout(b_uu, a_k)
         b_s = warpgroup_mma(a_u, kr_t, b_s, is_async=True)
         b_o, b_s, a_u = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_s, a_u))
 
-        b_oo = gl.convert_layout(b_o.to(gl.bfloat16), o_layout)  # [BV, C]
-        rowo = bos.to(gl.int64) + j * C + o_to
-        m_to = j * C + o_to < eos - bos
-        gl.store(o + (rowo[None, :] * H + i_h) * V + o_vo[:, None], b_oo, mask=m_to[None, :])
-
+        o_prev = b_o.to(gl.bfloat16)
         b_v = n_v
         b_beta = n_beta
         b_g = n_g
 
+    if n_chunks > 0:
+        last = n_chunks * C - C
+        _store_o(o, o_prev, bos + last, eos - bos - last, i_h, H, o_vo, o_to, V, o_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
     if STORE_HT:
