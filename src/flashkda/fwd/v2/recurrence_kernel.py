@@ -93,7 +93,7 @@ def kda_fwd_v2_recurrence_kernel(
     a_k: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_k, k_width=2)
     # o^T stores: 8 consecutive columns (16 bytes) per thread
     o_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
-                                              warps_per_cta=[1, num_warps], order=[0, 1])
+                                              warps_per_cta=[num_warps // 4, 4], order=[0, 1])
     g_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                               warps_per_cta=[num_warps], order=[0])
     kr_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
