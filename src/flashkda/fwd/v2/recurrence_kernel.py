@@ -35,19 +35,23 @@ HEAD_DIM = gl.constexpr(128)
 
 
 @gluon.jit
-def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, bars,
-                       j, bos, c0, i_h, H, STAGES: gl.constexpr):
+def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
+                       kd_b, qd_b, kr_b, inv_b, mqk_b, j, bos, c0, i_h, H, STAGES: gl.constexpr):
+    # one mbarrier ring per tensor: TMA copies that share a barrier get a CTA barrier between them from the
+    # compiler; with separate barriers only the one between the expects and the copies remains
     slot = j % STAGES
-    bar = bars.index(slot)
-    nbytes: gl.constexpr = 3 * kd_desc.block_type.nbytes + 2 * inv_desc.block_type.nbytes
-    mbarrier.expect(bar, nbytes)
     row = bos + j * 16
     tile = ((c0 + j) * H + i_h) * 16
-    tma.async_copy_global_to_shared(kd_desc, [row, i_h * 128], bar, kd_s.index(slot))
-    tma.async_copy_global_to_shared(qd_desc, [row, i_h * 128], bar, qd_s.index(slot))
-    tma.async_copy_global_to_shared(kr_desc, [row, i_h * 128], bar, kr_s.index(slot))
-    tma.async_copy_global_to_shared(inv_desc, [tile, 0], bar, inv_s.index(slot))
-    tma.async_copy_global_to_shared(mqk_desc, [tile, 0], bar, mqk_s.index(slot))
+    mbarrier.expect(kd_b.index(slot), kd_desc.block_type.nbytes)
+    mbarrier.expect(qd_b.index(slot), qd_desc.block_type.nbytes)
+    mbarrier.expect(kr_b.index(slot), kr_desc.block_type.nbytes)
+    mbarrier.expect(inv_b.index(slot), inv_desc.block_type.nbytes)
+    mbarrier.expect(mqk_b.index(slot), mqk_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kd_desc, [row, i_h * 128], kd_b.index(slot), kd_s.index(slot))
+    tma.async_copy_global_to_shared(qd_desc, [row, i_h * 128], qd_b.index(slot), qd_s.index(slot))
+    tma.async_copy_global_to_shared(kr_desc, [row, i_h * 128], kr_b.index(slot), kr_s.index(slot))
+    tma.async_copy_global_to_shared(inv_desc, [tile, 0], inv_b.index(slot), inv_s.index(slot))
+    tma.async_copy_global_to_shared(mqk_desc, [tile, 0], mqk_b.index(slot), mqk_s.index(slot))
 
 
 @gluon.jit
@@ -104,13 +108,22 @@ def kda_fwd_v2_recurrence_kernel(
     kr_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kr_desc.layout)
     inv_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], inv_desc.layout)
     mqk_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], mqk_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kr_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    inv_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mqk_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
+        mbarrier.init(kd_b.index(s), count=1)
+        mbarrier.init(qd_b.index(s), count=1)
+        mbarrier.init(kr_b.index(s), count=1)
+        mbarrier.init(inv_b.index(s), count=1)
+        mbarrier.init(mqk_b.index(s), count=1)
 
     for s in gl.static_range(STAGES - 1):
         if s < n_chunks:
-            _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, bars,
+            _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
+                               kd_b, qd_b, kr_b, inv_b, mqk_b,
                                s, bos, c0, i_h, H, STAGES)
 
     # index vectors: tokens and state columns in the accumulator, o-store and glast layouts
@@ -147,7 +160,8 @@ def kda_fwd_v2_recurrence_kernel(
         # refill the slot consumed by chunk j - 1 (its wgmmas were waited for by every warp)
         gl.thread_barrier()
         if j + STAGES - 1 < n_chunks:
-            _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, bars,
+            _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
+                               kd_b, qd_b, kr_b, inv_b, mqk_b,
                                j + STAGES - 1, bos, c0, i_h, H, STAGES)
         # chunk j + 1's registers
         first = j * C + C
@@ -163,7 +177,11 @@ def kda_fwd_v2_recurrence_kernel(
         b_vc = gl.convert_layout(b_v, acc_c).to(gl.float32)  # [BV, C]
         b_gk = gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))  # [K]
 
-        mbarrier.wait(bars.index(slot), phase)
+        mbarrier.wait(kd_b.index(slot), phase)
+        mbarrier.wait(qd_b.index(slot), phase)
+        mbarrier.wait(kr_b.index(slot), phase)
+        mbarrier.wait(inv_b.index(slot), phase)
+        mbarrier.wait(mqk_b.index(slot), phase)
         kd_t = kd_s.index(slot)
         qd_t = qd_s.index(slot)
         kr_t = kr_s.index(slot)
@@ -208,6 +226,10 @@ def kda_fwd_v2_recurrence_kernel(
         last = n_chunks * C - C
         _store_o(o, o_prev, bos + last, eos - bos - last, i_h, H, o_vo, o_to, V, o_layout)
     for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+        mbarrier.invalidate(kd_b.index(s))
+        mbarrier.invalidate(qd_b.index(s))
+        mbarrier.invalidate(kr_b.index(s))
+        mbarrier.invalidate(inv_b.index(s))
+        mbarrier.invalidate(mqk_b.index(s))
     if STORE_HT:
         gl.store(ht + o_state, b_s)
