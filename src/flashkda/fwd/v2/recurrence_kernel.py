@@ -128,6 +128,7 @@ def kda_fwd_v2_recurrence_kernel(
 
     # index vectors: tokens and state columns in the accumulator, o-store and glast layouts
     o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))  # [C] tokens
+    o_vc = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_c))  # [BV] state columns
     o_vk = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_k))  # [BV]
     o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, acc_k))  # [K]
     o_kg = gl.arange(0, K, layout=g_layout)  # [K]
@@ -141,13 +142,11 @@ def kda_fwd_v2_recurrence_kernel(
     else:
         b_s = gl.zeros([BV, K], gl.float32, layout=acc_k)
 
-    # register prefetch of chunk 0's v^T, beta and glast; v^T and glast travel in compact layouts (16-byte loads,
-    # one address per thread) and are converted at use
-    rowv = bos.to(gl.int64) + o_to
-    m_tv = o_to < eos - bos
-    b_v = gl.load(v + (rowv[None, :] * H + i_h) * V + o_vo[:, None], mask=m_tv[None, :], other=0.0)  # [BV, C]
+    # register prefetch of chunk 0's v^T, beta and glast: v^T straight into the accumulator layout (no layout
+    # conversion, so no CTA barrier), glast one value per thread, converted before use
     row = bos.to(gl.int64) + o_tc
     m_t = o_tc < eos - bos
+    b_v = gl.load(v + (row[None, :] * H + i_h) * V + o_vc[:, None], mask=m_t[None, :], other=0.0)  # [BV, C]
     b_beta = gl.load(beta + row * H + i_h, mask=m_t, other=0.0)  # [C]
     b_g = gl.load(glast + (c0 * H + i_h).to(gl.int64) * K + o_kg, mask=n_chunks > 0, other=1.0)  # [K]
 
@@ -167,14 +166,11 @@ def kda_fwd_v2_recurrence_kernel(
         first = j * C + C
         rown = bos.to(gl.int64) + first + o_tc
         m_tn = first + o_tc < eos - bos
-        rowv = bos.to(gl.int64) + first + o_to
-        m_tv = first + o_to < eos - bos
-        n_v = gl.load(v + (rowv[None, :] * H + i_h) * V + o_vo[:, None], mask=m_tv[None, :], other=0.0)
+        n_v = gl.load(v + (rown[None, :] * H + i_h) * V + o_vc[:, None], mask=m_tn[None, :], other=0.0)
         n_beta = gl.load(beta + rown * H + i_h, mask=m_tn, other=0.0)
         n_g = gl.load(glast + ((c0 + j + 1) * H + i_h).to(gl.int64) * K + o_kg, mask=j + 1 < n_chunks, other=1.0)
 
-        # this chunk's registers into the accumulator layouts, while its TMA loads may still be in flight
-        b_vc = gl.convert_layout(b_v, acc_c).to(gl.float32)  # [BV, C]
+        # this chunk's glast into the accumulator's column layout, while its TMA loads may still be in flight
         b_gk = gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))  # [K]
 
         mbarrier.wait(kd_b.index(slot), phase)
@@ -205,7 +201,7 @@ def kda_fwd_v2_recurrence_kernel(
         b_u, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_u, a_s))
         # U^T = ((v - u)^T beta) INV^T, zero past the sequence's end
         m_t = j * C + o_tc < eos - bos
-        b_w = gl.where(m_t[None, :], (b_vc - b_u) * b_beta[None, :], 0.0)
+        b_w = gl.where(m_t[None, :], (b_v.to(gl.float32) - b_u) * b_beta[None, :], 0.0)
         a_w = gl.convert_layout(b_w.to(gl.bfloat16), a_c)
         b_uu = warpgroup_mma(a_w, inv_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_uu, b_o, a_w = warpgroup_mma_wait(num_outstanding=0, deps=(b_uu, b_o, a_w))
