@@ -55,11 +55,11 @@ def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s
 
 
 @gluon.jit
-def _store_o(o, b_o, row0, n_valid, i_h, H, o_vo, o_to, V: gl.constexpr, o_layout: gl.constexpr):
-    # o^T [BV, C] of one chunk, rows row0 .. row0 + n_valid - 1, as 16-byte stores of 8 state columns
-    b_oo = gl.convert_layout(b_o, o_layout)
-    rows = row0.to(gl.int64) + o_to
-    gl.store(o + (rows[None, :] * H + i_h) * V + o_vo[:, None], b_oo, mask=(o_to < n_valid)[None, :])
+def _store_o(o, b_o, row0, n_valid, i_h, H, o_vc, o_tc, V: gl.constexpr):
+    # o^T [BV, C] of one chunk, token rows row0 .. row0 + n_valid - 1, straight from the accumulator layout (2-byte
+    # stores, 16 contiguous bytes per 8 lanes; a layout conversion would cost two CTA barriers per chunk)
+    rows = row0.to(gl.int64) + o_tc
+    gl.store(o + (rows[None, :] * H + i_h) * V + o_vc[:, None], b_o, mask=(o_tc < n_valid)[None, :])
 
 
 @gluon.jit
@@ -95,9 +95,6 @@ def kda_fwd_v2_recurrence_kernel(
                                                     instr_shape=[16, K, 16])
     a_c: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_c, k_width=2)
     a_k: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_k, k_width=2)
-    # o^T stores: 8 consecutive columns (16 bytes) per thread
-    o_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
-                                              warps_per_cta=[num_warps // 4, 4], order=[0, 1])
     g_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                               warps_per_cta=[num_warps], order=[0])
     kr_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
@@ -126,14 +123,12 @@ def kda_fwd_v2_recurrence_kernel(
                                kd_b, qd_b, kr_b, inv_b, mqk_b,
                                s, bos, c0, i_h, H, STAGES)
 
-    # index vectors: tokens and state columns in the accumulator, o-store and glast layouts
+    # index vectors: tokens and state columns in the two accumulator layouts and the glast layout
     o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))  # [C] tokens
     o_vc = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_c))  # [BV] state columns
     o_vk = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_k))  # [BV]
     o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, acc_k))  # [K]
     o_kg = gl.arange(0, K, layout=g_layout)  # [K]
-    o_vo = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, o_layout))
-    o_to = gl.arange(0, C, layout=gl.SliceLayout(0, o_layout))
 
     # S^T [BV, K]: element (v, k) of the K-first state [N, H, K, V]
     o_state = (i_n * H + i_h).to(gl.int64) * (K * V) + o_kk[None, :] * V + o_vk[:, None]
@@ -197,7 +192,7 @@ def kda_fwd_v2_recurrence_kernel(
         b_u = warpgroup_mma(a_s, kd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_o = warpgroup_mma(a_s, qd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         if j > 0:
-            _store_o(o, o_prev, bos + j * C - C, eos - bos - j * C + C, i_h, H, o_vo, o_to, V, o_layout)
+            _store_o(o, o_prev, bos + j * C - C, eos - bos - j * C + C, i_h, H, o_vc, o_tc, V)
         b_u, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_u, a_s))
         # U^T = ((v - u)^T beta) INV^T, zero past the sequence's end
         m_t = j * C + o_tc < eos - bos
@@ -220,7 +215,7 @@ def kda_fwd_v2_recurrence_kernel(
 
     if n_chunks > 0:
         last = n_chunks * C - C
-        _store_o(o, o_prev, bos + last, eos - bos - last, i_h, H, o_vo, o_to, V, o_layout)
+        _store_o(o, o_prev, bos + last, eos - bos - last, i_h, H, o_vc, o_tc, V)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kd_b.index(s))
         mbarrier.invalidate(qd_b.index(s))
