@@ -58,6 +58,8 @@ def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, b
         if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state must be fp32 {want}, got {initial_state.dtype} "
                              f"{tuple(initial_state.shape)}")
+        if not initial_state.is_contiguous() or initial_state.device != v.device:
+            raise ValueError("initial_state must be contiguous and on v's device")
 
 
 def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
@@ -73,10 +75,11 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
         output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
         order: ``[N]`` int32 order in which the sequences' CTAs are launched; default longest first when N > 1.
         block_v: state columns per CTA, 64 (two CTAs per head) or 128.
-        stages: shared-memory ring slots (2 or 3).
+        stages: shared-memory ring slots (2, 3 or 4).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16; ``final_state`` or None.
+        ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (token rows after ``cu_seqlens[-1]`` are not written);
+        ``final_state`` or None.
     """
     _check(ws, v, initial_state, block_v, stages)
     B, T, H, V = v.shape
@@ -87,8 +90,10 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
     if N == 0:
         return o, final
     if B * T == 0 or layout.num_chunks == 0:
-        if final is not None:
-            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        if final is not None and initial_state is not None:
+            final.copy_(initial_state)
+        elif final is not None:
+            final.zero_()
         return o, final
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
