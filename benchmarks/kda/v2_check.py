@@ -284,9 +284,12 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         extra["k2 workspace"] = "emulate"
     if impls.k2 and ws is not None:
         runs["k2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True)
+        # K2's other configurations: one CTA per head (8 warps), a 3-slot ring
+        runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
+        runs["k2 stages3"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=3)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
-        for name in ("cutlass", "v1", "v2", "k2"):
+        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages3"):
             if name not in runs:
                 continue
             out, err = guarded(f"{name} {shape.name}", runs[name])
@@ -319,7 +322,9 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
             extra[f"{name}/fla speed-up"] = round(medians["fla"] / medians[name], 3)
     if "v2" in medians and "cutlass" in medians:
         extra["v2/cutlass speed-up"] = round(medians["cutlass"] / medians["v2"], 3)
-    log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
+    timing = {k: v for k, v in extra.items() if k.endswith(" ms") or "speed-up" in k}
+    log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in timing.items()))
+    log(f"[check] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items() if k not in timing))
     runs.clear()
     if device == "cuda":
         torch.cuda.empty_cache()
