@@ -18,6 +18,13 @@ __all__ = ["chunk_kda_fwd_v2", "supports_v2", "v2_unsupported_reason"]
 MIN_LOWER_BOUND = -5.0
 
 
+def _has_gluon() -> bool:
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ImportError:  # no triton at all
+        return False
+
+
 def v2_unsupported_reason(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,14 +46,15 @@ def v2_unsupported_reason(
     """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "needs a Hopper (sm_90) GPU"
-    if importlib.util.find_spec("triton.experimental.gluon") is None:
+    if not _has_gluon():
         return "needs Triton with Gluon"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {q.dtype}"
     if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return f"needs K = V = {HEAD_DIM}, got K={q.shape[-1]}, V={v.shape[-1]}"
-    if v.shape[2] != q.shape[2]:
-        return f"needs HV == H, got HV={v.shape[2]}, H={q.shape[2]}"
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0 or g.shape[2] != HV or beta.shape[2] != HV:
+        return f"needs g, beta and v with HV heads, a multiple of H={H}; got v {HV}, g {g.shape[2]}, beta {beta.shape[2]}"
     if not (use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel):
         return "needs the in-kernel L2 norm, gate and beta sigmoid"
     if allow_neg_eigval:
@@ -59,10 +67,10 @@ def v2_unsupported_reason(
         return f"needs an fp32 initial_state, got {initial_state.dtype}"
     if cu_seqlens is not None and q.shape[0] != 1:
         return "varlen needs B == 1"
-    if dt_bias is not None and dt_bias.numel() != q.shape[2] * HEAD_DIM:
-        return f"needs dt_bias of H*K = {q.shape[2] * HEAD_DIM} elements, got {dt_bias.numel()}"
-    if A_log is not None and A_log.numel() != q.shape[2]:
-        return f"needs A_log of H = {q.shape[2]} elements, got {A_log.numel()}"
+    if dt_bias is not None and dt_bias.numel() != HV * HEAD_DIM:
+        return f"needs dt_bias of HV*K = {HV * HEAD_DIM} elements, got {dt_bias.numel()}"
+    if A_log is not None and A_log.numel() != HV:
+        return f"needs A_log of HV = {HV} elements, got {A_log.numel()}"
     return None
 
 
@@ -94,15 +102,15 @@ def chunk_kda_fwd_v2(
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
 
     Args:
-        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, H, 128]`` bf16; g: ``[B, T, H, 128]`` raw gate; beta:
-            ``[B, T, H]`` logits; scale: query scale (already defaulted).
-        initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None.
+        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, HV, 128]`` bf16 (``HV`` a multiple of ``H``, GVA); g:
+            ``[B, T, HV, 128]`` raw gate; beta: ``[B, T, HV]`` logits; scale: query scale (already defaulted).
+        initial_state: ``[N, HV, 128, 128]`` fp32 (K-first) or None.
         output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
 
     Returns:
-        ``(o, final_state, None)``: ``o`` ``[B, T, H, 128]`` bf16, ``final_state`` ``[N, H, 128, 128]`` fp32 or None
+        ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 or None
         (the third item stands for ``chunk_kda_fwd``'s per-chunk states, which v2 does not keep).
 
     Raises:

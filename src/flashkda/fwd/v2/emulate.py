@@ -92,16 +92,18 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
     """K1 in torch: the workspace for raw inputs.
 
     Args:
-        q, k: ``[B, T, H, 128]`` (any float dtype; the kernel takes bf16).
-        g: ``[B, T, H, 128]`` raw gate; beta: ``[B, T, H]`` logits.
+        q, k: ``[B, T, Hq, 128]`` (any float dtype; the kernel takes bf16).
+        g: ``[B, T, H, 128]`` raw gate, ``H`` a multiple of ``Hq`` (GVA); beta: ``[B, T, H]`` logits.
         scale: query scale.
         layout: from ``build_chunk_layout(B, T, cu_seqlens, device)``.
         lower_bound, A_log, dt_bias: the bounded gate (see `gate_log2`).
 
     Returns:
-        `Workspace` (every element that K2 reads is written; surplus varlen chunks are zero).
+        `Workspace` with ``H`` (value) heads (every element that K2 reads is written; surplus varlen chunks are zero).
     """
-    B, T, H, K = q.shape
+    B, T, H, K = g.shape
+    if q.shape[2] != H:  # GVA: H / Hq value heads share a q/k head
+        q, k = (x.repeat_interleave(H // q.shape[2], dim=2) for x in (q, k))
     device = q.device
     ws = allocate_workspace(layout, H, device)
     rows, valid = _chunk_rows(layout, device)  # [NT, C]
