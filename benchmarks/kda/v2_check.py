@@ -1,0 +1,518 @@
+"""FlashKDA forward v2 on the device, in one run: its gpu tests, correctness, then timing against fla, CUTLASS FlashKDA
+and our v1 on the anchor rows.
+
+Stages, each guarded so that one failure does not stop the others, all inside ``--budget`` seconds:
+
+1. probe: one small v2 forward and one K2 launch in a child process with a time limit (a hung kernel cannot stall
+   the run; it also fills Triton's cache);
+2. ``pytest -m gpu tests/flashkda/test_fwd_v2*.py``;
+3. correctness: v2, and K2 alone on the emulated workspace, vs the fp64 reference at small sizes (and CUTLASS
+   FlashKDA on the same inputs when importable); a gate sweep ``lower_bound`` -5 ... -0.1 (NaN/inf, error vs fp64);
+4. per anchor row: v2 and CUTLASS vs fla (output and final-state relative RMS), then medians of CUDA events of
+   fla, CUTLASS, v1 (``flashkda.chunk_kda``), v2 and v2's K1 and K2 alone. K2 is timed on K1's workspace, or on the
+   emulated one when K1 fails.
+
+Results: ``benchmarks/results/kda-v2-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
+
+Usage: ``python -m benchmarks.kda.v2_check [--budget 380] [--rows NAME ...] [--rep 10] [--skip-pytest]
+[--no-write] [--dry-run]``; ``--dry-run`` runs on a CPU: arguments, rows, the emulation path and the results file
+(to a temporary folder), no kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.harness import ROOT, Row, machine_info, machine_line, rms_ratio, time_fn, write_results
+from benchmarks.kda.calibrate import VARLEN_EVEN, VARLEN_MIXED, Shape, _fixed, _varlen, make_inputs
+
+COMPONENT = "kda-v2"
+#: The anchor rows (`/shared/FLASHKDA_ANCHOR.md` section 1), most important first.
+ROWS = (
+    [_fixed(64, 8192), _varlen(64, VARLEN_MIXED, "mixed"), _varlen(64, VARLEN_EVEN, "1kx8")]
+    + [_fixed(96, 8192), _varlen(96, VARLEN_MIXED, "mixed"), _varlen(96, VARLEN_EVEN, "1kx8")]
+    + [_fixed(12, 8192), _varlen(12, VARLEN_MIXED, "mixed"), _varlen(12, VARLEN_EVEN, "1kx8")]
+    + [_fixed(64, 32768), _fixed(32, 131072)]
+)
+FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+SWEEP = (-5.0, -3.0, -1.0, -0.5, -0.1)
+#: HBM bytes per token-head that any forward moves (q, k, v, g in, o out, beta) and the H200's nominal bandwidth.
+BYTES_PER_TOKEN_HEAD = 4 * 128 * 2 + 128 * 2 + 2
+HBM_BYTES_PER_S = 4.8e12
+#: Seconds past ``--budget`` after which the watchdog writes the partial results and exits.
+GRACE_S = 15.0
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def guarded(name: str, fn, *args, **kwargs):
+    """``(result, None)`` or ``(None, error text)``; the traceback goes to the log."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as exc:  # every stage is independent: report and go on
+        log(f"[{name}] FAILED: {type(exc).__name__}: {str(exc)[:600]}")
+        log("".join(traceback.format_exception(exc)[-6:]))
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def floor_ms(shape: Shape) -> float:
+    n = len(shape.lengths) if shape.lengths else shape.B
+    total = shape.B * shape.T * shape.H * BYTES_PER_TOKEN_HEAD + 2 * n * shape.H * 128 * 128 * 4
+    return total / HBM_BYTES_PER_S * 1e3
+
+
+# ---------------------------------------------------------------------------------------------- the implementations
+
+
+def find_prepare():
+    """K1's launcher: the public function of `flashkda.fwd.v2.prepare` that takes ``(q, k, g, beta, scale, layout,
+    ...)`` like `emulate.emulate_prepare`."""
+    from flashkda.fwd.v2 import prepare
+
+    want = ["q", "k", "g", "beta", "scale", "layout"]
+    for name in getattr(prepare, "__all__", dir(prepare)):
+        fn = getattr(prepare, name)
+        if callable(fn) and not name.startswith("_") and inspect.isfunction(fn):
+            params = list(inspect.signature(fn).parameters)
+            if params[: len(want)] == want:
+                return fn
+    raise ImportError("flashkda.fwd.v2.prepare has no function taking (q, k, g, beta, scale, layout, ...)")
+
+
+class Impls:
+    """The forwards under test, each None when it cannot be imported here (the reason in `missing`)."""
+
+    def __init__(self):
+        self.missing: dict[str, str] = {}
+        self.fla = self._try("fla", self._fla)
+        self.cutlass = self._try("cutlass", self._cutlass)
+        self.v1 = self._try("v1", lambda: __import__("flashkda").chunk_kda)
+        self.v2 = self._try("v2", lambda: __import__("flashkda.fwd.v2", fromlist=["x"]).chunk_kda_fwd_v2)
+        self.k1 = self._try("k1", find_prepare)
+        self.k2 = self._try("k2", lambda: __import__("flashkda.fwd.v2.recurrence", fromlist=["x"]).recurrence_fwd)
+
+    def _try(self, name, make):
+        fn, err = guarded(f"import {name}", make)
+        if err:
+            self.missing[name] = err
+        return fn
+
+    @staticmethod
+    def _fla():
+        from inspect import unwrap
+
+        import fla.ops.kda.chunk as fla_chunk
+
+        return unwrap(fla_chunk.chunk_kda)
+
+    @staticmethod
+    def _cutlass():
+        import flash_kda  # noqa: F401  (the compiled extension)
+        from fla.ops.kda.backends.flash_kda import FlashKDABackend
+
+        return FlashKDABackend().chunk_kda
+
+
+def fla_style(fn, x: dict, kw: dict):
+    """A call in fla's ``chunk_kda`` signature (fla, CUTLASS through fla's adapter, our v1)."""
+    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], A_log=x["A_log"],
+              dt_bias=x["dt_bias"], safe_gate=True, **kw)
+
+
+def v2_call(fn, x: dict, kw: dict):
+    scale = x["q"].shape[-1] ** -0.5
+    out = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, initial_state=x["initial_state"],
+             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, lower_bound=kw["lower_bound"], cu_seqlens=kw.get("cu_seqlens"),
+             A_log=x["A_log"], dt_bias=x["dt_bias"])
+    return out[0], out[1]
+
+
+def layout_for(x: dict, kw: dict):
+    from flashkda.fwd.v2.workspace import build_chunk_layout
+
+    q = x["q"]
+    return build_chunk_layout(q.shape[0], q.shape[1], kw.get("cu_seqlens"), q.device)
+
+
+def emulated_workspace(x: dict, kw: dict, layout):
+    from flashkda.fwd.v2.emulate import emulate_prepare
+
+    return emulate_prepare(x["q"], x["k"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, layout, kw["lower_bound"],
+                           x["A_log"], x["dt_bias"])
+
+
+def k1_call(fn, x: dict, kw: dict, layout):
+    return fn(x["q"], x["k"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, layout, kw["lower_bound"],
+              A_log=x["A_log"], dt_bias=x["dt_bias"])
+
+
+# ------------------------------------------------------------------------------------------------------------- stages
+
+
+def small_inputs(device: str, lengths, B: int, T: int, H: int, lower_bound: float, seed: int):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    N = len(lengths) if lengths else B
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    x = dict(q=rn(B, T, H, 128).bfloat16(), k=rn(B, T, H, 128).bfloat16(), v=rn(B, T, H, 128).bfloat16(),
+             g=rn(B, T, H, 128).bfloat16(), beta=rn(B, T, H).bfloat16(),
+             A_log=torch.log(torch.empty(H, device=device).uniform_(1, 16, generator=gen)),
+             dt_bias=rn(H * 128), initial_state=rn(N, H, 128, 128) * 0.1)
+    kw = dict(FLAGS, lower_bound=lower_bound)
+    if lengths:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        kw.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+    return x, kw
+
+
+def fp64_reference(x: dict, kw: dict):
+    from flashkda import reference
+
+    return reference.chunk_kda_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5,
+                                         x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"], **kw)
+
+
+def fp64_errors(name: str, out, ref) -> dict:
+    import torch
+
+    finite = bool(torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all())
+    return {f"{name} o": rms_ratio(out[0], ref[0]), f"{name} state": rms_ratio(out[1], ref[1]),
+            f"{name} finite": finite}
+
+
+SMALL = (
+    ("fixed B2 T257 H2", None, 2, 257, 2),
+    ("varlen (300,1,0,200,63) H2", (300, 1, 0, 200, 63), 1, 564, 2),
+    ("varlen (1000,37) H4", (1000, 37), 1, 1037, 4),
+)
+
+
+def k2_on_emulated(k2, x: dict, kw: dict):
+    ws = emulated_workspace(x, kw, layout_for(x, kw))
+    return k2(ws, x["v"], x["initial_state"], True)
+
+
+def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
+    """v2, K2 on the emulated workspace, and CUTLASS vs the fp64 oracle; then the gate sweep."""
+    import torch
+
+    rows = []
+    cases = [(name, lengths, B, T, H, -5.0) for name, lengths, B, T, H in SMALL]
+    cases += [(f"gate sweep lower_bound={lb} H4 T2048", None, 1, 2048, 4, lb) for lb in SWEEP]
+    for i, (name, lengths, B, T, H, lb) in enumerate(cases):
+        if budget.left() < 30:
+            log(f"[fp64] budget: skipping {name} and later cases")
+            break
+        x, kw = small_inputs(device, lengths, B, T, H, lb, seed=100 + i)
+        with torch.inference_mode():
+            ref = fp64_reference(x, kw)
+            extra = {}
+            if impls.v2:
+                out, err = guarded(f"v2 {name}", v2_call, impls.v2, x, kw)
+                extra.update(fp64_errors("v2", out, ref) if out else {"v2 error": err})
+            if impls.k2:
+                out, err = guarded(f"k2 {name}", k2_on_emulated, impls.k2, x, kw)
+                extra.update(fp64_errors("k2(emulated ws)", out, ref) if out else {"k2 error": err})
+            if impls.cutlass and (lengths is None or 0 not in lengths):  # CUTLASS takes no empty sequence
+                out, err = guarded(f"cutlass {name}", fla_style, impls.cutlass, x, kw)
+                extra.update(fp64_errors("cutlass", out, ref) if out else {"cutlass error": err})
+        limit_o = 6e-3 if lengths else 5e-3
+        ok = all(extra.get(f"{p} finite", False) and extra[f"{p} o"] <= limit_o and extra[f"{p} state"] <= 1e-2
+                 for p in ("v2", "k2(emulated ws)") if f"{p} o" in extra)
+        extra[f"pass (o<={limit_o:.0e}, state<=1e-2, finite)"] = ok
+        log(f"[fp64] {name}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in extra.items()))
+        rows.append(Row(f"fp64 {name}", "fp64 reference", None, None,
+                        params=dict(lengths=list(lengths) if lengths else None, B=B, T=T, H=H, lower_bound=lb),
+                        extra=extra, note="correctness only"))
+    return rows
+
+
+def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) -> Row:
+    """Errors vs fla and medians of every implementation on one anchor row."""
+    import torch
+
+    x, _ = make_inputs(shape, device)
+    kw = dict(FLAGS)
+    if shape.lengths is not None:
+        cu = torch.tensor([0, *torch.tensor(shape.lengths).cumsum(0).tolist()], dtype=torch.int64)
+        kw.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+    extra: dict = {"HBM floor ms": round(floor_ms(shape), 4)}
+    runs = {}
+    if impls.fla:
+        runs["fla"] = lambda: fla_style(impls.fla, x, kw)
+    if impls.cutlass:
+        runs["cutlass"] = lambda: fla_style(impls.cutlass, x, kw)
+    if impls.v1:
+        runs["v1"] = lambda: fla_style(impls.v1, x, kw)
+    if impls.v2:
+        runs["v2"] = lambda: v2_call(impls.v2, x, kw)
+    layout, _ = guarded(f"layout {shape.name}", layout_for, x, kw)
+    ws = None
+    if impls.k1 and layout is not None:
+        ws, err = guarded(f"k1 {shape.name}", k1_call, impls.k1, x, kw, layout)
+        if ws is not None:
+            runs["k1"] = lambda: k1_call(impls.k1, x, kw, layout)
+            extra["k2 workspace"] = "k1"
+    if ws is None and layout is not None:
+        ws, _ = guarded(f"emulated workspace {shape.name}", emulated_workspace, x, kw, layout)
+        extra["k2 workspace"] = "emulate"
+    if impls.k2 and ws is not None:
+        runs["k2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True)
+        # K2's other configurations: one CTA per head (8 warps), a 3-slot ring
+        runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
+        runs["k2 stages3"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=3)
+    with torch.inference_mode():
+        ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
+        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages3"):
+            if name not in runs:
+                continue
+            out, err = guarded(f"{name} {shape.name}", runs[name])
+            if out is None:
+                extra[f"{name} error"] = err
+                del runs[name]
+                continue
+            finite = bool(torch.isfinite(out[0]).all() and (out[1] is None or torch.isfinite(out[1]).all()))
+            extra[f"{name} finite"] = finite
+            if ref is not None:
+                extra[f"rms(o) {name} vs fla"] = float(f"{rms_ratio(out[0], ref[0]):.3e}")
+                extra[f"rms(state) {name} vs fla"] = float(f"{rms_ratio(out[1], ref[1]):.3e}")
+            del out
+        del ref
+        if device == "cuda":
+            torch.cuda.synchronize()
+        medians = {}
+        for name, run in runs.items():
+            if budget.left() < 15:
+                extra[f"{name} ms"] = "not run (budget)"
+                continue
+            t, err = guarded(f"time {name} {shape.name}", time_fn, run, device=device, warmup=2, rep=rep)
+            if t is not None:
+                medians[name] = t.median_ms
+                extra[f"{name} ms"] = round(t.median_ms, 4)
+            else:
+                extra[f"{name} ms"] = f"failed: {err}"
+    for name in ("cutlass", "v1", "v2"):
+        if name in medians and "fla" in medians:
+            extra[f"{name}/fla speed-up"] = round(medians["fla"] / medians[name], 3)
+    if "v2" in medians and "cutlass" in medians:
+        extra["v2/cutlass speed-up"] = round(medians["cutlass"] / medians["v2"], 3)
+    timing = {k: v for k, v in extra.items() if k.endswith(" ms") or "speed-up" in k}
+    log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in timing.items()))
+    log(f"[check] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items() if k not in timing))
+    runs.clear()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", medians.get("fla"), medians.get("v2"),
+               params=dict(H=shape.H, T=shape.T, B=shape.B, lengths=list(shape.lengths) if shape.lengths else None,
+                           dtype="bf16", gate="bounded lower_bound=-5", state="fp32 K-first"),
+               extra=extra, note="" if "v2" in medians else "v2 not timed")
+
+
+def probe() -> int:
+    """Child-process smoke run: one K2 launch on an emulated workspace and one v2 forward, small sizes."""
+    import torch
+
+    impls = Impls()
+    x, kw = small_inputs("cuda", (40, 0, 17), 1, 57, 2, -5.0, seed=1)
+    status = {}
+    if impls.k2:
+        def k2():
+            ws = emulated_workspace(x, kw, layout_for(x, kw))
+            o, s = impls.k2(ws, x["v"], x["initial_state"], True)
+            torch.cuda.synchronize()
+            return bool(torch.isfinite(o).all() and torch.isfinite(s).all())
+
+        status["k2"] = guarded("probe k2", k2)[0]
+    if impls.k1:
+        def k1():
+            ws = k1_call(impls.k1, x, kw, layout_for(x, kw))
+            torch.cuda.synchronize()
+            return bool(torch.isfinite(ws.kd.float()).all())
+
+        status["k1"] = guarded("probe k1", k1)[0]
+    if impls.v2:
+        def v2():
+            o, s = v2_call(impls.v2, x, kw)
+            torch.cuda.synchronize()
+            return bool(torch.isfinite(o).all() and torch.isfinite(s).all())
+
+        status["v2"] = guarded("probe v2", v2)[0]
+    log("PROBE " + " ".join(f"{k}={'ok' if v else 'bad'}" for k, v in status.items()))
+    return 0
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_probe(timeout: float) -> dict[str, bool]:
+    """Which of k1/k2/v2 ran in the child (a kernel that hangs or crashes is dropped from the run)."""
+    cmd = [sys.executable, "-m", "benchmarks.kda.v2_check", "--probe"]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        log(f"[probe] timed out after {timeout:.0f} s (a kernel hangs?); v2, K1 and K2 are dropped")
+        log((exc.stdout or b"")[-3000:].decode() if isinstance(exc.stdout, bytes) else str(exc.stdout)[-3000:])
+        return {"k1": False, "k2": False, "v2": False}
+    log(res.stdout[-6000:] + res.stderr[-3000:])
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("PROBE")), "PROBE")
+    found = dict(item.split("=") for item in line.split()[1:])
+    return {k: found.get(k) == "ok" for k in ("k1", "k2", "v2")}
+
+
+def run_pytest(timeout: float) -> tuple[int | str, str]:
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "flashkda").glob("test_fwd_v2*.py"))
+    cmd = [sys.executable, "-m", "pytest", *files, "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"pytest did not finish in {timeout:.0f} s"
+    tail = (res.stdout + res.stderr)[-4000:]
+    return res.returncode, tail
+
+
+# --------------------------------------------------------------------------------------------------------------- main
+
+
+def _write(results: list[Row], info: dict, no_write: bool) -> None:
+    if no_write or not results:
+        return
+    path = write_results(COMPONENT, list(results), title="FlashKDA forward v2 (H200)", info=info)
+    log(f"results: {path}")
+
+
+def _watchdog(budget: Budget, results: list[Row], info: dict, no_write: bool) -> None:
+    """Past the budget (plus a grace period) a kernel is taken to hang: keep what was measured and exit."""
+    while budget.left() > -GRACE_S:
+        time.sleep(1.0)
+    log(f"[watchdog] the run is {GRACE_S:.0f} s past its budget (a hung kernel?): writing what was measured, exiting")
+    info["watchdog"] = "exited past the budget"
+    _write(results, info, no_write)
+    os._exit(3)
+
+
+def dry_run(rows: list[Shape]) -> int:
+    """The CPU-possible parts: rows, floors, the emulation against fp64, and the results file (to a temp folder)."""
+    import torch
+
+    from flashkda.fwd.v2.emulate import emulate_recurrence
+
+    for s in rows:
+        log(f"[dry-run] row {s.name}: B={s.B} T={s.T} H={s.H} lengths={s.lengths} floor={floor_ms(s):.4f} ms")
+    x, kw = small_inputs("cpu", (20, 0, 33), 1, 53, 2, -5.0, seed=0)
+    layout = layout_for(x, kw)
+    ws = emulated_workspace(x, kw, layout)
+    out = emulate_recurrence(ws, x["v"], x["initial_state"], True)
+    ref = fp64_reference(x, kw)
+    err = fp64_errors("emulate", out, ref)
+    log(f"[dry-run] emulation vs fp64: {err}")
+    if not (err["emulate finite"] and err["emulate o"] < 6e-3 and err["emulate state"] < 1e-2):
+        log("[dry-run] emulation fails the fp64 bar")
+        return 1
+    with tempfile.TemporaryDirectory() as d:
+        row = Row("dry-run", "fp64 reference", None, None, extra=err, note="correctness only")
+        path = write_results(COMPONENT, [row], results_dir=Path(d), info={**machine_info(), "device": "cpu"})
+        log(f"[dry-run] results file written: {path.name} ({path.stat().st_size} B)")
+    assert torch.isfinite(out[0].float()).all()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run (default 380)")
+    parser.add_argument("--rows", nargs="*", default=None, help="anchor row names (default all): "
+                        + " ".join(s.name for s in ROWS))
+    parser.add_argument("--rep", type=int, default=10, help="timed calls per implementation and row")
+    parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--skip-fp64", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="write no results JSON")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: rows, emulation, results file; no kernels")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.budget <= 0 or args.rep < 1:
+        parser.error("--budget must be > 0 and --rep >= 1")
+    names = {s.name for s in ROWS}
+    if args.rows:
+        unknown = sorted(set(args.rows) - names)
+        if unknown:
+            parser.error(f"unknown rows {unknown}; choose from {sorted(names)}")
+    rows = [s for s in ROWS if not args.rows or s.name in args.rows]
+    if args.probe:
+        return probe()
+    if args.dry_run:
+        return dry_run(rows)
+
+    import torch
+
+    budget = Budget(args.budget)
+    if not torch.cuda.is_available():
+        log("no CUDA device: use --dry-run on a CPU")
+        return 2
+    info = machine_info()
+    log(machine_line(info))
+    device = "cuda"
+    results: list[Row] = []
+    watchdog = threading.Thread(target=_watchdog, args=(budget, results, info, args.no_write), daemon=True)
+    watchdog.start()
+
+    alive = run_probe(min(150.0, budget.left() * 0.4))
+    log(f"[probe] {alive}")
+    impls = Impls()
+    for name in ("k1", "k2", "v2"):
+        if not alive[name] and getattr(impls, name) is not None:
+            setattr(impls, name, None)
+            impls.missing[name] = "dropped by the probe"
+    log(f"[impls] missing: {impls.missing or 'none'}")
+
+    if not args.skip_pytest and budget.left() > 120:
+        rc, tail = run_pytest(min(150.0, budget.left() - 90))
+        log(f"[pytest] rc={rc}\n{tail}")
+        results.append(Row("pytest -m gpu test_fwd_v2*", "pytest", None, None, extra={"rc": str(rc)},
+                           note="correctness only"))
+    if not args.skip_fp64:
+        fp64_rows, _ = guarded("fp64", check_fp64, impls, device, budget)
+        results += fp64_rows or []
+    for shape in rows:
+        need = 20 + 0.5 * shape.T * shape.H / 8192 / 64
+        if budget.left() < need:
+            log(f"[time] budget: {shape.name} not run ({budget.left():.0f} s left)")
+            results.append(Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", None, None, note="not run (budget)"))
+            continue
+        row, err = guarded(f"row {shape.name}", time_row, shape, impls, device, args.rep, budget)
+        results.append(row or Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", None, None, note=f"failed: {err}"))
+    info["missing"] = impls.missing
+    _write(results, info, args.no_write)
+    log(f"done, {budget.left():.0f} s of the budget left")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Offline sm_90a compile of the v2 recurrence kernel (K2): registers, spills, shared memory, SASS op counts.
+
+Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
+``/work/venv36/bin/python benchmarks/kda/v2_compile_recurrence.py [--bv 64 128] [--stages 2 3] [--sass]``.
+The kernel file is loaded by path, so ``flashkda`` (and torch) are not imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+KERNEL_FILE = Path(__file__).resolve().parents[2] / "src" / "flashkda" / "fwd" / "v2" / "recurrence_kernel.py"
+
+
+def load_kernel_module(path: Path = KERNEL_FILE):
+    spec = importlib.util.spec_from_file_location("flashkda_v2_recurrence_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def desc_type(dtype: str, block: list[int]) -> str:
+    """The signature string Triton's launcher gives a Gluon TensorDescriptor of ``dtype`` and ``block``."""
+    bits = {"bf16": 16, "fp32": 32}[dtype]
+    gl_dtype = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    assert layout.element_bitwidth == bits
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
+
+
+def compile_recurrence(block_v: int, stages: int, use_order: bool = True):
+    mod = load_kernel_module()
+    fn = mod.kda_fwd_v2_recurrence_kernel
+    tok, tile = desc_type("bf16", [16, 128]), desc_type("bf16", [16, 16])
+    types = dict(kd_desc=tok, qd_desc=tok, kr_desc=tok, inv_desc=tile, mqk_desc=tile, glast="*fp32",
+                 beta="*fp32", v="*bf16", o="*bf16", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
+                 seq_chunks="*i32", order="*i32", H="i32")
+    num_warps = block_v // 16
+    cx = dict(BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True,
+              num_warps=num_warps)
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = GluonASTSource(fn, sig, cx, attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps))
+
+
+def ptxas_usage(kernel) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True).stderr
+    err = err[err.find(f"Function properties for {kernel.metadata.name}"):]
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'}B"
+
+
+def sass_counts(kernel) -> dict[str, int]:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = ("LDL", "STL", "HGMMA", "BAR", "LDS", "STS", "SHFL", "SYNCS", "UTMALDG")
+    return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bv", type=int, nargs="+", default=[64])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
+    ap.add_argument("--dump", default=None, help="write the ttgir/ptx of the first configuration to this folder")
+    args = ap.parse_args(argv)
+    print(f"triton {triton.__version__}, target {TARGET}")
+    failed = 0
+    for bv in args.bv:
+        for st in args.stages:
+            name = f"recurrence BV={bv} warps={bv // 16} stages={st}"
+            try:
+                k = compile_recurrence(bv, st)
+            except Exception as exc:  # report every configuration
+                failed += 1
+                print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
+                continue
+            line = f"{name}: {ptxas_usage(k)} smem={k.metadata.shared}B"
+            if args.sass:
+                line += f" sass={sass_counts(k)}"
+            print(line)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                for ext in ("ttgir", "llir", "ptx"):
+                    with open(os.path.join(args.dump, f"recurrence_bv{bv}_s{st}.{ext}"), "w") as f:
+                        f.write(k.asm[ext])
+                args.dump = None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
