@@ -10,7 +10,9 @@ import importlib.util
 
 import torch
 
+from flashkda.fwd.v2.pipeline import default_segments, plan_segments, segmented_forward
 from flashkda.fwd.v2.workspace import HEAD_DIM, build_chunk_layout
+from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["chunk_kda_fwd_v2", "supports_v2", "v2_unsupported_reason"]
 
@@ -74,6 +76,29 @@ def v2_unsupported_reason(
     return None
 
 
+def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+          segments: int | None) -> tuple[list[int] | None, list]:
+    """The host token offsets and segment plan of a call (``(None, [])`` when it runs unsegmented)."""
+    if segments is None:
+        segments = default_segments(B * T)
+    elif isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be an int >= 1 or None, got {segments!r}")
+    if cu_seqlens_cpu is not None:
+        want = None if cu_seqlens is None else tuple(cu_seqlens.shape)
+        if want != tuple(cu_seqlens_cpu.shape) or cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be the CPU copy of cu_seqlens (shape {want}), got shape "
+                             f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+    if segments == 1:
+        return None, []
+    if cu_seqlens is None:
+        cu = [b * T for b in range(B + 1)]
+    else:
+        cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu).tolist()
+        if cu[-1] > B * T:
+            raise ValueError(f"cu_seqlens ends at {cu[-1]}, past the {B * T} token rows of q")
+    return cu, plan_segments(cu, segments)
+
+
 def supports_v2(*args, **kwargs) -> bool:
     """True when `chunk_kda_fwd_v2` serves this validated call (arguments as `v2_unsupported_reason`)."""
     return v2_unsupported_reason(*args, **kwargs) is None
@@ -98,6 +123,8 @@ def chunk_kda_fwd_v2(
     cu_seqlens: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
 
@@ -108,6 +135,12 @@ def chunk_kda_fwd_v2(
         output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
+        segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`);
+            default ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 8); 1 runs K1 then K2.
+            With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
+            of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
+            fixed length) the call never synchronises and can be captured in a CUDA graph.
 
     Returns:
         ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 or None
@@ -125,6 +158,13 @@ def chunk_kda_fwd_v2(
     from flashkda.fwd.v2.recurrence import recurrence_fwd
 
     B, T = q.shape[:2]
+    cu, plan = _plan(B, T, cu_seqlens, cu_seqlens_cpu, segments)
+    if len(plan) > 1:
+        o, final = segmented_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, lower_bound,
+            A_log, dt_bias, initial_state.contiguous() if initial_state is not None else None, output_final_state,
+            cu, cu_seqlens, plan)
+        return o, final, None
     layout = build_chunk_layout(B, T, cu_seqlens, q.device)
     ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout, lower_bound,
                      A_log, dt_bias)
