@@ -87,7 +87,7 @@ def test_random_varlen_plans(seed):
 
 
 def test_default_rule_and_bad_arguments():
-    assert [default_segments(t) for t in (0, 2047, 4096, 8192, 32768, 131072)] == [1, 1, 2, 4, 8, 8]
+    assert [default_segments(t) for t in (0, 2047, 4096, 8192, 32768, 131072)] == [1, 1, 2, 4, 16, 16]
     with pytest.raises(ValueError, match="num_segments"):
         plan_segments([0, 10], 0)
     with pytest.raises(ValueError, match="cu_seqlens"):

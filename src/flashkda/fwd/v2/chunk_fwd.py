@@ -137,7 +137,7 @@ def chunk_kda_fwd_v2(
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
         segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`);
-            default ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 8); 1 runs K1 then K2.
+            default ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 16); 1 runs K1 then K2.
             With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
             of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
             fixed length) the call never synchronises and can be captured in a CUDA graph.

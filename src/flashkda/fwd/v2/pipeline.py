@@ -31,7 +31,7 @@ __all__ = ["MAX_SEGMENTS", "MIN_SEGMENT_TOKENS", "RECURRENCE_ON_SIDE", "Segment"
 
 #: Tokens per segment below which splitting does not pay (and the most segments the default rule takes).
 MIN_SEGMENT_TOKENS = 2048
-MAX_SEGMENTS = 8
+MAX_SEGMENTS = 16
 #: Default stream arrangement: K2 on a high-priority side stream, K1 on the caller's (False: the other way round).
 RECURRENCE_ON_SIDE = True
 
