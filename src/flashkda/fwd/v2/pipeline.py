@@ -247,6 +247,7 @@ def segmented_forward(
                         recurrence_on_side) if caller is not None else None
     k1_stream, k2_stream = (caller, side) if recurrence_on_side else (side, caller)
     if side is not None:
+        # the caller's own tensors need no record_stream: its stream waits for the side stream before returning
         side.wait_stream(caller)
         _used_on(side, [o, state, *tokens, beta_ws, *tiles.tensors()])
 
@@ -265,7 +266,7 @@ def segmented_forward(
                         cu_dev = torch.arange(B + 1, dtype=torch.int32, device=device) * T
                     layout = build_chunk_layout(1, b - a, cu_dev[lo:hi + 1].clamp(a, b) - a, device)
                 built = layouts[seg.lengths] = (layout, _order(layout))
-                if k1_stream is not None and k1_stream is not k2_stream:
+                if k2_stream is not None:  # built on K1's stream, read by K2's
                     _used_on(k2_stream, [layout.chunk_index, layout.seq_chunks, layout.cu_seqlens, built[1]])
             layout, order = built
             if layout.num_chunks > reserve[i]:
