@@ -12,8 +12,8 @@ registers between chunks. Per 16-token chunk (shapes per CTA)::
 
 ``kd, qd, kr, INV, Mqk`` arrive by TMA through a ring of ``STAGES`` shared-memory slots, ``STAGES - 1`` chunks ahead
 of the math; ``v``, ``beta`` and ``glast`` are loaded into registers one chunk ahead. Token rows past a sequence's
-end belong to the next sequence (or are TMA zero fill): ``beta`` and ``U`` are masked to zero there, so they add
-nothing to the state, and ``o`` is stored only for valid rows. Such rows may even be uninitialised memory (tokens
+end belong to the next sequence (or are TMA zero fill): ``W = (v - u) beta`` is selected to zero there (so ``U`` is
+zero there too), they add nothing to the state, and ``o`` is stored only for valid rows. Such rows may even be uninitialised memory (tokens
 after the last sequence): ``v - u`` is selected away there, and the ``kr`` rows of a partial chunk are zeroed in
 shared memory, so no NaN can reach the state.
 """
@@ -146,8 +146,6 @@ def kda_fwd_v2_recurrence_kernel(
     b_g = gl.load(glast + (c0 * H + i_h).to(gl.int64) * K + o_kg, mask=n_chunks > 0, other=1.0)  # [K]
 
     zero_c = gl.zeros([BV, C], gl.float32, layout=acc_c)
-    # o of chunk j - 1, stored while chunk j's first products run
-    o_prev = gl.zeros([BV, C], gl.bfloat16, layout=acc_c)
     for j in range(n_chunks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -187,35 +185,34 @@ def kda_fwd_v2_recurrence_kernel(
             fence_async_shared()
             gl.thread_barrier()
 
+        # ptxas serialises every wgmma of the kernel (a wait after each instruction, C7514 "non wgmma instructions
+        # reading accumulator registers") for some code shapes, e.g. a select on U^T right after its wait; check
+        # `ptxas -v` (benchmarks/kda/v2_compile_recurrence.py) after changing this block.
         # u^T and (qd S)^T from the chunk-start state
         a_s = gl.convert_layout(b_s.to(gl.bfloat16), a_c)  # [BV, K]
         b_u = warpgroup_mma(a_s, kd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_o = warpgroup_mma(a_s, qd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
-        if j > 0:
-            _store_o(o, o_prev, bos + j * C - C, eos - bos - j * C + C, i_h, H, o_vc, o_tc, V)
         b_u, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_u, a_s))
-        # U^T = ((v - u)^T beta) INV^T, zero past the sequence's end
+        # U^T = ((v - u)^T beta) INV^T; W^T is zero past the sequence's end, and so is U^T, since INV's rows past the
+        # end are zero (or unit) left of the diagonal (the workspace contract)
         m_t = j * C + o_tc < eos - bos
         b_w = gl.where(m_t[None, :], (b_v.to(gl.float32) - b_u) * b_beta[None, :], 0.0)
         a_w = gl.convert_layout(b_w.to(gl.bfloat16), a_c)
         b_uu = warpgroup_mma(a_w, inv_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_uu, b_o, a_w = warpgroup_mma_wait(num_outstanding=0, deps=(b_uu, b_o, a_w))
-        b_uu = gl.where(m_t[None, :], b_uu, 0.0).to(gl.bfloat16)  # [BV, C]
+        b_uu = b_uu.to(gl.bfloat16)  # [BV, C]
         # o^T = (qd S)^T + U^T Mqk^T;  S^T = S^T diag(glast) + U^T kr
-        b_o = warpgroup_mma(gl.convert_layout(b_uu, a_c), mqk_t.permute((1, 0)), b_o, is_async=True)
         b_s = b_s * b_gk[None, :]
+        a_uc = gl.convert_layout(b_uu, a_c)
         a_u = gl.convert_layout(b_uu, a_k)
+        b_o = warpgroup_mma(a_uc, mqk_t.permute((1, 0)), b_o, is_async=True)
         b_s = warpgroup_mma(a_u, kr_t, b_s, is_async=True)
-        b_o, b_s, a_u = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_s, a_u))
-
-        o_prev = b_o.to(gl.bfloat16)
+        b_o, b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_s))
+        _store_o(o, b_o.to(gl.bfloat16), bos + j * C, eos - bos - j * C, i_h, H, o_vc, o_tc, V)
         b_v = n_v
         b_beta = n_beta
         b_g = n_g
 
-    if n_chunks > 0:
-        last = n_chunks * C - C
-        _store_o(o, o_prev, bos + last, eos - bos - last, i_h, H, o_vc, o_tc, V)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kd_b.index(s))
         mbarrier.invalidate(qd_b.index(s))
