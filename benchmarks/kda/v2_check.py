@@ -284,12 +284,12 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         extra["k2 workspace"] = "emulate"
     if impls.k2 and ws is not None:
         runs["k2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True)
-        # K2's other configurations: one CTA per head (8 warps), a 3-slot ring
+        # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
         runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
-        runs["k2 stages3"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=3)
+        runs["k2 stages2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=2)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
-        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages3"):
+        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2"):
             if name not in runs:
                 continue
             out, err = guarded(f"{name} {shape.name}", runs[name])
