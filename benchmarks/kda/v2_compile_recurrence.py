@@ -65,10 +65,12 @@ def ptxas_usage(kernel) -> str:
             f.write(kernel.asm["ptx"])
         err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
                              capture_output=True, text=True).stderr
+    # ptxas C7514: every wgmma waited for right after its issue (no overlap), a large loss for this kernel
+    serial = " WGMMA-SERIALIZED" if "wgmma.mma_async instructions are serialized" in err else ""
     err = err[err.find(f"Function properties for {kernel.metadata.name}"):]
     regs = re.search(r"Used (\d+) registers", err)
     spill = re.search(r"(\d+) bytes spill stores", err)
-    return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'}B"
+    return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'}B{serial}"
 
 
 def sass_counts(kernel) -> dict[str, int]:

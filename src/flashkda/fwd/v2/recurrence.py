@@ -17,7 +17,7 @@ __all__ = ["BLOCK_V", "STAGES", "longest_first_order", "recurrence_fwd"]
 #: State columns per CTA (one warpgroup per 64): 64 splits V in two, so H = 64 heads fill 128 CTAs.
 BLOCK_V = 64
 #: Shared-memory ring slots for kd/qd/kr/INV/Mqk (loads run STAGES - 1 chunks ahead of the math).
-STAGES = 2
+STAGES = 3
 
 
 @functools.cache

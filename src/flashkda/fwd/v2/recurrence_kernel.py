@@ -11,9 +11,9 @@ registers between chunks. Per 16-token chunk (shapes per CTA)::
     S^T  = S^T diag(glast) + bf16(U^T) kr   [BV, K]
 
 ``kd, qd, kr, INV, Mqk`` arrive by TMA through a ring of ``STAGES`` shared-memory slots, ``STAGES - 1`` chunks ahead
-of the math; ``v``, ``beta`` and ``glast`` are loaded into registers one chunk ahead. Token rows past a sequence's
-end belong to the next sequence (or are TMA zero fill): ``beta`` and ``U`` are masked to zero there, so they add
-nothing to the state, and ``o`` is stored only for valid rows. Such rows may even be uninitialised memory (tokens
+of the math; ``v``, ``beta`` and ``glast`` are loaded into registers two chunks ahead. Token rows past a sequence's
+end belong to the next sequence (or are TMA zero fill): ``W = (v - u) beta`` is selected to zero there (so ``U`` is
+zero there too), they add nothing to the state, and ``o`` is stored only for valid rows. Such rows may even be uninitialised memory (tokens
 after the last sequence): ``v - u`` is selected away there, and the ``kr`` rows of a partial chunk are zeroed in
 shared memory, so no NaN can reach the state.
 """
@@ -52,6 +52,19 @@ def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s
     tma.async_copy_global_to_shared(kr_desc, [row, i_h * 128], kr_b.index(slot), kr_s.index(slot))
     tma.async_copy_global_to_shared(inv_desc, [tile, 0], inv_b.index(slot), inv_s.index(slot))
     tma.async_copy_global_to_shared(mqk_desc, [tile, 0], mqk_b.index(slot), mqk_s.index(slot))
+
+
+@gluon.jit
+def _load_chunk_regs(v, beta, glast, bos, eos, c0, j, n_chunks, i_h, H, o_vc, o_tc, o_kg, V: gl.constexpr,
+                     K: gl.constexpr, C: gl.constexpr):
+    # v^T [BV, C] straight into the accumulator layout (no layout conversion, so no CTA barrier), beta [C], and
+    # glast [K] one value per thread; zero (glast one) past the sequence's end or its last chunk
+    rows = bos.to(gl.int64) + j * C + o_tc
+    m_t = j * C + o_tc < eos - bos
+    b_v = gl.load(v + (rows[None, :] * H + i_h) * V + o_vc[:, None], mask=m_t[None, :], other=0.0)
+    b_beta = gl.load(beta + rows * H + i_h, mask=m_t, other=0.0)
+    b_g = gl.load(glast + ((c0 + j) * H + i_h).to(gl.int64) * K + o_kg, mask=j < n_chunks, other=1.0)
+    return b_v, b_beta, b_g
 
 
 @gluon.jit
@@ -137,17 +150,11 @@ def kda_fwd_v2_recurrence_kernel(
     else:
         b_s = gl.zeros([BV, K], gl.float32, layout=acc_k)
 
-    # register prefetch of chunk 0's v^T, beta and glast: v^T straight into the accumulator layout (no layout
-    # conversion, so no CTA barrier), glast one value per thread, converted before use
-    row = bos.to(gl.int64) + o_tc
-    m_t = o_tc < eos - bos
-    b_v = gl.load(v + (row[None, :] * H + i_h) * V + o_vc[:, None], mask=m_t[None, :], other=0.0)  # [BV, C]
-    b_beta = gl.load(beta + row * H + i_h, mask=m_t, other=0.0)  # [C]
-    b_g = gl.load(glast + (c0 * H + i_h).to(gl.int64) * K + o_kg, mask=n_chunks > 0, other=1.0)  # [K]
+    # v, beta and glast travel in registers, loaded two chunks ahead of their use
+    b_v, b_beta, b_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, 0, n_chunks, i_h, H, o_vc, o_tc, o_kg, V, K, C)
+    n_v, n_beta, n_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, 1, n_chunks, i_h, H, o_vc, o_tc, o_kg, V, K, C)
 
     zero_c = gl.zeros([BV, C], gl.float32, layout=acc_c)
-    # o of chunk j - 1, stored while chunk j's first products run
-    o_prev = gl.zeros([BV, C], gl.bfloat16, layout=acc_c)
     for j in range(n_chunks):
         slot = j % STAGES
         phase = (j // STAGES) & 1
@@ -157,13 +164,8 @@ def kda_fwd_v2_recurrence_kernel(
             _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
                                kd_b, qd_b, kr_b, inv_b, mqk_b,
                                j + STAGES - 1, bos, c0, i_h, H, STAGES)
-        # chunk j + 1's registers
-        first = j * C + C
-        rown = bos.to(gl.int64) + first + o_tc
-        m_tn = first + o_tc < eos - bos
-        n_v = gl.load(v + (rown[None, :] * H + i_h) * V + o_vc[:, None], mask=m_tn[None, :], other=0.0)
-        n_beta = gl.load(beta + rown * H + i_h, mask=m_tn, other=0.0)
-        n_g = gl.load(glast + ((c0 + j + 1) * H + i_h).to(gl.int64) * K + o_kg, mask=j + 1 < n_chunks, other=1.0)
+        nn_v, nn_beta, nn_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, j + 2, n_chunks, i_h, H, o_vc, o_tc,
+                                               o_kg, V, K, C)
 
         # this chunk's glast into the accumulator's column layout, while its TMA loads may still be in flight
         b_gk = gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))  # [K]
@@ -187,35 +189,33 @@ def kda_fwd_v2_recurrence_kernel(
             fence_async_shared()
             gl.thread_barrier()
 
+        # ptxas serialises every wgmma of the kernel (a wait after each instruction, C7514 "non wgmma instructions
+        # reading accumulator registers") for some code shapes, e.g. a select on U^T right after its wait; check
+        # `ptxas -v` (benchmarks/kda/v2_compile_recurrence.py) after changing this block.
         # u^T and (qd S)^T from the chunk-start state
         a_s = gl.convert_layout(b_s.to(gl.bfloat16), a_c)  # [BV, K]
         b_u = warpgroup_mma(a_s, kd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_o = warpgroup_mma(a_s, qd_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
-        if j > 0:
-            _store_o(o, o_prev, bos + j * C - C, eos - bos - j * C + C, i_h, H, o_vc, o_tc, V)
         b_u, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_u, a_s))
-        # U^T = ((v - u)^T beta) INV^T, zero past the sequence's end
+        # U^T = ((v - u)^T beta) INV^T; W^T is zero past the sequence's end, and so is U^T, since INV's rows past the
+        # end are zero (or unit) left of the diagonal (the workspace contract)
         m_t = j * C + o_tc < eos - bos
         b_w = gl.where(m_t[None, :], (b_v.to(gl.float32) - b_u) * b_beta[None, :], 0.0)
         a_w = gl.convert_layout(b_w.to(gl.bfloat16), a_c)
         b_uu = warpgroup_mma(a_w, inv_t.permute((1, 0)), zero_c, use_acc=False, is_async=True)
         b_uu, b_o, a_w = warpgroup_mma_wait(num_outstanding=0, deps=(b_uu, b_o, a_w))
-        b_uu = gl.where(m_t[None, :], b_uu, 0.0).to(gl.bfloat16)  # [BV, C]
+        b_uu = b_uu.to(gl.bfloat16)  # [BV, C]
         # o^T = (qd S)^T + U^T Mqk^T;  S^T = S^T diag(glast) + U^T kr
-        b_o = warpgroup_mma(gl.convert_layout(b_uu, a_c), mqk_t.permute((1, 0)), b_o, is_async=True)
         b_s = b_s * b_gk[None, :]
+        a_uc = gl.convert_layout(b_uu, a_c)
         a_u = gl.convert_layout(b_uu, a_k)
+        b_o = warpgroup_mma(a_uc, mqk_t.permute((1, 0)), b_o, is_async=True)
         b_s = warpgroup_mma(a_u, kr_t, b_s, is_async=True)
-        b_o, b_s, a_u = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_s, a_u))
+        b_o, b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_s))
+        _store_o(o, b_o.to(gl.bfloat16), bos + j * C, eos - bos - j * C, i_h, H, o_vc, o_tc, V)
+        b_v, b_beta, b_g = n_v, n_beta, n_g
+        n_v, n_beta, n_g = nn_v, nn_beta, nn_g
 
-        o_prev = b_o.to(gl.bfloat16)
-        b_v = n_v
-        b_beta = n_beta
-        b_g = n_g
-
-    if n_chunks > 0:
-        last = n_chunks * C - C
-        _store_o(o, o_prev, bos + last, eos - bos - last, i_h, H, o_vc, o_tc, V)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kd_b.index(s))
         mbarrier.invalidate(qd_b.index(s))
