@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -48,6 +49,8 @@ SWEEP = (-5.0, -3.0, -1.0, -0.5, -0.1)
 #: HBM bytes per token-head that any forward moves (q, k, v, g in, o out, beta) and the H200's nominal bandwidth.
 BYTES_PER_TOKEN_HEAD = 4 * 128 * 2 + 128 * 2 + 2
 HBM_BYTES_PER_S = 4.8e12
+#: Seconds past ``--budget`` after which the watchdog writes the partial results and exits.
+GRACE_S = 15.0
 
 
 class Budget:
@@ -134,6 +137,17 @@ def fla_style(fn, x: dict, kw: dict):
     """A call in fla's ``chunk_kda`` signature (fla, CUTLASS through fla's adapter, our v1)."""
     return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], A_log=x["A_log"],
               dt_bias=x["dt_bias"], safe_gate=True, **kw)
+
+
+def cutlass_call(fn, x_vfirst: dict, kw: dict):
+    """CUTLASS FlashKDA keeps the state V-first (``[N, H, V, K]``): it gets the transposed initial state (made once,
+    outside the timing) and its final state is returned transposed back (a view)."""
+    o, s = fla_style(fn, x_vfirst, dict(kw, state_v_first=True))
+    return o, s.transpose(-1, -2)
+
+
+def v_first(x: dict) -> dict:
+    return dict(x, initial_state=x["initial_state"].transpose(-1, -2).contiguous())
 
 
 def v2_call(fn, x: dict, kw: dict):
@@ -236,7 +250,7 @@ def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
                 out, err = guarded(f"k2 {name}", k2_on_emulated, impls.k2, x, kw)
                 extra.update(fp64_errors("k2(emulated ws)", out, ref) if out else {"k2 error": err})
             if impls.cutlass and (lengths is None or 0 not in lengths):  # CUTLASS takes no empty sequence
-                out, err = guarded(f"cutlass {name}", fla_style, impls.cutlass, x, kw)
+                out, err = guarded(f"cutlass {name}", cutlass_call, impls.cutlass, v_first(x), kw)
                 extra.update(fp64_errors("cutlass", out, ref) if out else {"cutlass error": err})
         limit_o = 6e-3 if lengths else 5e-3
         ok = all(extra.get(f"{p} finite", False) and extra[f"{p} o"] <= limit_o and extra[f"{p} state"] <= 1e-2
@@ -264,7 +278,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
     if impls.fla:
         runs["fla"] = lambda: fla_style(impls.fla, x, kw)
     if impls.cutlass:
-        runs["cutlass"] = lambda: fla_style(impls.cutlass, x, kw)
+        x_vfirst = v_first(x)
+        runs["cutlass"] = lambda: cutlass_call(impls.cutlass, x_vfirst, kw)
     if impls.v1:
         runs["v1"] = lambda: fla_style(impls.v1, x, kw)
     if impls.v2:
@@ -281,9 +296,12 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         extra["k2 workspace"] = "emulate"
     if impls.k2 and ws is not None:
         runs["k2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True)
+        # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
+        runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
+        runs["k2 stages2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=2)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
-        for name in ("cutlass", "v1", "v2", "k2"):
+        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2"):
             if name not in runs:
                 continue
             out, err = guarded(f"{name} {shape.name}", runs[name])
@@ -298,7 +316,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
                 extra[f"rms(state) {name} vs fla"] = float(f"{rms_ratio(out[1], ref[1]):.3e}")
             del out
         del ref
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         medians = {}
         for name, run in runs.items():
             if budget.left() < 15:
@@ -315,9 +334,12 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
             extra[f"{name}/fla speed-up"] = round(medians["fla"] / medians[name], 3)
     if "v2" in medians and "cutlass" in medians:
         extra["v2/cutlass speed-up"] = round(medians["cutlass"] / medians["v2"], 3)
-    log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
+    timing = {k: v for k, v in extra.items() if k.endswith(" ms") or "speed-up" in k}
+    log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in timing.items()))
+    log(f"[check] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items() if k not in timing))
     runs.clear()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", medians.get("fla"), medians.get("v2"),
                params=dict(H=shape.H, T=shape.T, B=shape.B, lengths=list(shape.lengths) if shape.lengths else None,
                            dtype="bf16", gate="bounded lower_bound=-5", state="fp32 K-first"),
@@ -392,6 +414,23 @@ def run_pytest(timeout: float) -> tuple[int | str, str]:
 # --------------------------------------------------------------------------------------------------------------- main
 
 
+def _write(results: list[Row], info: dict, no_write: bool) -> None:
+    if no_write or not results:
+        return
+    path = write_results(COMPONENT, list(results), title="FlashKDA forward v2 (H200)", info=info)
+    log(f"results: {path}")
+
+
+def _watchdog(budget: Budget, results: list[Row], info: dict, no_write: bool) -> None:
+    """Past the budget (plus a grace period) a kernel is taken to hang: keep what was measured and exit."""
+    while budget.left() > -GRACE_S:
+        time.sleep(1.0)
+    log(f"[watchdog] the run is {GRACE_S:.0f} s past its budget (a hung kernel?): writing what was measured, exiting")
+    info["watchdog"] = "exited past the budget"
+    _write(results, info, no_write)
+    os._exit(3)
+
+
 def dry_run(rows: list[Shape]) -> int:
     """The CPU-possible parts: rows, floors, the emulation against fp64, and the results file (to a temp folder)."""
     import torch
@@ -453,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     log(machine_line(info))
     device = "cuda"
     results: list[Row] = []
+    watchdog = threading.Thread(target=_watchdog, args=(budget, results, info, args.no_write), daemon=True)
+    watchdog.start()
 
     alive = run_probe(min(150.0, budget.left() * 0.4))
     log(f"[probe] {alive}")
@@ -479,10 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row, err = guarded(f"row {shape.name}", time_row, shape, impls, device, args.rep, budget)
         results.append(row or Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", None, None, note=f"failed: {err}"))
-    if not args.no_write:
-        info["missing"] = impls.missing
-        path = write_results(COMPONENT, results, title="FlashKDA forward v2 (H200)", info=info)
-        log(f"results: {path}")
+    info["missing"] = impls.missing
+    _write(results, info, args.no_write)
     log(f"done, {budget.left():.0f} s of the budget left")
     return 0
 

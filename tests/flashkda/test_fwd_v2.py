@@ -13,24 +13,27 @@ K = 128
 CPU = torch.device("cpu")
 
 
-def make_inputs(B, T, H, N, seed=0, init=True, a_log=True, device=CPU):
+def make_inputs(B, T, H, N, seed=0, init=True, a_log=True, device=CPU, HV=None):
+    """q, k ``[B, T, H, K]``; v, g ``[B, T, HV, K]`` (HV defaults to H); beta, A_log, dt_bias, h0 for HV heads."""
+    HV = HV or H
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen)
 
-    q, k, v, g = (randn(B, T, H, K).to(device, torch.bfloat16) for _ in range(4))
-    beta = randn(B, T, H).to(device, torch.bfloat16)
-    A_log = (torch.rand(H, generator=gen) * 2 - 1).to(device) if a_log else None
-    dt_bias = (randn(H * K) * 0.5).to(device)
-    h0 = (randn(N, H, K, K) * 0.1).to(device) if init else None
+    q, k = (randn(B, T, H, K).to(device, torch.bfloat16) for _ in range(2))
+    v, g = (randn(B, T, HV, K).to(device, torch.bfloat16) for _ in range(2))
+    beta = randn(B, T, HV).to(device, torch.bfloat16)
+    A_log = (torch.rand(HV, generator=gen) * 2 - 1).to(device) if a_log else None
+    dt_bias = (randn(HV * K) * 0.5).to(device)
+    h0 = (randn(N, HV, K, K) * 0.1).to(device) if init else None
     return q, k, v, g, beta, A_log, dt_bias, h0
 
 
-def run_both(B, T, H, cu=None, lower_bound=-5.0, init=True, a_log=True, seed=0):
+def run_both(B, T, H, cu=None, lower_bound=-5.0, init=True, a_log=True, seed=0, HV=None):
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64)
     N = B if cu is None else len(cu) - 1
-    q, k, v, g, beta, A_log, dt_bias, h0 = make_inputs(B, T, H, N, seed, init, a_log)
+    q, k, v, g, beta, A_log, dt_bias, h0 = make_inputs(B, T, H, N, seed, init, a_log, HV=HV)
     layout = build_chunk_layout(B, T, cu_t, CPU)
     o, s = emulate_chunk_kda(q, k, v, g, beta, K**-0.5, layout, lower_bound, A_log, dt_bias, h0, True)
     ro, rs = reference.chunk_kda_reference(
@@ -110,6 +113,13 @@ def test_emulation_matches_fp64(B, T, H, cu, init):
     assert_close("final_state", rs, s, 1e-2)
 
 
+def test_emulation_gva_matches_fp64():
+    (o, s), (ro, rs) = run_both(1, 70, 1, (0, 33, 70), HV=3, seed=9)
+    assert o.shape == (1, 70, 3, K) and s.shape == (2, 3, K, K)
+    assert_close("o", ro, o, 6e-3)
+    assert_close("final_state", rs, s, 1e-2)
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, -2.0, -0.5, -0.1])
 @pytest.mark.parametrize("a_log", [True, False], ids=["A_log", "no-A_log"])
 def test_gate_sweep_is_finite_and_accurate(lower_bound, a_log):
@@ -139,34 +149,51 @@ def test_earlier_outputs_ignore_future_gates():
     assert not torch.equal(o1[:, 37:], o2[:, 37:])
 
 
+def test_v2_entry_rejects_what_it_does_not_serve_and_imports_no_kernel():
+    import subprocess
+    import sys
+
+    from flashkda.fwd.v2 import chunk_kda_fwd_v2, supports_v2
+
+    q = torch.zeros(1, 4, 2, K, dtype=torch.bfloat16)
+    assert not supports_v2(q, q, q, q, q[..., 0], lower_bound=-5.0)
+    with pytest.raises(ValueError, match="Hopper"):
+        chunk_kda_fwd_v2(q, q, q, q, q[..., 0], 1.0, lower_bound=-5.0)
+    code = ("import sys, flashkda, flashkda.fwd.v2; "
+            "sys.exit(any(m.endswith(('prepare_kernel', 'recurrence_kernel')) for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 # ---- device: the Gluon kernels (run on the H200 with -m gpu)
 
 GPU_CASES = [
-    pytest.param(2, 200, 3, None, True, id="fixed-B2-T200-H3"),
-    pytest.param(1, 1000, 2, (0, 0, 1, 300, 317, 1000), True, id="varlen-empty-1tok-partial"),
-    pytest.param(1, 515, 2, (0, 515), False, id="varlen-one-seq-no-A_log"),
+    pytest.param(2, 200, 3, None, True, 3, id="fixed-B2-T200-H3"),
+    pytest.param(1, 1000, 2, (0, 0, 1, 300, 317, 1000), True, 2, id="varlen-empty-1tok-partial"),
+    pytest.param(1, 515, 2, (0, 515), False, 2, id="varlen-one-seq-no-A_log"),
+    pytest.param(1, 300, 2, (0, 100, 300), True, 4, id="varlen-gva-H2-HV4"),
 ]
 
 
-def gpu_inputs(B, T, H, cu, a_log, seed):
+def gpu_inputs(B, T, H, cu, a_log, seed, HV):
     dev = torch.device("cuda")
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=dev)
     N = B if cu is None else len(cu) - 1
-    return cu_t, make_inputs(B, T, H, N, seed=seed, a_log=a_log, device=dev)
+    return cu_t, make_inputs(B, T, H, N, seed=seed, a_log=a_log, device=dev, HV=HV)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, H, cu, a_log", GPU_CASES)
-def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log):
+@pytest.mark.parametrize("chunks_per_cta", [1, 4])
+@pytest.mark.parametrize("B, T, H, cu, a_log, HV", GPU_CASES)
+def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, HV, chunks_per_cta):
     from flashkda.fwd.v2.prepare import prepare_fwd
 
-    cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, seed=7)
+    cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
     layout = build_chunk_layout(B, T, cu_t, q.device)
     ref = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, chunks_per_cta=chunks_per_cta)
     torch.cuda.synchronize()
     used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
-    for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-6), ("glast", 1e-5),
+    for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-5), ("glast", 1e-4),
                         ("mqk", 5e-3), ("inv", 5e-3)):
         x, r = getattr(ws, name), getattr(ref, name)
         if x.shape[0] == layout.num_chunks:
@@ -180,11 +207,11 @@ def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, H, cu, a_log", GPU_CASES)
-def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log):
+@pytest.mark.parametrize("B, T, H, cu, a_log, HV", GPU_CASES)
+def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log, HV):
     from flashkda.fwd.v2 import chunk_kda_fwd_v2
 
-    cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(B, T, H, cu, a_log, seed=8)
+    cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(B, T, H, cu, a_log, 8, HV)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               lower_bound=-5.0, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
     o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, **kw)

@@ -1,15 +1,16 @@
-"""FlashKDA forward v2 on the device: the Gluon recurrence kernel (K2) against its torch emulation on the same
-workspace, and the whole v2 forward against the fp64 oracle (Hopper GPUs only)."""
+"""FlashKDA forward v2, the recurrence kernel (K2): its launcher's checks and order on the CPU, and on the device
+the Gluon kernel against its torch emulation on the same emulated workspace, so K2 is checked apart from K1 (Hopper
+GPUs only; the whole forward's fp64 check is in ``test_fwd_v2.py``)."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from flashkda import reference
 from flashkda.fwd.v2.emulate import emulate_prepare, emulate_recurrence
 from flashkda.fwd.v2.workspace import build_chunk_layout
 from tests.flashkda.kda_cases import assert_close
-
-pytestmark = pytest.mark.gpu
 
 K = 128
 #: Kernel vs emulation on the same workspace: only the fp32 summation order differs (it can flip a bf16 rounding
@@ -49,7 +50,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_v,stages", [(64, 2), (64, 3), (128, 2)])
+def test_import_loads_no_kernel_and_order_is_longest_first():
+    code = ("import sys, torch; from flashkda.fwd.v2.recurrence import longest_first_order; "
+            "assert 'flashkda.fwd.v2.recurrence_kernel' not in sys.modules; "
+            "assert not any(m.startswith('triton.experimental.gluon') for m in sys.modules); "
+            "cu = torch.tensor([0, 5, 305, 305, 322], dtype=torch.int32); "
+            "assert longest_first_order(cu).tolist() == [1, 3, 0, 2]")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_recurrence_rejects_bad_arguments():
+    from flashkda.fwd.v2.recurrence import recurrence_fwd
+
+    ws = emulate_prepare(*(torch.zeros(1, 16, 1, K) for _ in range(3)), torch.zeros(1, 16, 1), K**-0.5,
+                         build_chunk_layout(1, 16, None, torch.device("cpu")), -5.0)
+    v = torch.zeros(1, 16, 1, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        recurrence_fwd(ws, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v,stages", [(64, 3), (64, 2), (128, 3)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c['B']}-T{c['T']}-H{c['H']}-{c['lengths']}")
 def test_recurrence_kernel_matches_emulation(case, block_v, stages):
     from flashkda.fwd.v2.recurrence import recurrence_fwd
@@ -65,6 +86,7 @@ def test_recurrence_kernel_matches_emulation(case, block_v, stages):
     assert_close("final_state", rs, s, TOL_EMULATE)
 
 
+@pytest.mark.gpu
 def test_recurrence_without_final_state_and_longest_first_order_is_a_permutation():
     from flashkda.fwd.v2.recurrence import longest_first_order, recurrence_fwd
 
@@ -79,6 +101,7 @@ def test_recurrence_without_final_state_and_longest_first_order_is_a_permutation
     assert_close("o", ro.float(), o.float(), TOL_EMULATE)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, -1.0, -0.1])
 def test_recurrence_gate_sweep_is_finite(lower_bound):
     from flashkda.fwd.v2.recurrence import recurrence_fwd
@@ -91,16 +114,22 @@ def test_recurrence_gate_sweep_is_finite(lower_bound):
     assert_close("final_state", rs, s, TOL_EMULATE)
 
 
-@pytest.mark.parametrize("lengths", [None, (300, 1, 0, 200, 63)], ids=["fixed", "varlen"])
-def test_v2_forward_matches_fp64(lengths):
-    from flashkda.fwd.v2 import chunk_kda_fwd_v2
+@pytest.mark.gpu
+def test_recurrence_ignores_rows_past_the_last_sequence():
+    """Token rows after ``cu_seqlens[-1]`` are never written by K1; NaN there must not reach o or the state."""
+    from flashkda.fwd.v2.recurrence import recurrence_fwd
 
-    B, T = (2, 257) if lengths is None else (1, sum(lengths))
-    ws, (q, k, v, g, beta, A_log, dt_bias, h0), cu = _layout_and_workspace(B, T, 2, lengths, seed=11)
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
+    lengths = (37, 0, 300, 5)
+    end = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, end + 9, 2, len(lengths), seed=5)
+    layout = build_chunk_layout(1, end + 9, cu, torch.device("cuda"))
+    ws = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    for t in (ws.kd, ws.qd, ws.kr, ws.beta):
+        t[end:] = float("nan")
+    v[:, end:] = float("nan")
     with torch.inference_mode():
-        out = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, **kw)
-        ro, rs = reference.chunk_kda_reference(q, k, v, g, beta, K**-0.5, **kw)
-    assert_close("o", ro, out[0], 5e-3 if lengths is None else 6e-3)
-    assert_close("final_state", rs, out[1], 1e-2)
+        o, s = recurrence_fwd(ws, v, h0, True)
+        ro, rs = emulate_recurrence(ws, v, h0, True)
+    assert_close("o", ro[:, :end].float(), o[:, :end].float(), TOL_EMULATE)
+    assert_close("final_state", rs, s, TOL_EMULATE)

@@ -10,12 +10,21 @@ import importlib.util
 
 import torch
 
+from flashkda.fwd.v2.pipeline import default_segments, plan_segments, segmented_forward
 from flashkda.fwd.v2.workspace import HEAD_DIM, build_chunk_layout
+from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["chunk_kda_fwd_v2", "supports_v2", "v2_unsupported_reason"]
 
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
+
+
+def _has_gluon() -> bool:
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ImportError:  # no triton at all
+        return False
 
 
 def v2_unsupported_reason(
@@ -39,14 +48,15 @@ def v2_unsupported_reason(
     """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "needs a Hopper (sm_90) GPU"
-    if importlib.util.find_spec("triton.experimental.gluon") is None:
+    if not _has_gluon():
         return "needs Triton with Gluon"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {q.dtype}"
     if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return f"needs K = V = {HEAD_DIM}, got K={q.shape[-1]}, V={v.shape[-1]}"
-    if v.shape[2] != q.shape[2]:
-        return f"needs HV == H, got HV={v.shape[2]}, H={q.shape[2]}"
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0 or g.shape[2] != HV or beta.shape[2] != HV:
+        return f"needs g, beta and v with HV heads, a multiple of H={H}; got v {HV}, g {g.shape[2]}, beta {beta.shape[2]}"
     if not (use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel):
         return "needs the in-kernel L2 norm, gate and beta sigmoid"
     if allow_neg_eigval:
@@ -59,11 +69,34 @@ def v2_unsupported_reason(
         return f"needs an fp32 initial_state, got {initial_state.dtype}"
     if cu_seqlens is not None and q.shape[0] != 1:
         return "varlen needs B == 1"
-    if dt_bias is not None and dt_bias.numel() != q.shape[2] * HEAD_DIM:
-        return f"needs dt_bias of H*K = {q.shape[2] * HEAD_DIM} elements, got {dt_bias.numel()}"
-    if A_log is not None and A_log.numel() != q.shape[2]:
-        return f"needs A_log of H = {q.shape[2]} elements, got {A_log.numel()}"
+    if dt_bias is not None and dt_bias.numel() != HV * HEAD_DIM:
+        return f"needs dt_bias of HV*K = {HV * HEAD_DIM} elements, got {dt_bias.numel()}"
+    if A_log is not None and A_log.numel() != HV:
+        return f"needs A_log of HV = {HV} elements, got {A_log.numel()}"
     return None
+
+
+def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+          segments: int | None) -> tuple[list[int] | None, list]:
+    """The host token offsets and segment plan of a call (``(None, [])`` when it runs unsegmented)."""
+    if segments is None:
+        segments = default_segments(B * T)
+    elif isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be an int >= 1 or None, got {segments!r}")
+    if cu_seqlens_cpu is not None:
+        want = None if cu_seqlens is None else tuple(cu_seqlens.shape)
+        if want != tuple(cu_seqlens_cpu.shape) or cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be the CPU copy of cu_seqlens (shape {want}), got shape "
+                             f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+    if segments == 1:
+        return None, []
+    if cu_seqlens is None:
+        cu = [b * T for b in range(B + 1)]
+    else:
+        cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu).tolist()
+        if cu[-1] > B * T:
+            raise ValueError(f"cu_seqlens ends at {cu[-1]}, past the {B * T} token rows of q")
+    return cu, plan_segments(cu, segments)
 
 
 def supports_v2(*args, **kwargs) -> bool:
@@ -90,19 +123,27 @@ def chunk_kda_fwd_v2(
     cu_seqlens: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
 
     Args:
-        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, H, 128]`` bf16; g: ``[B, T, H, 128]`` raw gate; beta:
-            ``[B, T, H]`` logits; scale: query scale (already defaulted).
-        initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None.
+        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, HV, 128]`` bf16 (``HV`` a multiple of ``H``, GVA); g:
+            ``[B, T, HV, 128]`` raw gate; beta: ``[B, T, HV]`` logits; scale: query scale (already defaulted).
+        initial_state: ``[N, HV, 128, 128]`` fp32 (K-first) or None.
         output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
+        segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`);
+            default ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 16); 1 runs K1 then K2.
+            With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
+            of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
+            fixed length) the call never synchronises and can be captured in a CUDA graph.
 
     Returns:
-        ``(o, final_state, None)``: ``o`` ``[B, T, H, 128]`` bf16, ``final_state`` ``[N, H, 128, 128]`` fp32 or None
+        ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 or None
         (the third item stands for ``chunk_kda_fwd``'s per-chunk states, which v2 does not keep).
 
     Raises:
@@ -117,6 +158,13 @@ def chunk_kda_fwd_v2(
     from flashkda.fwd.v2.recurrence import recurrence_fwd
 
     B, T = q.shape[:2]
+    cu, plan = _plan(B, T, cu_seqlens, cu_seqlens_cpu, segments)
+    if len(plan) > 1:
+        o, final = segmented_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, lower_bound,
+            A_log, dt_bias, initial_state.contiguous() if initial_state is not None else None, output_final_state,
+            cu, cu_seqlens, plan)
+        return o, final, None
     layout = build_chunk_layout(B, T, cu_seqlens, q.device)
     ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout, lower_bound,
                      A_log, dt_bias)

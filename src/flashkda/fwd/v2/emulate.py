@@ -69,21 +69,22 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-def _fp16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).float()
-
-
 def neumann_inverse(L: torch.Tensor) -> torch.Tensor:
     """``(I + L)^-1`` of strictly lower ``[..., 16, 16]`` fp32 ``L`` as the kernel computes it (fp16 operands, fp32
     accumulation, partial products rounded to fp16); returned in fp32 (the kernel stores it as bf16)."""
-    eye = torch.eye(CHUNK, dtype=torch.float32, device=L.device)
-    L1 = _fp16(L)
-    L2 = _fp16(L1 @ L1)
-    L4 = _fp16(L2 @ L2)
-    L8 = _fp16(L4 @ L4)
-    X = _fp16((eye - L1) @ (eye + L2))
-    X = _fp16(X @ (eye + L4))
-    return X @ (eye + L8)
+    # products in fp64 (exact for fp16 operands, and immune to a TF32 setting), rounded as the kernel's fp32 sums
+    eye = torch.eye(CHUNK, dtype=torch.float64, device=L.device)
+
+    def fp16(x):
+        return x.float().to(torch.float16).double()
+
+    L1 = fp16(L)
+    L2 = fp16(L1 @ L1)
+    L4 = fp16(L2 @ L2)
+    L8 = fp16(L4 @ L4)
+    X = fp16((eye - L1) @ (eye + L2))
+    X = fp16(X @ (eye + L4))
+    return (X @ (eye + L8)).float()
 
 
 def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
@@ -92,16 +93,18 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
     """K1 in torch: the workspace for raw inputs.
 
     Args:
-        q, k: ``[B, T, H, 128]`` (any float dtype; the kernel takes bf16).
-        g: ``[B, T, H, 128]`` raw gate; beta: ``[B, T, H]`` logits.
+        q, k: ``[B, T, Hq, 128]`` (any float dtype; the kernel takes bf16).
+        g: ``[B, T, H, 128]`` raw gate, ``H`` a multiple of ``Hq`` (GVA); beta: ``[B, T, H]`` logits.
         scale: query scale.
         layout: from ``build_chunk_layout(B, T, cu_seqlens, device)``.
         lower_bound, A_log, dt_bias: the bounded gate (see `gate_log2`).
 
     Returns:
-        `Workspace` (every element that K2 reads is written; surplus varlen chunks are zero).
+        `Workspace` with ``H`` (value) heads (every element that K2 reads is written; surplus varlen chunks are zero).
     """
-    B, T, H, K = q.shape
+    B, T, H, K = g.shape
+    if q.shape[2] != H:  # GVA: H / Hq value heads share a q/k head
+        q, k = (x.repeat_interleave(H // q.shape[2], dim=2) for x in (q, k))
     device = q.device
     ws = allocate_workspace(layout, H, device)
     rows, valid = _chunk_rows(layout, device)  # [NT, C]
@@ -113,9 +116,10 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
     G = gl.cumsum(1)
     Glast = G[:, -1:]  # padded positions add zero, so the last row is the last valid token's G
     kd = _bf16(kn * torch.exp2(G))
-    ki = _bf16(kn * torch.exp2(-G))
+    ki32 = kn * torch.exp2(-G)
+    ki = _bf16(ki32)
     qd = _bf16(qn * torch.exp2(G) * scale)
-    kr = _bf16(kn * torch.exp2(Glast - G))
+    kr = _bf16(ki32 * torch.exp2(Glast))
     # [NT, H, C, K]
     kd_h, ki_h, qd_h = (x.transpose(1, 2) for x in (kd, ki, qd))
     strict = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device), -1)

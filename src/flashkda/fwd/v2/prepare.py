@@ -13,7 +13,10 @@ import torch
 
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, allocate_workspace
 
-__all__ = ["prepare_fwd"]
+__all__ = ["CHUNKS_PER_CTA", "prepare_fwd"]
+
+#: Chunks per CTA of the batched kernel (1 selects the kernel with one CTA per chunk and head).
+CHUNKS_PER_CTA = 4
 
 
 @functools.cache
@@ -28,48 +31,60 @@ def _check(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
         raise ValueError(f"q must be a CUDA tensor for the Gluon prepare kernel, got device {q.device}")
     for name, x in (("q", q), ("k", k), ("g", g)):
         if x.dim() != 4 or x.shape[-1] != HEAD_DIM or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [B, T, H, {HEAD_DIM}], got {tuple(x.shape)}")
-        if x.shape != q.shape or x.device != q.device:
+            raise ValueError(f"{name} must be contiguous [B, T, heads, {HEAD_DIM}], got {tuple(x.shape)}")
+        if x.shape[:2] != q.shape[:2] or x.device != q.device:
             raise ValueError(f"{name} {tuple(x.shape)} on {x.device} does not match q {tuple(q.shape)} on {q.device}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if g.shape[2] % q.shape[2] != 0:
+        raise ValueError(f"g has {g.shape[2]} value heads, not a multiple of q's {q.shape[2]} heads")
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         raise ValueError(f"q and k must be bf16, got {q.dtype} and {k.dtype}")
-    if tuple(beta.shape) != tuple(q.shape[:3]) or not beta.is_contiguous():
-        raise ValueError(f"beta must be contiguous {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    if tuple(beta.shape) != tuple(g.shape[:3]) or not beta.is_contiguous():
+        raise ValueError(f"beta must be contiguous {tuple(g.shape[:3])}, got {tuple(beta.shape)}")
     if layout.total_tokens != q.shape[0] * q.shape[1]:
         raise ValueError(f"layout has {layout.total_tokens} token rows, q has {q.shape[0] * q.shape[1]}")
 
 
 def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                 layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
-                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
+                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None,
+                chunks_per_cta: int = 1) -> Workspace:
     """Run K1: the workspace for raw inputs (same contract as `emulate.emulate_prepare`).
 
     Args:
         q, k: ``[B, T, H, 128]`` bf16, contiguous, on a GPU (sm_80 or newer: mma.sync).
-        g: ``[B, T, H, 128]`` raw gate (bf16 or fp32); beta: ``[B, T, H]`` logits (any float dtype).
+        g: ``[B, T, HV, 128]`` raw gate (bf16 or fp32), ``HV`` a multiple of ``H`` (GVA); beta: ``[B, T, HV]``
+            logits (any float dtype).
         scale: query scale.
         layout: from ``build_chunk_layout(B, T, cu_seqlens, device)``.
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
-        A_log: ``[H]`` or None; dt_bias: ``[H * 128]`` or None.
-        ws: a workspace to fill (from `allocate_workspace` for the same layout and H), or None to allocate one.
+        A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
+        ws: a workspace to fill (from `allocate_workspace` for the same layout and HV), or None to allocate one.
+        chunks_per_cta: 1 (one CTA per chunk and head) or `CHUNKS_PER_CTA` (the batched kernel: the 16x16
+            products of 4 chunks at once, no warp computing a copy of another's).
 
     Returns:
-        `Workspace`; every element K2 reads is written.
+        `Workspace` with ``HV`` heads; every element K2 reads is written.
     """
     _check(q, k, g, beta, layout)
-    H = q.shape[2]
+    if chunks_per_cta not in (1, CHUNKS_PER_CTA):
+        raise ValueError(f"chunks_per_cta must be 1 or {CHUNKS_PER_CTA}, got {chunks_per_cta}")
+    H = g.shape[2]
     if ws is None:
         ws = allocate_workspace(layout, H, q.device)
     if layout.num_chunks == 0 or H == 0:
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    mod.kda_fwd_v2_prepare_kernel[(layout.num_chunks, H)](
+    kernel = mod.kda_fwd_v2_prepare_kernel if chunks_per_cta == 1 else mod.kda_fwd_v2_prepare_batched_kernel
+    NT = layout.num_chunks
+    kernel[(-(-NT // chunks_per_cta) * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
-        float(scale), float(lower_bound) / math.log(2.0), H,
-        HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=int(mod.NUM_WARPS),
+        float(scale), float(lower_bound) / math.log(2.0), NT, H,
+        GROUP=H // q.shape[2], HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS),
     )
     return ws

@@ -2,17 +2,21 @@
 
 It imports nothing but Triton, so the offline compile script can load it by path with Triton 3.6 and no torch.
 
-One CTA of 4 warps per (16-token chunk, head). Each thread owns one channel of the chunk's 16 tokens, so the gate's
-cumsum runs in registers and the L2 norms are one cross-warp reduction per token. Per CTA (C = 16, K = 128)::
+Two kernels, 8 warps per CTA: `kda_fwd_v2_prepare_kernel`, one CTA per (16-token chunk, head), and
+`kda_fwd_v2_prepare_batched_kernel`, one CTA per (4 consecutive chunks, head). Each thread owns 8 tokens of one
+channel (two lanes share a channel), so the gate's cumsum runs in registers plus one shuffle, and the L2 norms are one
+cross-warp reduction per token. Per chunk and head (C = 16, K = 128)::
 
     q, k, g  [C, K] bf16 -> fp32   rows past the chunk's last token load as 0, and their gate is forced to 0
     G        = cumsum(lower_bound * log2(e) * sigmoid(exp(A_log) * (g + dt_bias)))      (fp32, log2 units)
-    kd, ki, qd, kr = k 2^G, k 2^-G, q 2^G scale, k 2^(Glast - G)                         (rounded to bf16)
+    kd, ki, qd, kr = k 2^G, k 2^-G, q 2^G scale, (k 2^-G) 2^Glast                       (rounded to bf16)
     L        = strict_lower(diag(beta) kd ki^T),  Mqk = lower(qd ki^T)                  (mma.sync, bf16 in, fp32 acc)
     INV      = (I - L)(I + L^2)(I + L^4)(I + L^8)                                        (mma.sync, fp16 in, fp32 acc)
 
 The 16x16 products go through shared memory (bf16 ``kd, qd, ki`` tiles, fp16 16x16 tiles), because an mma.sync
-operand layout spreads a row over four lanes while the elementwise layout keeps a column in one thread.
+operand layout spreads a row over four lanes while the elementwise layout keeps a channel in two lanes. A 16x16
+result needs only two warps: in the first kernel the other six compute copies (and load their operands again); the
+batched kernel gives each warp its own (chunk, 8-column half) of the [4, 16, 16] products.
 """
 
 from __future__ import annotations
@@ -23,17 +27,28 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 CHUNK = gl.constexpr(16)
 HEAD_DIM = gl.constexpr(128)
-NUM_WARPS = gl.constexpr(4)
+NUM_WARPS = gl.constexpr(8)
+#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 76 (one chunk) and 108 (batched))
+MAX_REGISTERS = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 L2NORM_EPS = gl.constexpr(1e-6)
 
-# one channel of 16 tokens per thread
-COL = gl.constexpr(gl.BlockedLayout([16, 1], [1, 32], [1, 4], [0, 1]))
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8]))
+# 8 tokens of one channel per thread
+COL = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, 8], [0, 1]))
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8], instr_shape=[16, 8]))
 DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 SMEM_TOK = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
 SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[1, 0]))
+# the batched kernel: CB chunks per CTA, one (chunk, 8-column half) of every 16x16 product per warp
+CB = gl.constexpr(4)
+MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 2], instr_shape=[1, 16, 8]))
+DOT_A3 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2))
+DOT_B3 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2))
+SMEM_TOK3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
+SMEM_TILE3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[2, 1, 0]))
+SMEM_KT = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0]))
+SMEM_KT3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0]))
 
 
 @gluon.jit
@@ -42,48 +57,87 @@ def _add(a, b):
 
 
 @gluon.jit
-def _mm16(a, b, a_s, b_s):
-    """``a @ b`` of two [16, 16] fp32 tensors in the MMA layout: fp16 operands, fp32 accumulation."""
+def _mm16(a, b, a_s, b_s, mma: gl.constexpr, dot_a: gl.constexpr, dot_b: gl.constexpr):
+    """``a @ b`` of (batches of) 16x16 fp32 tensors in the ``mma`` layout: fp16 operands, fp32 accumulation."""
     a_s.store(a.to(gl.float16))
     b_s.store(b.to(gl.float16))
-    acc = gl.zeros([CHUNK, CHUNK], gl.float32, MMA)
-    return mma_v2(a_s.load(DOT_A), b_s.load(DOT_B), acc)
+    return mma_v2(a_s.load(dot_a), b_s.load(dot_b), gl.zeros(a.shape, gl.float32, mma))
 
 
 @gluon.jit
-def kda_fwd_v2_prepare_kernel(
-    q, k, g, beta_in,  # [T_total, H, 128] bf16 x3, [T_total, H] logits (any float)
-    A_log, dt_bias,  # [H], [H * 128] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
-    chunk_index,  # [NT, 3] int32 (sequence, first token row, valid tokens)
-    kd, qd, kr, inv, mqk, glast, beta,  # the workspace (see flashkda.fwd.v2.workspace)
-    scale, gate_scale,  # fp32: query scale, lower_bound * log2(e)
-    H,
-    HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
-):
+def _neumann_inverse(L1, eye, a_s, b_s, mma: gl.constexpr, dot_a: gl.constexpr, dot_b: gl.constexpr):
+    """``(I + L1)^-1 = (I - L1)(I + L1^2)(I + L1^4)(I + L1^8)`` for strictly lower 16x16 ``L1``; each product's
+    operands are rounded to fp16 on the way into shared memory, as in ``emulate.neumann_inverse``."""
+    L2 = _mm16(L1, L1, a_s, b_s, mma, dot_a, dot_b)
+    L4 = _mm16(L2, L2, a_s, b_s, mma, dot_a, dot_b)
+    L8 = _mm16(L4, L4, a_s, b_s, mma, dot_a, dot_b)
+    X = _mm16(eye - L1, eye + L2, a_s, b_s, mma, dot_a, dot_b)
+    X = _mm16(X, eye + L4, a_s, b_s, mma, dot_a, dot_b)
+    return _mm16(X, eye + L8, a_s, b_s, mma, dot_a, dot_b)
+
+
+@gluon.jit
+def _token_offsets(first, n_valid, i_h, H):
+    """Mask ``[C, K]`` of a chunk's valid tokens, the 64-bit offset of its first token-head row and the 32-bit
+    offsets of its elements from there, for tensors with ``H`` heads."""
+    o_t = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, COL))
+    o_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, COL))
+    m_tk = gl.expand_dims(o_t < n_valid, 1) & gl.expand_dims(o_k < HEAD_DIM, 0)
+    base = (first.to(gl.int64) * H + i_h) * HEAD_DIM
+    o_tk = gl.expand_dims(o_t * (H * HEAD_DIM), 1) + gl.expand_dims(o_k, 0)
+    return m_tk, base, o_tk
+
+
+@gluon.jit
+def _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP: gl.constexpr):
+    """A chunk's ``q, k, g`` ``[C, K]`` as stored (0 past its last token); GROUP value heads share a q/k head."""
+    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H)
+    if GROUP == 1:
+        b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0)
+        b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0)
+    else:
+        _, base_qk, o_qk = _token_offsets(first, n_valid, i_h // GROUP, H // GROUP)
+        b_q = gl.load(q + base_qk + o_qk, mask=m_tk, other=0.0)
+        b_k = gl.load(k + base_qk + o_qk, mask=m_tk, other=0.0)
+    b_g = gl.load(g + base + o_tk, mask=m_tk, other=0.0)
+    return b_q, b_k, b_g
+
+
+@gluon.jit
+def _gate_params(A_log, dt_bias, i_h, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The head's gate bias ``[K]`` (0 without dt_bias) and raw A_log (0 without it, i.e. a factor of 1)."""
+    o_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, COL))
+    if HAS_DT_BIAS:
+        b_dt = gl.load(dt_bias + i_h * HEAD_DIM + o_k).to(gl.float32)
+    else:
+        b_dt = gl.zeros([HEAD_DIM], gl.float32, gl.SliceLayout(0, COL))
+    if HAS_A_LOG:
+        a_log = gl.load(A_log + i_h).to(gl.float32)
+    else:
+        a_log = 0.0
+    return b_dt, a_log
+
+
+@gluon.jit
+def _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale,
+                    H, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The elementwise part for one [16, 128] chunk-head from its loaded ``q, k, g``: stores ``kd, qd, kr`` and
+    ``glast[tile]``, returns the bf16 ``kd, qd, ki`` tiles (in the ``COL`` layout) for the products."""
     C: gl.constexpr = CHUNK
     K: gl.constexpr = HEAD_DIM
-    i_c = gl.program_id(0)
-    i_h = gl.program_id(1)
-    first = gl.load(chunk_index + i_c * 3 + 1)
-    n_valid = gl.load(chunk_index + i_c * 3 + 2)
-
-    # ---- elementwise part: one channel per thread, [C, K]
+    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H)
     o_t = gl.arange(0, C, layout=gl.SliceLayout(1, COL))
     o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
-    m_t = o_t < n_valid
-    m_tk = gl.expand_dims(m_t, 1) & gl.expand_dims(o_k < K, 0)
-    rows = (first + o_t).to(gl.int64) * H + i_h  # token-head rows
-    o_tk = gl.expand_dims(rows * K, 1) + gl.expand_dims(o_k, 0)
-    b_q = gl.load(q + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-    b_k = gl.load(k + o_tk, mask=m_tk, other=0.0).to(gl.float32)
-    b_g = gl.load(g + o_tk, mask=m_tk, other=0.0).to(gl.float32)
+    b_q = b_q.to(gl.float32)
+    b_k = b_k.to(gl.float32)
+    b_g = b_g.to(gl.float32)
 
     b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=1) + L2NORM_EPS) * scale, 1)
     b_k = b_k * gl.expand_dims(gl.rsqrt(gl.sum(b_k * b_k, axis=1) + L2NORM_EPS), 1)
     if HAS_DT_BIAS:
-        b_g = b_g + gl.expand_dims(gl.load(dt_bias + i_h * K + o_k).to(gl.float32), 0)
+        b_g = b_g + gl.expand_dims(b_dt, 0)
     if HAS_A_LOG:
-        b_g = b_g * gl.exp2(gl.load(A_log + i_h).to(gl.float32) * LOG2E)
+        b_g = b_g * gl.exp2(a_log * LOG2E)
     b_g = gate_scale / (1.0 + gl.exp2(-b_g * LOG2E))
     b_g = gl.where(m_tk, b_g, 0.0)
     b_G = gl.associative_scan(b_g, 0, _add)  # [C, K]
@@ -93,49 +147,136 @@ def kda_fwd_v2_prepare_kernel(
     e_pos = gl.exp2(b_G)
     b_kd = (b_k * e_pos).to(gl.bfloat16)
     b_qd = (b_q * e_pos).to(gl.bfloat16)
-    b_ki = (b_k * gl.exp2(-b_G)).to(gl.bfloat16)
-    b_kr = (b_k * gl.exp2(gl.expand_dims(G_last, 0) - b_G)).to(gl.bfloat16)
-    gl.store(kd + o_tk, b_kd, mask=m_tk)
-    gl.store(qd + o_tk, b_qd, mask=m_tk)
-    gl.store(kr + o_tk, b_kr, mask=m_tk)
+    b_k = b_k * gl.exp2(-b_G)
+    b_ki = b_k.to(gl.bfloat16)
+    b_kr = (b_k * gl.expand_dims(gl.exp2(G_last), 0)).to(gl.bfloat16)
+    gl.store(kd + base + o_tk, b_kd, mask=m_tk)
+    gl.store(qd + base + o_tk, b_qd, mask=m_tk)
+    gl.store(kr + base + o_tk, b_kr, mask=m_tk)
+    gl.store(glast + tile * K + o_k, gl.exp2(G_last), mask=(o_k < K) & (n_valid > 0))
+    return b_kd, b_qd, b_ki
+
+
+@gluon.jit
+def _beta_sigmoid(b, beta, rows, mask):
+    """sigmoid of the loaded beta logits ``b`` at token-head ``rows`` (0 where masked), also stored to the
+    workspace."""
+    b = gl.where(mask, 1.0 / (1.0 + gl.exp2(-b.to(gl.float32) * LOG2E)), 0.0)
+    gl.store(beta + rows, b, mask=mask)
+    return b
+
+
+@gluon.jit
+def kda_fwd_v2_prepare_kernel(
+    q, k, g, beta_in,  # [T_total, H / GROUP, 128] bf16 x2, [T_total, H, 128], [T_total, H] logits (any float)
+    A_log, dt_bias,  # [H], [H * 128] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
+    chunk_index,  # [NT, 3] int32 (sequence, first token row, valid tokens)
+    kd, qd, kr, inv, mqk, glast, beta,  # the workspace (see flashkda.fwd.v2.workspace)
+    scale, gate_scale,  # fp32: query scale, lower_bound * log2(e)
+    NT, H,  # chunks, value heads
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+):
+    """One CTA per (chunk, value head), grid ``NT * H``; GROUP value heads share a q/k head (GVA)."""
+    C: gl.constexpr = CHUNK
+    # heads fastest: CTAs running together read one contiguous [16, H, 128] block of each input
+    i_c = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
+    first = gl.load(chunk_index + i_c * 3 + 1)
+    n_valid = gl.load(chunk_index + i_c * 3 + 2)
     tile = i_c.to(gl.int64) * H + i_h
-    live = (n_valid > 0).to(gl.float32)
-    gl.store(glast + tile * K + o_k, gl.exp2(G_last) * live)
+    # every global load is issued before any math
+    b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
+    o_i = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
+    o_j = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
+    m_i = o_i < n_valid
+    rows_i = (first + o_i).to(gl.int64) * H + i_h
+    b_beta = gl.load(beta_in + rows_i, mask=m_i, other=0.0)
+    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
+    b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, tile, i_h, first, n_valid,
+                                       scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
 
     # ---- 16x16 products
-    kd_s = gl.allocate_shared_memory(gl.bfloat16, [C, K], SMEM_TOK, b_kd)
-    qd_s = gl.allocate_shared_memory(gl.bfloat16, [C, K], SMEM_TOK, b_qd)
-    ki_s = gl.allocate_shared_memory(gl.bfloat16, [C, K], SMEM_TOK, b_ki)
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_kd)
+    qd_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_qd)
+    ki_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_ki)
     ki_t = ki_s.permute([1, 0]).load(DOT_B)  # [K, C]
     zero = gl.zeros([C, C], gl.float32, MMA)
     A_kk = mma_v2(kd_s.load(DOT_A), ki_t, zero)
     A_qk = mma_v2(qd_s.load(DOT_A), ki_t, zero)
 
-    o_i = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
-    o_j = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
-    m_i = o_i < n_valid
-    rows_i = (first + o_i).to(gl.int64) * H + i_h
-    b_beta = gl.load(beta_in + rows_i, mask=m_i, other=0.0).to(gl.float32)
-    b_beta = gl.where(m_i, 1.0 / (1.0 + gl.exp2(-b_beta * LOG2E)), 0.0)
-    gl.store(beta + rows_i, b_beta, mask=m_i)
-
+    b_beta = _beta_sigmoid(b_beta, beta, rows_i, m_i)
     ii = gl.expand_dims(o_i, 1)
     jj = gl.expand_dims(o_j, 0)
     L1 = gl.where(ii > jj, A_kk * gl.expand_dims(b_beta, 1), 0.0)
     A_qk = gl.where(ii >= jj, A_qk, 0.0)
     eye = gl.where(ii == jj, 1.0, 0.0)
-
     a_s = gl.allocate_shared_memory(gl.float16, [C, C], SMEM_TILE)
     b_s = gl.allocate_shared_memory(gl.float16, [C, C], SMEM_TILE)
-    # each product's operands are rounded to fp16 on the way into shared memory, as in emulate.neumann_inverse
-    L2 = _mm16(L1, L1, a_s, b_s)
-    L4 = _mm16(L2, L2, a_s, b_s)
-    L8 = _mm16(L4, L4, a_s, b_s)
-    X = _mm16(eye - L1, eye + L2, a_s, b_s)
-    X = _mm16(X, eye + L4, a_s, b_s)
-    X = _mm16(X, eye + L8, a_s, b_s)
+    X = _neumann_inverse(L1, eye, a_s, b_s, MMA, DOT_A, DOT_B)
     X = gl.where(gl.expand_dims(m_i, 1), X, 0.0)
 
     o_ij = (tile * C + ii) * C + jj
     gl.store(inv + o_ij, X.to(gl.bfloat16))
     gl.store(mqk + o_ij, A_qk.to(gl.bfloat16))
+
+
+@gluon.jit
+def kda_fwd_v2_prepare_batched_kernel(
+    q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+):
+    """One CTA per (CB consecutive chunks, value head), grid ``ceil(NT / CB) * H``; arguments as
+    `kda_fwd_v2_prepare_kernel`'s. The elementwise part runs chunk by chunk; the products run once for all CB
+    chunks, each warp on its own (chunk, column half)."""
+    C: gl.constexpr = CHUNK
+    K: gl.constexpr = HEAD_DIM
+    i_b = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
+    # written chunk by chunk through 2D views, read back whole through 3D views of the same bytes (the swizzle
+    # of each [16, 128] / [128, 16] slice is the same in both)
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
+    qd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
+    kiT_s = gl.allocate_shared_memory(gl.bfloat16, [CB, K, C], SMEM_KT)
+    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
+    for s in range(CB):
+        c = i_b * CB + s
+        first = gl.load(chunk_index + c * 3 + 1, mask=c < NT, other=0)
+        n_valid = gl.load(chunk_index + c * 3 + 2, mask=c < NT, other=0)  # 0 past NT: all masked off
+        b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
+        b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
+                                           i_h, first, n_valid, scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
+        kd_s.index(s).store(b_kd)
+        qd_s.index(s).store(b_qd)
+        kiT_s.index(s).store(gl.permute(b_ki, [1, 0]))
+
+    # ---- 16x16 products, [CB, C, C]
+    o_s = gl.arange(0, CB, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
+    c_s = i_b * CB + o_s
+    m_s = c_s < NT
+    first_s = gl.load(chunk_index + c_s * 3 + 1, mask=m_s, other=0)
+    valid_s = gl.load(chunk_index + c_s * 3 + 2, mask=m_s, other=0)
+    o_i = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
+    m_si = gl.expand_dims(o_i, 0) < gl.expand_dims(valid_s, 1)  # [CB, C]
+    rows = (gl.expand_dims(first_s, 1) + gl.expand_dims(o_i, 0)).to(gl.int64) * H + i_h
+    b_beta = _beta_sigmoid(gl.load(beta_in + rows, mask=m_si, other=0.0), beta, rows, m_si)
+    ki_t = kiT_s._reinterpret(gl.bfloat16, [CB, K, C], SMEM_KT3).load(DOT_B3)  # [CB, K, C]
+    zero = gl.zeros([CB, C, C], gl.float32, MMA3)
+    A_kk = mma_v2(kd_s._reinterpret(gl.bfloat16, [CB, C, K], SMEM_TOK3).load(DOT_A3), ki_t, zero)
+    A_qk = mma_v2(qd_s._reinterpret(gl.bfloat16, [CB, C, K], SMEM_TOK3).load(DOT_A3), ki_t, zero)
+
+    o_j = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA3)))
+    ii = gl.expand_dims(gl.expand_dims(o_i, 0), 2)  # [1, C, 1]
+    jj = gl.expand_dims(gl.expand_dims(o_j, 0), 1)  # [1, 1, C]
+    L1 = gl.where(ii > jj, A_kk * gl.expand_dims(b_beta, 2), 0.0)
+    A_qk = gl.where(ii >= jj, A_qk, 0.0)
+    eye = gl.where(ii == jj, 1.0, 0.0) + gl.zeros([CB, C, C], gl.float32, MMA3)
+    a_s = gl.allocate_shared_memory(gl.float16, [CB, C, C], SMEM_TILE3)
+    b_s = gl.allocate_shared_memory(gl.float16, [CB, C, C], SMEM_TILE3)
+    X = _neumann_inverse(L1, eye, a_s, b_s, MMA3, DOT_A3, DOT_B3)
+    X = gl.where(gl.expand_dims(m_si, 2), X, 0.0)
+
+    tile = gl.expand_dims(gl.expand_dims(c_s.to(gl.int64) * H + i_h, 1), 2)  # [CB, 1, 1]
+    o_ij = (tile * C + ii) * C + jj
+    m_ij = gl.expand_dims(gl.expand_dims(m_s, 1), 2) & (jj < C)
+    gl.store(inv + o_ij, X.to(gl.bfloat16), mask=m_ij)
+    gl.store(mqk + o_ij, A_qk.to(gl.bfloat16), mask=m_ij)

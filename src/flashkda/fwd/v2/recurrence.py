@@ -17,7 +17,7 @@ __all__ = ["BLOCK_V", "STAGES", "longest_first_order", "recurrence_fwd"]
 #: State columns per CTA (one warpgroup per 64): 64 splits V in two, so H = 64 heads fill 128 CTAs.
 BLOCK_V = 64
 #: Shared-memory ring slots for kd/qd/kr/INV/Mqk (loads run STAGES - 1 chunks ahead of the math).
-STAGES = 2
+STAGES = 3
 
 
 @functools.cache
@@ -41,7 +41,7 @@ def longest_first_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
 
 
-def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int) -> None:
+def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int) -> None:
     if not v.is_cuda:
         raise ValueError(f"v must be a CUDA tensor for the Gluon recurrence, got device {v.device}")
     if v.dtype != torch.bfloat16 or v.dim() != 4 or v.shape[-1] != HEAD_DIM or not v.is_contiguous():
@@ -51,11 +51,15 @@ def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, b
         raise ValueError(f"workspace kd {tuple(ws.kd.shape)} does not match v {tuple(v.shape)}")
     if block_v not in (64, 128):
         raise ValueError(f"block_v must be 64 or 128, got {block_v}")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"stages must be 2, 3 or 4, got {stages}")
     if initial_state is not None:
         want = (ws.layout.num_seqs, H, HEAD_DIM, HEAD_DIM)
         if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state must be fp32 {want}, got {initial_state.dtype} "
                              f"{tuple(initial_state.shape)}")
+        if not initial_state.is_contiguous() or initial_state.device != v.device:
+            raise ValueError("initial_state must be contiguous and on v's device")
 
 
 def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
@@ -71,12 +75,13 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
         output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
         order: ``[N]`` int32 order in which the sequences' CTAs are launched; default longest first when N > 1.
         block_v: state columns per CTA, 64 (two CTAs per head) or 128.
-        stages: shared-memory ring slots (2 or 3).
+        stages: shared-memory ring slots (2, 3 or 4).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16; ``final_state`` or None.
+        ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (token rows after ``cu_seqlens[-1]`` are not written);
+        ``final_state`` or None.
     """
-    _check(ws, v, initial_state, block_v)
+    _check(ws, v, initial_state, block_v, stages)
     B, T, H, V = v.shape
     layout = ws.layout
     N = layout.num_seqs
@@ -85,8 +90,10 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
     if N == 0:
         return o, final
     if B * T == 0 or layout.num_chunks == 0:
-        if final is not None:
-            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        if final is not None and initial_state is not None:
+            final.copy_(initial_state)
+        elif final is not None:
+            final.zero_()
         return o, final
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

@@ -1,6 +1,6 @@
 """The workspace that the v2 prepare kernel (K1) writes and the recurrence kernel (K2) reads, and its chunk index.
 
-Layout (all tensors contiguous, token-major like the inputs; ``T_total = B * T`` token rows; ``H`` heads;
+Layout (all tensors contiguous, token-major like the inputs; ``T_total = B * T`` token rows; ``H`` value heads;
 ``NT`` 16-token chunks, for varlen a static upper bound whose surplus rows are marked ``-1``)::
 
     kd, qd, kr   [T_total, H, 128] bf16   k * 2^G,  q * 2^G * scale,  k * 2^(Glast - G)   (k, q L2-normed)
