@@ -90,12 +90,24 @@ class Router(nn.Module):
         return True
 
 
+def _grouped_mm_usable(x_CL: torch.Tensor, w_PML: torch.Tensor) -> bool:
+    # torch._grouped_mm: bf16 on CUDA (and on the CPU in recent torch); rows must be 16-byte aligned.
+    return (x_CL.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x_CL.device.type in ("cuda", "cpu")
+            and (x_CL.shape[1] * 2) % 16 == 0 and (w_PML.shape[1] * 2) % 16 == 0)
+
+
 def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_beta: float) -> torch.Tensor:
     """``W2[SiTU-GLU(W1 x, W3 x)]`` per expert over its contiguous rows of ``x_CL``; rows past the counts give 0.
 
-    ``torch._grouped_mm`` on CUDA bf16 (no host sync), else a loop over experts (reads the counts on the host).
+    Computes in ``x_CL``'s dtype: the weights are cast to it (fp32 master weights under bf16 autocast, which does
+    not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype). ``torch._grouped_mm``
+    for bf16 (no host sync), else a loop over experts (reads the counts on the host).
+
+    Shapes: ``x_CL [C, L]``, ``counts_P [P]`` int, ``w1_PML / w3_PML [P, M, L]``, ``w2_PLM [P, L, M]`` →
+    ``[C, L]`` in ``x_CL``'s dtype.
     """
-    if x_CL.is_cuda and x_CL.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    w1_PML, w3_PML, w2_PLM = (w.to(x_CL.dtype) for w in (w1_PML, w3_PML, w2_PLM))
+    if _grouped_mm_usable(x_CL, w1_PML):
         offs = counts_P.cumsum(0).to(torch.int32)
         a = torch._grouped_mm(x_CL, w1_PML.transpose(1, 2), offs=offs)
         c = torch._grouped_mm(x_CL, w3_PML.transpose(1, 2), offs=offs)
