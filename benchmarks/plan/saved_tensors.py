@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences")
     parser.add_argument("--kda-backend", default=None,
-                        help="KDA backend (default: torch on cpu, auto on cuda; flashkda on cpu needs TRITON_INTERPRET=1)")
+                        help="default: torch on cpu, auto on cuda (flashkda on cpu needs TRITON_INTERPRET=1)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results JSON")
     args = parser.parse_args(argv)
     from k3infra.model import K3ForCausalLM
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print("largest saved kinds:\n  " + "\n  ".join(top))
     if not args.no_write:
         row = Row(
-            case=f"{args.model}-T{args.seq}-B{args.batch}-{args.device}-{backend}", baseline="planner activations+logits",
+            case=f"{args.model}-T{args.seq}-B{args.batch}-{args.device}-{backend}",
+            baseline="planner activations+logits",
             baseline_ms=None, ours_ms=0.0,
             params={"model": args.model, "seq": args.seq, "batch": args.batch, "device": args.device,
                     "kda_backend": config.kda_backend, "largest_saved": top},
