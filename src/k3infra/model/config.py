@@ -95,7 +95,7 @@ class K3Config(PretrainedConfig):
     # Block Attention Residuals
     attn_res_block_size: int = 12
 
-    loss_chunk_size: int = 8192
+    loss_chunk_size: int = 4096
     """Training with labels on more than this many tokens computes the loss in chunks of this many tokens, each
     chunk's logits recomputed in backward (no ``[T, V]`` fp32 logits kept; ``logits`` is then None). 0: never."""
 
