@@ -1,8 +1,10 @@
 """RMSNorm, SiTU-GLU and the AttnRes site compute in fp32 with hand-written backwards that keep only their
 inputs: outputs and every gradient equal plain fp64 autograd, and nothing of fp32 activation size is saved."""
 
+import pytest
 import torch
 
+from k3infra.model import layers
 from k3infra.model.layers import attn_res_mix, rms_norm, situ_glu
 
 
@@ -24,9 +26,11 @@ def test_rms_norm_matches_autograd():
     _check(lambda x, w: rms_norm(x, w, 1e-5), [x, w])
 
 
-def test_situ_glu_matches_autograd():
+@pytest.mark.parametrize("block", [1 << 24, 64])  # one block; 2-row blocks (the last one partial)
+def test_situ_glu_matches_autograd(block, monkeypatch):
+    monkeypatch.setattr(layers, "SITU_BLOCK_ELEMENTS", block)
     torch.manual_seed(0)
-    a, c = (torch.randn(7, 32).mul(6).requires_grad_() for _ in range(2))
+    a, c = (torch.randn(3, 7, 32).mul(6).requires_grad_() for _ in range(2))
     _check(lambda a, c: situ_glu(a, c, 4.0, 25.0), [a, c])
 
 

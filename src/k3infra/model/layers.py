@@ -72,25 +72,44 @@ def _situ_glu_math(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: 
     return (gate_beta * torch.tanh(a / gate_beta) * torch.sigmoid(a)) * (up_beta * torch.tanh(c / up_beta))
 
 
+SITU_BLOCK_ELEMENTS = 1 << 24
+"""Elements per fp32 block of `situ_glu` (64 MB temporaries however many rows come in)."""
+
+
+def _row_blocks(x: torch.Tensor):
+    rows = max(1, SITU_BLOCK_ELEMENTS // max(1, x.shape[-1]))
+    return range(0, x.shape[0], rows), rows
+
+
 class _SiTUGLUFunction(torch.autograd.Function):
+    """Inputs flattened to ``[N, F]``; fp32 math in row blocks of `SITU_BLOCK_ELEMENTS`."""
+
     @staticmethod
     def forward(ctx, a, c, gate_beta, up_beta):
         ctx.save_for_backward(a, c)
         ctx.betas = (gate_beta, up_beta)
+        out = torch.empty_like(a)
+        starts, rows = _row_blocks(a)
         with torch.autocast(a.device.type, enabled=False):
-            return _situ_glu_math(a.float(), c.float(), gate_beta, up_beta).to(a.dtype)
+            for i in starts:
+                out[i : i + rows] = _situ_glu_math(a[i : i + rows].float(), c[i : i + rows].float(), gate_beta,
+                                                   up_beta)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         a, c = ctx.saved_tensors
         b1, b2 = ctx.betas
+        da, dc = torch.empty_like(a), torch.empty_like(c)
+        starts, rows = _row_blocks(a)
         with torch.autocast(a.device.type, enabled=False):
-            af, cf, dyf = a.float(), c.float(), dy.float()
-            t1, s, t2 = torch.tanh(af / b1), torch.sigmoid(af), torch.tanh(cf / b2)
-            gate, up = b1 * t1 * s, b2 * t2
-            da = dyf * up * ((1 - t1 * t1) * s + gate * (1 - s))
-            dc = dyf * gate * (1 - t2 * t2)
-        return da.to(a.dtype), dc.to(c.dtype), None, None
+            for i in starts:
+                af, cf, dyf = a[i : i + rows].float(), c[i : i + rows].float(), dy[i : i + rows].float()
+                t1, s, t2 = torch.tanh(af / b1), torch.sigmoid(af), torch.tanh(cf / b2)
+                gate, up = b1 * t1 * s, b2 * t2
+                da[i : i + rows] = dyf * up * ((1 - t1 * t1) * s + gate * (1 - s))
+                dc[i : i + rows] = dyf * gate * (1 - t2 * t2)
+        return da, dc, None, None
 
 
 def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
@@ -98,7 +117,9 @@ def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float)
     returned in ``a``'s dtype; saves only ``a`` and ``c`` for backward (fp64 inputs: plain autograd)."""
     if a.dtype == torch.float64:
         return _situ_glu_math(a, c, gate_beta, up_beta)
-    return _SiTUGLUFunction.apply(a, c, gate_beta, up_beta)
+    shape = a.shape
+    a, c = a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1])
+    return _SiTUGLUFunction.apply(a, c, gate_beta, up_beta).view(shape)
 
 
 class SiTUGLU(nn.Module):

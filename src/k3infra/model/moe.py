@@ -203,8 +203,11 @@ class K3MoE(nn.Module):
         token = order // K
         w_C = weights_sK.flatten()[order]
         y_CL = grouped_situ(h_sL[token], counts_E, self.w1, self.w3, self.w2, self.gate_beta, self.up_beta, w_C)
-        u = torch.zeros(s, h_sL.shape[1], dtype=torch.float32, device=h_sL.device)
-        return u.index_add(0, token, y_CL.float())  # the k expert outputs of a token summed in fp32
+        # back to token order and the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy
+        # of y for backward; gather and sum keep nothing of that size)
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        return y_CL[unsort].view(s, K, -1).float().sum(1)
 
     def _expert_parallel(self, h_sL, idx_sK, weights_sK):
         buf = self.ep_buffer
