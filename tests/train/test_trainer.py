@@ -74,7 +74,8 @@ def test_lora_router_low_lr(tmp_path, train_cache):
     (["--override", '{"num_experts_per_tok": 32}'], "num_experts_per_tok"),
     (["--override", '{"hidden_sise": 64}'], "--override: unknown K3Config field"),
 ], ids=["unknown-preset", "ep-not-dividing-experts", "ep-without-processes", "seq-len-too-long", "zero-steps",
-        "negative-lr", "missing-resume", "negative-lora", "zero-micro-batch", "negative-max-grad-norm", "bad-override-value", "unknown-override-field"])
+        "negative-lr", "missing-resume", "negative-lora", "zero-micro-batch", "negative-max-grad-norm",
+        "bad-override-value", "unknown-override-field"])
 def test_bad_config_errors_name_the_option(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit, match=match):
         k3infra_main(["train", "--out", str(tmp_path), "--no-progress", *argv])
