@@ -156,8 +156,9 @@ class K3KDA(nn.Module):
         if backend == "torch":
             if decode:
                 return recurrent_kda_torch(q, k, v, g, beta, initial_state=initial)
-            return chunk_kda_torch(q, k, v, g, beta, initial_state=initial, output_final_state=want_state,
-                                   cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+            # the chunked form's fp32 [B, H, n, C, C, K] intermediates are recomputed in backward, not kept
+            return recompute(functools.partial(chunk_kda_torch, initial_state=initial, output_final_state=want_state,
+                                               cu_seqlens=cu_seqlens, chunk_size=self.chunk_size), q, k, v, g, beta)
         if decode:
             from flashkda import fused_recurrent_kda
 
