@@ -16,6 +16,7 @@ On the CPU nothing is measured (``measured_gb`` is None); the run only proves th
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import logging
 import time
@@ -111,61 +112,71 @@ def _prefill_fn(model, ids):
     return (lambda: model(input_ids=ids)), "full forward: logits of every position, no cache"
 
 
+def _release(torch, cuda: bool) -> None:
+    """Free what a finished (or failed) variant left behind, so the next one starts from an empty device."""
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def measure(variant: Variant, config: K3Config, device: str) -> tuple[float | None, float, str]:
     """Run one variant; ``(peak_bytes or None on CPU, seconds of the measured step, note)``."""
     import torch
 
     cls = _model_class()
+    cuda = device.startswith("cuda")
+    _release(torch, cuda)
     torch.manual_seed(0)
     model = cls(config).to(device=device)
     with torch.no_grad():  # parameters in bf16 (the planner's 2 B); fp32 buffers (router bias, QB statistics) stay
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (variant.batch, variant.seq), device=device)
-    cuda = device.startswith("cuda")
     note = ""
-    try:
-        if variant.kind == "train":
-            if variant.recompute == "full":
-                if not getattr(model, "supports_gradient_checkpointing", False):
-                    return None, 0.0, "not run: the model does not support gradient checkpointing"
-                enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-                enable()
-            model.train()
-            step = _train_step_fn(model, torch, device)
-            step(ids)  # creates the optimizer states
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            begin = time.perf_counter()
-            step(ids)
-        else:
-            model.eval()
-            run, note = _prefill_fn(model, ids)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            begin = time.perf_counter()
-            with torch.no_grad():
-                run()
+    if variant.kind == "train":
+        if variant.recompute == "full":
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                return None, 0.0, "not run: the model does not support gradient checkpointing"
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+        model.train()
+        step = _train_step_fn(model, torch, device)
+        step(ids)  # creates the optimizer states
         if cuda:
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - begin
-        peak = torch.cuda.max_memory_allocated() if cuda else None
-    finally:
-        del model
+            torch.cuda.reset_peak_memory_stats()
+        begin = time.perf_counter()
+        step(ids)
+    else:
+        model.eval()
+        run, note = _prefill_fn(model, ids)
         if cuda:
-            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        begin = time.perf_counter()
+        with torch.no_grad():
+            run()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - begin
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     return peak, seconds, note
 
 
 def predict(variant: Variant, config: K3Config) -> dict[str, float]:
     spec = model_from_k3(config)
     if variant.kind == "train":
-        work = TrainWorkload(seq_len=variant.seq, global_batch_tokens=variant.seq * variant.batch,
-                             micro_batch=variant.batch, optimizer="adamw")  # fmt: skip
+        tokens = variant.seq * variant.batch
+        chunk = getattr(config, "loss_chunk_size", 0)  # the model's chunked loss (training, more tokens than chunk)
+        work = TrainWorkload(seq_len=variant.seq, global_batch_tokens=tokens, micro_batch=variant.batch,
+                             optimizer="adamw", chunked_ce=bool(chunk) and tokens > chunk,
+                             ce_chunk_tokens=chunk or 4096)  # fmt: skip
         return train_memory(spec, Layout(zero=0, recompute=variant.recompute), work, 1)
-    work = ServeWorkload(context=variant.seq, concurrency=variant.batch, prefill_chunk=variant.seq)
+    # the check prefills all sequences of the variant in one forward
+    work = ServeWorkload(context=variant.seq, concurrency=variant.batch, prefill_chunk=variant.seq,
+                         prefill_batch=variant.batch)
     return serve_memory(spec, Layout(zero=0), work)
 
 
@@ -189,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             peak, seconds, note = measure(variant, config, args.device)
         except Exception as error:  # one failing variant (e.g. out of memory) must not hide the others
-            peak, seconds, note = None, 0.0, f"failed: {type(error).__name__}: {str(error)[:200]}"
+            peak, seconds, note = None, 0.0, f"failed: {type(error).__name__}: {str(error)[:300]}"
+            log.warning("%s failed", variant.case, exc_info=True)
+        finally:  # the failed variant's tensors (held by the traceback until here) go before the next one
+            import torch
+
+            _release(torch, args.device.startswith("cuda"))
         error_pct = None if peak is None else 100 * (predicted["total"] - peak) / peak
         terms = {k: round(v / GB, 3) for k, v in predicted.items() if k not in ("total", "stage") and v}
         rows.append(Row(

@@ -255,13 +255,14 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.operands = list(operands)
         ctx.layout, ctx.opts = layout, opts
         ctx.cu_seqlens = cu_seqlens
+        ctx.device_type = q.device.type
         ctx.set_materialize_grads(False)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q = ctx.saved_tensors[0]
-        with torch.autocast(q.device.type, enabled=False), _matmul_precision(ctx.opts.dot_precision):
+        # ctx.saved_tensors is read once, in _backward: checkpointing lets each saved tensor be unpacked once only
+        with torch.autocast(ctx.device_type, enabled=False), _matmul_precision(ctx.opts.dot_precision):
             return ChunkKDAFunction._backward(ctx, do, dht)
 
     @staticmethod

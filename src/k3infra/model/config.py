@@ -95,6 +95,10 @@ class K3Config(PretrainedConfig):
     # Block Attention Residuals
     attn_res_block_size: int = 12
 
+    loss_chunk_size: int = 4096
+    """Training with labels on more than this many tokens computes the loss in chunks of this many tokens, each
+    chunk's logits recomputed in backward (no ``[T, V]`` fp32 logits kept; ``logits`` is then None). 0: never."""
+
     def __post_init__(self, **kwargs: Any) -> None:
         if self.layer_types is None and isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
             self.layer_types = default_layer_types(self.num_hidden_layers)

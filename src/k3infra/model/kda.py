@@ -15,6 +15,7 @@ Shape suffixes: B batch, T tokens, D hidden, H heads, K head dim, W conv width.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -23,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3infra.model.kda_torch import chunk_kda_torch, recurrent_kda_torch
-from k3infra.model.layers import RMSNorm
+from k3infra.model.layers import RMSNorm, recompute
 
 __all__ = ["K3KDA", "causal_depthwise_conv", "positions_in_sequence"]
 
@@ -132,14 +133,13 @@ class K3KDA(nn.Module):
         state = cache.kda_state(self.layer_idx) if cache is not None else None
         pos_T = None if state is not None else positions_in_sequence(T, cu_seqlens, x_BTD.device)
         conv_in = [self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)]
-        convs = []
-        for i, (u, w) in enumerate(zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))):
-            convs.append(F.silu(causal_depthwise_conv(u, w, None if state is None else state.conv[i], pos_T)))
-        q = F.normalize(convs[0].view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x_BTD.dtype)
-        k = F.normalize(convs[1].view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x_BTD.dtype)
-        v = convs[2].view(B, T, H, K)
-        z = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K).float()
-        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * z)
+        # conv, Swish, L2 norm (fp32) and the decay gate (fp32) are recomputed in backward: only the projections'
+        # outputs, in the activation dtype, are kept for them.
+        q, k, v = (recompute(functools.partial(_conv_act, state=None if state is None else state.conv[i], pos_T=pos_T,
+                                               heads=H, normalize=i < 2), u, w)
+                   for i, (u, w) in enumerate(zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))))
+        g = recompute(functools.partial(_decay, lower_bound=self.lower_bound, heads=H),
+                      self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log)
         beta = torch.sigmoid(self.b_proj(x_BTD).float())
         initial = None if state is None else state.recurrent
         o, final = self._mix(q, k, v, g, beta, initial, cache is not None, cu_seqlens)
@@ -156,8 +156,9 @@ class K3KDA(nn.Module):
         if backend == "torch":
             if decode:
                 return recurrent_kda_torch(q, k, v, g, beta, initial_state=initial)
-            return chunk_kda_torch(q, k, v, g, beta, initial_state=initial, output_final_state=want_state,
-                                   cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+            # the chunked form's fp32 [B, H, n, C, C, K] intermediates are recomputed in backward, not kept
+            return recompute(functools.partial(chunk_kda_torch, initial_state=initial, output_final_state=want_state,
+                                               cu_seqlens=cu_seqlens, chunk_size=self.chunk_size), q, k, v, g, beta)
         if decode:
             from flashkda import fused_recurrent_kda
 
@@ -169,6 +170,20 @@ class K3KDA(nn.Module):
             from flashkda import chunk_kda
         return chunk_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), initial_state=initial,
                          output_final_state=want_state, cu_seqlens=cu_seqlens, safe_gate=True)
+
+
+def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
+    """``Swish(Conv(u))`` as ``[B, T, H, K]`` in ``u``'s dtype, L2-normalised per head in fp32 if ``normalize``."""
+    B, T, D = u_BTD.shape
+    y = F.silu(causal_depthwise_conv(u_BTD, weight_DW.to(u_BTD.dtype), state, pos_T)).view(B, T, heads, D // heads)
+    return F.normalize(y.float(), dim=-1, eps=1e-6).to(u_BTD.dtype) if normalize else y
+
+
+def _decay(z_BTD, A_log_H, lower_bound: float, heads: int) -> torch.Tensor:
+    """Log decay ``g = lower_bound · σ(e^A z)``, ``[B, T, H, K]`` fp32."""
+    B, T, D = z_BTD.shape
+    z = z_BTD.view(B, T, heads, D // heads).float()
+    return lower_bound * torch.sigmoid(A_log_H.float().exp()[:, None] * z)
 
 
 def _tail(u_BTD: torch.Tensor, prev_BWD: torch.Tensor | None, width: int) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Small building blocks of the K3 decoder: RMSNorm, the SiTU-GLU MLP and a Block Attention Residuals site.
 
+All three compute in fp32 and save for backward only their inputs (in the activation dtype) and per-row fp32
+scalars; the element-wise fp32 intermediates are recomputed in backward (K3 recomputes element-wise ops), so a
+bf16 step keeps no fp32 copies of activations.
+
 Shape suffixes: B batch, T tokens, D hidden, F MLP width, S residual sources.
 """
 
@@ -7,13 +11,53 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.utils.checkpoint
 
-__all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "situ_glu"]
+__all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm", "situ_glu"]
+
+
+def recompute(fn, *args):
+    """``fn(*args)``, keeping for backward only ``args`` (``fn``'s intermediates are recomputed in backward).
+
+    For element-wise chains whose intermediates would be saved in fp32; a plain call without grad."""
+    if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return fn(*args)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = (xf * rstd * weight.float()).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            xhat = x.float() * rstd
+            dyw = dy.float() * weight.float()
+            dx = rstd * (dyw - xhat * (dyw * xhat).mean(-1, keepdim=True))
+            dw = None
+            if ctx.needs_input_grad[1]:
+                dw = (dy.float() * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx.to(x.dtype), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) · weight`` over the last dim in fp32, returned in ``x``'s dtype; saves ``x`` and the fp32
+    ``1/rms`` ``[..., 1]`` for backward (fp64 inputs: plain autograd in fp64)."""
+    if x.dtype == torch.float64:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
+    return _RMSNormFunction.apply(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in fp32, returned in the input dtype."""
+    """``x / rms(x) * weight``, computed in fp32, returned in the input dtype (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -21,14 +65,61 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _situ_glu_math(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
+    return (gate_beta * torch.tanh(a / gate_beta) * torch.sigmoid(a)) * (up_beta * torch.tanh(c / up_beta))
+
+
+SITU_BLOCK_ELEMENTS = 1 << 24
+"""Elements per fp32 block of `situ_glu` (64 MB temporaries however many rows come in)."""
+
+
+def _row_blocks(x: torch.Tensor):
+    rows = max(1, SITU_BLOCK_ELEMENTS // max(1, x.shape[-1]))
+    return range(0, x.shape[0], rows), rows
+
+
+class _SiTUGLUFunction(torch.autograd.Function):
+    """Inputs flattened to ``[N, F]``; fp32 math in row blocks of `SITU_BLOCK_ELEMENTS`."""
+
+    @staticmethod
+    def forward(ctx, a, c, gate_beta, up_beta):
+        ctx.save_for_backward(a, c)
+        ctx.betas = (gate_beta, up_beta)
+        out = torch.empty_like(a)
+        starts, rows = _row_blocks(a)
+        with torch.autocast(a.device.type, enabled=False):
+            for i in starts:
+                out[i : i + rows] = _situ_glu_math(a[i : i + rows].float(), c[i : i + rows].float(), gate_beta,
+                                                   up_beta)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, c = ctx.saved_tensors
+        b1, b2 = ctx.betas
+        da, dc = torch.empty_like(a), torch.empty_like(c)
+        starts, rows = _row_blocks(a)
+        with torch.autocast(a.device.type, enabled=False):
+            for i in starts:
+                af, cf, dyf = a[i : i + rows].float(), c[i : i + rows].float(), dy[i : i + rows].float()
+                t1, s, t2 = torch.tanh(af / b1), torch.sigmoid(af), torch.tanh(cf / b2)
+                gate, up = b1 * t1 * s, b2 * t2
+                da[i : i + rows] = dyf * up * ((1 - t1 * t1) * s + gate * (1 - s))
+                dc[i : i + rows] = dyf * gate * (1 - t2 * t2)
+        return da, dc, None, None
 
 
 def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
-    """SiTU-GLU activation ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` (each factor bounded, product by β1·β2)."""
-    return (gate_beta * torch.tanh(a / gate_beta) * torch.sigmoid(a)) * (up_beta * torch.tanh(c / up_beta))
+    """SiTU-GLU activation ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` (each factor bounded, product by β1·β2), in fp32,
+    returned in ``a``'s dtype; saves only ``a`` and ``c`` for backward (fp64 inputs: plain autograd)."""
+    if a.dtype == torch.float64:
+        return _situ_glu_math(a, c, gate_beta, up_beta)
+    shape = a.shape
+    a, c = a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1])
+    return _SiTUGLUFunction.apply(a, c, gate_beta, up_beta).view(shape)
 
 
 class SiTUGLU(nn.Module):
@@ -51,6 +142,72 @@ class SiTUGLU(nn.Module):
         return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.gate_beta, self.up_beta))
 
 
+class _AttnResFunction(torch.autograd.Function):
+    """Saves the sources themselves (no stacked copy) and fp32 ``[S, B, T]`` rms, scores and weights."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, eps, *sources):
+        with torch.autocast(sources[0].device.type, enabled=False):
+            u = norm_weight.float() * query.float()
+            rstd, score = [], []
+            for v in sources:
+                vf = v.float()
+                rstd.append(torch.rsqrt(vf.pow(2).mean(-1) + eps))
+                score.append(vf @ u)
+                del vf
+            rstd_SBT, score_SBT = torch.stack(rstd), torch.stack(score)
+            w_SBT = torch.softmax(rstd_SBT * score_SBT, dim=0)
+            out = torch.zeros(sources[0].shape, dtype=torch.float32, device=sources[0].device)
+            for i, v in enumerate(sources):
+                out.addcmul_(v, w_SBT[i].unsqueeze(-1))
+        ctx.save_for_backward(query, norm_weight, rstd_SBT, score_SBT, w_SBT, *sources)
+        return out.to(sources[0].dtype)
+
+    @staticmethod
+    def backward(ctx, dh):
+        query, norm_weight, rstd_SBT, score_SBT, w_SBT, *sources = ctx.saved_tensors
+        D = dh.shape[-1]
+        want_q = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        with torch.autocast(dh.device.type, enabled=False):
+            dhf = dh.float()
+            dw_SBT = torch.stack([(dhf * v).sum(-1) for v in sources])
+            dlogit_SBT = w_SBT * (dw_SBT - (w_SBT * dw_SBT).sum(0, keepdim=True))
+            u = norm_weight.float() * query.float()
+            p = torch.zeros(D, dtype=torch.float32, device=dh.device)
+            grads = []
+            for i, v in enumerate(sources):
+                want_v = ctx.needs_input_grad[3 + i]
+                if not (want_v or want_q):
+                    grads.append(None)
+                    continue
+                vf = v.float()
+                c = (dlogit_SBT[i] * rstd_SBT[i]).unsqueeze(-1)  # d logit / d (v·u), per row
+                if want_q:
+                    p += (c * vf).reshape(-1, D).sum(0)
+                if want_v:
+                    r2 = (score_SBT[i] * rstd_SBT[i].pow(2) / D).unsqueeze(-1)
+                    grads.append((w_SBT[i].unsqueeze(-1) * dhf + c * (u - r2 * vf)).to(v.dtype))
+                else:
+                    grads.append(None)
+                del vf
+            dq = (p * norm_weight.float()).to(query.dtype) if ctx.needs_input_grad[0] else None
+            dnw = (p * query.float()).to(norm_weight.dtype) if ctx.needs_input_grad[1] else None
+        return dq, dnw, None, *grads
+
+
+def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``Σ_i softmax_i(qᵀ RMSNorm(V_i)) · V_i`` over ``sources`` (each ``[B, T, D]``, one dtype), fp32 inside,
+    returned in the sources' dtype. Keeps for backward the sources themselves (no stacked copy) and fp32
+    ``[S, B, T]`` statistics; nothing of size ``S·B·T·D`` is materialised in either direction."""
+    if sources[0].dtype == torch.float64:
+        V = torch.stack(sources, 0)
+        xn = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(V.dtype)
+        w = torch.softmax((xn * query.to(V.dtype)).sum(-1), dim=0)
+        return (w.unsqueeze(-1) * V).sum(0)
+    return _AttnResFunction.apply(query, norm_weight, eps, *sources)
+
+
 class AttnResSite(nn.Module):
     """One Block Attention Residuals site: ``h = Σ_i softmax_i(wᵀ RMSNorm(V_i)) · V_i`` over the sources.
 
@@ -66,7 +223,4 @@ class AttnResSite(nn.Module):
         """Mix ``sources`` (each ``[B, T, D]``) into one ``[B, T, D]`` tensor (softmax in fp32)."""
         if len(sources) == 1:
             return sources[0]
-        V_SBTD = torch.stack(sources, 0)
-        logits_SBT = (self.norm(V_SBTD).float() * self.query.float()).sum(-1)
-        weights_SBT = F.softmax(logits_SBT, dim=0).to(V_SBTD.dtype)
-        return (weights_SBT.unsqueeze(-1) * V_SBTD).sum(0)
+        return attn_res_mix(sources, self.query, self.norm.weight, self.norm.eps)

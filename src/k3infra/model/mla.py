@@ -20,6 +20,9 @@ from k3infra.model.layers import RMSNorm
 
 __all__ = ["K3MLA", "attention_mask_for"]
 
+MAX_LOGIT_BLOCK_ELEMENTS = 1 << 26
+"""Most fp32 logits (256 MB) one block of the QK-Clip max-logit record materialises."""
+
 
 def attention_mask_for(T: int, S: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """``[T, S]`` bool mask (True = attend) for queries at the last ``T`` of ``S`` positions, block-diagonal over
@@ -79,22 +82,48 @@ class K3MLA(nn.Module):
         k_n, v = kv.split([n, dv], dim=-1)
         k_BHSE = torch.cat([k_n, k_r[:, :, None, :].expand(B, S, H, r)], -1).transpose(1, 2)
         v_BHSV = v.transpose(1, 2)
-        mask_TS = attention_mask_for(T, S, cu_seqlens, x_BTD.device)
+        bounds = _host_bounds(cu_seqlens) if cu_seqlens is not None else None
         if self.training and self.track_max_logit:
-            self._record_max_logit(q_BHTE, k_BHSE, mask_TS)
-        o = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=mask_TS is None,
-                                           scale=self.scale)
+            self._record_max_logit(q_BHTE, k_BHSE, bounds)
+        if bounds is not None and cache is None:
+            # one causal SDPA per packed sequence: no [T, S] mask, so the flash / memory-efficient kernels apply
+            o = torch.cat([F.scaled_dot_product_attention(q_BHTE[:, :, a:b], k_BHSE[:, :, a:b], v_BHSV[:, :, a:b],
+                                                          is_causal=True, scale=self.scale)
+                           for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=2)
+        else:
+            mask_TS = attention_mask_for(T, S, cu_seqlens, x_BTD.device)
+            o = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=mask_TS is None,
+                                               scale=self.scale)
         o_BTV = o.transpose(1, 2).reshape(B, T, H * dv)
         return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o_BTV)
 
     @torch.no_grad()
-    def _record_max_logit(self, q_BHTE, k_BHSE, mask_TS) -> None:
+    def _record_max_logit(self, q_BHTE, k_BHSE, bounds: list[int] | None) -> None:
+        """Running per-head max of the causal logits, per packed sequence and in query blocks of at most
+        `MAX_LOGIT_BLOCK_ELEMENTS` fp32 logits (never a whole ``[H, T, S]`` matrix)."""
         T, S = q_BHTE.shape[2], k_BHSE.shape[2]
-        if mask_TS is None:
-            mask_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTE.device).tril()
+        offset = S - T  # queries are the last T of S positions (a cache holds the first S − T)
+        spans = [(0, T)] if bounds is None else [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         best = torch.full((self.num_heads,), float("-inf"), device=q_BHTE.device)
         for b in range(q_BHTE.shape[0]):
-            logits_HTS = (q_BHTE[b].float() @ k_BHSE[b].float().transpose(-1, -2)) * self.scale
-            logits_HTS = logits_HTS.masked_fill(~mask_TS, float("-inf"))
-            best = torch.maximum(best, logits_HTS.amax(dim=(1, 2)))
+            for start, end in spans:
+                k_start = 0 if bounds is None else start + offset
+                rows = max(1, MAX_LOGIT_BLOCK_ELEMENTS // (self.num_heads * (end + offset - k_start)))
+                for r0 in range(start, end, rows):
+                    r1 = min(end, r0 + rows)
+                    k_HSE = k_BHSE[b, :, k_start : r1 + offset].float()
+                    logits = (q_BHTE[b, :, r0:r1].float() @ k_HSE.transpose(-1, -2)) * self.scale
+                    query = torch.arange(r0 + offset, r1 + offset, device=logits.device)
+                    key = torch.arange(k_start, r1 + offset, device=logits.device)
+                    logits = logits.masked_fill(key[None, :] > query[:, None], float("-inf"))
+                    best = torch.maximum(best, logits.amax(dim=(1, 2)))
         self.max_logit.copy_(torch.maximum(self.max_logit, best.to(self.max_logit.dtype)))
+
+
+def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as a host list (flashkda's cached host copy on CUDA: one device read per batch)."""
+    if cu_seqlens.is_cuda:
+        from flashkda.seqlens import host_cu_seqlens
+
+        cu_seqlens = host_cu_seqlens(cu_seqlens)
+    return [int(x) for x in cu_seqlens.tolist()]

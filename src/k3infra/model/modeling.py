@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -30,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from k3infra.model.cache import K3Cache
 from k3infra.model.config import K3Config
 from k3infra.model.kda import K3KDA
-from k3infra.model.layers import AttnResSite, RMSNorm, SiTUGLU
+from k3infra.model.layers import AttnResSite, RMSNorm, SiTUGLU, recompute
 from k3infra.model.mla import K3MLA
 from k3infra.model.moe import K3MoE
 
@@ -191,6 +192,11 @@ class K3Model(K3PreTrainedModel):
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, K3MoE)]
 
 
+def _ce_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h_ND, weight_VD).float()
+    return F.cross_entropy(logits, target_N, ignore_index=-100, reduction="sum")
+
+
 class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     """`K3Model` with an untied LM head and next-token cross-entropy."""
 
@@ -246,7 +252,8 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
 
         Returns:
             ``CausalLMOutputWithPast(loss, logits [B, T, V] fp32, cache)``; ``loss`` is the mean CE over the
-            non-ignored targets.
+            non-ignored targets. In training with ``labels`` on more than ``config.loss_chunk_size`` tokens the
+            loss is computed in chunks and ``logits`` is None (no ``[T, V]`` logits are kept).
 
         Raises:
             ValueError / TypeError: a bad argument (named in the message).
@@ -258,15 +265,30 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
             use_cache = False
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cu_seqlens=cu_seqlens,
                          cache=cache, use_cache=use_cache, past_key_values=past_key_values)
-        logits = self.lm_head(out.last_hidden_state).float()
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).long(),
-                                   ignore_index=-100)
+        hidden = out.last_hidden_state
+        chunk = self.config.loss_chunk_size
+        if labels is not None and self.training and chunk and hidden.shape[0] * hidden.shape[1] > chunk:
+            logits, loss = None, self._chunked_loss(hidden, labels, chunk)
+        else:
+            logits = self.lm_head(hidden).float()
+            loss = None
+            if labels is not None:
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                       labels[:, 1:].reshape(-1).long(), ignore_index=-100)
         result = CausalLMOutputWithPast(loss=loss, logits=logits)
         if out.cache is not None:
             result["cache"] = out.cache
         return result
+
+    def _chunked_loss(self, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Mean next-token CE over ``chunk``-token pieces; each piece's logits are recomputed in backward."""
+        h_ND = hidden_BTD[:, :-1].reshape(-1, hidden_BTD.shape[-1])
+        target_N = labels_BT[:, 1:].reshape(-1).long()
+        total = h_ND.new_zeros((), dtype=torch.float32)
+        for start in range(0, h_ND.shape[0], chunk):
+            total = total + recompute(functools.partial(_ce_sum, target_N=target_N[start : start + chunk]),
+                                      h_ND[start : start + chunk], self.lm_head.weight)
+        return total / (target_N != -100).sum().clamp(min=1)
 
     def enable_expert_parallel(self, group, *, max_tokens_per_rank: int, dtype: torch.dtype | None = None,
                                **buffer_kwargs) -> None:

@@ -24,11 +24,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
+from k3infra.model.layers import RMSNorm, SiTUGLU, recompute, situ_glu
 
 __all__ = ["K3MoE", "Router", "grouped_situ"]
 
 logger = logging.getLogger(__name__)
+
+
+def _fp32_logits(x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(x_sD.device.type, enabled=False):
+        return x_sD.float() @ w_ED.float().t()
 
 
 class Router(nn.Module):
@@ -48,7 +53,8 @@ class Router(nn.Module):
     def forward(self, x_sD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(topk_idx_sK int64, topk_weights_sK fp32)``; records QB margins in training."""
         # fp32: sigmoid scores near 0/1 and their normalisation lose precision in bf16.
-        scores_sE = torch.sigmoid(x_sD.float() @ self.weight.float().t())
+        # (recomputed in backward: only x in its own dtype is kept, not an fp32 copy)
+        scores_sE = torch.sigmoid(recompute(_fp32_logits, x_sD, self.weight))
         sel = (scores_sE.detach() + self.bias).topk(self.top_k + 1, dim=1)
         idx_sK = sel.indices[:, : self.top_k]
         if self.training:
@@ -90,16 +96,34 @@ class Router(nn.Module):
         return True
 
 
-def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_beta: float) -> torch.Tensor:
-    """``W2[SiTU-GLU(W1 x, W3 x)]`` per expert over its contiguous rows of ``x_CL``; rows past the counts give 0.
+def _grouped_mm_usable(x_CL: torch.Tensor, w_PML: torch.Tensor) -> bool:
+    # torch._grouped_mm: bf16 on CUDA (and on the CPU in recent torch); rows must be 16-byte aligned.
+    return (x_CL.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x_CL.device.type in ("cuda", "cpu")
+            and (x_CL.shape[1] * 2) % 16 == 0 and (w_PML.shape[1] * 2) % 16 == 0)
 
-    ``torch._grouped_mm`` on CUDA bf16 (no host sync), else a loop over experts (reads the counts on the host).
+
+def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_beta: float,
+                 scale_C: torch.Tensor | None = None) -> torch.Tensor:
+    """``W2[SiTU-GLU(W1 x, W3 x) · scale]`` per expert over its contiguous rows of ``x_CL``; rows past the counts
+    give 0. ``scale_C`` ``[C]`` (the routing weights, or None) multiplies the ``M``-wide activation, so backward
+    keeps ``[C, M]`` tensors and no weighted ``[C, L]`` output.
+
+    Computes in ``x_CL``'s dtype: the weights are cast to it (fp32 master weights under bf16 autocast, which does
+    not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype). ``torch._grouped_mm``
+    for bf16 (no host sync), else a loop over experts (reads the counts on the host).
+
+    Shapes: ``x_CL [C, L]``, ``counts_P [P]`` int, ``w1_PML / w3_PML [P, M, L]``, ``w2_PLM [P, L, M]`` →
+    ``[C, L]`` in ``x_CL``'s dtype.
     """
-    if x_CL.is_cuda and x_CL.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    w1_PML, w3_PML, w2_PLM = (w.to(x_CL.dtype) for w in (w1_PML, w3_PML, w2_PLM))
+    if _grouped_mm_usable(x_CL, w1_PML):
         offs = counts_P.cumsum(0).to(torch.int32)
         a = torch._grouped_mm(x_CL, w1_PML.transpose(1, 2), offs=offs)
         c = torch._grouped_mm(x_CL, w3_PML.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(situ_glu(a, c, gate_beta, up_beta), w2_PLM.transpose(1, 2), offs=offs)
+        act = situ_glu(a, c, gate_beta, up_beta)
+        if scale_C is not None:
+            act = act * scale_C[:, None].to(act.dtype)
+        y = torch._grouped_mm(act, w2_PLM.transpose(1, 2), offs=offs)
         used = torch.arange(x_CL.shape[0], device=x_CL.device) < offs[-1]
         return y * used[:, None].to(y.dtype)
     out, start = [], 0
@@ -107,6 +131,8 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
         if count:
             xp = x_CL[start : start + count]
             act = situ_glu(xp @ w1_PML[p].t(), xp @ w3_PML[p].t(), gate_beta, up_beta)
+            if scale_C is not None:
+                act = act * scale_C[start : start + count, None].to(act.dtype)
             out.append(act @ w2_PLM[p].t())
         start += count
     if start < x_CL.shape[0]:
@@ -175,10 +201,13 @@ class K3MoE(nn.Module):
         order = flat.argsort(stable=True)
         counts_E = torch.bincount(flat, minlength=self.num_experts)
         token = order // K
-        y_CL = grouped_situ(h_sL[token], counts_E, self.w1, self.w3, self.w2, self.gate_beta, self.up_beta)
-        w_C = weights_sK.flatten()[order].to(torch.float32)
-        u = torch.zeros(s, h_sL.shape[1], dtype=torch.float32, device=h_sL.device)
-        return u.index_add(0, token, y_CL.float() * w_C[:, None])
+        w_C = weights_sK.flatten()[order]
+        y_CL = grouped_situ(h_sL[token], counts_E, self.w1, self.w3, self.w2, self.gate_beta, self.up_beta, w_C)
+        # back to token order and the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy
+        # of y for backward; gather and sum keep nothing of that size)
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        return y_CL[unsort].view(s, K, -1).float().sum(1)
 
     def _expert_parallel(self, h_sL, idx_sK, weights_sK):
         buf = self.ep_buffer

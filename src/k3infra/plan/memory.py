@@ -23,6 +23,9 @@ KDA_CHUNK = 64
 """Chunk length C of the chunked KDA form whose intermediates are saved (``K3_MODEL.md`` §5)."""
 GRAD_BYTES = 4.0
 WEIGHT_TRAIN_BYTES = 2.0
+CE_CHUNK_BYTES = 12.0
+"""Per token per vocabulary entry of one chunk in a chunked cross-entropy's backward: the recomputed bf16 logits,
+their fp32 copy, the fp32 gradient and its bf16 cast."""
 
 
 @dataclass(frozen=True)
@@ -154,9 +157,14 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
     o_shard = (dense_group, expert_group) if L.zero >= 1 else (1, 1)
     tokens = work.micro_batch * work.seq_len / (L.cp * L.tp)  # tokens per GPU per micro-batch (sequence parallel)
     attn_res = (model.attn_res_blocks + 1) * model.hidden * 2.0 if model.attn_res_blocks else 0.0
-    logit_bytes = 2.0 if work.chunked_ce else 10.0  # bf16 logits; unchunked CE adds fp32 log-probs and their grad
+    if work.chunked_ce:  # one chunk's logits at a time, recomputed in backward
+        logits = min(tokens, work.ce_chunk_tokens) * model.vocab * CE_CHUNK_BYTES
+    else:  # bf16 logits, fp32 log-probabilities and their fp32 gradient for every token
+        logits = tokens * model.vocab * 10.0
     best: dict[str, float] | None = None
     for sl, ne, e, biggest, saved, working, has_moe in _stage_table(model, L.pp, L.vp, L.recompute, act_bytes):
+        # Without full recompute each AttnRes site also keeps the running block sum it mixes: two per layer.
+        partials = 2 * len(sl.layers) * model.hidden * 2.0 if model.attn_res_blocks and L.recompute != "full" else 0.0
         ne, e = ne / L.tp, e / L.ep
         flight = in_flight(L, sl.stage, micro_batches)
         terms = {
@@ -166,9 +174,9 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
             # FSDP gathers one layer while prefetching the next.
             "fsdp_gather": 2 * WEIGHT_TRAIN_BYTES * biggest / L.tp if L.zero >= 3 else 0.0,
             "activations": tokens * (saved * flight + working),
-            "attn_res": tokens * attn_res * flight,
+            "attn_res": tokens * (attn_res + partials) * flight,
             # One micro-batch of logits, vocab-parallel over TP, all of the CP rank's tokens.
-            "logits": tokens * model.vocab * logit_bytes if sl.last else 0.0,
+            "logits": logits if sl.last else 0.0,
             "ep_buffer": ep_buffer_slots(model, L, tokens) * model.moe.latent * 2.0 if has_moe else 0.0,
             "moonep_prefetch": L.redundant * model.moe.expert_params * WEIGHT_TRAIN_BYTES if has_moe else 0.0,
         }
@@ -232,7 +240,10 @@ def serve_memory(model: ModelSpec, layout: Layout, work: ServeWorkload) -> dict[
         else:
             terms["kda_state"] = 0.0
         chunk = min(work.prefill_chunk, work.context) / (L.tp * L.cp)
-        terms["activations"] = chunk * max(layer_activation(model, i, "none") for i in sl.layers)
+        # The prefill forward keeps the AttnRes sources (block sums and the running sum) of every sequence in it.
+        sources = (model.attn_res_blocks + 2) * model.hidden * 2.0 if model.attn_res_blocks else 0.0
+        tokens = chunk * min(work.prefill_batch, seqs)
+        terms["activations"] = tokens * (max(layer_activation(model, i, "none") for i in sl.layers) + sources)
         terms["logits"] = seqs * model.vocab / L.tp * 4.0 if sl.last else 0.0
         n_moe = sum(1 for i in sl.layers if model.layers[i][1] == "moe")
         if n_moe:

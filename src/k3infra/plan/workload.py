@@ -44,12 +44,15 @@ class TrainWorkload:
     """``fp8``: GEMMs at the FP8 peak and saved GEMM inputs stored in 1 byte."""
     optimizer: str = "muon"
     chunked_ce: bool = False
-    """Cross-entropy over vocabulary chunks (no full fp32 logits kept)."""
+    """Cross-entropy in chunks of ``ce_chunk_tokens`` tokens whose logits are recomputed in backward (no logits
+    kept; `K3ForCausalLM` does this in training, ``loss_chunk_size``)."""
+    ce_chunk_tokens: int = 4096
 
     def __post_init__(self) -> None:
         _positive_int("--seq-len", self.seq_len)
         _positive_int("--global-batch-tokens", self.global_batch_tokens)
         _positive_int("--micro-batch", self.micro_batch)
+        _positive_int("--ce-chunk-tokens", self.ce_chunk_tokens)
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         if self.global_batch_tokens % self.seq_len:
@@ -74,11 +77,14 @@ class ServeWorkload:
     dense_weight_dtype: str = "bf16"
     """Every other weight."""
     prefill_chunk: int = 8192
+    prefill_batch: int = 1
+    """Sequences prefilled together in one forward (their chunks' working sets add up)."""
 
     def __post_init__(self) -> None:
         _positive_int("--context", self.context)
         _positive_int("--concurrency", self.concurrency)
         _positive_int("--prefill-chunk", self.prefill_chunk)
+        _positive_int("--prefill-batch", self.prefill_batch)
         _choice("--cache-dtype", self.cache_dtype, tuple(CACHE_BYTES))
         _choice("--weight-dtype", self.weight_dtype, tuple(WEIGHT_BYTES))
         _choice("--dense-weight-dtype", self.dense_weight_dtype, tuple(WEIGHT_BYTES))

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", type=int, default=None, help="tokens per packed row (default: 64 for k3-debug, 4096 k3-mini)")
     add("--batch-size", type=int, default=None,
         help="rows per step over all ranks, divisible by the world size (default: 8 for k3-debug, 64 k3-mini)")
+    add("--micro-batch-size", type=int, default=None,
+        help="rows per forward/backward on one rank, gradients accumulated (default: all for k3-debug, 4 k3-mini)")
+    add("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
     add("--lr", type=float, default=3e-3, help="peak learning rate of Muon and AdamW (cosine, 1%% warmup)")
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay of weight matrices")
     add("--optimizer", choices=("muon", "adamw"), default="muon",
@@ -71,6 +74,7 @@ def config_from_args(args: argparse.Namespace):
 
     return TrainConfig(
         preset=args.config, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+        micro_batch_size=args.micro_batch_size, max_grad_norm=args.max_grad_norm,
         weight_decay=args.weight_decay, optimizer=args.optimizer, ep=args.ep, out=args.out, resume=args.resume,
         init_from=args.init_from,
         save_every=args.save_every, lora=args.lora, router_lr_scale=args.router_lr_scale,

@@ -126,6 +126,24 @@ class PackedDataset:
         rows = self.row_indices(step, batch_size)[rank * per_rank : (rank + 1) * per_rank]
         return pack_rows(self.rows[rows], self.starts[rows])
 
+    def micro_batches(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                      rows: int | None = None) -> list[PackedBatch]:
+        """Rank ``rank``'s rows of step ``step`` (as `batch`) in consecutive groups of ``rows`` rows (None: one
+        group), one packed batch per forward; together they hold exactly `batch`'s tokens and targets.
+
+        Raises:
+            ValueError: as `batch`, or ``rows`` is not a positive int.
+        """
+        whole = self.batch(step, batch_size, rank, world_size)  # validates the arguments
+        if rows is None:
+            return [whole]
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows (micro-batch size) must be a positive int, got {rows!r}")
+        per_rank = batch_size // world_size
+        picked = self.row_indices(step, batch_size)[rank * per_rank : (rank + 1) * per_rank]
+        return [pack_rows(self.rows[picked[i : i + rows]], self.starts[picked[i : i + rows]])
+                for i in range(0, per_rank, rows)]
+
     def num_targets(self, step: int, batch_size: int) -> int:
         """Predicted tokens in the whole global batch of ``step`` (the loss denominator on every rank)."""
         rows = self.row_indices(step, batch_size)

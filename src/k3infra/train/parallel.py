@@ -163,3 +163,39 @@ def reduce_expert_gradients(params: list[nn.Parameter], state: ParallelState) ->
         if state.replica_group is not None and dist.get_world_size(state.replica_group) > 1:
             dist.all_reduce(param.grad, group=state.replica_group)
         param.grad.div_(state.world_size)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, experts: list[nn.Parameter], state: ParallelState, max_norm: float) -> float:
+    """Scale every gradient so the global L2 norm is at most ``max_norm``; returns the norm before clipping.
+
+    Collective when distributed: FSDP2 shards (DTensor gradients) are summed over all ranks, EP-sharded expert
+    gradients (already reduced over their replicas by `reduce_expert_gradients`) over the EP group; plain
+    replicated gradients count once. Every rank gets the same norm and the same scale.
+    """
+    from torch.distributed.tensor import DTensor
+
+    expert_ids = {id(p) for p in experts}
+    device = state.device
+    sharded, expert, replicated = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(3))
+    grads = []
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        grads.append(grad)
+        if isinstance(grad, DTensor):
+            sharded += grad.to_local().float().pow(2).sum()
+        elif id(param) in expert_ids:
+            expert += grad.float().pow(2).sum()
+        else:
+            replicated += grad.float().pow(2).sum()
+    if state.world_size > 1:
+        dist.all_reduce(sharded)
+        if state.ep_group is not None:
+            dist.all_reduce(expert, group=state.ep_group)
+    norm = (sharded + expert + replicated).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale)
+    return float(norm)

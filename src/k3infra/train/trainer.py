@@ -31,6 +31,7 @@ from k3infra.train.optim import build_optimizers, build_schedulers
 from k3infra.train.parallel import (
     ParallelState,
     apply_fsdp,
+    clip_grad_norm,
     decoder_layers,
     expert_parameters,
     init_parallel,
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 RUN_SIZES = {"k3-debug": (64, 8), "k3-mini": (4096, 64), "k3": (8192, 1024)}
 """Default ``(seq_len, batch_size)`` per preset (``K3_MODEL.md`` §3 run targets)."""
+MICRO_BATCH_ROWS = {"k3-debug": None, "k3-mini": 4, "k3": 1}
+"""Default rows per forward per rank (None: the rank's whole share); k3-mini's 64 × 4096 tokens do not fit one
+forward on one GPU."""
 
 
 @dataclass
@@ -53,6 +57,10 @@ class TrainConfig:
     """Tokens per packed row (default per preset, `RUN_SIZES`)."""
     batch_size: int | None = None
     """Rows per step over all ranks (the global batch); must be divisible by the world size."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward on one rank (gradient accumulation); default per preset, `MICRO_BATCH_ROWS`."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (over all ranks, FSDP shards and EP experts) to this; 0 disables."""
     lr: float = 3e-3
     weight_decay: float = 0.1
     optimizer: str = "muon"
@@ -87,7 +95,14 @@ class TrainConfig:
         if self.preset not in preset_names():
             raise ValueError(f"--config must be one of {preset_names()}, got {self.preset!r}")
         seq_len, batch = RUN_SIZES[self.preset]
-        out = replace(self, seq_len=self.seq_len or seq_len, batch_size=self.batch_size or batch)
+        out = replace(self, seq_len=self.seq_len or seq_len, batch_size=self.batch_size or batch,
+                      micro_batch_size=MICRO_BATCH_ROWS[self.preset] if self.micro_batch_size is None
+                      else self.micro_batch_size)
+        if out.micro_batch_size is not None and (not isinstance(out.micro_batch_size, int)
+                                                 or out.micro_batch_size < 1):
+            raise ValueError(f"--micro-batch-size must be a positive int, got {out.micro_batch_size!r}")
+        if not out.max_grad_norm >= 0:
+            raise ValueError(f"--max-grad-norm must be >= 0 (0: no clipping), got {out.max_grad_norm}")
         for name in ("steps", "seq_len", "batch_size"):
             value = getattr(out, name)
             if not isinstance(value, int) or value < 1:
@@ -114,7 +129,8 @@ class TrainResult:
     """What a run produced (rank 0's view; the loss is the global-batch mean on every rank)."""
 
     history: list[dict]
-    """Per step: ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``mfu`` (None on CPU), ``grad_tokens``."""
+    """Per step: ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``mfu`` (None on CPU), ``grad_tokens``, ``grad_norm``
+    (before clipping; None with ``max_grad_norm = 0``)."""
     unigram_entropy: float
     uniform_entropy: float
     out: Path
@@ -212,8 +228,7 @@ class Trainer:
         if self.init_from is not None:
             load_model_weights(self.init_from, model)
         if cfg.ep > 1:
-            model.enable_expert_parallel(state.ep_group,
-                                         max_tokens_per_rank=cfg.batch_size // state.world_size * cfg.seq_len)
+            model.enable_expert_parallel(state.ep_group, max_tokens_per_rank=self._micro_rows() * cfg.seq_len)
         self.moe_layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
         self.expert_names = list(expert_parameters(model))
         experts = list(expert_parameters(model).values())
@@ -245,6 +260,10 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------------------------------
 
+    def _micro_rows(self) -> int:
+        per_rank = self.cfg.batch_size // self.state.world_size
+        return min(per_rank, self.cfg.micro_batch_size or per_rank)
+
     def _autocast(self):
         if self.state.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -254,16 +273,25 @@ class Trainer:
         """Forward, backward and update on step ``step``'s global batch. Returns the history entry."""
         cfg, state = self.cfg, self.state
         start = time.perf_counter()
-        batch = self.data.dataset.batch(step, cfg.batch_size, state.rank, state.world_size).to(state.device)
+        micro = self.data.dataset.micro_batches(step, cfg.batch_size, state.rank, state.world_size,
+                                                cfg.micro_batch_size)
         total_targets = self.data.dataset.num_targets(step, cfg.batch_size)
         self.model.train()
-        with self._autocast():
-            output = self.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
-        # sum of this rank's token losses over the global target count: the ranks' terms add up to the global mean
-        local_sum = output.loss.float() * batch.num_targets if batch.num_targets else output.loss.float() * 0.0
-        (local_sum * (state.world_size / total_targets)).backward()
+        local_sum = torch.zeros((), device=state.device)
+        for batch in micro:
+            batch = batch.to(state.device)
+            with self._autocast():
+                output = self.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
+            # this rank's token-loss sum over the global target count: the ranks' terms add up to the global mean
+            part = output.loss.float() * batch.num_targets if batch.num_targets else output.loss.float() * 0.0
+            (part * (state.world_size / total_targets)).backward()
+            local_sum += part.detach()
+            del output, part
         if self.experts and state.world_size > 1:
             reduce_expert_gradients(self.experts, state)
+        grad_norm = None
+        if cfg.max_grad_norm > 0:
+            grad_norm = clip_grad_norm(self.model, self.experts, state, cfg.max_grad_norm)
         lrs = [group["lr"] for group in self.optimizers[0].param_groups]
         for optimizer in self.optimizers:
             optimizer.step()
@@ -281,7 +309,7 @@ class Trainer:
         tokens_per_s = cfg.batch_size * cfg.seq_len / seconds
         return {"step": step + 1, "loss": loss, "lr": lrs[0], "tokens_per_s": tokens_per_s,
                 "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak, state.world_size),
-                "grad_tokens": total_targets}
+                "grad_tokens": total_targets, "grad_norm": grad_norm}
 
     def _after_update(self) -> None:
         """MuonClip (QK-Clip on the MLA heads) and the Quantile Balancing bias update."""
