@@ -23,14 +23,14 @@ ROWS = [_fixed(64, 8192), _varlen(64, VARLEN_MIXED, "mixed"), _varlen(64, VARLEN
         _fixed(12, 8192), _fixed(64, 32768), _fixed(32, 131072)]
 
 
-def _call(x: dict, kw: dict, P: int):
+def _call(x: dict, kw: dict, P: int, side: bool = True):
     from flashkda.fwd.v2 import chunk_kda_fwd_v2
 
     o, s, _ = chunk_kda_fwd_v2(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, x["initial_state"], True,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=kw["lower_bound"], cu_seqlens=kw.get("cu_seqlens"), cu_seqlens_cpu=kw.get("cu_seqlens_cpu"),
-        A_log=x["A_log"], dt_bias=x["dt_bias"], segments=P)
+        A_log=x["A_log"], dt_bias=x["dt_bias"], segments=P, recurrence_on_side=side)
     return o, s
 
 
@@ -46,15 +46,11 @@ def bench_row(shape, segments: list[int], rep: int) -> Row:
     variants = [(P, True) for P in dict.fromkeys([1, rule, *segments])] + ([(rule, False)] if rule > 1 else [])
     for P, side in variants:
         name = f"P{P}" + ("" if side else "-k1side")
-        pipeline.RECURRENCE_ON_SIDE = side
-        try:
-            if P > 1:
-                o, s = _call(x, kw, P)
-                torch.cuda.synchronize()
-                errors[name] = (rms_ratio(o, o1), rms_ratio(s, s1))
-            times[name] = time_fn(lambda P=P: _call(x, kw, P), device="cuda", warmup=2, rep=rep).median_ms
-        finally:
-            pipeline.RECURRENCE_ON_SIDE = True
+        if P > 1:
+            o, s = _call(x, kw, P, side)
+            torch.cuda.synchronize()
+            errors[name] = (rms_ratio(o, o1), rms_ratio(s, s1))
+        times[name] = time_fn(lambda P=P, side=side: _call(x, kw, P, side), device="cuda", warmup=2, rep=rep).median_ms
     extra = {f"{k} ms": round(v, 4) for k, v in times.items()}
     extra.update({f"{k} rms(o, state) vs P1": [float(f"{e:.2e}") for e in v] for k, v in errors.items()})
     best = min(times, key=times.get)

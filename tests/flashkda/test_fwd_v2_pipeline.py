@@ -154,12 +154,13 @@ def _gpu_inputs(B, T, H, N, seed=0):
     return [None if x is None else x.cuda() for x in make_inputs(B, T, H, N, seed)]
 
 
-def _v2(x, P, cu=None, cu_cpu=None):
+def _v2(x, P, cu=None, cu_cpu=None, side=True):
     from flashkda.fwd.v2 import chunk_kda_fwd_v2
 
     q, k, v, g, beta, A_log, dt_bias, h0 = x
     return chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, True, True, True, lower_bound=-5.0,
-                            cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, cu_seqlens_cpu=cu_cpu, segments=P)[:2]
+                            cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, cu_seqlens_cpu=cu_cpu, segments=P,
+                            recurrence_on_side=side)[:2]
 
 
 def _rms(x, ref):
@@ -172,18 +173,15 @@ def _rms(x, ref):
                                                   (1, 3000, 2, (1300, 0, 1, 547, 1152), 4)],
                          ids=["fixed-T4096-P4", "fixed-B2-P3", "varlen-P4"])
 @pytest.mark.parametrize("side", [True, False], ids=["k2-side", "k1-side"])
-def test_segmented_v2_matches_one_segment(B, T, H, lengths, P, side, monkeypatch):
+def test_segmented_v2_matches_one_segment(B, T, H, lengths, P, side):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from flashkda.fwd.v2 import pipeline
-
-    monkeypatch.setattr(pipeline, "RECURRENCE_ON_SIDE", side)
     cu_cpu = None if lengths is None else torch.tensor(cu_of(lengths), dtype=torch.int64)
     N = B if lengths is None else len(lengths)
     x = _gpu_inputs(B, T, H, N)
     cu = None if cu_cpu is None else cu_cpu.cuda()
     o1, s1 = _v2(x, 1, cu, cu_cpu)
-    oP, sP = _v2(x, P, cu, cu_cpu)
+    oP, sP = _v2(x, P, cu, cu_cpu, side)
     torch.cuda.synchronize()
     n = B * T if lengths is None else sum(lengths)
     assert _rms(oP.reshape(B * T, -1)[:n], o1.reshape(B * T, -1)[:n]) < 2e-3

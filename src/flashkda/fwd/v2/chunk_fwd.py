@@ -124,7 +124,8 @@ def chunk_kda_fwd_v2(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    segments: int | None = None,
+    segments: int | None = 1,
+    recurrence_on_side: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
 
@@ -137,10 +138,13 @@ def chunk_kda_fwd_v2(
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
         segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`);
-            default ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 16); 1 runs K1 then K2.
+            None takes ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 16); the default 1 runs
+            K1 then K2, the only arrangement measured on a GPU so far (``docs/flashkda-v2.md``).
             With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
             of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
             fixed length) the call never synchronises and can be captured in a CUDA graph.
+        recurrence_on_side: with ``P > 1``, K2 runs on a high-priority side stream and K1 on the caller's
+            (True), or the other way round (False).
 
     Returns:
         ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 or None
@@ -163,7 +167,7 @@ def chunk_kda_fwd_v2(
         o, final = segmented_forward(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, lower_bound,
             A_log, dt_bias, initial_state.contiguous() if initial_state is not None else None, output_final_state,
-            cu, cu_seqlens, plan)
+            cu, cu_seqlens, plan, recurrence_on_side=recurrence_on_side)
         return o, final, None
     layout = build_chunk_layout(B, T, cu_seqlens, q.device)
     ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout, lower_bound,

@@ -26,14 +26,12 @@ import torch
 
 from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIM, ChunkLayout, Workspace, build_chunk_layout
 
-__all__ = ["MAX_SEGMENTS", "MIN_SEGMENT_TOKENS", "RECURRENCE_ON_SIDE", "Segment", "default_segments", "launch_recurrence",
+__all__ = ["MAX_SEGMENTS", "MIN_SEGMENT_TOKENS", "Segment", "default_segments", "launch_recurrence",
            "plan_segments", "segmented_forward"]
 
 #: Tokens per segment below which splitting does not pay (and the most segments the default rule takes).
 MIN_SEGMENT_TOKENS = 2048
 MAX_SEGMENTS = 16
-#: Default stream arrangement: K2 on a high-priority side stream, K1 on the caller's (False: the other way round).
-RECURRENCE_ON_SIDE = True
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,7 @@ def segmented_forward(
     lower_bound: float, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None, output_final_state: bool,
     cu: Sequence[int], cu_seqlens: torch.Tensor | None, segments: list[Segment], *,
-    prepare: Callable | None = None, recurrence: Callable | None = None, recurrence_on_side: bool | None = None,
+    prepare: Callable | None = None, recurrence: Callable | None = None, recurrence_on_side: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The v2 forward over ``segments``: K1 of segment ``s + 1`` overlapped with K2 of segment ``s`` (CUDA).
 
@@ -212,15 +210,13 @@ def segmented_forward(
         prepare: K1 stand-in ``(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws)`` filling ``ws``
             (default: the Gluon kernel).
         recurrence: K2 stand-in with `launch_recurrence`'s arguments (default: `launch_recurrence`).
-        recurrence_on_side: which stream runs K2 (see above); None reads `RECURRENCE_ON_SIDE`.
+        recurrence_on_side: which stream runs K2 (see above).
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu[-1]`` unwritten), ``final_state``
         ``[N, H, 128, 128]`` fp32 or None.
     """
     prepare = prepare or _prepare_kernel
-    if recurrence_on_side is None:
-        recurrence_on_side = RECURRENCE_ON_SIDE
     recurrence = recurrence or launch_recurrence
     B, T, Hq, _ = q.shape
     H = v.shape[2]
