@@ -204,15 +204,15 @@ def run_placed_training(world: int, cfg: Config, steps: int, every: int, timeout
     return run_processes(placed_training_worker, args, timeout_s)["0"]
 
 
-def expert_state(layer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, list[torch.Tensor]]:
-    """``{logical e: [w1 row, w2 row, AdamW exp_avg and exp_avg_sq of both]}`` of every row this rank holds
-    (a replicated expert once per copy, as a list of copies)."""
+def expert_state(layer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, list]:
+    """``{logical e: [[w1 row, its AdamW exp_avg, exp_avg_sq, the same for w2], ...one list per copy]}`` of
+    every row this rank holds, as numpy arrays (a queue would pass tensors by shared memory)."""
     out: dict[int, list] = {}
     for p, e in enumerate(layer.logical_ids()):
         tensors = []
         for param in (layer.w1_PFH, layer.w2_PHF):
             state = optimizer.state[param]
-            tensors += [param[p].detach().clone(), state["exp_avg"][p].clone(), state["exp_avg_sq"][p].clone()]
+            tensors += [t[p].detach().numpy().copy() for t in (param, state["exp_avg"], state["exp_avg_sq"])]
         out.setdefault(e, []).append(tensors)
     return out
 
@@ -228,10 +228,10 @@ def elastic_worker(
     steps: int,
     checkpoint_every: int,
     rebalance_every: int,
-    wipe_checkpoint: bool,
+    wipe_by: str,
 ) -> None:
     """One `ElasticEP` worker training a `PlacedMoELayer`; ``kills[member]``: SIGKILL itself at that step,
-    between the forward and the backward (after removing the checkpoint directory if ``wipe_checkpoint``)."""
+    between the forward and the backward (after removing the checkpoint directory if it is ``wipe_by``)."""
     try:
         import os
         import shutil
@@ -248,7 +248,7 @@ def elastic_worker(
 
         def die() -> None:
             elastic.store.set(f"test/killed/{member}", repr(time.time()))
-            if wipe_checkpoint:
+            if member == wipe_by:
                 shutil.rmtree(ckpt, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -275,13 +275,13 @@ def run_elastic(
     *,
     checkpoint_every: int = 1,
     rebalance_every: int = 1000,
-    wipe_checkpoint: bool = False,
+    wipe_by: str = "",
     timeout_s: float = 120.0,
 ) -> dict[str, dict]:
     """`elastic_worker` for every member of ``initial``; returns the survivors' results."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     args = {
-        m: (store.port, str(ckpt), initial, kills, cfg, steps, checkpoint_every, rebalance_every, wipe_checkpoint)
+        m: (store.port, str(ckpt), initial, kills, cfg, steps, checkpoint_every, rebalance_every, wipe_by)
         for m in initial
     }
     return run_processes(elastic_worker, args, timeout_s, killed=tuple(kills))

@@ -49,7 +49,10 @@ def _forget_groups() -> None:
     instead, so that `init_process_group` can form the next generation.
     """
     world = dist.distributed_c10d._world
-    _ABANDONED.extend(world.pg_map)
+    for group in world.pg_map:
+        with contextlib.suppress(Exception):  # stops gloo's work stuck with the dead peer (else it ends at exit)
+            group.abort()
+        _ABANDONED.append(group)
     dist.distributed_c10d._update_default_pg(None)
     for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
         table.clear()
