@@ -199,7 +199,9 @@ def placed_training_worker(member: str, results: mp.Queue, port: int, world: int
 
 def run_placed_training(world: int, cfg: Config, steps: int, every: int, timeout_s: float) -> dict[str, dict]:
     """`placed_training_worker` on ``world`` processes; returns rank 0's result."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
     args = {str(r): (store.port, world, cfg, steps, every) for r in range(world)}
     return run_processes(placed_training_worker, args, timeout_s)["0"]
 
@@ -247,6 +249,12 @@ def elastic_worker(
         losses: dict[int, float] = {}
 
         def die() -> None:
+            # members killed at the same step die together: each waits until all reached this point
+            step, together = elastic.step, sum(1 for s in kills.values() if s == kills[member])
+            elastic.store.add(f"test/dying/{step}", 1)
+            deadline = time.monotonic() + 30.0
+            while elastic.store.add(f"test/dying/{step}", 0) < together and time.monotonic() < deadline:
+                time.sleep(0.01)
             elastic.store.set(f"test/killed/{member}", repr(time.time()))
             if member == wipe_by:
                 shutil.rmtree(ckpt, ignore_errors=True)
@@ -279,7 +287,9 @@ def run_elastic(
     timeout_s: float = 120.0,
 ) -> dict[str, dict]:
     """`elastic_worker` for every member of ``initial``; returns the survivors' results."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
     args = {
         m: (store.port, str(ckpt), initial, kills, cfg, steps, checkpoint_every, rebalance_every, wipe_by)
         for m in initial
@@ -308,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "static_max_over_mean": mean(static["max_over_mean"][after]),
         "rebalanced_max_over_mean": mean(placed["max_over_mean"][after]),
         "max_abs_loss_diff": max(abs(a - b) for a, b in zip(static["losses"], placed["losses"], strict=True)),
-        "max_rel_loss_diff": max(
-            abs(a - b) / abs(a) for a, b in zip(static["losses"], placed["losses"], strict=True)
-        ),
+        "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in zip(static["losses"], placed["losses"], strict=True)),
         "rows_received_rank0": placed["rows_received"],
         "rebalance_s_rank0": placed["rebalance_s"],
         "wall_s": wall,

@@ -1,8 +1,9 @@
 """Elastic EP with replicated experts (`PlacedMoELayer`, AdamW, gloo), 5 processes: two failures one after
-the other, each lost rank's experts re-homed from their live copies on the survivors with their optimizer
-state (no checkpoint read: the first dying rank deletes the checkpoint directory), and two ranks lost at
-once (experts with no surviving copy from the checkpoint). Every step's loss, and at the end every expert's weights and AdamW moments, equal a run on
-3 ranks from the start. Each run has a hard timeout and asserts that no process is left behind."""
+the other (the first one's experts all re-homed from live copies on the survivors, with their optimizer
+state and no checkpoint read: the dying rank deletes the checkpoint directory; the second one's from live
+copies and, for an expert whose only copy was lost, from the checkpoint), and two ranks lost at once.
+Every step's loss, and at the end every expert's weights and AdamW moments, equal a run on 3 ranks from
+the start. Each run has a hard timeout and asserts that no process is left behind."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def test_two_failures_one_after_the_other_from_live_replicas(tmp_path: Path, ref
         shrinks = _shrinks(result)
         assert [(s["lost"], s["step"], s["resume_step"]) for s in shrinks] == [(["1"], 3, 3), (["3"], 6, 6)]
         assert shrinks[0]["source"] == "live" and shrinks[0]["checkpoint_experts"] == {}, shrinks[0]
-        assert shrinks[1]["source"] == "live", shrinks[1]
-        print("SHRINK", shrinks[1])
+        # the rebalanced layout left some expert (here: 3) with its only copy on the lost rank
+        assert shrinks[1]["source"] == "live" and shrinks[1]["checkpoint_experts"], shrinks[1]
         assert shrinks[0]["at"] - result["killed_at"]["1"] < 10.0, "survivors took 10 s or more to regroup"
         assert shrinks[1]["at"] - result["killed_at"]["3"] < 10.0, "survivors took 10 s or more to regroup"
         assert [e["kind"] for e in result["events"]].count("rebalance") == 2  # after steps 3 and 7
@@ -86,5 +87,4 @@ def test_two_ranks_lost_at_once(tmp_path: Path, reference: dict) -> None:
         assert shrink["lost"] == ["1", "2"] and shrink["resume_step"] == 4, shrink
         # experts whose copies were all on the two lost ranks come from the checkpoint of step 3
         assert shrink["source"] == "live", shrink
-        print("SHRINK", shrink)
         assert shrink["at"] - max(result["killed_at"].values()) < 10.0

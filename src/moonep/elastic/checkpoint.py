@@ -138,4 +138,3 @@ def load_shards(
         unpack_rows(params, optimizer, rows, keys, saved["scalars"].get(name))
         loaded[name] = ids
     return loaded
-

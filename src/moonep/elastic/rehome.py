@@ -88,7 +88,7 @@ def rehome_live(
         if old_params[name] in old_optimizer.state:
             optimizer.state[param] = copy.deepcopy(old_optimizer.state[old_params[name]])
     received = 0
-    for name, (holders, layout, missing) in plans.items():
+    for name, (holders, layout, _) in plans.items():
         params, old_expert = expert_params(new_modules[name]), expert_params(old_modules[name])
         rows, keys = pack_rows(old_expert, old_optimizer)
         moved, got, empty = exchange_rows(rows, holders, layout, rank, None, timeout_s)

@@ -66,7 +66,7 @@ def unpack_rows(
     """
     offset = 0
     for i, (param, names) in enumerate(zip(params, keys, strict=True)):
-        P, width = param.shape[0], param[0].numel() if param.shape[0] else 0
+        width = param[0].numel() if param.shape[0] else 0
         with torch.no_grad():
             param.copy_(rows_PN[:, offset : offset + width].reshape(param.shape))
         offset += width
