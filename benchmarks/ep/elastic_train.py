@@ -232,8 +232,9 @@ def elastic_worker(
     rebalance_every: int,
     wipe_by: str,
 ) -> None:
-    """One `ElasticEP` worker training a `PlacedMoELayer`; ``kills[member]``: SIGKILL itself at that step,
-    between the forward and the backward (after removing the checkpoint directory if it is ``wipe_by``)."""
+    """One `ElasticEP` worker training a `PlacedMoELayer`; ``kills[member]``: SIGKILLed at that step, between
+    its forward and its backward (members with the same step: the first kills them all at once; the
+    checkpoint directory is removed first if it is ``wipe_by``)."""
     try:
         import os
         import shutil
@@ -248,21 +249,23 @@ def elastic_worker(
         layer = elastic.start()
         losses: dict[int, float] = {}
 
+        elastic.store.set(f"test/pid/{member}", str(os.getpid()))
+        together = sorted(m for m, s in kills.items() if s == kills.get(member))
+
         def die() -> None:
-            # members killed at the same step die together: each waits until all reached this point
-            step, together = elastic.step, sum(1 for s in kills.values() if s == kills[member])
-            elastic.store.add(f"test/dying/{step}", 1)
-            deadline = time.monotonic() + 30.0
-            while elastic.store.add(f"test/dying/{step}", 0) < together and time.monotonic() < deadline:
-                time.sleep(0.01)
-            elastic.store.set(f"test/killed/{member}", repr(time.time()))
+            # the first of the members killed at this step kills them all at once, itself last
+            now = repr(time.time())
+            for m in together:
+                elastic.store.set(f"test/killed/{m}", now)
             if member == wipe_by:
                 shutil.rmtree(ckpt, ignore_errors=True)
+            for m in together[1:]:
+                os.kill(int(elastic.store.get(f"test/pid/{m}")), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
         while elastic.step < steps:
             with elastic.step_guard() as step:
-                hook = die if kills.get(member) == step else None
+                hook = die if kills.get(member) == step and together[0] == member else None
                 losses[step], _ = train_step(cfg, layer, elastic.optimizer, step, hook)
             layer = elastic.model
         killed_at = {m: float(elastic.store.get(f"test/killed/{m}")) for m in kills}
