@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 ZIPF_S = 1.2
 EXIT_TIMEOUT_S = 30.0
-"""Seconds a worker may take to exit after its result (slow on a loaded 2-core machine, never hung)."""
+"""Seconds a worker may take to exit after its result (slow on a loaded 2-core machine)."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ KILL_STEP, REBALANCE_EVERY = 5, 4
 LOSS_RTOL = 1e-4
 HARD_TIMEOUT_S = 120.0
 BUFFER_TIMEOUT_S = 5.0
-EXIT_TIMEOUT_S = 30.0  # a worker exits after its result: slow on a loaded 2-core machine, never hung
+EXIT_TIMEOUT_S = 30.0  # a worker may exit slowly after its result on a loaded 2-core machine
 
 
 def _build() -> torch.nn.Module:
