@@ -45,6 +45,10 @@ def _case(rank: int, world: int, tmp: str) -> None:
         PlacedMoELayer(buffer, F, 3, placement=compute_placement(torch.ones(3), world, 3))
     buffer.destroy()
     buffer = Buffer(None, S, H, K, 4 * world, dtype=torch.float32, balanced=False)  # X=8: 3 replicas
+    expert_bytes = 2 * F * H * 4
+    with pytest.raises(ValueError, match="exceed budget_bytes"):
+        PlacedMoELayer(buffer, F, E, replica_budget_bytes=3 * expert_bytes - 1)
+    PlacedMoELayer(buffer, F, E, replica_budget_bytes=3 * expert_bytes)
     layer = PlacedMoELayer(buffer, F, E, num_shared=1)
     torch.manual_seed(1)  # same weights for every copy of an expert, on every rank
     w1, w2 = torch.randn(E, F, H), torch.randn(E, H, F)

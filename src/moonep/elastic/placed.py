@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moonep.buffer import Buffer, PlannedDispatch
 from moonep.elastic.rows import exchange_rows, holders_of, pack_rows, unpack_rows
 from moonep.layer import MoELayer, MoEOutput, Router
-from moonep.placement import Placement, compute_placement
+from moonep.placement import Placement, compute_placement, replica_budget
 
 
 class PlacedMoELayer(MoELayer):
@@ -33,6 +33,8 @@ class PlacedMoELayer(MoELayer):
         placement: the initial layout (default: `compute_placement` of a uniform load).
         history_decay: the load history ``load_E`` decays by this factor per training forward before the
             step's hits are added (an exponential average; identical on every rank, it counts the group's hits).
+        replica_budget_bytes: if given, the replicas' weights over the group (``X - E`` experts) must fit in
+            it (`moonep.placement.replica_budget`, ValueError otherwise).
         num_shared, route_scale, dtype: as `moonep.MoELayer`.
     """
 
@@ -44,6 +46,7 @@ class PlacedMoELayer(MoELayer):
         *,
         placement: Placement | None = None,
         history_decay: float = 0.9,
+        replica_budget_bytes: int | None = None,
         num_shared: int = 2,
         route_scale: float = 1.0,
         dtype: torch.dtype | None = None,
@@ -55,6 +58,9 @@ class PlacedMoELayer(MoELayer):
         if not 0.0 <= history_decay < 1.0:
             raise ValueError(f"history_decay must be in [0, 1), got {history_decay}")
         super().__init__(buffer, intermediate, num_shared=num_shared, route_scale=route_scale, dtype=dtype)
+        if replica_budget_bytes is not None:
+            expert_bytes = sum(p[0].numel() * p.element_size() for p in (self.w1_PFH, self.w2_PHF))
+            replica_budget(num_experts, buffer.num_ranks, buffer.P, expert_bytes, replica_budget_bytes)
         self.num_logical, self.history_decay = num_experts, history_decay
         self.router = Router(buffer.H, num_experts, buffer.K, route_scale).to(buffer.device)
         self.register_buffer("load_E", torch.zeros(num_experts, dtype=torch.float64, device=buffer.device))
