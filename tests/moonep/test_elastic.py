@@ -1,7 +1,8 @@
-"""Elastic EP on gloo: 4 workers train a small MoE, one is SIGKILLed mid-step, the 3 survivors regroup and
-redo the step, a 5th worker joins at the next rebalance; the final loss matches a run on 3 ranks from the
-start (the global batch and the math do not depend on the group size). Hard timeout; no process outlives
-the test."""
+"""Elastic EP on gloo: 4 workers train a small MoE with AdamW, one is SIGKILLed mid-step, the 3 survivors
+regroup and redo the step (the lost experts, which have no copy, come with their AdamW moments from the
+checkpoint; the survivors' from memory), a 5th worker joins at the next rebalance (everything from the
+checkpoint); every step's loss matches a run on 3 ranks from the start (the global batch and the math do
+not depend on the group size). Hard timeout; no process outlives the test."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ E, H, F, K, TOKENS, STEPS = 12, 8, 16, 2, 24, 16
 KILL_STEP, REBALANCE_EVERY = 5, 4
 LOSS_RTOL = 1e-4
 HARD_TIMEOUT_S = 120.0
+BUFFER_TIMEOUT_S = 5.0
+EXIT_TIMEOUT_S = 30.0  # a worker may exit slowly after its result on a loaded 2-core machine
 
 
 def _build() -> torch.nn.Module:
@@ -31,7 +34,7 @@ def _build() -> torch.nn.Module:
     from moonep import Buffer, MoELayer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    buffer = Buffer(None, TOKENS // 3, H, K, E, dtype=torch.float32, timeout_s=3.0)
+    buffer = Buffer(None, TOKENS // 3, H, K, E, dtype=torch.float32, timeout_s=BUFFER_TIMEOUT_S)
     layer = MoELayer(buffer, F, num_shared=1)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -49,23 +52,23 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x.flip(1) * 2.0)
 
 
-def _train_step(layer: torch.nn.Module, step: int, rank: int, world: int, die: bool) -> float:
+def _train_step(
+    layer: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int, world: int, die: bool
+) -> float:
     x, y = _batch(step)
     n = TOKENS // world
     out = layer(x[rank * n : rank * n + n]).out_sH
     if die:
         os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward's collectives, before the backward's
     loss = ((out - y[rank * n : rank * n + n]) ** 2).sum() / (TOKENS * H)
-    layer.zero_grad()
+    optimizer.zero_grad()
     loss.backward()
     for name, param in layer.named_parameters():
         if name not in ("w1_PFH", "w2_PHF"):  # replicated: data-parallel gradient sum
             dist.all_reduce(param.grad)
-    with torch.no_grad():
-        for param in layer.parameters():
-            param -= 0.5 * param.grad
     total = loss.detach().clone()
     dist.all_reduce(total)
+    optimizer.step()  # after the step's last collective
     return float(total)
 
 
@@ -74,8 +77,9 @@ def _worker(member: str, port: int, ckpt: str, initial: list[str], kill_member: 
         from moonep.elastic import ElasticEP
 
         elastic = ElasticEP(
-            "127.0.0.1", port, member, _build, ckpt, initial, rebalance_every=REBALANCE_EVERY, stale_s=1.0
-        )
+            "127.0.0.1", port, member, _build, ckpt, initial, rebalance_every=REBALANCE_EVERY, stale_s=1.0,
+            make_optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=0.05),
+        )  # fmt: skip
         if member not in initial:
             store = elastic.store
             store.wait(["test/killed"], datetime.timedelta(seconds=60))
@@ -86,7 +90,7 @@ def _worker(member: str, port: int, ckpt: str, initial: list[str], kill_member: 
                 die = member == kill_member and step == KILL_STEP
                 if die:
                     elastic.store.set("test/killed", repr(time.time()))
-                losses[step] = _train_step(layer, step, elastic.rank, elastic.world_size, die)
+                losses[step] = _train_step(layer, elastic.optimizer, step, elastic.rank, elastic.world_size, die)
             layer = elastic.model
         killed_at = float(elastic.store.get("test/killed")) if kill_member else 0.0
         result = {"losses": losses, "events": elastic.events, "members": elastic.members, "killed_at": killed_at}
@@ -122,7 +126,7 @@ def _run(initial: list[str], joiners: list[str], kill_member: str, tmp: Path) ->
         assert len(outcome) == expected, f"only {sorted(outcome)} finished within {HARD_TIMEOUT_S} s"
     finally:
         for p in procs.values():
-            p.join(timeout=5)
+            p.join(timeout=EXIT_TIMEOUT_S)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -140,9 +144,12 @@ def test_survivors_continue_after_sigkill_and_a_joiner_is_admitted(tmp_path: Pat
     ref_losses = reference["a"]["losses"]
     for member in ("0", "1", "3"):
         result = elastic[member]
-        shrink = [e for e in result["events"] if e["kind"] == "shrink"]
+        # a regroup that lost nobody is a stall past the buffer's timeout on a loaded machine: allowed
+        shrink = [e for e in result["events"] if e["kind"] == "shrink" and e["lost"]]
         assert len(shrink) == 1 and shrink[0]["lost"] == ["2"] and shrink[0]["step"] == KILL_STEP, result["events"]
         assert shrink[0]["resume_step"] == KILL_STEP
+        # the lost rank's experts had no copy: from the checkpoint of the step before, the rest from memory
+        assert shrink[0]["source"] == "live" and shrink[0]["checkpoint_experts"] == {"": [6, 7, 8]}
         assert shrink[0]["at"] - result["killed_at"] < 10.0, "survivors took 10 s or more to regroup"
         grow = [e for e in result["events"] if e["kind"] == "grow"]
         assert len(grow) == 1 and grow[0]["joined"] == ["4"], result["events"]

@@ -3,11 +3,14 @@
 A training loop wraps each step in ``with elastic.step_guard() as step:``. On `moonep.CommError` (or a
 torch.distributed error of the loop's own collectives) inside the step, the guard swallows it and recovers:
 the survivors agree on the next generation's members (heartbeats, `Membership`), build a fresh gloo group on
-a new store prefix, rebuild the model for ``EP = R'`` (`build`), load the last committed checkpoint shards
-(the lost rank's experts included) and set ``elastic.step`` back to the first step after it, so the step in
-flight is redone on the survivors, never dropped. After a step that finished, the guard commits a checkpoint
-(every ``checkpoint_every`` steps) and, every ``rebalance_every`` steps, admits pending joiners: the group
-moves to a new generation that includes them and everybody reloads its home experts.
+a new store prefix and rebuild the model for ``EP = R'`` (`build`). Its experts come from the survivors'
+memory when they can (`moonep.elastic.rehome`): every expert with a copy on a survivor is sent from there
+with its optimizer state, and only experts with no surviving copy are read from the last committed
+checkpoint; otherwise everything is loaded from that checkpoint. ``elastic.step`` is set to the first step
+not applied, so the step in flight is redone on the survivors, never dropped. After a step that finished,
+the guard commits a checkpoint (every ``checkpoint_every`` steps) and, every ``rebalance_every`` steps,
+admits pending joiners (a new generation that includes them; everybody reloads from the checkpoint) or, with
+no joiner, recomputes the placement of every `PlacedMoELayer` from its load history and moves the experts.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moonep.elastic.checkpoint import load_shards, save_shard
+from moonep.elastic.checkpoint import expert_modules, load_shards, save_shard
 from moonep.elastic.membership import Membership
+from moonep.elastic.rehome import rehome_live
 from moonep.errors import CommError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,10 @@ def _forget_groups() -> None:
     instead, so that `init_process_group` can form the next generation.
     """
     world = dist.distributed_c10d._world
-    _ABANDONED.extend(world.pg_map)
+    for group in world.pg_map:
+        with contextlib.suppress(Exception):  # stops gloo's work stuck with the dead peer (else it ends at exit)
+            group.abort()
+        _ABANDONED.append(group)
     dist.distributed_c10d._update_default_pg(None)
     for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
         table.clear()
@@ -63,13 +70,17 @@ class ElasticEP:
         member_id: this worker's stable name.
         build: ``build() -> torch.nn.Module``, called after each (re)formation of the default process group;
             builds the `moonep.Buffer` (on the default group) and the model with this group size. Its
-            weights are replaced by the checkpoint, except on the first generation.
+            weights are replaced by the survivors' or the checkpoint's, except on the first generation.
         checkpoint_dir: shared directory for checkpoint shards (one per generation and step).
         initial_members: the members of the first generation, in rank order; a worker not in it joins.
         checkpoint_every: commit a checkpoint after every this many steps (recovery redoes at most this many).
         rebalance_every: steps between admissions of joiners.
         stale_s: a member whose heartbeat did not advance for this long after a failure is left out.
         timeout_s: the process groups' timeout and the joiner's wait for admission.
+        make_optimizer: ``make_optimizer(model) -> torch.optim.Optimizer``, called after each `build`; its
+            state is checkpointed and re-homed with the weights (``elastic.optimizer``). Its ``step()`` must
+            follow every collective of the training step. Without it, weights only, always from the checkpoint
+            (the loop's own update cannot be told apart from a half-applied step).
     """
 
     def __init__(
@@ -85,6 +96,7 @@ class ElasticEP:
         rebalance_every: int = 10,
         stale_s: float = 1.0,
         timeout_s: float = 30.0,
+        make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     ) -> None:
         if checkpoint_every < 1 or rebalance_every < 1:
             raise ValueError(
@@ -102,7 +114,12 @@ class ElasticEP:
         self.generation = -1
         self.members: list[str] = []
         self.model: torch.nn.Module | None = None
+        self.make_optimizer = make_optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0
+        self._running = -1
+        self._applied = -1
+        """The last step whose optimizer step ran on this worker (its in-memory state is after that step)."""
         self.events: list[dict] = []
         """What happened: ``{"kind": "start"|"join"|"shrink"|"grow", "generation", "members", "step", "seconds", "at"}``
         (``at``: wall-clock time the event finished; ``seconds``: how long it took on this worker)."""
@@ -123,12 +140,12 @@ class ElasticEP:
         t0 = time.monotonic()
         if self.member_id in self.initial_members:
             self.membership.propose(0, self.initial_members)
-            self._enter(0, load=False)
+            self._enter(0, source="fresh")
             self._commit(-1)
             self._event("start", -1, t0)
         else:
             self.membership.ask_to_join()
-            self._enter(self.membership.wait_admitted(self.timeout_s), load=True)
+            self._enter(self.membership.wait_admitted(self.timeout_s), source="checkpoint")
             self._event("join", self.step, t0)
         return self.model
 
@@ -136,22 +153,29 @@ class ElasticEP:
     def step_guard(self) -> Iterator[int]:
         """Around one training step: yields the step number; recovers from a peer's failure (the step is
         redone from ``elastic.step``), or commits/admits joiners after a step that finished."""
-        step = self.step
+        step = self._running = self.step
         try:
             yield step
         except FAILURES as error:
-            self._recover(step, error)
+            self._recover(step, error, live=True)
             return
         self.step = step + 1
         boundary = self.step % self.rebalance_every == 0
         if boundary or self.step % self.checkpoint_every == 0:
             self._commit(step)
         if boundary:
-            self._admit_joiners(step)
+            try:
+                if not self._admit_joiners(step):
+                    self._rebalance(step)
+            except FAILURES as error:  # half-moved experts: the checkpoint just committed is the safe source
+                self._recover(step, error, live=False)
 
     def close(self) -> None:
         """Leave: stop heartbeating and tear down the process group."""
         self.membership.close()
+        if dist.is_initialized():
+            with contextlib.suppress(*FAILURES):  # leave together: gloo's shutdown may wait on a peer's exit
+                dist.barrier()
         self._teardown()
 
     # -- internals -----------------------------------------------------------------------------------------
@@ -178,11 +202,14 @@ class ElasticEP:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
 
-    def _enter(self, generation: int, *, load: bool, broken: bool = False) -> None:
-        """Form ``generation``'s process group, build the model and (``load``) restore the committed state."""
+    def _enter(self, generation: int, *, source: str, broken: bool = False) -> dict:
+        """Form ``generation``'s process group, build the model and restore the state from ``source``:
+        ``"fresh"`` (keep ``build``'s), ``"checkpoint"`` (the last committed) or ``"live"`` (the survivors'
+        memory where it can, see `rehome_live`). Returns what the re-homing did."""
         members = self.membership.members(generation)
         if self.member_id not in members:
             raise RuntimeError(f"member {self.member_id} was left out of generation {generation}: {members}")
+        old_members, old_model, old_optimizer = list(self.members), self.model, self.optimizer
         self._teardown(broken=broken)
         self.generation, self.members = generation, members
         dist.init_process_group(
@@ -193,15 +220,34 @@ class ElasticEP:
             timeout=datetime.timedelta(seconds=self.timeout_s),
         )
         self.model = self.build()
-        if load:
-            directory, step = self.store.get("ckpt/committed").decode().split(":")
-            load_shards(Path(directory), self.model, self.rank)
-            self.step = int(step) + 1
+        self.optimizer = None
+        if self.make_optimizer is not None:
+            self.optimizer = self.make_optimizer(self.model)
+            self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        if source == "fresh":
+            return {"source": "fresh"}
+        directory, committed = self.store.get("ckpt/committed").decode().split(":")
+        if source == "live" and self.optimizer is not None:
+            rank_of_old = [members.index(m) if m in members else None for m in old_members]
+            done = rehome_live(
+                old_model, old_optimizer, self.model, self.optimizer, rank_of_old, self._applied,
+                Path(directory), int(committed), self.timeout_s,
+            )  # fmt: skip
+            if done is not None:
+                self.step = self._applied + 1
+                return done
+        load_shards(Path(directory), self.model, self.rank, self.world_size, self.optimizer)
+        self.step = int(committed) + 1
+        self._applied = int(committed)
+        return {"source": "checkpoint"}
+
+    def _on_optimizer_step(self, *_: object) -> None:
+        self._applied = self._running
 
     def _commit(self, step: int) -> None:
         """Write this rank's shard of the state after ``step``; the last rank to finish marks it committed."""
         directory = self.checkpoint_dir / f"gen{self.generation}-step{step}"
-        save_shard(directory, self.model, self.rank, self.member_id)
+        save_shard(directory, self.model, self.rank, self.member_id, self.world_size, self.optimizer)
         if self.store.add(f"ckpt/{directory.name}/done", 1) == self.world_size:
             previous = self.store.compare_set("ckpt/committed", "", f"{directory}:{step}").decode()
             if previous != f"{directory}:{step}":
@@ -214,27 +260,38 @@ class ElasticEP:
             if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def _recover(self, step: int, error: BaseException) -> None:
+    def _recover(self, step: int, error: BaseException, *, live: bool) -> None:
         t0 = time.monotonic()
         lost_from = list(self.members)
         logger.warning("elastic: step %d failed on member %s (%s); regrouping", step, self.member_id, error)
         alive = self.membership.alive(lost_from, self.stale_s)
         agreed = self.membership.propose(self.generation + 1, alive)
-        self._enter(self.generation + 1, load=True, broken=True)
+        rehomed = self._enter(self.generation + 1, source="live" if live else "checkpoint", broken=True)
         lost = [m for m in lost_from if m not in agreed]
-        self._event("shrink", step, t0, lost=lost, resume_step=self.step)
+        self._event("shrink", step, t0, lost=lost, resume_step=self.step, **rehomed)
 
-    def _admit_joiners(self, step: int) -> None:
+    def _rebalance(self, step: int) -> None:
+        """Recompute every `PlacedMoELayer`'s placement from its load history and move the experts."""
+        placed = [m for m in expert_modules(self.model).values() if hasattr(m, "rebalance")]
+        if not placed:
+            return
+        t0 = time.monotonic()
+        received = sum(module.rebalance(self.optimizer) for module in placed)
+        self._event("rebalance", step, t0, received=received)
+
+    def _admit_joiners(self, step: int) -> bool:
+        """Admit pending joiners (collective); returns whether the group grew."""
         t0 = time.monotonic()
         joiners = self.membership.pending_joiners() if self.rank == 0 else []
         count = torch.tensor([len(joiners)])
         # all_reduce (not broadcast): it returns on rank 0 only after every rank committed the step.
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if int(count) == 0:
-            return
+            return False
         if self.rank == 0:
             self.membership.propose(self.generation + 1, self.members + joiners)
             self.membership.admit(joiners, self.generation + 1)
         before = list(self.members)
-        self._enter(self.generation + 1, load=True)
+        self._enter(self.generation + 1, source="checkpoint")
         self._event("grow", step, t0, joined=[m for m in self.members if m not in before])
+        return True
