@@ -30,6 +30,9 @@ __all__ = ["K3KDA", "causal_depthwise_conv", "positions_in_sequence"]
 
 #: Decode steps of at most this many tokens run the recurrent form.
 DECODE_MAX_TOKENS = 4
+#: From this many tokens (B·T) on, the torch path recomputes its chunk intermediates in backward instead of
+#: keeping them (~0.3 MB per token per layer at d_h = 128); shorter inputs keep them (faster on the CPU).
+TORCH_KDA_RECOMPUTE_TOKENS = 1024
 
 
 def positions_in_sequence(T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -156,9 +159,12 @@ class K3KDA(nn.Module):
         if backend == "torch":
             if decode:
                 return recurrent_kda_torch(q, k, v, g, beta, initial_state=initial)
+            run = functools.partial(chunk_kda_torch, initial_state=initial, output_final_state=want_state,
+                                    cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+            if q.shape[0] * q.shape[1] < TORCH_KDA_RECOMPUTE_TOKENS:
+                return run(q, k, v, g, beta)
             # the chunked form's fp32 [B, H, n, C, C, K] intermediates are recomputed in backward, not kept
-            return recompute(functools.partial(chunk_kda_torch, initial_state=initial, output_final_state=want_state,
-                                               cu_seqlens=cu_seqlens, chunk_size=self.chunk_size), q, k, v, g, beta)
+            return recompute(run, q, k, v, g, beta)
         if decode:
             from flashkda import fused_recurrent_kda
 

@@ -185,7 +185,10 @@ class K3Model(K3PreTrainedModel):
             if (i + 1) % size == 0:
                 blocks, partial = [*blocks, partial], None
         h = self.norm(self.final_res(blocks if partial is None else [*blocks, partial]))
-        return BaseModelOutputWithPast(last_hidden_state=h, cache=cache)
+        out = BaseModelOutputWithPast(last_hidden_state=h)
+        if cache is not None:  # an extra key (item assignment: transformers versions whose outputs reject it)
+            out["cache"] = cache
+        return out
 
     def moe_layers(self) -> list[K3MoE]:
         """The LatentMoE modules, in layer order."""
@@ -276,8 +279,8 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                        labels[:, 1:].reshape(-1).long(), ignore_index=-100)
         result = CausalLMOutputWithPast(loss=loss, logits=logits)
-        if out.cache is not None:
-            result["cache"] = out.cache
+        if out.get("cache") is not None:
+            result["cache"] = out["cache"]
         return result
 
     def _chunked_loss(self, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""Planner terms that follow `K3ForCausalLM`'s memory: the chunked loss holds one chunk's logits, AttnRes keeps two
+running sums per layer without full recompute, a batched prefill holds every sequence's working set."""
+
+from k3infra.model.config import K3Config
+from k3infra.plan import Layout, ServeWorkload, TrainWorkload, model_from_k3, serve_memory, train_memory
+from k3infra.plan.memory import CE_CHUNK_BYTES
+
+SPEC = model_from_k3(K3Config.from_preset("k3-mini"))
+
+
+def _train(**kw):
+    layout = Layout(zero=0, recompute=kw.pop("recompute", "none"))
+    return train_memory(SPEC, layout, TrainWorkload(seq_len=4096, global_batch_tokens=4096 * 4, **kw), 1)
+
+
+def test_chunked_loss_holds_one_chunk():
+    full = _train(micro_batch=4)["logits"]
+    chunked = _train(micro_batch=4, chunked_ce=True, ce_chunk_tokens=4096)
+    assert chunked["logits"] == 4096 * SPEC.vocab * CE_CHUNK_BYTES < full
+    assert _train(micro_batch=4, chunked_ce=True, ce_chunk_tokens=2048)["logits"] == chunked["logits"] / 2
+
+
+def test_attn_res_running_sums_only_without_full_recompute():
+    none, full = _train(micro_batch=1)["attn_res"], _train(micro_batch=1, recompute="full")["attn_res"]
+    sums = 2 * len(SPEC.layers) * SPEC.hidden * 2.0 * 4096
+    assert none - full == sums
+
+
+def test_prefill_batch_scales_the_working_set():
+    one = serve_memory(SPEC, Layout(zero=0), ServeWorkload(context=4096, concurrency=8, prefill_chunk=4096))
+    eight = serve_memory(SPEC, Layout(zero=0),
+                         ServeWorkload(context=4096, concurrency=8, prefill_chunk=4096, prefill_batch=8))
+    assert eight["activations"] == 8 * one["activations"] and eight["kv_cache"] == one["kv_cache"]
