@@ -2,8 +2,11 @@
 
 One cycle: create, exec, snapshot, fork, restore, destroy all, with a fault injected into one sandbox in
 turn (a memory bomb past `memory_mb`, a write past `disk_mb`, a fork bomb past `pids`, SIGKILL of a sandbox's
-init). After each fault the sandbox's siblings must still answer; after the last cycle a `gc` must find
-nothing to reclaim and the data directory must hold no process, mount, cgroup, layer or record.
+init, SIGKILL of a runtime process in the middle of forking the sandbox). After each fault the sandbox's
+siblings must still answer; after a killed fork the next runtime's `gc` must find the fork either complete
+(every child answers) or undone (no child left) and the sandbox answering with its files; after the last
+cycle a `gc` must find nothing to reclaim and the data directory must hold no process, mount, cgroup, layer
+or record.
 
 Run: ``python -m benchmarks.env.soak --cycles 1000`` (root; writes benchmarks/results/env-soak-*.json).
 """
@@ -13,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -22,7 +28,21 @@ from pathlib import Path
 
 from benchmarks.progress import track
 
-FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init")
+FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init", "kill_runtime_mid_fork")
+REPO = Path(__file__).resolve().parents[2]
+_FORKER = """
+import sys
+sys.path[:0] = [{src!r}, {repo!r}]
+from agentenv import Sandbox
+from agentenv.runtime.local import NamespaceBackend
+backend = NamespaceBackend({home!r})
+sb = Sandbox.connect({sid!r}, backend=backend)
+print("ready", flush=True)
+for i in range(1000):
+    if i % 2:
+        sb.exec("echo $RANDOM >> /root/g")  # a changed sandbox: this fork seals its layer and moves it
+    sb.fork(2)
+"""
 OOM = "python3 -c 'b = []\nwhile True: b.append(bytearray(1 << 20))'"
 DISK_FULL = "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo rc=$?"
 FORK_BOMB = "for i in $(seq 200); do sleep 30 & done 2>/dev/null; wait"
@@ -45,8 +65,41 @@ def _inject(sb, fault: str, report: Counter) -> None:
         elif fault == "kill_init":
             os.kill(sb.backend.store.read_record(sb.id).pid, signal.SIGKILL)
             report["kill_init:sent"] += 1
+        elif fault == "kill_runtime_mid_fork":
+            _kill_mid_fork(sb, report)
     except errors.SandboxError as e:
         report[f"{fault}:{type(e).__name__}"] += 1
+
+
+def _kill_mid_fork(sb, report: Counter) -> None:
+    """Another runtime process forks `sb` over and over and is SIGKILLed at a random instant; then this
+    runtime's `gc` recovers, and every fork of `sb` is complete (each child answers) or gone."""
+    from agentenv.runtime.local import NamespaceBackend
+
+    backend: NamespaceBackend = sb.backend
+    before = {r.id for r in backend.store.all_records()}
+    code = _FORKER.format(src=str(REPO / "src"), repo=str(REPO), home=str(backend.store.home), sid=sb.id)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        proc.stdout.readline()
+        time.sleep(random.uniform(0.0, 0.05))
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    recovered = backend.gc()
+    report["kill_runtime_mid_fork:forks_recovered"] += recovered.get("forks", 0)
+    for rec in backend.store.all_records():
+        if rec.id in before or rec.parent != sb.id:
+            continue
+        try:
+            kid = type(sb).connect(rec.id, backend=backend)
+            ok = kid.exec("cat /root/f", timeout=10).stdout == "hi\n"
+            kid.destroy()
+        except Exception:  # noqa: BLE001 - counted: a fork left half made
+            ok = False
+            backend.destroy(rec.id)
+        report[f"kill_runtime_mid_fork:child_{'complete' if ok else 'broken'}"] += 1
 
 
 def cycle(backend, i: int, report: Counter) -> None:
@@ -67,7 +120,7 @@ def cycle(backend, i: int, report: Counter) -> None:
         _inject(kids[0], fault, report)
         if fault != "kill_init":
             try:
-                alive = kids[0].exec("echo ok", timeout=10).stdout == "ok\n"
+                alive = kids[0].exec("cat /root/f", timeout=10).stdout == "hi\n"
             except errors.SandboxError:
                 alive = False
             report[f"{fault}:sandbox_{'answers' if alive else 'lost'}_after"] += 1
