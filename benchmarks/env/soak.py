@@ -45,7 +45,8 @@ for i in range(1000):
 """
 OOM = "python3 -c 'b = []\nwhile True: b.append(bytearray(1 << 20))'"
 DISK_FULL = "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo rc=$?"
-FORK_BOMB = "for i in $(seq 200); do sleep 30 & done 2>/dev/null; wait"
+# past the pids limit; the sleepers stay (holding the sandbox at its limit) while the sandbox must still answer
+FORK_BOMB = "for i in $(seq 200); do sleep 30 >/dev/null 2>&1 & done 2>/dev/null; echo started=$(jobs -p | wc -l)"
 
 
 def _inject(sb, fault: str, report: Counter) -> None:
@@ -60,8 +61,9 @@ def _inject(sb, fault: str, report: Counter) -> None:
             r = sb.exec(DISK_FULL, timeout=30)
             report["disk_full:enospc" if "No space left" in r.stdout else "disk_full:other"] += 1
         elif fault == "fork_bomb":
-            r = sb.exec(FORK_BOMB, timeout=5)
-            report[f"fork_bomb:exit_{r.exit_code}"] += 1
+            r = sb.exec(FORK_BOMB, timeout=10)
+            started = int(r.stdout.strip().partition("=")[2] or 0)
+            report[f"fork_bomb:{'held_below_200' if started < 200 else 'not_held'}"] += 1
         elif fault == "kill_init":
             os.kill(sb.backend.store.read_record(sb.id).pid, signal.SIGKILL)
             report["kill_init:sent"] += 1
@@ -82,7 +84,7 @@ def _kill_mid_fork(sb, report: Counter) -> None:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         proc.stdout.readline()
-        time.sleep(random.uniform(0.0, 0.05))
+        time.sleep(random.uniform(0.0, 0.3))
     finally:
         proc.kill()
         proc.wait()
@@ -102,12 +104,21 @@ def _kill_mid_fork(sb, report: Counter) -> None:
         report[f"kill_runtime_mid_fork:child_{'complete' if ok else 'broken'}"] += 1
 
 
-def cycle(backend, i: int, report: Counter) -> None:
-    """One lifecycle with fault `FAULTS[i % len(FAULTS)]` injected into the first forked child."""
+def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None:
+    """One lifecycle with fault `FAULTS[i % len(FAULTS)]` injected into the first forked child; with
+    `profile`, adds the ms of each phase to ``profile[fault][phase]``."""
     from agentenv import Limits, Sandbox, errors
 
     fault = FAULTS[i % len(FAULTS)]
     made = []
+    clock = [time.perf_counter()]
+
+    def mark(phase: str) -> None:
+        now = time.perf_counter()
+        if profile is not None:
+            profile.setdefault(fault, {}).setdefault(phase, []).append((now - clock[0]) * 1e3)
+        clock[0] = now
+
     try:
         sb = Sandbox.create("host", backend=backend, limits=Limits(memory_mb=128, pids=64, disk_mb=32))
         made.append(sb)
@@ -117,7 +128,9 @@ def cycle(backend, i: int, report: Counter) -> None:
         made += kids
         restored = Sandbox.restore(snap, backend=backend)
         made.append(restored)
+        mark("create_snapshot_fork_restore")
         _inject(kids[0], fault, report)
+        mark("fault")
         if fault != "kill_init":
             try:
                 alive = kids[0].exec("cat /root/f", timeout=10).stdout == "hi\n"
@@ -132,11 +145,13 @@ def cycle(backend, i: int, report: Counter) -> None:
         except errors.SandboxNotFoundError:
             pass
         report["cycles_ok"] += 1
+        mark("checks")
     except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
         report[f"cycle_error:{type(e).__name__}"] += 1
     finally:
         for sb in reversed(made):
             sb.destroy()
+        mark("destroy")
 
 
 def soak(home: Path, cycles: int) -> dict:
@@ -146,14 +161,18 @@ def soak(home: Path, cycles: int) -> dict:
 
     backend = NamespaceBackend(home)
     report: Counter = Counter()
+    profile: dict = {}
     start = time.perf_counter()
     for i in track(range(cycles), "soak cycles"):
-        cycle(backend, i, report)
+        cycle(backend, i, report, profile)
     seconds = time.perf_counter() - start
     gc_found = backend.gc()  # the seed stays; anything else it finds was leaked
     backend.gc(everything=True)
     left = leftovers(home)
+    mean_ms = {fault: {phase: round(sum(v) / len(v), 1) for phase, v in phases.items()}
+               for fault, phases in profile.items()}
     return {"cycles": cycles, "seconds": round(seconds, 2), "counts": dict(sorted(report.items())),
+            "mean_ms_by_fault_and_phase": mean_ms,
             "gc_reclaimed_after_soak": gc_found, "leftovers": left, "leaked": any(left.values())}
 
 

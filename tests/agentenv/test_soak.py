@@ -6,7 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-CI_CYCLES = 25  # about 1.2 s a cycle on the 2-core runner; `python -m benchmarks.env.soak` runs 1,000
+CI_CYCLES = 25  # `python -m benchmarks.env.soak` runs 1,000 or more
 
 
 def test_soak_with_faults_leaks_nothing():
@@ -23,6 +23,8 @@ def test_soak_with_faults_leaks_nothing():
     per_fault = {f: sum(1 for i in range(CI_CYCLES) if FAULTS[i % len(FAULTS)] == f) for f in FAULTS}
     assert counts.get("disk_full:enospc") == per_fault["disk_full"], counts
     assert counts.get("oom:sandbox_answers_after") == per_fault["oom"], counts
+    assert counts.get("fork_bomb:held_below_200") == per_fault["fork_bomb"], counts
+    assert counts.get("fork_bomb:sandbox_answers_after") == per_fault["fork_bomb"], counts
     assert counts.get("kill_runtime_mid_fork:sandbox_answers_after") == per_fault["kill_runtime_mid_fork"], counts
     assert not counts.get("kill_runtime_mid_fork:child_broken"), counts
     assert result["gc_reclaimed_after_soak"] == {"forks": 0, "records": 0, "cgroups": 0, "layers": 0,

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 # (their pid namespaces nest in the seed's).
 SEED_LIMITS = Limits(memory_mb=1 << 20, pids=4096, cpus=0, disk_mb=16, disk_in_memory=True)
 SEED_START_TIMEOUT_S = 20.0
+SNAPSHOT_LAYER_BYTES = 1 << 20
+"""Writable layer of a snapshot's tool server: it serves only forks, so nothing is written there."""
 MAX_FORK_PER_CALL = 64
 HOST_PYTHON = "/usr/bin/python3"
 _SRC = str(Path(__file__).resolve().parents[2])
@@ -273,7 +275,10 @@ class NamespaceBackend(Backend):
         sent_move = False
         try:
             for kind, cid in zip(kinds, ids):
-                upper = store.new_writable_layer(limits.disk_mb << 20, in_memory=limits.disk_in_memory)
+                if kind == "snapshot":  # runs no agents, so writes nothing: a token tmpfs, not a disk
+                    upper = store.new_writable_layer(SNAPSHOT_LAYER_BYTES, in_memory=True)
+                else:
+                    upper = store.new_writable_layer(limits.disk_mb << 20, in_memory=limits.disk_in_memory)
                 children.append(Record(cid, kind, image or parent.image, 0, 0, parent.id, lowers, upper,
                                        parent.usr_bind, limits.to_dict(), now,
                                        None if ttl_s is None else now + ttl_s))
