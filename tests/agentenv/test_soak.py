@@ -23,7 +23,7 @@ def test_soak_with_faults_leaks_nothing():
     per_fault = {f: sum(1 for i in range(CI_CYCLES) if FAULTS[i % len(FAULTS)] == f) for f in FAULTS}
     assert counts.get("disk_full:enospc") == per_fault["disk_full"], counts
     assert counts.get("oom:sandbox_answers_after") == per_fault["oom"], counts
-    assert counts.get("fork_bomb:held_below_200") == per_fault["fork_bomb"], counts
+    assert counts.get("fork_bomb:held_by_pids_limit") == per_fault["fork_bomb"], counts
     assert counts.get("fork_bomb:sandbox_answers_after") == per_fault["fork_bomb"], counts
     assert counts.get("kill_runtime_mid_fork:sandbox_answers_after") == per_fault["kill_runtime_mid_fork"], counts
     assert not counts.get("kill_runtime_mid_fork:child_broken"), counts

@@ -619,7 +619,7 @@ class NamespaceBackend(Backend):
                 continue
             live = self.store.read_record(parent.id)
             outcome = "unknown"
-            if live is not None and self._alive(live):
+            if live is not None and live.kind != "retired" and self._alive(live):
                 try:
                     conn = Connection(self.store.sock(parent.id), parent.id)
                     try:
@@ -658,7 +658,7 @@ class NamespaceBackend(Backend):
                 os.kill(conn.peer_pid(), 9)
             finally:
                 conn.close()
-        except (errors.SandboxError, ProcessLookupError):
+        except (errors.SandboxError, OSError):  # gone meanwhile
             pass
         path.unlink(missing_ok=True)
 
