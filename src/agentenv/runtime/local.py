@@ -326,7 +326,8 @@ class NamespaceBackend(Backend):
                 reply, _ = conn.request({"op": "fork", "fork_id": fork_id, "rebase": moving,
                                          "usr_bind": parent.usr_bind,
                                          "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own,
-                                                       "nproc": spawner.nproc_for(limits.pids)}
+                                                       "nproc": spawner.nproc_for(limits.pids),
+                                                       "memory_bytes": limits.memory_mb << 20}
                                                       for c, own in zip(children, own_root)]},
                                         fds=fds, timeout_s=30.0, on_child=on_child)
                 if moving:

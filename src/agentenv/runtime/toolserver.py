@@ -512,6 +512,7 @@ class ToolServer:
                 self.conns = []
                 self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
                 self.spawner.nproc = child.get("nproc")
+                self.python.memory_bytes = child.get("memory_bytes")
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
                 self.listener = listener
