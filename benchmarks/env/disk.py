@@ -60,17 +60,28 @@ def one_rep(backend, in_memory: bool, samples: dict) -> None:
             s.destroy()
 
 
-def big_write(backend, in_memory: bool) -> dict:
-    """Write 700 MB with memory_mb=512, disk_mb=1024: the exit code and whether the sandbox answers after."""
+def _memory(cg) -> dict:
+    """The memory cgroup's view: peak usage, limit hits, and its page cache (dirty, under writeback) now."""
+    path = cg.path("memory")
+    stat = dict(line.split() for line in (path / "memory.stat").read_text().splitlines())
+    read = lambda name: int((path / name).read_text())  # noqa: E731
+    return {"max_usage_mb": read("memory.max_usage_in_bytes") >> 20, "limit_hits": read("memory.failcnt"),
+            "cache_mb": int(stat["cache"]) >> 20, "dirty_mb": int(stat["dirty"]) >> 20,
+            "writeback_mb": int(stat["writeback"]) >> 20, "oom_kills": cg.oom_kills()}
+
+
+def big_write(backend, in_memory: bool, memory_mb: int = 512, disk_mb: int = 1024, write_mb: int = 700) -> dict:
+    """Write `write_mb` (no fsync) into a sandbox of `memory_mb`/`disk_mb`: dd's exit, the memory cgroup's
+    view right after, and whether the sandbox answers after."""
     from agentenv import Limits, Sandbox, errors
 
-    sb = Sandbox.create("host", backend=backend, limits=Limits(memory_mb=512, disk_mb=1024,
+    sb = Sandbox.create("host", backend=backend, limits=Limits(memory_mb=memory_mb, disk_mb=disk_mb,
                                                                disk_in_memory=in_memory))
     try:
         start = time.perf_counter()
         try:
-            r = sb.exec("dd if=/dev/zero of=/root/big bs=1M count=700 conv=fsync 2>/dev/null; echo $?", timeout=120)
-            outcome = {"exit": r.exit_code, "dd_rc": r.stdout.strip()}
+            r = sb.exec(f"dd if=/dev/zero of=/root/big bs=1M count={write_mb} 2>/dev/null; echo $?", timeout=120)
+            outcome = {"exit": r.exit_code, "dd_rc": r.stdout.strip(), "memory": _memory(backend._cgroup(sb.id))}
         except errors.SandboxError as e:
             outcome = {"error": f"{type(e).__name__}: {e}"[:200]}
         outcome["seconds"] = round(time.perf_counter() - start, 2)
@@ -104,6 +115,7 @@ def main() -> None:
             for kind, in_memory in KINDS.items():
                 one_rep(backend, in_memory, samples[kind])
         writes = {kind: big_write(backend, in_memory) for kind, in_memory in KINDS.items()}
+        writes["disk_mem64_write120"] = big_write(backend, False, 64, 160, 120)
         backend.gc(everything=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)
