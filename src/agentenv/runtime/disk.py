@@ -100,7 +100,8 @@ class LayerDisks:
         path = self.templates / f"tpl-{quota_bytes}.img"
         if path.exists():
             return path
-        if shutil.which(MKFS) is None:
+        mkfs = _mkfs()
+        if mkfs is None:
             raise DiskUnavailable(f"{MKFS} is missing (Debian: apt-get install e2fsprogs); "
                                   "or ask for the writable layer in memory: Limits(disk_in_memory=True)")
         self.templates.mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,7 @@ class LayerDisks:
             # ext4's metadata (bitmaps, inode tables) takes a share of the image: grow it by that share until
             # the free space is the quota
             for _ in range(6):
-                free = self._format(probe, size, Path(tmp) / "mnt")
+                free = self._format(mkfs, probe, size, Path(tmp) / "mnt")
                 if free >= want:
                     break
                 size = _round_up(int(want * size / free) + 4096, 1 << 16)
@@ -120,12 +121,12 @@ class LayerDisks:
             os.replace(probe, path)
         return path
 
-    def _format(self, path: Path, size: int, mnt: Path) -> int:
+    def _format(self, mkfs: str, path: Path, size: int, mnt: Path) -> int:
         """mkfs `path` at `size` bytes with ``diff`` and ``work`` made in it; returns its free bytes."""
         path.unlink(missing_ok=True)
         with open(path, "wb") as f:
             f.truncate(size)
-        done = subprocess.run([MKFS, *_MKFS_ARGS, str(path)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([mkfs, *_MKFS_ARGS, str(path)], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise DiskUnavailable(f"{MKFS} {path}: {done.stderr.strip()[-500:]}")
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -148,6 +149,12 @@ class LayerDisks:
             return stat.f_bavail * stat.f_frsize
         finally:
             sc.umount(str(mnt))
+
+
+def _mkfs() -> str | None:
+    """mkfs.ext4 on $PATH or in the sbin directories (a daemon's PATH often lacks them)."""
+    path = os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin", "/sbin"])
+    return shutil.which(MKFS, path=path)
 
 
 def _round_up(value: int, unit: int) -> int:
