@@ -83,6 +83,9 @@ class NamespaceBackend(Backend):
         # settles the moves before it returns, so limits are in force once a sandbox is handed out.
         self._attacher: ThreadPoolExecutor | None = None
         self._attaching: dict[str, Future] = {}
+        self.owner: str | None = None
+        """Written into the record of every sandbox and snapshot made here: a server sets its state directory,
+        so its next run can tell what it made but never recorded (it died in between)."""
         self.last_fork_phases: dict = {}
         """Where the last fork (create, fork, snapshot, restore) spent its time, in ms: host steps + tool server's."""
 
@@ -281,7 +284,7 @@ class NamespaceBackend(Backend):
                     upper = store.new_writable_layer(limits.disk_mb << 20, in_memory=limits.disk_in_memory)
                 children.append(Record(cid, kind, image or parent.image, 0, 0, parent.id, lowers, upper,
                                        parent.usr_bind, limits.to_dict(), now,
-                                       None if ttl_s is None else now + ttl_s))
+                                       None if ttl_s is None else now + ttl_s, owner=self.owner))
                 listeners.append(self._listener(cid))
             cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
             self._prepare_later([self._cgroup(c.id) for c in children], cg_limits)

@@ -67,6 +67,8 @@ class Record:
     expires_at: float | None = None
     net: dict | None = None
     """``{"slot": n}`` when the sandbox has egress (see `agentenv.runtime.egress`), else None."""
+    owner: str | None = None
+    """`NamespaceBackend.owner` of the runtime that made it (a server's state directory), if set."""
 
 
 def proc_start_time(pid: int) -> int | None:
