@@ -34,7 +34,7 @@ from agentenv.protocol import SandboxInfo
 from agentenv.runtime import cgroups, egress, images, rootfs, spawner
 from agentenv.runtime.backend import Backend
 from agentenv.runtime.client import Connection
-from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, proc_start_time
+from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, drain_releases, proc_start_time
 
 log = logging.getLogger(__name__)
 
@@ -600,6 +600,7 @@ class NamespaceBackend(Backend):
             for sock in self.store.records.glob("*.sock"):
                 if sock.stem not in live:
                     sock.unlink(missing_ok=True)
+            drain_releases()  # removed layers' filesystems torn down, their loop devices released
             if not live:
                 for controller in cgroups.CONTROLLERS:
                     try:
