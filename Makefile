@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
-APT_PACKAGES := iproute2 bubblewrap util-linux procps python3 nftables chromium
+APT_PACKAGES := iproute2 bubblewrap util-linux procps python3 nftables chromium e2fsprogs
 
 .PHONY: demo test install apt lint clean
 

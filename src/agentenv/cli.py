@@ -27,7 +27,7 @@ def _limits(args: argparse.Namespace):
     from agentenv.limits import Limits, Network
 
     return Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus, disk_mb=args.disk_mb,
-                  network=Network(allow=tuple(args.allow)))
+                  disk_in_memory=args.disk_in_memory, network=Network(allow=tuple(args.allow)))
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pids", type=int, default=256, help="task (process and thread) limit (default 256)")
         p.add_argument("--cpus", type=float, default=1.0, help="CPU cores, fractional allowed (default 1.0)")
         p.add_argument("--disk-mb", type=int, default=1024, help="size of the writable layer in MiB (default 1024)")
+        p.add_argument("--disk-in-memory", action="store_true",
+                       help="writable layer in RAM (tmpfs, counted against --memory-mb) instead of on disk")
         p.add_argument("--allow", action="append", default=[], metavar="CIDR[:PORT]",
                        help="opt into egress to this IPv4 destination (repeatable; default: loopback only)")
 

@@ -83,7 +83,7 @@ def _parse_rule(entry: object) -> AllowRule:
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits and network policy of one sandbox (cgroup v1, the writable layer's tmpfs size, egress).
+    """Resource limits and network policy of one sandbox (cgroup v1, the writable layer's size, egress).
 
     Example::
 
@@ -94,13 +94,17 @@ class Limits:
     """
 
     memory_mb: int = 512
-    """Memory limit in MiB: processes, page cache and the writable layer's files (it lives in tmpfs)."""
+    """Memory limit in MiB: processes and page cache (and the writable layer's files with `disk_in_memory`)."""
     pids: int = 256
     """Maximum number of tasks (processes + threads), which contains fork bombs."""
     cpus: float = 1.0
     """CPU quota in cores (CFS quota over a 100 ms period); 0 disables the quota."""
     disk_mb: int = 1024
-    """Size of the writable layer (what the sandbox may add or change on top of its image), in MiB."""
+    """Size of the writable layer (what the sandbox may add or change on top of its image), in MiB: writing
+    past it fails with ENOSPC. The layer is its own ext4 on disk, so it never counts against `memory_mb`."""
+    disk_in_memory: bool = False
+    """Keep the writable layer in RAM (a tmpfs of `disk_mb`) instead: its files then count against
+    `memory_mb` (filling it can OOM-kill the sandbox), in exchange for creating and forking a little faster."""
     network: Network = Network()
     """Loopback only by default; `Network(allow=...)` opts into egress (needs `nft` on the host)."""
 
@@ -111,6 +115,8 @@ class Limits:
                 raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
         if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) or not 0 <= self.cpus <= 1024:
             raise ValueError(f"cpus must be a number in [0, 1024] (0 = unlimited), got {self.cpus!r}")
+        if not isinstance(self.disk_in_memory, bool):
+            raise ValueError(f"disk_in_memory must be a bool, got {self.disk_in_memory!r}")
         if not isinstance(self.network, Network):
             raise ValueError(f"network must be an agentenv.Network, got {type(self.network).__name__}")
 

@@ -46,8 +46,21 @@ def _record_homes() -> None:
     store.Store.__init__ = recording_init
 
 
+def loop_devices(home: str) -> list[str]:
+    """Loop devices whose backing file lies in data directory `home` (the disk-backed writable layers)."""
+    out = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if backing.read_text().startswith(home.rstrip("/") + "/"):
+                out.append(backing.parent.parent.name)
+        except OSError:  # detached meanwhile
+            continue
+    return sorted(out)
+
+
 def host_state(homes: set[str]) -> dict[str, list[str]]:
-    """The agentenv cgroups (``group/name``) and layer mounts on this host that belong to data dirs `homes`."""
+    """The agentenv cgroups (``group/name``), layer mounts and loop devices on this host that belong to data
+    dirs `homes`."""
     groups = []
     for home in sorted(homes):
         group = cgroups.group_for(home)
@@ -55,7 +68,8 @@ def host_state(homes: set[str]) -> dict[str, list[str]]:
                                                          for n in names})]
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if any(line.split()[4].startswith(home + "/") for home in homes)]
-    return {"cgroups": groups, "mounts": mounts}
+    loops = [name for home in sorted(homes) for name in loop_devices(home)]
+    return {"cgroups": groups, "mounts": mounts, "loop_devices": loops}
 
 
 if REASON is None:
@@ -86,7 +100,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def leftovers(home: Path) -> dict:
-    """What a data directory still holds: mounts, agentenv cgroups, tool-server processes, layer dirs, records."""
+    """What a data directory still holds: mounts, loop devices, agentenv cgroups, tool-server processes, layer
+    dirs, records."""
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
               if line.split()[4].startswith(str(home))]
     group = cgroups.group_for(str(home))
@@ -100,8 +115,9 @@ def leftovers(home: Path) -> dict:
                 continue
     layers = sorted(p.name for p in (home / "layers").iterdir() if not p.name.startswith("i"))
     records = sorted(p.name for p in (home / "sandboxes").iterdir())
-    return {"mounts": mounts, "cgroups": cgroups.leftover_groups(group), "procs": procs, "layers": layers,
-            "records": records}
+    records += sorted(f"forks/{p.name}" for p in (home / "forks").glob("*")) if (home / "forks").exists() else []
+    return {"mounts": mounts, "loop_devices": loop_devices(str(home)), "cgroups": cgroups.leftover_groups(group),
+            "procs": procs, "layers": layers, "records": records}
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from agentenv import Limits, Network
         pytest.param({"cpus": -1}, "cpus", id="cpus-negative"),
         pytest.param({"cpus": "1"}, "cpus", id="cpus-str"),
         pytest.param({"disk_mb": 0}, "disk_mb", id="disk-zero"),
+        pytest.param({"disk_in_memory": 1}, "disk_in_memory", id="disk-in-memory-int"),
     ],
 )
 def test_bad_limits_raise_value_error_naming_the_field(kwargs, name):

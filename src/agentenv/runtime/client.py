@@ -47,8 +47,7 @@ class Connection:
             except OSError as e:
                 self.close()
                 raise errors.SandboxGoneError(f"sandbox {self.sandbox_id} is gone: {e}") from e
-            finally:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
                 return struct.unpack("3i", payload[:size])[0]

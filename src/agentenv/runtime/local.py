@@ -2,7 +2,8 @@
 
 Shape (see DESIGN.md §4): every sandbox is a tool server that is pid 1 of its own pid namespace, inside
 its own user namespace (uid 0 maps to the unprivileged host range at `store.HOST_UID`), mount, net, uts,
-ipc and cgroup namespaces, rooted in an overlayfs stack of read-only layers plus one writable tmpfs layer.
+ipc and cgroup namespaces, rooted in an overlayfs stack of read-only layers plus one writable layer (its own
+ext4 of the disk quota's size, see `agentenv.runtime.disk`; a tmpfs with `Limits.disk_in_memory`).
 
 * `create(image)` forks the image's *seed* (a pristine tool server started once per image) into a new
   sandbox, so it costs a fork, not an interpreter start.
@@ -33,7 +34,7 @@ from agentenv.protocol import SandboxInfo
 from agentenv.runtime import cgroups, egress, images, rootfs, spawner
 from agentenv.runtime.backend import Backend
 from agentenv.runtime.client import Connection
-from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, proc_start_time
+from agentenv.runtime.store import HOST_UID, UID_RANGE, Record, Store, default_home, drain_releases, proc_start_time
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ log = logging.getLogger(__name__)
 # meanwhile (page tables, namespace objects: about 1 MB a sandbox here) stays on the seed's memory cgroup for
 # the sandbox's lifetime, so the seed gets no memory limit: an OOM kill there would take every sandbox along
 # (their pid namespaces nest in the seed's).
-SEED_LIMITS = Limits(memory_mb=1 << 20, pids=4096, cpus=0, disk_mb=16)
+SEED_LIMITS = Limits(memory_mb=1 << 20, pids=4096, cpus=0, disk_mb=16, disk_in_memory=True)
 SEED_START_TIMEOUT_S = 20.0
+SNAPSHOT_LAYER_BYTES = 1 << 20
+"""Writable layer of a snapshot's tool server: it serves only forks, so nothing is written there."""
 MAX_FORK_PER_CALL = 64
 HOST_PYTHON = "/usr/bin/python3"
 _SRC = str(Path(__file__).resolve().parents[2])
@@ -80,6 +83,9 @@ class NamespaceBackend(Backend):
         # settles the moves before it returns, so limits are in force once a sandbox is handed out.
         self._attacher: ThreadPoolExecutor | None = None
         self._attaching: dict[str, Future] = {}
+        self.owner: str | None = None
+        """Written into the record of every sandbox and snapshot made here: a server sets its state directory,
+        so its next run can tell what it made but never recorded (it died in between)."""
         self.last_fork_phases: dict = {}
         """Where the last fork (create, fork, snapshot, restore) spent its time, in ms: host steps + tool server's."""
 
@@ -172,7 +178,7 @@ class NamespaceBackend(Backend):
         return self._start_seed(sid, image, self._image(image))
 
     def _start_seed(self, sid: str, image: str, manifest: dict) -> Record:
-        upper = self.store.new_writable_layer(SEED_LIMITS.disk_mb << 20)
+        upper = self.store.new_writable_layer(SEED_LIMITS.disk_mb << 20, in_memory=SEED_LIMITS.disk_in_memory)
         cg = self._cgroup(sid)
         listener = sync_host = sync_child = proc = None
         root_fd = -1
@@ -241,8 +247,19 @@ class NamespaceBackend(Backend):
     # ---- fork: the one primitive behind create, fork, snapshot and restore ----------------------------
     def _fork(self, parent: Record, kinds: list[str], limits: Limits, *, rebase: bool, ttl_s: float | None,
               image: str | None = None) -> list[Record]:
+        ids = [_new_id("snap" if kind == "snapshot" else "sb") for kind in kinds]
+        fork_id = os.urandom(8).hex()
+        journal = self.store.begin_fork(fork_id, parent, ids)
+        try:
+            return self._fork_journaled(fork_id, parent, kinds, ids, limits, rebase=rebase, ttl_s=ttl_s, image=image)
+        finally:
+            journal.unlink(missing_ok=True)
+
+    def _fork_journaled(self, fork_id: str, parent: Record, kinds: list[str], ids: list[str], limits: Limits, *,
+                        rebase: bool, ttl_s: float | None, image: str | None) -> list[Record]:
         store = self.store
         clock = _Clock()
+        before = dataclasses.replace(parent)
         lowers = list(parent.lowers)
         with_net = limits.network.egress and "sandbox" in kinds
         if with_net:
@@ -258,14 +275,16 @@ class NamespaceBackend(Backend):
         listeners: list[socket.socket] = []
         opened: list[int] = []
         conns: dict[str, Connection] = {}
-        answered = False
+        sent_move = False
         try:
-            for kind in kinds:
-                cid = _new_id("snap" if kind == "snapshot" else "sb")
-                upper = store.new_writable_layer(limits.disk_mb << 20)
+            for kind, cid in zip(kinds, ids):
+                if kind == "snapshot":  # runs no agents, so writes nothing: a token tmpfs, not a disk
+                    upper = store.new_writable_layer(SNAPSHOT_LAYER_BYTES, in_memory=True)
+                else:
+                    upper = store.new_writable_layer(limits.disk_mb << 20, in_memory=limits.disk_in_memory)
                 children.append(Record(cid, kind, image or parent.image, 0, 0, parent.id, lowers, upper,
                                        parent.usr_bind, limits.to_dict(), now,
-                                       None if ttl_s is None else now + ttl_s))
+                                       None if ttl_s is None else now + ttl_s, owner=self.owner))
                 listeners.append(self._listener(cid))
             cg_limits = cgroups.CgroupLimits(limits.memory_mb << 20, limits.pids, limits.cpus)
             self._prepare_later([self._cgroup(c.id) for c in children], cg_limits)
@@ -286,7 +305,8 @@ class NamespaceBackend(Backend):
 
             def prepare_move() -> None:
                 nonlocal new_parent_upper, move_fd
-                new_parent_upper = store.new_writable_layer(int(parent.limits.get("disk_mb", 1024)) << 20)
+                new_parent_upper = store.new_writable_layer(int(parent.limits.get("disk_mb", 1024)) << 20,
+                                                            in_memory=bool(parent.limits.get("disk_in_memory")))
                 move_fd = root(new_parent_upper)
                 # written now, reverted below if the tool server does not answer the fork
                 store.write_record(dataclasses.replace(parent, lowers=lowers, upper=new_parent_upper))
@@ -306,17 +326,20 @@ class NamespaceBackend(Backend):
                     if moving and new_parent_upper is None:
                         prepare_move()
 
-                reply, _ = conn.request({"op": "fork", "rebase": moving, "usr_bind": parent.usr_bind,
+                reply, _ = conn.request({"op": "fork", "fork_id": fork_id, "rebase": moving,
+                                         "usr_bind": parent.usr_bind,
                                          "children": [{"id": c.id, "deadline": c.expires_at, "own_root": own,
-                                                       "nproc": spawner.nproc_for(limits.pids)}
+                                                       "nproc": spawner.nproc_for(limits.pids),
+                                                       "memory_bytes": limits.memory_mb << 20}
                                                       for c, own in zip(children, own_root)]},
                                         fds=fds, timeout_s=30.0, on_child=on_child)
-                answered = True
                 if moving:
                     if new_parent_upper is None:
                         prepare_move()
-                    # the tool server reads this before any other request and moves onto the new layer
+                    # the tool server reads this before any other request and moves onto the new layer; without
+                    # it (we fail or die first) it kills the children and stays where it is
                     conn.send({"op": "move"}, fds=[move_fd])
+                    sent_move = True
             finally:
                 conn.close()
             clock.mark("request_ms")
@@ -356,8 +379,8 @@ class NamespaceBackend(Backend):
                 if pending is not None:
                     pending.close()
                 self._reclaim(child)
-            if new_parent_upper is not None and not answered:
-                store.write_record(parent)  # the parent did not move: its record as before the fork
+            if new_parent_upper is not None and not sent_move:
+                store.write_record(before)  # the parent did not move: its record as before the fork
                 store.remove_layer(new_parent_upper)
             raise
         finally:
@@ -544,6 +567,7 @@ class NamespaceBackend(Backend):
         removed = {"records": 0, "cgroups": 0, "layers": 0}
         self.settle()
         with self.store.locked():
+            removed["forks"] = self._recover_forks()
             for conn in self._pending.values():
                 conn.close()
             self._pending.clear()
@@ -576,6 +600,7 @@ class NamespaceBackend(Backend):
             for sock in self.store.records.glob("*.sock"):
                 if sock.stem not in live:
                     sock.unlink(missing_ok=True)
+            drain_releases()  # removed layers' filesystems torn down, their loop devices released
             if not live:
                 for controller in cgroups.CONTROLLERS:
                     try:
@@ -583,6 +608,64 @@ class NamespaceBackend(Backend):
                     except OSError:  # absent, or a sandbox appeared meanwhile
                         pass
         return removed
+
+
+    def _recover_forks(self) -> int:
+        """Finish or undo the forks whose runtime died midway (see `Store.begin_fork`); returns how many.
+
+        The parent's tool server knows the outcome: ``done``/``moved`` (it answered, and moved onto its new
+        layer when asked): the children stay, joined to their cgroups now if the dead runtime had not done it
+        yet. Anything else (it killed the children when the runtime vanished, never got the request, or is
+        dead itself): the children's records go and the parent's record is put back as before the fork.
+        """
+        recovered = 0
+        for fork_id, writer_alive, parent, child_ids in self.store.pending_forks():
+            if writer_alive:
+                continue
+            live = self.store.read_record(parent.id)
+            outcome = "unknown"
+            if live is not None and live.kind != "retired" and self._alive(live):
+                try:
+                    conn = Connection(self.store.sock(parent.id), parent.id)
+                    try:
+                        outcome = conn.request({"op": "fork_outcome", "fork_id": fork_id}, timeout_s=10.0)[0]["outcome"]
+                    finally:
+                        conn.close()
+                except errors.SandboxError as e:
+                    log.warning("fork %s of %s: asking the parent failed: %s", fork_id, parent.id, e)
+            for cid in child_ids:
+                rec = self.store.read_record(cid)
+                if rec is None:
+                    self._kill_unrecorded(cid)
+                elif outcome in ("done", "moved") and self._alive(rec):
+                    cg = self._cgroup(cid)
+                    lim = Limits.from_dict(rec.limits)
+                    cg.create(cgroups.CgroupLimits(lim.memory_mb << 20, lim.pids, lim.cpus))
+                    cg.add(rec.pid)
+                else:
+                    self._reclaim(rec)
+            if outcome not in ("done", "moved") and live is not None and live.upper != parent.upper:
+                self.store.write_record(dataclasses.replace(live, lowers=parent.lowers, upper=parent.upper))
+            self.store.end_fork(fork_id)
+            log.info("fork %s of %s, cut short by its runtime's death: %s", fork_id, parent.id,
+                     "kept" if outcome in ("done", "moved") else "undone")
+            recovered += 1
+        return recovered
+
+    def _kill_unrecorded(self, sid: str) -> None:
+        """Kill a tool server that has a socket but no record (cloned, then its runtime died)."""
+        path = self.store.sock(sid)
+        if not path.exists():
+            return
+        try:
+            conn = Connection(path, sid)
+            try:
+                os.kill(conn.peer_pid(), 9)
+            finally:
+                conn.close()
+        except (errors.SandboxError, OSError):  # gone meanwhile
+            pass
+        path.unlink(missing_ok=True)
 
 
 class _Clock:

@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import io
 import os
+import resource
 import selectors
 import shlex
 import signal
@@ -26,10 +27,16 @@ class _Timeout(BaseException):
 
 
 class PythonSession:
-    """A persistent interpreter namespace."""
+    """A persistent interpreter namespace.
+
+    With `memory_bytes` set (the sandbox's memory limit), code runs under a soft ``RLIMIT_DATA`` that leaves
+    the rest of the sandbox a share of that limit: a memory bomb gets ``MemoryError`` instead of driving the
+    cgroup to an OOM kill, which would pick this process, the sandbox's init.
+    """
 
     def __init__(self) -> None:
         self.globals: dict = {"__name__": "__main__", "__builtins__": builtins}
+        self.memory_bytes: int | None = None
 
     def run(self, code: str, timeout_s: float | None) -> dict:
         """Run `code`; return stdout, stderr, the repr of a trailing expression, and any error."""
@@ -51,6 +58,7 @@ class PythonSession:
         previous = signal.signal(signal.SIGALRM, on_alarm)
         if timeout_s:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        data_limit = _cap_data(self.memory_bytes)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 exec(compile(tree, "<sandbox>", "exec"), self.globals)
@@ -62,10 +70,39 @@ class PythonSession:
             error, tb = "TimeoutError", f"code ran past its timeout of {timeout_s} s\n"
         except BaseException as e:  # user code may raise anything, SystemExit included; report it
             error, tb = type(e).__name__, traceback.format_exc()
+            if isinstance(e, MemoryError) and self.memory_bytes:
+                tb += (f"(the interpreter may use about {(self.memory_bytes - HEADROOM_BYTES) >> 20} MiB of the "
+                       f"sandbox's {self.memory_bytes >> 20} MiB; the sandbox and this interpreter live on)\n")
         finally:
+            if data_limit is not None:
+                resource.setrlimit(resource.RLIMIT_DATA, data_limit)
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         return {"stdout": out.getvalue(), "stderr": err.getvalue(), "value": value, "error": error, "traceback": tb}
+
+
+HEADROOM_BYTES = 48 << 20
+"""What code in the interpreter leaves of the memory limit to the rest of the sandbox (agent, commands)."""
+
+
+def _cap_data(memory_bytes: int | None) -> tuple[int, int] | None:
+    """Lower the soft RLIMIT_DATA so this process grows by at most its share of `memory_bytes`; returns the
+    limits to restore (None: nothing changed)."""
+    if not memory_bytes:
+        return None
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmData", "VmRSS"):
+                status[key] = int(value.split()[0]) << 10
+    room = max(8 << 20, memory_bytes - HEADROOM_BYTES - status.get("VmRSS", 0))
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    soft = status.get("VmData", 0) + room
+    if before[1] != resource.RLIM_INFINITY:
+        soft = min(soft, before[1])
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, before[1]))
+    return before
 
 
 class ShellSession:

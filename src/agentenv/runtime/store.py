@@ -2,11 +2,15 @@
 
 ```
 <home>/layers/<id>/diff      a layer's files; image layers live on disk and are named by content hash,
-<home>/layers/<id>/work      writable layers are tmpfs mounts sized by the disk quota (the mount is the
-                             quota; sealing one for a snapshot or fork just stops writing to it)
+<home>/layers/<id>/work      writable layers are mounts of their own ext4 of the quota's size (see
+                             `agentenv.runtime.disk`), or tmpfs mounts of that size when asked to live in
+                             memory (the mount is the quota; sealing one for a snapshot or fork just stops
+                             writing to it)
+<home>/disks/tpl-<bytes>.img the formatted empty filesystem a writable layer of that size is copied from
 <home>/images/<name>.json    {"layers": [top first], "usr_bind": bool, "template": snapshot id or null}
 <home>/sandboxes/<id>.json   one record per live tool server (sandbox, snapshot, seed or retired)
 <home>/sandboxes/<id>.sock   its listening socket
+<home>/forks/<fork id>.json  a fork in progress: who runs it, the parent's record before it, the children
 <home>/lock                  flock for every change to the above
 ```
 A layer is referenced by the records and images that list it and is removed when none does.
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentenv.runtime import syscalls as sc
+from agentenv.runtime.disk import LayerDisks
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,8 @@ class Record:
     expires_at: float | None = None
     net: dict | None = None
     """``{"slot": n}`` when the sandbox has egress (see `agentenv.runtime.egress`), else None."""
+    owner: str | None = None
+    """`NamespaceBackend.owner` of the runtime that made it (a server's state directory), if set."""
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -91,8 +98,10 @@ class Store:
         self.layers = self.home / "layers"
         self.images = self.home / "images"
         self.records = self.home / "sandboxes"
-        for d in (self.layers, self.images, self.records):
+        self.forks = self.home / "forks"
+        for d in (self.layers, self.images, self.records, self.forks):
             d.mkdir(parents=True, exist_ok=True)
+        self.disks = LayerDisks(self.home / "disks", HOST_UID)
         self._thread_lock = threading.RLock()
         self._lock_fd: int | None = None
         self._depth = 0
@@ -120,12 +129,22 @@ class Store:
     def work(self, layer: str) -> Path:
         return self.layers / layer / "work"
 
-    def new_writable_layer(self, quota_bytes: int) -> str:
-        """A fresh tmpfs layer of at most `quota_bytes` with empty `diff` and `work`, owned by the sandbox root."""
+    def new_writable_layer(self, quota_bytes: int, *, in_memory: bool = False) -> str:
+        """A fresh layer with `quota_bytes` of room and empty `diff` and `work`, owned by the sandbox root.
+
+        On its own ext4 (disk-backed, its page cache reclaimable) unless `in_memory`: then a tmpfs, whose
+        files are charged to the memory cgroup of whoever writes them.
+
+        Raises:
+            DiskUnavailable: a disk-backed layer was asked for and this host cannot make one.
+        """
         layer = "w" + os.urandom(8).hex()
         path = self.layers / layer
         path.mkdir()
         try:
+            if not in_memory:
+                self.disks.mount(path, quota_bytes)
+                return layer
             sc.mount("tmpfs", str(path), "tmpfs", sc.MS_NOSUID | sc.MS_NODEV,
                      f"size={quota_bytes},mode=0755,uid={HOST_UID},gid={HOST_UID}")
             for sub in ("diff", "work"):
@@ -141,10 +160,18 @@ class Store:
             return next(it, None) is None
 
     def remove_layer(self, layer: str) -> None:
-        """Unmount (lazily) and delete a layer; a tmpfs layer goes without walking its files."""
+        """Unmount (lazily) and delete a layer; a writable layer goes without walking its files.
+
+        The mount leaves the mount table at once; the filesystem's teardown (an ext4's, and its loop device's
+        release: tens of ms on a loaded host) runs on a background thread (see `drain_releases`).
+        """
         path = self.layers / layer
         if os.path.ismount(path):
-            sc.umount(str(path), sc.MNT_DETACH)
+            held = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                sc.umount(str(path), sc.MNT_DETACH)
+            finally:
+                _RELEASER.release(held)
         if path.exists():
             try:
                 path.rmdir()
@@ -192,7 +219,7 @@ class Store:
     def remove_dead_writes(self) -> int:
         """Delete the temporary files of record writes whose writer was killed mid-write; returns how many."""
         removed = 0
-        for tmp in self.records.glob(".*.tmp"):  # `_atomic_write`: .<name>.<pid>.<thread>.tmp
+        for tmp in [*self.records.glob(".*.tmp"), *self.forks.glob(".*.tmp")]:  # .<name>.<pid>.<thread>.tmp
             pid = tmp.name.split(".")[-3]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 tmp.unlink(missing_ok=True)
@@ -215,6 +242,36 @@ class Store:
                 continue
         return out
 
+    # ---- forks in progress ----------------------------------------------------------------------------
+    def begin_fork(self, fork_id: str, parent: Record, child_ids: list[str]) -> Path:
+        """Note a fork before anything of it exists, so a runtime killed midway leaves a trail to undo it.
+
+        Returns:
+            The note's path (delete it when the fork is done or undone).
+        """
+        me = os.getpid()
+        note = {"fork_id": fork_id, "writer": [me, proc_start_time(me)], "parent": asdict(parent),
+                "children": list(child_ids)}
+        path = self.forks / f"{fork_id}.json"
+        _atomic_write(path, json.dumps(note))
+        return path
+
+    def pending_forks(self) -> list[tuple[str, bool, Record, list[str]]]:
+        """Noted forks: (fork id, whether its writer still runs, parent record before it, child ids)."""
+        out = []
+        for path in self.forks.glob("*.json"):
+            try:
+                note = json.loads(path.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            pid, start = note["writer"]
+            out.append((note["fork_id"], proc_start_time(pid) == start, Record(**note["parent"]),
+                        note["children"]))
+        return out
+
+    def end_fork(self, fork_id: str) -> None:
+        (self.forks / f"{fork_id}.json").unlink(missing_ok=True)
+
     def referenced_layers(self) -> set[str]:
         refs: set[str] = set()
         for rec in self.all_records():
@@ -224,6 +281,47 @@ class Store:
             manifest = self.load_image(name) or {}
             refs.update(manifest.get("layers", []))
         return refs
+
+
+class _Releaser:
+    """Closes, on one background thread, fds that hold detached mounts: the last close tears the filesystem down."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._fds: list[int] = []
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def release(self, fd: int) -> None:
+        with self._cond:
+            self._fds.append(fd)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="agentenv-layer-release", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._fds:
+                    self._busy = False
+                    self._cond.notify_all()
+                    self._cond.wait()
+                fd = self._fds.pop()
+                self._busy = True
+            os.close(fd)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._fds and not self._busy, timeout_s)
+
+
+_RELEASER = _Releaser()
+
+
+def drain_releases(timeout_s: float = 60.0) -> None:
+    """Wait until the filesystems of removed layers are torn down (their loop devices released)."""
+    _RELEASER.drain(timeout_s)
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -77,6 +77,9 @@ class ToolServer:
         self._sel: selectors.BaseSelector | None = None
         self._pending_move: tuple[socket.socket, bool] | None = None
         self.last_move_ms = 0.0
+        self._fork: tuple[str | None, list[int]] | None = None
+        self.fork_outcomes: dict[str, str] = {}
+        """What became of recent forks, by the host's fork id: ``done``, ``moved`` or ``rolled_back``."""
 
     def spawn(self, argv: list[str], *, stdin_pipe: bool = False, env: dict | None = None, cwd: str | None = None):
         """Start a command through the launcher (agent seccomp filter, no_new_privs, own session)."""
@@ -174,7 +177,13 @@ class ToolServer:
             if method is None:
                 raise RequestError("invalid", f"unknown op {op!r}")
             reply, out_blob = method(conn, req, blob, fds)
-            protocol.send_msg(conn, {"ok": True, **reply}, out_blob)
+            try:
+                protocol.send_msg(conn, {"ok": True, **reply}, out_blob)
+            except OSError:
+                if self._fork is not None:  # the host is gone mid-fork: nobody knows these children
+                    self._pending_move = None
+                    self._roll_back_fork()
+                raise
         except RequestError as e:
             protocol.send_msg(conn, {"ok": False, "error": e.kind, "message": str(e)})
         except OSError as e:
@@ -187,6 +196,8 @@ class ToolServer:
                     os.close(fd)
             if self._pending_move is not None:
                 self._finish_move()
+            elif self._fork is not None:
+                self._settle_fork("done")
 
     def _finish_move(self) -> None:
         """After answering a fork: read the host's ``move`` (our new root) on that connection and enter it.
@@ -200,10 +211,17 @@ class ToolServer:
         start = time.perf_counter()
         fds: list[int] = []
         try:
-            req, _, fds = protocol.recv_msg(conn)
+            try:
+                req, _, fds = protocol.recv_msg(conn)
+            except (protocol.ConnectionClosed, OSError):
+                # the host is gone before sending our new root: undo the fork (its children die, we stay on
+                # our layer, which nothing else reads then)
+                self._roll_back_fork()
+                return
             if req.get("op") != "move" or len(fds) != 1:
                 raise RequestError("invalid", f"expected the move after a fork, got {req.get('op')!r}")
             rootfs.enter_root(fds[0], usr_bind=usr_bind, hostname=None)
+            self._settle_fork("moved")
         except BaseException:
             # still on the sealed layer, which the forks and snapshots now read: never write to it again
             self.broken = True
@@ -212,6 +230,34 @@ class ToolServer:
             for fd in fds:
                 os.close(fd)
         self.last_move_ms = (time.perf_counter() - start) * 1e3
+
+    def _settle_fork(self, outcome: str) -> None:
+        fork_id, _ = self._fork
+        self._fork = None
+        if fork_id:
+            self.fork_outcomes[fork_id] = outcome
+            while len(self.fork_outcomes) > 64:
+                self.fork_outcomes.pop(next(iter(self.fork_outcomes)))
+
+    def _roll_back_fork(self) -> None:
+        """Kill the children of the fork in progress (each is pid 1 of its namespaces: all of it dies)."""
+        _, pids = self._fork
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self._settle_fork("rolled_back")
+
+    def op_fork_outcome(self, conn, req, blob, fds):
+        """What became of fork `fork_id`: ``done`` (answered), ``moved`` (answered and moved onto the new
+        layer), ``rolled_back`` (the host vanished first: its children were killed) or ``unknown``."""
+        return {"outcome": self.fork_outcomes.get(str(req.get("fork_id")), "unknown")}, b""
 
     def op_ping(self, conn, req, blob, fds):
         return {"id": self.id, "pid": os.getpid()}, b""
@@ -393,6 +439,7 @@ class ToolServer:
                                                  [r for _, r, _ in started]))
             mark("children_ms")
             pids = [pid for pid, _, _ in started]
+            self._fork = (req.get("fork_id"), pids)
             failures = []
             while started:
                 failures.append(self._await_child(*started.pop(0)))
@@ -465,6 +512,7 @@ class ToolServer:
                 self.conns = []
                 self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
                 self.spawner.nproc = child.get("nproc")
+                self.python.memory_bytes = child.get("memory_bytes")
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
                 self.listener = listener

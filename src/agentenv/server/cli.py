@@ -71,7 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         key, info = server.keys.create(args.create_key, Quota(max_sandboxes=args.key_max_sandboxes))
         print(json.dumps({"api_key": key, "key_id": info.id}), flush=True)
     rec = server.recovered
-    print(json.dumps({"url": server.url, "adopted": rec["adopted"], "gone": rec["gone"]}), flush=True)
+    print(json.dumps({"url": server.url, "adopted": rec["adopted"], "gone": rec["gone"],
+                      "unrecorded": rec.get("unrecorded", [])}), flush=True)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -99,6 +99,9 @@ class Registry:
         self.path = Path(state_dir) / "sandboxes.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.state = StateFile(self.path)
+        self.owner = str(self.path.parent.resolve())
+        if hasattr(backend, "owner"):  # the runtime tags what it makes for us (see `_drop_unrecorded`)
+            backend.owner = self.owner
         self.limits = limits or Limits()
         self.lock = threading.RLock()
         self.entries: dict[str, Entry] = {}
@@ -120,9 +123,12 @@ class Registry:
         Returns:
             ``{"adopted": [...], "gone": [...]}`` sandbox and snapshot ids.
         """
+        if hasattr(self.backend, "gc"):  # forks a dead runtime left half made are finished or undone first
+            self.backend.gc()
         data = self.state.load()
+        unrecorded = self._drop_unrecorded(data or {})
         if data is None:
-            return {"adopted": [], "gone": []}
+            return {"adopted": [], "gone": [], "unrecorded": unrecorded}
         live = {info.id: info for info in self.backend.list() if info.alive}
         adopted, gone = [], []
         with self.lock:
@@ -145,7 +151,26 @@ class Registry:
             self._save()
         for sid in gone:
             log.warning("sandbox or snapshot %s from the previous run is gone; dropped it", sid)
-        return {"adopted": adopted, "gone": gone}
+        return {"adopted": adopted, "gone": gone, "unrecorded": unrecorded}
+
+    def _drop_unrecorded(self, data: dict) -> list[str]:
+        """Destroy what the runtime made for a previous run of ours that died before recording it (killed
+        between the runtime's answer and the state save): nobody was ever given those ids. Returns them."""
+        store = getattr(self.backend, "store", None)
+        if store is None:
+            return []
+        known = set(data.get("sandboxes", {})) | set(data.get("snapshots", {}))
+        known |= {(store.load_image(name) or {}).get("template") for name in store.image_names()}
+        dropped = []
+        for rec in store.all_records():
+            if rec.owner == self.owner and rec.kind in ("sandbox", "snapshot") and rec.id not in known:
+                try:
+                    self.backend.destroy(rec.id)
+                except errors.SandboxError as e:
+                    log.warning("dropping unrecorded %s: %s", rec.id, e)
+                log.warning("%s %s was made for the previous run but never recorded; destroyed it", rec.kind, rec.id)
+                dropped.append(rec.id)
+        return dropped
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def owned(self, key: KeyInfo) -> list[Entry]:

@@ -152,3 +152,34 @@ def test_server_started_with_exit_with_parent_cleans_up_when_orphaned():
             parent.kill()
         NamespaceBackend(home).gc(everything=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_restart_destroys_what_the_dead_server_made_but_never_recorded():
+    """A server killed between the runtime's answer and its state save: the runtime's sandbox carries the
+    server's tag, nobody got its id, and the next server destroys it."""
+    from agentenv import Limits
+    from agentenv.runtime.local import NamespaceBackend
+
+    home = Path(tempfile.mkdtemp(prefix="agentenv-unrec-", dir="/tmp"))
+    first = second = None
+    try:
+        first = start_server(home, home / "state", kill_on_exit=False)
+        first.stop(signal.SIGKILL)
+        backend = NamespaceBackend(home)
+        backend.owner = str((home / "state").resolve())  # as the dead server's runtime tagged it
+        made = backend.create("host", Limits())
+        snap = backend.snapshot(made)
+        backend.owner = None
+        foreign = backend.create("host", Limits())  # another user of the data directory: not ours to drop
+
+        second = start_server(home, home / "state", create_key=False)
+        ready = second.first_lines[-1]
+        assert sorted(ready["unrecorded"]) == sorted([made, snap])
+        assert runtime_leftovers(home) == [f"sandbox:{foreign}"]
+        backend.destroy(foreign)
+    finally:
+        for srv in (first, second):
+            if srv is not None:
+                srv.stop()
+        NamespaceBackend(home).gc(everything=True)
+        shutil.rmtree(home, ignore_errors=True)
