@@ -69,21 +69,22 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-def _fp16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).float()
-
-
 def neumann_inverse(L: torch.Tensor) -> torch.Tensor:
     """``(I + L)^-1`` of strictly lower ``[..., 16, 16]`` fp32 ``L`` as the kernel computes it (fp16 operands, fp32
     accumulation, partial products rounded to fp16); returned in fp32 (the kernel stores it as bf16)."""
-    eye = torch.eye(CHUNK, dtype=torch.float32, device=L.device)
-    L1 = _fp16(L)
-    L2 = _fp16(L1 @ L1)
-    L4 = _fp16(L2 @ L2)
-    L8 = _fp16(L4 @ L4)
-    X = _fp16((eye - L1) @ (eye + L2))
-    X = _fp16(X @ (eye + L4))
-    return X @ (eye + L8)
+    # products in fp64 (exact for fp16 operands, and immune to a TF32 setting), rounded as the kernel's fp32 sums
+    eye = torch.eye(CHUNK, dtype=torch.float64, device=L.device)
+
+    def fp16(x):
+        return x.float().to(torch.float16).double()
+
+    L1 = fp16(L)
+    L2 = fp16(L1 @ L1)
+    L4 = fp16(L2 @ L2)
+    L8 = fp16(L4 @ L4)
+    X = fp16((eye - L1) @ (eye + L2))
+    X = fp16(X @ (eye + L4))
+    return (X @ (eye + L8)).float()
 
 
 def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,

@@ -104,7 +104,22 @@ def _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale,
+def _gate_params(A_log, dt_bias, i_h, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The head's gate bias ``[K]`` (0 without dt_bias) and raw A_log (0 without it, i.e. a factor of 1)."""
+    o_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, COL))
+    if HAS_DT_BIAS:
+        b_dt = gl.load(dt_bias + i_h * HEAD_DIM + o_k).to(gl.float32)
+    else:
+        b_dt = gl.zeros([HEAD_DIM], gl.float32, gl.SliceLayout(0, COL))
+    if HAS_A_LOG:
+        a_log = gl.load(A_log + i_h).to(gl.float32)
+    else:
+        a_log = 0.0
+    return b_dt, a_log
+
+
+@gluon.jit
+def _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale,
                     H, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
     """The elementwise part for one [16, 128] chunk-head from its loaded ``q, k, g``: stores ``kd, qd, kr`` and
     ``glast[tile]``, returns the bf16 ``kd, qd, ki`` tiles (in the ``COL`` layout) for the products."""
@@ -120,9 +135,9 @@ def _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h,
     b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=1) + L2NORM_EPS) * scale, 1)
     b_k = b_k * gl.expand_dims(gl.rsqrt(gl.sum(b_k * b_k, axis=1) + L2NORM_EPS), 1)
     if HAS_DT_BIAS:
-        b_g = b_g + gl.expand_dims(gl.load(dt_bias + i_h * K + o_k).to(gl.float32), 0)
+        b_g = b_g + gl.expand_dims(b_dt, 0)
     if HAS_A_LOG:
-        b_g = b_g * gl.exp2(gl.load(A_log + i_h).to(gl.float32) * LOG2E)
+        b_g = b_g * gl.exp2(a_log * LOG2E)
     b_g = gate_scale / (1.0 + gl.exp2(-b_g * LOG2E))
     b_g = gl.where(m_tk, b_g, 0.0)
     b_G = gl.associative_scan(b_g, 0, _add)  # [C, K]
@@ -143,10 +158,10 @@ def _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h,
 
 
 @gluon.jit
-def _beta_sigmoid(beta_in, beta, rows, mask):
-    """sigmoid of the beta logits at token-head ``rows`` (0 where masked), also stored to the workspace."""
-    b = gl.load(beta_in + rows, mask=mask, other=0.0).to(gl.float32)
-    b = gl.where(mask, 1.0 / (1.0 + gl.exp2(-b * LOG2E)), 0.0)
+def _beta_sigmoid(b, beta, rows, mask):
+    """sigmoid of the loaded beta logits ``b`` at token-head ``rows`` (0 where masked), also stored to the
+    workspace."""
+    b = gl.where(mask, 1.0 / (1.0 + gl.exp2(-b.to(gl.float32) * LOG2E)), 0.0)
     gl.store(beta + rows, b, mask=mask)
     return b
 
@@ -174,8 +189,10 @@ def kda_fwd_v2_prepare_kernel(
     o_i = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
     o_j = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
     m_i = o_i < n_valid
-    b_beta = _beta_sigmoid(beta_in, beta, (first + o_i).to(gl.int64) * H + i_h, m_i)
-    b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, tile, i_h, first, n_valid,
+    rows_i = (first + o_i).to(gl.int64) * H + i_h
+    b_beta = gl.load(beta_in + rows_i, mask=m_i, other=0.0)
+    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
+    b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, tile, i_h, first, n_valid,
                                        scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
 
     # ---- 16x16 products
@@ -187,6 +204,7 @@ def kda_fwd_v2_prepare_kernel(
     A_kk = mma_v2(kd_s.load(DOT_A), ki_t, zero)
     A_qk = mma_v2(qd_s.load(DOT_A), ki_t, zero)
 
+    b_beta = _beta_sigmoid(b_beta, beta, rows_i, m_i)
     ii = gl.expand_dims(o_i, 1)
     jj = gl.expand_dims(o_j, 0)
     L1 = gl.where(ii > jj, A_kk * gl.expand_dims(b_beta, 1), 0.0)
@@ -219,12 +237,13 @@ def kda_fwd_v2_prepare_batched_kernel(
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
     qd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
     kiT_s = gl.allocate_shared_memory(gl.bfloat16, [CB, K, C], SMEM_KT)
+    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
     for s in range(CB):
         c = i_b * CB + s
         first = gl.load(chunk_index + c * 3 + 1, mask=c < NT, other=0)
         n_valid = gl.load(chunk_index + c * 3 + 2, mask=c < NT, other=0)  # 0 past NT: all masked off
         b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
-        b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, A_log, dt_bias, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
+        b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
                                            i_h, first, n_valid, scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
         kd_s.index(s).store(b_kd)
         qd_s.index(s).store(b_qd)
@@ -239,7 +258,7 @@ def kda_fwd_v2_prepare_batched_kernel(
     o_i = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
     m_si = gl.expand_dims(o_i, 0) < gl.expand_dims(valid_s, 1)  # [CB, C]
     rows = (gl.expand_dims(first_s, 1) + gl.expand_dims(o_i, 0)).to(gl.int64) * H + i_h
-    b_beta = _beta_sigmoid(beta_in, beta, rows, m_si)
+    b_beta = _beta_sigmoid(gl.load(beta_in + rows, mask=m_si, other=0.0), beta, rows, m_si)
     ki_t = kiT_s._reinterpret(gl.bfloat16, [CB, K, C], SMEM_KT3).load(DOT_B3)  # [CB, K, C]
     zero = gl.zeros([CB, C, C], gl.float32, MMA3)
     A_kk = mma_v2(kd_s._reinterpret(gl.bfloat16, [CB, C, K], SMEM_TOK3).load(DOT_A3), ki_t, zero)
