@@ -92,12 +92,12 @@ async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, 
     broods: list[list] = []
     try:
         await clock(asyncio.gather(*(r.reset(task=t) for r, t in zip(roots, tasks))))
+        parents = [r.writer.id if r.writer is not None else None for r in roots]
         broods = await clock(asyncio.gather(*(r.fork(n) for r in roots)))
         await clock(asyncio.gather(*(r.close() for r in roots)))
-        groups = [[Episode(t.id, [(prompt_text(t.instruction), False)],
-                           parent_id=r.writer.id if r.writer is not None else None,
+        groups = [[Episode(t.id, [(prompt_text(t.instruction), False)], parent_id=parent,
                            trajectory_id=k.writer.id if k.writer is not None else None) for k in kids]
-                  for r, t, kids in zip(roots, tasks, broods)]
+                  for parent, t, kids in zip(parents, tasks, broods)]
         kids = [k for b in broods for k in b]
         await _play(kids, [e for g in groups for e in g], model, tokenizer, temperature, generator, clock,
                     max_new_tokens)
