@@ -1,7 +1,7 @@
 """SFT then GRPO on the seeded code-word tasks, several seeds, on CPU: held-out success after SFT only and
 after GRPO, the scripted solver's ceiling, environment share of GRPO iteration time, and a leak check.
 
-    python -m benchmarks.rl.posttrain --seeds 3 --out /tmp/posttrain-runs
+    python -m benchmarks.rl.posttrain --seeds 3 --jobs 3 --out /tmp/posttrain-runs
 """
 
 from __future__ import annotations
@@ -10,14 +10,17 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-from agentenv.posttrain import ByteTokenizer, TrainConfig, run, tiny_model, write_view
+from agentenv.posttrain import ByteTokenizer, TrainConfig, WordTokenizer, run, tiny_model, write_view
+from agentenv.posttrain.tasks import vocabulary
 from agentenv.rl import LocalProvider
 from benchmarks.harness import Row, write_results
 
@@ -26,42 +29,72 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="posttrain-"))
-    parser.add_argument("--sft-steps", type=int, default=80)
+    parser.add_argument("--tokenizer", choices=("word", "byte"), default="word")
+    parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--sft-tasks", type=int, default=8)
-    parser.add_argument("--grpo-iters", type=int, default=25)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--grpo-iters", type=int, default=30)
+    parser.add_argument("--groups-per-iter", type=int, default=6)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--grpo-lr", type=float, default=5e-4)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--grpo-epochs", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=3, help="seeds run at once, each in its own process")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.threads)
-    rows, results = [], []
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     t0 = time.perf_counter()
-    with LocalProvider() as provider:
-        for seed in range(args.seeds):
-            cfg = TrainConfig(seed=seed, sft_steps=args.sft_steps, sft_tasks=args.sft_tasks, grpo_iters=args.grpo_iters,
-                              temperature=args.temperature)
-            run_dir = Path(args.out) / f"seed{seed}"
-            res = asyncio.run(run(run_dir, provider, tiny_model(seed=seed), ByteTokenizer(), cfg))
-            write_view(run_dir)
-            results.append(res)
-            print(json.dumps({"seed": seed, **res}), flush=True)
-            rows.append(Row(case=f"seed{seed}", baseline="SFT only (held-out success)", baseline_ms=None,
-                            ours_ms=res["seconds"] * 1e3, params=vars(cfg) | {"run_dir": str(run_dir)},
-                            extra=res, note="ours_ms: wall time of the seed's whole SFT + GRPO run"))
-        leftover = [i.id for i in provider.backend.list() if i.kind == "sandbox" and i.alive] \
-            if hasattr(provider, "backend") else None
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            done = list(ex.map(_one_seed, [vars(args)] * len(seeds), seeds))
+    else:
+        done = [_one_seed(vars(args), seed) for seed in seeds]
+    rows, results = [], []
+    for seed, (res, params, leftover) in zip(seeds, done):
+        results.append(res | {"leftover_sandboxes": leftover})
+        rows.append(Row(case=f"seed{seed}", baseline="SFT only (held-out success)", baseline_ms=None,
+                        ours_ms=res["seconds"] * 1e3, params=params, extra=res | {"leftover_sandboxes": leftover},
+                        note="ours_ms: wall time of the seed's whole SFT + GRPO run"))
     gain = [r["grpo"] - r["sft"] for r in results]
     summary = {"sft_mean": statistics.mean(r["sft"] for r in results),
                "grpo_mean": statistics.mean(r["grpo"] for r in results),
                "gain_mean": statistics.mean(gain), "gain_min": min(gain), "gain_max": max(gain),
+               "gain_stdev": statistics.stdev(gain) if len(gain) > 1 else 0.0,
                "solver_mean": statistics.mean(r["solver"] for r in results),
                "env_share_mean": statistics.mean(r["env_share"] for r in results),
-               "total_s": time.perf_counter() - t0, "leftover_sandboxes": leftover}
+               "max_seed_s": max(r["seconds"] for r in results), "total_s": time.perf_counter() - t0,
+               "leftover_sandboxes": sum((r["leftover_sandboxes"] or [] for r in results), []), "jobs": args.jobs}
     print(json.dumps(summary), flush=True)
     rows.append(Row(case="mean", baseline="SFT only", baseline_ms=None, ours_ms=summary["total_s"] * 1e3,
-                    extra=summary, note=f"CPU, torch threads={args.threads}"))
+                    extra=summary, note=f"CPU, torch threads={args.threads} per seed, {args.jobs} seed(s) at once"))
     with tempfile.TemporaryDirectory() as scratch:
         return write_results("posttrain", rows, markdown=Path(scratch) / "BENCH.md")
+
+
+def _one_seed(args: dict, seed: int) -> tuple[dict, dict, list | None]:
+    """One seed's SFT + GRPO run with its own sandbox provider; returns (result, config, sandboxes left alive)."""
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args["threads"])
+    cfg = TrainConfig(seed=seed, sft_steps=args["sft_steps"], sft_tasks=args["sft_tasks"],
+                      grpo_iters=args["grpo_iters"], groups_per_iter=args["groups_per_iter"],
+                      group_size=args["group_size"], grpo_lr=args["grpo_lr"], beta=args["beta"],
+                      grpo_epochs=args["grpo_epochs"], temperature=args["temperature"])
+    run_dir = Path(args["out"]) / f"seed{seed}"
+    if args["tokenizer"] == "word":
+        cfg.max_action_tokens = 8
+        tok = WordTokenizer(vocabulary())
+        model = tiny_model(tok.vocab_size, seed=seed, n_positions=256, eos_token_id=tok.eos_token_id)
+    else:
+        tok, model = ByteTokenizer(), tiny_model(seed=seed)
+    with LocalProvider() as provider:
+        res = asyncio.run(run(run_dir, provider, model, tok, cfg))
+        leftover = [i.id for i in provider.backend.list() if i.kind == "sandbox" and i.alive] \
+            if hasattr(provider, "backend") else None
+    write_view(run_dir)
+    print(json.dumps({"seed": seed, **res}), flush=True)
+    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"]}, leftover
 
 
 if __name__ == "__main__":

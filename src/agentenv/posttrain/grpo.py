@@ -50,7 +50,7 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     loss = ((per_token * m).sum(dim=1) / counts).mean()
     clipped = ((ratio - 1).abs() > clip_eps).float()
     stats = {"clip_frac": float((clipped * m).sum() / m.sum().clamp(min=1)),
-             "kl": float((kl * m).sum() / m.sum().clamp(min=1))}
+             "kl": float((kl.detach() * m).sum() / m.sum().clamp(min=1))}
     return loss, stats
 
 

@@ -1,14 +1,16 @@
-"""A causal-LM policy over the action grammar: byte tokenizer, tiny GPT-2, sampling, per-token log-probs.
+"""A causal-LM policy over the action grammar: word and byte tokenizers, tiny GPT-2, sampling, log-probs.
 
 Any ``transformers`` causal LM and any tokenizer with ``encode(text, add_special_tokens=False)``,
-``decode(ids)`` and ``eos_token_id`` plug in (e.g. the K3 model and its tokenizer); `ByteTokenizer` and
-`tiny_model` make a few-hundred-K-parameter policy that trains on CPU.
+``decode(ids)``, ``eos_token_id`` and ``pad_token_id`` plug in (e.g. the K3 model and its tokenizer);
+`WordTokenizer` (or `ByteTokenizer`) and `tiny_model` make a small policy that trains on CPU.
 
 An episode is one text: ``"T: <instruction>\\n"`` then per turn ``"A: <action>\\n"`` and ``"O: <obs>\\n"``.
 Only the action characters (and their newline) are trained on.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -31,15 +33,50 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+class WordTokenizer:
+    """Word-level ids over a fixed vocabulary: ``<eos>`` 0, ``<pad>`` 1, ``<unk>`` 2, the newline and the
+    episode text's role tags (``T``, ``A``, ``O``, ``:``), then `words`.
+
+    Text splits into newlines, runs of ``[A-Za-z0-9_./-]`` and single other characters; whitespace is dropped
+    and `decode` joins words with one space, so an action line of known words round-trips. A word the policy
+    must copy (a file name, a code word) is one token, so copying it is one attention lookup rather than a
+    sequence of bytes.
+
+    Raises:
+        ValueError: `words` is empty, has duplicates, or contains whitespace.
+    """
+
+    eos_token_id, pad_token_id, unk_token_id = 0, 1, 2
+    _split = re.compile(r"\n|[A-Za-z0-9_./-]+|[^\sA-Za-z0-9_./-]")
+
+    def __init__(self, words: list[str]) -> None:
+        words = list(words)
+        if not words or len(set(words)) != len(words) or any(not w or re.search(r"[ \t\r]", w) for w in words):
+            raise ValueError("words must be a non-empty list of distinct tokens without spaces")
+        fixed = ["<eos>", "<pad>", "<unk>", "\n", "T", "A", "O", ":"]
+        self.words = fixed + [w for w in words if w not in fixed]
+        self.ids = {w: i for i, w in enumerate(self.words)}
+        self.vocab_size = len(self.words)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Text -> word ids (unknown words -> ``unk_token_id``; no special tokens are added)."""
+        return [self.ids.get(w, self.unk_token_id) for w in self._split.findall(text)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Ids -> words joined by single spaces (special ids dropped)."""
+        return " ".join(self.words[i] for i in ids if i > self.unk_token_id)
+
+
 def tiny_model(vocab_size: int = ByteTokenizer.vocab_size, *, seed: int = 0, n_embd: int = 96, n_layer: int = 2,
-               n_head: int = 4, n_positions: int = 512):
-    """A small GPT-2 causal LM built from a config (random init, no hub weights)."""
+               n_head: int = 4, n_positions: int = 512, eos_token_id: int = ByteTokenizer.eos_token_id):
+    """A small GPT-2 causal LM built from a config (random init, no hub weights); input and output embeddings
+    are tied, so a token attended to in the context is directly a likely next token."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-                        n_head=n_head, bos_token_id=ByteTokenizer.eos_token_id,
-                        eos_token_id=ByteTokenizer.eos_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        n_head=n_head, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
 
 
@@ -92,21 +129,44 @@ def pad_batch(seqs: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tup
 
 
 @torch.no_grad()
+def generate_actions(model, tokenizer, contexts: list[str], *, temperature: float = 1.0, max_new_tokens: int = 24,
+                     generator: torch.Generator | None = None) -> list[str]:
+    """Sample one action line after each of `contexts`, all in one batch (greedy when ``temperature == 0``);
+    each stops at a newline or eos. Contexts are left-padded, with position ids counted from each row's first
+    real token, so a row is scored as it is alone (and as `token_logprobs` scores it)."""
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    prompts = [tokenizer.encode(c + "A: ", add_special_tokens=False)[-(limit - max_new_tokens):] for c in contexts]
+    outs: list[list[int]] = [[] for _ in contexts]
+    live = list(range(len(contexts)))
+    for _ in range(max_new_tokens):
+        if not live:
+            break
+        rows = [prompts[i] + outs[i] for i in live]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, width - len(row):], attention[r, width - len(row):] = torch.tensor(row), 1
+        positions = (attention.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids.clamp(max=model.config.vocab_size - 1), attention_mask=attention,
+                       position_ids=positions).logits[:, -1].float()
+        if temperature == 0:
+            picked = logits.argmax(-1)
+        else:
+            picked = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(1)
+        still = []
+        for i, tok in zip(live, picked.tolist()):
+            if tok in (newline, tokenizer.eos_token_id):
+                continue
+            outs[i].append(tok)
+            still.append(i)
+        live = still
+    return [tokenizer.decode(o) for o in outs]
+
+
 def generate_action(model, tokenizer, context: str, *, temperature: float = 1.0, max_new_tokens: int = 24,
                     generator: torch.Generator | None = None) -> str:
     """Sample one action line after `context` (greedy when ``temperature == 0``); stops at newline or eos."""
-    ids = tokenizer.encode(context + "A: ", add_special_tokens=False)
-    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 4096)
-    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
-    out = []
-    ids = ids[-(limit - max_new_tokens):]
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=torch.tensor([ids + out], dtype=torch.long)).logits[0, -1].float()
-        if temperature == 0:
-            tok = int(logits.argmax())
-        else:
-            tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
-        if tok in (newline, tokenizer.eos_token_id):
-            break
-        out.append(tok)
-    return tokenizer.decode(out)
+    return generate_actions(model, tokenizer, [context], temperature=temperature, max_new_tokens=max_new_tokens,
+                            generator=generator)[0]

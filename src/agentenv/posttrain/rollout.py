@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentenv.posttrain.policy import generate_action, prompt_text, turn_texts
+from agentenv.posttrain.policy import generate_actions, prompt_text, turn_texts
 from agentenv.posttrain.tasks import format_action, parse_action
 from agentenv.rl.policy import ScriptedPolicy
 from agentenv.rl.tasks import TaskSpec
@@ -48,18 +48,20 @@ class EnvClock:
             self.seconds += time.perf_counter() - t0
 
 
-async def _play(envs, episodes: list[Episode], model, tokenizer, temperature: float, generator, clock: EnvClock):
-    """Step every env with the policy until all episodes end (env steps of one round run concurrently)."""
+async def _play(envs, episodes: list[Episode], model, tokenizer, temperature: float, generator, clock: EnvClock,
+                max_new_tokens: int = 24):
+    """Step every env with the policy until all episodes end: each round samples every live episode's action in
+    one batch, then runs their env steps concurrently."""
     live = list(range(len(envs)))
     while live:
-        calls = {}
+        contexts = ["".join(text for text, _ in episodes[i].segments) for i in live]
+        t0 = time.perf_counter()
+        actions = generate_actions(model, tokenizer, contexts, temperature=temperature, generator=generator,
+                                   max_new_tokens=max_new_tokens)
+        clock.policy_seconds += time.perf_counter() - t0
+        calls = dict(zip(live, actions))
         for i in live:
-            context = "".join(text for text, _ in episodes[i].segments)
-            t0 = time.perf_counter()
-            action = generate_action(model, tokenizer, context, temperature=temperature, generator=generator)
-            clock.policy_seconds += time.perf_counter() - t0
-            episodes[i].actions.append(action)
-            calls[i] = action
+            episodes[i].actions.append(calls[i])
         results = await clock(asyncio.gather(*(envs[i].step(parse_action(calls[i])) for i in live)))
         still = []
         for i, (obs, reward, terminated, truncated, _) in zip(live, results):
@@ -73,9 +75,12 @@ async def _play(envs, episodes: list[Episode], model, tokenizer, temperature: fl
         live = still
 
 
-async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, *, temperature: float = 1.0,
-                        generator: torch.Generator | None = None, clock: EnvClock | None = None) -> list[Episode]:
-    """`n` episodes of `task` from one reset: the sandbox is forked into `n` children after the shared prompt.
+async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, *, temperature: float = 1.0,
+                         generator: torch.Generator | None = None, clock: EnvClock | None = None,
+                         max_new_tokens: int = 24) -> list[list[Episode]]:
+    """One group of `n` episodes per task: each task's sandbox is reset once and forked into `n` children after
+    the shared prompt (one `fork(n)` call per group); all children of all groups are then played together, the
+    policy sampling every live child's action in one batch per turn.
 
     Raises:
         ValueError: `n` is not an int >= 2.
@@ -83,22 +88,31 @@ async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, *, tempe
     if isinstance(n, bool) or not isinstance(n, int) or n < 2:
         raise ValueError(f"n must be an int >= 2 (a group), got {n!r}")
     clock = clock or EnvClock()
-    root = pool.make_env()
-    kids = []
+    roots = [pool.make_env() for _ in tasks]
+    broods: list[list] = []
     try:
-        await clock(root.reset(task=task))
-        parent = root.writer.id if root.writer is not None else None
-        kids = await clock(root.fork(n))
-        await clock(root.close())
-        episodes = [Episode(task.id, [(prompt_text(task.instruction), False)], parent_id=parent,
-                            trajectory_id=k.writer.id if k.writer is not None else None) for k in kids]
-        await _play(kids, episodes, model, tokenizer, temperature, generator, clock)
-        return episodes
+        await clock(asyncio.gather(*(r.reset(task=t) for r, t in zip(roots, tasks))))
+        parents = [r.writer.id if r.writer is not None else None for r in roots]
+        broods = await clock(asyncio.gather(*(r.fork(n) for r in roots)))
+        await clock(asyncio.gather(*(r.close() for r in roots)))
+        groups = [[Episode(t.id, [(prompt_text(t.instruction), False)], parent_id=parent,
+                           trajectory_id=k.writer.id if k.writer is not None else None) for k in kids]
+                  for parent, t, kids in zip(parents, tasks, broods)]
+        kids = [k for b in broods for k in b]
+        await _play(kids, [e for g in groups for e in g], model, tokenizer, temperature, generator, clock,
+                    max_new_tokens)
+        return groups
     finally:
-        await clock(asyncio.gather(root.close(), *(k.close() for k in kids)))
+        await clock(asyncio.gather(*(r.close() for r in roots), *(k.close() for b in broods for k in b)))
 
 
-async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvClock | None = None) -> list[Episode]:
+async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, **kwargs) -> list[Episode]:
+    """`n` episodes of `task` from one reset and one `fork(n)`; `rollout_groups` for a single task."""
+    return (await rollout_groups(pool, [task], model, tokenizer, n, **kwargs))[0]
+
+
+async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvClock | None = None,
+                   max_new_tokens: int = 24) -> list[Episode]:
     """Greedy episodes, one fresh env per task; returns them (success = reward 1)."""
     clock = clock or EnvClock()
     envs = [pool.make_env() for _ in tasks]
@@ -107,7 +121,7 @@ async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvC
         episodes = [Episode(t.id, [(prompt_text(t.instruction), False)],
                             trajectory_id=e.writer.id if e.writer is not None else None)
                     for e, t in zip(envs, tasks)]
-        await _play(envs, episodes, model, tokenizer, 0.0, None, clock)
+        await _play(envs, episodes, model, tokenizer, 0.0, None, clock, max_new_tokens)
         return episodes
     finally:
         await clock(asyncio.gather(*(e.close() for e in envs)))

@@ -90,9 +90,20 @@ def format_action(call: dict) -> str:
     raise ValueError(f"call: {name} {args} has no grammar form")
 
 
-def format_observation(obs: dict, limit: int = 40) -> str:
-    """The part of an observation the policy sees: the first line of its content, cut to `limit` chars."""
-    text = (obs.get("content") or "").strip().split("\n", 1)[0]
+def format_observation(obs: dict, limit: int = 48) -> str:
+    """The part of an observation the policy sees, on one line cut to `limit` chars: a shell result's exit code
+    then its output lines (``"exit_code: 0 code: red"``), other tools' first line, or ``"error TYPE"``."""
     if obs.get("error"):
-        text = "error " + obs["error"]["type"]
-    return text[:limit]
+        return ("error " + obs["error"]["type"])[:limit]
+    lines = [x.strip() for x in (obs.get("content") or "").split("\n")]
+    return " ".join(x for x in lines if x and x not in ("stdout:", "stderr:"))[:limit]
+
+
+def vocabulary() -> list[str]:
+    """Every word the tasks' instructions, files, actions and usual observations are made of (for a word-level
+    tokenizer such as `agentenv.posttrain.policy.WordTokenizer`); the same list for both splits."""
+    words = set(WORDS) | set(FILES) | {"other.log", "answer.txt", "/root/task/answer.txt"}
+    words |= set("find the code in write it to submit cat noise exit_code stdout stderr wrote bytes submitted error "
+                 "no such file or directory".split())
+    words |= set(",:;.") | {str(i) for i in range(10)}
+    return sorted(words)

@@ -7,7 +7,6 @@ Run directory: ``config.json``, ``metrics.jsonl`` (one line per GRPO iteration a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ import torch
 
 from agentenv.posttrain.grpo import group_advantages, grpo_loss, sft_loss
 from agentenv.posttrain.policy import encode_segments, pad_batch, token_logprobs
-from agentenv.posttrain.rollout import EnvClock, evaluate, record_transcripts, rollout_group, transcript_segments
+from agentenv.posttrain.rollout import EnvClock, evaluate, record_transcripts, rollout_groups, transcript_segments
 from agentenv.posttrain.tasks import make_tasks
 from agentenv.rl.policy import ScriptedPolicy
 from agentenv.rl.pool import EnvPool
@@ -41,7 +40,9 @@ class TrainConfig:
     grpo_lr: float = 1e-3
     clip_eps: float = 0.2
     beta: float = 0.0
+    grpo_epochs: int = 1
     temperature: float = 1.0
+    max_action_tokens: int = 24
     train_tasks: int = 64
     eval_tasks: int = 32
     max_envs: int = 64
@@ -67,24 +68,33 @@ def sft(model, tokenizer, samples: list[list[tuple[str, bool]]], *, steps: int, 
 
 
 def grpo_step(model, ref_model, opt, tokenizer, groups, *, clip_eps: float, beta: float, epochs: int = 1) -> dict:
-    """One GRPO update from finished groups (lists of `Episode`); returns loss and stats."""
-    rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32)
+    """One GRPO update from finished groups (lists of `Episode`); returns loss and stats.
+
+    Groups whose rewards are all equal have zero advantage everywhere and carry no signal: they are left out
+    of the batch (so they do not dilute the mean), and when no group is left the optimizer does not step
+    (Adam's moments would otherwise keep moving the weights on a zero loss).
+    """
+    informative = [g for g in groups if len({e.reward for e in g}) > 1]
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "informative_groups": len(informative)}
+    if not informative:
+        return stats
+    rewards = torch.tensor([[e.reward for e in g] for g in informative], dtype=torch.float32)
     adv = group_advantages(rewards).flatten()
-    episodes = [e for g in groups for e in g]
+    episodes = [e for g in informative for e in g]
     ids, mask = pad_batch([encode_segments(tokenizer, e.segments) for e in episodes], tokenizer.pad_token_id)
     with torch.no_grad():
         old = token_logprobs(model, ids, tokenizer.pad_token_id)
         ref = token_logprobs(ref_model, ids, tokenizer.pad_token_id) if beta > 0 else None
     model.train()
     for _ in range(epochs):
-        loss, stats = grpo_loss(token_logprobs(model, ids, tokenizer.pad_token_id), old, adv, mask,
-                                clip_eps=clip_eps, beta=beta, logp_ref=ref)
+        loss, step_stats = grpo_loss(token_logprobs(model, ids, tokenizer.pad_token_id), old, adv, mask,
+                                     clip_eps=clip_eps, beta=beta, logp_ref=ref)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     model.eval()
-    return {"loss": float(loss.detach()), **stats}
+    return stats | step_stats | {"loss": float(loss.detach())}
 
 
 def _success(episodes) -> float:
@@ -128,7 +138,7 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
         samples = [transcript_segments(os.path.join(traj_dir, f"{i}.jsonl"), t) for i, t in zip(ids, sft_set)]
         losses = sft(model, tokenizer, samples, steps=cfg.sft_steps, lr=cfg.sft_lr, seed=cfg.seed)
         ref_model = copy.deepcopy(model).eval() if cfg.beta > 0 else None
-        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock)
+        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
         result = {"solver": sum(r.reward >= 1.0 for r in solver) / len(solver), "sft": _success(ev)}
         _write(metrics_path, {"phase": "sft", "iter": 0, "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
                               "heldout_success": result["sft"], "solver_success": result["solver"]})
@@ -137,11 +147,11 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
         for it in range(1, cfg.grpo_iters + 1):
             t0, policy0 = time.perf_counter(), clock.policy_seconds
             tasks = rng.sample(train_tasks, cfg.groups_per_iter)
-            groups = await asyncio.gather(*(rollout_group(pool, t, model, tokenizer, cfg.group_size,
-                                                          temperature=cfg.temperature, generator=gen, clock=clock)
-                                            for t in tasks))
+            groups = await rollout_groups(pool, tasks, model, tokenizer, cfg.group_size, temperature=cfg.temperature,
+                                          generator=gen, clock=clock, max_new_tokens=cfg.max_action_tokens)
             t_update = time.perf_counter()
-            stats = grpo_step(model, ref_model, opt, tokenizer, groups, clip_eps=cfg.clip_eps, beta=cfg.beta)
+            stats = grpo_step(model, ref_model, opt, tokenizer, groups, clip_eps=cfg.clip_eps, beta=cfg.beta,
+                              epochs=cfg.grpo_epochs)
             update_s = time.perf_counter() - t_update
             wall = time.perf_counter() - t0
             sample_s = clock.policy_seconds - policy0
@@ -155,7 +165,7 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
                 _write(groups_path, {"iter": it, "group": g_index, "task_id": task.id,
                                      "instruction": task.instruction, "parent": group[0].parent_id,
                                      "children": [asdict(e) | {"segments": None} for e in group]})
-        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock)
+        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
         result["grpo"] = _success(ev)
         _write(metrics_path, {"phase": "final", "iter": cfg.grpo_iters, "heldout_success": result["grpo"]})
     result["seconds"] = time.perf_counter() - t_start

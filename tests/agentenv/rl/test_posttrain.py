@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from agentenv.posttrain import (  # noqa: E402
     ByteTokenizer,
     TrainConfig,
+    WordTokenizer,
     group_advantages,
     grpo_loss,
     make_task,
@@ -27,7 +28,14 @@ from agentenv.posttrain import (  # noqa: E402
     tiny_model,
     write_view,
 )
-from agentenv.posttrain.tasks import HELD_OUT_FROM, format_action, parse_action  # noqa: E402
+from agentenv.posttrain.policy import generate_action, generate_actions  # noqa: E402
+from agentenv.posttrain.tasks import (  # noqa: E402
+    HELD_OUT_FROM,
+    format_action,
+    format_observation,
+    parse_action,
+    vocabulary,
+)
 
 
 def test_tasks_are_seeded_and_split():
@@ -43,6 +51,33 @@ def test_tasks_are_seeded_and_split():
     for call in make_task(7).solution:
         assert parse_action(format_action(call)) == call
     assert parse_action("rm -rf /")["function"]["name"] == "invalid"
+
+
+def test_policy_sees_the_shell_output():
+    shown = format_observation({"content": "exit_code: 0\nstdout:\ncode: ice\n", "error": None})
+    assert shown == "exit_code: 0 code: ice"
+    assert format_observation({"content": "x", "error": {"type": "unknown_tool"}}) == "error unknown_tool"
+
+
+def test_word_tokenizer():
+    tok = WordTokenizer(vocabulary())
+    for call in make_task(5).solution:
+        line = format_action(call)
+        assert tok.decode(tok.encode(line)) == line and tok.unk_token_id not in tok.encode(line)
+    ids = tok.encode("T: find the code in key.txt, write it\nzzz")
+    assert ids[-1] == tok.unk_token_id and ids[-2] == tok.encode("\n")[0]
+    with pytest.raises(ValueError, match="words"):
+        WordTokenizer(["a", "a"])
+    with pytest.raises(ValueError, match="words"):
+        WordTokenizer(["a b"])
+
+
+def test_batched_sampling_matches_one_at_a_time():
+    tok = WordTokenizer(vocabulary())
+    model = tiny_model(tok.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0).eval()
+    contexts = ["T: find the code in key.txt\n", "T: submit\nA: cat note.txt\nO: exit_code: 0 code: red\n"]
+    batched = generate_actions(model, tok, contexts, temperature=0, max_new_tokens=5)
+    assert batched == [generate_action(model, tok, c, temperature=0, max_new_tokens=5) for c in contexts]
 
 
 def _episode(provider, run, task, actions):
@@ -107,6 +142,31 @@ def tiny_run(provider, tmp_path_factory):
                       eval_tasks=2, max_envs=8)
     result = asyncio.run(run(run_dir, provider, tiny_model(n_embd=32, n_layer=1, n_head=2), ByteTokenizer(), cfg))
     return run_dir, result
+
+
+def test_grpo_step_skips_groups_without_signal():
+    from agentenv.posttrain import Episode, grpo_step
+    from agentenv.posttrain.policy import prompt_text, turn_texts
+
+    tok = WordTokenizer(vocabulary())
+    model = tiny_model(tok.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0).eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def episode(word, reward):
+        act, obs = turn_texts(f"write answer.txt {word}", {"content": "wrote"})
+        return Episode("t", [(prompt_text("find the code"), False), (act, True), (obs, False)], reward=reward)
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = [[episode("red", 1.0), episode("fig", 1.0)], [episode("red", 0.0), episode("oak", 0.0)]]
+    assert grpo_step(model, None, opt, tok, flat, clip_eps=0.2, beta=0.0)["informative_groups"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))    # no signal: no step
+    ctx = "T: find the code\nA: write answer.txt"
+    logp = torch.log_softmax(model(torch.tensor([tok.encode(ctx)])).logits[0, -1], -1)[tok.encode("red")[0]]
+    for _ in range(5):
+        stats = grpo_step(model, None, opt, tok, [[episode("red", 1.0), episode("oak", 0.0)]] + flat,
+                          clip_eps=0.2, beta=0.0)
+    assert stats["informative_groups"] == 1
+    after = torch.log_softmax(model(torch.tensor([tok.encode(ctx)])).logits[0, -1], -1)[tok.encode("red")[0]]
+    assert after > logp                                                           # the rewarded word got likelier
 
 
 def test_sft_reduces_loss():
