@@ -73,7 +73,9 @@ def grouped_mlp(x_CH: torch.Tensor, counts_L: torch.Tensor, w1_LFH: torch.Tensor
     if x_CH.is_cuda and x_CH.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offs = counts_L.cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x_CH, w1_LFH.transpose(1, 2), offs=offs)
-        return torch._grouped_mm(F.silu(h), w2_LHF.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(F.silu(h), w2_LHF.transpose(1, 2), offs=offs)
+        used = torch.arange(x_CH.shape[0], device=x_CH.device) < offs[-1]
+        return torch.where(used[:, None], y, y.new_zeros(()))  # rows past offs[-1] are never written
     out = []
     start = 0
     for l, n in enumerate(counts_L.tolist()):

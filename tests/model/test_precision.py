@@ -40,3 +40,19 @@ def test_k3_debug_fp32_params_under_bf16_autocast_trains():
     moe = model.moe_layers()[0]
     assert moe.w1.dtype == torch.float32 and moe.w1.grad is not None and torch.isfinite(moe.w1.grad).all()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_grouped_experts_rows_past_the_counts_are_zero_in_reused_memory():
+    # torch._grouped_mm leaves rows past the last offset unwritten: freed NaN-filled blocks of the same sizes come
+    # back from the allocator, so masking by multiplication (NaN * 0) would leak NaN into those rows.
+    torch.manual_seed(0)
+    P, M, L, C = 4, 16, 32, 40
+    x = torch.randn(C, L).to(torch.bfloat16)
+    counts = torch.tensor([10, 0, 17, 7])
+    w1, w3 = (torch.randn(P, M, L).mul_(L**-0.5) for _ in range(2))
+    w2 = torch.randn(P, L, M).mul_(M**-0.5)
+    for _ in range(20):
+        poison = [torch.full((C, n), float("nan"), dtype=torch.bfloat16) for n in (L, M, M, L)]
+        del poison
+        y = grouped_situ(x, counts, w1, w3, w2, 4.0, 25.0)
+        assert torch.isfinite(y).all() and float(y[34:].abs().max()) == 0

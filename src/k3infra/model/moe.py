@@ -125,7 +125,8 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
             act = act * scale_C[:, None].to(act.dtype)
         y = torch._grouped_mm(act, w2_PLM.transpose(1, 2), offs=offs)
         used = torch.arange(x_CL.shape[0], device=x_CL.device) < offs[-1]
-        return y * used[:, None].to(y.dtype)
+        # rows past the counts are never written by _grouped_mm (any bits, NaN included): select, never multiply
+        return torch.where(used[:, None], y, y.new_zeros(()))
     out, start = [], 0
     for p, count in enumerate(counts_P.tolist()):
         if count:
