@@ -26,6 +26,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 HERE = Path(__file__).resolve().parent
 V2_DIR = HERE.parents[1] / "src" / "flashkda" / "fwd" / "v2"
 REGS_PER_SM, SMEM_PER_SM, MAX_CTAS, MAX_WARPS = 65536, 228 * 1024, 32, 64
+PREPARE_OPS = ("LDG", "STG", "LDS", "STS", "LDSM", "HMMA", "BAR", "SHFL", "MUFU", "LDL", "STL")
 
 
 def load_by_path(name: str, path: Path):
@@ -49,17 +50,20 @@ def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, batched: b
     return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=TARGET, options=options)
 
 
-def ptxas_usage(kernel) -> tuple[int, int]:
-    """(registers per thread, spill-store bytes) from ``ptxas -v`` on the kernel's PTX."""
+def ptxas_usage(kernel) -> tuple[int, int, bool]:
+    """(registers per thread, spill-store bytes, wgmma serialised) from ``ptxas -v`` on the kernel's PTX."""
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
         err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
                              capture_output=True, text=True).stderr
+    # ptxas C7514: every wgmma waited for right after its issue (no overlap)
+    serialised = "wgmma.mma_async instructions are serialized" in err
+    err = err[err.find(f"Function properties for {kernel.metadata.name}"):]
     regs = re.search(r"Used (\d+) registers", err)
     spill = re.search(r"(\d+) bytes spill stores", err)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, serialised
 
 
 def ctas_per_sm(regs: int, num_warps: int, smem: int) -> int:
@@ -71,14 +75,22 @@ def ctas_per_sm(regs: int, num_warps: int, smem: int) -> int:
     return min(by_regs, by_smem, MAX_WARPS // num_warps, MAX_CTAS)
 
 
-def sass_counts(kernel) -> dict[str, int]:
+def sass_counts(kernel, ops: tuple[str, ...]) -> dict[str, int]:
+    """How many SASS instructions of each opcode in ``ops`` the kernel's cubin holds."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-    ops = ("LDG", "STG", "LDS", "STS", "LDSM", "HMMA", "BAR", "SHFL", "MUFU", "LDL", "STL")
     return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
+
+
+def dump_asm(kernel, folder: str, stem: str) -> None:
+    """Write the kernel's ttgir, llir and ptx to ``folder/stem.*``."""
+    os.makedirs(folder, exist_ok=True)
+    for ext in ("ttgir", "llir", "ptx"):
+        with open(os.path.join(folder, f"{stem}.{ext}"), "w") as f:
+            f.write(kernel.asm[ext])
 
 
 def main(argv=None) -> int:
@@ -99,18 +111,15 @@ def main(argv=None) -> int:
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
             continue
-        regs, spill = ptxas_usage(k)
+        regs, spill, serialised = ptxas_usage(k)
         nw = k.metadata.num_warps
         line = (f"{name}: warps={nw} regs={regs} spill_stores={spill}B smem={k.metadata.shared}B "
-                f"ctas/SM={ctas_per_sm(regs, nw, k.metadata.shared)}")
+                f"ctas/SM={ctas_per_sm(regs, nw, k.metadata.shared)}{' WGMMA-SERIALIZED' if serialised else ''}")
         if args.sass:
-            line += f" sass={sass_counts(k)}"
+            line += f" sass={sass_counts(k, PREPARE_OPS)}"
         print(line)
         if args.dump:
-            os.makedirs(args.dump, exist_ok=True)
-            for ext in ("ttgir", "llir", "ptx"):
-                with open(os.path.join(args.dump, f"prepare.{ext}"), "w") as f:
-                    f.write(k.asm[ext])
+            dump_asm(k, args.dump, "prepare")
             args.dump = None
     rec = HERE / "v2_compile_recurrence.py"
     if not args.no_recurrence and rec.exists():

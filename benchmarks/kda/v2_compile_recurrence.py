@@ -9,28 +9,32 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNEL_FILE = Path(__file__).resolve().parents[2] / "src" / "flashkda" / "fwd" / "v2" / "recurrence_kernel.py"
+RECURRENCE_OPS = ("LDL", "STL", "HGMMA", "BAR", "LDS", "STS", "SHFL", "SYNCS", "UTMALDG")
 
 
-def load_kernel_module(path: Path = KERNEL_FILE):
-    spec = importlib.util.spec_from_file_location("flashkda_v2_recurrence_kernel", path)
+def _load_compile_script():
+    spec = importlib.util.spec_from_file_location("v2_compile", Path(__file__).resolve().parent / "v2_compile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+COMPILE = _load_compile_script()
+"""`v2_compile.py` (loaded by path: both scripts run as files under Triton 3.6): ptxas, SASS and dump helpers."""
+
+
+def load_kernel_module(path: Path = KERNEL_FILE):
+    return COMPILE.load_by_path("flashkda_v2_recurrence_kernel", path)
 
 
 def desc_type(dtype: str, block: list[int]) -> str:
@@ -58,31 +62,6 @@ def compile_recurrence(block_v: int, stages: int, use_order: bool = True):
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps))
 
 
-def ptxas_usage(kernel) -> str:
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(d, "k.o")],
-                             capture_output=True, text=True).stderr
-    # ptxas C7514: every wgmma waited for right after its issue (no overlap), a large loss for this kernel
-    serial = " WGMMA-SERIALIZED" if "wgmma.mma_async instructions are serialized" in err else ""
-    err = err[err.find(f"Function properties for {kernel.metadata.name}"):]
-    regs = re.search(r"Used (\d+) registers", err)
-    spill = re.search(r"(\d+) bytes spill stores", err)
-    return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'}B{serial}"
-
-
-def sass_counts(kernel) -> dict[str, int]:
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-    ops = ("LDL", "STL", "HGMMA", "BAR", "LDS", "STS", "SHFL", "SYNCS", "UTMALDG")
-    return {op: sum(1 for line in out.splitlines() if f" {op}" in line) for op in ops}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bv", type=int, nargs="+", default=[64])
@@ -101,15 +80,14 @@ def main(argv=None) -> int:
                 failed += 1
                 print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
                 continue
-            line = f"{name}: {ptxas_usage(k)} smem={k.metadata.shared}B"
+            regs, spill, serialised = COMPILE.ptxas_usage(k)
+            line = (f"{name}: regs={regs} spill_stores={spill}B{' WGMMA-SERIALIZED' if serialised else ''} "
+                    f"smem={k.metadata.shared}B")
             if args.sass:
-                line += f" sass={sass_counts(k)}"
+                line += f" sass={COMPILE.sass_counts(k, RECURRENCE_OPS)}"
             print(line)
             if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                for ext in ("ttgir", "llir", "ptx"):
-                    with open(os.path.join(args.dump, f"recurrence_bv{bv}_s{st}.{ext}"), "w") as f:
-                        f.write(k.asm[ext])
+                COMPILE.dump_asm(k, args.dump, f"recurrence_bv{bv}_s{st}")
                 args.dump = None
     return 1 if failed else 0
 
