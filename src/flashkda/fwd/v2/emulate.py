@@ -56,10 +56,10 @@ def gate_log2(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor
     return (lower_bound * LOG2E) * sig
 
 
-def _chunk_rows(layout: ChunkLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token row of each (chunk, position) ``[NT, 16]`` (clamped into range) and its validity mask."""
+def _chunk_rows(layout: ChunkLayout, device: torch.device, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token row of each (chunk, position) ``[NT, chunk]`` (clamped into range) and its validity mask."""
     ci = layout.chunk_index.to(device).long()
-    pos = torch.arange(CHUNK, device=device)
+    pos = torch.arange(chunk, device=device)
     valid = pos[None, :] < ci[:, 2:3]
     rows = torch.where(valid, ci[:, 1:2] + pos[None, :], torch.zeros_like(valid, dtype=torch.long))
     return rows, valid
@@ -144,7 +144,8 @@ def emulate_recurrence(ws: Workspace, v: torch.Tensor, initial_state: torch.Tens
     """K2 in torch: the output and final state from a workspace and the values.
 
     Args:
-        ws: the workspace of `emulate_prepare` (or of the K1 kernel).
+        ws: the workspace of `emulate_prepare` (or of the K1 kernel); chunks of ``ws.inv.shape[-1]`` tokens (16, or
+            32 for the workspace of ``emulate32.emulate_prepare32``).
         v: ``[B, T, H, V]`` values (bf16 for the kernel).
         initial_state: ``[N, H, K, V]`` fp32 or None.
         output_final_state: also return the final state.
@@ -160,7 +161,7 @@ def emulate_recurrence(ws: Workspace, v: torch.Tensor, initial_state: torch.Tens
     if initial_state is not None:
         S = S + initial_state.float()
     o = torch.zeros(B * T, H, V, dtype=torch.bfloat16, device=device)
-    rows, valid = _chunk_rows(layout, device)
+    rows, valid = _chunk_rows(layout, device, ws.inv.shape[-1])
     vf = v.reshape(B * T, H, V).float()
     seq_chunks = layout.seq_chunks.to("cpu").long()
     counts = seq_chunks[1:] - seq_chunks[:-1]
