@@ -100,3 +100,88 @@ def test_emulation32_earlier_outputs_ignore_future_gates():
         o2, _ = emulate_chunk_kda32(q, k, v, g2, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
         assert torch.equal(o1[:, :cut], o2[:, :cut])
         assert not torch.equal(o1[:, cut:], o2[:, cut:])
+
+
+# ----------------------------------------------------------------------------- the chunk-32 recurrence kernel (gpu)
+
+#: Kernel vs emulation on the same workspace: only the fp32 summation order differs.
+TOL_EMULATE = 3e-3
+GPU_CASES = [
+    dict(B=1, T=64, H=1, lengths=None),
+    dict(B=2, T=100, H=3, lengths=None),
+    dict(B=1, T=1 + 32 + 0 + 47 + 300 + 5, H=2, lengths=(1, 32, 0, 47, 300, 5)),
+    dict(B=1, T=700, H=4, lengths=(700,), init=False),
+]
+
+
+def _gpu_workspace32(B, T, H, lengths, lower_bound=-5.0, seed=0, init=True, extra_rows=0):
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                                                   dtype=torch.int64, device="cuda")
+    N = B if lengths is None else len(lengths)
+    q, k, v, g, beta, A_log, dt_bias, h0 = (x.cuda() if x is not None else None
+                                            for x in make_inputs(B, T + extra_rows, H, N, seed, init))
+    layout = build_chunk_layout32(B, T + extra_rows, cu, torch.device("cuda"))
+    ws = emulate_prepare32(q, k, g, beta, K**-0.5, layout, lower_bound, A_log, dt_bias)
+    return ws, (q, k, v, g, beta, A_log, dt_bias, h0), cu
+
+
+def test_recurrence32_rejects_bad_arguments():
+    from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
+
+    ws = emulate_prepare32(*(torch.zeros(1, 32, 1, K) for _ in range(3)), torch.zeros(1, 32, 1), K**-0.5,
+                           build_chunk_layout32(1, 32, None, CPU), -5.0)
+    with pytest.raises(ValueError, match="CUDA"):
+        recurrence32_fwd(ws, torch.zeros(1, 32, 1, K, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c['B']}-T{c['T']}-H{c['H']}-{c['lengths']}")
+def test_recurrence32_kernel_matches_emulation(case, stages):
+    from flashkda.fwd.v2.emulate import emulate_recurrence
+    from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
+
+    ws, x, _ = _gpu_workspace32(case["B"], case["T"], case["H"], case["lengths"], init=case.get("init", True))
+    v, h0 = x[2], x[7]
+    with torch.inference_mode():
+        ro, rs = emulate_recurrence(ws, v, h0, True)
+        o, s = recurrence32_fwd(ws, v, h0, True, stages=stages)
+    torch.cuda.synchronize()
+    assert_close("o", ro.float(), o.float(), TOL_EMULATE)
+    assert_close("final_state", rs, s, TOL_EMULATE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, -1.0, -0.1])
+def test_recurrence32_kernel_matches_fp64(lower_bound):
+    from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
+
+    lengths = (1000, 37, 500)
+    ws, x, cu = _gpu_workspace32(1, sum(lengths), 2, lengths, lower_bound=lower_bound, seed=7)
+    q, k, v, g, beta, A_log, dt_bias, h0 = x
+    with torch.inference_mode():
+        o, s = recurrence32_fwd(ws, v, h0, True)
+        ro, rs = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), h0.cpu(), lower_bound, cu.cpu(),
+                            A_log.cpu(), dt_bias.cpu())
+    assert_close("o", ro, o.cpu(), 6e-3)
+    assert_close("final_state", rs, s.cpu(), 1e-2)
+
+
+@pytest.mark.gpu
+def test_recurrence32_ignores_rows_past_the_last_sequence():
+    """Token rows after ``cu_seqlens[-1]`` are never written by K1; NaN there must not reach o or the state."""
+    from flashkda.fwd.v2.emulate import emulate_recurrence
+    from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
+
+    lengths = (37, 0, 300, 5)
+    end = sum(lengths)
+    ws, x, _ = _gpu_workspace32(1, end, 2, lengths, seed=5, extra_rows=9)
+    v, h0 = x[2], x[7]
+    for t in (ws.kd, ws.qd, ws.kr, ws.beta):
+        t[end:] = float("nan")
+    v[:, end:] = float("nan")
+    with torch.inference_mode():
+        o, s = recurrence32_fwd(ws, v, h0, True)
+        ro, rs = emulate_recurrence(ws, v, h0, True)
+    assert_close("o", ro[:, :end].float(), o[:, :end].float(), TOL_EMULATE)
+    assert_close("final_state", rs, s, TOL_EMULATE)

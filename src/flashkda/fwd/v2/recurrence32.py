@@ -1,0 +1,96 @@
+"""K2 of the v2 forward over 32-token chunks (half the serial steps of chunk 16), from a chunk-32 workspace
+(`workspace32`, written by ``emulate32.emulate_prepare32`` or a chunk-32 prepare kernel) and the values.
+
+The Gluon kernel lives in `flashkda.fwd.v2.recurrence32_kernel` and is imported on the first launch only, so
+``import flashkda`` works with any Triton (or none) and on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flashkda.fwd.v2.recurrence import _check, longest_first_order
+from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
+from flashkda.fwd.v2.workspace32 import CHUNK32
+
+__all__ = ["STAGES32", "recurrence32_fwd"]
+
+#: Shared-memory ring slots (29 KiB each at C = 32: kd/qd/kr/INV/Mqk/glast); 2 leave room for two CTAs per SM.
+STAGES32 = 2
+
+
+@functools.cache
+def _kernel():
+    from flashkda.fwd.v2 import recurrence32_kernel
+
+    return recurrence32_kernel.kda_fwd_v2_recurrence32_kernel
+
+
+@functools.cache
+def _smem_layouts(chunk: int):
+    from triton.experimental.gluon import language as gl
+
+    return (gl.NVMMASharedLayout.get_default_for([chunk, HEAD_DIM], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([chunk, chunk], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM], gl.float32))
+
+
+def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False, *, order: torch.Tensor | None = None,
+                     stages: int = STAGES32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output and final state of KDA from a chunk-32 workspace (contract of ``emulate.emulate_recurrence``).
+
+    Args:
+        ws: chunk-32 `Workspace` (``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, 32, 32]`` bf16,
+            ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32, layout from ``build_chunk_layout32``).
+        v: ``[B, T, H, 128]`` bf16 values, contiguous, on a Hopper GPU.
+        initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None (zeros).
+        output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
+        order: ``[N]`` int32 launch order of the sequences; default longest first when N > 1.
+        stages: shared-memory ring slots (2, 3 or 4).
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
+        ``final_state`` or None.
+    """
+    _check(ws, v, initial_state, 64, stages)
+    if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):
+        raise ValueError(f"ws must be a chunk-32 workspace (inv [NT, H, 32, 32]), got inv {tuple(ws.inv.shape)}")
+    B, T, H, V = v.shape
+    layout = ws.layout
+    N = layout.num_seqs
+    o = torch.empty_like(v)
+    final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
+    if N == 0:
+        return o, final
+    if B * T == 0 or layout.num_chunks == 0:
+        if final is not None:
+            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        return o, final
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    C = CHUNK32
+    tok_layout, tile_layout, g_layout = _smem_layouts(C)
+    T_total, NT = B * T, layout.num_chunks
+
+    def tokens(x):
+        return TensorDescriptor(x, [T_total, H * HEAD_DIM], [H * HEAD_DIM, 1], [C, HEAD_DIM], tok_layout)
+
+    def tiles(x):
+        return TensorDescriptor(x, [NT * H * C, C], [C, 1], [C, C], tile_layout)
+
+    glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
+    use_order = N > 1
+    if use_order and order is None:
+        order = longest_first_order(layout.cu_seqlens)
+    dummy = ws.beta
+    _kernel()[(H * 2, N)](
+        tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,
+        ws.beta, v, o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
+        layout.cu_seqlens, layout.seq_chunks, order if use_order else layout.seq_chunks,
+        H=H, C=C, BV=64, STAGES=stages, USE_ORDER=use_order, USE_H0=initial_state is not None,
+        STORE_HT=output_final_state, num_warps=4,
+    )
+    return o, final
