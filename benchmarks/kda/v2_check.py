@@ -10,7 +10,9 @@ Stages, each guarded so that one failure does not stop the others, all inside ``
    FlashKDA on the same inputs when importable); a gate sweep ``lower_bound`` -5 ... -0.1 (NaN/inf, error vs fp64);
 4. per anchor row: v2 and CUTLASS vs fla (output and final-state relative RMS), then medians of CUDA events of
    fla, CUTLASS, v1 (``flashkda.chunk_kda``), v2 and v2's K1 and K2 alone. K2 is timed on K1's workspace, or on the
-   emulated one when K1 fails.
+   emulated one when K1 fails. ``k2 c32`` is the chunk-32 K2 (`flashkda.fwd.v2.recurrence32`) on the chunk-32
+   workspace of the same inputs (from a chunk-32 K1 when there is one, else emulated), timed next to K2, with its
+   own errors vs fla and (stage 3) vs fp64.
 
 Results: ``benchmarks/results/kda-v2-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -46,6 +48,8 @@ ROWS = (
 FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
 SWEEP = (-5.0, -3.0, -1.0, -0.5, -0.1)
+#: The kernels the child-process probe runs (one that hangs or crashes there is dropped from the run).
+PROBED = ("k1", "k2", "v2", "k2c32")
 #: HBM bytes per token-head that any forward moves (q, k, v, g in, o out, beta) and the H200's nominal bandwidth.
 BYTES_PER_TOKEN_HEAD = 4 * 128 * 2 + 128 * 2 + 2
 HBM_BYTES_PER_S = 4.8e12
@@ -110,6 +114,8 @@ class Impls:
         self.v2 = self._try("v2", lambda: __import__("flashkda.fwd.v2", fromlist=["x"]).chunk_kda_fwd_v2)
         self.k1 = self._try("k1", find_prepare)
         self.k2 = self._try("k2", lambda: __import__("flashkda.fwd.v2.recurrence", fromlist=["x"]).recurrence_fwd)
+        self.k2c32 = self._try("k2c32", lambda: __import__("flashkda.fwd.v2.recurrence32",
+                                                           fromlist=["x"]).recurrence32_fwd)
 
     def _try(self, name, make):
         fn, err = guarded(f"import {name}", make)
@@ -173,6 +179,20 @@ def emulated_workspace(x: dict, kw: dict, layout):
                            x["A_log"], x["dt_bias"])
 
 
+def layout32_for(x: dict, kw: dict):
+    from flashkda.fwd.v2.workspace32 import build_chunk_layout32
+
+    q = x["q"]
+    return build_chunk_layout32(q.shape[0], q.shape[1], kw.get("cu_seqlens"), q.device)
+
+
+def emulated_workspace32(x: dict, kw: dict, layout):
+    from flashkda.fwd.v2.emulate32 import emulate_prepare32
+
+    return emulate_prepare32(x["q"], x["k"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, layout,
+                             kw["lower_bound"], x["A_log"], x["dt_bias"])
+
+
 def k1_call(fn, x: dict, kw: dict, layout):
     return fn(x["q"], x["k"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, layout, kw["lower_bound"],
               A_log=x["A_log"], dt_bias=x["dt_bias"])
@@ -228,6 +248,11 @@ def k2_on_emulated(k2, x: dict, kw: dict):
     return k2(ws, x["v"], x["initial_state"], True)
 
 
+def k2c32_on_emulated(k2c32, x: dict, kw: dict):
+    ws = emulated_workspace32(x, kw, layout32_for(x, kw))
+    return k2c32(ws, x["v"], x["initial_state"], True)
+
+
 def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
     """v2, K2 on the emulated workspace, and CUTLASS vs the fp64 oracle; then the gate sweep."""
     import torch
@@ -249,12 +274,15 @@ def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
             if impls.k2:
                 out, err = guarded(f"k2 {name}", k2_on_emulated, impls.k2, x, kw)
                 extra.update(fp64_errors("k2(emulated ws)", out, ref) if out else {"k2 error": err})
+            if impls.k2c32:
+                out, err = guarded(f"k2 c32 {name}", k2c32_on_emulated, impls.k2c32, x, kw)
+                extra.update(fp64_errors("k2 c32(emulated ws)", out, ref) if out else {"k2 c32 error": err})
             if impls.cutlass and (lengths is None or 0 not in lengths):  # CUTLASS takes no empty sequence
                 out, err = guarded(f"cutlass {name}", cutlass_call, impls.cutlass, v_first(x), kw)
                 extra.update(fp64_errors("cutlass", out, ref) if out else {"cutlass error": err})
         limit_o = 6e-3 if lengths else 5e-3
         ok = all(extra.get(f"{p} finite", False) and extra[f"{p} o"] <= limit_o and extra[f"{p} state"] <= 1e-2
-                 for p in ("v2", "k2(emulated ws)") if f"{p} o" in extra)
+                 for p in ("v2", "k2(emulated ws)", "k2 c32(emulated ws)") if f"{p} o" in extra)
         extra[f"pass (o<={limit_o:.0e}, state<=1e-2, finite)"] = ok
         log(f"[fp64] {name}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in extra.items()))
@@ -299,9 +327,18 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
         runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
         runs["k2 stages2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=2)
+    if impls.k2c32 and layout is not None:
+        # the chunk-32 K2 on the chunk-32 workspace of the same inputs (emulated: no chunk-32 K1 kernel yet)
+        layout32, _ = guarded(f"layout32 {shape.name}", layout32_for, x, kw)
+        ws32, _ = (guarded(f"emulated workspace32 {shape.name}", emulated_workspace32, x, kw, layout32)
+                   if layout32 is not None else (None, None))
+        if ws32 is not None:
+            extra["k2 c32 workspace"] = "emulate"
+            runs["k2 c32"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True)
+            runs["k2 c32 stages3"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True, stages=3)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
-        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2"):
+        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2", "k2 c32", "k2 c32 stages3"):
             if name not in runs:
                 continue
             out, err = guarded(f"{name} {shape.name}", runs[name])
@@ -334,6 +371,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
             extra[f"{name}/fla speed-up"] = round(medians["fla"] / medians[name], 3)
     if "v2" in medians and "cutlass" in medians:
         extra["v2/cutlass speed-up"] = round(medians["cutlass"] / medians["v2"], 3)
+    if "k2" in medians and "k2 c32" in medians:
+        extra["k2 c32/k2 speed-up"] = round(medians["k2"] / medians["k2 c32"], 3)
     timing = {k: v for k, v in extra.items() if k.endswith(" ms") or "speed-up" in k}
     log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in timing.items()))
     log(f"[check] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items() if k not in timing))
@@ -361,6 +400,13 @@ def probe() -> int:
             return bool(torch.isfinite(o).all() and torch.isfinite(s).all())
 
         status["k2"] = guarded("probe k2", k2)[0]
+    if impls.k2c32:
+        def k2c32():
+            o, s = k2c32_on_emulated(impls.k2c32, x, kw)
+            torch.cuda.synchronize()
+            return bool(torch.isfinite(o).all() and torch.isfinite(s).all())
+
+        status["k2c32"] = guarded("probe k2c32", k2c32)[0]
     if impls.k1:
         def k1():
             ws = k1_call(impls.k1, x, kw, layout_for(x, kw))
@@ -391,13 +437,13 @@ def run_probe(timeout: float) -> dict[str, bool]:
     try:
         res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        log(f"[probe] timed out after {timeout:.0f} s (a kernel hangs?); v2, K1 and K2 are dropped")
+        log(f"[probe] timed out after {timeout:.0f} s (a kernel hangs?); every probed kernel is dropped")
         log((exc.stdout or b"")[-3000:].decode() if isinstance(exc.stdout, bytes) else str(exc.stdout)[-3000:])
-        return {"k1": False, "k2": False, "v2": False}
+        return dict.fromkeys(PROBED, False)
     log(res.stdout[-6000:] + res.stderr[-3000:])
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("PROBE")), "PROBE")
     found = dict(item.split("=") for item in line.split()[1:])
-    return {k: found.get(k) == "ok" for k in ("k1", "k2", "v2")}
+    return {k: found.get(k) == "ok" for k in PROBED}
 
 
 def run_pytest(timeout: float) -> tuple[int | str, str]:
@@ -445,8 +491,11 @@ def dry_run(rows: list[Shape]) -> int:
     out = emulate_recurrence(ws, x["v"], x["initial_state"], True)
     ref = fp64_reference(x, kw)
     err = fp64_errors("emulate", out, ref)
+    err.update(fp64_errors("emulate c32", emulate_recurrence(emulated_workspace32(x, kw, layout32_for(x, kw)),
+                                                             x["v"], x["initial_state"], True), ref))
     log(f"[dry-run] emulation vs fp64: {err}")
-    if not (err["emulate finite"] and err["emulate o"] < 6e-3 and err["emulate state"] < 1e-2):
+    if not all(err[f"{p} finite"] and err[f"{p} o"] < 6e-3 and err[f"{p} state"] < 1e-2
+               for p in ("emulate", "emulate c32")):
         log("[dry-run] emulation fails the fp64 bar")
         return 1
     with tempfile.TemporaryDirectory() as d:
@@ -498,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     alive = run_probe(min(150.0, budget.left() * 0.4))
     log(f"[probe] {alive}")
     impls = Impls()
-    for name in ("k1", "k2", "v2"):
+    for name in PROBED:
         if not alive[name] and getattr(impls, name) is not None:
             setattr(impls, name, None)
             impls.missing[name] = "dropped by the probe"

@@ -3,7 +3,8 @@
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
 ``/work/venv36/bin/python benchmarks/kda/v2_compile.py [--sass] [--dump DIR] [--no-recurrence]``.
 Kernel files are loaded by path, so ``flashkda`` (and torch) are not imported. The prepare kernel (K1) is compiled
-here; the recurrence kernel (K2) by ``v2_compile_recurrence.py`` beside this file, run after K1 when present.
+here; the recurrence kernels (K2, chunk 16 and chunk 32) by ``v2_compile_recurrence.py`` and
+``v2_compile_recurrence32.py`` beside this file, run after K1 when present.
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ def main(argv=None) -> int:
         if args.dump:
             dump_asm(k, args.dump, "prepare")
             args.dump = None
-    rec = HERE / "v2_compile_recurrence.py"
-    if not args.no_recurrence and rec.exists():
-        failed += load_by_path("v2_compile_recurrence", rec).main(["--sass"] if args.sass else [])
+    for script in ("v2_compile_recurrence.py", "v2_compile_recurrence32.py"):
+        rec = HERE / script
+        if not args.no_recurrence and rec.exists():
+            failed += load_by_path(rec.stem, rec).main(["--sass"] if args.sass else [])
     return 1 if failed else 0
 
 
