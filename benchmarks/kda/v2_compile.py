@@ -3,8 +3,8 @@
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
 ``/work/venv36/bin/python benchmarks/kda/v2_compile.py [--sass] [--dump DIR] [--no-recurrence]``.
 Kernel files are loaded by path, so ``flashkda`` (and torch) are not imported. The prepare kernel (K1) is compiled
-here; the recurrence kernels (K2, chunk 16 and chunk 32) by ``v2_compile_recurrence.py`` and
-``v2_compile_recurrence32.py`` beside this file, run after K1 when present.
+here; the recurrence kernel (K2) and the chunk-32 kernels by ``v2_compile_recurrence.py`` and
+``v2_compile32.py`` (with the chunk-32 K1) beside this file, run after K1 when present.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         if args.dump:
             dump_asm(k, args.dump, "prepare")
             args.dump = None
-    for script in ("v2_compile_recurrence.py", "v2_compile_recurrence32.py"):
+    for script in ("v2_compile_recurrence.py", "v2_compile32.py"):
         rec = HERE / script
         if not args.no_recurrence and rec.exists():
             failed += load_by_path(rec.stem, rec).main(["--sass"] if args.sass else [])

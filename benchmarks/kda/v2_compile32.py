@@ -1,0 +1,91 @@
+"""Offline sm_90a compile of the chunk-32 v2 kernels (K1 `prepare32_kernel.py`, K2 `recurrence32_kernel.py`):
+registers, spills, shared memory, resident CTAs, wgmma serialisation and SASS op counts.
+
+Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
+``/work/venv36/bin/python benchmarks/kda/v2_compile32.py [--chunk 32] [--stages 2 3] [--sass]``;
+`v2_compile.py` runs it after the other kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import triton
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import v2_compile_recurrence as REC  # noqa: E402  (loaded as a file, like this script)
+
+V2_DIR = HERE.parents[1] / "src" / "flashkda" / "fwd" / "v2"
+KERNEL_FILE = V2_DIR / "recurrence32_kernel.py"
+
+
+def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):
+    mod = REC.COMPILE.load_by_path("flashkda_v2_prepare32_kernel", V2_DIR / "prepare32_kernel.py")
+    fn = mod.kda_fwd_v2_prepare32_kernel
+    types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
+                 chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
+                 glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32", H="i32")
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    cx = dict(GROUP=group, HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    options = dict(num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS))
+    return triton.compile(REC.GluonASTSource(fn, sig, cx, attrs), target=REC.TARGET, options=options)
+
+
+def report(name: str, k, sass: bool, ops) -> str:
+    regs, spill, serialised = REC.COMPILE.ptxas_usage(k)
+    nw = k.metadata.num_warps
+    line = (f"{name}: warps={nw} regs={regs} spill_stores={spill}B smem={k.metadata.shared}B "
+            f"ctas/SM={REC.COMPILE.ctas_per_sm(regs, nw, k.metadata.shared)}"
+            f"{' WGMMA-SERIALIZED' if serialised else ''}")
+    return line + (f" sass={REC.COMPILE.sass_counts(k, ops)}" if sass else "")
+
+
+def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True):
+    mod = REC.COMPILE.load_by_path("flashkda_v2_recurrence32_kernel", KERNEL_FILE)
+    fn = mod.kda_fwd_v2_recurrence32_kernel
+    tok, tile, g = (REC.desc_type("bf16", [chunk, 128]), REC.desc_type("bf16", [chunk, chunk]),
+                    REC.desc_type("fp32", [1, 128]))
+    types = dict(kd_desc=tok, qd_desc=tok, kr_desc=tok, inv_desc=tile, mqk_desc=tile, g_desc=g, beta="*fp32",
+                 v="*bf16", o="*bf16", h0="*fp32", ht="*fp32", cu_seqlens="*i32", seq_chunks="*i32",
+                 order="*i32", H="i32")
+    num_warps = block_v // 16
+    cx = dict(C=chunk, BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True,
+              num_warps=num_warps)
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = REC.GluonASTSource(fn, sig, cx, attrs)
+    return triton.compile(src, target=REC.TARGET, options=dict(num_warps=num_warps))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunk", type=int, nargs="+", default=[32])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
+    ap.add_argument("--dump", default=None, help="write the ttgir/ptx of the first configuration to this folder")
+    args = ap.parse_args(argv)
+    failed = 0
+    jobs = [(f"prepare32 A_log={a} dt_bias={b} GVA group={grp}", REC.COMPILE.PREPARE_OPS,
+             lambda a=a, b=b, grp=grp: compile_prepare32(a, b, grp))
+            for a, b, grp in ((True, True, 1), (False, False, 1), (True, True, 2))]
+    jobs += [(f"recurrence32 C={c} BV=64 warps=4 stages={st}", REC.RECURRENCE_OPS,
+              lambda c=c, st=st: compile_recurrence32(c, 64, st)) for c in args.chunk for st in args.stages]
+    for name, ops, make in jobs:
+        try:
+            k = make()
+        except Exception as exc:  # report every configuration
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
+            continue
+        print(report(name, k, args.sass, ops))
+        if args.dump:
+            REC.COMPILE.dump_asm(k, args.dump, name.split()[0])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
