@@ -10,9 +10,9 @@ Stages, each guarded so that one failure does not stop the others, all inside ``
    FlashKDA on the same inputs when importable); a gate sweep ``lower_bound`` -5 ... -0.1 (NaN/inf, error vs fp64);
 4. per anchor row: v2 and CUTLASS vs fla (output and final-state relative RMS), then medians of CUDA events of
    fla, CUTLASS, v1 (``flashkda.chunk_kda``), v2 and v2's K1 and K2 alone. K2 is timed on K1's workspace, or on the
-   emulated one when K1 fails. ``k2 c32`` is the chunk-32 K2 (`flashkda.fwd.v2.recurrence32`) on the chunk-32
-   workspace of the same inputs (from a chunk-32 K1 when there is one, else emulated), timed next to K2, with its
-   own errors vs fla and (stage 3) vs fp64.
+   emulated one when K1 fails. The chunk-32 forward is timed next to it on the same inputs: ``v2 c32``
+   (`flashkda.fwd.v2.chunk_fwd32`), ``k1 c32`` and ``k2 c32`` (on K1 c32's workspace, or the emulated chunk-32
+   workspace when K1 c32 fails), each with its errors vs fla and (stage 3) vs fp64.
 
 Results: ``benchmarks/results/kda-v2-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -49,7 +49,7 @@ FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_
              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
 SWEEP = (-5.0, -3.0, -1.0, -0.5, -0.1)
 #: The kernels the child-process probe runs (one that hangs or crashes there is dropped from the run).
-PROBED = ("k1", "k2", "v2", "k2c32")
+PROBED = ("k1", "k2", "v2", "k2c32", "k1c32", "v2c32")
 #: HBM bytes per token-head that any forward moves (q, k, v, g in, o out, beta) and the H200's nominal bandwidth.
 BYTES_PER_TOKEN_HEAD = 4 * 128 * 2 + 128 * 2 + 2
 HBM_BYTES_PER_S = 4.8e12
@@ -116,6 +116,9 @@ class Impls:
         self.k2 = self._try("k2", lambda: __import__("flashkda.fwd.v2.recurrence", fromlist=["x"]).recurrence_fwd)
         self.k2c32 = self._try("k2c32", lambda: __import__("flashkda.fwd.v2.recurrence32",
                                                            fromlist=["x"]).recurrence32_fwd)
+        self.k1c32 = self._try("k1c32", lambda: __import__("flashkda.fwd.v2.prepare32", fromlist=["x"]).prepare32_fwd)
+        self.v2c32 = self._try("v2c32", lambda: __import__("flashkda.fwd.v2.chunk_fwd32",
+                                                           fromlist=["x"]).chunk_kda_fwd_v2_c32)
 
     def _try(self, name, make):
         fn, err = guarded(f"import {name}", make)
@@ -274,6 +277,9 @@ def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
             if impls.k2:
                 out, err = guarded(f"k2 {name}", k2_on_emulated, impls.k2, x, kw)
                 extra.update(fp64_errors("k2(emulated ws)", out, ref) if out else {"k2 error": err})
+            if impls.v2c32:
+                out, err = guarded(f"v2 c32 {name}", v2_call, impls.v2c32, x, kw)
+                extra.update(fp64_errors("v2 c32", out, ref) if out else {"v2 c32 error": err})
             if impls.k2c32:
                 out, err = guarded(f"k2 c32 {name}", k2c32_on_emulated, impls.k2c32, x, kw)
                 extra.update(fp64_errors("k2 c32(emulated ws)", out, ref) if out else {"k2 c32 error": err})
@@ -282,7 +288,7 @@ def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
                 extra.update(fp64_errors("cutlass", out, ref) if out else {"cutlass error": err})
         limit_o = 6e-3 if lengths else 5e-3
         ok = all(extra.get(f"{p} finite", False) and extra[f"{p} o"] <= limit_o and extra[f"{p} state"] <= 1e-2
-                 for p in ("v2", "k2(emulated ws)", "k2 c32(emulated ws)") if f"{p} o" in extra)
+                 for p in ("v2", "k2(emulated ws)", "v2 c32", "k2 c32(emulated ws)") if f"{p} o" in extra)
         extra[f"pass (o<={limit_o:.0e}, state<=1e-2, finite)"] = ok
         log(f"[fp64] {name}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in extra.items()))
@@ -327,18 +333,24 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
         runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
         runs["k2 stages2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=2)
-    if impls.k2c32 and layout is not None:
-        # the chunk-32 K2 on the chunk-32 workspace of the same inputs (emulated: no chunk-32 K1 kernel yet)
-        layout32, _ = guarded(f"layout32 {shape.name}", layout32_for, x, kw)
-        ws32, _ = (guarded(f"emulated workspace32 {shape.name}", emulated_workspace32, x, kw, layout32)
-                   if layout32 is not None else (None, None))
+    if impls.v2c32:
+        runs["v2 c32"] = lambda: v2_call(impls.v2c32, x, kw)
+    layout32, _ = guarded(f"layout32 {shape.name}", layout32_for, x, kw)
+    ws32 = None
+    if impls.k1c32 and layout32 is not None:
+        ws32, _ = guarded(f"k1 c32 {shape.name}", k1_call, impls.k1c32, x, kw, layout32)
         if ws32 is not None:
-            extra["k2 c32 workspace"] = "emulate"
-            runs["k2 c32"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True)
-            runs["k2 c32 stages3"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True, stages=3)
+            runs["k1 c32"] = lambda: k1_call(impls.k1c32, x, kw, layout32)
+            extra["k2 c32 workspace"] = "k1 c32"
+    if ws32 is None and impls.k2c32 and layout32 is not None:
+        ws32, _ = guarded(f"emulated workspace32 {shape.name}", emulated_workspace32, x, kw, layout32)
+        extra["k2 c32 workspace"] = "emulate"
+    if impls.k2c32 and ws32 is not None:
+        runs["k2 c32"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True)
+        runs["k2 c32 stages3"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True, stages=3)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
-        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2", "k2 c32", "k2 c32 stages3"):
+        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2", "v2 c32", "k2 c32", "k2 c32 stages3"):
             if name not in runs:
                 continue
             out, err = guarded(f"{name} {shape.name}", runs[name])
@@ -371,8 +383,13 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
             extra[f"{name}/fla speed-up"] = round(medians["fla"] / medians[name], 3)
     if "v2" in medians and "cutlass" in medians:
         extra["v2/cutlass speed-up"] = round(medians["cutlass"] / medians["v2"], 3)
-    if "k2" in medians and "k2 c32" in medians:
-        extra["k2 c32/k2 speed-up"] = round(medians["k2"] / medians["k2 c32"], 3)
+    for a, b in (("k2", "k2 c32"), ("k1", "k1 c32"), ("v2", "v2 c32")):
+        if a in medians and b in medians:
+            extra[f"{b}/{a} speed-up"] = round(medians[a] / medians[b], 3)
+    if "v2 c32" in medians:
+        for base in ("fla", "cutlass"):
+            if base in medians:
+                extra[f"v2 c32/{base} speed-up"] = round(medians[base] / medians["v2 c32"], 3)
     timing = {k: v for k, v in extra.items() if k.endswith(" ms") or "speed-up" in k}
     log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in timing.items()))
     log(f"[check] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items() if k not in timing))
@@ -407,6 +424,20 @@ def probe() -> int:
             return bool(torch.isfinite(o).all() and torch.isfinite(s).all())
 
         status["k2c32"] = guarded("probe k2c32", k2c32)[0]
+    if impls.k1c32:
+        def k1c32():
+            ws = k1_call(impls.k1c32, x, kw, layout32_for(x, kw))
+            torch.cuda.synchronize()
+            return bool(torch.isfinite(ws.kd.float()).all())
+
+        status["k1c32"] = guarded("probe k1c32", k1c32)[0]
+    if impls.v2c32:
+        def v2c32():
+            o, s = v2_call(impls.v2c32, x, kw)
+            torch.cuda.synchronize()
+            return bool(torch.isfinite(o).all() and torch.isfinite(s).all())
+
+        status["v2c32"] = guarded("probe v2c32", v2c32)[0]
     if impls.k1:
         def k1():
             ws = k1_call(impls.k1, x, kw, layout_for(x, kw))
