@@ -126,6 +126,20 @@ def _gpu_workspace32(B, T, H, lengths, lower_bound=-5.0, seed=0, init=True, extr
     return ws, (q, k, v, g, beta, A_log, dt_bias, h0), cu
 
 
+def test_c32_entry_rejects_what_v2_does_not_serve_and_imports_no_kernel():
+    import subprocess
+    import sys
+
+    from flashkda.fwd.v2.chunk_fwd32 import chunk_kda_fwd_v2_c32
+
+    q = torch.zeros(1, 4, 2, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Hopper"):
+        chunk_kda_fwd_v2_c32(q, q, q, q, q[..., 0], 1.0, lower_bound=-5.0)
+    code = ("import sys, flashkda.fwd.v2.chunk_fwd32, flashkda.fwd.v2.prepare32, flashkda.fwd.v2.recurrence32; "
+            "sys.exit(any(m.endswith(('_kernel',)) or m.startswith('triton.experimental.gluon') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_recurrence32_rejects_bad_arguments():
     from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
 
