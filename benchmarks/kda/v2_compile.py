@@ -37,9 +37,9 @@ def load_by_path(name: str, path: Path):
     return mod
 
 
-def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, batched: bool = False, group: int = 1):
+def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):
     mod = load_by_path("flashkda_v2_prepare_kernel", V2_DIR / "prepare_kernel.py")
-    fn = mod.kda_fwd_v2_prepare_batched_kernel if batched else mod.kda_fwd_v2_prepare_kernel
+    fn = mod.kda_fwd_v2_prepare_batched_kernel
     types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
                  chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
                  glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32", H="i32")
@@ -102,12 +102,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target {TARGET}")
     failed = 0
-    configs = [(False, True, True, 1), (False, False, False, 1), (False, True, True, 2),
-               (True, True, True, 1), (True, False, False, 1), (True, True, True, 2)]
-    for batched, a_log, bias, group in configs:
-        name = f"prepare{' batched' if batched else ''} A_log={a_log} dt_bias={bias} GVA group={group}"
+    for a_log, bias, group in [(True, True, 1), (False, False, 1), (True, True, 2)]:
+        name = f"prepare A_log={a_log} dt_bias={bias} GVA group={group}"
         try:
-            k = compile_prepare(a_log, bias, batched, group)
+            k = compile_prepare(a_log, bias, group)
         except Exception as exc:  # report every configuration
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")

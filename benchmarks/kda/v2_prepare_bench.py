@@ -1,5 +1,6 @@
-"""Time the v2 prepare kernel (K1) alone on the KDA prefill rows: one CTA per chunk vs the batched kernel (4 chunks
-per CTA), against a copy of the same bytes by torch (the bandwidth yardstick), after a check against the emulation.
+"""Time the v2 prepare kernel (K1) alone on the KDA prefill rows under several register caps (``prepare_fwd``'s
+``max_registers``; 0 is uncapped), against a copy of the same bytes by torch (the bandwidth yardstick), after a check
+against the emulation.
 
 Usage (GPU): ``python -m benchmarks.kda.v2_prepare_bench [--rows H64-T8192 ...] [--rep 20] [--no-write]``.
 K1 moves 1638 B per token-head (q, k, g, beta in; kd, qd, kr, beta, INV, Mqk, 2^Glast out): ``GB/s`` is that count
@@ -16,11 +17,13 @@ import torch
 from benchmarks.harness import Row, rms_ratio, time_fn, write_results
 from benchmarks.kda.registry import PREFILL
 from flashkda.fwd.v2.emulate import emulate_prepare
-from flashkda.fwd.v2.prepare import CHUNKS_PER_CTA, prepare_fwd
+from flashkda.fwd.v2.prepare import prepare_fwd
 from flashkda.fwd.v2.workspace import build_chunk_layout
 
 K1_BYTES_PER_TOKEN_HEAD = 3 * 256 + 2 + 3 * 256 + 4 + 2 * 512 / 16 + 512 / 16
 COPY_BYTES_PER_TOKEN_HEAD = 6 * 256
+#: ptxas register caps timed (the kernel's default cap first; 0: none).
+REGISTER_CAPS = (64, 80, 0)
 
 
 def inputs(case, device):
@@ -54,14 +57,14 @@ def bench_row(case, rep: int) -> Row:
     th = case.T * case.H
     extra: dict = {}
     medians = {}
-    for cpc in (1, CHUNKS_PER_CTA):
-        def run(cpc=cpc):
-            return prepare_fwd(q, k, g, beta, 128**-0.5, layout, -5.0, A_log, dt_bias, chunks_per_cta=cpc)
+    for cap in REGISTER_CAPS:
+        def run(cap=cap):
+            return prepare_fwd(q, k, g, beta, 128**-0.5, layout, -5.0, A_log, dt_bias, max_registers=cap)
 
-        extra.update({f"{k_} cpc={cpc}": v for k_, v in check(q, k, g, beta, A_log, dt_bias, layout, run()).items()})
-        medians[cpc] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
-        extra[f"k1 cpc={cpc} ms"] = round(medians[cpc], 4)
-        extra[f"k1 cpc={cpc} GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians[cpc] / 1e6, 1)
+        extra.update({f"{k_} cap={cap}": v for k_, v in check(q, k, g, beta, A_log, dt_bias, layout, run()).items()})
+        medians[cap] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
+        extra[f"k1 cap={cap} ms"] = round(medians[cap], 4)
+        extra[f"k1 cap={cap} GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians[cap] / 1e6, 1)
     src = [q, k, g]
     dst = [torch.empty_like(x) for x in src]
 

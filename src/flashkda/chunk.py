@@ -32,6 +32,7 @@ from flashkda.bwd.chunk_bwd import (
 )
 from flashkda.bwd.layout import make_layout
 from flashkda.fwd.chunk_fwd import chunk_kda_fwd
+from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2, prefers_v2
 from flashkda.options import KDAOptions
 
 __all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda", "chunk_kda_autograd", "needs_grad"]
@@ -174,14 +175,18 @@ def chunk_kda(
             disable_recompute=disable_recompute, cu_seqlens_cpu=cu_seqlens_cpu,
         )
 
-    o, final_state, _ = chunk_kda_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale,
+    flags = dict(
         initial_state=None if initial_state is None else initial_state.contiguous(),
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log_k, dt_bias=dt_bias_k,
     )
+    if prefers_v2(q, k, v, g, beta, **flags):
+        o, final_state, _ = chunk_kda_fwd_v2(q, k, v, g, beta, scale, **flags, cu_seqlens_cpu=cu_seqlens_cpu)
+        return o, final_state
+    o, final_state, _ = chunk_kda_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, **flags)
     return o, final_state
 
 

@@ -6,7 +6,7 @@ import torch
 
 from flashkda import reference
 from flashkda.fwd.v2.emulate import emulate_chunk_kda, emulate_prepare, neumann_inverse
-from flashkda.fwd.v2.workspace import CHUNK, build_chunk_layout
+from flashkda.fwd.v2.workspace import CHUNK, build_chunk_layout, cached_chunk_layout
 from tests.flashkda.kda_cases import assert_close
 
 K = 128
@@ -64,6 +64,22 @@ def test_varlen_layout_matches_python(lengths):
     assert layout.chunk_index[len(rows):].tolist() == [[-1, 0, 0]] * (layout.num_chunks - len(rows))
     assert layout.seq_chunks.tolist() == starts
     assert layout.cu_seqlens.tolist() == cu.tolist()
+    if len(lengths) > 1:  # longest first, ties in sequence order
+        assert layout.seq_order.tolist() == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    else:
+        assert layout.seq_order is None
+
+
+def test_cached_layout_reuses_and_rebuilds():
+    cu = torch.tensor([0, 20, 50], dtype=torch.int64)
+    first = cached_chunk_layout(1, 50, cu, CPU)
+    assert cached_chunk_layout(1, 50, cu, CPU) is first
+    assert cached_chunk_layout(1, 50, cu.clone(), CPU) is not first  # another tensor object
+    cu[1] = 30  # modified in place: the cached layout is stale
+    again = cached_chunk_layout(1, 50, cu, CPU)
+    assert again is not first and again.chunk_index[:4, 2].tolist() == [16, 14, 16, 4]
+    fixed = cached_chunk_layout(2, 40, None, CPU)
+    assert cached_chunk_layout(2, 40, None, CPU) is fixed and cached_chunk_layout(2, 41, None, CPU) is not fixed
 
 
 def test_fixed_layout_matches_python():
@@ -182,15 +198,15 @@ def gpu_inputs(B, T, H, cu, a_log, seed, HV):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunks_per_cta", [1, 4])
+@pytest.mark.parametrize("max_registers", [None, 0])
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", GPU_CASES)
-def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, HV, chunks_per_cta):
+def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, HV, max_registers):
     from flashkda.fwd.v2.prepare import prepare_fwd
 
     cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
     layout = build_chunk_layout(B, T, cu_t, q.device)
     ref = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, chunks_per_cta=chunks_per_cta)
+    ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, max_registers=max_registers)
     torch.cuda.synchronize()
     used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
     for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-5), ("glast", 1e-4),

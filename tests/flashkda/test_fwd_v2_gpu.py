@@ -133,3 +133,46 @@ def test_recurrence_ignores_rows_past_the_last_sequence():
         ro, rs = emulate_recurrence(ws, v, h0, True)
     assert_close("o", ro[:, :end].float(), o[:, :end].float(), TOL_EMULATE)
     assert_close("final_state", rs, s, TOL_EMULATE)
+
+
+def test_v2_preference_rule(monkeypatch):
+    from flashkda.fwd.v2 import chunk_fwd
+
+    x = torch.zeros(1, 16, 1, K)
+    many = torch.zeros(1, 16, chunk_fwd.MIN_VALUE_HEADS, K)
+    g, beta = many, many[..., 0]
+    assert not chunk_fwd.prefers_v2(x, x, many, g, beta)  # CPU tensors: v2 does not serve them
+    monkeypatch.setattr(chunk_fwd, "supports_v2", lambda *args, **kwargs: True)
+    assert chunk_fwd.prefers_v2(x, x, many, g, beta)
+    assert not chunk_fwd.prefers_v2(x, x, many[:, :, :12], g, beta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, (700, 300, 24)], ids=str)
+def test_chunk_kda_inference_runs_v2_from_min_value_heads(lengths):
+    import flashkda
+    from flashkda.fwd.v2 import chunk_fwd
+
+    H, T = chunk_fwd.MIN_VALUE_HEADS, 1024
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    N = 1 if lengths is None else len(lengths)
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, T, H, N, seed=3)
+    flags = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
+    with torch.inference_mode():
+        o, s = flashkda.chunk_kda(q, k, v, g, beta, safe_gate=True, **flags)
+        o2, s2, _ = chunk_fwd.chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, safe_gate=True, **flags)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
+@pytest.mark.gpu
+def test_v2_state_v_first_is_the_transposed_state():
+    from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 300, 4, 1, seed=5)
+    flags = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
+    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, initial_state=h0, **flags)
+    o_t, s_t, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, initial_state=h0.transpose(-1, -2).contiguous(),
+                                   state_v_first=True, **flags)
+    assert torch.equal(o, o_t) and torch.equal(s, s_t.transpose(-1, -2))

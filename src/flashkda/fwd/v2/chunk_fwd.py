@@ -6,20 +6,27 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
 from flashkda.fwd.v2.pipeline import default_segments, plan_segments, segmented_forward
-from flashkda.fwd.v2.workspace import HEAD_DIM, build_chunk_layout
+from flashkda.fwd.v2.workspace import HEAD_DIM, cached_chunk_layout
 from flashkda.seqlens import host_cu_seqlens
 
-__all__ = ["chunk_kda_fwd_v2", "supports_v2", "v2_unsupported_reason"]
+__all__ = ["MIN_VALUE_HEADS", "auto_segments", "chunk_kda_fwd_v2", "prefers_v2", "supports_v2", "v2_unsupported_reason"]
 
+#: ``flashkda.chunk_kda``'s inference path takes v2 from this many value heads up: on the H200 v2 was 1.2-1.5x faster
+#: than the v1 kernels at H64 and H96 on every anchor row and 0.58-0.78x at H12 (``docs/flashkda-v2.md``).
+MIN_VALUE_HEADS = 64
+#: Fixed-length calls from this many token-heads (``B * T * HV``) up overlap K1 and K2 by default.
+PIPELINE_MIN_TOKEN_HEADS = 1 << 19
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
 
 
+@functools.cache
 def _has_gluon() -> bool:
     try:
         return importlib.util.find_spec("triton.experimental.gluon") is not None
@@ -63,8 +70,6 @@ def v2_unsupported_reason(
         return "allow_neg_eigval is not supported"
     if lower_bound is None or not (MIN_LOWER_BOUND <= lower_bound < 0):
         return f"needs a bounded gate with lower_bound in [{MIN_LOWER_BOUND}, 0), got {lower_bound}"
-    if state_v_first:
-        return "needs the K-first state layout"
     if initial_state is not None and initial_state.dtype != torch.float32:
         return f"needs an fp32 initial_state, got {initial_state.dtype}"
     if cu_seqlens is not None and q.shape[0] != 1:
@@ -76,11 +81,20 @@ def v2_unsupported_reason(
     return None
 
 
-def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+def auto_segments(B: int, T: int, HV: int, varlen: bool) -> int:
+    """The segment count that ``segments=None`` takes: the pipeline's default for fixed-length calls of at least
+    `PIPELINE_MIN_TOKEN_HEADS` token-heads, else 1 (on the H200 the overlap lost on every varlen anchor row and on
+    H12 T8192, and won 1.07-1.29x from H64 T8192 up)."""
+    if varlen or B * T * HV < PIPELINE_MIN_TOKEN_HEADS:
+        return 1
+    return default_segments(B * T)
+
+
+def _plan(B: int, T: int, HV: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
           segments: int | None) -> tuple[list[int] | None, list]:
     """The host token offsets and segment plan of a call (``(None, [])`` when it runs unsegmented)."""
     if segments is None:
-        segments = default_segments(B * T)
+        segments = auto_segments(B, T, HV, cu_seqlens is not None)
     elif isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments must be an int >= 1 or None, got {segments!r}")
     if cu_seqlens_cpu is not None:
@@ -104,6 +118,12 @@ def supports_v2(*args, **kwargs) -> bool:
     return v2_unsupported_reason(*args, **kwargs) is None
 
 
+def prefers_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> bool:
+    """True when an inference call (arguments as `v2_unsupported_reason`) should run v2 rather than the v1 kernels:
+    v2 serves it and it has at least `MIN_VALUE_HEADS` value heads."""
+    return v.dim() == 4 and v.shape[2] >= MIN_VALUE_HEADS and supports_v2(q, k, v, *args, **kwargs)
+
+
 def chunk_kda_fwd_v2(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,7 +144,7 @@ def chunk_kda_fwd_v2(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    segments: int | None = 1,
+    segments: int | None = None,
     recurrence_on_side: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
@@ -132,14 +152,13 @@ def chunk_kda_fwd_v2(
     Args:
         q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, HV, 128]`` bf16 (``HV`` a multiple of ``H``, GVA); g:
             ``[B, T, HV, 128]`` raw gate; beta: ``[B, T, HV]`` logits; scale: query scale (already defaulted).
-        initial_state: ``[N, HV, 128, 128]`` fp32 (K-first) or None.
+        initial_state: ``[N, HV, 128, 128]`` fp32 (``[N, HV, V, K]`` if ``state_v_first``) or None.
         output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
         segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`);
-            None takes ``pipeline.default_segments(B * T)`` (one per 2048 tokens, at most 16); the default 1 runs
-            K1 then K2, the only arrangement measured on a GPU so far (``docs/flashkda-v2.md``).
+            None (default) takes `auto_segments`; 1 runs K1 then K2.
             With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
             of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
             fixed length) the call never synchronises and can be captured in a CUDA graph.
@@ -147,7 +166,8 @@ def chunk_kda_fwd_v2(
             (True), or the other way round (False).
 
     Returns:
-        ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 or None
+        ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 (in the
+        layout ``state_v_first`` names) or None
         (the third item stands for ``chunk_kda_fwd``'s per-chunk states, which v2 does not keep).
 
     Raises:
@@ -162,16 +182,19 @@ def chunk_kda_fwd_v2(
     from flashkda.fwd.v2.recurrence import recurrence_fwd
 
     B, T = q.shape[:2]
-    cu, plan = _plan(B, T, cu_seqlens, cu_seqlens_cpu, segments)
+    cu, plan = _plan(B, T, v.shape[2], cu_seqlens, cu_seqlens_cpu, segments)
+    if initial_state is not None:  # the kernels keep the state K-first
+        initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).contiguous()
     if len(plan) > 1:
         o, final = segmented_forward(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, lower_bound,
-            A_log, dt_bias, initial_state.contiguous() if initial_state is not None else None, output_final_state,
-            cu, cu_seqlens, plan, recurrence_on_side=recurrence_on_side)
-        return o, final, None
-    layout = build_chunk_layout(B, T, cu_seqlens, q.device)
-    ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout, lower_bound,
-                     A_log, dt_bias)
-    o, final = recurrence_fwd(ws, v.contiguous(), initial_state.contiguous() if initial_state is not None else None,
-                              output_final_state)
+            A_log, dt_bias, initial_state, output_final_state, cu, cu_seqlens, plan,
+            recurrence_on_side=recurrence_on_side)
+    else:
+        layout = cached_chunk_layout(B, T, cu_seqlens, q.device)
+        ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
+                         lower_bound, A_log, dt_bias)
+        o, final = recurrence_fwd(ws, v.contiguous(), initial_state, output_final_state)
+    if final is not None and state_v_first:
+        final = final.transpose(-1, -2).contiguous()
     return o, final, None

@@ -15,7 +15,7 @@ from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, allocate
 
 __all__ = ["CHUNKS_PER_CTA", "prepare_fwd"]
 
-#: Chunks per CTA of the batched kernel (1 selects the kernel with one CTA per chunk and head).
+#: Chunks per CTA of the kernel (`prepare_kernel.CB`).
 CHUNKS_PER_CTA = 4
 
 
@@ -49,7 +49,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                 layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
                 dt_bias: torch.Tensor | None = None, ws: Workspace | None = None,
-                chunks_per_cta: int = 1) -> Workspace:
+                max_registers: int | None = None) -> Workspace:
     """Run K1: the workspace for raw inputs (same contract as `emulate.emulate_prepare`).
 
     Args:
@@ -61,15 +61,16 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
         ws: a workspace to fill (from `allocate_workspace` for the same layout and HV), or None to allocate one.
-        chunks_per_cta: 1 (one CTA per chunk and head) or `CHUNKS_PER_CTA` (the batched kernel: the 16x16
-            products of 4 chunks at once, no warp computing a copy of another's).
+        max_registers: the register cap per thread handed to ptxas; None takes ``prepare_kernel.MAX_REGISTERS``
+            (0: no cap).
 
     Returns:
         `Workspace` with ``HV`` heads; every element K2 reads is written.
     """
     _check(q, k, g, beta, layout)
-    if chunks_per_cta not in (1, CHUNKS_PER_CTA):
-        raise ValueError(f"chunks_per_cta must be 1 or {CHUNKS_PER_CTA}, got {chunks_per_cta}")
+    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
+                                      or not (max_registers == 0 or 24 <= max_registers <= 255)):
+        raise ValueError(f"max_registers must be None, 0 or an int in [24, 255], got {max_registers!r}")
     H = g.shape[2]
     if ws is None:
         ws = allocate_workspace(layout, H, q.device)
@@ -77,14 +78,14 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    kernel = mod.kda_fwd_v2_prepare_kernel if chunks_per_cta == 1 else mod.kda_fwd_v2_prepare_batched_kernel
+    cap = int(mod.MAX_REGISTERS) if max_registers is None else max_registers
     NT = layout.num_chunks
-    kernel[(-(-NT // chunks_per_cta) * H,)](
+    mod.kda_fwd_v2_prepare_batched_kernel[(-(-NT // CHUNKS_PER_CTA) * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
         float(scale), float(lower_bound) / math.log(2.0), NT, H,
         GROUP=H // q.shape[2], HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS),
+        num_warps=int(mod.NUM_WARPS), **({"maxnreg": cap} if cap else {}),
     )
     return ws

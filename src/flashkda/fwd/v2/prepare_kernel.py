@@ -2,8 +2,7 @@
 
 It imports nothing but Triton, so the offline compile script can load it by path with Triton 3.6 and no torch.
 
-Two kernels, 8 warps per CTA: `kda_fwd_v2_prepare_kernel`, one CTA per (16-token chunk, head), and
-`kda_fwd_v2_prepare_batched_kernel`, one CTA per (4 consecutive chunks, head). Each thread owns 8 tokens of one
+One kernel, `kda_fwd_v2_prepare_batched_kernel`: 8 warps per CTA, one CTA per (4 consecutive chunks, head). Each thread owns 8 tokens of one
 channel (two lanes share a channel), so the gate's cumsum runs in registers plus one shuffle, and the L2 norms are one
 cross-warp reduction per token. Per chunk and head (C = 16, K = 128)::
 
@@ -15,8 +14,8 @@ cross-warp reduction per token. Per chunk and head (C = 16, K = 128)::
 
 The 16x16 products go through shared memory (bf16 ``kd, qd, ki`` tiles, fp16 16x16 tiles), because an mma.sync
 operand layout spreads a row over four lanes while the elementwise layout keeps a channel in two lanes. A 16x16
-result needs only two warps: in the first kernel the other six compute copies (and load their operands again); the
-batched kernel gives each warp its own (chunk, 8-column half) of the [4, 16, 16] products.
+result needs only two warps, so the kernel gives each warp its own (chunk, 8-column half) of the [4, 16, 16] products
+(a CTA per single chunk, where six warps computed copies, was 1.1-1.3x slower on every anchor row).
 """
 
 from __future__ import annotations
@@ -28,18 +27,14 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 CHUNK = gl.constexpr(16)
 HEAD_DIM = gl.constexpr(128)
 NUM_WARPS = gl.constexpr(8)
-#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 76 (one chunk) and 108 (batched))
+#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 108)
 MAX_REGISTERS = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 L2NORM_EPS = gl.constexpr(1e-6)
 
 # 8 tokens of one channel per thread
 COL = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, 8], [0, 1]))
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8], instr_shape=[16, 8]))
-DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 SMEM_TOK = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
-SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[1, 0]))
 # the batched kernel: CB chunks per CTA, one (chunk, 8-column half) of every 16x16 product per warp
 CB = gl.constexpr(4)
 MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 2], instr_shape=[1, 16, 8]))
@@ -167,7 +162,7 @@ def _beta_sigmoid(b, beta, rows, mask):
 
 
 @gluon.jit
-def kda_fwd_v2_prepare_kernel(
+def kda_fwd_v2_prepare_batched_kernel(
     q, k, g, beta_in,  # [T_total, H / GROUP, 128] bf16 x2, [T_total, H, 128], [T_total, H] logits (any float)
     A_log, dt_bias,  # [H], [H * 128] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
     chunk_index,  # [NT, 3] int32 (sequence, first token row, valid tokens)
@@ -176,58 +171,9 @@ def kda_fwd_v2_prepare_kernel(
     NT, H,  # chunks, value heads
     GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (chunk, value head), grid ``NT * H``; GROUP value heads share a q/k head (GVA)."""
-    C: gl.constexpr = CHUNK
-    # heads fastest: CTAs running together read one contiguous [16, H, 128] block of each input
-    i_c = gl.program_id(0) // H
-    i_h = gl.program_id(0) % H
-    first = gl.load(chunk_index + i_c * 3 + 1)
-    n_valid = gl.load(chunk_index + i_c * 3 + 2)
-    tile = i_c.to(gl.int64) * H + i_h
-    # every global load is issued before any math
-    b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
-    o_i = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
-    o_j = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
-    m_i = o_i < n_valid
-    rows_i = (first + o_i).to(gl.int64) * H + i_h
-    b_beta = gl.load(beta_in + rows_i, mask=m_i, other=0.0)
-    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
-    b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, tile, i_h, first, n_valid,
-                                       scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
-
-    # ---- 16x16 products
-    kd_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_kd)
-    qd_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_qd)
-    ki_s = gl.allocate_shared_memory(gl.bfloat16, [C, HEAD_DIM], SMEM_TOK, b_ki)
-    ki_t = ki_s.permute([1, 0]).load(DOT_B)  # [K, C]
-    zero = gl.zeros([C, C], gl.float32, MMA)
-    A_kk = mma_v2(kd_s.load(DOT_A), ki_t, zero)
-    A_qk = mma_v2(qd_s.load(DOT_A), ki_t, zero)
-
-    b_beta = _beta_sigmoid(b_beta, beta, rows_i, m_i)
-    ii = gl.expand_dims(o_i, 1)
-    jj = gl.expand_dims(o_j, 0)
-    L1 = gl.where(ii > jj, A_kk * gl.expand_dims(b_beta, 1), 0.0)
-    A_qk = gl.where(ii >= jj, A_qk, 0.0)
-    eye = gl.where(ii == jj, 1.0, 0.0)
-    a_s = gl.allocate_shared_memory(gl.float16, [C, C], SMEM_TILE)
-    b_s = gl.allocate_shared_memory(gl.float16, [C, C], SMEM_TILE)
-    X = _neumann_inverse(L1, eye, a_s, b_s, MMA, DOT_A, DOT_B)
-    X = gl.where(gl.expand_dims(m_i, 1), X, 0.0)
-
-    o_ij = (tile * C + ii) * C + jj
-    gl.store(inv + o_ij, X.to(gl.bfloat16))
-    gl.store(mqk + o_ij, A_qk.to(gl.bfloat16))
-
-
-@gluon.jit
-def kda_fwd_v2_prepare_batched_kernel(
-    q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
-    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
-):
-    """One CTA per (CB consecutive chunks, value head), grid ``ceil(NT / CB) * H``; arguments as
-    `kda_fwd_v2_prepare_kernel`'s. The elementwise part runs chunk by chunk; the products run once for all CB
-    chunks, each warp on its own (chunk, column half)."""
+    """One CTA per (CB consecutive chunks, value head), grid ``ceil(NT / CB) * H``; GROUP value heads share a q/k
+    head (GVA). The elementwise part runs chunk by chunk; the products run once for all CB chunks, each warp on its
+    own (chunk, column half)."""
     C: gl.constexpr = CHUNK
     K: gl.constexpr = HEAD_DIM
     i_b = gl.program_id(0) // H

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from flashkda.index import build_chunk_index
+from flashkda.seqlens import IdentityCache
 
-__all__ = ["CHUNK", "HEAD_DIM", "ChunkLayout", "Workspace", "allocate_workspace", "build_chunk_layout"]
+__all__ = ["CHUNK", "HEAD_DIM", "ChunkLayout", "Workspace", "allocate_workspace", "build_chunk_layout",
+           "cached_chunk_layout"]
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -43,6 +45,7 @@ class ChunkLayout:
         chunk_index: ``[NT, 3]`` int32 ``(sequence id, first token row, valid tokens)``, ``(-1, 0, 0)`` when unused.
         seq_chunks: ``[N + 1]`` int32 first chunk of each sequence, ``seq_chunks[N]`` = chunks in use.
         cu_seqlens: ``[N + 1]`` int32 token offsets of the sequences (built for fixed length too).
+        seq_order: ``[N]`` int32 sequence ids longest first (the recurrence's launch order), None for fixed length.
     """
 
     num_seqs: int
@@ -52,6 +55,7 @@ class ChunkLayout:
     chunk_index: torch.Tensor
     seq_chunks: torch.Tensor
     cu_seqlens: torch.Tensor
+    seq_order: torch.Tensor | None = None
 
 
 def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
@@ -88,9 +92,41 @@ def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: 
         first = seq * T + within
         valid = torch.clamp(T - within, max=CHUNK)
     chunk_index = torch.stack([seq, first, valid], 1).to(torch.int32).contiguous()
+    order = None
+    if index.is_varlen and index.num_seqs > 1:
+        order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
     return ChunkLayout(num_seqs=index.num_seqs, num_chunks=index.num_chunks, total_tokens=B * T,
                        max_chunks_per_seq=nts, chunk_index=chunk_index, seq_chunks=seq_chunks.contiguous(),
-                       cu_seqlens=cu.contiguous())
+                       cu_seqlens=cu.contiguous(), seq_order=order)
+
+
+_FIXED_LAYOUTS: dict[tuple, ChunkLayout] = {}
+_VARLEN_LAYOUTS = IdentityCache(size=8)
+#: fixed-length layouts kept (oldest dropped first)
+_FIXED_LAYOUTS_MAX = 16
+
+
+def cached_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
+    """`build_chunk_layout`, reused across calls: per ``(B, T, device)`` for fixed length, per ``cu_seqlens`` tensor
+    object (while unmodified in place) for varlen.
+
+    Building a layout launches about twenty small kernels; a model's KDA layers all see the same batch, so every
+    layer after the first reuses its layout. The cached tensors are never written after they are built.
+    """
+    device = torch.device(device)
+    if cu_seqlens is None:
+        key = (B, T, device)
+        layout = _FIXED_LAYOUTS.get(key)
+        if layout is None:
+            layout = build_chunk_layout(B, T, None, device)
+            _FIXED_LAYOUTS[key] = layout
+            while len(_FIXED_LAYOUTS) > _FIXED_LAYOUTS_MAX:
+                del _FIXED_LAYOUTS[next(iter(_FIXED_LAYOUTS))]
+        return layout
+    layout = _VARLEN_LAYOUTS.get(cu_seqlens, B, T, device)
+    if layout is None:
+        layout = _VARLEN_LAYOUTS.put(cu_seqlens, build_chunk_layout(B, T, cu_seqlens, device), B, T, device)
+    return layout
 
 
 @dataclass(frozen=True)
