@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from flashkda.fwd.v2.chunk_fwd import v2_unsupported_reason
-from flashkda.fwd.v2.workspace32 import build_chunk_layout32
+from flashkda.fwd.v2.workspace32 import cached_chunk_layout32
 
 __all__ = ["chunk_kda_fwd_v2_c32"]
 
@@ -50,7 +50,7 @@ def chunk_kda_fwd_v2_c32(
     from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
 
     B, T = q.shape[:2]
-    layout = build_chunk_layout32(B, T, cu_seqlens, q.device)
+    layout = cached_chunk_layout32(B, T, cu_seqlens, q.device)
     ws = prepare32_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
                        lower_bound, A_log, dt_bias)
     o, final = recurrence32_fwd(ws, v.contiguous(),

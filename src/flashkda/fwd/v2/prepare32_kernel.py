@@ -2,7 +2,8 @@
 and by path (without torch) by the offline compile script.
 
 One CTA of 8 warps per (32-token chunk, value head), grid ``NT * H`` with the head fastest. The chunk is handled as
-two 16-token halves A and B in the layouts of the chunk-16 kernel (`prepare_kernel`, whose helpers it uses), with
+two 16-token halves A and B in the elementwise layout of the chunk-16 kernel (`prepare_kernel`, whose helpers it
+uses), with
 the exponent references of ``emulate32`` (so that no factor leaves ``2^+-115`` at ``lower_bound = -5``)::
 
     G_A = cumsum(gate_A), r = G_A[15];  G_B' = cumsum(gate_B) (= G_B - r);  Glast = r + G_B'[15]
@@ -39,11 +40,12 @@ HEAD_DIM = _k16.HEAD_DIM
 LOG2E = _k16.LOG2E
 L2NORM_EPS = _k16.L2NORM_EPS
 COL = _k16.COL
-MMA = _k16.MMA
-DOT_A = _k16.DOT_A
-DOT_B = _k16.DOT_B
 SMEM_TOK = _k16.SMEM_TOK
-SMEM_TILE = _k16.SMEM_TILE
+# the 16x16 products: mma.sync over all 8 warps (a 16x16 result needs two, the other six compute copies)
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8], instr_shape=[16, 8]))
+DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[1, 0]))
 _add = _k16._add
 _mm16 = _k16._mm16
 _neumann_inverse = _k16._neumann_inverse

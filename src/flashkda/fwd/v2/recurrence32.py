@@ -84,7 +84,7 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
     use_order = N > 1
     if use_order and order is None:
-        order = longest_first_order(layout.cu_seqlens)
+        order = layout.seq_order if layout.seq_order is not None else longest_first_order(layout.cu_seqlens)
     dummy = ws.beta
     _kernel()[(H * 2, N)](
         tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,

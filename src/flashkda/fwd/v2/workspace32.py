@@ -24,8 +24,9 @@ import torch
 
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
 from flashkda.index import build_chunk_index
+from flashkda.seqlens import IdentityCache
 
-__all__ = ["CHUNK32", "REF_TOKEN", "allocate_workspace32", "build_chunk_layout32"]
+__all__ = ["CHUNK32", "REF_TOKEN", "allocate_workspace32", "build_chunk_layout32", "cached_chunk_layout32"]
 
 CHUNK32 = 32
 #: The token whose cumulative gate is the reference ``r`` of the second half's exponents in the prepare.
@@ -57,9 +58,30 @@ def build_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device
         first = seq * T + within
         valid = torch.clamp(T - within, max=C)
     chunk_index = torch.stack([seq, first, valid], 1).to(torch.int32).contiguous()
+    order = None
+    if index.is_varlen and index.num_seqs > 1:
+        order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
     return ChunkLayout(num_seqs=index.num_seqs, num_chunks=index.num_chunks, total_tokens=B * T,
                        max_chunks_per_seq=nts, chunk_index=chunk_index, seq_chunks=seq_chunks.contiguous(),
-                       cu_seqlens=cu.contiguous())
+                       cu_seqlens=cu.contiguous(), seq_order=order)
+
+
+_LAYOUTS32 = IdentityCache(size=8)
+
+
+def cached_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
+    """`build_chunk_layout32`, reused across calls like ``workspace.cached_chunk_layout``: per ``(B, T, device)``
+    for fixed length, per ``cu_seqlens`` tensor object (while unmodified in place) for varlen."""
+    device = torch.device(device)
+    key_tensor = cu_seqlens if cu_seqlens is not None else _FIXED_KEY
+    layout = _LAYOUTS32.get(key_tensor, B, T, device)
+    if layout is None:
+        layout = _LAYOUTS32.put(key_tensor, build_chunk_layout32(B, T, cu_seqlens, device), B, T, device)
+    return layout
+
+
+#: the cache key tensor of every fixed-length layout (the key is then ``(B, T, device)``)
+_FIXED_KEY = torch.zeros(1)
 
 
 def allocate_workspace32(layout: ChunkLayout, H: int, device: torch.device) -> Workspace:
