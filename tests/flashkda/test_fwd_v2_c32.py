@@ -176,10 +176,9 @@ def test_recurrence32_kernel_matches_fp64(lower_bound):
     q, k, v, g, beta, A_log, dt_bias, h0 = x
     with torch.inference_mode():
         o, s = recurrence32_fwd(ws, v, h0, True)
-        ro, rs = _reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), h0.cpu(), lower_bound, cu.cpu(),
-                            A_log.cpu(), dt_bias.cpu())
-    assert_close("o", ro, o.cpu(), 6e-3)
-    assert_close("final_state", rs, s.cpu(), 1e-2)
+        ro, rs = _reference(q, k, v, g, beta, h0, lower_bound, cu, A_log, dt_bias)
+    assert_close("o", ro, o, 6e-3)
+    assert_close("final_state", rs, s, 1e-2)
 
 
 @pytest.mark.gpu
