@@ -22,9 +22,9 @@ V2_DIR = HERE.parents[1] / "src" / "flashkda" / "fwd" / "v2"
 KERNEL_FILE = V2_DIR / "recurrence32_kernel.py"
 
 
-def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):
+def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1, batched: bool = False):
     mod = REC.COMPILE.load_by_path("flashkda_v2_prepare32_kernel", V2_DIR / "prepare32_kernel.py")
-    fn = mod.kda_fwd_v2_prepare32_kernel
+    fn = mod.kda_fwd_v2_prepare32_batched_kernel if batched else mod.kda_fwd_v2_prepare32_kernel
     types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
                  chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
                  glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32", H="i32")
@@ -69,9 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", default=None, help="write the ttgir/ptx of the first configuration to this folder")
     args = ap.parse_args(argv)
     failed = 0
-    jobs = [(f"prepare32 A_log={a} dt_bias={b} GVA group={grp}", REC.COMPILE.PREPARE_OPS,
-             lambda a=a, b=b, grp=grp: compile_prepare32(a, b, grp))
-            for a, b, grp in ((True, True, 1), (False, False, 1), (True, True, 2))]
+    jobs = [(f"prepare32{' batched' if bt else ''} A_log={a} dt_bias={b} GVA group={grp}", REC.COMPILE.PREPARE_OPS,
+             lambda a=a, b=b, grp=grp, bt=bt: compile_prepare32(a, b, grp, bt))
+            for bt in (False, True) for a, b, grp in ((True, True, 1), (False, False, 1), (True, True, 2))]
     jobs += [(f"recurrence32 C={c} BV=64 warps=4 stages={st}", REC.RECURRENCE_OPS,
               lambda c=c, st=st: compile_recurrence32(c, 64, st)) for c in args.chunk for st in args.stages]
     for name, ops, make in jobs:

@@ -205,14 +205,15 @@ def test_recurrence32_ignores_rows_past_the_last_sequence():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "all-warps"])
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", V2_GPU_CASES)
-def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV):
+def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV, batched):
     from flashkda.fwd.v2.prepare32 import prepare32_fwd
 
     cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
     layout = build_chunk_layout32(B, T, cu_t, q.device)
     ref = emulate_prepare32(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, batched=batched)
     torch.cuda.synchronize()
     used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
     for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-5), ("glast", 1e-4),

@@ -28,7 +28,7 @@ def _kernel_module():
 
 def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
-                  dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
+                  dt_bias: torch.Tensor | None = None, ws: Workspace | None = None, batched: bool = True) -> Workspace:
     """Run the chunk-32 K1 (same contract as ``emulate32.emulate_prepare32``).
 
     Args:
@@ -39,6 +39,8 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
         ws: a chunk-32 workspace to fill (``allocate_workspace32`` for the same layout and HV), or None.
+        batched: the kernel whose six 16x16x128 products run as two batches of four, one per warp (True), or the
+            one computing them on all 8 warps (False; 6 compute copies). Which is faster is not measured.
 
     Returns:
         The chunk-32 `Workspace` with ``HV`` heads; every element the chunk-32 K2 reads is written.
@@ -54,7 +56,8 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    mod.kda_fwd_v2_prepare32_kernel[(layout.num_chunks * H,)](
+    kernel = mod.kda_fwd_v2_prepare32_batched_kernel if batched else mod.kda_fwd_v2_prepare32_kernel
+    kernel[(layout.num_chunks * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,

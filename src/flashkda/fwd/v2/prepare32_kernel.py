@@ -46,6 +46,17 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8
 DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[1, 0]))
+# the batched kernel: the six 16x16x128 products as two [4, 16, 16] batches, one (batch, 8-column half) per warp
+MMA3 = _k16.MMA3
+DOT_A3 = _k16.DOT_A3
+DOT_B3 = _k16.DOT_B3
+SMEM_TOK3 = _k16.SMEM_TOK3
+SMEM_TILE3 = _k16.SMEM_TILE3
+SMEM_KT = _k16.SMEM_KT
+SMEM_KT3 = _k16.SMEM_KT3
+# unswizzled fp32 [4, 16, 16]: stored whole through the 3D layout, read back 16x16 tiles through the 2D one
+SMEM_F32 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+SMEM_F32_3 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 _add = _k16._add
 _mm16 = _k16._mm16
 _neumann_inverse = _k16._neumann_inverse
@@ -84,6 +95,45 @@ def _mm_tok(a_s, b_s):
 
 
 @gluon.jit
+def _elementwise32(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale,
+                   GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The elementwise part of a chunk: stores ``kd, qd, kr, glast`` and returns the bf16 ``[16, K]`` product
+    operands ``kd_A, qd_A, ki_A, kiAr, kd_B, qd_B, ki_B`` (module docstring) in the ``COL`` layout."""
+    K: gl.constexpr = HEAD_DIM
+    n_a = gl.minimum(n_valid, HALF)
+    n_b = gl.maximum(n_valid - HALF, 0)
+    q_a, k_a, g_a = _load_tokens(q, k, g, first, n_a, i_h, H, GROUP)
+    q_b, k_b, g_b = _load_tokens(q, k, g, first + HALF, n_b, i_h, H, GROUP)
+    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
+    m_a, base_a, o_tk = _token_offsets(first, n_a, i_h, H)
+    m_b, base_b, _ = _token_offsets(first + HALF, n_b, i_h, H)
+    q_a, k_a, G_a, r = _norm_gate(q_a, k_a, g_a, b_dt, a_log, m_a, scale, gate_scale, HAS_A_LOG, HAS_DT_BIAS)
+    q_b, k_b, G_b, Gb_end = _norm_gate(q_b, k_b, g_b, b_dt, a_log, m_b, scale, gate_scale, HAS_A_LOG,
+                                       HAS_DT_BIAS)
+    G_last = r + Gb_end  # [K]
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
+    gl.store(glast + tile * K + o_k, gl.exp2(G_last), mask=(o_k < K) & (n_valid > 0))
+    # half A: stored kd/qd/kr; operands kd_A, qd_A, ki_A = k 2^-G_A, kiAr = k 2^(r - G_A)
+    e_a = gl.exp2(G_a)
+    kd_a = (k_a * e_a).to(gl.bfloat16)
+    qd_a = (q_a * e_a).to(gl.bfloat16)
+    gl.store(kd + base_a + o_tk, kd_a, mask=m_a)
+    gl.store(qd + base_a + o_tk, qd_a, mask=m_a)
+    gl.store(kr + base_a + o_tk, (k_a * gl.exp2(gl.expand_dims(G_last, 0) - G_a)).to(gl.bfloat16), mask=m_a)
+    ki_a = (k_a * gl.exp2(-G_a)).to(gl.bfloat16)
+    kiar = (k_a * gl.exp2(gl.expand_dims(r, 0) - G_a)).to(gl.bfloat16)
+    # half B: stored kd = k 2^(r + G_B'), qd, kr = k 2^(G_B'[15] - G_B'); operands with the reference r
+    gl.store(kd + base_b + o_tk, (k_b * gl.exp2(gl.expand_dims(r, 0) + G_b)).to(gl.bfloat16), mask=m_b)
+    gl.store(qd + base_b + o_tk, (q_b * gl.exp2(gl.expand_dims(r, 0) + G_b)).to(gl.bfloat16), mask=m_b)
+    gl.store(kr + base_b + o_tk, (k_b * gl.exp2(gl.expand_dims(Gb_end, 0) - G_b)).to(gl.bfloat16), mask=m_b)
+    e_b = gl.exp2(G_b)
+    kd_b = (k_b * e_b).to(gl.bfloat16)
+    qd_b = (q_b * e_b).to(gl.bfloat16)
+    ki_b = (k_b * gl.exp2(-G_b)).to(gl.bfloat16)
+    return kd_a, qd_a, ki_a, kiar, kd_b, qd_b, ki_b
+
+
+@gluon.jit
 def kda_fwd_v2_prepare32_kernel(
     q, k, g, beta_in,  # [T_total, H / GROUP, 128] bf16 x2, [T_total, H, 128], [T_total, H] logits (any float)
     A_log, dt_bias,  # [H], [H * 128] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
@@ -93,7 +143,8 @@ def kda_fwd_v2_prepare32_kernel(
     NT, H,  # chunks, value heads
     GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (32-token chunk, value head), grid ``NT * H``; GROUP value heads share a q/k head (GVA)."""
+    """One CTA per (32-token chunk, value head), grid ``NT * H``; GROUP value heads share a q/k head (GVA). The
+    16x16 products run over all 8 warps (6 compute copies)."""
     K: gl.constexpr = HEAD_DIM
     C: gl.constexpr = 2 * HALF
     i_c = gl.program_id(0) // H
@@ -103,46 +154,22 @@ def kda_fwd_v2_prepare32_kernel(
     n_a = gl.minimum(n_valid, HALF)
     n_b = gl.maximum(n_valid - HALF, 0)
     tile = i_c.to(gl.int64) * H + i_h
-    # every global load first
-    q_a, k_a, g_a = _load_tokens(q, k, g, first, n_a, i_h, H, GROUP)
-    q_b, k_b, g_b = _load_tokens(q, k, g, first + HALF, n_b, i_h, H, GROUP)
     o_i = gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA))
     o_j = gl.arange(0, HALF, layout=gl.SliceLayout(0, MMA))
     rows_a = (first + o_i).to(gl.int64) * H + i_h
     rows_b = (first + HALF + o_i).to(gl.int64) * H + i_h
     beta_a = gl.load(beta_in + rows_a, mask=o_i < n_a, other=0.0)
     beta_b = gl.load(beta_in + rows_b, mask=o_i < n_b, other=0.0)
-    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
-
-    m_a, base_a, o_tk = _token_offsets(first, n_a, i_h, H)
-    m_b, base_b, _ = _token_offsets(first + HALF, n_b, i_h, H)
-    q_a, k_a, G_a, r = _norm_gate(q_a, k_a, g_a, b_dt, a_log, m_a, scale, gate_scale, HAS_A_LOG, HAS_DT_BIAS)
-    q_b, k_b, G_b, Gb_end = _norm_gate(q_b, k_b, g_b, b_dt, a_log, m_b, scale, gate_scale, HAS_A_LOG,
-                                       HAS_DT_BIAS)
-    G_last = r + Gb_end  # [K]
-    gl.store(glast + tile * K + gl.arange(0, K, layout=gl.SliceLayout(0, COL)), gl.exp2(G_last),
-             mask=(gl.arange(0, K, layout=gl.SliceLayout(0, COL)) < K) & (n_valid > 0))
-
-    # half A: stored kd/qd/kr, product operands kd_A, qd_A, ki_A = k 2^-G_A, kiAr = k 2^(r - G_A)
-    e_a = gl.exp2(G_a)
-    kd_a = (k_a * e_a).to(gl.bfloat16)
-    qd_a = (q_a * e_a).to(gl.bfloat16)
-    gl.store(kd + base_a + o_tk, kd_a, mask=m_a)
-    gl.store(qd + base_a + o_tk, qd_a, mask=m_a)
-    gl.store(kr + base_a + o_tk, (k_a * gl.exp2(gl.expand_dims(G_last, 0) - G_a)).to(gl.bfloat16), mask=m_a)
+    kd_a, qd_a, ki_a, kiar, kd_b, qd_b, ki_b = _elementwise32(
+        q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale, GROUP,
+        HAS_A_LOG, HAS_DT_BIAS)
     kd_a_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, kd_a)
     qd_a_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, qd_a)
-    ki_a_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, (k_a * gl.exp2(-G_a)).to(gl.bfloat16))
-    kiar_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK,
-                                       (k_a * gl.exp2(gl.expand_dims(r, 0) - G_a)).to(gl.bfloat16))
-    # half B: stored kd = k 2^(r + G_B'), qd, kr = k 2^(G_B'[15] - G_B'); operands with the reference r
-    gl.store(kd + base_b + o_tk, (k_b * gl.exp2(gl.expand_dims(r, 0) + G_b)).to(gl.bfloat16), mask=m_b)
-    gl.store(qd + base_b + o_tk, (q_b * gl.exp2(gl.expand_dims(r, 0) + G_b)).to(gl.bfloat16), mask=m_b)
-    gl.store(kr + base_b + o_tk, (k_b * gl.exp2(gl.expand_dims(Gb_end, 0) - G_b)).to(gl.bfloat16), mask=m_b)
-    e_b = gl.exp2(G_b)
-    kd_b_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, (k_b * e_b).to(gl.bfloat16))
-    qd_b_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, (q_b * e_b).to(gl.bfloat16))
-    ki_b_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, (k_b * gl.exp2(-G_b)).to(gl.bfloat16))
+    ki_a_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, ki_a)
+    kiar_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, kiar)
+    kd_b_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, kd_b)
+    qd_b_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, qd_b)
+    ki_b_s = gl.allocate_shared_memory(gl.bfloat16, [HALF, K], SMEM_TOK, ki_b)
 
     # ---- the three lower 16x16 blocks of L and Mqk
     L11 = _mm_tok(kd_a_s, ki_a_s)
@@ -181,3 +208,94 @@ def kda_fwd_v2_prepare32_kernel(
     gl.store(mqk + o_ij + HALF, zero)
     gl.store(mqk + o_ij + HALF * C, M21.to(gl.bfloat16))
     gl.store(mqk + o_ij + HALF * C + HALF, M22.to(gl.bfloat16))
+
+
+@gluon.jit
+def kda_fwd_v2_prepare32_batched_kernel(
+    q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+):
+    """`kda_fwd_v2_prepare32_kernel` with the six 16x16x128 products as two batches of four, one (batch, 8-column
+    half) per warp, nothing computed twice: ``[kd_A, kd_B, kd_B, qd_B] x [ki_A, ki_B, kiAr, kiAr]^T`` gives
+    ``L11, L22, L21, Mqk21`` and ``[qd_A, qd_B, qd_A, qd_B] x`` the same gives ``Mqk11, Mqk22`` (slots 2, 3 unused);
+    the two Neumann inverses run as one batch, ``-B^-1 (L21 A^-1)`` on 16x16 tiles."""
+    K: gl.constexpr = HEAD_DIM
+    C: gl.constexpr = 2 * HALF
+    i_c = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
+    first = gl.load(chunk_index + i_c * 3 + 1)
+    n_valid = gl.load(chunk_index + i_c * 3 + 2)
+    tile = i_c.to(gl.int64) * H + i_h
+    # batch b, row i: token (b > 0) * 16 + i; beta of L's rows (batches 0-2), the sigmoid stored from batches 0-1
+    o_b = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
+    o_i = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
+    tok = gl.expand_dims(gl.where(o_b > 0, HALF, 0), 1) + gl.expand_dims(o_i, 0)  # [4, 16]
+    ok = tok < n_valid
+    rows = (first + tok).to(gl.int64) * H + i_h
+    b_beta = gl.load(beta_in + rows, mask=ok & gl.expand_dims(o_b < 3, 1), other=0.0)
+
+    left_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    right_s = gl.allocate_shared_memory(gl.bfloat16, [4, K, HALF], SMEM_KT)
+    kd_a, qd_a, ki_a, kiar, kd_b, qd_b, ki_b = _elementwise32(
+        q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale, GROUP,
+        HAS_A_LOG, HAS_DT_BIAS)
+    left_s.index(0).store(kd_a)
+    left_s.index(1).store(kd_b)
+    left_s.index(2).store(kd_b)
+    left_s.index(3).store(qd_b)
+    q_s.index(0).store(qd_a)
+    q_s.index(1).store(qd_b)
+    q_s.index(2).store(qd_a)
+    q_s.index(3).store(qd_b)
+    right_s.index(0).store(gl.permute(ki_a, [1, 0]))
+    right_s.index(1).store(gl.permute(ki_b, [1, 0]))
+    right_s.index(2).store(gl.permute(kiar, [1, 0]))
+    right_s.index(3).store(gl.permute(kiar, [1, 0]))
+
+    right = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3).load(DOT_B3)
+    zero3 = gl.zeros([4, HALF, HALF], gl.float32, MMA3)
+    P = mma_v2(left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3).load(DOT_A3), right, zero3)
+    Q = mma_v2(q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3).load(DOT_A3), right, zero3)
+
+    b_sig = _beta_sigmoid(b_beta, beta, rows, ok & gl.expand_dims(o_b < 3, 1))  # batch 2 stores batch 1's again
+    o_j = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA3)))
+    bb = gl.expand_dims(gl.expand_dims(o_b, 1), 2)  # [4, 1, 1]
+    ii = gl.expand_dims(gl.expand_dims(o_i, 0), 2)  # [1, 16, 1]
+    jj = gl.expand_dims(gl.expand_dims(o_j, 0), 1)  # [1, 1, 16]
+    P = gl.where(bb < 3, P * gl.expand_dims(b_sig, 2), P)  # rows of L11, L22, L21 times beta
+    L1 = gl.where((bb < 2) & (ii > jj), P, 0.0)  # the diagonal blocks; batches 2, 3 invert to I
+    eye = gl.where(ii == jj, 1.0, 0.0) + zero3
+    a_s3 = gl.allocate_shared_memory(gl.float16, [4, HALF, HALF], SMEM_TILE3)
+    b_s3 = gl.allocate_shared_memory(gl.float16, [4, HALF, HALF], SMEM_TILE3)
+    X = _neumann_inverse(L1, eye, a_s3, b_s3, MMA3, DOT_A3, DOT_B3)
+
+    # the lower block -B^-1 (L21 A^-1) on 16x16 tiles: batches 0, 1 of X and 2 of P through shared memory
+    x_s = gl.allocate_shared_memory(gl.float32, [4, HALF, HALF], SMEM_F32)
+    p_s = gl.allocate_shared_memory(gl.float32, [4, HALF, HALF], SMEM_F32)
+    x_s._reinterpret(gl.float32, [4, HALF, HALF], SMEM_F32_3).store(X)
+    p_s._reinterpret(gl.float32, [4, HALF, HALF], SMEM_F32_3).store(P)
+    a_s = gl.allocate_shared_memory(gl.float16, [HALF, HALF], SMEM_TILE)
+    b_s = gl.allocate_shared_memory(gl.float16, [HALF, HALF], SMEM_TILE)
+    Y = _mm16(p_s.index(2).load(MMA), x_s.index(0).load(MMA), a_s, b_s, MMA, DOT_A, DOT_B)
+    X21 = -_mm16(x_s.index(1).load(MMA), Y, a_s, b_s, MMA, DOT_A, DOT_B)
+
+    # stores of the [32, 32] tiles: batch b of X at diagonal block (b, b) for b < 2; Mqk11/22 likewise from Q;
+    # Mqk21 from batch 3 of P at block (1, 0); zeros at block (0, 1) from batch 0
+    row_ok = gl.expand_dims(ok, 2)  # [4, 16, 1]
+    blk = gl.where(bb > 0, 1, 0)
+    o_diag = (tile * C + blk * HALF + ii) * C + blk * HALF + jj
+    diag = (bb < 2) & (jj < HALF)
+    gl.store(inv + o_diag, gl.where(row_ok, X, 0.0).to(gl.bfloat16), mask=diag)
+    gl.store(mqk + o_diag, gl.where(ii >= jj, Q, 0.0).to(gl.bfloat16), mask=diag)
+    o_lower = (tile * C + HALF + ii) * C + jj + bb * 0  # [4, 16, 16]: only batch 3 stores
+    gl.store(mqk + o_lower, P.to(gl.bfloat16), mask=(bb == 3) & (jj < HALF))
+    o_upper = (tile * C + ii) * C + HALF + jj + bb * 0  # only batch 0 stores
+    zero_bf = gl.zeros([4, HALF, HALF], gl.bfloat16, MMA3)
+    gl.store(inv + o_upper, zero_bf, mask=(bb == 0) & (jj < HALF))
+    gl.store(mqk + o_upper, zero_bf, mask=(bb == 0) & (jj < HALF))
+    o_i2 = gl.arange(0, HALF, layout=gl.SliceLayout(1, MMA))
+    o_j2 = gl.arange(0, HALF, layout=gl.SliceLayout(0, MMA))
+    ok_b = gl.expand_dims(HALF + o_i2 < n_valid, 1)
+    o_x21 = (tile * C + HALF + gl.expand_dims(o_i2, 1)) * C + gl.expand_dims(o_j2, 0)
+    gl.store(inv + o_x21, gl.where(ok_b, X21, 0.0).to(gl.bfloat16))
