@@ -150,8 +150,9 @@ def test_recurrence32_rejects_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c['B']}-T{c['T']}-H{c['H']}-{c['lengths']}")
+@pytest.mark.parametrize("case, stages", [(c, 2) for c in GPU_CASES] + [(GPU_CASES[2], 3)],
+                         ids=lambda x: f"B{x['B']}-T{x['T']}-H{x['H']}-{x['lengths']}" if isinstance(x, dict) else
+                         f"stages{x}")
 def test_recurrence32_kernel_matches_emulation(case, stages):
     from flashkda.fwd.v2.emulate import emulate_recurrence
     from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
