@@ -19,7 +19,7 @@ from k3infra.model.config import K3Config
 from k3infra.plan import model_from_k3
 from k3infra.plan.prefill import _dense_prefill, moe_prefill
 
-TOLERANCE = 0.05
+TOLERANCE = 0.02
 """Relative: the formulas leave out per-token scalars (norm statistics, bincounts) and the int32 offsets."""
 
 

@@ -4,7 +4,8 @@ Training (``K3_MODEL.md`` §5): bf16 weights (2 B), fp32 gradients (4 B), fp32 m
 (`OPTIMIZER_BYTES`), sharded by ZeRO stage over the data-parallel group (dense: DP·CP ranks; routed experts: EDP);
 saved activations per layer kind and recompute policy, times the micro-batches a pipeline stage keeps in flight;
 logits on the last stage; MoonEP redundant-expert prefetch and the S×K dispatch buffer. Serving: weights in the
-chosen dtypes, MLA latent / GQA KV cache, KDA recurrent and conv state, the peak of one prefill forward (`k3infra.plan.prefill`).
+chosen dtypes, MLA latent / GQA KV cache, KDA recurrent and conv state, the peak of one prefill forward
+(`k3infra.plan.prefill`).
 The peak is taken over pipeline stages (stage 0 keeps the most micro-batches, the last holds the logits).
 """
 

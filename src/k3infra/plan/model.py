@@ -173,7 +173,8 @@ def model_from_k3(config: K3Config, name: str = "k3") -> ModelSpec:
     return ModelSpec(
         name=name, family="k3", hidden=d, vocab=c.vocab_size, tied=bool(c.tie_word_embeddings), layers=layers,
         dense_width=c.dense_intermediate_size, layer_extra=6 * d, model_extra=3 * d,
-        attn_res_blocks=c.num_attn_res_blocks, attn_res_block_size=c.attn_res_block_size, max_context=c.max_position_embeddings, **_k3_sizes(c),
+        attn_res_blocks=c.num_attn_res_blocks, attn_res_block_size=c.attn_res_block_size,
+        max_context=c.max_position_embeddings, **_k3_sizes(c),
     )  # fmt: skip
 
 
