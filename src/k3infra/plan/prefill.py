@@ -8,8 +8,9 @@ layer's own inputs and the locals its code still references, and the widest tran
 - KDA (FlashKDA's bf16 split path): the three projections kept for the conv cache, q/k/v, the fp32 decay and its
   bf16 copy, β, the intra stage's w/kg/qg/u and Aqk ``[T, H, 64]``, the state pass's per-chunk states and
   ``v_new``, the output: ``30·D + 134·H + H·K/16 + H·K·V/32``.
-- MLA (fused attention: no ``[T, S]`` scores): q, the up-projected k/v, the concatenated k, the output, its
-  gathered copy and the gate's two tensors: ``2·H·(3n + 2r + 5·d_v)`` (the latent is the cache).
+- MLA (fused attention: no ``[T, S]`` scores, output ``[B, T, H, d_v]`` so no copy to gather heads): q, the
+  up-projected k/v, the concatenated k, the output and the gate's two tensors: ``2·H·(3n + 2r + 4·d_v)`` (the
+  latent is the cache).
 - MoE (local experts): the widest of router (fp32 x and logits), grouped GEMMs (dispatched ``[T·k, ℓ]`` rows,
   gate/up/activation ``[T·k, m]`` and `SITU_FP32_TEMPS` fp32 blocks of SiTU-GLU), the weighted output and its
   gather, and the combine (gathered outputs, their fp32 copy and the fp32 sum); routing indices stay alive.
@@ -53,7 +54,7 @@ def kda_prefill(model: ModelSpec) -> float:
 def mla_prefill(model: ModelSpec) -> float:
     """Bytes per token an MLA layer holds at its peak (beyond its normed input; the latent is the cache)."""
     a = model.mla
-    return 2.0 * a.heads * (3 * a.nope + 2 * a.rope + 5 * a.v_dim)
+    return 2.0 * a.heads * (3 * a.nope + 2 * a.rope + 4 * a.v_dim)
 
 
 def _gqa_prefill(model: ModelSpec) -> float:
@@ -92,7 +93,9 @@ def _stream(model: ModelSpec, index: int) -> tuple[float, float]:
     blocks = 1 + index // size
     running = 1 if index % size else 0
     attn = d2 * (blocks + running + (1 if blocks + running > 1 else 0) + 1)
-    ffn = d2 * (blocks + 1 + running + 1 + 1)  # blocks, new running sum, the mixer output, site output, normed
+    # blocks, site output, normed input, the new running sum; mid-block also the mixer output and the old running
+    # sum (the decoder's loop still holds it until the layer returns)
+    ffn = d2 * (blocks + 3 + 2 * running)
     return attn, ffn
 
 
