@@ -171,6 +171,7 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
         flight = in_flight(L, sl.stage, micro_batches)
         terms = {
             "weights": WEIGHT_TRAIN_BYTES * (ne / w_shard[0] + e / w_shard[1]),
+            "buffers": buffer_bytes(model, sl.layers),
             "gradients": GRAD_BYTES * (ne / g_shard[0] + e / g_shard[1]),
             "optimizer": opt * (ne / o_shard[0] + e / o_shard[1]),
             # FSDP gathers one layer while prefetching the next.
@@ -186,6 +187,11 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
         if best is None or total > best["total"]:
             best = {**terms, "total": total, "stage": float(sl.stage)}
     return best
+
+
+def buffer_bytes(model: ModelSpec, layers: tuple[int, ...]) -> float:
+    """fp32 buffer bytes of ``layers`` (replicated on every rank of the stage)."""
+    return float(sum(model.layer_buffer_bytes[i] for i in layers)) if model.layer_buffer_bytes else 0.0
 
 
 def cache_per_token(model: ModelSpec, cache_dtype: str = "bf16") -> float:
@@ -223,7 +229,8 @@ def serve_memory(model: ModelSpec, layout: Layout, work: ServeWorkload) -> dict[
     for sl in stages(len(model.layers), L.pp, 1):
         ne, e, _ = _params(model, sl)
         terms = {
-            "weights": ne / L.tp * WEIGHT_BYTES[work.dense_weight_dtype] + e / L.ep * WEIGHT_BYTES[work.weight_dtype]
+            "weights": ne / L.tp * WEIGHT_BYTES[work.dense_weight_dtype] + e / L.ep * WEIGHT_BYTES[work.weight_dtype],
+            "buffers": buffer_bytes(model, sl.layers),
         }
         kinds = [model.layers[i][0] for i in sl.layers]
         b = CACHE_BYTES[work.cache_dtype]
