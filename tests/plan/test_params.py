@@ -1,4 +1,5 @@
-"""Parameter counts of the planner's model descriptions equal the instantiated models' (meta device)."""
+"""Parameter counts (and K3 buffer bytes) of the planner's model descriptions equal the instantiated models'
+(meta device)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 import k3infra.model
 from k3infra.model.config import K3Config, count_parameters, preset_names
+from k3infra.plan.memory import buffer_bytes
 from k3infra.plan.model import SHIPPED, load_model
 
 HF_CASES = [
@@ -56,6 +58,9 @@ def test_k3_presets_equal_meta_module(name):
     with torch.device("meta"):
         model = K3ForCausalLM(K3Config.from_preset(name))
     assert sum(p.numel() for p in model.parameters()) == load_model(name).count()[0]
+    spec = load_model(name)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffers == buffer_bytes(spec, tuple(range(len(spec.layers))))
 
 
 def test_k3_config_json_matches_preset(tmp_path):

@@ -198,4 +198,5 @@ def _tail(u_BTD: torch.Tensor, prev_BWD: torch.Tensor | None, width: int) -> tor
         u_BTD = torch.cat([prev_BWD.to(u_BTD.dtype), u_BTD], 1)
     if u_BTD.shape[1] < width:
         u_BTD = F.pad(u_BTD, (0, 0, width - u_BTD.shape[1], 0))
-    return u_BTD[:, u_BTD.shape[1] - width :].detach()
+    # a copy: a view would keep the whole [B, T, D] projection alive in the cache
+    return u_BTD[:, u_BTD.shape[1] - width :].detach().clone()

@@ -4,7 +4,8 @@ Training (``K3_MODEL.md`` §5): bf16 weights (2 B), fp32 gradients (4 B), fp32 m
 (`OPTIMIZER_BYTES`), sharded by ZeRO stage over the data-parallel group (dense: DP·CP ranks; routed experts: EDP);
 saved activations per layer kind and recompute policy, times the micro-batches a pipeline stage keeps in flight;
 logits on the last stage; MoonEP redundant-expert prefetch and the S×K dispatch buffer. Serving: weights in the
-chosen dtypes, MLA latent / GQA KV cache, KDA recurrent and conv state, one prefill chunk's working set.
+chosen dtypes, MLA latent / GQA KV cache, KDA recurrent and conv state, the peak of one prefill forward
+(`k3infra.plan.prefill`).
 The peak is taken over pipeline stages (stage 0 keeps the most micro-batches, the last holds the logits).
 """
 
@@ -14,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from k3infra.plan.model import ModelSpec
+from k3infra.plan.prefill import prefill_peak
 from k3infra.plan.workload import CACHE_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, Layout, ServeWorkload, TrainWorkload
 
 __all__ = ["KDA_CHUNK", "StageSlice", "stages", "layer_activation", "train_memory", "serve_memory", "cache_per_token",
@@ -169,6 +171,7 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
         flight = in_flight(L, sl.stage, micro_batches)
         terms = {
             "weights": WEIGHT_TRAIN_BYTES * (ne / w_shard[0] + e / w_shard[1]),
+            "buffers": buffer_bytes(model, sl.layers),
             "gradients": GRAD_BYTES * (ne / g_shard[0] + e / g_shard[1]),
             "optimizer": opt * (ne / o_shard[0] + e / o_shard[1]),
             # FSDP gathers one layer while prefetching the next.
@@ -184,6 +187,11 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
         if best is None or total > best["total"]:
             best = {**terms, "total": total, "stage": float(sl.stage)}
     return best
+
+
+def buffer_bytes(model: ModelSpec, layers: tuple[int, ...]) -> float:
+    """fp32 buffer bytes of ``layers`` (replicated on every rank of the stage)."""
+    return float(sum(model.layer_buffer_bytes[i] for i in layers)) if model.layer_buffer_bytes else 0.0
 
 
 def cache_per_token(model: ModelSpec, cache_dtype: str = "bf16") -> float:
@@ -221,7 +229,8 @@ def serve_memory(model: ModelSpec, layout: Layout, work: ServeWorkload) -> dict[
     for sl in stages(len(model.layers), L.pp, 1):
         ne, e, _ = _params(model, sl)
         terms = {
-            "weights": ne / L.tp * WEIGHT_BYTES[work.dense_weight_dtype] + e / L.ep * WEIGHT_BYTES[work.weight_dtype]
+            "weights": ne / L.tp * WEIGHT_BYTES[work.dense_weight_dtype] + e / L.ep * WEIGHT_BYTES[work.weight_dtype],
+            "buffers": buffer_bytes(model, sl.layers),
         }
         kinds = [model.layers[i][0] for i in sl.layers]
         b = CACHE_BYTES[work.cache_dtype]
@@ -240,14 +249,12 @@ def serve_memory(model: ModelSpec, layout: Layout, work: ServeWorkload) -> dict[
         else:
             terms["kda_state"] = 0.0
         chunk = min(work.prefill_chunk, work.context) / (L.tp * L.cp)
-        # The prefill forward keeps the AttnRes sources (block sums and the running sum) of every sequence in it.
-        sources = (model.attn_res_blocks + 2) * model.hidden * 2.0 if model.attn_res_blocks else 0.0
-        tokens = chunk * min(work.prefill_batch, seqs)
-        terms["activations"] = tokens * (max(layer_activation(model, i, "none") for i in sl.layers) + sources)
+        tokens = chunk * min(work.prefill_batch, seqs)  # every sequence prefilled in one forward
+        terms["activations"] = prefill_peak(model, sl.layers, tokens)
         terms["logits"] = seqs * model.vocab / L.tp * 4.0 if sl.last else 0.0
         n_moe = sum(1 for i in sl.layers if model.layers[i][1] == "moe")
-        if n_moe:
-            terms["ep_buffer"] = ep_buffer_slots(model, L, chunk) * model.moe.latent * 2.0
+        if n_moe:  # with EP 1 the dispatched rows are the MoE working set (in activations)
+            terms["ep_buffer"] = ep_buffer_slots(model, L, tokens) * model.moe.latent * 2.0 if L.ep > 1 else 0.0
             terms["redundant_experts"] = L.redundant * n_moe * model.moe.expert_params * WEIGHT_BYTES[work.weight_dtype]
         else:
             terms["ep_buffer"] = terms["redundant_experts"] = 0.0

@@ -100,6 +100,11 @@ class ModelSpec:
     moe: MoESpec | None = None
     attn_res_blocks: int = 0
     """Block Attention Residual blocks (0: plain residual stream)."""
+    attn_res_block_size: int = 0
+    """Layers per AttnRes block (0: plain residual stream)."""
+    layer_buffer_bytes: tuple[int, ...] = ()
+    """fp32 buffers per layer, on every rank (K3: router bias and Quantile Balancing histograms, MLA max-logit
+    record); empty when the model keeps none."""
     max_context: int = 0
 
     # -- parameter counts --------------------------------------------------------------------------------------
@@ -168,10 +173,15 @@ def model_from_k3(config: K3Config, name: str = "k3") -> ModelSpec:
         for i, t in enumerate(c.layer_types)
     )
     d = c.hidden_size
+    buffers = tuple(
+        4 * ((c.n_routed_experts * (c.qb_bins + 1) if ffn == "moe" else 0) + (c.mla_num_heads if attn == "mla" else 0))
+        for attn, ffn in layers
+    )
     return ModelSpec(
         name=name, family="k3", hidden=d, vocab=c.vocab_size, tied=bool(c.tie_word_embeddings), layers=layers,
         dense_width=c.dense_intermediate_size, layer_extra=6 * d, model_extra=3 * d,
-        attn_res_blocks=c.num_attn_res_blocks, max_context=c.max_position_embeddings, **_k3_sizes(c),
+        attn_res_blocks=c.num_attn_res_blocks, attn_res_block_size=c.attn_res_block_size, layer_buffer_bytes=buffers,
+        max_context=c.max_position_embeddings, **_k3_sizes(c),
     )  # fmt: skip
 
 

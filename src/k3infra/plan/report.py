@@ -12,7 +12,8 @@ __all__ = ["explain", "to_json", "table"]
 
 GB = 1e9
 _LABELS = {
-    "weights": "weights", "gradients": "gradients", "optimizer": "master weights + optimizer states",
+    "weights": "weights", "buffers": "fp32 buffers (router, QB statistics)", "gradients": "gradients",
+    "optimizer": "master weights + optimizer states",
     "fsdp_gather": "FSDP gathered layers", "activations": "saved activations", "attn_res": "AttnRes block sums",
     "logits": "logits", "ep_buffer": "EP dispatch buffer", "moonep_prefetch": "MoonEP redundant-expert prefetch",
     "kv_cache": "MLA latent / KV cache", "kda_state": "KDA recurrent + conv state",
