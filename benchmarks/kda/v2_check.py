@@ -24,6 +24,7 @@ Usage: ``python -m benchmarks.kda.v2_check [--budget 380] [--rows NAME ...] [--r
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import subprocess
@@ -333,6 +334,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
         runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
         runs["k2 stages2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=2)
+    if impls.v2:
+        runs["v2 c16"] = lambda: v2_call(functools.partial(impls.v2, chunk_size=16), x, kw)
     if impls.v2c32:
         runs["v2 c32"] = lambda: v2_call(impls.v2c32, x, kw)
     layout32, _ = guarded(f"layout32 {shape.name}", layout32_for, x, kw)
@@ -354,7 +357,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         runs["k2 c32 stages3"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True, stages=3)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
-        for name in ("cutlass", "v1", "v2", "k2", "k2 bv128", "k2 stages2", "v2 c32", "k2 c32", "k2 c32 stages3"):
+        for name in ("cutlass", "v1", "v2", "v2 c16", "k2", "k2 bv128", "k2 stages2", "v2 c32", "k2 c32",
+                     "k2 c32 stages3"):
             if name not in runs:
                 continue
             out, err = guarded(f"{name} {shape.name}", runs[name])

@@ -1,6 +1,5 @@
-"""Time the v2 prepare kernel (K1) alone on the KDA prefill rows under several register caps (``prepare_fwd``'s
-``max_registers``; 0 is uncapped), against a copy of the same bytes by torch (the bandwidth yardstick), after a check
-against the emulation.
+"""Time the v2 prepare kernel (K1) alone on the KDA prefill rows against a copy of the same bytes by torch (the
+bandwidth yardstick), after a check against the emulation.
 
 Usage (GPU): ``python -m benchmarks.kda.v2_prepare_bench [--rows H64-T8192 ...] [--rep 20] [--no-write]``.
 K1 moves 1638 B per token-head (q, k, g, beta in; kd, qd, kr, beta, INV, Mqk, 2^Glast out): ``GB/s`` is that count
@@ -22,8 +21,6 @@ from flashkda.fwd.v2.workspace import build_chunk_layout
 
 K1_BYTES_PER_TOKEN_HEAD = 3 * 256 + 2 + 3 * 256 + 4 + 2 * 512 / 16 + 512 / 16
 COPY_BYTES_PER_TOKEN_HEAD = 6 * 256
-#: ptxas register caps timed (the kernel's default cap first; 0: none).
-REGISTER_CAPS = (64, 80, 0)
 
 
 def inputs(case, device):
@@ -57,14 +54,13 @@ def bench_row(case, rep: int) -> Row:
     th = case.T * case.H
     extra: dict = {}
     medians = {}
-    for cap in REGISTER_CAPS:
-        def run(cap=cap):
-            return prepare_fwd(q, k, g, beta, 128**-0.5, layout, -5.0, A_log, dt_bias, max_registers=cap)
+    def run():
+        return prepare_fwd(q, k, g, beta, 128**-0.5, layout, -5.0, A_log, dt_bias)
 
-        extra.update({f"{k_} cap={cap}": v for k_, v in check(q, k, g, beta, A_log, dt_bias, layout, run()).items()})
-        medians[cap] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
-        extra[f"k1 cap={cap} ms"] = round(medians[cap], 4)
-        extra[f"k1 cap={cap} GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians[cap] / 1e6, 1)
+    extra.update(check(q, k, g, beta, A_log, dt_bias, layout, run()))
+    medians["k1"] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
+    extra["k1 ms"] = round(medians["k1"], 4)
+    extra["k1 GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians["k1"] / 1e6, 1)
     src = [q, k, g]
     dst = [torch.empty_like(x) for x in src]
 

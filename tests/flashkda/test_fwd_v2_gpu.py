@@ -166,13 +166,32 @@ def test_chunk_kda_inference_runs_v2_from_min_value_heads(lengths):
 
 
 @pytest.mark.gpu
-def test_v2_state_v_first_is_the_transposed_state():
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_v2_state_v_first_is_the_transposed_state(chunk_size):
     from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
 
     q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 300, 4, 1, seed=5)
     flags = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
+                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
+                 chunk_size=chunk_size)
     o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, initial_state=h0, **flags)
     o_t, s_t, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, initial_state=h0.transpose(-1, -2).contiguous(),
                                    state_v_first=True, **flags)
     assert torch.equal(o, o_t) and torch.equal(s, s_t.transpose(-1, -2))
+
+
+@pytest.mark.gpu
+def test_v2_chunk_size_choice_and_bad_values():
+    from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 96, 2, 1, seed=6)
+    flags = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
+    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, **flags)
+    o32, s32, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, **flags)
+    assert torch.equal(o, o32) and torch.equal(s, s32)  # fixed length defaults to 32-token chunks
+    for bad in (8, 64, True):
+        with pytest.raises(ValueError, match="chunk_size"):
+            chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=bad, **flags)
+    with pytest.raises(ValueError, match="segments"):
+        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, segments=2, **flags)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from flashkda.fwd.v2.chunk_fwd import _plan, auto_segments
+from flashkda.fwd.v2.chunk_fwd import _plan
 from flashkda.fwd.v2.emulate import emulate_chunk_kda, emulate_prepare, emulate_recurrence
 from flashkda.fwd.v2.pipeline import default_segments, plan_segments, segmented_forward
 from flashkda.fwd.v2.workspace import CHUNK, build_chunk_layout
@@ -93,18 +93,13 @@ def test_default_rule_and_bad_arguments():
     with pytest.raises(ValueError, match="cu_seqlens"):
         plan_segments([0, 10, 5], 2)
     with pytest.raises(ValueError, match="segments"):
-        _plan(1, 64, 4, None, None, True)
+        _plan(1, 64, None, None, True)
     with pytest.raises(ValueError, match="cu_seqlens_cpu"):
-        _plan(1, 64, 4, torch.tensor([0, 64]), torch.tensor([0, 32, 64]), 2)
+        _plan(1, 64, torch.tensor([0, 64]), torch.tensor([0, 32, 64]), 2)
     with pytest.raises(ValueError, match="past the"):
-        _plan(1, 64, 4, torch.tensor([0, 80]), None, 2)
-    assert _plan(1, 8192, 64, None, None, None)[1] == plan_segments([0, 8192], 4)
-    assert _plan(1, 8192, 64, None, None, 1) == (None, [])
-    # the automatic count: small calls and varlen calls run unsegmented
-    assert _plan(1, 8192, 12, None, None, None) == (None, [])
-    assert _plan(1, 8192, 64, torch.tensor([0, 4096, 8192]), torch.tensor([0, 4096, 8192]), None) == (None, [])
-    assert [auto_segments(1, 8192, 64, False), auto_segments(1, 32768, 64, False), auto_segments(4, 8192, 64, True),
-            auto_segments(1, 8192, 12, False)] == [4, 16, 1, 1]
+        _plan(1, 64, torch.tensor([0, 80]), None, 2)
+    assert _plan(1, 8192, None, None, None)[1] == plan_segments([0, 8192], 4)
+    assert _plan(1, 8192, None, None, 1) == (None, [])
 
 
 def emulated_prepare(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws):

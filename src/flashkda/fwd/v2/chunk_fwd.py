@@ -15,13 +15,11 @@ from flashkda.fwd.v2.pipeline import default_segments, plan_segments, segmented_
 from flashkda.fwd.v2.workspace import HEAD_DIM, cached_chunk_layout
 from flashkda.seqlens import host_cu_seqlens
 
-__all__ = ["MIN_VALUE_HEADS", "auto_segments", "chunk_kda_fwd_v2", "prefers_v2", "supports_v2", "v2_unsupported_reason"]
+__all__ = ["MIN_VALUE_HEADS", "chunk_kda_fwd_v2", "prefers_v2", "supports_v2", "v2_unsupported_reason"]
 
 #: ``flashkda.chunk_kda``'s inference path takes v2 from this many value heads up: on the H200 v2 was 1.2-1.5x faster
 #: than the v1 kernels at H64 and H96 on every anchor row and 0.58-0.78x at H12 (``docs/flashkda-v2.md``).
 MIN_VALUE_HEADS = 64
-#: Fixed-length calls from this many token-heads (``B * T * HV``) up overlap K1 and K2 by default.
-PIPELINE_MIN_TOKEN_HEADS = 1 << 19
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
 
@@ -81,20 +79,11 @@ def v2_unsupported_reason(
     return None
 
 
-def auto_segments(B: int, T: int, HV: int, varlen: bool) -> int:
-    """The segment count that ``segments=None`` takes: the pipeline's default for fixed-length calls of at least
-    `PIPELINE_MIN_TOKEN_HEADS` token-heads, else 1 (on the H200 the overlap lost on every varlen anchor row and on
-    H12 T8192, and won 1.07-1.29x from H64 T8192 up)."""
-    if varlen or B * T * HV < PIPELINE_MIN_TOKEN_HEADS:
-        return 1
-    return default_segments(B * T)
-
-
-def _plan(B: int, T: int, HV: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+def _plan(B: int, T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
           segments: int | None) -> tuple[list[int] | None, list]:
     """The host token offsets and segment plan of a call (``(None, [])`` when it runs unsegmented)."""
     if segments is None:
-        segments = auto_segments(B, T, HV, cu_seqlens is not None)
+        segments = default_segments(B * T)
     elif isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments must be an int >= 1 or None, got {segments!r}")
     if cu_seqlens_cpu is not None:
@@ -144,8 +133,9 @@ def chunk_kda_fwd_v2(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    segments: int | None = None,
+    segments: int | None = 1,
     recurrence_on_side: bool = True,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
 
@@ -157,13 +147,16 @@ def chunk_kda_fwd_v2(
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
-        segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`);
-            None (default) takes `auto_segments`; 1 runs K1 then K2.
+        segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`,
+            16-token chunks only); None takes ``pipeline.default_segments(B * T)``; the default 1 runs K1 then K2
+            (through ``chunk_kda_fwd_v2`` the overlap lost on the H200: ``docs/flashkda-v2.md``).
             With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
             of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
             fixed length) the call never synchronises and can be captured in a CUDA graph.
         recurrence_on_side: with ``P > 1``, K2 runs on a high-priority side stream and K1 on the caller's
             (True), or the other way round (False).
+        chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 for fixed-length
+            calls and 16 for varlen ones and for ``segments != 1`` (the faster one on the H200 in each case).
 
     Returns:
         ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 (in the
@@ -181,11 +174,22 @@ def chunk_kda_fwd_v2(
     from flashkda.fwd.v2.prepare import prepare_fwd
     from flashkda.fwd.v2.recurrence import recurrence_fwd
 
+    if chunk_size is None:
+        chunk_size = 32 if cu_seqlens is None and segments == 1 else 16
+    elif chunk_size not in (16, 32) or isinstance(chunk_size, bool):
+        raise ValueError(f"chunk_size must be 16, 32 or None, got {chunk_size!r}")
+    if chunk_size == 32 and segments != 1:
+        raise ValueError(f"segments={segments!r} needs chunk_size=16 (the K1/K2 overlap runs 16-token chunks)")
     B, T = q.shape[:2]
-    cu, plan = _plan(B, T, v.shape[2], cu_seqlens, cu_seqlens_cpu, segments)
+    cu, plan = _plan(B, T, cu_seqlens, cu_seqlens_cpu, segments)
     if initial_state is not None:  # the kernels keep the state K-first
         initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).contiguous()
-    if len(plan) > 1:
+    if chunk_size == 32:
+        from flashkda.fwd.v2.chunk_fwd32 import forward_c32
+
+        o, final = forward_c32(q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound, cu_seqlens,
+                               A_log, dt_bias)
+    elif len(plan) > 1:
         o, final = segmented_forward(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, lower_bound,
             A_log, dt_bias, initial_state, output_final_state, cu, cu_seqlens, plan,

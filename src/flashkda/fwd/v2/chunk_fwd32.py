@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from flashkda.fwd.v2.chunk_fwd import v2_unsupported_reason
+from flashkda.fwd.v2 import chunk_fwd
 from flashkda.fwd.v2.workspace32 import cached_chunk_layout32
 
-__all__ = ["chunk_kda_fwd_v2_c32"]
+__all__ = ["chunk_kda_fwd_v2_c32", "forward_c32"]
 
 
 def chunk_kda_fwd_v2_c32(
@@ -35,17 +35,26 @@ def chunk_kda_fwd_v2_c32(
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs over 32-token chunks (inference: nothing is saved).
 
-    Arguments and returns as ``chunk_fwd.chunk_kda_fwd_v2`` (without ``segments``): ``(o, final_state, None)``,
-    ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 or None.
+    ``chunk_fwd.chunk_kda_fwd_v2(..., chunk_size=32)``: arguments and returns as there (without ``segments``).
 
     Raises:
         ValueError: the call is outside v2's scope (the message says why).
     """
-    reason = v2_unsupported_reason(
-        q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias)
-    if reason is not None:
-        raise ValueError(f"chunk_kda_fwd_v2_c32: {reason}")
+    return chunk_fwd.chunk_kda_fwd_v2(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+        dt_bias, cu_seqlens_cpu, chunk_size=32)
+
+
+def forward_c32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                initial_state: torch.Tensor | None, output_final_state: bool, lower_bound: float,
+                cu_seqlens: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K1 c32 then K2 c32 on a call `chunk_fwd.supports_v2` accepted; ``initial_state`` K-first and contiguous.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 K-first or None.
+    """
     from flashkda.fwd.v2.prepare32 import prepare32_fwd
     from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
 
@@ -53,6 +62,4 @@ def chunk_kda_fwd_v2_c32(
     layout = cached_chunk_layout32(B, T, cu_seqlens, q.device)
     ws = prepare32_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
                        lower_bound, A_log, dt_bias)
-    o, final = recurrence32_fwd(ws, v.contiguous(),
-                                initial_state.contiguous() if initial_state is not None else None, output_final_state)
-    return o, final, None
+    return recurrence32_fwd(ws, v.contiguous(), initial_state, output_final_state)

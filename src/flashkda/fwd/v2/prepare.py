@@ -48,8 +48,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 
 def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                 layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
-                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None,
-                max_registers: int | None = None) -> Workspace:
+                dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
     """Run K1: the workspace for raw inputs (same contract as `emulate.emulate_prepare`).
 
     Args:
@@ -61,16 +60,11 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
         ws: a workspace to fill (from `allocate_workspace` for the same layout and HV), or None to allocate one.
-        max_registers: the register cap per thread handed to ptxas; None takes ``prepare_kernel.MAX_REGISTERS``
-            (0: no cap).
 
     Returns:
         `Workspace` with ``HV`` heads; every element K2 reads is written.
     """
     _check(q, k, g, beta, layout)
-    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
-                                      or not (max_registers == 0 or 24 <= max_registers <= 255)):
-        raise ValueError(f"max_registers must be None, 0 or an int in [24, 255], got {max_registers!r}")
     H = g.shape[2]
     if ws is None:
         ws = allocate_workspace(layout, H, q.device)
@@ -78,7 +72,6 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    cap = int(mod.MAX_REGISTERS) if max_registers is None else max_registers
     NT = layout.num_chunks
     mod.kda_fwd_v2_prepare_batched_kernel[(-(-NT // CHUNKS_PER_CTA) * H,)](
         q, k, g, beta,
@@ -86,6 +79,6 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
         float(scale), float(lower_bound) / math.log(2.0), NT, H,
         GROUP=H // q.shape[2], HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=int(mod.NUM_WARPS), **({"maxnreg": cap} if cap else {}),
+        num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS),
     )
     return ws
