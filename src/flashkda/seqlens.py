@@ -19,13 +19,16 @@ __all__ = ["IdentityCache", "host_cu_seqlens"]
 
 class IdentityCache:
     """The last ``size`` values computed from tensors, looked up by the tensor object (not its contents) and its
-    in-place modification counter, plus any extra hashable key parts."""
+    in-place modification counter, plus any extra hashable key parts. Inference tensors have no such counter, so
+    values computed from them are never kept."""
 
     def __init__(self, size: int = 4):
         self.size = size
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
 
     def get(self, tensor: torch.Tensor, *key) -> Any:
+        if tensor.is_inference():  # no modification counter: never served from the cache
+            return None
         full = (id(tensor), tensor._version, *key)
         entry = self._entries.get(full)
         if entry is None or entry[0] is not tensor:
@@ -34,6 +37,8 @@ class IdentityCache:
         return entry[1]
 
     def put(self, tensor: torch.Tensor, value: Any, *key) -> Any:
+        if tensor.is_inference():
+            return value
         # the entry holds the tensor itself, so its id cannot be reused by another tensor while cached
         self._entries[(id(tensor), tensor._version, *key)] = (tensor, value)
         while len(self._entries) > self.size:

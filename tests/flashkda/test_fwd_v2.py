@@ -80,6 +80,19 @@ def test_cached_layout_reuses_and_rebuilds():
     assert again is not first and again.chunk_index[:4, 2].tolist() == [16, 14, 16, 4]
     fixed = cached_chunk_layout(2, 40, None, CPU)
     assert cached_chunk_layout(2, 40, None, CPU) is fixed and cached_chunk_layout(2, 41, None, CPU) is not fixed
+    assert cached_chunk_layout(2, 40, None, CPU, 32) is not fixed  # another chunk size
+
+
+def test_cached_layout_in_inference_mode_is_built_every_call():
+    # inference tensors have no modification counter: an in-place change must never meet a stale layout
+    with torch.inference_mode():
+        cu = torch.tensor([0, 20, 50], dtype=torch.int64)
+        first = cached_chunk_layout(1, 50, cu, CPU)
+        cu[1] = 30
+        again = cached_chunk_layout(1, 50, cu, CPU)
+        fixed = cached_chunk_layout(3, 40, None, CPU)
+    assert first.chunk_index[:2, 2].tolist() == [16, 4] and again.chunk_index[:2, 2].tolist() == [16, 14]
+    assert cached_chunk_layout(3, 40, None, CPU) is fixed
 
 
 def test_fixed_layout_matches_python():

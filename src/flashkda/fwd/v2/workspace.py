@@ -58,39 +58,41 @@ class ChunkLayout:
     seq_order: torch.Tensor | None = None
 
 
-def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
+def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+                       chunk: int = CHUNK) -> ChunkLayout:
     """The chunk layout of ``B`` sequences of ``T`` tokens, or of the varlen batch ``cu_seqlens`` (``B == 1``).
 
     Every tensor is made by device ops from ``cu_seqlens`` (no host synchronisation, CUDA-graph safe); the varlen
-    chunk count is the static bound ``min(ceil(T / 16) + N - 1, T)``.
+    chunk count is the static bound ``min(ceil(T / chunk) + N - 1, T)``.
 
     Args:
         B, T: batch size and padded length of the ``[B, T, ...]`` inputs.
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths (varlen, ``B == 1``), or None.
         device: where the index tensors live (the inputs' device).
+        chunk: tokens per chunk (16, or 32 for `flashkda.fwd.v2.workspace32`).
 
     Returns:
         `ChunkLayout`.
     """
-    index = build_chunk_index(B, T, cu_seqlens, CHUNK)
-    nts = -(-T // CHUNK)
+    index = build_chunk_index(B, T, cu_seqlens, chunk)
+    nts = -(-T // chunk)
     ids = torch.arange(index.num_chunks, dtype=torch.int32, device=device)
     if index.is_varlen:
         cu, seq_chunks = index.cu_seqlens, index.chunk_offsets
         seq = index.chunk_map
         live = seq >= 0
         safe = torch.where(live, seq, torch.zeros_like(seq)).long()
-        first = cu[safe] + (ids - seq_chunks[safe]) * CHUNK
-        valid = torch.clamp(cu[safe + 1] - first, max=CHUNK)
+        first = cu[safe] + (ids - seq_chunks[safe]) * chunk
+        valid = torch.clamp(cu[safe + 1] - first, max=chunk)
         first = torch.where(live, first, torch.zeros_like(first))
         valid = torch.where(live, valid, torch.zeros_like(valid))
     else:
         cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
         seq_chunks = torch.arange(B + 1, dtype=torch.int32, device=device) * nts
         seq = ids // max(nts, 1)
-        within = (ids - seq * nts) * CHUNK
+        within = (ids - seq * nts) * chunk
         first = seq * T + within
-        valid = torch.clamp(T - within, max=CHUNK)
+        valid = torch.clamp(T - within, max=chunk)
     chunk_index = torch.stack([seq, first, valid], 1).to(torch.int32).contiguous()
     order = None
     if index.is_varlen and index.num_seqs > 1:
@@ -106,26 +108,29 @@ _VARLEN_LAYOUTS = IdentityCache(size=8)
 _FIXED_LAYOUTS_MAX = 16
 
 
-def cached_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
-    """`build_chunk_layout`, reused across calls: per ``(B, T, device)`` for fixed length, per ``cu_seqlens`` tensor
-    object (while unmodified in place) for varlen.
+def cached_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+                        chunk: int = CHUNK) -> ChunkLayout:
+    """`build_chunk_layout`, reused across calls: per ``(B, T, device, chunk)`` for fixed length, per ``cu_seqlens``
+    tensor object (while unmodified in place) for varlen; an inference-mode ``cu_seqlens`` has no modification
+    counter, so its layout is built on every call.
 
     Building a layout launches about twenty small kernels; a model's KDA layers all see the same batch, so every
     layer after the first reuses its layout. The cached tensors are never written after they are built.
     """
     device = torch.device(device)
     if cu_seqlens is None:
-        key = (B, T, device)
+        key = (B, T, device, chunk)
         layout = _FIXED_LAYOUTS.get(key)
         if layout is None:
-            layout = build_chunk_layout(B, T, None, device)
+            layout = build_chunk_layout(B, T, None, device, chunk)
             _FIXED_LAYOUTS[key] = layout
             while len(_FIXED_LAYOUTS) > _FIXED_LAYOUTS_MAX:
                 del _FIXED_LAYOUTS[next(iter(_FIXED_LAYOUTS))]
         return layout
-    layout = _VARLEN_LAYOUTS.get(cu_seqlens, B, T, device)
+    layout = _VARLEN_LAYOUTS.get(cu_seqlens, B, T, device, chunk)
     if layout is None:
-        layout = _VARLEN_LAYOUTS.put(cu_seqlens, build_chunk_layout(B, T, cu_seqlens, device), B, T, device)
+        layout = _VARLEN_LAYOUTS.put(cu_seqlens, build_chunk_layout(B, T, cu_seqlens, device, chunk), B, T, device,
+                                     chunk)
     return layout
 
 

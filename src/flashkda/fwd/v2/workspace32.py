@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
-from flashkda.index import build_chunk_index
-from flashkda.seqlens import IdentityCache
+from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, build_chunk_layout, cached_chunk_layout
 
 __all__ = ["CHUNK32", "REF_TOKEN", "allocate_workspace32", "build_chunk_layout32", "cached_chunk_layout32"]
 
@@ -34,54 +32,13 @@ REF_TOKEN = 15
 
 
 def build_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
-    """The 32-token chunk layout of ``B`` sequences of ``T`` tokens or of the varlen batch ``cu_seqlens``.
-
-    Same fields and device-only construction as `workspace.build_chunk_layout` (which builds 16-token chunks);
-    ``max_chunks_per_seq`` is ``ceil(T / 32)``.
-    """
-    C = CHUNK32
-    index = build_chunk_index(B, T, cu_seqlens, C)
-    nts = -(-T // C)
-    ids = torch.arange(index.num_chunks, dtype=torch.int32, device=device)
-    if index.is_varlen:
-        cu, seq_chunks, seq = index.cu_seqlens, index.chunk_offsets, index.chunk_map
-        live = seq >= 0
-        safe = torch.where(live, seq, torch.zeros_like(seq)).long()
-        first = cu[safe] + (ids - seq_chunks[safe]) * C
-        valid = torch.where(live, torch.clamp(cu[safe + 1] - first, max=C), torch.zeros_like(first))
-        first = torch.where(live, first, torch.zeros_like(first))
-    else:
-        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
-        seq_chunks = torch.arange(B + 1, dtype=torch.int32, device=device) * nts
-        seq = ids // max(nts, 1)
-        within = (ids - seq * nts) * C
-        first = seq * T + within
-        valid = torch.clamp(T - within, max=C)
-    chunk_index = torch.stack([seq, first, valid], 1).to(torch.int32).contiguous()
-    order = None
-    if index.is_varlen and index.num_seqs > 1:
-        order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
-    return ChunkLayout(num_seqs=index.num_seqs, num_chunks=index.num_chunks, total_tokens=B * T,
-                       max_chunks_per_seq=nts, chunk_index=chunk_index, seq_chunks=seq_chunks.contiguous(),
-                       cu_seqlens=cu.contiguous(), seq_order=order)
-
-
-_LAYOUTS32 = IdentityCache(size=8)
+    """`workspace.build_chunk_layout` with 32-token chunks (``max_chunks_per_seq`` is ``ceil(T / 32)``)."""
+    return build_chunk_layout(B, T, cu_seqlens, device, CHUNK32)
 
 
 def cached_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
-    """`build_chunk_layout32`, reused across calls like ``workspace.cached_chunk_layout``: per ``(B, T, device)``
-    for fixed length, per ``cu_seqlens`` tensor object (while unmodified in place) for varlen."""
-    device = torch.device(device)
-    key_tensor = cu_seqlens if cu_seqlens is not None else _FIXED_KEY
-    layout = _LAYOUTS32.get(key_tensor, B, T, device)
-    if layout is None:
-        layout = _LAYOUTS32.put(key_tensor, build_chunk_layout32(B, T, cu_seqlens, device), B, T, device)
-    return layout
-
-
-#: the cache key tensor of every fixed-length layout (the key is then ``(B, T, device)``)
-_FIXED_KEY = torch.zeros(1)
+    """`workspace.cached_chunk_layout` with 32-token chunks."""
+    return cached_chunk_layout(B, T, cu_seqlens, device, CHUNK32)
 
 
 def allocate_workspace32(layout: ChunkLayout, H: int, device: torch.device) -> Workspace:
