@@ -45,7 +45,7 @@ class _Layer:
     load_E: torch.Tensor
     """``[E]`` float64 decayed hits over the whole job (same on every rank)."""
     hits_E: torch.Tensor
-    """``[E]`` int64 this rank's hits since the last step end."""
+    """``[E]`` int64 this rank's hits since the last step end (on the routing's device)."""
 
 
 def _owner(param: nn.Parameter, optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
@@ -109,6 +109,7 @@ class ElasticMoE(TrainerCallback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(hits)  # every rank's tokens, every data-parallel row: the same history everywhere
         balance = []
+        hits = hits.cpu()
         for layer, hits_E in zip(self.layers, hits, strict=True):
             layer.load_E.mul_(self.history_decay).add_(hits_E.double())
             layer.hits_E.zero_()
@@ -145,8 +146,10 @@ class ElasticMoE(TrainerCallback):
     def _router_hook(self, layer: _Layer):
         def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]):
             idx_sK, weights_sK = output
-            if module.training:
-                layer.hits_E += torch.bincount(idx_sK.flatten(), minlength=layer.hits_E.numel()).cpu()
+            if module.training:  # counted on the routing's device: no host sync per forward
+                if layer.hits_E.device != idx_sK.device:
+                    layer.hits_E = layer.hits_E.to(idx_sK.device)
+                layer.hits_E += torch.bincount(idx_sK.flatten(), minlength=layer.hits_E.numel())
             return layer.placement.map_routing(idx_sK), weights_sK
 
         return hook
