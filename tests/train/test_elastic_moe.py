@@ -2,8 +2,11 @@
 with EP=4; the experts are re-placed by their load history after every step and moved with their AdamW state, and
 the loss curve equals a run whose experts never move."""
 
+import json
+
 import pytest
 
+from k3infra.cli import main as k3infra_main
 from k3infra.train import ElasticMoE, TrainConfig, Trainer
 from tests.train.dist_worker import spawn_run
 from tests.train.tiny_lm import tiny_factory
@@ -27,9 +30,24 @@ def test_bad_arguments_are_rejected(tmp_path, train_cache):
         ElasticMoE(2, history_decay=1.0)
     with pytest.raises(ValueError, match="--rebalance-every must be an int >= 0"):
         TrainConfig(rebalance_every=-1).resolved()
+    with pytest.raises(SystemExit, match="--rebalance-every must be an int >= 0"):
+        k3infra_main(["train", "--out", str(tmp_path / "cli"), "--no-progress", "--rebalance-every", "-2"])
     cfg = TrainConfig(**_kwargs(tmp_path, train_cache, "one", ep=1, rebalance_every=2))
     with pytest.raises(ValueError, match=r"--rebalance-every needs expert parallelism \(--ep > 1\)"):
         Trainer(cfg, tiny_factory)
+
+
+def test_resume_refuses_a_placement_it_would_drop(tmp_path, train_cache):
+    # a checkpoint whose experts were saved in moved slots must not be resumed as if they were at home
+    Trainer(TrainConfig(**_kwargs(tmp_path, train_cache, "run", ep=1, steps=1, seq_len=32)), tiny_factory).fit()
+    trainer_json = tmp_path / "run" / "checkpoints" / "step_1" / "trainer.json"
+    state = json.loads(trainer_json.read_text())
+    state["callbacks"] = {"ElasticMoE": {"rebalances": 1, "layers": [{"logical_of_X": [1, 0], "load_E": [2.0, 1.0]}]}}
+    trainer_json.write_text(json.dumps(state))
+    resumed = TrainConfig(**_kwargs(tmp_path, train_cache, "again", ep=1, steps=2, seq_len=32,
+                                    resume=str(tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"holds the state of \['ElasticMoE'\]"):
+        Trainer(resumed, tiny_factory)
 
 
 @pytest.mark.multiproc

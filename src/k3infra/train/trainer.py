@@ -218,8 +218,14 @@ class Trainer:
                                                 ep_rank=self.state.ep_rank)
                 self.start_step = trainer_state["step"]
                 self.history = trainer_state["history"]
+                saved = trainer_state.get("callbacks", {})
+                unattached = sorted(name for name, value in saved.items() if value and name not in
+                                    {callback.name for callback in self.callbacks})
+                if unattached:  # e.g. experts saved in moved slots: loading them at home would be wrong
+                    raise ValueError(f"--resume {resume}: the checkpoint holds the state of {unattached} "
+                                     "(--rebalance-every for ElasticMoE); resume with the same options")
                 for callback in self.callbacks:
-                    callback.load_state_dict(trainer_state.get("callbacks", {}).get(callback.name, {}))
+                    callback.load_state_dict(saved.get(callback.name, {}))
                 if self.start_step > cfg.steps:
                     raise ValueError(f"--steps {cfg.steps} is below the checkpoint's step {self.start_step}")
         except BaseException:
