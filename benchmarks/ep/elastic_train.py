@@ -235,14 +235,13 @@ def elastic_worker(
 ) -> None:
     """One `ElasticEP` worker training a `PlacedMoELayer`; ``kills[member]``: SIGKILLed at that step, between
     its forward and its backward (members with the same step: the first kills them all at once; the
-    checkpoint directory is removed first if it is ``wipe_by``), or, for ``"gen<g>"``, as soon as the members
-    of generation ``g`` are agreed (while the survivors regroup, before that group forms). A member not in
+    checkpoint directory is removed first if it is ``wipe_by``), or, for ``"regroup"``, while the survivors
+    regroup: once agreed into the next generation, before it says it is ready to form it. A member not in
     ``initial`` asks to join once ``join_after`` was killed."""
     try:
         import os
         import shutil
         import signal
-        import threading
 
         from moonep.elastic import ElasticEP
 
@@ -250,8 +249,13 @@ def elastic_worker(
             "127.0.0.1", port, member, lambda: build_layer(cfg), ckpt, initial, checkpoint_every=checkpoint_every,
             rebalance_every=rebalance_every, stale_s=1.0, timeout_s=30.0, make_optimizer=make_optimizer(cfg),
         )  # fmt: skip
-        if isinstance(kills.get(member), str):
-            threading.Thread(target=_die_when_agreed, args=(port, member, int(kills[member][3:])), daemon=True).start()
+        if kills.get(member) == "regroup":
+
+            def die_when_agreed(*_: object) -> None:
+                elastic.store.set(f"test/killed/{member}", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            elastic.membership.gather = die_when_agreed
         if member not in initial:
             elastic.store.wait([f"test/killed/{join_after}"], datetime.timedelta(seconds=60))
         layer = elastic.start()
@@ -283,17 +287,6 @@ def elastic_worker(
         elastic.close()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((member, False, traceback.format_exc()))
-
-
-def _die_when_agreed(port: int, member: str, generation: int) -> None:
-    """SIGKILL this process once the members of ``generation`` are agreed (a thread of the worker)."""
-    import os
-    import signal
-
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    store.wait([f"gen/{generation}/members"], datetime.timedelta(seconds=120))
-    store.set(f"test/killed/{member}", repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_elastic(

@@ -88,12 +88,12 @@ def test_one_failure_then_two_ranks_at_once(tmp_path: Path, reference: dict) -> 
 
 
 def test_a_death_while_regrouping_then_a_joiner(tmp_path: Path, reference: dict) -> None:
-    # 4 ranks x 4 slots. "1" is killed at step 2; "2" dies as soon as the survivors agreed on the next group
-    # (it was alive then, so it is in it): they find it gone before the group forms and agree again without
-    # it. "4" asks to join after that and is admitted at the boundary after step 3 (3 ranks x 5 slots, from
-    # step 3's checkpoint); it takes part in the rebalance after step 7 with the others.
+    # 4 ranks x 4 slots. "1" is killed at step 2; "2" dies once agreed into the survivors' next group, before
+    # it says it is ready to form it: the others find it gone and agree again without it. "4" asks to join
+    # after that and is admitted at the boundary after step 3 (3 ranks x 5 slots, from step 3's checkpoint);
+    # it takes part in the rebalance after step 7 with the others.
     results = run_elastic(
-        ["0", "1", "2", "3"], {"1": 2, "2": "gen1"}, tmp_path, CFG, STEPS, rebalance_every=4, joiners=("4",),
+        ["0", "1", "2", "3"], {"1": 2, "2": "regroup"}, tmp_path, CFG, STEPS, rebalance_every=4, joiners=("4",),
         join_after="2",
     )  # fmt: skip
     _check_against(results, reference, ["0", "3", "4"])
