@@ -81,6 +81,7 @@ class ElasticMoE(TrainerCallback):
         self.layers: list[_Layer] = []
         self.rebalances = 0
         self._hooks: list[Any] = []
+        """The router hooks; they stay after the run, so the model keeps routing to the moved experts."""
 
     # -- trainer hooks ---------------------------------------------------------------------------------------
 
@@ -118,11 +119,6 @@ class ElasticMoE(TrainerCallback):
         done = step + 1
         if done % self.rebalance_every == 0 and done < trainer.cfg.steps:
             entry["rebalance"] = self.rebalance()
-
-    def on_fit_end(self, trainer: Any) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"rebalances": self.rebalances,
