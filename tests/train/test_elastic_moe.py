@@ -2,12 +2,14 @@
 with EP=4; the experts are re-placed by their load history after every step and moved with their AdamW state, and
 the loss curve equals a run whose experts never move."""
 
+import argparse
 import json
 
 import pytest
 
 from k3infra.cli import main as k3infra_main
 from k3infra.train import ElasticMoE, TrainConfig, Trainer
+from k3infra.train.cli import add_arguments, config_from_args
 from tests.train.dist_worker import spawn_run
 from tests.train.tiny_lm import tiny_factory
 
@@ -23,7 +25,10 @@ def _kwargs(tmp_path, cache, name, **kw):
     return {**base, **kw}
 
 
-def test_bad_arguments_are_rejected(tmp_path, train_cache):
+def test_the_flag_and_bad_arguments(tmp_path, train_cache):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--ep", "4", "--rebalance-every", "3"])).rebalance_every == 3
     with pytest.raises(ValueError, match="rebalance_every must be a positive int"):
         ElasticMoE(0)
     with pytest.raises(ValueError, match="history_decay"):
