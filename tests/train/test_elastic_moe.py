@@ -4,13 +4,15 @@ the loss curve equals a run whose experts never move."""
 
 import argparse
 import json
+import os
+import socket
+from pathlib import Path
 
 import pytest
 
 from k3infra.cli import main as k3infra_main
 from k3infra.train import ElasticMoE, TrainConfig, Trainer
 from k3infra.train.cli import add_arguments, config_from_args
-from tests.train.dist_worker import spawn_run
 from tests.train.tiny_lm import tiny_factory
 
 MiB = 1 << 20
@@ -55,11 +57,35 @@ def test_resume_refuses_a_placement_it_would_drop(tmp_path, train_cache):
         Trainer(resumed, tiny_factory)
 
 
+def _two_runs(rank: int, world: int, port: int, runs: dict[str, dict], result_dir: str) -> None:
+    """One rank: every run of ``runs`` in turn on one gloo group (the trainer uses a group it finds)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from k3infra.train import train
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for name, kwargs in runs.items():
+        result = train(TrainConfig(**kwargs))
+        if rank == 0:
+            (Path(result_dir) / f"{name}.json").write_text(json.dumps(result.history))
+    dist.destroy_process_group()
+
+
 @pytest.mark.multiproc
 def test_rebalancing_inside_the_loop_keeps_the_loss(tmp_path, train_cache):
-    static = spawn_run(4, _kwargs(tmp_path, train_cache, "static"), tmp_path / "static.json", factory_name="k3")
-    placed = spawn_run(4, _kwargs(tmp_path, train_cache, "placed", rebalance_every=1),
-                       tmp_path / "placed.json", factory_name="k3")
+    import torch.multiprocessing as mp
+
+    runs = {"static": _kwargs(tmp_path, train_cache, "static"),
+            "placed": _kwargs(tmp_path, train_cache, "placed", rebalance_every=1)}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_two_runs, args=(4, port, runs, str(tmp_path)), nprocs=4, join=True)
+    static, placed = (json.loads((tmp_path / f"{name}.json").read_text()) for name in runs)
     moves = [h["rebalance"] for h in placed if "rebalance" in h]
     assert len(moves) == STEPS - 1  # after every step but the last
     assert all(move["rows_moved"] > 0 for move in moves), moves
