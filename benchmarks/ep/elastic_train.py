@@ -225,16 +225,19 @@ def elastic_worker(
     port: int,
     ckpt: str,
     initial: list[str],
-    kills: dict[str, int],
+    kills: dict[str, int | str],
     cfg: Config,
     steps: int,
     checkpoint_every: int,
     rebalance_every: int,
     wipe_by: str,
+    join_after: str,
 ) -> None:
     """One `ElasticEP` worker training a `PlacedMoELayer`; ``kills[member]``: SIGKILLed at that step, between
     its forward and its backward (members with the same step: the first kills them all at once; the
-    checkpoint directory is removed first if it is ``wipe_by``)."""
+    checkpoint directory is removed first if it is ``wipe_by``), or, for ``"regroup"``, while the survivors
+    regroup: once agreed into the next generation, before it says it is ready to form it. A member not in
+    ``initial`` asks to join once ``join_after`` was killed."""
     try:
         import os
         import shutil
@@ -246,6 +249,15 @@ def elastic_worker(
             "127.0.0.1", port, member, lambda: build_layer(cfg), ckpt, initial, checkpoint_every=checkpoint_every,
             rebalance_every=rebalance_every, stale_s=1.0, timeout_s=30.0, make_optimizer=make_optimizer(cfg),
         )  # fmt: skip
+        if kills.get(member) == "regroup":
+
+            def die_when_agreed(*_: object) -> None:
+                elastic.store.set(f"test/killed/{member}", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            elastic.membership.gather = die_when_agreed
+        if member not in initial:
+            elastic.store.wait([f"test/killed/{join_after}"], datetime.timedelta(seconds=60))
         layer = elastic.start()
         losses: dict[int, float] = {}
 
@@ -279,7 +291,7 @@ def elastic_worker(
 
 def run_elastic(
     initial: list[str],
-    kills: dict[str, int],
+    kills: dict[str, int | str],
     ckpt: Path,
     cfg: Config,
     steps: int,
@@ -287,15 +299,17 @@ def run_elastic(
     checkpoint_every: int = 1,
     rebalance_every: int = 1000,
     wipe_by: str = "",
+    joiners: tuple[str, ...] = (),
+    join_after: str = "",
     timeout_s: float = 120.0,
 ) -> dict[str, dict]:
-    """`elastic_worker` for every member of ``initial``; returns the survivors' results."""
+    """`elastic_worker` for every member of ``initial`` and ``joiners``; returns the survivors' results."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
     args = {
-        m: (store.port, str(ckpt), initial, kills, cfg, steps, checkpoint_every, rebalance_every, wipe_by)
-        for m in initial
+        m: (store.port, str(ckpt), initial, kills, cfg, steps, checkpoint_every, rebalance_every, wipe_by, join_after)
+        for m in [*initial, *joiners]
     }
     return run_processes(elastic_worker, args, timeout_s, killed=tuple(kills))
 

@@ -117,15 +117,33 @@ def compute_placement(load_E: torch.Tensor, num_ranks: int, slots_per_rank: int)
         free[r] -= 1
         held[r].add(e)
         slots[r].append(e)
-    logical_of_X = torch.tensor([e for rank_slots in slots for e in rank_slots], dtype=torch.long)
-    copies_E = torch.tensor(copies, dtype=torch.long)
-    M = max(copies)
-    table = [[x for x in range(logical_of_X.numel()) if int(logical_of_X[x]) == e] for e in range(E)]
-    table_EM = torch.tensor([[ids[j % len(ids)] for j in range(M)] for ids in table], dtype=torch.long)
+    return placement_from_layout([e for rank_slots in slots for e in rank_slots], num_ranks, slots_per_rank)
+
+
+def placement_from_layout(logical_of_X: list[int] | torch.Tensor, num_ranks: int, slots_per_rank: int) -> Placement:
+    """The `Placement` of a given layout: ``logical_of_X[x]`` is the logical expert of physical expert ``x``.
+
+    Raises:
+        ValueError: the layout does not have ``num_ranks * slots_per_rank`` entries, or some expert
+            ``0..max`` has no copy.
+    """
+    ids = [int(e) for e in (logical_of_X.tolist() if torch.is_tensor(logical_of_X) else logical_of_X)]
+    if len(ids) != num_ranks * slots_per_rank:
+        raise ValueError(f"logical_of_X has {len(ids)} entries, expected num_ranks * slots_per_rank = "
+                         f"{num_ranks} * {slots_per_rank}")
+    E = max(ids) + 1 if ids else 0
+    table = [[] for _ in range(E)]
+    for x, e in enumerate(ids):
+        if e < 0:
+            raise ValueError(f"logical_of_X holds a negative expert id {e}")
+        table[e].append(x)
+    if any(not copies for copies in table):
+        raise ValueError(f"logical_of_X leaves experts {[e for e in range(E) if not table[e]]} without a copy")
+    M = max(len(copies) for copies in table)
     return Placement(
         num_ranks=num_ranks,
         slots_per_rank=slots_per_rank,
-        logical_of_X=logical_of_X,
-        copies_E=copies_E,
-        table_EM=table_EM,
+        logical_of_X=torch.tensor(ids, dtype=torch.long),
+        copies_E=torch.tensor([len(copies) for copies in table], dtype=torch.long),
+        table_EM=torch.tensor([[copies[j % len(copies)] for j in range(M)] for copies in table], dtype=torch.long),
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 import traceback
@@ -19,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.ep.elastic_train import run_processes
+
 pytestmark = pytest.mark.multiproc
 
 E, H, F, K, TOKENS, STEPS = 12, 8, 16, 2, 24, 16
@@ -26,7 +27,6 @@ KILL_STEP, REBALANCE_EVERY = 5, 4
 LOSS_RTOL = 1e-4
 HARD_TIMEOUT_S = 120.0
 BUFFER_TIMEOUT_S = 5.0
-EXIT_TIMEOUT_S = 30.0  # a worker may exit slowly after its result on a loaded 2-core machine
 
 
 def _build() -> torch.nn.Module:
@@ -72,7 +72,7 @@ def _train_step(
     return float(total)
 
 
-def _worker(member: str, port: int, ckpt: str, initial: list[str], kill_member: str, results: mp.Queue) -> None:
+def _worker(member: str, results: mp.Queue, port: int, ckpt: str, initial: list[str], kill_member: str) -> None:
     try:
         from moonep.elastic import ElasticEP
 
@@ -101,41 +101,12 @@ def _worker(member: str, port: int, ckpt: str, initial: list[str], kill_member: 
 
 
 def _run(initial: list[str], joiners: list[str], kill_member: str, tmp: Path) -> dict[str, object]:
-    ctx = mp.get_context("spawn")
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
-    results: mp.Queue = ctx.Queue()
-    procs = {
-        m: ctx.Process(target=_worker, args=(m, store.port, str(tmp), initial, kill_member, results))
-        for m in initial + joiners
-    }
-    outcome: dict[str, object] = {}
-    try:
-        for p in procs.values():
-            p.start()
-        deadline = time.monotonic() + HARD_TIMEOUT_S
-        expected = len(procs) - (1 if kill_member else 0)
-        while len(outcome) < expected and time.monotonic() < deadline:
-            try:
-                member, ok, value = results.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            assert ok, f"member {member} failed:\n{value}"
-            outcome[member] = value
-        assert len(outcome) == expected, f"only {sorted(outcome)} finished within {HARD_TIMEOUT_S} s"
-    finally:
-        for p in procs.values():
-            p.join(timeout=EXIT_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert not any(p.is_alive() for p in procs.values())
-    if kill_member:
-        assert procs[kill_member].exitcode == -signal.SIGKILL
-    exits = {m: p.exitcode for m, p in procs.items() if m != kill_member}
-    assert all(code == 0 for code in exits.values()), f"workers did not exit cleanly: {exits}"
-    return outcome
+    args = {m: (store.port, str(tmp), initial, kill_member) for m in initial + joiners}
+    killed = (kill_member,) if kill_member else ()
+    return run_processes(_worker, args, HARD_TIMEOUT_S, killed=killed)
 
 
 def test_survivors_continue_after_sigkill_and_a_joiner_is_admitted(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@ ranks at once. The first lost rank's experts are all re-homed from live copies o
 optimizer state and no checkpoint read (the dying rank deletes the checkpoint directory); after the double
 failure, experts whose every copy was lost come from the checkpoint, the others from the survivors. Every
 step's loss, and at the end every expert's weights and AdamW moments, equal a run on 2 ranks from the
-start; all copies of an expert are equal. Hard timeout; no process is left behind."""
+start; all copies of an expert are equal. A second scenario kills a rank at a step and another while the
+survivors regroup (they agree again without it), then admits a joiner that takes part in the next rebalance.
+Hard timeout; no process is left behind."""
 
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ def _check_against(results: dict[str, dict], reference: dict, survivors: list[st
     assert sorted(results) == sorted(survivors)
     for member in survivors:
         losses = results[member]["losses"]
-        assert sorted(losses) == list(range(STEPS)), member
-        for step in range(STEPS):
+        first = results[member]["events"][0]
+        first = first["step"] if first["kind"] == "join" else 0  # a joiner computes from its admission on
+        assert sorted(losses) == list(range(first, STEPS)), member
+        for step in range(first, STEPS):
             assert losses[step] == pytest.approx(reference["a"]["losses"][step], rel=LOSS_RTOL), (member, step)
         assert results[member]["members"] == survivors
     ours = _merged_experts(results)
@@ -81,3 +85,26 @@ def test_one_failure_then_two_ranks_at_once(tmp_path: Path, reference: dict) -> 
         assert first["at"] - result["killed_at"]["1"] < 10.0, "survivors took 10 s or more to regroup"
         assert second["at"] - max(result["killed_at"]["2"], result["killed_at"]["3"]) < 10.0
         assert [e["kind"] for e in result["events"]].count("rebalance") == 2  # after steps 3 and 7
+
+
+def test_a_death_while_regrouping_then_a_joiner(tmp_path: Path, reference: dict) -> None:
+    # 4 ranks x 4 slots. "1" is killed at step 2; "2" dies once agreed into the survivors' next group, before
+    # it says it is ready to form it: the others find it gone and agree again without it. "4" asks to join
+    # after that and is admitted at the boundary after step 3 (3 ranks x 5 slots, from step 3's checkpoint);
+    # it takes part in the rebalance after step 7 with the others.
+    results = run_elastic(
+        ["0", "1", "2", "3"], {"1": 2, "2": "regroup"}, tmp_path, CFG, STEPS, rebalance_every=4, joiners=("4",),
+        join_after="2",
+    )  # fmt: skip
+    _check_against(results, reference, ["0", "3", "4"])
+    for member in ("0", "3"):
+        result = results[member]
+        (shrink,) = _shrinks(result)
+        assert (shrink["lost"], shrink["step"], shrink["resume_step"]) == (["1", "2"], 2, 2), shrink
+        assert shrink["regroups"] == 2 and shrink["source"] == "live", shrink
+        assert shrink["at"] - result["killed_at"]["1"] < 10.0, "survivors took 10 s or more to regroup"
+        grow = [e for e in result["events"] if e["kind"] == "grow"]
+        assert len(grow) == 1 and grow[0]["joined"] == ["4"] and grow[0]["step"] == 3, result["events"]
+    joined = results["4"]["events"]
+    assert joined[0]["kind"] == "join" and joined[0]["step"] == 4, joined
+    assert [e["kind"] for e in joined].count("rebalance") == 1, joined  # after step 7, with the joiner's rows

@@ -12,6 +12,7 @@ import importlib
 _EXPORTS = {
     "IGNORE_INDEX": "packing", "PackedBatch": "packing", "PackedDataset": "packing", "pack_rows": "packing",
     "TrainData": "data", "prepare_data": "data",
+    "TrainerCallback": "callbacks", "ElasticMoE": "elastic",
     "TrainConfig": "trainer", "TrainResult": "trainer", "Trainer": "trainer", "train": "trainer",
 }  # fmt: skip
 

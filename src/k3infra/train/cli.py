@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --lora: 0 freezes the router, > 0 trains it at lr times this")
     add("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     add("--qk-clip-tau", type=float, default=100.0, help="MuonClip threshold on MLA max logits (0: off)")
+    add("--rebalance-every", type=int, default=0, metavar="N",
+        help="with --ep > 1: re-place the experts by their load history every N steps, moving them with their "
+             "optimizer state (0: off)")
     add("--seed", type=int, default=0, help="seed of the initialisation and of the data order")
     add("--corpus", nargs="*", default=[],
         help="text/.py/.md files, JSONL ('text' field) or Parquet ('text' column), or folders "
@@ -79,6 +82,7 @@ def config_from_args(args: argparse.Namespace):
         init_from=args.init_from,
         save_every=args.save_every, lora=args.lora, router_lr_scale=args.router_lr_scale,
         activation_checkpointing=args.activation_checkpointing, qk_clip_tau=args.qk_clip_tau, seed=args.seed,
+        rebalance_every=args.rebalance_every,
         corpus=list(args.corpus), max_corpus_bytes=int(args.max_corpus_mb * 2**20) or None,
         cache_dir=args.cache_dir, device=args.device, progress=not args.no_progress,
         tensorboard=not args.no_tensorboard, plot=not args.no_plot, overrides=args.override,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3infra.model.config import K3Config, flops_per_token, preset_names
+from k3infra.train.callbacks import TrainerCallback
 from k3infra.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
 from k3infra.train.data import TrainData, prepare_data
 from k3infra.train.metrics import TensorBoardLogger, format_mfu, mfu, peak_flops, plot_curves
@@ -79,6 +80,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     qk_clip_tau: float = 100.0
     """MuonClip threshold τ (0 disables QK-Clip)."""
+    rebalance_every: int = 0
+    """With ``ep > 1``: recompute the experts' placement from the load history every this many steps and move
+    them (`k3infra.train.elastic.ElasticMoE`); 0: experts stay at home."""
     seed: int = 0
     corpus: list[str] = field(default_factory=list)
     max_corpus_bytes: int | None = 16 << 20
@@ -121,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"--router-lr-scale must be >= 0, got {out.router_lr_scale}")
         if out.qk_clip_tau < 0:
             raise ValueError(f"--qk-clip-tau must be >= 0, got {out.qk_clip_tau}")
+        if not isinstance(out.rebalance_every, int) or out.rebalance_every < 0:
+            raise ValueError(f"--rebalance-every must be an int >= 0 (0: off), got {out.rebalance_every!r}")
         return out
 
 
@@ -179,10 +185,17 @@ class Trainer:
     Args:
         cfg: the run settings.
         model_factory: ``K3Config -> nn.Module`` with the `K3ForCausalLM` forward contract (default: the K3 model).
+        callbacks: `TrainerCallback` hooks (``cfg.rebalance_every`` adds an `ElasticMoE`).
     """
 
-    def __init__(self, cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None,
+                 callbacks: list[TrainerCallback] | None = None) -> None:
         self.cfg = cfg = cfg.resolved()
+        self.callbacks = list(callbacks or [])
+        if cfg.rebalance_every:
+            from k3infra.train.elastic import ElasticMoE
+
+            self.callbacks.append(ElasticMoE(cfg.rebalance_every))
         resume = resolve_checkpoint(cfg.resume) if cfg.resume else None
         self.init_from = resolve_checkpoint(cfg.init_from, option="--init-from") if cfg.init_from else None
         unknown = sorted(k for k in cfg.overrides if k not in K3Config.__annotations__ and not hasattr(K3Config, k))
@@ -197,12 +210,22 @@ class Trainer:
             self._build(model_factory or default_model_factory)
             self.history: list[dict] = []
             self.start_step = 0
+            for callback in self.callbacks:
+                callback.setup(self)
             if resume is not None:
                 trainer_state = load_checkpoint(resume, model=self.model, optimizers=self.optimizers,
                                                 schedulers=self.schedulers, expert_names=set(self.expert_names),
                                                 ep_rank=self.state.ep_rank)
                 self.start_step = trainer_state["step"]
                 self.history = trainer_state["history"]
+                saved = trainer_state.get("callbacks", {})
+                unattached = sorted(name for name, value in saved.items() if value and name not in
+                                    {callback.name for callback in self.callbacks})
+                if unattached:  # e.g. experts saved in moved slots: loading them at home would be wrong
+                    raise ValueError(f"--resume {resume}: the checkpoint holds the state of {unattached} "
+                                     "(--rebalance-every for ElasticMoE); resume with the same options")
+                for callback in self.callbacks:
+                    callback.load_state_dict(saved.get(callback.name, {}))
                 if self.start_step > cfg.steps:
                     raise ValueError(f"--steps {cfg.steps} is below the checkpoint's step {self.start_step}")
         except BaseException:
@@ -326,7 +349,8 @@ class Trainer:
     def _trainer_state(self, step: int) -> dict:
         settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("resume", "init_from", "progress")}
         return {"step": step, "history": self.history, "config": settings,
-                "corpus_fingerprint": self.data.corpus_fingerprint}
+                "corpus_fingerprint": self.data.corpus_fingerprint,
+                "callbacks": {callback.name: callback.state_dict() for callback in self.callbacks}}
 
     def save(self, step: int) -> Path:
         """Write ``<out>/checkpoints/step_<step>`` (collective)."""
@@ -345,6 +369,8 @@ class Trainer:
             with _progress(cfg.progress and state.is_main, cfg.steps, self.start_step) as advance:
                 for step in range(self.start_step, cfg.steps):
                     entry = self.train_step(step)
+                    for callback in self.callbacks:
+                        callback.on_step_end(self, step, entry)
                     self.history.append(entry)
                     if writer is not None:
                         writer.log(entry["step"], {"loss": entry["loss"], "lr": entry["lr"], "mfu": entry["mfu"],
@@ -368,6 +394,8 @@ class Trainer:
         finally:
             if writer is not None:
                 writer.close()
+            for callback in self.callbacks:
+                callback.on_fit_end(self)
             self.state.close()
 
 
@@ -391,6 +419,7 @@ def _progress(enabled: bool, total: int, completed: int):
         yield advance
 
 
-def train(cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None) -> TrainResult:
+def train(cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None,
+          callbacks: list[TrainerCallback] | None = None) -> TrainResult:
     """Build a `Trainer` and run it (see `TrainConfig` for the options)."""
-    return Trainer(cfg, model_factory).fit()
+    return Trainer(cfg, model_factory, callbacks).fit()

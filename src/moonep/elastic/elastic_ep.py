@@ -37,6 +37,9 @@ FAILURES = (CommError, dist.DistError)
 """Exceptions inside a step that mean a peer is gone (gloo raises `DistBackendError` in plain collectives)."""
 
 
+MAX_REGROUPS = 3
+"""Attempts at forming the survivors' group when members keep dying while it forms."""
+
 _ABANDONED: list[object] = []
 """Process groups of generations that lost a peer: kept referenced so that their destructors never run."""
 
@@ -261,14 +264,33 @@ class ElasticEP:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _recover(self, step: int, error: BaseException, *, live: bool) -> None:
+        """Agree on the survivors, form the next generation and re-home; a member that dies while the
+        survivors regroup (before the group forms, or during the re-homing) starts the agreement again
+        without it, up to `MAX_REGROUPS` times (after a failed re-homing, from the checkpoint)."""
         t0 = time.monotonic()
         lost_from = list(self.members)
         logger.warning("elastic: step %d failed on member %s (%s); regrouping", step, self.member_id, error)
-        alive = self.membership.alive(lost_from, self.stale_s)
-        agreed = self.membership.propose(self.generation + 1, alive)
-        rehomed = self._enter(self.generation + 1, source="live" if live else "checkpoint", broken=True)
-        lost = [m for m in lost_from if m not in agreed]
-        self._event("shrink", step, t0, lost=lost, resume_step=self.step, **rehomed)
+        generation, candidates, source = self.generation + 1, lost_from, "live" if live else "checkpoint"
+        regroups = 0
+        while True:
+            regroups += 1
+            if regroups > MAX_REGROUPS:
+                raise RuntimeError(f"member {self.member_id}: the survivors of step {step} could not form a group in "
+                                   f"{MAX_REGROUPS} attempts (members kept failing while regrouping)")
+            agreed = self.membership.propose(generation, self.membership.alive(candidates, self.stale_s))
+            if self.member_id not in agreed:
+                raise RuntimeError(f"member {self.member_id} was left out of generation {generation}: {agreed}")
+            dead = self.membership.gather(generation, agreed, self.stale_s, self.timeout_s)
+            if not dead:
+                try:
+                    rehomed = self._enter(generation, source=source, broken=True)
+                    break
+                except FAILURES as again:
+                    logger.warning("elastic: generation %d failed while forming (%s); regrouping", generation, again)
+                    source = "checkpoint"  # the live re-homing may be half done
+            candidates, generation = [m for m in agreed if m not in dead], generation + 1
+        lost = [m for m in lost_from if m not in self.members]
+        self._event("shrink", step, t0, lost=lost, resume_step=self.step, regroups=regroups, **rehomed)
 
     def _rebalance(self, step: int) -> None:
         """Recompute every `PlacedMoELayer`'s placement from its load history and move the experts."""

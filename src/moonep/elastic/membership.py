@@ -4,6 +4,7 @@ All state lives in a `torch.distributed.TCPStore` that outlives every worker (ho
 torchrun's c10d rendezvous does). Keys:
     ``hb/<member>``             heartbeat counter, bumped every ``heartbeat_s`` by a daemon thread
     ``gen/<g>/members``         the members of generation ``g``, comma-separated, in group-rank order
+    ``gen/<g>/ready/<member>``  set when the member is about to form generation ``g`` (`gather`)
     ``joiners/n``, ``joiners/<i>``   members asking to join, in arrival order; ``joiners/admitted`` how many were
     ``admit/<member>``          the generation a joiner was admitted to
 A generation's member list is written once with ``compare_set``: the first proposal wins and every member
@@ -77,6 +78,35 @@ class Membership:
         before = {m: self.store.add(f"hb/{m}", 0) for m in candidates}
         time.sleep(stale_s)
         return [m for m in candidates if m == self.member_id or self.store.add(f"hb/{m}", 0) > before[m]]
+
+    def gather(self, generation: int, members: list[str], stale_s: float, timeout_s: float) -> list[str]:
+        """Say this member is ready to form ``generation`` and wait until all ``members`` are.
+
+        Returns:
+            ``[]`` when every member arrived; else the members that did not arrive and whose heartbeat stood
+            still for ``stale_s`` (they died after the agreement): the generation cannot form.
+
+        Raises:
+            TimeoutError: members with a live heartbeat did not arrive within ``timeout_s``.
+        """
+        self.store.set(f"gen/{generation}/ready/{self.member_id}", "1")
+        start = time.monotonic()
+        waiting = {m: (self.store.add(f"hb/{m}", 0), start) for m in members if m != self.member_id}
+        while waiting:
+            now = time.monotonic()
+            for member, (count, since) in list(waiting.items()):
+                if self.store.check([f"gen/{generation}/ready/{member}"]):
+                    del waiting[member]
+                elif (beat := self.store.add(f"hb/{member}", 0)) != count:
+                    waiting[member] = (beat, now)
+                elif now - since > stale_s:
+                    dead = [m for m, (c, t) in waiting.items() if now - t > stale_s]
+                    logger.warning("generation %d: %s died before it formed", generation, dead)
+                    return dead
+            if waiting and now - start > timeout_s:
+                raise TimeoutError(f"generation {generation}: {sorted(waiting)} alive, not ready after {timeout_s} s")
+            time.sleep(0.05)
+        return []
 
     # -- joining -----------------------------------------------------------------------------------------
 
