@@ -133,3 +133,12 @@ def test_grad_norm_clipping(tmp_path, train_cache):
     norm = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None))
     assert float(norm) == pytest.approx(1e-3, rel=1e-3)
     trainer.state.close()
+
+
+def test_k3_model_resumes_the_identical_curve(tmp_path, train_cache):
+    """The K3 model has parameters that get no gradient in a step (so no optimizer state at save time), which a
+    fresh optimizer's state dict holds anyway: resuming must load around them, not fail."""
+    full = Trainer(_cfg(tmp_path, train_cache, steps=4, save_every=2)).fit()
+    resumed = Trainer(_cfg(tmp_path, train_cache, steps=4, out=str(tmp_path / "again"),
+                           resume=str(tmp_path / "run" / "checkpoints" / "step_2"))).fit()
+    assert [h["loss"] for h in resumed.history[2:]] == full.losses[2:]

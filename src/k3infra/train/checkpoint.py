@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,21 @@ def resolve_checkpoint(path: str | Path, *, option: str = "--resume") -> Path:
                             "checkpoints/step_<N>/)")
 
 
+def _drop_unsaved_optimizer_state(optim_state: dict[str, dict[str, Any]], path: Path) -> None:
+    """Remove from the state to load the optimizer entries the checkpoint does not hold.
+
+    ``get_state_dict`` gives a fresh optimizer state for every parameter, but at save time a parameter that never
+    had a gradient (AdamW and Muon skip it) had none: it resumes without state, as it was.
+    """
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    for fqn in list(optim_state):
+        entry = optim_state[fqn]
+        for key in [k for k in entry if f"optim.state.{fqn}.{k}" not in saved]:
+            del entry[key]
+        if not entry:
+            del optim_state[fqn]
+
+
 def load_checkpoint(
     path: Path,
     *,
@@ -118,11 +133,14 @@ def load_checkpoint(
     """Restore model, optimizers, schedulers and RNG from ``path`` (collective). Returns ``trainer.json``."""
     trainer_state = json.loads((path / TRAINER_FILE).read_text())
     state = _app_state(model, optimizers, schedulers, expert_names, ep_rank)
+    _drop_unsaved_optimizer_state(state["optim"]["state"], path)
     dcp.load(state, checkpoint_id=str(path))
     model_sd = _tag_experts(state["model"], expert_names, ep_rank, tag=False)
     optim_sd = {"state": _tag_experts(state["optim"]["state"], expert_names, ep_rank, tag=False),
                 "param_groups": state["optim"]["param_groups"]}
-    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    # not strict: parameters without saved optimizer state (see above); missing model keys fail in dcp.load
+    set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(strict=False))
     for scheduler, sd in zip(schedulers, state["schedulers"]):
         scheduler.load_state_dict(sd)
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
