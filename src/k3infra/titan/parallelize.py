@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3infra.model.moe import K3MoE
@@ -54,7 +55,7 @@ def _shard_experts_over_ep(lm: nn.Module, parallel_dims, tokens_per_rank: int, d
 
 
 def _apply_fsdp(model: nn.Module, parallel_dims, training, parallelism) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
@@ -83,6 +84,10 @@ def _apply_fsdp(model: nn.Module, parallel_dims, training, parallelism) -> None:
                     shard_placement_fn=placement_fn if has_experts else None)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     disable_fsdp_gradient_division(model)
+    if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM, the op FSDP picks for a divide factor of 1
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def parallelize_k3(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
