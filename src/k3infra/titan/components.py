@@ -114,6 +114,8 @@ class K3Optimizers(OptimizersContainer):
         weight_decay: float = 0.1
         name: str = "muon"
         """``muon`` (Muon for matrices, AdamW for the rest) or ``adamw`` (AdamW for everything)."""
+        per_head_muon: bool = True
+        """Orthogonalise query/key/value projections one head at a time (K3's per-head Muon)."""
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
         if config.name not in ("muon", "adamw"):
@@ -122,7 +124,8 @@ class K3Optimizers(OptimizersContainer):
         self.optimizers = []
         for part in model_parts:
             self.optimizers.extend(build_optimizers(part, lr=config.lr, weight_decay=config.weight_decay,
-                                                    use_muon=config.name == "muon"))
+                                                    use_muon=config.name == "muon",
+                                                    per_head_muon=config.per_head_muon))
         params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self._validate_params(params)
         self._post_init(params)
