@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
+TITAN_STAMP := $(VENV)/.titan-installed
 APT_PACKAGES := iproute2 bubblewrap util-linux procps python3 nftables chromium e2fsprogs
 
 .PHONY: demo test install apt lint clean
@@ -30,12 +31,17 @@ $(VERL_STAMP): requirements/verl-test.txt $(STAMP)
 	$(PY) -m pip install -q --no-deps -r requirements/verl-test.txt
 	@touch $(VERL_STAMP)
 
+# torchtitan for the K3 registration test, pinned without its requirement list (see requirements/titan-test.txt).
+$(TITAN_STAMP): requirements/titan-test.txt $(STAMP)
+	$(PY) -m pip install -q --no-deps -r requirements/titan-test.txt
+	@touch $(TITAN_STAMP)
+
 install: apt $(STAMP)
 
 demo: install
 	$(VENV)/bin/k3infra demo
 
-test: install $(VERL_STAMP)
+test: install $(VERL_STAMP) $(TITAN_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
 

@@ -111,6 +111,10 @@ class K3KDA(nn.Module):
         self.o_norm = RMSNorm(K, config.rms_norm_eps)
         self.o_proj = nn.Linear(D, d, bias=False)
 
+    def muon_head_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Per-head Muon: ``q_proj``, ``k_proj``, ``v_proj`` rows come in ``head_dim`` blocks, one per head."""
+        return {f"{name}.weight": (self.head_dim,) for name in ("q_proj", "k_proj", "v_proj")}
+
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:
         """Conv taps ~ U(±1/√W); decay bias so the initial per-token decay ``−g`` spans [0.001, 0.1] (log-uniform)

@@ -67,6 +67,11 @@ class K3MLA(nn.Module):
         self.track_max_logit = True
         """Record ``max_logit`` in training forwards (a detached ``q·kᵀ`` recompute, one sequence at a time)."""
 
+    def muon_head_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Per-head Muon: ``q_b_proj`` rows are one ``n + r`` query block per head; ``kv_b_proj`` rows a key block
+        (``n``) then a value block (``d_v``) per head."""
+        return {"q_b_proj.weight": (self.n + self.r,), "kv_b_proj.weight": (self.n, self.dv)}
+
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Attend; ``x_BTD`` ``[B, T, D]``, ``cu_seqlens`` ``[N + 1]`` (``B == 1``), ``cache`` a `K3Cache`.
         Returns ``[B, T, D]``."""

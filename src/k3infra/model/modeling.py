@@ -294,7 +294,7 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
         return total / (target_N != -100).sum().clamp(min=1)
 
     def enable_expert_parallel(self, group, *, max_tokens_per_rank: int, dtype: torch.dtype | None = None,
-                               **buffer_kwargs) -> None:
+                               device: torch.device | None = None, **buffer_kwargs) -> None:
         """Shard routed experts over ``group`` with MoonEP (collective: every rank of ``group`` calls it).
 
         Each rank keeps its ``E / R`` home experts (``[r·E/R, (r+1)·E/R)``) and dispatches tokens through one
@@ -304,6 +304,8 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
             group: the EP process group (``R`` ranks, ``R`` divides ``n_routed_experts``).
             max_tokens_per_rank: most tokens (``B·T``) one rank passes per forward.
             dtype: dispatch dtype (default: the expert weights' dtype).
+            device: device of the dispatch buffers (default: the expert weights' device; give it when the model
+                is still on the meta device).
             **buffer_kwargs: passed to `moonep.Buffer` (``transport``, ``balanced``, ...).
 
         Raises:
@@ -325,7 +327,7 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
             if moe.ep_buffer is not None:
                 raise ValueError("expert parallel is already enabled on this model")
             buf = Buffer(group, max_tokens_per_rank, self.config.moe_latent_size, self.config.num_experts_per_tok, E,
-                         dtype=dtype or moe.w1.dtype, device=moe.w1.device, **buffer_kwargs)
+                         dtype=dtype or moe.w1.dtype, device=device or moe.w1.device, **buffer_kwargs)
             moe.shard_experts(buf, rank, size)
         logger.info("expert parallel: rank %d of %d holds %d experts per layer", rank, size, E // size)
 

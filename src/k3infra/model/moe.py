@@ -141,6 +141,13 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
     return torch.cat(out, 0) if out else x_CL.new_zeros(0, w2_PLM.shape[1])
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's home experts: a DTensor sharded over the EP mesh (torchtitan's layout) gives its local part."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 class K3MoE(nn.Module):
     """Stable LatentMoE FFN (parameters exactly those counted by `count_parameters`).
 
@@ -215,9 +222,7 @@ class K3MoE(nn.Module):
         h_in = h_sL.to(buf.dtype)
         out = buf.dispatch(h_in, idx_sK, weights_sK)
         plan = out.handle.plan
-        w1 = buf.prefetch_weight(plan, self.w1)
-        w3 = buf.prefetch_weight(plan, self.w3)
-        w2 = buf.prefetch_weight(plan, self.w2)
+        w1, w3, w2 = (buf.prefetch_weight(plan, _local(w)) for w in (self.w1, self.w3, self.w2))
         counts = out.counts_L[: w1.shape[0]]
         y_CL = grouped_situ(out.x_CH, counts, w1, w3, w2, self.gate_beta, self.up_beta)
         u_sL, _ = buf.combine(y_CL.to(buf.dtype), out.handle)

@@ -8,6 +8,12 @@ everything Muon should not: the input embedding and ``lm_head`` (their rows are 
 map to orthogonalise), the router (fp32, zero weight decay), norms, biases, per-head scalars and any parameter
 that is not a matrix. Weight decay 0.1 on matrices; norms, biases and the router get none. The schedule is a
 linear warmup over 1% of the steps followed by a cosine decay to ``min_lr_ratio`` of the peak.
+
+Per-head Muon (K3's refinement, ``K3_MODEL.md`` §4): the query, key and value projections are orthogonalised one
+head at a time. A module that has them says how its weight rows split into heads (``muon_head_blocks()``, e.g.
+``{"q_proj.weight": (128,)}``, or ``(n, d_v)`` for a matrix whose head holds a key then a value block); Muon then
+runs Newton–Schulz on every ``[block rows, in]`` slice on its own, each with its own ``0.2·√max`` scale, so one
+head's gradient never shapes another head's update.
 """
 
 from __future__ import annotations
@@ -39,8 +45,21 @@ def split_parameters(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, l
     return muon, decay, no_decay
 
 
+def head_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: per-head row pattern}`` from every module's ``muon_head_blocks()`` (names as in
+    ``model.named_parameters()``, wrappers' prefixes included)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for prefix, module in model.named_modules():
+        blocks = getattr(module, "muon_head_blocks", None)
+        if callable(blocks):
+            for name, pattern in blocks().items():
+                out[f"{prefix}.{name}" if prefix else name] = tuple(pattern)
+    return out
+
+
 def build_optimizers(
-    model: nn.Module, *, lr: float, weight_decay: float = 0.1, use_muon: bool = True, router_lr_scale: float = 1.0
+    model: nn.Module, *, lr: float, weight_decay: float = 0.1, use_muon: bool = True, router_lr_scale: float = 1.0,
+    per_head_muon: bool = True,
 ) -> list[torch.optim.Optimizer]:
     """Muon for matrices (when ``use_muon``) and AdamW for the rest.
 
@@ -50,6 +69,7 @@ def build_optimizers(
         weight_decay: decoupled weight decay for matrices (norm weights and biases get none).
         use_muon: False puts every parameter on AdamW (LoRA fine-tuning, where adapters are low-rank).
         router_lr_scale: the router's learning rate is ``lr · router_lr_scale``.
+        per_head_muon: orthogonalise query/key/value projections per head (`head_blocks`); False: whole matrices.
 
     Returns:
         ``[muon, adamw]`` or ``[adamw]``; an optimizer without parameters is left out.
@@ -68,8 +88,13 @@ def build_optimizers(
         raise ValueError("the model has no trainable parameter")
     optimizers: list[torch.optim.Optimizer] = []
     if muon:
-        optimizers.append(ShardedMuon([p for _, p in muon], lr=lr, weight_decay=weight_decay,
-                                      adjust_lr_fn="match_rms_adamw"))
+        patterns = head_blocks(model) if per_head_muon else {}
+        by_pattern: dict[tuple[int, ...] | None, list[nn.Parameter]] = {}
+        for name, param in muon:
+            by_pattern.setdefault(patterns.get(name), []).append(param)
+        optimizers.append(ShardedMuon([{"params": params, "head_rows": pattern}
+                                       for pattern, params in by_pattern.items()],
+                                      lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))
     router = [p for n, p in decay + no_decay if "router" in n]
     router_ids = {id(p) for p in router}
     groups = [g for g in ({"params": [p for _, p in decay if id(p) not in router_ids], "weight_decay": weight_decay},
@@ -85,7 +110,9 @@ class ShardedMuon(torch.optim.Muon):
 
     Newton–Schulz needs the whole matrix: a DTensor update is gathered (``full_tensor``), orthogonalised, and each
     rank keeps its own shard again; a 3-D ``[E, n, m]`` parameter is orthogonalised per ``[n, m]`` slice with the
-    learning-rate scale of one slice. Momentum stays sharded like the parameter.
+    learning-rate scale of one slice. A group with ``head_rows`` (a row pattern such as ``(128,)`` or
+    ``(n, d_v)``, repeated down the matrix) orthogonalises every row block on its own (per-head Muon), each scaled
+    for its own shape. Momentum stays sharded like the parameter.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -98,9 +125,14 @@ class ShardedMuon(torch.optim.Muon):
         self.param_groups.clear()
         for group in params if isinstance(params, list) and params and isinstance(params[0], dict) else [
                 {"params": list(params)}]:
+            group = {**group, "head_rows": tuple(group["head_rows"]) if group.get("head_rows") else None}
             for p in group["params"]:
                 if p.ndim not in (2, 3):
                     raise ValueError(f"Muon takes 2-D matrices or 3-D stacked experts, got a {tuple(p.shape)} tensor")
+                period = sum(group["head_rows"] or ())
+                if period and (p.ndim != 2 or any(r < 1 for r in group["head_rows"]) or p.shape[0] % period):
+                    raise ValueError(f"head_rows {group['head_rows']} must be positive and tile the rows of a 2-D "
+                                     f"matrix, got a {tuple(p.shape)} parameter")
             self.add_param_group(group)
 
     @torch.no_grad()
@@ -117,14 +149,18 @@ class ShardedMuon(torch.optim.Muon):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 full = update.full_tensor() if isinstance(update, DTensor) else update
-                mats = full if full.ndim == 3 else full[None]
-                ortho = torch.stack([_zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
-                                                                 group["eps"]) for m in mats])
-                ortho = ortho.view(full.shape).to(param.dtype)
+                if group["head_rows"]:
+                    pattern = group["head_rows"]
+                    mats = full.split(list(pattern) * (full.shape[0] // sum(pattern)))
+                else:
+                    mats = full if full.ndim == 3 else full[None]
+                step = torch.cat([_zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
+                                                              group["eps"]).to(param.dtype)
+                                  * _adjust_lr(lr, group["adjust_lr_fn"], m.shape) for m in mats]).view(full.shape)
                 if isinstance(update, DTensor):
-                    ortho = distribute_tensor(ortho, update.device_mesh, update.placements, src_data_rank=None)
+                    step = distribute_tensor(step, update.device_mesh, update.placements, src_data_rank=None)
                 param.mul_(1 - lr * wd)
-                param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
+                param.sub_(step)
         return loss
 
 

@@ -1,0 +1,86 @@
+"""Per-head Muon: query/key/value projections are orthogonalised one head block at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from k3infra.model import K3Config, K3ForCausalLM
+from k3infra.train.optim import ShardedMuon, build_optimizers, head_blocks
+
+
+def _muon_step(weight: torch.Tensor, grad: torch.Tensor, head_rows) -> torch.Tensor:
+    """The update of one Muon step (no weight decay) from ``weight`` with gradient ``grad``."""
+    param = nn.Parameter(weight.clone())
+    opt = ShardedMuon([{"params": [param], "head_rows": head_rows}], lr=0.1, weight_decay=0.0,
+                      adjust_lr_fn="match_rms_adamw")
+    param.grad = grad.clone()
+    opt.step()
+    return (param - weight).detach()
+
+
+def test_heads_are_orthogonalised_independently():
+    torch.manual_seed(0)
+    heads, head_dim, d_in = 4, 8, 32
+    weight = torch.randn(heads * head_dim, d_in)
+    grad = torch.randn(heads * head_dim, d_in)
+    louder = grad.clone()
+    louder[head_dim:2 * head_dim] *= 1000.0  # head 1's gradient dominates the whole matrix
+
+    per_head, per_head_loud = _muon_step(weight, grad, (head_dim,)), _muon_step(weight, louder, (head_dim,))
+    whole, whole_loud = _muon_step(weight, grad, None), _muon_step(weight, louder, None)
+    h0 = slice(0, head_dim)
+    # per head: head 0's update does not depend on head 1's gradient
+    torch.testing.assert_close(per_head_loud[h0], per_head[h0], rtol=0, atol=1e-6)
+    # whole matrix: head 1 takes over the spectrum and head 0's update collapses
+    assert (whole_loud[h0] - whole[h0]).norm() > 0.5 * whole[h0].norm()
+
+    # each head block equals Muon applied to that block as its own matrix (its own 0.2·√max scale)
+    for h in range(heads):
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        torch.testing.assert_close(per_head[rows], _muon_step(weight[rows], grad[rows], None), rtol=0, atol=1e-6)
+    # and differs from whole-matrix orthogonalisation
+    assert (per_head - whole).norm() > 0.1 * whole.norm()
+
+
+def test_key_value_pattern_splits_each_head_into_its_blocks():
+    torch.manual_seed(1)
+    n, dv, heads, d_in = 4, 6, 3, 16
+    weight, grad = torch.randn(heads * (n + dv), d_in), torch.randn(heads * (n + dv), d_in)
+    update = _muon_step(weight, grad, (n, dv))
+    start = 0
+    for _ in range(heads):
+        for size in (n, dv):
+            rows = slice(start, start + size)
+            torch.testing.assert_close(update[rows], _muon_step(weight[rows], grad[rows], None), rtol=0, atol=1e-6)
+            start += size
+
+
+def test_k3_model_gets_per_head_groups():
+    model = K3ForCausalLM(K3Config.from_preset("k3-debug"))
+    blocks = head_blocks(model)
+    c = model.config
+    assert blocks["model.layers.0.self_attn.q_proj.weight"] == (c.kda_head_dim,)
+    assert blocks["model.layers.3.self_attn.kv_b_proj.weight"] == (c.qk_nope_head_dim, c.v_head_dim)
+    assert blocks["model.layers.3.self_attn.q_b_proj.weight"] == (c.qk_nope_head_dim + c.qk_rope_head_dim,)
+    muon = build_optimizers(model, lr=1e-2)[0]
+    ids = {id(p): n for n, p in model.named_parameters()}
+    grouped = {ids[id(p)]: g["head_rows"] for g in muon.param_groups for p in g["params"]}
+    assert {n for n, rows in grouped.items() if rows} == set(blocks)
+    assert grouped["model.layers.0.self_attn.o_proj.weight"] is None  # whole matrix
+    plain = build_optimizers(model, lr=1e-2, per_head_muon=False)[0]
+    assert all(g["head_rows"] is None for g in plain.param_groups)
+    # one step runs and moves the per-head weights
+    ids_ = torch.randint(0, c.vocab_size, (1, 16))
+    model(ids_, labels=ids_).loss.backward()
+    before = model.model.layers[3].self_attn.kv_b_proj.weight.detach().clone()
+    muon.step()
+    assert not torch.equal(before, model.model.layers[3].self_attn.kv_b_proj.weight)
+
+
+def test_bad_head_rows_are_rejected():
+    with pytest.raises(ValueError, match="head_rows"):
+        ShardedMuon([{"params": [nn.Parameter(torch.zeros(10, 4))], "head_rows": (4,)}])
+    with pytest.raises(ValueError, match="head_rows"):
+        ShardedMuon([{"params": [nn.Parameter(torch.zeros(2, 8, 4))], "head_rows": (4,)}])
