@@ -9,10 +9,11 @@ Stages, each guarded so that one failure does not stop the others, all inside ``
 3. correctness: v2, and K2 alone on the emulated workspace, vs the fp64 reference at small sizes (and CUTLASS
    FlashKDA on the same inputs when importable); a gate sweep ``lower_bound`` -5 ... -0.1 (NaN/inf, error vs fp64);
 4. per anchor row: v2 and CUTLASS vs fla (output and final-state relative RMS), then medians of CUDA events of
-   fla, CUTLASS, v1 (``flashkda.chunk_kda``), v2 and v2's K1 and K2 alone. K2 is timed on K1's workspace, or on the
-   emulated one when K1 fails. The chunk-32 forward is timed next to it on the same inputs: ``v2 c32``
-   (`flashkda.fwd.v2.chunk_fwd32`), ``k1 c32`` and ``k2 c32`` (on K1 c32's workspace, or the emulated chunk-32
-   workspace when K1 c32 fails), each with its errors vs fla and (stage 3) vs fp64.
+   fla, CUTLASS, v1 (``flashkda.chunk_kda``), v2 (its default chunk size), ``v2 c16`` and v2's K1 and K2 alone. K2
+   is timed on K1's workspace, or on the emulated one when K1 fails. The chunk-32 forward is timed next to it on the
+   same inputs: ``v2 c32`` (``chunk_kda_fwd_v2(..., chunk_size=32)``), ``k1 c32`` and ``k2 c32`` (on K1 c32's
+   workspace, or the emulated chunk-32 workspace when K1 c32 fails), each with its errors vs fla and (stage 3) vs
+   fp64.
 
 Results: ``benchmarks/results/kda-v2-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -118,8 +119,8 @@ class Impls:
         self.k2c32 = self._try("k2c32", lambda: __import__("flashkda.fwd.v2.recurrence32",
                                                            fromlist=["x"]).recurrence32_fwd)
         self.k1c32 = self._try("k1c32", lambda: __import__("flashkda.fwd.v2.prepare32", fromlist=["x"]).prepare32_fwd)
-        self.v2c32 = self._try("v2c32", lambda: __import__("flashkda.fwd.v2.chunk_fwd32",
-                                                           fromlist=["x"]).chunk_kda_fwd_v2_c32)
+        self.v2c32 = self._try("v2c32", lambda: functools.partial(
+            __import__("flashkda.fwd.v2", fromlist=["x"]).chunk_kda_fwd_v2, chunk_size=32))
 
     def _try(self, name, make):
         fn, err = guarded(f"import {name}", make)

@@ -130,11 +130,11 @@ def test_c32_entry_rejects_what_v2_does_not_serve_and_imports_no_kernel():
     import subprocess
     import sys
 
-    from flashkda.fwd.v2.chunk_fwd32 import chunk_kda_fwd_v2_c32
+    from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
 
     q = torch.zeros(1, 4, 2, K, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Hopper"):
-        chunk_kda_fwd_v2_c32(q, q, q, q, q[..., 0], 1.0, lower_bound=-5.0)
+        chunk_kda_fwd_v2(q, q, q, q, q[..., 0], 1.0, lower_bound=-5.0, chunk_size=32)
     code = ("import sys, flashkda.fwd.v2.chunk_fwd32, flashkda.fwd.v2.prepare32, flashkda.fwd.v2.recurrence32; "
             "sys.exit(any(m.endswith(('_kernel',)) or m.startswith('triton.experimental.gluon') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -232,12 +232,12 @@ def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV, batched):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", V2_GPU_CASES)
 def test_chunk_kda_fwd_v2_c32_matches_fp64(B, T, H, cu, a_log, HV):
-    from flashkda.fwd.v2.chunk_fwd32 import chunk_kda_fwd_v2_c32
+    from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
 
     cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(B, T, H, cu, a_log, 8, HV)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               lower_bound=-5.0, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
-    o, s, _ = chunk_kda_fwd_v2_c32(q, k, v, g, beta, K**-0.5, h0, True, **kw)
+    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, chunk_size=32, **kw)
     ro, rs = reference.chunk_kda_reference(q, k, v, g, beta, K**-0.5, h0, True, **kw)
     assert_close("o", ro, o, 5e-3 if cu is None else 6e-3)
     assert_close("final_state", rs, s, 1e-2)
@@ -246,12 +246,12 @@ def test_chunk_kda_fwd_v2_c32_matches_fp64(B, T, H, cu, a_log, HV):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, -1.0, -0.1])
 def test_chunk_kda_fwd_v2_c32_gate_sweep(lower_bound):
-    from flashkda.fwd.v2.chunk_fwd32 import chunk_kda_fwd_v2_c32
+    from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
 
     cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(1, 2048, 2, (0, 1500, 2048), True, 9, 2)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               lower_bound=lower_bound, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
-    o, s, _ = chunk_kda_fwd_v2_c32(q, k, v, g, beta, K**-0.5, h0, True, **kw)
+    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, chunk_size=32, **kw)
     ro, rs = reference.chunk_kda_reference(q, k, v, g, beta, K**-0.5, h0, True, **kw)
     assert_close("o", ro, o, 6e-3)
     assert_close("final_state", rs, s, 1e-2)

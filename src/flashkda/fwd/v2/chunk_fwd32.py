@@ -1,49 +1,14 @@
 """The v2 forward over 32-token chunks: the chunk-32 K1 (`prepare32_fwd`) then the chunk-32 K2
-(`recurrence32_fwd`); half the recurrence's serial steps of the chunk-16 forward (`chunk_fwd.chunk_kda_fwd_v2`),
-for the same calls (`chunk_fwd.supports_v2`)."""
+(`recurrence32_fwd`); half the recurrence's serial steps of the chunk-16 path. Called by
+``chunk_fwd.chunk_kda_fwd_v2(..., chunk_size=32)`` (the default for fixed-length calls)."""
 
 from __future__ import annotations
 
 import torch
 
-from flashkda.fwd.v2 import chunk_fwd
 from flashkda.fwd.v2.workspace32 import cached_chunk_layout32
 
-__all__ = ["chunk_kda_fwd_v2_c32", "forward_c32"]
-
-
-def chunk_kda_fwd_v2_c32(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-    """Chunked KDA forward on validated inputs over 32-token chunks (inference: nothing is saved).
-
-    ``chunk_fwd.chunk_kda_fwd_v2(..., chunk_size=32)``: arguments and returns as there (without ``segments``).
-
-    Raises:
-        ValueError: the call is outside v2's scope (the message says why).
-    """
-    return chunk_fwd.chunk_kda_fwd_v2(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
-        dt_bias, cu_seqlens_cpu, chunk_size=32)
+__all__ = ["forward_c32"]
 
 
 def forward_c32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
