@@ -34,18 +34,22 @@ class Episode:
 
 class EnvClock:
     """Wall time spent awaiting the environment (create, fork, step, reward, destroy; concurrent waits overlap)
-    and spent sampling from the policy (`policy_seconds`, never overlapping: sampling holds the event loop)."""
+    and spent sampling from the policy (`policy_seconds`, never overlapping: sampling holds the event loop).
+    `parts` splits `seconds` by the label each wait was given (``reset``, ``fork``, ``step``, ``close``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.policy_seconds = 0.0
+        self.parts: dict[str, float] = {}
 
-    async def __call__(self, awaitable):
+    async def __call__(self, awaitable, label: str = "other"):
         t0 = time.perf_counter()
         try:
             return await awaitable
         finally:
-            self.seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.seconds += dt
+            self.parts[label] = self.parts.get(label, 0.0) + dt
 
 
 async def _play(envs, episodes: list[Episode], model, tokenizer, temperature: float, generator, clock: EnvClock,
@@ -62,7 +66,7 @@ async def _play(envs, episodes: list[Episode], model, tokenizer, temperature: fl
         calls = dict(zip(live, actions))
         for i in live:
             episodes[i].actions.append(calls[i])
-        results = await clock(asyncio.gather(*(envs[i].step(parse_action(calls[i])) for i in live)))
+        results = await clock(asyncio.gather(*(envs[i].step(parse_action(calls[i])) for i in live)), "step")
         still = []
         for i, (obs, reward, terminated, truncated, _) in zip(live, results):
             act_text, obs_text = turn_texts(calls[i], obs)
@@ -91,10 +95,10 @@ async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, 
     roots = [pool.make_env() for _ in tasks]
     broods: list[list] = []
     try:
-        await clock(asyncio.gather(*(r.reset(task=t) for r, t in zip(roots, tasks))))
+        await clock(asyncio.gather(*(r.reset(task=t) for r, t in zip(roots, tasks))), "reset")
         parents = [r.writer.id if r.writer is not None else None for r in roots]
-        broods = await clock(asyncio.gather(*(r.fork(n) for r in roots)))
-        await clock(asyncio.gather(*(r.close() for r in roots)))
+        broods = await clock(asyncio.gather(*(r.fork(n) for r in roots)), "fork")
+        await clock(asyncio.gather(*(r.close() for r in roots)), "close")
         groups = [[Episode(t.id, [(prompt_text(t.instruction), False)], parent_id=parent,
                            trajectory_id=k.writer.id if k.writer is not None else None) for k in kids]
                   for parent, t, kids in zip(parents, tasks, broods)]
@@ -103,7 +107,7 @@ async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, 
                     max_new_tokens)
         return groups
     finally:
-        await clock(asyncio.gather(*(r.close() for r in roots), *(k.close() for b in broods for k in b)))
+        await clock(asyncio.gather(*(r.close() for r in roots), *(k.close() for b in broods for k in b)), "close")
 
 
 async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, **kwargs) -> list[Episode]:
@@ -117,14 +121,14 @@ async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvC
     clock = clock or EnvClock()
     envs = [pool.make_env() for _ in tasks]
     try:
-        await clock(asyncio.gather(*(e.reset(task=t) for e, t in zip(envs, tasks))))
+        await clock(asyncio.gather(*(e.reset(task=t) for e, t in zip(envs, tasks))), "reset")
         episodes = [Episode(t.id, [(prompt_text(t.instruction), False)],
                             trajectory_id=e.writer.id if e.writer is not None else None)
                     for e, t in zip(envs, tasks)]
         await _play(envs, episodes, model, tokenizer, 0.0, None, clock, max_new_tokens)
         return episodes
     finally:
-        await clock(asyncio.gather(*(e.close() for e in envs)))
+        await clock(asyncio.gather(*(e.close() for e in envs)), "close")
 
 
 async def record_transcripts(pool, tasks: list[TaskSpec]) -> list[str]:

@@ -145,7 +145,7 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo_lr)
         env_shares = []
         for it in range(1, cfg.grpo_iters + 1):
-            t0, policy0 = time.perf_counter(), clock.policy_seconds
+            t0, policy0, parts0 = time.perf_counter(), clock.policy_seconds, dict(clock.parts)
             tasks = rng.sample(train_tasks, cfg.groups_per_iter)
             groups = await rollout_groups(pool, tasks, model, tokenizer, cfg.group_size, temperature=cfg.temperature,
                                           generator=gen, clock=clock, max_new_tokens=cfg.max_action_tokens)
@@ -158,7 +158,8 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
             flat = [e for g in groups for e in g]
             row = {"phase": "grpo", "iter": it, "reward": sum(e.reward for e in flat) / len(flat),
                    "train_success": _success(flat), "wall_s": wall, "sample_s": sample_s, "update_s": update_s,
-                   "env_share": max(0.0, wall - sample_s - update_s) / wall, **stats}
+                   "env_share": max(0.0, wall - sample_s - update_s) / wall,
+                   "env_parts_s": {k: v - parts0.get(k, 0.0) for k, v in clock.parts.items()}, **stats}
             env_shares.append(row["env_share"])
             _write(metrics_path, row)
             for g_index, (task, group) in enumerate(zip(tasks, groups)):

@@ -4,7 +4,8 @@ A `TaskSpec` names an image (or template/snapshot), files and commands for setup
 the policy, a verifier, limits and a step budget. Verifiers score the final sandbox state with a reward in
 [0, 1]: `UnitTestVerifier` copies hidden test files in only at verification time, runs them with a small
 stdlib runner and returns the pass fraction; `CommandVerifier` scores by exit status or by a number the
-command prints; `AnswerVerifier` compares the submitted answer; `CallableVerifier` runs any Python callable.
+command prints; `FileVerifier` checks a file's contents in the sandbox (one read, no process started);
+`AnswerVerifier` compares the submitted answer; `CallableVerifier` runs any Python callable.
 """
 
 from __future__ import annotations
@@ -136,6 +137,31 @@ class CommandVerifier(Verifier):
 
 
 @dataclass
+class FileVerifier(Verifier):
+    """Reward 1 when the sandbox file `path` (relative to `task.workdir`, or absolute) holds `expected`,
+    compared with surrounding whitespace stripped; 0 when it differs or is missing. The file is read through
+    the sandbox's tool server, without starting a process."""
+
+    path: str
+    expected: str
+    kind = "file"
+
+    def __call__(self, handle: SandboxHandle, answer: str | None, task: TaskSpec) -> Verdict:
+        from agentenv.errors import NotFoundError, SandboxIsADirectoryError
+
+        path = self.path if self.path.startswith("/") else f"{task.workdir.rstrip('/')}/{self.path}"
+        try:
+            got = handle.read(path).decode(errors="replace")
+        except (NotFoundError, SandboxIsADirectoryError) as e:
+            return Verdict(0.0, 0, 1, f"{path}: {type(e).__name__}")
+        ok = got.strip() == self.expected.strip()
+        return Verdict(float(ok), int(ok), 1, f"{path}: {got[:200]!r}")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "path": self.path, "expected": self.expected}
+
+
+@dataclass
 class AnswerVerifier(Verifier):
     """The submitted answer equals `expected` (whitespace-stripped; case-insensitive unless `exact`)."""
 
@@ -171,11 +197,12 @@ class CallableVerifier(Verifier):
         return {"kind": self.kind, "fn": getattr(self.fn, "__qualname__", repr(self.fn))}
 
 
-_VERIFIERS: dict[str, type] = {"unit_tests": UnitTestVerifier, "command": CommandVerifier, "answer": AnswerVerifier}
+_VERIFIERS: dict[str, type] = {"unit_tests": UnitTestVerifier, "command": CommandVerifier, "file": FileVerifier,
+                               "answer": AnswerVerifier}
 
 
 def verifier_from_dict(data: dict) -> Verifier:
-    """Build a verifier from its JSON form (``{"kind": "unit_tests" | "command" | "answer", ...}``)."""
+    """Build a verifier from its JSON form (``{"kind": "unit_tests" | "command" | "file" | "answer", ...}``)."""
     if not isinstance(data, dict) or data.get("kind") not in _VERIFIERS:
         raise ValueError(f"verifier must be a dict with kind in {sorted(_VERIFIERS)}, got {data!r}")
     fields = {k: v for k, v in data.items() if k != "kind"}

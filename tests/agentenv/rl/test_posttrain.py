@@ -98,12 +98,14 @@ def _episode(provider, run, task, actions):
 def test_reward_is_checked_in_the_sandbox(provider, run, live):
     before = live()
     task = make_task(11)
-    word = task.verifier.command.split()[2]
+    word = task.verifier.expected
     name = task.instruction.split()[4]
     wrong = "x" + word
     assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {word}", "submit"]) == 1.0
     assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {wrong}", "submit"]) == 0.0
+    assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {word} {word}", "submit"]) == 0.0
     assert _episode(provider, run, task, ["submit"]) == 0.0          # claiming success is not enough
+    assert _episode(provider, run, task, ["cat nothing.txt", "write answer.txt/x y", "submit"]) == 0.0
     assert live() == before
 
 
@@ -226,3 +228,10 @@ def test_viewer_in_headless_chromium(tiny_run, tmp_path):
     with pytest.raises(FileNotFoundError, match="run_dir"):
         write_view(tmp_path / "nothing")
     assert not os.path.exists(tmp_path / "nothing" / "view.html")
+
+
+def test_file_verifier_round_trips():
+    from agentenv.rl.tasks import FileVerifier, verifier_from_dict
+
+    verifier = make_task(4).verifier
+    assert isinstance(verifier, FileVerifier) and verifier_from_dict(verifier.to_dict()) == verifier
