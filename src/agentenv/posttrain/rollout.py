@@ -79,35 +79,87 @@ async def _play(envs, episodes: list[Episode], model, tokenizer, temperature: fl
         live = still
 
 
-async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, *, temperature: float = 1.0,
-                         generator: torch.Generator | None = None, clock: EnvClock | None = None,
-                         max_new_tokens: int = 24) -> list[list[Episode]]:
-    """One group of `n` episodes per task: each task's sandbox is reset once and forked into `n` children after
-    the shared prompt (one `fork(n)` call per group); all children of all groups are then played together, the
-    policy sampling every live child's action in one batch per turn.
+@dataclass
+class ForkedGroups:
+    """Groups ready to play (`fork_groups`): per task, the `n` environments forked after the shared prompt and
+    their episodes (holding the prompt so far)."""
+
+    tasks: list[TaskSpec]
+    envs: list[list]
+    groups: list[list[Episode]]
+
+
+def _check_group_size(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n must be an int >= 2 (a group), got {n!r}")
+
+
+async def _close(pool, envs: list, clock: EnvClock) -> None:
+    """Destroy `envs`: in the background when the pool can (`EnvPool.close_later`), else awaited."""
+    if hasattr(pool, "close_later"):
+        pool.close_later(envs)
+    else:
+        await clock(asyncio.gather(*(e.close() for e in envs)), "close")
+
+
+async def fork_groups(pool, tasks: list[TaskSpec], n: int, *, clock: EnvClock | None = None) -> ForkedGroups:
+    """Reset one sandbox per task and fork it into `n` children (one `fork(n)` call per group); the parents are
+    closed (their children live on). Start it early (``asyncio.create_task``) to have the next groups' sandboxes
+    made while the policy works, then hand it to `rollout_groups` as `forked`.
 
     Raises:
         ValueError: `n` is not an int >= 2.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise ValueError(f"n must be an int >= 2 (a group), got {n!r}")
+    _check_group_size(n)
     clock = clock or EnvClock()
     roots = [pool.make_env() for _ in tasks]
     broods: list[list] = []
     try:
         await clock(asyncio.gather(*(r.reset(task=t) for r, t in zip(roots, tasks))), "reset")
         parents = [r.writer.id if r.writer is not None else None for r in roots]
-        broods = await clock(asyncio.gather(*(r.fork(n) for r in roots)), "fork")
-        await clock(asyncio.gather(*(r.close() for r in roots)), "close")
-        groups = [[Episode(t.id, [(prompt_text(t.instruction), False)], parent_id=parent,
-                           trajectory_id=k.writer.id if k.writer is not None else None) for k in kids]
-                  for parent, t, kids in zip(parents, tasks, broods)]
-        kids = [k for b in broods for k in b]
-        await _play(kids, [e for g in groups for e in g], model, tokenizer, temperature, generator, clock,
-                    max_new_tokens)
-        return groups
+        broods = list(await clock(asyncio.gather(*(r.fork(n) for r in roots)), "fork"))
+    except BaseException:
+        await asyncio.gather(*(k.close() for b in broods for k in b), return_exceptions=True)
+        raise
     finally:
-        await clock(asyncio.gather(*(r.close() for r in roots), *(k.close() for b in broods for k in b)), "close")
+        await _close(pool, roots, clock)
+    groups = [[Episode(t.id, [(prompt_text(t.instruction), False)], parent_id=parent,
+                       trajectory_id=k.writer.id if k.writer is not None else None) for k in kids]
+              for parent, t, kids in zip(parents, tasks, broods)]
+    return ForkedGroups(list(tasks), broods, groups)
+
+
+async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, *, temperature: float = 1.0,
+                         generator: torch.Generator | None = None, clock: EnvClock | None = None,
+                         max_new_tokens: int = 24, forked=None) -> list[list[Episode]]:
+    """One group of `n` episodes per task: each task's sandbox is reset once and forked into `n` children after
+    the shared prompt (one `fork(n)` call per group); all children of all groups are then played together, the
+    policy sampling every live child's action in one batch per turn. The children are destroyed afterwards, in
+    the background when the pool supports it (`EnvPool.close_later`).
+
+    Args:
+        forked: the groups already forked for `tasks` (a `ForkedGroups`, or an awaitable of one such as the
+            task of an earlier `fork_groups` call); None forks them now.
+
+    Raises:
+        ValueError: `n` is not an int >= 2, or `forked` was made for other tasks or another group size.
+    """
+    _check_group_size(n)
+    clock = clock or EnvClock()
+    if forked is None:
+        forked = await fork_groups(pool, tasks, n, clock=clock)
+    elif not isinstance(forked, ForkedGroups):
+        forked = await clock(forked, "fork_wait")
+    kids = [k for b in forked.envs for k in b]
+    try:
+        if [t.id for t in forked.tasks] != [t.id for t in tasks] or any(len(b) != n for b in forked.envs):
+            raise ValueError(f"forked: groups of {[t.id for t in forked.tasks]} x {[len(b) for b in forked.envs]}, "
+                             f"expected {[t.id for t in tasks]} x {n}")
+        await _play(kids, [e for g in forked.groups for e in g], model, tokenizer, temperature, generator, clock,
+                    max_new_tokens)
+        return forked.groups
+    finally:
+        await _close(pool, kids, clock)
 
 
 async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, **kwargs) -> list[Episode]:
@@ -128,7 +180,7 @@ async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvC
         await _play(envs, episodes, model, tokenizer, 0.0, None, clock, max_new_tokens)
         return episodes
     finally:
-        await clock(asyncio.gather(*(e.close() for e in envs)), "close")
+        await _close(pool, envs, clock)
 
 
 async def record_transcripts(pool, tasks: list[TaskSpec]) -> list[str]:
