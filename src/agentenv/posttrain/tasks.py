@@ -48,7 +48,7 @@ def make_task(seed: int) -> TaskSpec:
     instruction = f"find the code in {name}, write it to answer.txt, submit"
     solution = [tool_call("read_file", path=name),
                 tool_call("write_file", path="answer.txt", content=f"{word}\n"), tool_call("submit")]
-    return TaskSpec(id=f"code-{seed}", instruction=instruction, setup=Setup(files=files),
+    return TaskSpec(id=f"code-{seed}", instruction=instruction, setup=Setup(files=files, files_at_reset=True),
                     verifier=FileVerifier("answer.txt", word), limits=LIMITS, max_steps=4, step_timeout_s=10.0,
                     solution=solution, tags=["posttrain", "held_out" if seed >= HELD_OUT_FROM else "train"])
 

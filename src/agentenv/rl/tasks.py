@@ -211,7 +211,13 @@ def verifier_from_dict(data: dict) -> Verifier:
 
 @dataclass
 class Setup:
-    """Files written and commands run once to build the task's start state (cached as a template snapshot)."""
+    """Files written and commands run once to build the task's start state (cached as a template snapshot).
+
+    With `files_at_reset`, `files` are not baked into the template but written into each sandbox at reset
+    (and at replay): tasks that differ only in their files then share one template snapshot, so a suite of
+    many small generated tasks costs one template build and one snapshot instead of one per task, at one
+    write per file per reset. The start state is the same either way.
+    """
 
     files: dict[str, str] = field(default_factory=dict)
     """Absolute path -> text content."""
@@ -219,17 +225,24 @@ class Setup:
     python: str = ""
     """Code run in the persistent interpreter (its state carries into the episode)."""
     workdir: str = "/root/task"
+    files_at_reset: bool = False
+
+    def __post_init__(self) -> None:
+        if self.files_at_reset and (self.commands or self.python):
+            raise ValueError("files_at_reset needs a setup without commands and python (they may read the files)")
 
     @property
     def key(self) -> str:
-        return json.dumps([self.files, self.commands, self.python, self.workdir], sort_keys=True)
+        """Identifies the template this setup builds (without the files when they are written at reset)."""
+        files = {} if self.files_at_reset else self.files
+        return json.dumps([files, self.commands, self.python, self.workdir], sort_keys=True)
 
     def __call__(self, handle: SandboxHandle) -> None:
         from agentenv.errors import SandboxError
 
         handle.exec(f"mkdir -p {self.workdir}", cwd="/", timeout_s=30, max_output=4096)
-        for path, text in self.files.items():
-            handle.write(path, text.encode())
+        if not self.files_at_reset:
+            self.write_files(handle)
         for cmd in self.commands:
             r = handle.exec(cmd, cwd=self.workdir, timeout_s=60, max_output=64 << 10)
             if r.exit_code != 0:
@@ -238,6 +251,16 @@ class Setup:
             r = handle.python(self.python, timeout_s=60)
             if r.error:
                 raise SandboxError(f"task setup code raised {r.error}: {r.traceback[-500:]}")
+
+    def write_files(self, handle: SandboxHandle) -> None:
+        """Write `files` into `handle` (parents are created)."""
+        for path, text in self.files.items():
+            handle.write(path, text.encode())
+
+    def at_reset(self, handle: SandboxHandle) -> None:
+        """What a sandbox restored from this setup's template still needs: the files, with `files_at_reset`."""
+        if self.files_at_reset:
+            self.write_files(handle)
 
 
 @dataclass

@@ -99,7 +99,7 @@ def test_reward_is_checked_in_the_sandbox(provider, run, live):
     before = live()
     task = make_task(11)
     word = task.verifier.expected
-    name = task.instruction.split()[4]
+    name = task.instruction.split()[4].rstrip(",")
     wrong = "x" + word
     assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {word}", "submit"]) == 1.0
     assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {wrong}", "submit"]) == 0.0
@@ -235,3 +235,20 @@ def test_file_verifier_round_trips():
 
     verifier = make_task(4).verifier
     assert isinstance(verifier, FileVerifier) and verifier_from_dict(verifier.to_dict()) == verifier
+
+
+def test_generated_tasks_share_one_template(provider, run, live):
+    from agentenv.rl import AgentEnv, Setup
+
+    tasks = make_tasks(3)
+    assert len({provider.template(t.image, t.setup, t.limits) for t in tasks}) == 1
+
+    async def first_observation(task):
+        async with AgentEnv(provider) as env:
+            await env.reset(task=task)
+            return (await env.step(parse_action(f"cat {task.instruction.split()[4].rstrip(',')}")))[0]["content"]
+    for task in tasks:                                   # each sandbox still starts with its task's files
+        assert run(first_observation(task)).split() == ["code:", task.verifier.expected]
+    assert not live()
+    with pytest.raises(ValueError, match="files_at_reset"):
+        Setup(files={"/root/a": "x"}, commands=["true"], files_at_reset=True)
