@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--grpo-epochs", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--copy-head", action=argparse.BooleanOptionalAction, default=False,
+                        help="word-level policy with a pointer (copy) head (`PointerLM`)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
@@ -113,7 +115,8 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
     if args["tokenizer"] == "word":
         cfg.max_action_tokens = 8
         tok = WordTokenizer(vocabulary())
-        model = tiny_model(tok.vocab_size, seed=seed, n_positions=256, eos_token_id=tok.eos_token_id)
+        model = tiny_model(tok.vocab_size, seed=seed, n_positions=256, eos_token_id=tok.eos_token_id,
+                           copy_head=args["copy_head"])
     else:
         tok, model = ByteTokenizer(), tiny_model(seed=seed)
     with LocalProvider(home=home) as provider:
@@ -124,7 +127,8 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
         shutil.rmtree(home, ignore_errors=True)
     write_view(run_dir)
     print(json.dumps({"seed": seed, **res}), flush=True)
-    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"]}, leftover
+    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"],
+                             "copy_head": args["copy_head"]}, leftover
 
 
 if __name__ == "__main__":
