@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--copy-head", action=argparse.BooleanOptionalAction, default=False,
                         help="word-level policy with a pointer (copy) head (`PointerLM`)")
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--eval-samples", type=int, default=0,
+                        help="also score the sampling policy on held-out tasks: samples per task")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
     parser.add_argument("--home-root", default=None,
@@ -76,8 +78,16 @@ def main(argv: list[str] | None = None) -> Path:
                "solver_mean": statistics.mean(r["solver"] for r in results),
                "env_share_mean": statistics.mean(r["env_share"] for r in results),
                "max_seed_s": max(r["seconds"] for r in results), "total_s": time.perf_counter() - t0,
+               "seed_minutes": [r["seconds"] / 60 for r in results],
                "leftover_sandboxes": [r["leftover_sandboxes"] for r in results if r["leftover_sandboxes"]],
                "jobs": args.jobs, "load_before": load_before, "load_after": os.getloadavg()}
+    if all("sft_sampled" in r for r in results):
+        sampled = [r["grpo_sampled"] - r["sft_sampled"] for r in results]
+        summary |= {"sft_sampled_mean": statistics.mean(r["sft_sampled"] for r in results),
+                    "grpo_sampled_mean": statistics.mean(r["grpo_sampled"] for r in results),
+                    "gain_sampled_mean": statistics.mean(sampled), "gain_sampled_min": min(sampled),
+                    "gain_sampled_max": max(sampled),
+                    "gain_sampled_stdev": statistics.stdev(sampled) if len(sampled) > 1 else 0.0}
     print(json.dumps(summary), flush=True)
     rows.append(Row(case="mean", baseline="SFT only", baseline_ms=None, ours_ms=summary["total_s"] * 1e3,
                     extra=summary, note=f"CPU, torch threads={args.threads} per seed, {args.jobs} seed(s) at once"))
@@ -109,7 +119,8 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
     cfg = TrainConfig(seed=seed, sft_steps=args["sft_steps"], sft_tasks=args["sft_tasks"],
                       grpo_iters=args["grpo_iters"], groups_per_iter=args["groups_per_iter"],
                       group_size=args["group_size"], grpo_lr=args["grpo_lr"], beta=args["beta"],
-                      grpo_epochs=args["grpo_epochs"], temperature=args["temperature"])
+                      grpo_epochs=args["grpo_epochs"], temperature=args["temperature"],
+                      eval_samples=args["eval_samples"])
     run_dir = Path(args["out"]) / f"seed{seed}"
     home = os.path.join(args["home_root"] or os.path.join(args["out"], "homes"), f"seed{seed}")
     if args["tokenizer"] == "word":

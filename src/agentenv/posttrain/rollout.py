@@ -168,8 +168,10 @@ async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, **kwargs
 
 
 async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvClock | None = None,
-                   max_new_tokens: int = 24) -> list[Episode]:
-    """Greedy episodes, one fresh env per task; returns them (success = reward 1)."""
+                   max_new_tokens: int = 24, temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> list[Episode]:
+    """One episode per task, each in a fresh env: greedy by default, else sampled at `temperature` (repeat a
+    task in `tasks` for several samples); returns them (success = reward 1)."""
     clock = clock or EnvClock()
     envs = [pool.make_env() for _ in tasks]
     try:
@@ -177,7 +179,7 @@ async def evaluate(pool, tasks: list[TaskSpec], model, tokenizer, *, clock: EnvC
         episodes = [Episode(t.id, [(prompt_text(t.instruction), False)],
                             trajectory_id=e.writer.id if e.writer is not None else None)
                     for e, t in zip(envs, tasks)]
-        await _play(envs, episodes, model, tokenizer, 0.0, None, clock, max_new_tokens)
+        await _play(envs, episodes, model, tokenizer, temperature, generator, clock, max_new_tokens)
         return episodes
     finally:
         await _close(pool, envs, clock)

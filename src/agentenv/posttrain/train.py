@@ -58,6 +58,8 @@ class TrainConfig:
     max_action_tokens: int = 24
     train_tasks: int = 64
     eval_tasks: int = 32
+    eval_samples: int = 0
+    """Also score held-out success of the sampling policy (at `temperature`): this many samples per task."""
     max_envs: int = 64
 
 
@@ -114,6 +116,15 @@ def _success(episodes) -> float:
     return sum(e.reward >= 1.0 for e in episodes) / max(1, len(episodes))
 
 
+async def _sampled_success(pool, held_out, model, tokenizer, cfg: TrainConfig, clock: EnvClock) -> float:
+    """Held-out success of the sampling policy: `cfg.eval_samples` episodes per task at `cfg.temperature`, with
+    the same sampling seed before and after GRPO."""
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    tasks = [t for t in held_out for _ in range(cfg.eval_samples)]
+    return _success(await evaluate(pool, tasks, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens,
+                                   temperature=cfg.temperature, generator=gen))
+
+
 def _write(path: str, row: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
@@ -153,8 +164,11 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
         ref_model = copy.deepcopy(model).eval() if cfg.beta > 0 else None
         ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
         result = {"solver": sum(r.reward >= 1.0 for r in solver) / len(solver), "sft": _success(ev)}
+        if cfg.eval_samples:
+            result["sft_sampled"] = await _sampled_success(pool, held_out, model, tokenizer, cfg, clock)
         _write(metrics_path, {"phase": "sft", "iter": 0, "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
-                              "heldout_success": result["sft"], "solver_success": result["solver"]})
+                              "heldout_success": result["sft"], "solver_success": result["solver"],
+                              "heldout_success_sampled": result.get("sft_sampled")})
         t_warm = time.perf_counter()
         await clock(pool.warm(train_tasks), "template")
         result["template_s"] = time.perf_counter() - t_warm
@@ -162,7 +176,10 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
                                  metrics_path, groups_path)
         ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
         result["grpo"] = _success(ev)
-        _write(metrics_path, {"phase": "final", "iter": cfg.grpo_iters, "heldout_success": result["grpo"]})
+        if cfg.eval_samples:
+            result["grpo_sampled"] = await _sampled_success(pool, held_out, model, tokenizer, cfg, clock)
+        _write(metrics_path, {"phase": "final", "iter": cfg.grpo_iters, "heldout_success": result["grpo"],
+                              "heldout_success_sampled": result.get("grpo_sampled")})
     result["seconds"] = time.perf_counter() - t_start
     result["env_share"] = sum(env_shares) / len(env_shares) if env_shares else 0.0
     write_curves(run_dir)

@@ -252,3 +252,22 @@ def test_generated_tasks_share_one_template(provider, run, live):
     assert not live()
     with pytest.raises(ValueError, match="files_at_reset"):
         Setup(files={"/root/a": "x"}, commands=["true"], files_at_reset=True)
+
+
+def test_pointer_head_copies_from_the_context():
+    tok = WordTokenizer(vocabulary())
+    model = tiny_model(tok.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0,
+                       copy_head=True).eval()
+    contexts = ["T: find the code in key.txt\n", "T: submit\nA: cat note.txt\nO: code: red\n"]
+    batched = generate_actions(model, tok, contexts, temperature=0, max_new_tokens=5)
+    assert batched == [generate_action(model, tok, c, temperature=0, max_new_tokens=5) for c in contexts]
+    ids = torch.tensor([tok.encode(contexts[1])])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits.exp().sum(-1), torch.ones(ids.shape), atol=1e-5)
+        model.gate.bias.fill_(-50.0)                          # all mass on the pointer
+        model.query.weight.zero_()
+        model.query.bias.zero_()                              # uniform attention over the tokens so far
+        p = model(ids).logits[0, -1].exp()
+    seen = set(ids[0].tolist())
+    assert p[tok.encode("red")[0]] == pytest.approx(1 / ids.shape[1], rel=1e-3)
+    assert all(p[i] < 1e-6 for i in range(tok.vocab_size) if i not in seen)
