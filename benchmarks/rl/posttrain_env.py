@@ -50,7 +50,7 @@ def legacy(task):
                                verifier=CommandVerifier(f"grep -qx {word} answer.txt"), solution=solution)
 
 
-async def iteration(pool, tasks, forked, model, tok, *, background: bool) -> tuple[float, float]:
+async def iteration(pool, tasks, forked, model, tok, *, background: bool, after=None) -> tuple[float, float]:
     """One rollout iteration; returns (wall seconds, policy seconds)."""
     clock = EnvClock()
     t0 = time.perf_counter()
@@ -66,7 +66,7 @@ async def iteration(pool, tasks, forked, model, tok, *, background: bool) -> tup
         contexts = [c + f"A: {a}\nO: {r[0]['content'][:40]}\n" for c, a, r in zip(contexts, actions, results)]
     assert all(r[1] == 1.0 for r in results), "the solver's episodes must all succeed"
     if background:
-        pool.close_later([k for k, _ in kids])
+        pool.close_later([k for k, _ in kids], after=after)
     else:
         await asyncio.gather(*(k.close() for k, _ in kids))
     return time.perf_counter() - t0, policy
@@ -92,7 +92,8 @@ async def measure(rounds: int, root: str) -> dict:
                 current = await pending  # what is left of the prefetch is on this iteration's critical path
                 waited = time.perf_counter() - t_wait
                 pending = asyncio.ensure_future(fork_groups(after, plan[r + 1], 8))
-                wall, policy = await iteration(after, plan[r], _ready(current), model, tok, background=True)
+                wall, policy = await iteration(after, plan[r], _ready(current), model, tok, background=True,
+                                               after=pending)
                 out["after"].append((wall + waited, policy))
             left = await pending
             await asyncio.gather(*(k.close() for b in left.envs for k in b))

@@ -94,10 +94,11 @@ def _check_group_size(n) -> None:
         raise ValueError(f"n must be an int >= 2 (a group), got {n!r}")
 
 
-async def _close(pool, envs: list, clock: EnvClock) -> None:
-    """Destroy `envs`: in the background when the pool can (`EnvPool.close_later`), else awaited."""
+async def _close(pool, envs: list, clock: EnvClock, after=None) -> None:
+    """Destroy `envs`: in the background when the pool can (`EnvPool.close_later`, once `after` is done), else
+    awaited."""
     if hasattr(pool, "close_later"):
-        pool.close_later(envs)
+        pool.close_later(envs, after=after)
     else:
         await clock(asyncio.gather(*(e.close() for e in envs)), "close")
 
@@ -131,7 +132,7 @@ async def fork_groups(pool, tasks: list[TaskSpec], n: int, *, clock: EnvClock | 
 
 async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, *, temperature: float = 1.0,
                          generator: torch.Generator | None = None, clock: EnvClock | None = None,
-                         max_new_tokens: int = 24, forked=None) -> list[list[Episode]]:
+                         max_new_tokens: int = 24, forked=None, close_after=None) -> list[list[Episode]]:
     """One group of `n` episodes per task: each task's sandbox is reset once and forked into `n` children after
     the shared prompt (one `fork(n)` call per group); all children of all groups are then played together, the
     policy sampling every live child's action in one batch per turn. The children are destroyed afterwards, in
@@ -140,6 +141,8 @@ async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, 
     Args:
         forked: the groups already forked for `tasks` (a `ForkedGroups`, or an awaitable of one such as the
             task of an earlier `fork_groups` call); None forks them now.
+        close_after: a future the children's background destroys wait for (the next groups' `fork_groups`
+            task, so that forking them does not queue behind the destroys).
 
     Raises:
         ValueError: `n` is not an int >= 2, or `forked` was made for other tasks or another group size.
@@ -159,7 +162,7 @@ async def rollout_groups(pool, tasks: list[TaskSpec], model, tokenizer, n: int, 
                     max_new_tokens)
         return forked.groups
     finally:
-        await _close(pool, kids, clock)
+        await _close(pool, kids, clock, after=close_after)
 
 
 async def rollout_group(pool, task: TaskSpec, model, tokenizer, n: int, **kwargs) -> list[Episode]:

@@ -208,7 +208,7 @@ async def _grpo(pool, model, ref_model, tokenizer, train_tasks, cfg: TrainConfig
                 pending = asyncio.ensure_future(fork_groups(pool, next_tasks, cfg.group_size, clock=background))
             groups = await rollout_groups(pool, tasks, model, tokenizer, cfg.group_size, temperature=cfg.temperature,
                                           generator=gen, clock=clock, max_new_tokens=cfg.max_action_tokens,
-                                          forked=forked)
+                                          forked=forked, close_after=pending)
             t_update = time.perf_counter()
             stats = grpo_step(model, ref_model, opt, tokenizer, groups, clip_eps=cfg.clip_eps, beta=cfg.beta,
                               epochs=cfg.grpo_epochs)

@@ -159,12 +159,18 @@ class EnvPool:
         return AgentEnv(self.provider, record_dir=self.record_dir, fsync=self.fsync, executor=self.executor,
                         retries=self.env_retries, on_step=self._on_step)
 
-    def close_later(self, envs: list[AgentEnv]) -> None:
+    def close_later(self, envs: list[AgentEnv], *, after: asyncio.Future | None = None) -> None:
         """Destroy `envs` in the background (on the pool's workers) instead of awaiting it: the caller goes on
-        with its next step while the sandboxes are torn down. `drain` (and leaving ``async with``) waits for
-        them; a failure is logged, like `AgentEnv.close`'s."""
+        with its next step while the sandboxes are torn down. With `after` (e.g. the task forking the next
+        groups), the destroys start once it is done, so they do not queue ahead of it for the runtime's lock.
+        `drain` (and leaving ``async with``) waits for them; a failure is logged, like `AgentEnv.close`'s."""
+        async def close(env: AgentEnv) -> None:
+            if after is not None:
+                await asyncio.wait([after])
+            await env.close()
+
         for env in envs:
-            task = asyncio.get_running_loop().create_task(env.close())
+            task = asyncio.get_running_loop().create_task(close(env))
             self._closing.add(task)
             task.add_done_callback(self._closed)
 
