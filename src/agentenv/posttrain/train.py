@@ -45,9 +45,9 @@ class TrainConfig:
     grpo_iters: int = 20
     groups_per_iter: int = 4
     group_size: int = 8
-    grpo_lr: float = 1e-3
+    grpo_lr: float = 5e-4
     clip_eps: float = 0.2
-    beta: float = 0.0
+    beta: float = 0.04
     grpo_epochs: int = 1
     temperature: float = 1.0
     prefetch: bool = True
