@@ -68,16 +68,62 @@ class WordTokenizer:
 
 
 def tiny_model(vocab_size: int = ByteTokenizer.vocab_size, *, seed: int = 0, n_embd: int = 96, n_layer: int = 2,
-               n_head: int = 4, n_positions: int = 512, eos_token_id: int = ByteTokenizer.eos_token_id):
+               n_head: int = 4, n_positions: int = 512, eos_token_id: int = ByteTokenizer.eos_token_id,
+               copy_head: bool = False):
     """A small GPT-2 causal LM built from a config (random init, no hub weights); input and output embeddings
-    are tied, so a token attended to in the context is directly a likely next token."""
+    are tied, so a token attended to in the context is directly a likely next token. With `copy_head`, wrapped
+    in a `PointerLM`."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
                         n_head=n_head, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+    lm = GPT2LMHeadModel(config)
+    return PointerLM(lm) if copy_head else lm
+
+
+class PointerLM(torch.nn.Module):
+    """A causal LM with a copy (pointer) head: the next token is drawn from a mix of the LM's distribution
+    and an attention over the context's tokens, ``p(w) = g * p_lm(w) + (1 - g) * sum_{j <= t, x_j = w} a_tj``
+    (pointer-generator), so copying a word that appeared in an observation (a code word, a file name) is one
+    learned attention, whatever the word. `forward` takes what a ``transformers`` causal LM takes and returns
+    ``.logits`` as log-probabilities ``[B, T, V]`` (a softmax of them is the mixed distribution), so sampling,
+    `token_logprobs` and the losses use it unchanged.
+
+    Args:
+        lm: a ``transformers`` causal LM (its last hidden state feeds the head).
+        key_dim: width of the pointer's queries and keys.
+    """
+
+    def __init__(self, lm, key_dim: int = 64):
+        super().__init__()
+        width = getattr(lm.config, "n_embd", None) or lm.config.hidden_size
+        self.lm = lm
+        self.config = lm.config
+        self.query = torch.nn.Linear(width, key_dim)
+        self.key = torch.nn.Linear(width, key_dim)
+        self.gate = torch.nn.Linear(width, 1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
+        from types import SimpleNamespace
+
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        length = input_ids.shape[1]
+        scores = self.query(hidden) @ self.key(hidden).transpose(1, 2) / self.query.out_features ** 0.5
+        allowed = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, :]
+        attn = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        ids = input_ids.clamp(max=out.logits.shape[-1] - 1)
+        copy = torch.zeros_like(out.logits, dtype=attn.dtype).scatter_add_(2, ids[:, None, :].expand(-1, length, -1),
+                                                                           attn)
+        gate = torch.sigmoid(self.gate(hidden))
+        mixed = gate * torch.softmax(out.logits.float(), dim=-1) + (1 - gate) * copy
+        return SimpleNamespace(logits=torch.log(mixed.clamp(min=1e-9)))
 
 
 def prompt_text(instruction: str) -> str:

@@ -1,28 +1,35 @@
 """Seeded tool tasks with rewards checked in the sandbox, and the compact action grammar a small LM emits.
 
 Each task puts a code word in a file of a small tree; the agent must find it and write it to ``answer.txt``.
-The verifier is a command run in the sandbox (``grep -qx WORD answer.txt``): the agent's text is never trusted.
+The verifier checks ``answer.txt`` in the sandbox (a `FileVerifier`): the agent's text is never trusted.
 Seeds below `HELD_OUT_FROM` are the training split, seeds at or above it the held-out split.
 
 Action grammar (one line per turn), parsed into OpenAI tool calls::
 
-    cat PATH           -> run_shell {"command": "cat PATH"}
+    cat PATH           -> read_file {"path": PATH}
     write PATH TEXT    -> write_file {"path": PATH, "content": TEXT + "\\n"}
     submit             -> submit {}
+
+Every call is served by the sandbox's tool server without starting a process (a `run_shell` ``cat`` costs a
+process spawn, ~5-15 ms on a loaded 2-core host, against ~0.5 ms for a read), and each sandbox's writable
+layer is a 16 MiB tmpfs rather than a 1 GiB ext4 (forking 8 children ~5x faster): the tasks write one word.
 """
 
 from __future__ import annotations
 
 import random
 
+from agentenv.limits import Limits
 from agentenv.rl.policy import tool_call
-from agentenv.rl.tasks import CommandVerifier, Setup, TaskSpec
+from agentenv.rl.tasks import FileVerifier, Setup, TaskSpec
 
 HELD_OUT_FROM = 1_000_000
 """First seed of the held-out split."""
 
 WORDS = ("red", "blue", "gold", "mint", "oak", "fig", "sun", "ice", "jade", "rose", "lime", "plum")
 FILES = ("note.txt", "key.txt", "info.txt", "code.txt")
+LIMITS = Limits(memory_mb=256, pids=128, disk_mb=16, disk_in_memory=True)
+"""Sandbox limits of every task: small memory, a 16 MiB in-memory writable layer."""
 
 
 def make_task(seed: int) -> TaskSpec:
@@ -39,10 +46,10 @@ def make_task(seed: int) -> TaskSpec:
     decoy = rng.choice([w for w in WORDS if w != word])
     files = {f"/root/task/{name}": f"code: {word}\n", "/root/task/other.log": f"noise {decoy}\n"}
     instruction = f"find the code in {name}, write it to answer.txt, submit"
-    solution = [tool_call("run_shell", command=f"cat {name}"),
+    solution = [tool_call("read_file", path=name),
                 tool_call("write_file", path="answer.txt", content=f"{word}\n"), tool_call("submit")]
-    return TaskSpec(id=f"code-{seed}", instruction=instruction, setup=Setup(files=files),
-                    verifier=CommandVerifier(f"grep -qx {word} answer.txt"), max_steps=4, step_timeout_s=10.0,
+    return TaskSpec(id=f"code-{seed}", instruction=instruction, setup=Setup(files=files, files_at_reset=True),
+                    verifier=FileVerifier("answer.txt", word), limits=LIMITS, max_steps=4, step_timeout_s=10.0,
                     solution=solution, tags=["posttrain", "held_out" if seed >= HELD_OUT_FROM else "train"])
 
 
@@ -61,7 +68,7 @@ def parse_action(text: str) -> dict:
     line = text.strip().split("\n", 1)[0]
     head, _, rest = line.partition(" ")
     if head == "cat" and rest and " " not in rest:
-        return tool_call("run_shell", command=f"cat {rest}")
+        return tool_call("read_file", path=rest)
     if head == "write":
         path, _, content = rest.partition(" ")
         if path and content:
@@ -81,6 +88,8 @@ def format_action(call: dict) -> str:
 
     name = call["function"]["name"]
     args = json.loads(call["function"]["arguments"] or "{}")
+    if name == "read_file" and set(args) == {"path"}:
+        return f"cat {args['path']}"
     if name == "run_shell" and args.get("command", "").startswith("cat "):
         return args["command"]
     if name == "write_file":
@@ -91,8 +100,8 @@ def format_action(call: dict) -> str:
 
 
 def format_observation(obs: dict, limit: int = 48) -> str:
-    """The part of an observation the policy sees, on one line cut to `limit` chars: a shell result's exit code
-    then its output lines (``"exit_code: 0 code: red"``), other tools' first line, or ``"error TYPE"``."""
+    """The part of an observation the policy sees, on one line cut to `limit` chars: its output lines joined
+    (a file's ``"code: red"``; a shell result's ``"exit_code: 0 code: red"``), or ``"error TYPE"``."""
     if obs.get("error"):
         return ("error " + obs["error"]["type"])[:limit]
     lines = [x.strip() for x in (obs.get("content") or "").split("\n")]
@@ -104,6 +113,6 @@ def vocabulary() -> list[str]:
     tokenizer such as `agentenv.posttrain.policy.WordTokenizer`); the same list for both splits."""
     words = set(WORDS) | set(FILES) | {"other.log", "answer.txt", "/root/task/answer.txt"}
     words |= set("find the code in write it to submit cat noise exit_code stdout stderr wrote bytes submitted error "
-                 "no such file or directory".split())
+                 "no such file or directory not_found unknown_tool invalid_arguments is_directory".split())
     words |= set(",:;.") | {str(i) for i in range(10)}
     return sorted(words)

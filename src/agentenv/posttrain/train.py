@@ -7,6 +7,7 @@ Run directory: ``config.json``, ``metrics.jsonl`` (one line per GRPO iteration a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -18,7 +19,14 @@ import torch
 
 from agentenv.posttrain.grpo import group_advantages, grpo_loss, sft_loss
 from agentenv.posttrain.policy import encode_segments, pad_batch, token_logprobs
-from agentenv.posttrain.rollout import EnvClock, evaluate, record_transcripts, rollout_groups, transcript_segments
+from agentenv.posttrain.rollout import (
+    EnvClock,
+    evaluate,
+    fork_groups,
+    record_transcripts,
+    rollout_groups,
+    transcript_segments,
+)
 from agentenv.posttrain.tasks import make_tasks
 from agentenv.rl.policy import ScriptedPolicy
 from agentenv.rl.pool import EnvPool
@@ -37,14 +45,21 @@ class TrainConfig:
     grpo_iters: int = 20
     groups_per_iter: int = 4
     group_size: int = 8
-    grpo_lr: float = 1e-3
+    grpo_lr: float = 5e-4
     clip_eps: float = 0.2
-    beta: float = 0.0
+    beta: float = 0.04
     grpo_epochs: int = 1
     temperature: float = 1.0
+    prefetch: bool = True
+    """Fork the next GRPO iteration's groups while this one's policy works."""
+    fsync: str = "none"
+    """Trajectory durability (`TrajectoryWriter`): lines reach the OS at once (a crash of this process loses
+    nothing) but are not fsynced; ``step`` costs an fsync per step on the event loop (~3 ms on a busy disk)."""
     max_action_tokens: int = 24
     train_tasks: int = 64
     eval_tasks: int = 32
+    eval_samples: int = 0
+    """Also score held-out success of the sampling policy (at `temperature`): this many samples per task."""
     max_envs: int = 64
 
 
@@ -101,6 +116,15 @@ def _success(episodes) -> float:
     return sum(e.reward >= 1.0 for e in episodes) / max(1, len(episodes))
 
 
+async def _sampled_success(pool, held_out, model, tokenizer, cfg: TrainConfig, clock: EnvClock) -> float:
+    """Held-out success of the sampling policy: `cfg.eval_samples` episodes per task at `cfg.temperature`, with
+    the same sampling seed before and after GRPO."""
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    tasks = [t for t in held_out for _ in range(cfg.eval_samples)]
+    return _success(await evaluate(pool, tasks, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens,
+                                   temperature=cfg.temperature, generator=gen))
+
+
 def _write(path: str, row: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
@@ -131,7 +155,7 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
     held_out = make_tasks(cfg.eval_tasks, split="held_out", start=cfg.seed * 10_000)
     t_start = time.perf_counter()
     clock = EnvClock()
-    async with EnvPool(provider, max_envs=cfg.max_envs, record_dir=traj_dir) as pool:
+    async with EnvPool(provider, max_envs=cfg.max_envs, record_dir=traj_dir, fsync=cfg.fsync) as pool:
         sft_set = train_tasks[:cfg.sft_tasks]
         ids = await clock(record_transcripts(pool, sft_set))
         solver = await clock(pool.run(held_out, ScriptedPolicy))
@@ -140,15 +164,51 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
         ref_model = copy.deepcopy(model).eval() if cfg.beta > 0 else None
         ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
         result = {"solver": sum(r.reward >= 1.0 for r in solver) / len(solver), "sft": _success(ev)}
+        if cfg.eval_samples:
+            result["sft_sampled"] = await _sampled_success(pool, held_out, model, tokenizer, cfg, clock)
         _write(metrics_path, {"phase": "sft", "iter": 0, "sft_loss_first": losses[0], "sft_loss_last": losses[-1],
-                              "heldout_success": result["sft"], "solver_success": result["solver"]})
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo_lr)
-        env_shares = []
+                              "heldout_success": result["sft"], "solver_success": result["solver"],
+                              "heldout_success_sampled": result.get("sft_sampled")})
+        t_warm = time.perf_counter()
+        await clock(pool.warm(train_tasks), "template")
+        result["template_s"] = time.perf_counter() - t_warm
+        env_shares = await _grpo(pool, model, ref_model, tokenizer, train_tasks, cfg, rng, gen, clock,
+                                 metrics_path, groups_path)
+        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
+        result["grpo"] = _success(ev)
+        if cfg.eval_samples:
+            result["grpo_sampled"] = await _sampled_success(pool, held_out, model, tokenizer, cfg, clock)
+        _write(metrics_path, {"phase": "final", "iter": cfg.grpo_iters, "heldout_success": result["grpo"],
+                              "heldout_success_sampled": result.get("grpo_sampled")})
+    result["seconds"] = time.perf_counter() - t_start
+    result["env_share"] = sum(env_shares) / len(env_shares) if env_shares else 0.0
+    write_curves(run_dir)
+    return result
+
+
+async def _grpo(pool, model, ref_model, tokenizer, train_tasks, cfg: TrainConfig, rng: random.Random, gen,
+                clock: EnvClock, metrics_path: str, groups_path: str) -> list[float]:
+    """The GRPO iterations; returns each one's env share. With `cfg.prefetch`, the next iteration's groups are
+    reset and forked (on the pool's workers) while this one's policy samples and updates; their wall time is
+    then only what the iteration still waits for (``fork_wait``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo_lr)
+    background = EnvClock()
+    env_shares: list[float] = []
+    tasks = rng.sample(train_tasks, cfg.groups_per_iter)
+    pending = asyncio.ensure_future(fork_groups(pool, tasks, cfg.group_size, clock=background)) \
+        if cfg.prefetch else None
+    try:
         for it in range(1, cfg.grpo_iters + 1):
-            t0, policy0 = time.perf_counter(), clock.policy_seconds
-            tasks = rng.sample(train_tasks, cfg.groups_per_iter)
+            t0, policy0, parts0 = time.perf_counter(), clock.policy_seconds, dict(clock.parts)
+            forked = None
+            if pending is not None:
+                forked, pending = await clock(pending, "fork_wait"), None
+            next_tasks = rng.sample(train_tasks, cfg.groups_per_iter) if it < cfg.grpo_iters else None
+            if cfg.prefetch and next_tasks is not None:
+                pending = asyncio.ensure_future(fork_groups(pool, next_tasks, cfg.group_size, clock=background))
             groups = await rollout_groups(pool, tasks, model, tokenizer, cfg.group_size, temperature=cfg.temperature,
-                                          generator=gen, clock=clock, max_new_tokens=cfg.max_action_tokens)
+                                          generator=gen, clock=clock, max_new_tokens=cfg.max_action_tokens,
+                                          forked=forked, close_after=pending)
             t_update = time.perf_counter()
             stats = grpo_step(model, ref_model, opt, tokenizer, groups, clip_eps=cfg.clip_eps, beta=cfg.beta,
                               epochs=cfg.grpo_epochs)
@@ -158,20 +218,24 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
             flat = [e for g in groups for e in g]
             row = {"phase": "grpo", "iter": it, "reward": sum(e.reward for e in flat) / len(flat),
                    "train_success": _success(flat), "wall_s": wall, "sample_s": sample_s, "update_s": update_s,
-                   "env_share": max(0.0, wall - sample_s - update_s) / wall, **stats}
+                   "env_share": max(0.0, wall - sample_s - update_s) / wall,
+                   "env_parts_s": {k: v - parts0.get(k, 0.0) for k, v in clock.parts.items()
+                                   if v - parts0.get(k, 0.0) > 0}, **stats}
             env_shares.append(row["env_share"])
             _write(metrics_path, row)
             for g_index, (task, group) in enumerate(zip(tasks, groups)):
                 _write(groups_path, {"iter": it, "group": g_index, "task_id": task.id,
                                      "instruction": task.instruction, "parent": group[0].parent_id,
                                      "children": [asdict(e) | {"segments": None} for e in group]})
-        ev = await evaluate(pool, held_out, model, tokenizer, clock=clock, max_new_tokens=cfg.max_action_tokens)
-        result["grpo"] = _success(ev)
-        _write(metrics_path, {"phase": "final", "iter": cfg.grpo_iters, "heldout_success": result["grpo"]})
-    result["seconds"] = time.perf_counter() - t_start
-    result["env_share"] = sum(env_shares) / len(env_shares) if env_shares else 0.0
-    write_curves(run_dir)
-    return result
+            tasks = next_tasks
+    finally:
+        if pending is not None:  # an iteration failed: the prefetched groups are closed, not leaked
+            try:
+                left = await pending
+                await asyncio.gather(*(k.close() for b in left.envs for k in b))
+            except Exception as e:  # noqa: BLE001 - the iteration's own error is the one to raise
+                log.warning("closing prefetched groups: %r", e)
+    return env_shares
 
 
 def write_curves(run_dir: str) -> None:

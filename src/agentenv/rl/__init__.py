@@ -24,6 +24,7 @@ _EXPORTS = {
     "Verdict": "agentenv.rl.tasks",
     "UnitTestVerifier": "agentenv.rl.tasks",
     "CommandVerifier": "agentenv.rl.tasks",
+    "FileVerifier": "agentenv.rl.tasks",
     "AnswerVerifier": "agentenv.rl.tasks",
     "CallableVerifier": "agentenv.rl.tasks",
     "load_suite": "agentenv.rl.suite",

@@ -144,12 +144,13 @@ class AgentEnv:
                 handle = self.provider.take_warm(self.start_snapshot)
                 if handle is None:
                     handle = await self._run(self.provider.restore, self.start_snapshot, task.limits)
-                if self.seed is not None:
-                    try:
+                try:
+                    await self._run(task.setup.at_reset, handle)
+                    if self.seed is not None:
                         await self._run(handle.python, seed_code(self.seed), timeout_s=30)
-                    except BaseException:
-                        await self._run(handle.destroy)
-                        raise
+                except BaseException:
+                    await self._run(handle.destroy)
+                    raise
                 return handle
             except errors.SandboxError as e:
                 last = e

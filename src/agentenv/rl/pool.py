@@ -130,6 +130,7 @@ class EnvPool:
         self._peak = 0
         self._t0 = time.perf_counter()
         self._slots: asyncio.Semaphore | None = None
+        self._closing: set[asyncio.Task] = set()
 
     # ---- metrics -----------------------------------------------------------------------------------------
     def _on_step(self, latency_s: float, error: str | None) -> None:
@@ -157,6 +158,31 @@ class EnvPool:
         """An environment wired to this pool's executor and metrics (the caller resets and closes it)."""
         return AgentEnv(self.provider, record_dir=self.record_dir, fsync=self.fsync, executor=self.executor,
                         retries=self.env_retries, on_step=self._on_step)
+
+    def close_later(self, envs: list[AgentEnv], *, after: asyncio.Future | None = None) -> None:
+        """Destroy `envs` in the background (on the pool's workers) instead of awaiting it: the caller goes on
+        with its next step while the sandboxes are torn down. With `after` (e.g. the task forking the next
+        groups), the destroys start once it is done, so they do not queue ahead of it for the runtime's lock.
+        `drain` (and leaving ``async with``) waits for them; a failure is logged, like `AgentEnv.close`'s."""
+        async def close(env: AgentEnv) -> None:
+            if after is not None:
+                await asyncio.wait([after])
+            await env.close()
+
+        for env in envs:
+            task = asyncio.get_running_loop().create_task(close(env))
+            self._closing.add(task)
+            task.add_done_callback(self._closed)
+
+    def _closed(self, task: asyncio.Task) -> None:
+        self._closing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background close failed: %r", task.exception())
+
+    async def drain(self) -> None:
+        """Wait until every `close_later` environment is destroyed."""
+        while self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
 
     async def warm(self, tasks: list[TaskSpec], per_task: int = 0) -> None:
         """Build each distinct task's template snapshot now, and pre-restore `per_task` sandboxes of each."""
@@ -253,11 +279,15 @@ class EnvPool:
                 bar.close()
 
     def close(self) -> None:
-        """Stop the worker threads (the provider stays open: it belongs to the caller)."""
+        """Stop the worker threads (the provider stays open: it belongs to the caller). Environments handed to
+        `close_later` and not yet destroyed are left to the provider's close (``async with`` drains them)."""
+        if self._closing:
+            log.warning("%d background closes still pending; the provider's close destroys them", len(self._closing))
         self.executor.shutdown(wait=True)
 
     async def __aenter__(self) -> EnvPool:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.drain()
         self.close()

@@ -4,7 +4,8 @@ A `TaskSpec` names an image (or template/snapshot), files and commands for setup
 the policy, a verifier, limits and a step budget. Verifiers score the final sandbox state with a reward in
 [0, 1]: `UnitTestVerifier` copies hidden test files in only at verification time, runs them with a small
 stdlib runner and returns the pass fraction; `CommandVerifier` scores by exit status or by a number the
-command prints; `AnswerVerifier` compares the submitted answer; `CallableVerifier` runs any Python callable.
+command prints; `FileVerifier` checks a file's contents in the sandbox (one read, no process started);
+`AnswerVerifier` compares the submitted answer; `CallableVerifier` runs any Python callable.
 """
 
 from __future__ import annotations
@@ -136,6 +137,31 @@ class CommandVerifier(Verifier):
 
 
 @dataclass
+class FileVerifier(Verifier):
+    """Reward 1 when the sandbox file `path` (relative to `task.workdir`, or absolute) holds `expected`,
+    compared with surrounding whitespace stripped; 0 when it differs or is missing. The file is read through
+    the sandbox's tool server, without starting a process."""
+
+    path: str
+    expected: str
+    kind = "file"
+
+    def __call__(self, handle: SandboxHandle, answer: str | None, task: TaskSpec) -> Verdict:
+        from agentenv.errors import NotFoundError, SandboxIsADirectoryError
+
+        path = self.path if self.path.startswith("/") else f"{task.workdir.rstrip('/')}/{self.path}"
+        try:
+            got = handle.read(path).decode(errors="replace")
+        except (NotFoundError, SandboxIsADirectoryError) as e:
+            return Verdict(0.0, 0, 1, f"{path}: {type(e).__name__}")
+        ok = got.strip() == self.expected.strip()
+        return Verdict(float(ok), int(ok), 1, f"{path}: {got[:200]!r}")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "path": self.path, "expected": self.expected}
+
+
+@dataclass
 class AnswerVerifier(Verifier):
     """The submitted answer equals `expected` (whitespace-stripped; case-insensitive unless `exact`)."""
 
@@ -171,11 +197,12 @@ class CallableVerifier(Verifier):
         return {"kind": self.kind, "fn": getattr(self.fn, "__qualname__", repr(self.fn))}
 
 
-_VERIFIERS: dict[str, type] = {"unit_tests": UnitTestVerifier, "command": CommandVerifier, "answer": AnswerVerifier}
+_VERIFIERS: dict[str, type] = {"unit_tests": UnitTestVerifier, "command": CommandVerifier, "file": FileVerifier,
+                               "answer": AnswerVerifier}
 
 
 def verifier_from_dict(data: dict) -> Verifier:
-    """Build a verifier from its JSON form (``{"kind": "unit_tests" | "command" | "answer", ...}``)."""
+    """Build a verifier from its JSON form (``{"kind": "unit_tests" | "command" | "file" | "answer", ...}``)."""
     if not isinstance(data, dict) or data.get("kind") not in _VERIFIERS:
         raise ValueError(f"verifier must be a dict with kind in {sorted(_VERIFIERS)}, got {data!r}")
     fields = {k: v for k, v in data.items() if k != "kind"}
@@ -184,7 +211,13 @@ def verifier_from_dict(data: dict) -> Verifier:
 
 @dataclass
 class Setup:
-    """Files written and commands run once to build the task's start state (cached as a template snapshot)."""
+    """Files written and commands run once to build the task's start state (cached as a template snapshot).
+
+    With `files_at_reset`, `files` are not baked into the template but written into each sandbox at reset
+    (and at replay): tasks that differ only in their files then share one template snapshot, so a suite of
+    many small generated tasks costs one template build and one snapshot instead of one per task, at one
+    write per file per reset. The start state is the same either way.
+    """
 
     files: dict[str, str] = field(default_factory=dict)
     """Absolute path -> text content."""
@@ -192,17 +225,24 @@ class Setup:
     python: str = ""
     """Code run in the persistent interpreter (its state carries into the episode)."""
     workdir: str = "/root/task"
+    files_at_reset: bool = False
+
+    def __post_init__(self) -> None:
+        if self.files_at_reset and (self.commands or self.python):
+            raise ValueError("files_at_reset needs a setup without commands and python (they may read the files)")
 
     @property
     def key(self) -> str:
-        return json.dumps([self.files, self.commands, self.python, self.workdir], sort_keys=True)
+        """Identifies the template this setup builds (without the files when they are written at reset)."""
+        files = {} if self.files_at_reset else self.files
+        return json.dumps([files, self.commands, self.python, self.workdir], sort_keys=True)
 
     def __call__(self, handle: SandboxHandle) -> None:
         from agentenv.errors import SandboxError
 
         handle.exec(f"mkdir -p {self.workdir}", cwd="/", timeout_s=30, max_output=4096)
-        for path, text in self.files.items():
-            handle.write(path, text.encode())
+        if not self.files_at_reset:
+            self.write_files(handle)
         for cmd in self.commands:
             r = handle.exec(cmd, cwd=self.workdir, timeout_s=60, max_output=64 << 10)
             if r.exit_code != 0:
@@ -211,6 +251,16 @@ class Setup:
             r = handle.python(self.python, timeout_s=60)
             if r.error:
                 raise SandboxError(f"task setup code raised {r.error}: {r.traceback[-500:]}")
+
+    def write_files(self, handle: SandboxHandle) -> None:
+        """Write `files` into `handle` (parents are created)."""
+        for path, text in self.files.items():
+            handle.write(path, text.encode())
+
+    def at_reset(self, handle: SandboxHandle) -> None:
+        """What a sandbox restored from this setup's template still needs: the files, with `files_at_reset`."""
+        if self.files_at_reset:
+            self.write_files(handle)
 
 
 @dataclass

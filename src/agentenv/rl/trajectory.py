@@ -218,6 +218,7 @@ def replay(path: str | os.PathLike, provider, *, executor=None) -> ReplayReport:
         handle = provider.restore(provider.template(task.image, task.setup, task.limits), task.limits)
         report.start = "rebuilt"
     try:
+        task.setup.at_reset(handle)
         if traj.header.get("seed") is not None:
             handle.python(seed_code(traj.header["seed"]), timeout_s=30)
         ctx = ToolContext(task.workdir, task.step_timeout_s, task.max_output_bytes)

@@ -11,9 +11,12 @@
 <home>/sandboxes/<id>.json   one record per live tool server (sandbox, snapshot, seed or retired)
 <home>/sandboxes/<id>.sock   its listening socket
 <home>/forks/<fork id>.json  a fork in progress: who runs it, the parent's record before it, the children
-<home>/lock                  flock for every change to the above
+<home>/lock                  flock for every change to the above; holds a counter of record changes
 ```
 A layer is referenced by the records and images that list it and is removed when none does.
+Every record change (under the lock) first bumps the counter in the lock file, so a process holding the lock
+can reuse the records it read earlier while the counter has not moved (`all_records` under the lock reads the
+directory once, not on every call of a destroy).
 Files inside layers are owned by the unprivileged host uid range the sandboxes' root maps to.
 """
 
@@ -105,6 +108,9 @@ class Store:
         self._thread_lock = threading.RLock()
         self._lock_fd: int | None = None
         self._depth = 0
+        self._generation = 0  # the lock file's change counter, as read when the lock was taken or bumped since
+        self._cache: dict[str, str] | None = None  # record id -> JSON text, valid at generation `_cache_generation`
+        self._cache_generation = -1
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -113,6 +119,8 @@ class Store:
             if self._depth == 0:
                 self._lock_fd = os.open(self.home / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+                raw = os.pread(self._lock_fd, 8, 0)
+                self._generation = int.from_bytes(raw, "little") if len(raw) == 8 else 0
             self._depth += 1
             try:
                 yield
@@ -205,8 +213,24 @@ class Store:
     def sock(self, sid: str) -> Path:
         return self.records / f"{sid}.sock"
 
+    def _changing(self, sid: str, text: str | None) -> None:
+        """Bump the lock file's change counter (before the change is made: a writer killed in between only
+        costs the others a re-read) and keep this process's record cache in step. Needs the lock."""
+        fresh = self._cache is not None and self._cache_generation == self._generation
+        self._generation += 1
+        os.pwrite(self._lock_fd, self._generation.to_bytes(8, "little"), 0)
+        if fresh:
+            if text is None:
+                self._cache.pop(sid, None)
+            else:
+                self._cache[sid] = text
+            self._cache_generation = self._generation
+
     def write_record(self, rec: Record) -> None:
-        _atomic_write(self.records / f"{rec.id}.json", json.dumps(asdict(rec)))
+        text = json.dumps(asdict(rec))
+        with self.locked():
+            self._changing(rec.id, text)
+            _atomic_write(self.records / f"{rec.id}.json", text)
 
     def read_record(self, sid: str) -> Record | None:
         if not sid or "/" in sid or sid.startswith("."):
@@ -227,18 +251,38 @@ class Store:
         return removed
 
     def delete_record(self, sid: str) -> None:
-        for path in (self.records / f"{sid}.json", self.sock(sid)):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        with self.locked():
+            self._changing(sid, None)
+            for path in (self.records / f"{sid}.json", self.sock(sid)):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
 
     def all_records(self) -> list[Record]:
+        """Every record (fresh objects: callers may change them). Under the lock, the directory is read only
+        when a record changed since this process last read it (the lock file's counter moved)."""
+        with self._thread_lock:
+            locked = self._depth > 0
+            if locked and self._cache is not None and self._cache_generation == self._generation:
+                texts = list(self._cache.items())
+            else:
+                texts = []
+                with os.scandir(self.records) as entries:
+                    for entry in entries:
+                        if entry.name.endswith(".json") and not entry.name.startswith("."):
+                            try:
+                                with open(entry.path) as f:
+                                    texts.append((entry.name[:-5], f.read()))
+                            except FileNotFoundError:
+                                continue
+                if locked:
+                    self._cache, self._cache_generation = dict(texts), self._generation
         out = []
-        for path in self.records.glob("*.json"):
+        for _, text in texts:
             try:
-                out.append(Record(**json.loads(path.read_text())))
-            except (FileNotFoundError, json.JSONDecodeError, TypeError):
+                out.append(Record(**json.loads(text)))
+            except (json.JSONDecodeError, TypeError):
                 continue
         return out
 

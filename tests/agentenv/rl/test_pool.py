@@ -107,3 +107,30 @@ def test_burst_of_restores_keeps_template_alive(provider, live):
         with ThreadPoolExecutor(16) as ex:
             list(ex.map(lambda h: h.destroy(), handles))
     assert live() <= before
+
+
+def test_close_later_destroys_in_the_background(provider, run, live):
+    import asyncio
+
+    task = load_suite()[0]
+
+    async def main():
+        async with EnvPool(provider) as pool:
+            envs = [pool.make_env() for _ in range(3)]
+            await asyncio.gather(*(e.reset(task=task) for e in envs))
+            ids = [e.handle.id for e in envs]
+            gate = asyncio.get_running_loop().create_future()
+            pool.close_later(envs[:2], after=gate)              # waits for the gate
+            pool.close_later(envs[2:])
+            for _ in range(600):
+                if ids[2] not in live():
+                    break
+                await asyncio.sleep(0.05)
+            held = set(ids) & live()
+            gate.set_result(None)
+            await pool.drain()
+            return ids, held, set(ids) & live()
+
+    before = live()
+    ids, held, left = run(main())
+    assert held == set(ids[:2]) and not left and live() == before

@@ -98,12 +98,14 @@ def _episode(provider, run, task, actions):
 def test_reward_is_checked_in_the_sandbox(provider, run, live):
     before = live()
     task = make_task(11)
-    word = task.verifier.command.split()[2]
-    name = task.instruction.split()[4]
+    word = task.verifier.expected
+    name = task.instruction.split()[4].rstrip(",")
     wrong = "x" + word
     assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {word}", "submit"]) == 1.0
     assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {wrong}", "submit"]) == 0.0
+    assert _episode(provider, run, task, [f"cat {name}", f"write answer.txt {word} {word}", "submit"]) == 0.0
     assert _episode(provider, run, task, ["submit"]) == 0.0          # claiming success is not enough
+    assert _episode(provider, run, task, ["cat nothing.txt", "write answer.txt/x y", "submit"]) == 0.0
     assert live() == before
 
 
@@ -226,3 +228,46 @@ def test_viewer_in_headless_chromium(tiny_run, tmp_path):
     with pytest.raises(FileNotFoundError, match="run_dir"):
         write_view(tmp_path / "nothing")
     assert not os.path.exists(tmp_path / "nothing" / "view.html")
+
+
+def test_file_verifier_round_trips():
+    from agentenv.rl.tasks import FileVerifier, verifier_from_dict
+
+    verifier = make_task(4).verifier
+    assert isinstance(verifier, FileVerifier) and verifier_from_dict(verifier.to_dict()) == verifier
+
+
+def test_generated_tasks_share_one_template(provider, run, live):
+    from agentenv.rl import AgentEnv, Setup
+
+    tasks = make_tasks(3)
+    assert len({provider.template(t.image, t.setup, t.limits) for t in tasks}) == 1
+
+    async def first_observation(task):
+        async with AgentEnv(provider) as env:
+            await env.reset(task=task)
+            return (await env.step(parse_action(f"cat {task.instruction.split()[4].rstrip(',')}")))[0]["content"]
+    for task in tasks:                                   # each sandbox still starts with its task's files
+        assert run(first_observation(task)).split() == ["code:", task.verifier.expected]
+    assert not live()
+    with pytest.raises(ValueError, match="files_at_reset"):
+        Setup(files={"/root/a": "x"}, commands=["true"], files_at_reset=True)
+
+
+def test_pointer_head_copies_from_the_context():
+    tok = WordTokenizer(vocabulary())
+    model = tiny_model(tok.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0,
+                       copy_head=True).eval()
+    contexts = ["T: find the code in key.txt\n", "T: submit\nA: cat note.txt\nO: code: red\n"]
+    batched = generate_actions(model, tok, contexts, temperature=0, max_new_tokens=5)
+    assert batched == [generate_action(model, tok, c, temperature=0, max_new_tokens=5) for c in contexts]
+    ids = torch.tensor([tok.encode(contexts[1])])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits.exp().sum(-1), torch.ones(ids.shape), atol=1e-5)
+        model.gate.bias.fill_(-50.0)                          # all mass on the pointer
+        model.query.weight.zero_()
+        model.query.bias.zero_()                              # uniform attention over the tokens so far
+        p = model(ids).logits[0, -1].exp()
+    seen = set(ids[0].tolist())
+    assert p[tok.encode("red")[0]] == pytest.approx(1 / ids.shape[1], rel=1e-3)
+    assert all(p[i] < 1e-6 for i in range(tok.vocab_size) if i not in seen)
