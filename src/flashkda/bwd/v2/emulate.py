@@ -1,4 +1,4 @@
-"""Torch emulation of the v2 backward (chunks of 16 tokens), with the kernels' intended precision choices.
+"""Torch emulation of the v2 backward (chunks of 16 or 32 tokens), with the kernels' intended precision choices.
 
 The truth that the backward kernels are checked against. It consumes what the v2 training forward leaves: the raw
 inputs, the workspace of K1 (``fwd.v2.emulate.emulate_prepare``, or the kernel's) and the state checkpoints of K2
@@ -36,10 +36,12 @@ from flashkda import reference
 from flashkda.bwd.v2.checkpoints import checkpoint_offsets
 from flashkda.fwd.v2.emulate import LOG2E, _bf16, _chunk_rows, gate_log2, l2norm_fp32
 from flashkda.fwd.v2.workspace import CHUNK, ChunkLayout, Workspace
+from flashkda.fwd.v2.workspace32 import REF_TOKEN
 
 __all__ = ["KDAGrads", "emulate_backward"]
 
 LN2 = math.log(2.0)
+HALF = 16
 
 
 @dataclass
@@ -75,13 +77,15 @@ def _scatter(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, total: in
     return out
 
 
-def _prepare(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws, exact):
+def _prepare(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws, exact, C):
     """Chunk-major factors of K1 and what its backward needs, ``[NT, H, C, *]``."""
     B, T, H, K = g.shape
     if q.shape[2] != H:
         q, k = (x.repeat_interleave(H // q.shape[2], dim=2) for x in (q, k))
-    rows, valid = _chunk_rows(layout, q.device)
+    dev = q.device
+    rows, valid = _chunk_rows(layout, dev, C)
     f = torch.float64 if exact else torch.float32
+    rnd = (lambda y: y) if exact else _bf16
     norm = reference.l2norm if exact else l2norm_fp32
     qf, kf = (x.reshape(B * T, H, K).to(f) for x in (q, k))
     t = dict(rows=rows, valid=valid)
@@ -98,26 +102,39 @@ def _prepare(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws, exac
           else lower_bound * LOG2E * torch.sigmoid(x))
     G = _gather(gl.to(f), rows, valid).cumsum(2)
     Glast = G[:, :, -1]  # [NT, H, K]
-    t["G"], t["Glast"] = G, Glast
-    t["e"], t["ei"], t["er"] = torch.exp2(G), torch.exp2(-G), torch.exp2(Glast[:, :, None] - G)
-    t["b"] = _gather(torch.sigmoid(beta.reshape(B * T, H).to(f)), rows, valid)  # [NT, H, C]
     kn, qn = t["kn"], t["qn"]
-    ki32 = kn * t["ei"]
-    strict = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device), -1)
-    causal = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device))
-    t["strict"], t["causal"] = strict, causal
+    t["e"], t["er"] = torch.exp2(G), torch.exp2(Glast[:, :, None] - G)
+    # K1's factors: 16-token halves, half B relative to r = G[15] (chunk 32); the cross factor kiar on half A
+    half = torch.arange(C, device=dev) // HALF
+    in_b = (half == 1)[:, None]
+    r = G[:, :, REF_TOKEN:REF_TOKEN + 1] if C > HALF else torch.zeros_like(G[:, :, :1])
+    ref = torch.where(in_b, r, 0.0)
+    t["eh"], t["eih"] = torch.exp2(G - ref), torch.exp2(ref - G)
+    t["ear"] = torch.where(in_b, 0.0, torch.exp2(r - G)) if C > HALF else torch.zeros_like(G)
+    t["kdh"], t["kih"], t["kiar"] = rnd(kn * t["eh"]), rnd(kn * t["eih"]), rnd(kn * t["ear"])
+    t["qdh"] = rnd(qn * t["eh"] * scale)
+    t["in_b"], t["C"] = in_b, C
+    t["same"] = half[:, None] == half[None, :]
+    t["off"] = half[:, None] > half[None, :]
+    t["strict"] = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev), -1)
+    t["causal"] = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev))
+    mT = lambda y: y.transpose(-1, -2)  # noqa: E731
+    t["P"] = (torch.where(t["same"], t["kdh"] @ mT(t["kih"]), 0.0)
+              + torch.where(t["off"], t["kdh"] @ mT(t["kiar"]), 0.0))
     if exact:
-        t["kd"], t["ki"], t["qd"], t["kr"] = kn * t["e"], ki32, qn * t["e"] * scale, kn * t["er"]
-        L = torch.where(strict, (t["kd"] @ t["ki"].transpose(-1, -2)) * t["b"][..., None], 0.0)
-        eye = torch.eye(CHUNK, dtype=f, device=q.device)
-        t["inv"] = torch.linalg.inv(eye + L)
-        t["mqk"] = torch.where(causal, t["qd"] @ t["ki"].transpose(-1, -2), 0.0)
+        t["b"] = _gather(torch.sigmoid(beta.reshape(B * T, H).to(f)), rows, valid)  # [NT, H, C]
+        t["kd"], t["qd"], t["kr"] = kn * t["e"], qn * t["e"] * scale, kn * t["er"]
+        L = torch.where(t["strict"], t["P"] * t["b"][..., None], 0.0)
+        t["inv"] = torch.linalg.inv(torch.eye(C, dtype=f, device=dev) + L)
+        t["mqk"] = (torch.where(t["same"] & t["causal"], t["qdh"] @ mT(t["kih"]), 0.0)
+                    + torch.where(t["off"], t["qdh"] @ mT(t["kiar"]), 0.0))
         t["glast"] = torch.exp2(Glast)
     else:
         if ws is None:
             raise ValueError("ws (the forward's workspace) is required unless exact=True")
+        if ws.inv.shape[-1] != C:
+            raise ValueError(f"ws has chunks of {ws.inv.shape[-1]} tokens, expected chunk={C}")
         t["kd"], t["qd"], t["kr"] = (_gather(y.float(), rows, valid) for y in (ws.kd, ws.qd, ws.kr))
-        t["ki"] = _bf16(ki32)
         t["inv"], t["mqk"], t["glast"] = ws.inv.float(), ws.mqk.float(), ws.glast.float()
         t["b"] = _gather(ws.beta.float(), rows, valid)
     return t
@@ -188,19 +205,27 @@ def _local_grads(t, vc, doc, S_in, dS_out, scale, lower_bound, rnd):
     du = rnd(-b * dW)
     dL = -(mT(t["inv"]) @ rnd(dU @ mT(W)) @ mT(t["inv"]))
     dL = torch.where(t["strict"], dL, 0.0)
-    db = db + (dL * (t["kd"] @ mT(t["ki"]))).sum(-1)
+    db = db + (dL * t["P"]).sum(-1)
     dLb = rnd(dL * b)
     dM = rnd(torch.where(t["causal"], doc @ mT(U), 0.0))
+    Ls, Lo, Ms, Mo = (torch.where(t[m], x, 0.0) for x, m in ((dLb, "same"), (dLb, "off"), (dM, "same"), (dM, "off")))
+    dkdh = Ls @ t["kih"] + Lo @ t["kiar"]
+    dkih = mT(Ls) @ t["kdh"] + mT(Ms) @ t["qdh"]
+    dkiar = mT(Lo) @ t["kdh"] + mT(Mo) @ t["qdh"]
+    dqdh = Ms @ t["kih"] + Mo @ t["kiar"]
     dkr = U @ mT(dS_out)
-    dqd = doc @ mT(S0) + dM @ t["ki"]
-    dkd = du @ mT(S0) + dLb @ t["ki"]
-    dki = mT(dLb) @ t["kd"] + mT(dM) @ t["qd"]
+    dqd = doc @ mT(S0)
+    dkd = du @ mT(S0)
     dglast = (S_in * dS_out).sum(-1)  # [NT, H, K]
-    dG = LN2 * (dkd * t["kd"] + dqd * t["qd"] - dki * t["ki"] - dkr * t["kr"])
+    dGh = LN2 * (dkdh * t["kdh"] + dqdh * t["qdh"] - dkih * t["kih"])
+    dGar = LN2 * dkiar * t["kiar"]
+    dG = dGh - dGar + LN2 * (dkd * t["kd"] + dqd * t["qd"] - dkr * t["kr"])
+    if t["C"] > HALF:  # r = G[15]: half B's factors and the cross factor depend on it
+        dG[:, :, REF_TOKEN] += dGar.sum(2) - (dGh * t["in_b"]).sum(2)
     dGlast = LN2 * ((dkr * t["kr"]).sum(2) + dglast * t["glast"])
     dgl = dG.flip(2).cumsum(2).flip(2) + dGlast[:, :, None]
-    dkn = dkd * t["e"] + dki * t["ei"] + dkr * t["er"]
-    dqn = dqd * t["e"] * scale
+    dkn = dkdh * t["eh"] + dkih * t["eih"] + dkiar * t["ear"] + dkd * t["e"] + dkr * t["er"]
+    dqn = (dqdh * t["eh"] + dqd * t["e"]) * scale
     dx = dgl * (lower_bound * LOG2E) * t["sig"] * (1 - t["sig"])
     return dqn, dkn, dv, db, dx
 
@@ -210,27 +235,31 @@ def emulate_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                      initial_state: torch.Tensor | None = None, dht: torch.Tensor | None = None,
                      ws: Workspace | None = None, checkpoints: torch.Tensor | None = None, every: int = 4,
-                     exact: bool = False) -> KDAGrads:
-    """The v2 backward (16-token chunks) in torch.
+                     exact: bool = False, chunk: int = CHUNK) -> KDAGrads:
+    """The v2 backward (16- or 32-token chunks) in torch.
 
     Args:
         q, k: ``[B, T, Hq, 128]``; v, g: ``[B, T, H, 128]``; beta: ``[B, T, H]`` logits (the forward's inputs).
-        scale, layout, lower_bound, A_log, dt_bias: as for ``fwd.v2.emulate.emulate_prepare``.
+        scale, layout, lower_bound, A_log, dt_bias: as for ``fwd.v2.emulate.emulate_prepare`` (``layout`` of
+            ``chunk``-token chunks: ``build_chunk_layout`` or ``workspace32.build_chunk_layout32``).
         do: ``[B, T, H, V]`` output gradient.
         initial_state: ``[N, H, K, V]`` (K-first) or None; dht: the final state's gradient, same shape, or None.
         ws: the forward's workspace (required unless ``exact``).
         checkpoints, every: the forward's state checkpoints (``checkpoints.emulate_recurrence_train``; required
             unless ``exact``).
         exact: fp64, no rounding, exact states (ignores ``ws`` and ``checkpoints``).
+        chunk: 16, or 32 (K1's factors by 16-token halves as ``fwd.v2.emulate32``).
 
     Returns:
         `KDAGrads`.
     """
     B, T, H, K = g.shape
     Hq, V = q.shape[2], v.shape[-1]
+    if chunk not in (16, 32):
+        raise ValueError(f"chunk must be 16 or 32, got {chunk!r}")
     if not exact and checkpoints is None:
         raise ValueError("checkpoints (the forward's state checkpoints) are required unless exact=True")
-    t = _prepare(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws, exact)
+    t = _prepare(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws, exact, chunk)
     f = t["kd"].dtype
     rnd = (lambda x: x) if exact else _bf16
     rows, valid = t["rows"], t["valid"]
