@@ -3,83 +3,13 @@
 import pytest
 import torch
 
-from flashkda import reference
+from benchmarks.kda.v2_bwd_precision import K, errors, make_case
 from flashkda.bwd.v2.checkpoints import checkpoint_offsets, emulate_recurrence_train
 from flashkda.bwd.v2.emulate import emulate_backward
 from flashkda.fwd.v2.emulate import emulate_prepare, emulate_recurrence
-from flashkda.fwd.v2.emulate32 import emulate_prepare32
 from flashkda.fwd.v2.workspace import build_chunk_layout
-from flashkda.fwd.v2.workspace32 import build_chunk_layout32
 
 CPU = torch.device("cpu")
-K = 128
-NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
-
-
-def make_case(B, T, H, cu=None, HV=None, seed=0, a_log=True, init=True):
-    HV = HV or H
-    N = B if cu is None else len(cu) - 1
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, k = (randn(B, T, H, K).bfloat16() for _ in range(2))
-    v, g = (randn(B, T, HV, K).bfloat16() for _ in range(2))
-    beta = randn(B, T, HV).bfloat16()
-    A_log = torch.rand(HV, generator=gen) * 2 - 1 if a_log else None
-    dt_bias = randn(HV * K) * 0.5
-    h0 = randn(N, HV, K, K) * 0.1 if init else None
-    do = randn(B, T, HV, K).bfloat16()
-    dht = randn(N, HV, K, K) * 0.1
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, do=do, dht=dht, cu=cu_t)
-
-
-def autograd_grads(c, lower_bound):
-    """fp64 gradients of ``sum(o * do) + sum(final_state * dht)`` through `flashkda.reference`."""
-    leaves = {n: (None if c[n] is None else c[n].double().requires_grad_())
-              for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
-    o, s = reference.chunk_kda_reference(
-        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], K**-0.5, leaves["h0"], True,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        lower_bound=lower_bound, cu_seqlens=c["cu"], A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
-    ((o * c["do"].double()).sum() + (s * c["dht"].double()).sum()).backward()
-    names = dict(dq="q", dk="k", dv="v", dg="g", dbeta="beta", dA_log="A_log", ddt_bias="dt_bias", dh0="h0")
-    return {n: (None if leaves[x] is None else leaves[x].grad) for n, x in names.items()}
-
-
-def emulated_grads(c, lower_bound, exact, every=4, ck_dtype=torch.bfloat16, chunk=16):
-    B, T = c["q"].shape[:2]
-    layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], CPU)
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"])
-    kw = dict(A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], chunk=chunk)
-    if exact:
-        grads = emulate_backward(*args, exact=True, **kw)
-    else:
-        ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
-            c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
-        _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], every, ck_dtype)
-        grads = emulate_backward(*args, ws=ws, checkpoints=ck, every=every, **kw)
-    return {n: getattr(grads, n) for n in NAMES}
-
-
-def rel_rms(x, ref):
-    return float((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
-def errors(c, lower_bound, exact, **kw):
-    ref = autograd_grads(c, lower_bound)
-    got = emulated_grads(c, lower_bound, exact, **kw)
-    out = {}
-    for n in NAMES:
-        if ref[n] is None:
-            assert got[n] is None, n
-            continue
-        assert got[n].shape == ref[n].shape, (n, got[n].shape, ref[n].shape)
-        assert torch.isfinite(got[n]).all(), n
-        out[n] = rel_rms(got[n], ref[n])
-    return out
 
 
 # Bars. exact: the algebra, fp64 with no rounding, must equal autograd to fp64 rounding (measured <= 1.2e-14).
