@@ -140,7 +140,7 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
 
 
 def emulate_recurrence(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
-                       output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       output_final_state: bool = False, state_hook=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K2 in torch: the output and final state from a workspace and the values.
 
     Args:
@@ -149,6 +149,9 @@ def emulate_recurrence(ws: Workspace, v: torch.Tensor, initial_state: torch.Tens
         v: ``[B, T, H, V]`` values (bf16 for the kernel).
         initial_state: ``[N, H, K, V]`` fp32 or None.
         output_final_state: also return the final state.
+        state_hook: None, or ``state_hook(j, seqs, S)`` called before chunk ``j`` of the sequences ``seqs`` (those
+            with more than ``j`` chunks) with the fp32 states ``S`` ``[n, H, K, V]`` entering it (training
+            checkpoints, `flashkda.bwd.v2.checkpoints`).
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` bf16; ``final_state`` ``[N, H, K, V]`` fp32 or None.
@@ -167,6 +170,8 @@ def emulate_recurrence(ws: Workspace, v: torch.Tensor, initial_state: torch.Tens
     counts = seq_chunks[1:] - seq_chunks[:-1]
     for j in range(int(counts.max()) if N else 0):
         seqs = torch.nonzero(counts > j).flatten()
+        if state_hook is not None:
+            state_hook(j, seqs, S[seqs.to(device)])
         c = (seq_chunks[seqs] + j).to(device)
         seqs = seqs.to(device)
         r, m = rows[c], valid[c]  # [n, C]

@@ -1,0 +1,168 @@
+"""Gradient precision of the v2 backward's emulation, and of fla 0.6.0's backward, against fp64 autograd.
+
+On the H200 this gives the per-tensor errors that the backward kernels must match (the emulation is their oracle)
+next to fla's own errors on the same inputs (the issue's bar: ours no worse than fla vs fp64, per tensor):
+``python -m benchmarks.kda.v2_bwd_precision [--device cuda] [--T 1024]``. Without CUDA, fla is skipped and the
+table has the emulation only. Results: ``benchmarks/results/kda-v2-bwd-precision-<date>.json``.
+The helpers are also the CPU tests' (`tests/flashkda/test_bwd_v2_emulate.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from flashkda import reference
+from flashkda.bwd.v2.checkpoints import emulate_recurrence_train
+from flashkda.bwd.v2.emulate import emulate_backward
+from flashkda.fwd.v2.emulate import emulate_prepare
+from flashkda.fwd.v2.emulate32 import emulate_prepare32
+from flashkda.fwd.v2.workspace import build_chunk_layout
+from flashkda.fwd.v2.workspace32 import build_chunk_layout32
+
+logger = logging.getLogger(__name__)
+
+K = 128
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+
+
+def make_case(B, T, H, cu=None, HV=None, seed=0, a_log=True, init=True, device="cpu"):
+    """Random bf16 inputs, ``do`` and ``dht`` (as the forward v2 tests' inputs), on ``device``."""
+    HV = HV or H
+    N = B if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = (randn(B, T, H, K).bfloat16() for _ in range(2))
+    v, g = (randn(B, T, HV, K).bfloat16() for _ in range(2))
+    beta = randn(B, T, HV).bfloat16()
+    A_log = torch.rand(HV, generator=gen) * 2 - 1 if a_log else None
+    dt_bias = randn(HV * K) * 0.5
+    h0 = randn(N, HV, K, K) * 0.1 if init else None
+    do = randn(B, T, HV, K).bfloat16()
+    dht = randn(N, HV, K, K) * 0.1
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    c = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, do=do, dht=dht, cu=cu_t)
+    return {n: (None if x is None else x.to(device)) for n, x in c.items()}
+
+
+def autograd_grads(c, lower_bound):
+    """fp64 gradients of ``sum(o * do) + sum(final_state * dht)`` through `flashkda.reference`."""
+    leaves = {n: (None if c[n] is None else c[n].double().requires_grad_())
+              for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
+    o, s = reference.chunk_kda_reference(
+        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], K**-0.5, leaves["h0"], True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=lower_bound, cu_seqlens=c["cu"], A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+    ((o * c["do"].double()).sum() + (s * c["dht"].double()).sum()).backward()
+    names = dict(dq="q", dk="k", dv="v", dg="g", dbeta="beta", dA_log="A_log", ddt_bias="dt_bias", dh0="h0")
+    return {n: (None if leaves[x] is None else leaves[x].grad) for n, x in names.items()}
+
+
+def emulated_grads(c, lower_bound, exact, every=4, ck_dtype=torch.bfloat16, chunk=16):
+    """`emulate_backward` on the forward emulation's workspace and checkpoints (or ``exact``)."""
+    B, T = c["q"].shape[:2]
+    layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], c["q"].device)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"])
+    kw = dict(A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], chunk=chunk)
+    if exact:
+        grads = emulate_backward(*args, exact=True, **kw)
+    else:
+        ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
+            c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
+        _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], every, ck_dtype)
+        grads = emulate_backward(*args, ws=ws, checkpoints=ck, every=every, **kw)
+    return {n: getattr(grads, n) for n in NAMES}
+
+
+def rel_rms(x, ref):
+    """``rms(x - ref) / rms(ref)``."""
+    return float((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+def errors(c, lower_bound, exact, ref=None, **kw):
+    """Relative RMS of the emulation's gradients against fp64 autograd, per tensor."""
+    ref = autograd_grads(c, lower_bound) if ref is None else ref
+    got = emulated_grads(c, lower_bound, exact, **kw)
+    return compare(got, ref)
+
+
+def compare(got, ref):
+    """Relative RMS per tensor of ``got`` against ``ref`` (dicts by `NAMES`)."""
+    out = {}
+    for n in NAMES:
+        if ref[n] is None:
+            assert got[n] is None, n
+            continue
+        assert got[n].shape == ref[n].shape, (n, got[n].shape, ref[n].shape)
+        assert torch.isfinite(got[n]).all(), n
+        out[n] = rel_rms(got[n], ref[n])
+    return out
+
+
+def fla_grads(c, lower_bound):
+    """fla 0.6.0 ``chunk_kda`` bf16 gradients of the same loss (CUDA only)."""
+    from fla.ops.kda import chunk_kda
+
+    leaves = {n: (None if c[n] is None else c[n].detach().clone().requires_grad_())
+              for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
+    o, s = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], scale=K**-0.5,
+                     initial_state=leaves["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                     lower_bound=lower_bound, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+                     cu_seqlens=c["cu"])
+    ((o.float() * c["do"].float()).sum() + (s.float() * c["dht"].float()).sum()).backward()
+    names = dict(dq="q", dk="k", dv="v", dg="g", dbeta="beta", dA_log="A_log", ddt_bias="dt_bias", dh0="h0")
+    return {n: (None if leaves[x] is None else leaves[x].grad) for n, x in names.items()}
+
+
+def run(device: str, T: int, write: bool = True) -> list:
+    """Rows of per-tensor errors for a fixed and a varlen case at lower_bound -5 and -0.1."""
+    from benchmarks.harness import Row, machine_info, write_results
+
+    cases = {f"fixed-T{T}-H4": dict(B=1, T=T, H=4),
+             f"varlen-{T}-H4": dict(B=1, T=T, H=4, cu=[0, T // 3, T // 3 + 1, T])}
+    rows = []
+    for name, kw in cases.items():
+        for lb in (-5.0, -0.1):
+            c = make_case(**kw, device=device)
+            ref = autograd_grads(c, lb)
+            extra = {}
+            for chunk in (16, 32):
+                if chunk == 32 and "cu" in kw:
+                    continue
+                for n, e in errors(c, lb, False, ref=ref, chunk=chunk).items():
+                    extra[f"emulation c{chunk} {n}"] = e
+            if device.startswith("cuda"):
+                try:
+                    for n, e in compare(fla_grads(c, lb), ref).items():
+                        extra[f"fla {n}"] = e
+                except Exception as exc:  # fla missing or failing: the emulation's numbers still stand
+                    logger.warning("fla failed on %s: %s", name, exc)
+            rows.append(Row(case=f"{name}-lb{lb}", baseline="fla 0.6.0 chunk_kda bf16 (rel. RMS vs fp64)",
+                            baseline_ms=None, ours_ms=None, params=dict(T=T, lower_bound=lb), extra=extra,
+                            note="gradient errors, not times"))
+            logger.info("%s lb %s: %s", name, lb, {k: f"{v:.2e}" for k, v in extra.items()})
+    if write:
+        path = write_results("kda-v2-bwd-precision", rows, title="FlashKDA v2 backward precision",
+                             info=machine_info())
+        logger.info("wrote %s", path)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--T", type=int, default=1024)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    run(args.device, args.T, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
