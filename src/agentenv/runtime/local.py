@@ -132,6 +132,20 @@ class NamespaceBackend(Backend):
 
         self._attaching[cg.name] = self._worker().submit(attach)
 
+    def _add_later(self, cg: cgroups.Cgroup, pid: int) -> None:
+        """Move `pid` into `cg` on the worker thread, after the group's pending creation and moves."""
+        before = self._attaching.pop(cg.name, None)
+
+        def add() -> None:
+            if before is not None:
+                before.result()
+            try:
+                cg.add(pid)
+            except ProcessLookupError:  # that kernel is gone already
+                pass
+
+        self._attaching[cg.name] = self._worker().submit(add)
+
     def settle(self, sandbox_id: str | None = None) -> None:
         """Wait until the cgroup work (creation, moves) of new sandboxes (one, or all) is done."""
         ids = [sandbox_id] if sandbox_id is not None else list(self._attaching)
@@ -318,6 +332,9 @@ class NamespaceBackend(Backend):
                     child = children[int(event["index"])]
                     if pid is None:
                         raise errors.SandboxError(f"fork of {parent.id}: no pid for child {child.id}")
+                    if event["ev"] == "kernel":  # a Python kernel carried into the child: into its cgroup too
+                        self._add_later(self._cgroup(child.id), pid)
+                        return
                     child.pid = pid
                     child.start_time = proc_start_time(pid) or 0
                     self._attach_later(self._cgroup(child.id), pid, cg_limits)

@@ -1,11 +1,12 @@
 """The in-sandbox tool server: pid 1 of a sandbox, serving the host runtime over a unix socket.
 
 Run by the host's `/usr/bin/python3 -I -S` (stdlib only, imported before the pivot so nothing is loaded
-from the sandbox afterwards). It holds the persistent Python session (in its own memory) and the bash
-session, runs commands under the agent seccomp filter with no_new_privs, serves file operations, and
-implements fork as a zygote: it `fork()`s, and each child enters a fresh user, mount, pid, net, uts, ipc
-and cgroup namespace over a new writable layer the host prepared, so the child starts with the parent's
-interpreter state and filesystem and nothing is copied but what each side later changes.
+from the sandbox afterwards). It keeps the Python kernels (a process per interpreter context, `kernels`) and
+the bash session, runs commands under the agent seccomp filter with no_new_privs, serves file operations,
+and implements fork as a zygote: it `fork()`s, and each child enters a fresh user, mount, pid, net, uts, ipc
+and cgroup namespace over a new writable layer the host prepared; each live kernel then puts a copy of itself
+into the child, so the child starts with the parent's interpreter state and filesystem and nothing is copied
+but what each side later changes.
 
 Bootstrap (first start on the host): argv[1] is a JSON config; fd `sync_fd` talks to the host while it
 writes our uid/gid maps; fd `listen_fd` is our listening socket.
@@ -26,7 +27,7 @@ import sys
 import time
 
 from agentenv import protocol
-from agentenv.runtime import rootfs, seccomp, sessions, spawner
+from agentenv.runtime import kernels, rootfs, seccomp, sessions, spawner
 from agentenv.runtime import syscalls as sc
 from agentenv.runtime.fileio import read_regular
 
@@ -67,7 +68,7 @@ class ToolServer:
         self.listener = listener
         self.id = sandbox_id
         self.deadline = ttl_deadline
-        self.python = sessions.PythonSession()
+        self.kernels = kernels.Kernels()
         self.spawner = spawner.Spawner(_agent_setup)
         self.shell = sessions.ShellSession(self.spawn)
         self.conns: list[socket.socket] = []
@@ -90,11 +91,12 @@ class ToolServer:
     def _reap(self) -> None:
         while True:
             try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            self.kernels.note_exit(pid, status)
 
     def _own_processes(self) -> list[int]:
         """Pids of this sandbox's processes other than us (not those of forked sandboxes nested below)."""
@@ -115,11 +117,17 @@ class ToolServer:
     def _own_only(self) -> bool:
         return len(self._own_processes()) == sum(1 for n in os.listdir("/proc") if n.isdigit() and n != "1")
 
-    def kill_agents(self) -> None:
+    def kill_agents(self, *, kernels_too: bool = False) -> None:
+        """Kill every process of this sandbox but us (and the Python kernels, unless `kernels_too`)."""
         self.shell.close()
         self.spawner.forget()
+        keep = set()
+        if kernels_too:
+            self.kernels.stop_all()
+        else:
+            keep = self.kernels.pids()
         for _ in range(100):
-            pids = self._own_processes()
+            pids = [pid for pid in self._own_processes() if pid not in keep]
             if not pids:
                 return
             for pid in pids:
@@ -159,7 +167,7 @@ class ToolServer:
     def _expire(self, sel: selectors.BaseSelector) -> None:
         """TTL passed: stop serving and kill our processes; stay only while forked sandboxes nest below us."""
         self.retired = True
-        self.kill_agents()
+        self.kill_agents(kernels_too=True)
         sel.unregister(self.listener)
         self.listener.close()
 
@@ -222,6 +230,7 @@ class ToolServer:
                 raise RequestError("invalid", f"expected the move after a fork, got {req.get('op')!r}")
             rootfs.enter_root(fds[0], usr_bind=usr_bind, hostname=None)
             self._settle_fork("moved")
+            self.kernels.after_move()
         except BaseException:
             # still on the sealed layer, which the forks and snapshots now read: never write to it again
             self.broken = True
@@ -338,7 +347,28 @@ class ToolServer:
         return {**result, "duration_ms": (time.monotonic() - start) * 1e3}, b""
 
     def op_python(self, conn, req, blob, fds):
-        return self.python.run(req["code"], req.get("timeout")), b""
+        cid = str(req.get("context") or kernels.DEFAULT)
+        try:
+            return self.kernels.run(cid, req["code"], req.get("timeout"), req.get("env")), b""
+        except KeyError:
+            raise RequestError("not_found", f"no interpreter context {cid!r}") from None
+
+    def op_context_create(self, conn, req, blob, fds):
+        self.kernels.create(str(req["context"]), req.get("cwd"))
+        return {}, b""
+
+    def op_context_list(self, conn, req, blob, fds):
+        return {"contexts": [{"id": cid, "cwd": cwd} for cid, cwd in self.kernels.contexts.items()]}, b""
+
+    def op_context_restart(self, conn, req, blob, fds):
+        if not self.kernels.restart(str(req["context"])):
+            raise RequestError("not_found", f"no interpreter context {req['context']!r}")
+        return {}, b""
+
+    def op_context_remove(self, conn, req, blob, fds):
+        if not self.kernels.drop(str(req["context"])):
+            raise RequestError("not_found", f"no interpreter context {req['context']!r}")
+        return {}, b""
 
     # ---- files ----------------------------------------------------------------------------------------
     def op_read(self, conn, req, blob, fds):
@@ -421,12 +451,15 @@ class ToolServer:
             clock[0] = now
 
         started: list[tuple[int, int, dict]] = []
+        channels: list = []
+        namespaces: list[list[int]] = []
         try:
             self.shell.dump_state()
             self.shell.close()
             if rebase:
                 self.kill_agents()
             mark("shell_ms")
+            channels = self.kernels.channels_for(len(children))
             at = 0
             for index, child in enumerate(children):
                 root_fd = None
@@ -436,7 +469,7 @@ class ToolServer:
                 listen_fd = fds[at]
                 at += 1
                 started.append(self._clone_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds,
-                                                 [r for _, r, _ in started]))
+                                                 [r for _, r, _ in started], channels, namespaces))
             mark("children_ms")
             pids = [pid for pid, _, _ in started]
             self._fork = (req.get("fork_id"), pids)
@@ -444,6 +477,13 @@ class ToolServer:
             while started:
                 failures.append(self._await_child(*started.pop(0)))
             mark("ready_ms")
+            for index, (pid, child) in enumerate(zip(pids, children)):
+                carried = self.kernels.carry(channels[index], namespaces[index], child.get("memory_bytes"),
+                                             child.get("nproc"))
+                for kernel_pid in carried:  # the host moves it into the child's cgroup
+                    protocol.send_msg(conn, {"ev": "kernel", "index": index}, creds_pid=kernel_pid)
+            channels = []
+            mark("kernels_ms")
             phases["previous_move_ms"] = self.last_move_ms
             phases["last_child"] = getattr(self, "last_child_phases", {})
             if rebase:
@@ -453,11 +493,19 @@ class ToolServer:
                 os.close(fd)
             for _, r_ready, _ in started:
                 os.close(r_ready)
+            for pairs in channels:
+                for _, ours, theirs in pairs:
+                    ours.close()
+                    theirs.close()
+            for ns_fds in namespaces:
+                for fd in ns_fds:
+                    os.close(fd)
         # we move after answering (if asked to): failed children are reported, not raised, so the host knows
         failed = [f"child {children[i]['id']} failed: {f}" for i, f in enumerate(failures) if f]
         return {"pids": pids, "phases": phases, "failed": failed}, b""
 
-    def _clone_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds, siblings) -> tuple:
+    def _clone_child(self, index, child, root_fd, listen_fd, usr_bind, conn, all_fds, siblings, channels,
+                     namespaces) -> tuple:
         """Clone one child into fresh namespaces, write its id maps, name it to the host.
 
         Returns:
@@ -489,6 +537,9 @@ class ToolServer:
                 os.close(r_ready)
                 for fd in siblings:  # earlier siblings' readiness pipes
                     os.close(fd)
+                for ns_fds in namespaces:
+                    for fd in ns_fds:
+                        os.close(fd)
                 if os.read(r_map, 1) != b"m":
                     os._exit(1)
                 sc.prctl(sc.PR_SET_DUMPABLE, 0)
@@ -512,7 +563,9 @@ class ToolServer:
                 self.conns = []
                 self.spawner.forget()  # the parent's launcher is not ours (nor visible) in the new pid namespace
                 self.spawner.nproc = child.get("nproc")
-                self.python.memory_bytes = child.get("memory_bytes")
+                self.kernels.enter_child(index, channels)
+                self.kernels.memory_bytes = child.get("memory_bytes")
+                self.kernels.nproc = child.get("nproc")
                 self.id = child["id"]
                 self.deadline = child.get("deadline")
                 self.listener = listener
@@ -537,6 +590,8 @@ class ToolServer:
             for name, line in (("uid_map", "0 0 65536\n"), ("gid_map", "0 0 65536\n")):
                 with open(f"/proc/{pid}/{name}", "w") as f:
                     f.write(line)
+            # our kernels join the child's namespaces later, by these (opened while the child is dumpable)
+            namespaces.append(kernels.open_namespaces(pid) if channels[index] else [])
             sc.prctl(sc.PR_SET_DUMPABLE, 0)
             os.write(w_map, b"m")
             # tell the host the child's pid now (translated by the kernel), so it can move the child into its
