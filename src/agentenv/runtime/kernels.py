@@ -321,8 +321,7 @@ def describe_status(status: int | None) -> str:
     except ValueError:
         name = f"signal {-code}"
     if -code == signal.SIGKILL:
-        return (f"it was killed by {name}: the out-of-memory killer at the sandbox's memory limit, or a kill "
-                "(raise RLIMIT_DATA less, or free memory)")
+        return (f"it was killed by {name}: the out-of-memory killer at the sandbox's memory limit, or a kill")
     if -code in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT):
         return f"it crashed with {name} (a fault in native code, e.g. ctypes or a C extension, or os.abort)"
     return f"it was killed by {name}"

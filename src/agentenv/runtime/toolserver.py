@@ -35,6 +35,8 @@ NS_SANDBOX = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET | sc.CLONE_NEWUT
 OUTPUT_CAP = 16 << 20
 MAX_READ = 256 << 20
 """Largest file `files.read` returns (the tool server holds it in memory); larger ones are refused."""
+FORK_OWNER_UID = 65533
+"""Owner (in our user namespace) of each forked child's user namespace; no process of ours runs as it."""
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _AGENT_FILTER = seccomp.build_filter(seccomp.AGENT_DENY, block_namespace_clone=True)
 _BASE_FILTER = seccomp.build_filter(seccomp.BASE_DENY)
@@ -477,7 +479,7 @@ class ToolServer:
             while started:
                 failures.append(self._await_child(*started.pop(0)))
             mark("ready_ms")
-            for index, (pid, child) in enumerate(zip(pids, children)):
+            for index, child in enumerate(children):
                 carried = self.kernels.carry(channels[index], namespaces[index], child.get("memory_bytes"),
                                              child.get("nproc"))
                 for kernel_pid in carried:  # the host moves it into the child's cgroup
@@ -514,11 +516,21 @@ class ToolServer:
         r_map, w_map = os.pipe()
         r_ready, w_ready = os.pipe()
         t0 = time.perf_counter()
+        pid = -1
         try:
             # the child must be dumpable while we write its uid map (else its /proc files belong to the host's
             # root); otherwise tool servers stay non-dumpable, so agents cannot open /proc/1/mem or /proc/1/fd
+            # the child's user namespace is owned by FORK_OWNER_UID, not by our root, so its processes count
+            # against that user's RLIMIT_NPROC here (the kernel charges every process up the namespace chain to
+            # each namespace's owner): a fork bomb in the child leaves our agents their own share
+            os.setresuid(-1, FORK_OWNER_UID, -1)  # effective caps drop; permitted stay (uid and saved uid are 0)
             sc.prctl(sc.PR_SET_DUMPABLE, 1)
-            pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
+            try:
+                pid = sc.fork_into_namespaces(sc.CLONE_NEWUSER | NS_SANDBOX)
+            finally:
+                if pid != 0:
+                    os.setresuid(-1, 0, -1)  # effective caps back from the permitted set
+                    sc.prctl(sc.PR_SET_DUMPABLE, 1)
         except OSError as e:
             sc.prctl(sc.PR_SET_DUMPABLE, 0)
             os.close(r_map)
@@ -542,6 +554,7 @@ class ToolServer:
                         os.close(fd)
                 if os.read(r_map, 1) != b"m":
                     os._exit(1)
+                os.setresuid(0, 0, 0)  # root of our namespace (we were cloned as FORK_OWNER_UID, see above)
                 sc.prctl(sc.PR_SET_DUMPABLE, 0)
                 t2 = time.perf_counter()
                 if root_fd is not None:

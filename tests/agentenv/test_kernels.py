@@ -1,0 +1,69 @@
+"""A Python kernel per interpreter context: a crash ends that kernel only, the next run starts a fresh one."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentenv import Limits
+from agentenv.errors import NotFoundError
+
+SEGFAULT = "import ctypes; ctypes.string_at(0)"
+EXIT = "import os; os._exit(7)"
+# past the interpreter's RLIMIT_DATA guard (which would answer MemoryError): the OOM killer must pick the kernel
+OOM = ("import resource; resource.setrlimit(resource.RLIMIT_DATA, (-1, -1))\n"
+       "bomb = []\nwhile True:\n    bomb.append(bytearray(1 << 20))")
+
+
+@pytest.mark.parametrize("code,how", [(SEGFAULT, "SIGSEGV"), (EXIT, "exited with code 7"), (OOM, "out-of-memory")],
+                         ids=["segfault", "os_exit", "oom_kill"])
+def test_a_dead_kernel_is_reported_and_replaced_and_nothing_else_dies(sandbox_factory, backend, code, how):
+    sb = sandbox_factory(limits=Limits(memory_mb=96))
+    other = sb.python.create_context()
+    sb.python.run("x = 1")
+    sb.python.run("y = 'kept'", context=other)
+    result = sb.python.run(code, timeout=60)
+    assert result.error == "DeadKernelError", result
+    assert how in result.traceback and "next run in this context starts a fresh kernel" in result.traceback
+    assert sb.python.run("x").error == "NameError"  # a fresh kernel: the dead one's state is gone
+    assert sb.python.run("x = 2; x").value == "2"
+    assert sb.python.run("y", context=other).value == "'kept'"  # the other context's kernel lives on
+    assert sb.exec("echo alive").stdout == "alive\n"
+    if how == "out-of-memory":
+        assert backend._cgroup(sb.id).oom_kills() >= 1
+
+
+def test_kernels_are_carried_over_a_fork_and_crash_on_their_own(sandbox_factory):
+    sb = sandbox_factory(limits=Limits(memory_mb=128))
+    ctx = sb.python.create_context(cwd="/tmp/work")
+    sb.python.run("import os; x = 'parent state'")
+    sb.python.run("z = 3", context=ctx)
+    kids = sb.fork(2)
+    for kid in kids:
+        sandbox_factory.track(kid)
+    first = kids[0].python.run(SEGFAULT)
+    assert first.error == "DeadKernelError" and "SIGSEGV" in first.traceback, first
+    assert kids[0].python.run("z + 1", context=ctx).value == "4"
+    assert kids[0].python.run("import os; os.getcwd()", context=ctx).value == "'/tmp/work'"
+    for s in (sb, kids[1]):
+        assert s.python.run("x").value == "'parent state'"
+    assert kids[1].python.run("os.getpid() != 1").value == "True"  # its own process in the child's pid namespace
+    assert sb.python.run("z", context=ctx).value == "3"
+
+
+def test_contexts_can_be_listed_restarted_and_removed(sandbox):
+    ctx = sandbox.python.create_context(cwd="/tmp")
+    assert [c["id"] for c in sandbox.python.contexts()] == ["default", ctx]
+    sandbox.python.run("a = 1", context=ctx)
+    sandbox.python.restart_context(ctx)
+    assert sandbox.python.run("a", context=ctx).error == "NameError"
+    assert sandbox.python.run("import os; os.environ['E']", context=ctx, envs={"E": "v"}).value == "'v'"
+    assert sandbox.python.run("os.environ.get('E')", context=ctx).value is None  # envs last one run
+    sandbox.python.remove_context(ctx)
+    with pytest.raises(NotFoundError):
+        sandbox.python.run("1", context=ctx)
+    with pytest.raises(NotFoundError):
+        sandbox.python.restart_context("nope")
+    with pytest.raises(ValueError, match="context"):
+        sandbox.python.run("1", context=3)
+    with pytest.raises(ValueError, match="envs"):
+        sandbox.python.run("1", envs={"E": 1})
