@@ -53,10 +53,20 @@ DISK_FULL = "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo rc=$?"
 # past the pids limit; the sleepers stay, holding the sandbox at its limit (a new command then gets "Cannot
 # fork" at once), while the sandbox's API must still answer (files, interpreter)
 FORK_BOMB = "for i in $(seq 200); do sleep 30 >/dev/null 2>&1 & done 2>/dev/null"
+KILL_SLEEPERS = """
+import os
+for p in os.listdir('/proc'):
+    try:
+        if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep':
+            os.kill(int(p), 9)
+    except OSError:
+        pass
+"""
 
 
-def _inject(sb, fault: str, report: Counter) -> None:
-    """Run `fault` in `sb`; count what the sandbox did (survived, error raised)."""
+def _inject(sb, fault: str, report: Counter, others: tuple = ()) -> None:
+    """Run `fault` in `sb`; count what the sandbox did (survived, error raised). `others`: sandboxes of the same
+    fork tree, which must fork their own commands while a fork bomb holds `sb` at its share."""
     from agentenv import errors
 
     try:
@@ -71,7 +81,12 @@ def _inject(sb, fault: str, report: Counter) -> None:
             report[f"fork_bomb:exit_{r.exit_code}"] += 1
             n = len(sb.python.run("import os; [p for p in os.listdir('/proc') if p.isdigit()]").value.split(","))
             report[f"fork_bomb:{'held' if n <= 64 else 'not_held'}_by_pids_limit"] += 1
-            # the sleepers stay until the sandbox is destroyed: its parent and siblings must fork meanwhile
+            for other in others:  # each sandbox's processes count against its own share only
+                r = other.exec("cat /root/f | cat", timeout=10)
+                report[f"fork_bomb:others_{'fork' if r.stdout == 'hi' + chr(10) else 'cannot_fork'}_while_held"] += 1
+            # the agent ends its bomb through the interpreter (while the bomb holds the share, a new command
+            # cannot fork; the interpreter and the files API need no new process)
+            sb.python.run(KILL_SLEEPERS)
         elif fault == "kill_init":
             os.kill(sb.backend.store.read_record(sb.id).pid, signal.SIGKILL)
             report["kill_init:sent"] += 1
@@ -141,7 +156,7 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
         restored = Sandbox.restore(snap, backend=backend)
         made.append(restored)
         mark("create_snapshot_fork_restore")
-        _inject(kids[0], fault, report)
+        _inject(kids[0], fault, report, others=(sb, kids[1], restored))
         mark("fault")
         if fault != "kill_init":
             try:
