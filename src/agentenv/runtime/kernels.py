@@ -23,6 +23,7 @@ import resource
 import select
 import signal
 import socket
+import time
 
 from agentenv import protocol
 from agentenv.runtime import sessions
@@ -72,6 +73,8 @@ class Kernels:
         self.memory_bytes: int | None = None
         self.nproc: int | None = None
         self._exits: dict[int, int] = {}
+        self.last_carry_phases: dict = {}
+        """Where the last kernel carried into a fork spent its time, in ms (fork, setns, fork into the child)."""
 
     # ---- contexts -------------------------------------------------------------------------------------
     def create(self, cid: str, cwd: str | None) -> None:
@@ -255,27 +258,37 @@ class Kernels:
             that fails to carry leaves its context in the child with a fresh start (the child sees the
             channel close), never a fault of the fork.
         """
-        pids = []
-        for cid, ours, theirs in pairs:
+        sent = []
+        for cid, ours, theirs in pairs:  # every kernel clones itself at once; the answers are read after
             ours.close()
             kernel = self.live.get(cid)
             try:
-                if kernel is None or self._hello(cid) is not None:
-                    continue
-                protocol.send_msg(kernel.sock, {"op": "clone", "memory_bytes": memory_bytes, "nproc": nproc},
-                                  fds=[theirs.fileno(), *ns_fds])
-                kernel.sock.settimeout(HELLO_TIMEOUT_S)
-                try:
-                    reply, _, _ = protocol.recv_msg(kernel.sock)
-                finally:
-                    kernel.sock.settimeout(None)
-                if reply.get("pid"):
-                    pids.append(int(reply["pid"]))
-                kernel.cwd = reply.get("cwd") or kernel.cwd
+                if kernel is not None and self._hello(cid) is None:
+                    protocol.send_msg(kernel.sock, {"op": "clone", "memory_bytes": memory_bytes, "nproc": nproc},
+                                      fds=[theirs.fileno(), *ns_fds])
+                    sent.append(cid)
             except (protocol.ConnectionClosed, OSError):
                 self._ended(cid)
             finally:
                 theirs.close()
+        pids = []
+        for cid in sent:
+            kernel = self.live.get(cid)
+            if kernel is None:
+                continue
+            kernel.sock.settimeout(HELLO_TIMEOUT_S)
+            try:
+                reply, _, _ = protocol.recv_msg(kernel.sock)
+            except (protocol.ConnectionClosed, OSError):
+                self._ended(cid)
+                continue
+            finally:
+                if cid in self.live:
+                    kernel.sock.settimeout(None)
+            if reply.get("pid"):
+                pids.append(int(reply["pid"]))
+                self.last_carry_phases = reply.get("phases") or {}
+            kernel.cwd = reply.get("cwd") or kernel.cwd
         return pids
 
     def after_move(self) -> None:
@@ -393,6 +406,7 @@ def _cwd() -> str:
 
 def _loop(sock: socket.socket, session: sessions.PythonSession) -> None:
     while True:
+        _reap_middles()
         try:
             req, _, fds = protocol.recv_msg(sock)
         except (protocol.ConnectionClosed, OSError):
@@ -433,6 +447,7 @@ def _run(session: sessions.PythonSession, req: dict) -> dict:
 def _clone(sock: socket.socket, session: sessions.PythonSession, req: dict, channel: int, ns_fds: list[int]) -> dict:
     """Put a copy of this kernel into the sandbox whose namespaces are `ns_fds`, serving on `channel`."""
     cwd = _cwd()
+    t0 = time.perf_counter()
     r, w = os.pipe()
     soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))  # the copy is the sandbox's, not this share's
@@ -444,12 +459,14 @@ def _clone(sock: socket.socket, session: sessions.PythonSession, req: dict, chan
         return {"error": f"fork: {e}", "cwd": cwd}
     finally:
         resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    t1 = time.perf_counter()
     if middle == 0:
         try:
             os.close(r)
             for fd in ns_fds:
                 sc.setns(fd, 0)
                 os.close(fd)
+            t2 = time.perf_counter()
             pid = os.fork()  # into the child sandbox's pid namespace
             if pid == 0:
                 os.close(w)
@@ -465,7 +482,7 @@ def _clone(sock: socket.socket, session: sessions.PythonSession, req: dict, chan
                 _settle(session, req.get("memory_bytes"), req.get("nproc"))
                 protocol.send_msg(new, {"pid": os.getpid(), "cwd": _cwd()})
                 _loop(new, session)
-            os.write(w, str(pid).encode())
+            os.write(w, f"{pid} {(t2 - t1) * 1e3:.2f} {(time.perf_counter() - t2) * 1e3:.2f}\n".encode())
         except BaseException as e:
             try:
                 os.write(w, f"E{type(e).__name__}: {e}".encode()[:2000])
@@ -474,13 +491,29 @@ def _clone(sock: socket.socket, session: sessions.PythonSession, req: dict, chan
         os._exit(0)
     for fd in (w, channel, *ns_fds):
         os.close(fd)
-    chunks = []
-    while chunk := os.read(r, 4096):
-        chunks.append(chunk)
+    out = b""
+    while not out.endswith(b"\n") and (chunk := os.read(r, 4096)):  # the pid, before the middle one exits
+        out += chunk
     os.close(r)
-    os.waitpid(middle, 0)
-    out = b"".join(chunks)
+    _MIDDLES.append(middle)
     if out[:1].isdigit():
-        return {"pid": int(out), "cwd": cwd}
+        pid, setns_ms, fork_ms = out.split()
+        return {"pid": int(pid), "cwd": cwd, "phases": {"fork_ms": (t1 - t0) * 1e3, "setns_ms": float(setns_ms),
+                                                        "fork_in_ms": float(fork_ms),
+                                                        "total_ms": (time.perf_counter() - t0) * 1e3}}
     return {"error": out[1:].decode(errors="replace") or "the copy did not start", "cwd": cwd}
+
+
+_MIDDLES: list[int] = []
+"""The short-lived middle processes of `_clone` (they exit right after forking the copy), reaped later."""
+
+
+def _reap_middles() -> None:
+    for pid in list(_MIDDLES):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done == pid:
+            _MIDDLES.remove(pid)
 

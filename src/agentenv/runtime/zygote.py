@@ -91,6 +91,7 @@ class Zygote:
             mark("kernels_ms")
             phases["previous_move_ms"] = self.last_move_ms
             phases["last_child"] = getattr(self, "last_child_phases", {})
+            phases["last_kernel"] = self.kernels.last_carry_phases
             if rebase:
                 self._pending_move = (conn, bool(req["usr_bind"]))
         finally:
