@@ -1,9 +1,9 @@
 """What a kernel process per interpreter context costs: fork with live kernels, a fresh kernel, a crash.
 
 Interleaved rep by rep on one data directory: `fork(1)` of a sandbox whose interpreter was never used (no
-kernel: the baseline) vs one with 1 and with 2 live kernels (default plus a context, each holding about
-100 MB of Python objects); a first run in a fresh context (the kernel's start); a segfault in a kernel and the next run (its
-replacement). Median ms.
+kernel: the baseline) vs one with 1 and with 2 live kernels (default plus a context, each holding about 100 MB
+of Python objects); a first run in a fresh context (the kernel's start); a segfault in a kernel and the next run
+(its replacement). Median ms.
 
 Run: ``python -m benchmarks.env.kernels --reps 20`` (root; writes benchmarks/results/env-kernels-*.json).
 """

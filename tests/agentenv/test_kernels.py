@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from agentenv import Limits
+from agentenv import Limits, Sandbox
 from agentenv.errors import NotFoundError
 
+REPO = Path(__file__).resolve().parents[2]
+_DIE_AFTER_THE_ANSWER = """
+import os, sys
+sys.path.insert(0, {src!r})
+from agentenv import Sandbox
+from agentenv.runtime.local import NamespaceBackend
+backend = NamespaceBackend({home!r})
+backend._add_later = lambda cg, pid: None  # the carried kernel is never moved into the child's cgroup
+backend.settle = lambda sandbox_id=None: os._exit(9)  # the tool server answered; the runtime dies right after
+Sandbox.connect({sid!r}, backend=backend).fork(1)
+"""
 SEGFAULT = "import ctypes; ctypes.string_at(0)"
 EXIT = "import os; os._exit(7)"
 # past the interpreter's RLIMIT_DATA guard (which would answer MemoryError): the OOM killer must pick the kernel
@@ -67,3 +83,25 @@ def test_contexts_can_be_listed_restarted_and_removed(sandbox):
         sandbox.python.run("1", context=3)
     with pytest.raises(ValueError, match="envs"):
         sandbox.python.run("1", envs={"E": 1})
+
+
+def test_gc_moves_a_carried_kernel_its_dead_runtime_left_in_the_parents_cgroup(sandbox_factory, backend):
+    sb = sandbox_factory(limits=Limits(memory_mb=128))
+    sb.python.run("x = 'carried'")
+    code = _DIE_AFTER_THE_ANSWER.format(src=str(REPO / "src"), home=str(backend.store.home), sid=sb.id)
+    subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True)
+    assert backend.gc()["forks"] == 1
+    (rec,) = [r for r in backend.store.all_records() if r.parent == sb.id and r.kind == "sandbox"]
+    kid = Sandbox.connect(rec.id, backend=backend)
+    sandbox_factory.track(kid)
+    assert kid.python.run("x").value == "'carried'"
+    child_ns = os.readlink(f"/proc/{rec.pid}/ns/pid")
+    in_child = {int(p) for p in os.listdir("/proc") if p.isdigit() and _pid_ns(p) == child_ns}
+    assert len(in_child) >= 2 and in_child <= set(backend._cgroup(rec.id).pids()), in_child
+
+
+def _pid_ns(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None

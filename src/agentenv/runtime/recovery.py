@@ -106,6 +106,7 @@ class Recovery:
                     lim = Limits.from_dict(rec.limits)
                     cg.create(cgroups.CgroupLimits(lim.memory_mb << 20, lim.pids, lim.cpus))
                     cg.add(rec.pid)
+                    self._adopt_carried(cg, rec.pid, parent.id)
                 else:
                     self._reclaim(rec)
             if outcome not in ("done", "moved") and live is not None and live.upper != parent.upper:
@@ -115,6 +116,20 @@ class Recovery:
                      "kept" if outcome in ("done", "moved") else "undone")
             recovered += 1
         return recovered
+
+    def _adopt_carried(self, cg: cgroups.Cgroup, child_pid: int, parent_id: str) -> None:
+        """Move into `cg` the processes of the child's pid namespace still in the parent's cgroup: Python kernels
+        carried into the fork, which the dead runtime had not moved yet."""
+        try:
+            child_ns = os.readlink(f"/proc/{child_pid}/ns/pid")
+        except OSError:  # gone meanwhile
+            return
+        for pid in self._cgroup(parent_id).pids():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == child_ns:
+                    cg.add(pid)
+            except OSError:  # exited meanwhile
+                continue
 
     def _kill_unrecorded(self, sid: str) -> None:
         """Kill a tool server that has a socket but no record (cloned, then its runtime died)."""

@@ -1,9 +1,10 @@
 """The persistent sessions a tool server keeps: a Python interpreter (its own globals) and a bash shell.
 
 Stdlib only. `PythonSession` runs code in its own process, a kernel (`kernels`: one per interpreter context,
-carried into every fork of the sandbox), so a fork carries every variable, import and function. `ShellSession` drives a long-lived `bash`; since a process
-fork does not copy other processes, its state (variables, functions, aliases, options, cwd) is dumped as
-bash source before a fork and replayed into a fresh bash in each child and in the parent.
+carried into every fork of the sandbox), so a fork carries every variable, import and function. `ShellSession`
+drives a long-lived `bash`; since a process fork does not copy other processes, its state (variables, functions,
+aliases, options, cwd) is dumped as bash source before a fork and replayed into a fresh bash in each child and
+in the parent.
 """
 
 from __future__ import annotations
