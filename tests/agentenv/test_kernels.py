@@ -105,3 +105,16 @@ def _pid_ns(pid: str) -> str | None:
         return os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return None
+
+
+def test_a_sandbox_retired_under_its_fork_keeps_no_kernel(sandbox_factory, backend):
+    sb = sandbox_factory()
+    sb.python.run("x = 1")
+    kid = sb.fork(1)[0]
+    sandbox_factory.track(kid)
+    rec = backend.store.read_record(sb.id)
+    sb.destroy()  # retired, not gone: its fork nests in its namespaces
+    assert backend.store.read_record(sb.id).kind == "retired"
+    own_ns = _pid_ns(str(rec.pid))
+    assert {int(p) for p in os.listdir("/proc") if p.isdigit() and _pid_ns(p) == own_ns} == {rec.pid}
+    assert kid.python.run("x").value == "1"

@@ -359,7 +359,8 @@ class ToolServer(Zygote):
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def op_kill_agents(self, conn, req, blob, fds):
-        self.kill_agents()
+        """The host retires us (destroyed while forks of ours live): nothing of ours runs any more."""
+        self.kill_agents(kernels_too=True)
         return {}, b""
 
     def op_shutdown(self, conn, req, blob, fds):
