@@ -2,13 +2,15 @@
 
 One cycle: create, exec, snapshot, fork, restore, destroy all, with a fault injected into one sandbox in
 turn (a memory bomb past `memory_mb`, a write past `disk_mb`, a fork bomb past `pids`, SIGKILL of a sandbox's
-init, SIGKILL of a runtime process in the middle of forking the sandbox). After each fault the sandbox's
+init, SIGKILL of a runtime process in the middle of forking the sandbox, SIGKILL of the HTTP server while a
+client forks through it: `soak_server`). After each fault the sandbox's
 siblings must still answer; after a killed fork the next runtime's `gc` must find the fork either complete
 (every child answers) or undone (no child left) and the sandbox answering with its files; after the last
 cycle a `gc` must find nothing to reclaim and the data directory must hold no process, mount, cgroup, layer
 or record.
 
-Run: ``python -m benchmarks.env.soak --cycles 1000`` (root; writes benchmarks/results/env-soak-*.json).
+Run: ``python -m benchmarks.env.soak --cycles 10000 --workers 3`` (root; writes
+benchmarks/results/env-soak-*.json). Each worker is a process with its own data directory; their counts add up.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.progress import track
 
-FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init", "kill_runtime_mid_fork")
+FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init", "kill_runtime_mid_fork", "kill_server_mid_fork")
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 _FORKER = """
@@ -62,8 +64,9 @@ for p in os.listdir('/proc'):
 """
 
 
-def _inject(sb, fault: str, report: Counter) -> None:
-    """Run `fault` in `sb`; count what the sandbox did (survived, error raised)."""
+def _inject(sb, fault: str, report: Counter, others: tuple = ()) -> None:
+    """Run `fault` in `sb`; count what the sandbox did (survived, error raised). `others`: sandboxes of the same
+    fork tree, which must fork their own commands while a fork bomb holds `sb` at its share."""
     from agentenv import errors
 
     try:
@@ -78,14 +81,21 @@ def _inject(sb, fault: str, report: Counter) -> None:
             report[f"fork_bomb:exit_{r.exit_code}"] += 1
             n = len(sb.python.run("import os; [p for p in os.listdir('/proc') if p.isdigit()]").value.split(","))
             report[f"fork_bomb:{'held' if n <= 64 else 'not_held'}_by_pids_limit"] += 1
-            # the sleepers also count against the parent's share (a fork's user namespace nests in its parent's,
-            # and RLIMIT_NPROC counts up that chain): end them through the interpreter, which needs no fork
+            for other in others:  # each sandbox's processes count against its own share only
+                r = other.exec("cat /root/f | cat", timeout=10)
+                report[f"fork_bomb:others_{'fork' if r.stdout == 'hi' + chr(10) else 'cannot_fork'}_while_held"] += 1
+            # the agent ends its bomb through the interpreter (while the bomb holds the share, a new command
+            # cannot fork; the interpreter and the files API need no new process)
             sb.python.run(KILL_SLEEPERS)
         elif fault == "kill_init":
             os.kill(sb.backend.store.read_record(sb.id).pid, signal.SIGKILL)
             report["kill_init:sent"] += 1
         elif fault == "kill_runtime_mid_fork":
             _kill_mid_fork(sb, report)
+        elif fault == "kill_server_mid_fork":
+            from benchmarks.env.soak_server import kill_server_mid_fork
+
+            kill_server_mid_fork(report)
     except errors.SandboxError as e:
         report[f"{fault}:{type(e).__name__}"] += 1
 
@@ -146,7 +156,7 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
         restored = Sandbox.restore(snap, backend=backend)
         made.append(restored)
         mark("create_snapshot_fork_restore")
-        _inject(kids[0], fault, report)
+        _inject(kids[0], fault, report, others=(sb, kids[1], restored))
         mark("fault")
         if fault != "kill_init":
             try:
@@ -156,7 +166,7 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
                 alive = False
             report[f"{fault}:sandbox_{'answers' if alive else 'lost'}_after"] += 1
         for name, other in (("parent", sb), ("sibling", kids[1]), ("restored", restored)):
-            r = other.exec("cat /root/f")
+            r = other.exec("cat /root/f | cat")  # a pipeline forks: the fork bomb must not take their share
             if r.stdout != "hi\n":
                 report["sibling_broken"] += 1
                 log.warning("soak cycle %d (%s): %s answered %r %r (exit %s)", i, fault, name, r.stdout,
@@ -176,9 +186,9 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
         mark("destroy")
 
 
-def soak(home: Path, cycles: int, max_seconds: float | None = None) -> dict:
+def soak(home: Path, cycles: int, max_seconds: float | None = None, *, offset: int = 0) -> dict:
     """`cycles` lifecycles (fewer if `max_seconds` runs out first) on a fresh backend at `home`; counts, wall
-    time and what was left behind."""
+    time and what was left behind. `offset`: index of the first cycle (which fault comes first)."""
     from agentenv.runtime.local import NamespaceBackend
     from tests.agentenv.conftest import leftovers
 
@@ -187,7 +197,7 @@ def soak(home: Path, cycles: int, max_seconds: float | None = None) -> dict:
     profile: dict = {}
     start = time.perf_counter()
     done = 0
-    for i in track(range(cycles), "soak cycles"):
+    for i in track(range(offset, offset + cycles), "soak cycles"):
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
         cycle(backend, i, report, profile)
@@ -196,12 +206,49 @@ def soak(home: Path, cycles: int, max_seconds: float | None = None) -> dict:
     gc_found = backend.gc()  # the seed stays; anything else it finds was leaked
     backend.gc(everything=True)
     left = leftovers(home)
-    mean_ms = {fault: {phase: round(sum(v) / len(v), 1) for phase, v in phases.items()}
+    mean_ms = {fault: {phase: [round(sum(v) / len(v), 1), len(v)] for phase, v in phases.items()}
                for fault, phases in profile.items()}
     return {"cycles": done, "cycles_asked": cycles, "seconds": round(seconds, 2),
             "counts": dict(sorted(report.items())),
-            "mean_ms_by_fault_and_phase": mean_ms,
+            "mean_ms_by_fault_and_phase": mean_ms, "mean_ms_format": "[mean ms, count]",
             "gc_reclaimed_after_soak": gc_found, "leftovers": left, "leaked": any(left.values())}
+
+
+def soak_parallel(workers: int, cycles: int, max_seconds: float | None) -> dict:
+    """`cycles` lifecycles split over `workers` processes (own data directory each); their results summed."""
+    per = -(-cycles // workers)
+    outs = [Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(workers)]
+    cmd = [sys.executable, "-m", "benchmarks.env.soak", "--cycles", str(per)]
+    if max_seconds is not None:
+        cmd += ["--max-seconds", str(max_seconds)]
+    procs = [subprocess.Popen([*cmd, "--offset", str(w * per), "--worker-out", str(out)], cwd=REPO)
+             for w, out in enumerate(outs)]
+    start = time.perf_counter()
+    for proc in procs:
+        proc.wait()
+    results = []
+    for proc, out in zip(procs, outs):
+        text = out.read_text()
+        out.unlink()
+        if proc.returncode != 0 or not text:
+            raise RuntimeError(f"soak worker exited {proc.returncode} without a result")
+        results.append(json.loads(text))
+    counts: Counter = Counter()
+    gc_found: Counter = Counter()
+    mean_ms: dict = {}
+    for r in results:
+        counts.update(r["counts"])
+        gc_found.update(r["gc_reclaimed_after_soak"])
+        for fault, phases in r["mean_ms_by_fault_and_phase"].items():
+            for phase, (mean, n) in phases.items():
+                total, count = mean_ms.setdefault(fault, {}).get(phase, (0.0, 0))
+                mean_ms[fault][phase] = (total + mean * n, count + n)
+    mean_ms = {f: {p: [round(t / max(n, 1), 1), n] for p, (t, n) in ph.items()} for f, ph in mean_ms.items()}
+    return {"cycles": sum(r["cycles"] for r in results), "cycles_asked": cycles, "workers": workers,
+            "seconds": round(time.perf_counter() - start, 2), "counts": dict(sorted(counts.items())),
+            "mean_ms_by_fault_and_phase": mean_ms, "mean_ms_format": "[mean ms, count]",
+            "gc_reclaimed_after_soak": dict(gc_found), "leftovers": [r["leftovers"] for r in results],
+            "leaked": any(r["leaked"] for r in results)}
 
 
 def main() -> None:
@@ -211,16 +258,28 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=1000, help="sandbox lifecycles to run (default 1000)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop starting cycles after this long (the result says how many ran)")
+    parser.add_argument("--workers", type=int, default=1, help="processes running cycles side by side")
+    parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="agentenv-soak-", dir="/tmp"))
-    try:
-        result = soak(home, args.cycles, args.max_seconds)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1:
+        result = soak_parallel(args.workers, args.cycles, args.max_seconds)
+    else:
+        home = Path(tempfile.mkdtemp(prefix="agentenv-soak-", dir="/tmp"))
+        try:
+            result = soak(home, args.cycles, args.max_seconds, offset=args.offset)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+        if args.worker_out:
+            Path(args.worker_out).write_text(json.dumps(result))
+            return
     print(json.dumps(result, indent=1))
     row = Row(case=f"soak-{result['cycles']}", baseline="none (correctness run)", baseline_ms=None,
               ours_ms=result["seconds"] * 1e3 / max(result["cycles"], 1), extra=result,
-              note="ours_ms: mean ms per lifecycle (create, exec, snapshot, fork 2, restore, fault, destroy)")
+              note="ours_ms: wall ms per lifecycle (create, exec, snapshot, fork 2, restore, fault, destroy), "
+                   "all workers together")
     scratch = Path(tempfile.mkdtemp())
     print(write_results("env-soak", [row], markdown=scratch / "BENCHMARKS.md"))
     shutil.rmtree(scratch, ignore_errors=True)

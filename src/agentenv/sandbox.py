@@ -160,13 +160,23 @@ class Shell:
 
 
 class Python:
-    """The persistent Python interpreter (the host's python3, stdlib): globals survive calls and forks."""
+    """The persistent Python interpreter (the host's python3, stdlib): globals survive calls and forks.
+
+    Each context (``default`` and those from `create_context`) runs in its own kernel process: a crash of
+    one (a segfault, ``os._exit``, an OOM kill) returns error ``DeadKernelError`` saying how it ended, and
+    the next run in that context starts a fresh kernel; the sandbox and the other contexts live on.
+    """
 
     def __init__(self, sandbox: Sandbox):
         self._sb = sandbox
 
-    def run(self, code: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> PythonResult:
+    def run(self, code: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, context: str | None = None,
+            envs: dict[str, str] | None = None) -> PythonResult:
         """Execute `code`; a trailing expression's repr comes back as `value`. Errors are returned, not raised.
+
+        Args:
+            context: the context id (None: ``default``); `NotFoundError` if there is no such context.
+            envs: environment variables for this run only.
 
         Example::
 
@@ -176,8 +186,45 @@ class Python:
         if not isinstance(code, str):
             raise ValueError(f"code must be a str, got {type(code).__name__}")
         _check_timeout(timeout)
-        reply, _ = self._sb._request({"op": "python", "code": code, "timeout": timeout}, timeout_s=timeout)
+        if context is not None and not isinstance(context, str):
+            raise ValueError(f"context must be a str or None, got {type(context).__name__}")
+        if envs is not None and not (isinstance(envs, dict)
+                                     and all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items())):
+            raise ValueError(f"envs must map str to str, got {envs!r}")
+        req = {"op": "python", "code": code, "timeout": timeout}
+        if context is not None:
+            req["context"] = context
+        if envs:
+            req["env"] = envs
+        reply, _ = self._sb._request(req, timeout_s=timeout)
         return PythonResult(reply["stdout"], reply["stderr"], reply["value"], reply["error"], reply["traceback"])
+
+    def create_context(self, cwd: str | None = None) -> str:
+        """A new context (own globals, own kernel process) whose runs start in `cwd`; returns its id."""
+        if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
+            raise ValueError(f"cwd must be an absolute path or None, got {cwd!r}")
+        cid = os.urandom(16).hex()
+        self._sb._request({"op": "context_create", "context": cid, "cwd": cwd})
+        return cid
+
+    def contexts(self) -> list[dict]:
+        """Every context as ``{"id", "cwd"}`` (``default`` first)."""
+        reply, _ = self._sb._request({"op": "context_list"})
+        return reply["contexts"]
+
+    def restart_context(self, context: str = "default") -> None:
+        """End the context's kernel (its state is lost); the next run starts a fresh one."""
+        self._sb._request({"op": "context_restart", "context": _check_context(context)})
+
+    def remove_context(self, context: str) -> None:
+        """Remove a context and end its kernel (``default`` is restarted instead)."""
+        self._sb._request({"op": "context_remove", "context": _check_context(context)})
+
+
+def _check_context(context: str) -> str:
+    if not isinstance(context, str) or not context:
+        raise ValueError(f"context must be a non-empty str, got {context!r}")
+    return context
 
 
 class Files:

@@ -17,6 +17,24 @@ def test_command_api_survives_a_fork_bomb(sandbox_factory):
         assert sb.python.run("1 + 1", timeout=10).value == "2"
 
 
+def test_a_fork_bomb_in_a_fork_leaves_its_parent_its_share(sandbox_factory):
+    """A fork's processes count against its own share, not its parent's (nor its siblings')."""
+    sb = sandbox_factory(limits=Limits(pids=64))
+    kids = sb.fork(2)
+    for kid in kids:
+        sandbox_factory.track(kid)
+    kids[0].exec(BOMB, timeout=10)
+    forking = "for i in 1 2 3 4 5 6 7 8; do sleep 0.01 & done; wait; echo ok"
+    for other in (sb, kids[1]):
+        r = other.exec(forking, timeout=10)
+        assert (r.stdout, r.stderr) == ("ok\n", ""), r
+    assert kids[0].exec("echo ok", timeout=10).stdout == "ok\n"
+    assert kids[0].python.run("1 + 1", timeout=10).value == "2"
+    grandchild = kids[0].fork(1)[0]  # the bombed sandbox still forks, and its fork gets a share of its own
+    sandbox_factory.track(grandchild)
+    assert grandchild.exec(forking, timeout=10).stdout == "ok\n"
+
+
 def test_commands_get_the_share_and_keep_the_hard_limit(sandbox_factory):
     """Set just after the start (a command that forks at once may get a few children in before it)."""
     sb = sandbox_factory(limits=Limits(pids=64))

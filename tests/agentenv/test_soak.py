@@ -25,8 +25,13 @@ def test_soak_with_faults_leaks_nothing():
     assert counts.get("oom:sandbox_answers_after") == per_fault["oom"], counts
     assert counts.get("fork_bomb:held_by_pids_limit") == per_fault["fork_bomb"], counts
     assert counts.get("fork_bomb:sandbox_answers_after") == per_fault["fork_bomb"], counts
+    assert counts.get("fork_bomb:others_fork_while_held") == 3 * per_fault["fork_bomb"], counts
     assert counts.get("kill_runtime_mid_fork:sandbox_answers_after") == per_fault["kill_runtime_mid_fork"], counts
     assert not counts.get("kill_runtime_mid_fork:child_broken"), counts
+    assert counts.get("kill_server_mid_fork:sandbox_adopted") == per_fault["kill_server_mid_fork"], counts
+    assert counts.get("kill_server_mid_fork:parent_answers") == per_fault["kill_server_mid_fork"], counts
+    assert not counts.get("kill_server_mid_fork:child_broken"), counts
+    assert not counts.get("kill_server_mid_fork:leaked"), counts
     assert result["gc_reclaimed_after_soak"] == {"forks": 0, "records": 0, "cgroups": 0, "layers": 0,
                                                      "network": 0}, result
     assert not result["leaked"], result["leftovers"]

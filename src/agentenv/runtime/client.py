@@ -68,8 +68,9 @@ class Connection:
         Args:
             timeout_s: the request's own timeout in seconds; the host waits that plus `REQUEST_MARGIN_S`.
             on_event: called with ``("out" | "err", chunk)`` for streamed output frames.
-            on_child: called with ``(event, host_pid)`` for each ``{"ev": "child"}`` frame of a fork (the pid
-                comes as SCM_CREDENTIALS; SO_PASSCRED is on for the request).
+            on_child: called with ``(event, host_pid)`` for each ``{"ev": "child"}`` frame of a fork, and each
+                ``{"ev": "kernel"}`` frame (a Python kernel carried into that child) (the pid comes as
+                SCM_CREDENTIALS; SO_PASSCRED is on for the request).
 
         Raises:
             SandboxGoneError: the tool server went away.
@@ -85,7 +86,7 @@ class Connection:
                     reply, out, got, pid = protocol.recv_msg_creds(self._sock)
                     for fd in got:
                         socket.close(fd)
-                    if reply.get("ev") == "child":
+                    if reply.get("ev") in ("child", "kernel"):
                         if on_child is not None:
                             on_child(reply, pid)
                         continue

@@ -1,9 +1,10 @@
 """The persistent sessions a tool server keeps: a Python interpreter (its own globals) and a bash shell.
 
-Stdlib only. `PythonSession` runs code in the tool server's own process, so a fork of the tool server
-carries every variable, import and function. `ShellSession` drives a long-lived `bash`; since a process
-fork does not copy other processes, its state (variables, functions, aliases, options, cwd) is dumped as
-bash source before a fork and replayed into a fresh bash in each child and in the parent.
+Stdlib only. `PythonSession` runs code in its own process, a kernel (`kernels`: one per interpreter context,
+carried into every fork of the sandbox), so a fork carries every variable, import and function. `ShellSession`
+drives a long-lived `bash`; since a process fork does not copy other processes, its state (variables, functions,
+aliases, options, cwd) is dumped as bash source before a fork and replayed into a fresh bash in each child and
+in the parent.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PythonSession:
 
     With `memory_bytes` set (the sandbox's memory limit), code runs under a soft ``RLIMIT_DATA`` that leaves
     the rest of the sandbox a share of that limit: a memory bomb gets ``MemoryError`` instead of driving the
-    cgroup to an OOM kill, which would pick this process, the sandbox's init.
+    cgroup to an OOM kill (which would end this kernel and its state).
     """
 
     def __init__(self) -> None:
