@@ -90,15 +90,21 @@ def recv_msg_creds(sock: socket.socket) -> tuple[dict, bytes, list[int], int | N
             fds += list(struct.unpack(f"{usable // 4}i", payload[:usable]))
         elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
             pid = _CREDS.unpack(payload[: _CREDS.size])[0]
-    if not data:
-        raise ConnectionClosed("connection closed")
-    if len(data) < HEADER.size:
-        data += _recv_exact(sock, HEADER.size - len(data))
-    json_len, blob_len = HEADER.unpack(data)
-    if json_len > MAX_JSON:
-        raise ValueError(f"frame JSON of {json_len} bytes exceeds {MAX_JSON}")
-    obj = json.loads(_recv_exact(sock, json_len)) if json_len else {}
-    blob = _recv_exact(sock, blob_len) if blob_len else b""
+    try:
+        if not data:
+            raise ConnectionClosed("connection closed")
+        if len(data) < HEADER.size:
+            data += _recv_exact(sock, HEADER.size - len(data))
+        json_len, blob_len = HEADER.unpack(data)
+        if json_len > MAX_JSON:
+            raise ValueError(f"frame JSON of {json_len} bytes exceeds {MAX_JSON}")
+        obj = json.loads(_recv_exact(sock, json_len)) if json_len else {}
+        blob = _recv_exact(sock, blob_len) if blob_len else b""
+    except BaseException:
+        # a frame that never arrives whole (its sender died mid-send) must not keep the descriptors it carried
+        for fd in fds:
+            os.close(fd)
+        raise
     return obj, blob, fds, pid
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 from agentenv import errors, protocol
 
 REQUEST_MARGIN_S = 30.0
+#: Seconds a tool server has to answer `Connection.peer_pid`.
+WHOAMI_TIMEOUT_S = 5.0
 """How much longer than a request's own timeout the host waits for the reply before giving up."""
 
 
@@ -40,13 +42,16 @@ class Connection:
         """
         with self._lock:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            # a socket whose server never accepts (its sandbox was never cloned) must not hang the caller
+            self._sock.settimeout(WHOAMI_TIMEOUT_S)
             try:
                 protocol.send_msg(self._sock, {"op": "whoami"})
                 size = struct.calcsize("3i")
                 data, ancdata, _, _ = self._sock.recvmsg(1, socket.CMSG_SPACE(size))
-            except OSError as e:
+            except OSError as e:  # socket.timeout included
                 self.close()
-                raise errors.SandboxGoneError(f"sandbox {self.sandbox_id} is gone: {e}") from e
+                raise errors.SandboxGoneError(f"sandbox {self.sandbox_id} is gone: {e or 'no answer'}") from e
+            self._sock.settimeout(None)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
