@@ -101,6 +101,7 @@ def test_fixed_layout_matches_python():
     assert layout.num_chunks == len(rows) and layout.max_chunks_per_seq == 3
     assert layout.chunk_index.tolist() == rows
     assert layout.seq_chunks.tolist() == starts
+    assert layout.seq_order.tolist() == [0, 1, 2] and layout.chunk == CHUNK
 
 
 def test_workspace_shapes_and_dtypes():

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from flashkda.fwd.v2.emulate import _bf16, _chunk_rows, emulate_recurrence, gate_log2, l2norm_fp32, neumann_inverse
-from flashkda.fwd.v2.workspace import ChunkLayout, Workspace
-from flashkda.fwd.v2.workspace32 import CHUNK32, REF_TOKEN, allocate_workspace32
+from flashkda.fwd.v2.workspace import ChunkLayout, Workspace, allocate_workspace
+from flashkda.fwd.v2.workspace32 import CHUNK32, REF_TOKEN
 
 __all__ = ["block_inverse32", "emulate_chunk_kda32", "emulate_prepare32"]
 
@@ -68,7 +68,7 @@ def emulate_prepare32(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: t
     if q.shape[2] != H:
         q, k = (x.repeat_interleave(H // q.shape[2], dim=2) for x in (q, k))
     device = q.device
-    ws = allocate_workspace32(layout, H, device)
+    ws = allocate_workspace(layout, H, device)
     rows, valid = _chunk_rows(layout, device, CHUNK32)  # [NT, C]
     m = valid[..., None, None]
     qn = l2norm_fp32(q.reshape(B * T, H, K))[rows] * m  # [NT, C, H, K]

@@ -166,12 +166,6 @@ def _prepare_kernel(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, w
     prepare_fwd(q, k, g, beta, scale, layout, lower_bound, A_log, dt_bias, ws=ws)
 
 
-def _order(layout: ChunkLayout) -> torch.Tensor | None:
-    from flashkda.fwd.v2.recurrence import longest_first_order
-
-    return longest_first_order(layout.cu_seqlens) if layout.num_seqs > 1 else None
-
-
 class _Tiles:
     """``inv, mqk, glast`` of every segment, as views of one allocation each."""
 
@@ -261,7 +255,7 @@ def segmented_forward(
                     if cu_dev is None:  # fixed length: B sequences of T rows
                         cu_dev = torch.arange(B + 1, dtype=torch.int32, device=device) * T
                     layout = build_chunk_layout(1, b - a, cu_dev[lo:hi + 1].clamp(a, b) - a, device)
-                built = layouts[seg.lengths] = (layout, _order(layout))
+                built = layouts[seg.lengths] = (layout, layout.seq_order)
                 if k2_stream is not None:  # built on K1's stream, read by K2's
                     _used_on(k2_stream, [layout.chunk_index, layout.seq_chunks, layout.cu_seqlens, built[1]])
             layout, order = built

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, allocate_workspace
+from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIM, ChunkLayout, Workspace, allocate_workspace
 
 __all__ = ["CHUNKS_PER_CTA", "prepare_fwd"]
 
@@ -65,6 +65,9 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         `Workspace` with ``HV`` heads; every element K2 reads is written.
     """
     _check(q, k, g, beta, layout)
+    if layout.chunk != CHUNK:
+        raise ValueError(f"layout must be a {CHUNK}-token chunk layout (build_chunk_layout), got {layout.chunk}-token "
+                         "chunks")
     H = g.shape[2]
     if ws is None:
         ws = allocate_workspace(layout, H, q.device)

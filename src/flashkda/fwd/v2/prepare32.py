@@ -13,8 +13,8 @@ import math
 import torch
 
 from flashkda.fwd.v2.prepare import _check
-from flashkda.fwd.v2.workspace import ChunkLayout, Workspace
-from flashkda.fwd.v2.workspace32 import CHUNK32, allocate_workspace32
+from flashkda.fwd.v2.workspace import ChunkLayout, Workspace, allocate_workspace
+from flashkda.fwd.v2.workspace32 import CHUNK32
 
 __all__ = ["prepare32_fwd"]
 
@@ -38,7 +38,7 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         layout: from ``workspace32.build_chunk_layout32(B, T, cu_seqlens, device)``.
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
-        ws: a chunk-32 workspace to fill (``allocate_workspace32`` for the same layout and HV), or None.
+        ws: a chunk-32 workspace to fill (``allocate_workspace`` for the same layout and HV), or None.
         batched: the kernel whose six 16x16x128 products run as two batches of four, one per warp (True), or the
             one computing them on all 8 warps (False; 6 compute copies). Which is faster is not measured.
 
@@ -46,12 +46,12 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         The chunk-32 `Workspace` with ``HV`` heads; every element the chunk-32 K2 reads is written.
     """
     _check(q, k, g, beta, layout)
-    if layout.num_chunks and int(layout.max_chunks_per_seq) != -(-q.shape[1] // CHUNK32):
-        raise ValueError(f"layout must be a 32-token chunk layout (build_chunk_layout32), got "
-                         f"{layout.max_chunks_per_seq} chunks per sequence for T = {q.shape[1]}")
+    if layout.chunk != CHUNK32:
+        raise ValueError(f"layout must be a 32-token chunk layout (build_chunk_layout32), got {layout.chunk}-token "
+                         "chunks")
     H = g.shape[2]
     if ws is None:
-        ws = allocate_workspace32(layout, H, q.device)
+        ws = allocate_workspace(layout, H, q.device)
     if layout.num_chunks == 0 or H == 0:
         return ws
     dummy = ws.glast

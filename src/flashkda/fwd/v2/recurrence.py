@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIM, Workspace
+from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIM, Workspace, longest_first_order
 
 __all__ = ["BLOCK_V", "STAGES", "longest_first_order", "recurrence_fwd"]
 
@@ -34,12 +34,6 @@ def _smem_layouts():
 
     return (gl.NVMMASharedLayout.get_default_for([CHUNK, HEAD_DIM], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16))
-
-
-def longest_first_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Sequence ids sorted by length, longest first (``[N]`` int32, device ops only, no host sync)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
 
 
 def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int) -> None:
@@ -110,7 +104,7 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
 
     use_order = N > 1
     if use_order and order is None:
-        order = layout.seq_order if layout.seq_order is not None else longest_first_order(layout.cu_seqlens)
+        order = layout.seq_order
     dummy = ws.glast
     grid = (H * (V // block_v), N)
     _kernel()[grid](

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from flashkda.fwd.v2.recurrence import _check, longest_first_order
+from flashkda.fwd.v2.recurrence import _check
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
 
@@ -84,7 +84,7 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
     use_order = N > 1
     if use_order and order is None:
-        order = layout.seq_order if layout.seq_order is not None else longest_first_order(layout.cu_seqlens)
+        order = layout.seq_order
     dummy = ws.beta
     _kernel()[(H * 2, N)](
         tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,

@@ -27,7 +27,7 @@ from flashkda.index import build_chunk_index
 from flashkda.seqlens import IdentityCache
 
 __all__ = ["CHUNK", "HEAD_DIM", "ChunkLayout", "Workspace", "allocate_workspace", "build_chunk_layout",
-           "cached_chunk_layout"]
+           "cached_chunk_layout", "longest_first_order"]
 
 CHUNK = 16
 HEAD_DIM = 128
@@ -45,7 +45,8 @@ class ChunkLayout:
         chunk_index: ``[NT, 3]`` int32 ``(sequence id, first token row, valid tokens)``, ``(-1, 0, 0)`` when unused.
         seq_chunks: ``[N + 1]`` int32 first chunk of each sequence, ``seq_chunks[N]`` = chunks in use.
         cu_seqlens: ``[N + 1]`` int32 token offsets of the sequences (built for fixed length too).
-        seq_order: ``[N]`` int32 sequence ids longest first (the recurrence's launch order), None for fixed length.
+        seq_order: ``[N]`` int32 sequence ids longest first (the recurrence's launch order), None for one sequence.
+        chunk: tokens per chunk.
     """
 
     num_seqs: int
@@ -56,6 +57,13 @@ class ChunkLayout:
     seq_chunks: torch.Tensor
     cu_seqlens: torch.Tensor
     seq_order: torch.Tensor | None = None
+    chunk: int = CHUNK
+
+
+def longest_first_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sequence ids sorted by length, longest first (``[N]`` int32, device ops only, no host sync)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
 
 
 def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
@@ -94,12 +102,10 @@ def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: 
         first = seq * T + within
         valid = torch.clamp(T - within, max=chunk)
     chunk_index = torch.stack([seq, first, valid], 1).to(torch.int32).contiguous()
-    order = None
-    if index.is_varlen and index.num_seqs > 1:
-        order = torch.argsort(cu[1:] - cu[:-1], descending=True, stable=True).to(torch.int32)
     return ChunkLayout(num_seqs=index.num_seqs, num_chunks=index.num_chunks, total_tokens=B * T,
                        max_chunks_per_seq=nts, chunk_index=chunk_index, seq_chunks=seq_chunks.contiguous(),
-                       cu_seqlens=cu.contiguous(), seq_order=order)
+                       cu_seqlens=cu.contiguous(), seq_order=longest_first_order(cu) if index.num_seqs > 1 else None,
+                       chunk=chunk)
 
 
 _FIXED_LAYOUTS: dict[tuple, ChunkLayout] = {}
@@ -161,16 +167,16 @@ def allocate_workspace(layout: ChunkLayout, H: int, device: torch.device) -> Wor
         device: the inputs' device.
 
     Returns:
-        `Workspace` with ``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, 16, 16]`` bf16,
-        ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32.
+        `Workspace` with ``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, C, C]`` bf16 (``C`` the
+        layout's chunk), ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32.
     """
-    T_total, NT = layout.total_tokens, layout.num_chunks
+    T_total, NT, C = layout.total_tokens, layout.num_chunks, layout.chunk
 
     def tokens():
         return torch.empty(T_total, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
 
     def tiles():
-        return torch.empty(NT, H, CHUNK, CHUNK, dtype=torch.bfloat16, device=device)
+        return torch.empty(NT, H, C, C, dtype=torch.bfloat16, device=device)
 
     return Workspace(
         kd=tokens(), qd=tokens(), kr=tokens(), inv=tiles(), mqk=tiles(),

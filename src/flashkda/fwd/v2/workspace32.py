@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace, build_chunk_layout, cached_chunk_layout
+from flashkda.fwd.v2.workspace import ChunkLayout, build_chunk_layout, cached_chunk_layout
 
-__all__ = ["CHUNK32", "REF_TOKEN", "allocate_workspace32", "build_chunk_layout32", "cached_chunk_layout32"]
+__all__ = ["CHUNK32", "REF_TOKEN", "build_chunk_layout32", "cached_chunk_layout32"]
 
 CHUNK32 = 32
 #: The token whose cumulative gate is the reference ``r`` of the second half's exponents in the prepare.
@@ -39,23 +39,3 @@ def build_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device
 def cached_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
     """`workspace.cached_chunk_layout` with 32-token chunks."""
     return cached_chunk_layout(B, T, cu_seqlens, device, CHUNK32)
-
-
-def allocate_workspace32(layout: ChunkLayout, H: int, device: torch.device) -> Workspace:
-    """Uninitialised chunk-32 workspace for ``layout`` (from `build_chunk_layout32`) and ``H`` heads.
-
-    Returns:
-        `workspace.Workspace` with ``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, 32, 32]`` bf16,
-        ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32.
-    """
-    T_total, NT = layout.total_tokens, layout.num_chunks
-
-    def tokens():
-        return torch.empty(T_total, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
-
-    def tiles():
-        return torch.empty(NT, H, CHUNK32, CHUNK32, dtype=torch.bfloat16, device=device)
-
-    return Workspace(kd=tokens(), qd=tokens(), kr=tokens(), inv=tiles(), mqk=tiles(),
-                     glast=torch.empty(NT, H, HEAD_DIM, dtype=torch.float32, device=device),
-                     beta=torch.empty(T_total, H, dtype=torch.float32, device=device), layout=layout)
