@@ -128,7 +128,14 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
     Lm = torch.where(strict, Lm, torch.zeros_like(Lm))
     inv = neumann_inverse(Lm)
     mqk = torch.where(causal, qd_h @ ki_h.transpose(-1, -2), torch.zeros_like(Lm))
-    row_ok = valid[:, None, :, None]  # [NT, 1, C, 1]: rows past the chunk's last token are zero
+    return _store_workspace(ws, inv, mqk, Glast, kd, qd, kr, b, rows, valid)
+
+
+def _store_workspace(ws: Workspace, inv, mqk, Glast, kd, qd, kr, b, rows, valid) -> Workspace:
+    """Write one prepare's per-chunk results into ``ws``: ``inv, mqk`` ``[NT, H, C, C]``, ``Glast``
+    ``[NT, 1, H, K]``, ``kd, qd, kr`` ``[NT, C, H, K]``, ``b`` ``[NT, C, H]``, at token ``rows`` ``[NT, C]`` where
+    ``valid``; rows past a chunk's last token are zero."""
+    row_ok = valid[:, None, :, None]  # [NT, 1, C, 1]
     ws.inv.copy_(inv * row_ok)
     ws.mqk.copy_(mqk * row_ok)
     ws.glast.copy_(torch.exp2(Glast[:, 0]) * valid[:, :1, None])

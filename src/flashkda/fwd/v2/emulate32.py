@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from flashkda.fwd.v2.emulate import _bf16, _chunk_rows, emulate_recurrence, gate_log2, l2norm_fp32, neumann_inverse
+from flashkda.fwd.v2.emulate import (
+    _bf16,
+    _chunk_rows,
+    _store_workspace,
+    emulate_recurrence,
+    gate_log2,
+    l2norm_fp32,
+    neumann_inverse,
+)
 from flashkda.fwd.v2.workspace import ChunkLayout, Workspace, allocate_workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32, REF_TOKEN
 
@@ -105,15 +113,7 @@ def emulate_prepare32(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: t
     m11 = torch.where(causal, mm(qd_a, ki_a), zero)
     m22 = torch.where(causal, mm(qd_b, ki_b), zero)
     mqk = torch.cat([torch.cat([m11, torch.zeros_like(m11)], -1), torch.cat([mm(qd_b, ki_ar), m22], -1)], -2)
-    row_ok = valid[:, None, :, None]
-    ws.inv.copy_(inv * row_ok)
-    ws.mqk.copy_(mqk * row_ok)
-    ws.glast.copy_(torch.exp2(Glast[:, 0]) * valid[:, :1, None])
-    flat = rows[valid]
-    for dst, src in ((ws.kd, kd), (ws.qd, qd), (ws.kr, kr)):
-        dst[flat] = src[valid].to(torch.bfloat16)
-    ws.beta[flat] = b[valid]
-    return ws
+    return _store_workspace(ws, inv, mqk, Glast, kd, qd, kr, b, rows, valid)
 
 
 def emulate_chunk_kda32(q, k, v, g, beta, scale, layout, lower_bound, A_log=None, dt_bias=None, initial_state=None,
