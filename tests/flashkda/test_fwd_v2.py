@@ -221,6 +221,12 @@ def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, HV):
     ref = emulate_prepare(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     ws = prepare_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     torch.cuda.synchronize()
+    assert_workspace_close(ws, ref)
+
+
+def assert_workspace_close(ws, ref):
+    """A kernel's workspace against the emulation's (used chunks only); rows past a partial chunk's end are zero."""
+    layout = ws.layout
     used = int(layout.seq_chunks[-1])  # the surplus varlen chunks are never read
     for name, ratio in (("kd", 2e-3), ("qd", 2e-3), ("kr", 2e-3), ("beta", 1e-5), ("glast", 1e-4),
                         ("mqk", 5e-3), ("inv", 5e-3)):
@@ -228,22 +234,22 @@ def test_prepare_kernel_matches_emulation(B, T, H, cu, a_log, HV):
         if x.shape[0] == layout.num_chunks:
             x, r = x[:used], r[:used]
         assert_close(name, r.float(), x.float(), ratio)
-    # rows past a partial chunk's end are exactly zero
-    last = layout.chunk_index[:used, 2] < CHUNK
+    last = layout.chunk_index[:used, 2] < layout.chunk
     for c in torch.nonzero(last).flatten().tolist():
         n = int(layout.chunk_index[c, 2])
         assert ws.inv[c, :, n:].abs().sum() == 0 and ws.mqk[c, :, n:].abs().sum() == 0
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [16, 32])
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", GPU_CASES)
-def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log, HV):
+def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log, HV, chunk_size):
     from flashkda.fwd.v2 import chunk_kda_fwd_v2
 
     cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(B, T, H, cu, a_log, 8, HV)
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               lower_bound=-5.0, cu_seqlens=cu_t, A_log=A_log, dt_bias=dt_bias)
-    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, **kw)
+    o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, h0, True, chunk_size=chunk_size, **kw)
     ro, rs = reference.chunk_kda_reference(q, k, v, g, beta, K**-0.5, h0, True, **kw)
     assert_close("o", ro, o, 5e-3 if cu is None else 6e-3)
     assert_close("final_state", rs, s, 1e-2)
