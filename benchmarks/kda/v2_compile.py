@@ -37,9 +37,11 @@ def load_by_path(name: str, path: Path):
     return mod
 
 
-def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):
-    mod = load_by_path("flashkda_v2_prepare_kernel", V2_DIR / "prepare_kernel.py")
-    fn = mod.kda_fwd_v2_prepare_batched_kernel
+def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
+                    file: str = "prepare_kernel.py", kernel: str = "kda_fwd_v2_prepare_batched_kernel"):
+    """Compile a prepare kernel (the chunk-16 one by default; ``file``/``kernel`` name another with its arguments)."""
+    mod = load_by_path(f"flashkda_v2_{Path(file).stem}", V2_DIR / file)
+    fn = getattr(mod, kernel)
     types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
                  chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
                  glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32", H="i32")
@@ -94,6 +96,15 @@ def dump_asm(kernel, folder: str, stem: str) -> None:
             f.write(kernel.asm[ext])
 
 
+def report(name: str, kernel, sass: bool, ops) -> str:
+    """One line of a compiled kernel's resources (and SASS op counts with ``sass``)."""
+    regs, spill, serialised = ptxas_usage(kernel)
+    nw = kernel.metadata.num_warps
+    line = (f"{name}: warps={nw} regs={regs} spill_stores={spill}B smem={kernel.metadata.shared}B "
+            f"ctas/SM={ctas_per_sm(regs, nw, kernel.metadata.shared)}{' WGMMA-SERIALIZED' if serialised else ''}")
+    return line + (f" sass={sass_counts(kernel, ops)}" if sass else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
@@ -110,13 +121,7 @@ def main(argv=None) -> int:
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
             continue
-        regs, spill, serialised = ptxas_usage(k)
-        nw = k.metadata.num_warps
-        line = (f"{name}: warps={nw} regs={regs} spill_stores={spill}B smem={k.metadata.shared}B "
-                f"ctas/SM={ctas_per_sm(regs, nw, k.metadata.shared)}{' WGMMA-SERIALIZED' if serialised else ''}")
-        if args.sass:
-            line += f" sass={sass_counts(k, PREPARE_OPS)}"
-        print(line)
+        print(report(name, k, args.sass, PREPARE_OPS))
         if args.dump:
             dump_asm(k, args.dump, "prepare")
             args.dump = None

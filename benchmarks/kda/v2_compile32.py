@@ -23,25 +23,8 @@ KERNEL_FILE = V2_DIR / "recurrence32_kernel.py"
 
 
 def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1, batched: bool = False):
-    mod = REC.COMPILE.load_by_path("flashkda_v2_prepare32_kernel", V2_DIR / "prepare32_kernel.py")
-    fn = mod.kda_fwd_v2_prepare32_batched_kernel if batched else mod.kda_fwd_v2_prepare32_kernel
-    types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
-                 chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
-                 glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32", H="i32")
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    cx = dict(GROUP=group, HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    options = dict(num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS))
-    return triton.compile(REC.GluonASTSource(fn, sig, cx, attrs), target=REC.TARGET, options=options)
-
-
-def report(name: str, k, sass: bool, ops) -> str:
-    regs, spill, serialised = REC.COMPILE.ptxas_usage(k)
-    nw = k.metadata.num_warps
-    line = (f"{name}: warps={nw} regs={regs} spill_stores={spill}B smem={k.metadata.shared}B "
-            f"ctas/SM={REC.COMPILE.ctas_per_sm(regs, nw, k.metadata.shared)}"
-            f"{' WGMMA-SERIALIZED' if serialised else ''}")
-    return line + (f" sass={REC.COMPILE.sass_counts(k, ops)}" if sass else "")
+    kernel = "kda_fwd_v2_prepare32_batched_kernel" if batched else "kda_fwd_v2_prepare32_kernel"
+    return REC.COMPILE.compile_prepare(has_a_log, has_dt_bias, group, "prepare32_kernel.py", kernel)
 
 
 def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True):
@@ -81,7 +64,7 @@ def main(argv=None) -> int:
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
             continue
-        print(report(name, k, args.sass, ops))
+        print(REC.COMPILE.report(name, k, args.sass, ops))
         if args.dump:
             REC.COMPILE.dump_asm(k, args.dump, name.split()[0])
     return 1 if failed else 0

@@ -80,12 +80,7 @@ def main(argv=None) -> int:
                 failed += 1
                 print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
                 continue
-            regs, spill, serialised = COMPILE.ptxas_usage(k)
-            line = (f"{name}: regs={regs} spill_stores={spill}B{' WGMMA-SERIALIZED' if serialised else ''} "
-                    f"smem={k.metadata.shared}B")
-            if args.sass:
-                line += f" sass={COMPILE.sass_counts(k, RECURRENCE_OPS)}"
-            print(line)
+            print(COMPILE.report(name, k, args.sass, RECURRENCE_OPS))
             if args.dump:
                 COMPILE.dump_asm(k, args.dump, f"recurrence_bv{bv}_s{st}")
                 args.dump = None
