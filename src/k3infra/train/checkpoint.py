@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 logger = logging.getLogger(__name__)
@@ -106,13 +107,13 @@ def resolve_checkpoint(path: str | Path, *, option: str = "--resume") -> Path:
                             "checkpoints/step_<N>/)")
 
 
-def _drop_unsaved_optimizer_state(optim_state: dict[str, dict[str, Any]], path: Path) -> None:
+def _drop_unsaved_optimizer_state(optim_state: dict[str, dict[str, Any]], metadata: Metadata) -> None:
     """Remove from the state to load the optimizer entries the checkpoint does not hold.
 
     ``get_state_dict`` gives a fresh optimizer state for every parameter, but at save time a parameter that never
     had a gradient (AdamW and Muon skip it) had none: it resumes without state, as it was.
     """
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    saved = set(metadata.state_dict_metadata)
     for fqn in list(optim_state):
         entry = optim_state[fqn]
         for key in [k for k in entry if f"optim.state.{fqn}.{k}" not in saved]:
@@ -133,8 +134,9 @@ def load_checkpoint(
     """Restore model, optimizers, schedulers and RNG from ``path`` (collective). Returns ``trainer.json``."""
     trainer_state = json.loads((path / TRAINER_FILE).read_text())
     state = _app_state(model, optimizers, schedulers, expert_names, ep_rank)
-    _drop_unsaved_optimizer_state(state["optim"]["state"], path)
-    dcp.load(state, checkpoint_id=str(path))
+    reader = dcp.FileSystemReader(str(path))
+    _drop_unsaved_optimizer_state(state["optim"]["state"], reader.read_metadata())
+    dcp.load(state, storage_reader=reader)
     model_sd = _tag_experts(state["model"], expert_names, ep_rank, tag=False)
     optim_sd = {"state": _tag_experts(state["optim"]["state"], expert_names, ep_rank, tag=False),
                 "param_groups": state["optim"]["param_groups"]}
