@@ -17,8 +17,8 @@ from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["MIN_VALUE_HEADS", "chunk_kda_fwd_v2", "prefers_v2", "supports_v2", "v2_unsupported_reason"]
 
-#: ``flashkda.chunk_kda``'s inference path takes v2 from this many value heads up: on the H200 v2 was 1.2-1.5x faster
-#: than the v1 kernels at H64 and H96 on every anchor row and 0.58-0.78x at H12 (``docs/flashkda-v2.md``).
+#: ``flashkda.chunk_kda``'s inference path takes v2 from this many value heads up (below it the v1 kernels are
+#: faster; measurements in ``docs/flashkda-v2.md``).
 MIN_VALUE_HEADS = 64
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
@@ -149,14 +149,14 @@ def chunk_kda_fwd_v2(
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
         segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`,
             16-token chunks only); None takes ``pipeline.default_segments(B * T)``; the default 1 runs K1 then K2
-            (through ``chunk_kda_fwd_v2`` the overlap lost on the H200: ``docs/flashkda-v2.md``).
+            (the measured faster arrangement: ``docs/flashkda-v2.md``).
             With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
             of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
             fixed length) the call never synchronises and can be captured in a CUDA graph.
         recurrence_on_side: with ``P > 1``, K2 runs on a high-priority side stream and K1 on the caller's
             (True), or the other way round (False).
         chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 for fixed-length
-            calls and 16 for varlen ones and for ``segments != 1`` (the faster one on the H200 in each case).
+            calls and 16 for varlen ones and for ``segments != 1`` (the measured faster one in each case).
 
     Returns:
         ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 (in the

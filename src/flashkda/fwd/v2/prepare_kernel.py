@@ -15,7 +15,7 @@ cross-warp reduction per token. Per chunk and head (C = 16, K = 128)::
 The 16x16 products go through shared memory (bf16 ``kd, qd, ki`` tiles, fp16 16x16 tiles), because an mma.sync
 operand layout spreads a row over four lanes while the elementwise layout keeps a channel in two lanes. A 16x16
 result needs only two warps, so the kernel gives each warp its own (chunk, 8-column half) of the [4, 16, 16] products
-(a CTA per single chunk, where six warps computed copies, was 1.1-1.3x slower on every anchor row).
+(with one chunk per CTA, six of the eight warps would compute copies).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 CHUNK = gl.constexpr(16)
 HEAD_DIM = gl.constexpr(128)
 NUM_WARPS = gl.constexpr(8)
-#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 108; 80 and uncapped were 4-48% slower on
-#: the H200)
+#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 108; the cap is the measured fastest,
+#: ``docs/flashkda-v2.md``)
 MAX_REGISTERS = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 L2NORM_EPS = gl.constexpr(1e-6)

@@ -16,8 +16,8 @@ __all__ = ["BLOCK_V", "STAGES", "longest_first_order", "recurrence_fwd"]
 
 #: State columns per CTA (one warpgroup per 64): 64 splits V in two, so H = 64 heads fill 128 CTAs.
 BLOCK_V = 64
-#: Shared-memory ring slots for kd/qd/kr/INV/Mqk (loads run STAGES - 1 chunks ahead of the math; 2 beat 3 on 7 of 9
-#: anchor rows, tied on the other two).
+#: Shared-memory ring slots for kd/qd/kr/INV/Mqk (loads run STAGES - 1 chunks ahead of the math; 2 measured faster
+#: than 3, ``docs/flashkda-v2.md``).
 STAGES = 2
 
 
