@@ -84,3 +84,29 @@ def test_bad_head_rows_are_rejected():
         ShardedMuon([{"params": [nn.Parameter(torch.zeros(10, 4))], "head_rows": (4,)}])
     with pytest.raises(ValueError, match="head_rows"):
         ShardedMuon([{"params": [nn.Parameter(torch.zeros(2, 8, 4))], "head_rows": (4,)}])
+
+
+@pytest.mark.parametrize("shape", [(5, 8, 24), (3, 24, 8), (2, 16, 16)])
+def test_batched_newton_schulz_equals_torch_per_slice(shape):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from k3infra.train.optim import zeropower_batched
+
+    torch.manual_seed(2)
+    g = torch.randn(*shape)
+    g[1] *= 1e-3  # each slice normalised by its own norm, not the stack's
+    batched = zeropower_batched(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert batched.shape == g.shape and batched.dtype == torch.bfloat16
+    for i in range(shape[0]):
+        torch.testing.assert_close(batched[i].float(), _zeropower_via_newtonschulz(g[i], (3.4445, -4.775, 2.0315),
+                                                                                   5, 1e-7).float(),
+                                   rtol=0, atol=2e-2)
+
+
+def test_stacked_experts_are_orthogonalised_per_slice():
+    torch.manual_seed(3)
+    weight, grad = torch.randn(4, 6, 10), torch.randn(4, 6, 10)
+    grad[2] *= 1000.0
+    update = _muon_step(weight, grad, None)
+    for e in range(4):
+        torch.testing.assert_close(update[e], _muon_step(weight[e], grad[e], None), rtol=0, atol=2e-3)
