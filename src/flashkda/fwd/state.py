@@ -253,7 +253,8 @@ def chunk_kda_fwd_kernel_h(
 
 
 #: Fused state/output configurations the autotuner tries on a GPU (V tile, warps, pipeline stages); the choice
-#: depends on how many (sequence, head) programs there are, hence the PROGRAMS key.
+#: depends on how many (sequence, head) programs there are, hence the PROGRAMS key: that count rounded up to a power
+#: of two (`programs_key`), so packed batches whose document count changes every step do not re-tune every step.
 STATE_CONFIGS = [(16, 4, 1), (32, 4, 1), (64, 8, 1)]
 chunk_kda_fwd_kernel_state_o_tuned = triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=nw, num_stages=ns) for bv, nw, ns in STATE_CONFIGS],
@@ -271,6 +272,11 @@ chunk_kda_fwd_kernel_h_tuned = triton.autotune(
 #: ``w S`` costs no accuracy, v_new goes in as its hi/lo split (rounded to bf16 it raised the final state's error by
 #: ~0.5e-3; docs/flashkda-performance.md).
 HALF_PRECS = (PREC_BF16, PREC_HILO)
+
+
+def programs_key(programs: int) -> int:
+    """The autotuning key for ``programs`` (sequence, head) pairs: the next power of two."""
+    return triton.next_power_of_2(max(programs, 1))
 
 
 def pick_block_v(V: int, programs_per_block: int, num_sms: int) -> int:
@@ -333,7 +339,7 @@ def chunk_kda_fwd_state_o(w, u, qg, kg, Aqk, gC, initial_state, output_final_sta
             states_out.extend(states)
         return o, ht, h
     args = (w, u, qg, kg, Aqk, gC, o, initial_state, ht, h, index.cu_seqlens, index.chunk_offsets,
-            T, index.chunks_per_seq, N * HV)
+            T, index.chunks_per_seq, programs_key(N * HV))
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK,
                 USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=ht is not None, STORE_H=output_h,
                 STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen, DOT_PREC=dot_prec, DT=tl.float32)
@@ -402,7 +408,7 @@ def state_pass(w, u, kg, gC, initial_state, ht, state_v_first, index, dot_prec, 
         precs = HALF_PRECS if w.dtype == torch.bfloat16 else (PREC_TF32, PREC_TF32)
     BKB = min(64, max(16, triton.next_power_of_2(K)))
     args = (w, u, kg, gC, h, vn, initial_state, ht, index.cu_seqlens, index.chunk_offsets, T, index.chunks_per_seq,
-            N * HV)
+            programs_key(N * HV))
     meta = dict(HV=HV, K=K, V=V, BT=CHUNK_SIZE, USE_INITIAL_STATE=initial_state is not None,
                 STORE_FINAL_STATE=ht is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=index.is_varlen,
                 EMULATE=not w.is_cuda, BKB=BKB, NKB=triton.cdiv(K, BKB), PREC_WS=precs[0], PREC_KV=precs[1])
