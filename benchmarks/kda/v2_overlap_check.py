@@ -15,9 +15,11 @@ Stages, inside ``--budget`` seconds (a watchdog writes what was measured and exi
    - ``v2 auto``: ``segments=None`` (``pipeline.auto_segments``);
    - ``v2 c16 P{n}`` / ``v2 c32 P{n}``: ``segments=n`` (K2 on the high-priority side stream) and ``... k1side``
      (K1 on the side stream instead);
-   - ``v2 c32 r{n}``: K1 c32 with a register cap of ``n`` then K2 c32 (the ``forward_c32`` body);
-   - ``k1 c16``, ``k1 c32`` (shipped cap), ``k1 c32 r{n}``, ``k1 c32 all-warps``, ``k2 c16``, ``k2 c32``: the
-     kernels alone (K2 on K1's workspace).
+   - ``v2 c32 P{n} wide r80``: the segmented chunk-32 forward with the wide K1 c32 capped at 80 registers;
+   - ``v2 c32 r{n}``, ``v2 c32 wide``, ``v2 c32 wide r{n}``: K1 c32 with a register cap of ``n`` / the wide
+     elementwise kernel (``prepare32_fwd(wide=True)``), then K2 c32 (the ``forward_c32`` body);
+   - ``k1 c16``, ``k1 c32`` (shipped), ``k1 c32 r{n}``, ``k1 c32 wide [r{n}]``, ``k1 c32 all-warps``, ``k2 c16``,
+     ``k2 c32``: the kernels alone (K2 on K1's workspace).
 
 Results: ``benchmarks/results/kda-v2-overlap-<date>.json``; a table on stdout.
 
@@ -99,9 +101,44 @@ def k2(ws, x: dict, chunk: int):
     return (recurrence_fwd if chunk == 16 else recurrence32_fwd)(ws, x["v"], x["initial_state"], True)
 
 
-def v2_capped(x: dict, kw: dict, cap: int):
-    """K1 c32 with register cap ``cap`` then K2 c32 (what ``chunk_fwd32.forward_c32`` runs, with the cap)."""
-    return k2(k1(x, kw, 32, max_registers=cap), x, 32)
+def v2_k1c32(x: dict, kw: dict, **k1_options):
+    """K1 c32 with ``k1_options`` (``max_registers``, ``wide``) then K2 c32 (the ``forward_c32`` body)."""
+    return k2(k1(x, kw, 32, **k1_options), x, 32)
+
+
+def v2_segmented_k1c32(x: dict, kw: dict, segments: int, **k1_options):
+    """The segmented chunk-32 forward (what ``chunk_kda_fwd_v2(..., segments=P, chunk_size=32)`` runs) with K1 c32
+    launched with ``k1_options``."""
+    import torch
+
+    from flashkda.fwd.v2.pipeline import cached_segment_plan, segmented_forward
+    from flashkda.fwd.v2.prepare32 import prepare32_fwd
+
+    q = x["q"]
+    B, T = q.shape[:2]
+    cu_cpu = kw.get("cu_seqlens_cpu")
+    cu = [b * T for b in range(B + 1)] if cu_cpu is None else cu_cpu.tolist()
+    plan = cached_segment_plan(B, T, None if cu_cpu is None else cu, kw.get("cu_seqlens"), segments, q.device, 32)
+
+    def prepare(q, k, g, beta, scale, lay, lower_bound, A_log, dt_bias, ws):
+        prepare32_fwd(q, k, g, beta, scale, lay, lower_bound, A_log, dt_bias, ws=ws, **k1_options)
+
+    with torch.no_grad():
+        return segmented_forward(q, x["k"], x["v"], x["g"], x["beta"], q.shape[-1] ** -0.5, kw["lower_bound"],
+                                 x["A_log"], x["dt_bias"], x["initial_state"], True, cu, kw.get("cu_seqlens"), plan,
+                                 prepare=prepare)
+
+
+def k1c32_options(caps: list[int]) -> dict:
+    """The K1 c32 configurations besides the shipped one: name suffix -> ``prepare32_fwd`` keywords."""
+    out = {f" r{cap}": dict(max_registers=cap) for cap in caps}
+    out[" wide"] = dict(wide=True)
+    out.update({f" wide r{cap}": dict(wide=True, max_registers=cap) for cap in caps if cap < 96})
+    return out
+
+
+#: the K1 c32 configuration the segmented variants also run with (besides the shipped one)
+SEGMENTED_K1 = (" wide r80", dict(wide=True, max_registers=80))
 
 
 def full_variants(segments: list[int], caps: list[int]) -> dict:
@@ -111,11 +148,12 @@ def full_variants(segments: list[int], caps: list[int]) -> dict:
     for P in segments:
         for chunk in (32, 16):
             out[f"v2 c{chunk} P{P}"] = functools.partial(v2, chunk_size=chunk, segments=P)
+        out[f"v2 c32 P{P}{SEGMENTED_K1[0]}"] = functools.partial(v2_segmented_k1c32, segments=P, **SEGMENTED_K1[1])
     if segments:
         P = segments[len(segments) // 2]
         out[f"v2 c32 P{P} k1side"] = functools.partial(v2, chunk_size=32, segments=P, recurrence_on_side=False)
-    for cap in caps:
-        out[f"v2 c32 r{cap}"] = functools.partial(v2_capped, cap=cap)
+    for suffix, options in k1c32_options(caps).items():
+        out[f"v2 c32{suffix}"] = functools.partial(v2_k1c32, **options)
     return out
 
 
@@ -123,8 +161,8 @@ def kernel_variants(caps: list[int]) -> dict:
     """The kernels alone: name -> ``(make(x, kw) -> state for the timed call, fn(state) -> anything)``."""
     out = {"k1 c16": (lambda x, kw: (x, kw), lambda s: k1(*s, 16)),
            "k1 c32": (lambda x, kw: (x, kw), lambda s: k1(*s, 32))}
-    for cap in caps:
-        out[f"k1 c32 r{cap}"] = (lambda x, kw: (x, kw), lambda s, cap=cap: k1(*s, 32, max_registers=cap))
+    for suffix, options in k1c32_options(caps).items():
+        out[f"k1 c32{suffix}"] = (lambda x, kw: (x, kw), lambda s, o=options: k1(*s, 32, **o))
     out["k1 c32 all-warps"] = (lambda x, kw: (x, kw), lambda s: k1(*s, 32, batched=False))
     for chunk in (16, 32):
         out[f"k2 c{chunk}"] = (lambda x, kw, chunk=chunk: (k1(x, kw, chunk), x),
@@ -261,12 +299,13 @@ def _watchdog(budget: Budget, results: list[Row], info: dict, no_write: bool) ->
 
 def table(results: list[Row]) -> None:
     log("\n| row | fla | CUTLASS | v2 (default) | v2 auto | best v2 variant | best ms | best / CUTLASS | k1 c32 | "
-        "best k1 c32 cap | k2 c32 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        "best k1 c32 variant | k2 c32 |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         e = row.extra
         if "best v2 variant" not in e:
             continue
-        caps = {k: v for k, v in e.items() if k.startswith("k1 c32 r") and isinstance(v, float)}
+        caps = {k[:-3]: v for k, v in e.items() if k.startswith("k1 c32 ") and k.endswith(" ms")
+                and isinstance(v, float)}
         cap = min(caps, key=caps.get) if caps else "-"
         best = e["best v2 variant"]
         log(f"| {row.case} | {e.get('fla ms', '-')} | {e.get('cutlass ms', '-')} | {e.get('v2 ms', '-')} | "
@@ -317,6 +356,21 @@ def dry_run(rows: list[Shape], args) -> int:
             ok &= all(v <= (limit if k.endswith(" o") else 1e-2) for k, v in e.items() if isinstance(v, float))
             ok &= all(v for k, v in e.items() if k.endswith("finite"))
             extra.update({k: float(f"{v:.3e}") if isinstance(v, float) else v for k, v in e.items()})
+    # the segmented variant with K1 options, as timed on the device, with the emulation behind the kernel entries
+    from unittest import mock
+
+    def prepare32_stand_in(q, k, g, beta, scale, lay, lower_bound, A_log, dt_bias, ws, **options):
+        assert set(options) <= {"wide", "max_registers", "batched"}, options
+        stand_in(emulate_prepare32)(q, k, g, beta, scale, lay, lower_bound, A_log, dt_bias, ws)
+
+    name, lengths, B, T, H = SMALL[1]
+    x, kw = small_inputs("cpu", lengths, B, T, H, -5.0, seed=300)
+    with mock.patch("flashkda.fwd.v2.prepare32.prepare32_fwd", prepare32_stand_in), \
+            mock.patch("flashkda.fwd.v2.pipeline._recurrence_kernel", recurrence):
+        out = v2_segmented_k1c32(x, kw, 3, **SEGMENTED_K1[1])
+    e = fp64_errors(f"{name} v2_segmented_k1c32 P3", out, fp64_reference(x, kw))
+    ok &= e[f"{name} v2_segmented_k1c32 P3 o"] <= 6e-3 and e[f"{name} v2_segmented_k1c32 P3 state"] <= 1e-2
+    extra.update({k: float(f"{v:.3e}") if isinstance(v, float) else v for k, v in e.items()})
     log(f"[dry-run] segmented emulation vs fp64: {'PASS' if ok else 'FAIL'} {extra}")
     with tempfile.TemporaryDirectory() as d:
         row = Row("dry-run", "fp64 reference", None, None, extra=extra, note="correctness only")
