@@ -15,7 +15,8 @@ Stages, inside ``--budget`` seconds (a watchdog writes what was measured and exi
    - ``v2 auto``: ``segments=None`` (``pipeline.auto_segments``);
    - ``v2 c16 P{n}`` / ``v2 c32 P{n}``: ``segments=n`` (K2 on the high-priority side stream) and ``... k1side``
      (K1 on the side stream instead);
-   - ``v2 c32 P{n} wide r80``: the segmented chunk-32 forward with the wide K1 c32 capped at 80 registers;
+   - ``v2 c32 P{n} wide r80`` / ``... wide r64``: the segmented chunk-32 forward with the wide K1 c32 capped at 80 /
+     64 registers (room for one / two K1 CTAs beside a K2 CTA on an SM);
    - ``v2 c32 r{n}``, ``v2 c32 wide``, ``v2 c32 wide r{n}``: K1 c32 with a register cap of ``n`` / the wide
      elementwise kernel (``prepare32_fwd(wide=True)``), then K2 c32 (the ``forward_c32`` body);
    - ``k1 c16``, ``k1 c32`` (shipped), ``k1 c32 r{n}``, ``k1 c32 wide [r{n}]``, ``k1 c32 all-warps``, ``k2 c16``,
@@ -137,8 +138,9 @@ def k1c32_options(caps: list[int]) -> dict:
     return out
 
 
-#: the K1 c32 configuration the segmented variants also run with (besides the shipped one)
-SEGMENTED_K1 = (" wide r80", dict(wide=True, max_registers=80))
+#: the K1 c32 configurations the segmented variants also run with (besides the shipped one): beside a K2 c32 CTA
+#: (4 warps of 226 registers) an SM has room for one K1 CTA of 8 warps at 80 registers, two at 64
+SEGMENTED_K1 = {" wide r80": dict(wide=True, max_registers=80), " wide r64": dict(wide=True, max_registers=64)}
 
 
 def full_variants(segments: list[int], caps: list[int]) -> dict:
@@ -148,7 +150,8 @@ def full_variants(segments: list[int], caps: list[int]) -> dict:
     for P in segments:
         for chunk in (32, 16):
             out[f"v2 c{chunk} P{P}"] = functools.partial(v2, chunk_size=chunk, segments=P)
-        out[f"v2 c32 P{P}{SEGMENTED_K1[0]}"] = functools.partial(v2_segmented_k1c32, segments=P, **SEGMENTED_K1[1])
+        for suffix, options in SEGMENTED_K1.items():
+            out[f"v2 c32 P{P}{suffix}"] = functools.partial(v2_segmented_k1c32, segments=P, **options)
     if segments:
         P = segments[len(segments) // 2]
         out[f"v2 c32 P{P} k1side"] = functools.partial(v2, chunk_size=32, segments=P, recurrence_on_side=False)
@@ -367,7 +370,7 @@ def dry_run(rows: list[Shape], args) -> int:
     x, kw = small_inputs("cpu", lengths, B, T, H, -5.0, seed=300)
     with mock.patch("flashkda.fwd.v2.prepare32.prepare32_fwd", prepare32_stand_in), \
             mock.patch("flashkda.fwd.v2.pipeline._recurrence_kernel", recurrence):
-        out = v2_segmented_k1c32(x, kw, 3, **SEGMENTED_K1[1])
+        out = v2_segmented_k1c32(x, kw, 3, **SEGMENTED_K1[" wide r80"])
     e = fp64_errors(f"{name} v2_segmented_k1c32 P3", out, fp64_reference(x, kw))
     ok &= e[f"{name} v2_segmented_k1c32 P3 o"] <= 6e-3 and e[f"{name} v2_segmented_k1c32 P3 state"] <= 1e-2
     extra.update({k: float(f"{v:.3e}") if isinstance(v, float) else v for k, v in e.items()})
