@@ -3,6 +3,8 @@ checked against fp64 and timed against fla, CUTLASS FlashKDA and the shipped def
 
 Stages, inside ``--budget`` seconds (a watchdog writes what was measured and exits if a kernel hangs):
 
+0. probe: every variant once on small varlen inputs in a child process (it also compiles the kernels); one that
+   faults, hangs or gives NaN/inf there is dropped from the run (a device fault would end the whole process);
 1. fp64: every full-forward variant below on small fixed and varlen inputs (empty, 1-token and crossing sequences)
    against ``flashkda.reference.chunk_kda_reference``; bars: output relative RMS 5e-3 (varlen 6e-3), state 1e-2,
    finite;
@@ -24,7 +26,7 @@ Stages, inside ``--budget`` seconds (a watchdog writes what was measured and exi
 
 Results: ``benchmarks/results/kda-v2-overlap-<date>.json``; a table on stdout.
 
-Usage: ``python -m benchmarks.kda.v2_overlap_check [--budget 200] [--rows NAME ...] [--segments 2 4 8]
+Usage: ``python -m benchmarks.kda.v2_overlap_check [--budget 220] [--rows NAME ...] [--segments 2 4 8]
 [--caps 96 80 64] [--rep 8] [--no-fla] [--no-write] [--dry-run]``; ``--dry-run`` runs on a CPU: rows, variants, the
 auto rule per row, the segmented orchestration with the emulation standing in for the kernels against fp64, and
 the results file (to a temporary folder); no kernel.
@@ -35,18 +37,20 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness import Row, machine_info, machine_line, rms_ratio, time_fn, write_results
+from benchmarks.harness import ROOT, Row, machine_info, machine_line, rms_ratio, time_fn, write_results
 from benchmarks.kda.calibrate import VARLEN_EVEN, VARLEN_MIXED, Shape, _fixed, _varlen, make_inputs
 from benchmarks.kda.v2_check import (
     FLAGS,
     SMALL,
     Budget,
+    child_env,
     cutlass_call,
     fla_style,
     floor_ms,
@@ -173,6 +177,67 @@ def kernel_variants(caps: list[int]) -> dict:
     return out
 
 
+def all_variants(args) -> dict:
+    """Every variant this run may call (the rows' and the fp64 stage's): name -> ``fn(x, kw)``."""
+    out = {**full_variants([2, 3], args.caps), **full_variants(args.segments, args.caps)}
+    for name, (make, fn) in kernel_variants(args.caps).items():
+        out[name] = lambda x, kw, make=make, fn=fn: fn(make(x, kw))
+    return out
+
+
+def probe(args, names: list[str]) -> int:
+    """Child process: each variant once on small varlen inputs (empty, 1-token and cut sequences); prints
+    ``PROBE-OK name`` or ``PROBE-BAD name`` as it goes (a device fault ends the process: the parent sees which)."""
+    import torch
+
+    variants = all_variants(args)
+    x, kw = small_inputs("cuda", (700, 0, 1, 300), 1, 1001, 2, -5.0, seed=1)
+    with torch.inference_mode():
+        for name in names:
+            out, _ = guarded(f"probe {name}", variants[name], x, kw)
+            torch.cuda.synchronize()
+            if isinstance(out, tuple):
+                good = all(bool(torch.isfinite(t).all()) for t in out[:2] if t is not None)
+            else:  # a kernel alone: ran without an error
+                good = out is not None
+            print(f"PROBE-{'OK' if good else 'BAD'} {name}", flush=True)
+    return 0
+
+
+def run_probe(args, budget: Budget) -> set[str]:
+    """The variants that ran cleanly in child processes: a variant that faults or hangs there is dropped, and the
+    ones after it are probed again in a new child."""
+    left = list(all_variants(args))
+    alive: set[str] = set()
+    for _ in range(4):
+        if not left or budget.left() < 60:
+            break
+        cmd = [sys.executable, "-m", "benchmarks.kda.v2_overlap_check", "--probe", *left, "--caps",
+               *map(str, args.caps), "--segments", *map(str, args.segments)]
+        try:
+            res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                                 timeout=min(150.0, budget.left() * 0.6))
+            out, rc = res.stdout, res.returncode
+        except subprocess.TimeoutExpired as exc:
+            out, rc = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), "timeout"
+        seen = {}
+        for line in out.splitlines():
+            if line.startswith("PROBE-"):
+                verdict, name = line.split(" ", 1)
+                seen[name] = verdict == "PROBE-OK"
+        alive |= {n for n, ok in seen.items() if ok}
+        bad = [n for n, ok in seen.items() if not ok]
+        rest = [n for n in left if n not in seen]
+        if rest:  # the child died (or hung) on rest[0]
+            bad.append(rest[0])
+            log(f"[probe] child ended with {rc} on {rest[0]!r}:\n{out[-2000:]}")
+            rest = rest[1:]
+        if bad:
+            log(f"[probe] dropped: {bad}")
+        left = rest
+    return alive
+
+
 # ------------------------------------------------------------------------------------------------------------- stages
 
 
@@ -224,9 +289,9 @@ def time_row(shape: Shape, args, impls: dict, budget: Budget) -> Row:
     if impls.get("cutlass"):
         x_vfirst = v_first(x)
         runs["cutlass"] = lambda: cutlass_call(impls["cutlass"], x_vfirst, kw)
-    full = full_variants(args.segments, args.caps)
+    full = {k: v for k, v in full_variants(args.segments, args.caps).items() if k in args.alive}
     with torch.inference_mode():
-        ref, _ = guarded(f"v2 {shape.name}", full["v2"], x, kw)
+        ref = guarded(f"v2 {shape.name}", full["v2"], x, kw)[0] if "v2" in full else None
         fla_out = guarded(f"fla {shape.name}", runs["fla"])[0] if "fla" in runs else None
         for name, fn in full.items():
             if budget.left() < 20:
@@ -246,6 +311,8 @@ def time_row(shape: Shape, args, impls: dict, budget: Budget) -> Row:
             del out
         del ref, fla_out
         for name, (make, fn) in kernel_variants(args.caps).items():
+            if name not in args.alive:
+                continue
             state, err = guarded(f"{name} {shape.name}", make, x, kw)
             if state is not None and guarded(f"{name} {shape.name}", fn, state)[1] is None:
                 runs[name] = functools.partial(fn, state)
@@ -384,7 +451,7 @@ def dry_run(rows: list[Shape], args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run (default 200)")
+    parser.add_argument("--budget", type=float, default=220.0, help="seconds for the whole run (default 220)")
     parser.add_argument("--rows", nargs="*", default=None, help="row names (default all): "
                         + " ".join(s.name for s in ROWS))
     parser.add_argument("--segments", nargs="*", type=int, default=[2, 4, 8], help="segment counts to time")
@@ -394,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-fp64", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="CPU: rows, variants, emulation, results file")
+    parser.add_argument("--probe", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.budget <= 0 or args.rep < 1 or any(p < 2 for p in args.segments) or any(c < 32 for c in args.caps):
         parser.error("--budget must be > 0, --rep >= 1, --segments >= 2, --caps >= 32")
@@ -401,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows and sorted(set(args.rows) - names):
         parser.error(f"unknown rows {sorted(set(args.rows) - names)}; choose from {sorted(names)}")
     rows = [s for s in ROWS if not args.rows or s.name in args.rows]
+    if args.probe:
+        return probe(args, args.probe)
     if args.dry_run:
         return dry_run(rows, args)
 
@@ -418,10 +488,14 @@ def main(argv: list[str] | None = None) -> int:
 
     base = Impls()
     impls = {"fla": None if args.no_fla else base.fla, "cutlass": base.cutlass}
+    args.alive = run_probe(args, budget)
+    info["dropped by the probe"] = sorted(set(all_variants(args)) - args.alive)
+    log(f"[probe] {len(args.alive)} variants ran cleanly; dropped: {info['dropped by the probe'] or 'none'}")
     log(f"[impls] fla={'yes' if impls['fla'] else 'no'} cutlass={'yes' if impls['cutlass'] else 'no'} "
         f"missing: {base.missing or 'none'}")
     if not args.skip_fp64:
-        fp64_rows, _ = guarded("fp64", check_fp64, full_variants([2, 3], args.caps), "cuda", budget)
+        fp64_variants = {k: v for k, v in full_variants([2, 3], args.caps).items() if k in args.alive}
+        fp64_rows, _ = guarded("fp64", check_fp64, fp64_variants, "cuda", budget)
         results += fp64_rows or []
     for shape in rows:
         if budget.left() < 25:
