@@ -60,6 +60,7 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     o = torch.empty_like(v)
     final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
     if N == 0:
+        _check(ws, v, initial_state, 64, stages)
         return o, final
     if order is None and N > 1:
         order = ws.layout.seq_order
