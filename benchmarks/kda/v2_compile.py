@@ -38,8 +38,10 @@ def load_by_path(name: str, path: Path):
 
 
 def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
-                    file: str = "prepare_kernel.py", kernel: str = "kda_fwd_v2_prepare_batched_kernel"):
-    """Compile a prepare kernel (the chunk-16 one by default; ``file``/``kernel`` name another with its arguments)."""
+                    file: str = "prepare_kernel.py", kernel: str = "kda_fwd_v2_prepare_batched_kernel",
+                    maxnreg: int | None = None):
+    """Compile a prepare kernel (the chunk-16 one by default; ``file``/``kernel`` name another with its arguments;
+    ``maxnreg`` overrides the module's register cap)."""
     mod = load_by_path(f"flashkda_v2_{Path(file).stem}", V2_DIR / file)
     fn = getattr(mod, kernel)
     types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
@@ -49,7 +51,7 @@ def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int
     cx = dict(GROUP=group, HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     num_warps = int(mod.NUM_WARPS)
-    options = dict(num_warps=num_warps, maxnreg=int(mod.MAX_REGISTERS))
+    options = dict(num_warps=num_warps, maxnreg=int(maxnreg or mod.MAX_REGISTERS))
     return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=TARGET, options=options)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashkda import reference
-from flashkda.fwd.v2.emulate import emulate_chunk_kda
+from flashkda.fwd.v2.emulate import emulate_chunk_kda, gate_log2, l2norm_fp32
 from flashkda.fwd.v2.emulate32 import block_inverse32, emulate_chunk_kda32, emulate_prepare32
 from flashkda.fwd.v2.workspace import build_chunk_layout
 from flashkda.fwd.v2.workspace32 import CHUNK32, build_chunk_layout32
@@ -59,6 +59,44 @@ def test_workspace32_factors_stay_in_range_at_the_gate_floor():
     assert ws.inv.shape == (2, H, 32, 32) and ws.glast.max() < 1e-30 and ws.kr.float().abs().max() <= 1.0
     # INV of a fully decayed chunk is the identity plus the first sub-diagonal's small terms
     assert ws.inv.float().diagonal(dim1=-2, dim2=-1).eq(1).all()
+
+
+def _wide_kernel_tokens(q, k, g, scale, lower_bound, A_log, dt_bias):
+    """``kd, qd, kr, glast`` as the wide K1 c32 forms them (fixed length, T a multiple of 32): per-half cumsums and
+    the half-B / chunk-end factors as products of per-channel powers (`prepare32_kernel._elementwise32_wide`)."""
+    B, T, H, _ = g.shape
+
+    def halves(x):
+        return x.reshape(B, T // 32, 2, 16, H, K)
+
+    qn, kn = halves(l2norm_fp32(q) * scale), halves(l2norm_fp32(k))
+    G = halves(gate_log2(g, A_log, dt_bias, lower_bound)).cumsum(3)  # G_A, G_B' = G_B - r
+    r, b_end = G[:, :, 0, 15], G[:, :, 1, 15]
+    e_r, e_end = torch.exp2(r)[:, :, None, None], torch.exp2(b_end)[:, :, None, None]
+    kd_op, qd_op, ki_op = kn * torch.exp2(G), qn * torch.exp2(G), kn * torch.exp2(-G)
+    half_b = torch.tensor([False, True])[None, None, :, None, None, None]
+    kd = torch.where(half_b, kd_op * e_r, kd_op)
+    qd = torch.where(half_b, qd_op * e_r, qd_op)
+    kr = torch.where(half_b, ki_op, ki_op * e_r) * e_end
+    return [x.reshape(B * T, H, K).to(torch.bfloat16) for x in (kd, qd, kr)] + [torch.exp2(r + b_end).reshape(-1, H, K)]
+
+
+@pytest.mark.parametrize("lower_bound, saturate", [(-5.0, False), (-5.0, True), (-0.5, False)])
+def test_wide_kernel_factor_products_match_the_emulation(lower_bound, saturate):
+    # the wide kernel replaces 2^(r - G), 2^(r + G_B') and 2^(Glast - G) by products of per-channel powers: each
+    # factor stays within 2^+-115, and the result is the emulation's up to fp32 rounding (then bf16)
+    B, T, H = 2, 64, 2
+    q, k, _, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, B, seed=8)
+    if saturate:
+        g = torch.full_like(g, 30.0)
+    ws = emulate_prepare32(q, k, g, beta, K**-0.5, build_chunk_layout32(B, T, None, CPU), lower_bound, A_log,
+                           dt_bias)
+    kd, qd, kr, glast = _wide_kernel_tokens(q, k, g, K**-0.5, lower_bound, A_log, dt_bias)
+    for name, ours in (("kd", kd), ("qd", qd), ("kr", kr), ("glast", glast)):
+        ref = getattr(ws, name).float()
+        assert torch.isfinite(ours.float()).all(), name
+        scale = ref.norm().clamp_min(1e-30)
+        assert (ours.float() - ref).norm() / scale < 2e-3, name
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -3.0, -1.0, -0.1])
@@ -206,15 +244,16 @@ def test_recurrence32_ignores_rows_past_the_last_sequence():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "all-warps"])
+@pytest.mark.parametrize("options", [{}, {"batched": False}, {"wide": True}, {"wide": True, "max_registers": 80},
+                                     {"max_registers": 64}], ids=["batched", "all-warps", "wide", "wide-r80", "r64"])
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", V2_GPU_CASES)
-def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV, batched):
+def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV, options):
     from flashkda.fwd.v2.prepare32 import prepare32_fwd
 
     cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
     layout = build_chunk_layout32(B, T, cu_t, q.device)
     ref = emulate_prepare32(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, batched=batched)
+    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, **options)
     torch.cuda.synchronize()
     assert_workspace_close(ws, ref)
 

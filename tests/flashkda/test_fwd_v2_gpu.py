@@ -194,4 +194,4 @@ def test_v2_chunk_size_choice_and_bad_values():
         with pytest.raises(ValueError, match="chunk_size"):
             chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=bad, **flags)
     with pytest.raises(ValueError, match="segments"):
-        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, segments=2, **flags)
+        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, segments=0, **flags)

@@ -211,48 +211,25 @@ def kda_fwd_v2_prepare32_kernel(
 
 
 @gluon.jit
-def kda_fwd_v2_prepare32_batched_kernel(
-    q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
-    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
-):
-    """`kda_fwd_v2_prepare32_kernel` with the six 16x16x128 products as two batches of four, one (batch, 8-column
-    half) per warp, nothing computed twice: ``[kd_A, kd_B, kd_B, qd_B] x [ki_A, ki_B, kiAr, kiAr]^T`` gives
-    ``L11, L22, L21, Mqk21`` and ``[qd_A, qd_B, qd_A, qd_B] x`` the same gives ``Mqk11, Mqk22`` (slots 2, 3 unused);
-    the two Neumann inverses run as one batch, ``-B^-1 (L21 A^-1)`` on 16x16 tiles."""
-    K: gl.constexpr = HEAD_DIM
-    C: gl.constexpr = 2 * HALF
-    i_c = gl.program_id(0) // H
-    i_h = gl.program_id(0) % H
-    first = gl.load(chunk_index + i_c * 3 + 1)
-    n_valid = gl.load(chunk_index + i_c * 3 + 2)
-    tile = i_c.to(gl.int64) * H + i_h
-    # batch b, row i: token (b > 0) * 16 + i; beta of L's rows (batches 0-2), the sigmoid stored from batches 0-1
+def _beta_rows(beta_in, first, n_valid, i_h, H):
+    """Indices of the batched products' rows (batch ``b``, row ``i``: token ``(b > 0) * 16 + i``), their validity
+    and token-head rows, and the beta logits of L's rows (batches 0-2; the sigmoid is stored from batches 0-1)."""
     o_b = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
     o_i = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
     tok = gl.expand_dims(gl.where(o_b > 0, HALF, 0), 1) + gl.expand_dims(o_i, 0)  # [4, 16]
     ok = tok < n_valid
     rows = (first + tok).to(gl.int64) * H + i_h
     b_beta = gl.load(beta_in + rows, mask=ok & gl.expand_dims(o_b < 3, 1), other=0.0)
+    return o_b, o_i, ok, rows, b_beta
 
-    left_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
-    right_s = gl.allocate_shared_memory(gl.bfloat16, [4, K, HALF], SMEM_KT)
-    kd_a, qd_a, ki_a, kiar, kd_b, qd_b, ki_b = _elementwise32(
-        q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale, GROUP,
-        HAS_A_LOG, HAS_DT_BIAS)
-    left_s.index(0).store(kd_a)
-    left_s.index(1).store(kd_b)
-    left_s.index(2).store(kd_b)
-    left_s.index(3).store(qd_b)
-    q_s.index(0).store(qd_a)
-    q_s.index(1).store(qd_b)
-    q_s.index(2).store(qd_a)
-    q_s.index(3).store(qd_b)
-    right_s.index(0).store(gl.permute(ki_a, [1, 0]))
-    right_s.index(1).store(gl.permute(ki_b, [1, 0]))
-    right_s.index(2).store(gl.permute(kiar, [1, 0]))
-    right_s.index(3).store(gl.permute(kiar, [1, 0]))
 
+@gluon.jit
+def _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid):
+    """The batched products of a chunk from the operand tiles in shared memory (``left_s = [kd_A, kd_B, kd_B,
+    qd_B]``, ``q_s = [qd_A, qd_B, qd_A, qd_B]``, ``right_s = [ki_A, ki_B, kiAr, kiAr]^T``), the beta logits
+    ``b_beta`` of L's rows: stores ``beta``, ``inv`` and ``mqk`` of the chunk."""
+    K: gl.constexpr = HEAD_DIM
+    C: gl.constexpr = 2 * HALF
     right = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3).load(DOT_B3)
     zero3 = gl.zeros([4, HALF, HALF], gl.float32, MMA3)
     P = mma_v2(left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3).load(DOT_A3), right, zero3)
@@ -299,3 +276,161 @@ def kda_fwd_v2_prepare32_batched_kernel(
     ok_b = gl.expand_dims(HALF + o_i2 < n_valid, 1)
     o_x21 = (tile * C + HALF + gl.expand_dims(o_i2, 1)) * C + gl.expand_dims(o_j2, 0)
     gl.store(inv + o_x21, gl.where(ok_b, X21, 0.0).to(gl.bfloat16))
+
+
+@gluon.jit
+def kda_fwd_v2_prepare32_batched_kernel(
+    q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+):
+    """`kda_fwd_v2_prepare32_kernel` with the six 16x16x128 products as two batches of four, one (batch, 8-column
+    half) per warp, nothing computed twice: ``[kd_A, kd_B, kd_B, qd_B] x [ki_A, ki_B, kiAr, kiAr]^T`` gives
+    ``L11, L22, L21, Mqk21`` and ``[qd_A, qd_B, qd_A, qd_B] x`` the same gives ``Mqk11, Mqk22`` (slots 2, 3 unused);
+    the two Neumann inverses run as one batch, ``-B^-1 (L21 A^-1)`` on 16x16 tiles."""
+    K: gl.constexpr = HEAD_DIM
+    i_c = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
+    first = gl.load(chunk_index + i_c * 3 + 1)
+    n_valid = gl.load(chunk_index + i_c * 3 + 2)
+    tile = i_c.to(gl.int64) * H + i_h
+    o_b, o_i, ok, rows, b_beta = _beta_rows(beta_in, first, n_valid, i_h, H)
+
+    left_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    right_s = gl.allocate_shared_memory(gl.bfloat16, [4, K, HALF], SMEM_KT)
+    kd_a, qd_a, ki_a, kiar, kd_b, qd_b, ki_b = _elementwise32(
+        q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale, GROUP,
+        HAS_A_LOG, HAS_DT_BIAS)
+    left_s.index(0).store(kd_a)
+    left_s.index(1).store(kd_b)
+    left_s.index(2).store(kd_b)
+    left_s.index(3).store(qd_b)
+    q_s.index(0).store(qd_a)
+    q_s.index(1).store(qd_b)
+    q_s.index(2).store(qd_a)
+    q_s.index(3).store(qd_b)
+    right_s.index(0).store(gl.permute(ki_a, [1, 0]))
+    right_s.index(1).store(gl.permute(ki_b, [1, 0]))
+    right_s.index(2).store(gl.permute(kiar, [1, 0]))
+    right_s.index(3).store(gl.permute(kiar, [1, 0]))
+
+    _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid)
+
+
+# the wide kernel's elementwise layout, [2 halves, 16 tokens, 128 channels]: a thread owns both halves of 4 tokens x
+# 2 adjacent channels (4-byte loads and stores), 4 lanes along tokens, 8 lanes x 8 warps along channels
+W3 = gl.constexpr(gl.BlockedLayout([2, 4, 2], [1, 4, 8], [1, 1, 8], [2, 1, 0]))
+W_H = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, W3)))  # [2] halves
+W_T = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, W3)))  # [16] tokens
+W_K = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, W3)))  # [128] channels
+W_HK = gl.constexpr(gl.SliceLayout(1, W3))  # [2, 128]
+
+
+@gluon.jit
+def _wide_offsets(first, n_valid, i_h, H):
+    """``[2, 16, 128]`` mask of a chunk's valid tokens (half, token, channel), the 64-bit offset of its first
+    token-head row and the 32-bit element offsets from there, for tensors with ``H`` heads."""
+    hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=W_H), 1), 2)  # [2, 1, 1]
+    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=W_T), 0), 2)  # [1, 16, 1]
+    kk = gl.expand_dims(gl.expand_dims(gl.arange(0, HEAD_DIM, layout=W_K), 0), 1)  # [1, 1, 128]
+    tok = hh * HALF + tt
+    mask = (tok < n_valid) & (kk < HEAD_DIM)
+    base = (first.to(gl.int64) * H + i_h) * HEAD_DIM
+    return mask, base, tok * (H * HEAD_DIM) + kk
+
+
+@gluon.jit
+def _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale,
+                        gate_scale, left_s, q_s, right_s, GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr,
+                        HAS_DT_BIAS: gl.constexpr):
+    """`_elementwise32` on the whole chunk at once in the ``W3`` layout: stores ``kd, qd, kr, glast`` and writes the
+    product operands into ``left_s, q_s, right_s`` (slots as `_products32` reads them). Per element four special
+    functions instead of six: ``2^-G`` once, and the factors with the reference ``r`` or the half's end as
+    per-channel products (``2^(r - G) = 2^r 2^-G``, both within ``2^+-115``)."""
+    K: gl.constexpr = HEAD_DIM
+    mask, base, offs = _wide_offsets(first, n_valid, i_h, H)
+    if GROUP == 1:
+        b_q = gl.load(q + base + offs, mask=mask, other=0.0)
+        b_k = gl.load(k + base + offs, mask=mask, other=0.0)
+    else:
+        _, base_qk, offs_qk = _wide_offsets(first, n_valid, i_h // GROUP, H // GROUP)
+        b_q = gl.load(q + base_qk + offs_qk, mask=mask, other=0.0)
+        b_k = gl.load(k + base_qk + offs_qk, mask=mask, other=0.0)
+    b_g = gl.load(g + base + offs, mask=mask, other=0.0)
+    o_k = gl.arange(0, K, layout=W_K)
+    if HAS_DT_BIAS:
+        b_dt = gl.load(dt_bias + i_h * K + o_k).to(gl.float32)
+    if HAS_A_LOG:
+        a_log = gl.load(A_log + i_h).to(gl.float32)
+    b_q = b_q.to(gl.float32)
+    b_k = b_k.to(gl.float32)
+    b_g = b_g.to(gl.float32)
+    b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=2) + L2NORM_EPS) * scale, 2)
+    b_k = b_k * gl.expand_dims(gl.rsqrt(gl.sum(b_k * b_k, axis=2) + L2NORM_EPS), 2)
+    if HAS_DT_BIAS:
+        b_g = b_g + gl.expand_dims(gl.expand_dims(b_dt, 0), 1)
+    if HAS_A_LOG:
+        b_g = b_g * gl.exp2(a_log * LOG2E)
+    b_g = gate_scale / (1.0 + gl.exp2(-b_g * LOG2E))
+    b_g = gl.where(mask, b_g, 0.0)
+    G = gl.associative_scan(b_g, 1, _add)  # in-half cumsum: G_A, and G_B' = G_B - r
+    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=W_T), 0), 2)
+    G_end = gl.sum(gl.where(tt == HALF - 1, G, 0.0), axis=1)  # [2, K]: r and G_B'[15] (padded rows add 0)
+    h2 = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, W_HK)), 1)  # [2, 1]
+    r = gl.sum(gl.where(h2 == 0, G_end, 0.0), axis=0)  # [K]
+    b_end = gl.sum(gl.where(h2 == 1, G_end, 0.0), axis=0)
+    gl.store(glast + tile * K + o_k, gl.exp2(r + b_end), mask=(o_k < K) & (n_valid > 0))
+    e_r = gl.expand_dims(gl.expand_dims(gl.exp2(r), 0), 1)  # [1, 1, K]
+    e_end = gl.expand_dims(gl.expand_dims(gl.exp2(b_end), 0), 1)
+    hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=W_H), 1), 2)
+    e_pos = gl.exp2(G)
+    kd_op = b_k * e_pos  # k 2^G_A, k 2^G_B'
+    qd_op = b_q * e_pos
+    ki_op = b_k * gl.exp2(-G)  # k 2^-G_A, k 2^-G_B'
+    kiar = ki_op * e_r  # half A: k 2^(r - G_A)
+    # stored: kd = k 2^G (half B: k 2^(G_B' + r)), kr = k 2^(Glast - G) (half A: 2^(r - G_A) 2^G_B'[15])
+    b_half = hh == 1
+    gl.store(kd + base + offs, gl.where(b_half, kd_op * e_r, kd_op).to(gl.bfloat16), mask=mask)
+    gl.store(qd + base + offs, gl.where(b_half, qd_op * e_r, qd_op).to(gl.bfloat16), mask=mask)
+    gl.store(kr + base + offs, (gl.where(b_half, ki_op, kiar) * e_end).to(gl.bfloat16), mask=mask)
+
+    # operands: left = [kd_A, kd_B, kd_B, qd_B], q = [qd_A, qd_B, qd_A, qd_B], right = [ki_A, ki_B, kiAr, kiAr]^T
+    kd_op = kd_op.to(gl.bfloat16)
+    qd_op = qd_op.to(gl.bfloat16)
+    left3 = left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
+    q3 = q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
+    right3 = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3)
+    left3.slice(0, 2).store(kd_op)
+    q3.slice(0, 2).store(qd_op)
+    q3.slice(2, 2).store(qd_op)
+    right3.slice(0, 2).store(gl.permute(ki_op.to(gl.bfloat16), [0, 2, 1]))
+    _, kd_b = gl.split(gl.permute(kd_op, [1, 2, 0]))
+    _, qd_b = gl.split(gl.permute(qd_op, [1, 2, 0]))
+    kiar_a, _ = gl.split(gl.permute(kiar.to(gl.bfloat16), [1, 2, 0]))
+    left_s.index(2).store(kd_b)
+    left_s.index(3).store(qd_b)
+    right_s.index(2).store(gl.permute(kiar_a, [1, 0]))
+    right_s.index(3).store(gl.permute(kiar_a, [1, 0]))
+
+
+@gluon.jit
+def kda_fwd_v2_prepare32_wide_kernel(
+    q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
+    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+):
+    """`kda_fwd_v2_prepare32_batched_kernel` with the elementwise part on the whole chunk in one ``[2, 16, 128]``
+    layout (`_elementwise32_wide`): 4-byte global accesses, half the cross-lane shuffles of the L2 norms (a thread
+    holds two channels), four special functions per element; the products are the batched kernel's."""
+    K: gl.constexpr = HEAD_DIM
+    i_c = gl.program_id(0) // H
+    i_h = gl.program_id(0) % H
+    first = gl.load(chunk_index + i_c * 3 + 1)
+    n_valid = gl.load(chunk_index + i_c * 3 + 2)
+    tile = i_c.to(gl.int64) * H + i_h
+    o_b, o_i, ok, rows, b_beta = _beta_rows(beta_in, first, n_valid, i_h, H)
+    left_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    right_s = gl.allocate_shared_memory(gl.bfloat16, [4, K, HALF], SMEM_KT)
+    _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale,
+                        gate_scale, left_s, q_s, right_s, GROUP, HAS_A_LOG, HAS_DT_BIAS)
+    _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid)

@@ -15,7 +15,7 @@ from flashkda.fwd.v2.recurrence import _check
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
 
-__all__ = ["STAGES32", "recurrence32_fwd"]
+__all__ = ["STAGES32", "launch_recurrence32", "recurrence32_fwd"]
 
 #: Shared-memory ring slots (29 KiB each at C = 32: kd/qd/kr/INV/Mqk/glast); 2 leave room for two CTAs per SM.
 STAGES32 = 2
@@ -55,20 +55,45 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
         ``final_state`` or None.
     """
-    _check(ws, v, initial_state, 64, stages)
+    B, T, H, V = v.shape
+    N = ws.layout.num_seqs
+    o = torch.empty_like(v)
+    final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
+    if N == 0:
+        _check(ws, v, initial_state, 64, stages)
+        return o, final
+    if order is None and N > 1:
+        order = ws.layout.seq_order
+    launch_recurrence32(ws, v, o, initial_state, final, order, stages=stages)
+    return o, final
+
+
+def launch_recurrence32(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: torch.Tensor | None,
+                        ht: torch.Tensor | None, order: torch.Tensor | None, stages: int = STAGES32) -> None:
+    """The chunk-32 K2 into caller-owned outputs (also one token segment of `flashkda.fwd.v2.pipeline`).
+
+    Args:
+        ws: chunk-32 `Workspace` (or a segment's views of one), its layout with ``N`` sequences.
+        v: ``[B, T, H, 128]`` bf16 values (contiguous; a segment's row view); o: the same shape (written).
+        h0: ``[N, H, 128, 128]`` fp32 start states or None (zeros); ht: ``[N, H, 128, 128]`` fp32 final states
+            (written; may be ``h0`` itself: each CTA reads its slice before writing it) or None (not stored).
+        order: ``[N]`` int32 launch order of the sequences, or None (sequence order; one sequence).
+        stages: shared-memory ring slots (2, 3 or 4).
+    """
+    _check(ws, v, h0, 64, stages)
     if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):
         raise ValueError(f"ws must be a chunk-32 workspace (inv [NT, H, 32, 32]), got inv {tuple(ws.inv.shape)}")
     B, T, H, V = v.shape
     layout = ws.layout
     N = layout.num_seqs
-    o = torch.empty_like(v)
-    final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
     if N == 0:
-        return o, final
+        return
     if B * T == 0 or layout.num_chunks == 0:
-        if final is not None:
-            final.copy_(initial_state) if initial_state is not None else final.zero_()
-        return o, final
+        if ht is not None and h0 is None:
+            ht.zero_()
+        elif ht is not None and h0.data_ptr() != ht.data_ptr():
+            ht.copy_(h0)
+        return
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     C = CHUNK32
@@ -82,15 +107,11 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         return TensorDescriptor(x, [NT * H * C, C], [C, 1], [C, C], tile_layout)
 
     glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
-    use_order = N > 1
-    if use_order and order is None:
-        order = layout.seq_order
     dummy = ws.beta
     _kernel()[(H * 2, N)](
         tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,
-        ws.beta, v, o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
-        layout.cu_seqlens, layout.seq_chunks, order if use_order else layout.seq_chunks,
-        H=H, C=C, BV=64, STAGES=stages, USE_ORDER=use_order, USE_H0=initial_state is not None,
-        STORE_HT=output_final_state, num_warps=4,
+        ws.beta, v, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        layout.cu_seqlens, layout.seq_chunks, order if order is not None else layout.seq_chunks,
+        H=H, C=C, BV=64, STAGES=stages, USE_ORDER=order is not None, USE_H0=h0 is not None,
+        STORE_HT=ht is not None, num_warps=4,
     )
-    return o, final
