@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from flashkda.fwd.v2.recurrence import _check
+from flashkda.fwd.v2.recurrence import _check, _check_checkpoints
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
 
@@ -39,7 +39,9 @@ def _smem_layouts(chunk: int):
 
 def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, *, order: torch.Tensor | None = None,
-                     stages: int = STAGES32) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     stages: int = STAGES32, checkpoints: torch.Tensor | None = None,
+                     ck_offsets: torch.Tensor | None = None, every: int = 0,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and final state of KDA from a chunk-32 workspace (contract of ``emulate.emulate_recurrence``).
 
     Args:
@@ -50,12 +52,14 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
         order: ``[N]`` int32 launch order of the sequences; default longest first when N > 1.
         stages: shared-memory ring slots (2, 3 or 4).
+        checkpoints, ck_offsets, every: training checkpoint stores, as ``recurrence.recurrence_fwd``'s.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
         ``final_state`` or None.
     """
     _check(ws, v, initial_state, 64, stages)
+    _check_checkpoints(ws, v, checkpoints, ck_offsets, every)
     if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):
         raise ValueError(f"ws must be a chunk-32 workspace (inv [NT, H, 32, 32]), got inv {tuple(ws.inv.shape)}")
     B, T, H, V = v.shape
@@ -90,7 +94,8 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,
         ws.beta, v, o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
         layout.cu_seqlens, layout.seq_chunks, order if use_order else layout.seq_chunks,
+        checkpoints if every else v, ck_offsets if every else layout.seq_chunks,
         H=H, C=C, BV=64, STAGES=stages, USE_ORDER=use_order, USE_H0=initial_state is not None,
-        STORE_HT=output_final_state, num_warps=4,
+        STORE_HT=output_final_state, EVERY=every, num_warps=4,
     )
     return o, final
