@@ -36,14 +36,16 @@ def _smem_layouts():
             gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16))
 
 
-def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int) -> None:
+def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int,
+           names: tuple[str, str] = ("v", "initial_state")) -> None:
+    v_name, s_name = names
     if not v.is_cuda:
-        raise ValueError(f"v must be a CUDA tensor for the Gluon recurrence, got device {v.device}")
+        raise ValueError(f"{v_name} must be a CUDA tensor for the Gluon recurrence, got device {v.device}")
     if v.dtype != torch.bfloat16 or v.dim() != 4 or v.shape[-1] != HEAD_DIM or not v.is_contiguous():
-        raise ValueError(f"v must be contiguous bf16 [B, T, H, {HEAD_DIM}], got {v.dtype} {tuple(v.shape)}")
+        raise ValueError(f"{v_name} must be contiguous bf16 [B, T, H, {HEAD_DIM}], got {v.dtype} {tuple(v.shape)}")
     B, T, H, _ = v.shape
     if tuple(ws.kd.shape) != (B * T, H, HEAD_DIM):
-        raise ValueError(f"workspace kd {tuple(ws.kd.shape)} does not match v {tuple(v.shape)}")
+        raise ValueError(f"workspace kd {tuple(ws.kd.shape)} does not match {v_name} {tuple(v.shape)}")
     if block_v not in (64, 128):
         raise ValueError(f"block_v must be 64 or 128, got {block_v}")
     if stages not in (2, 3, 4):
@@ -51,10 +53,10 @@ def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, b
     if initial_state is not None:
         want = (ws.layout.num_seqs, H, HEAD_DIM, HEAD_DIM)
         if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be fp32 {want}, got {initial_state.dtype} "
+            raise ValueError(f"{s_name} must be fp32 {want}, got {initial_state.dtype} "
                              f"{tuple(initial_state.shape)}")
         if not initial_state.is_contiguous() or initial_state.device != v.device:
-            raise ValueError("initial_state must be contiguous and on v's device")
+            raise ValueError(f"{s_name} must be contiguous and on {v_name}'s device")
 
 
 def _check_checkpoints(ws: Workspace, v: torch.Tensor, checkpoints: torch.Tensor | None,

@@ -15,7 +15,7 @@ from flashkda.fwd.v2.recurrence import _check, _check_checkpoints
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
 
-__all__ = ["STAGES32", "recurrence32_fwd"]
+__all__ = ["STAGES32", "descriptors", "recurrence32_fwd"]
 
 #: Shared-memory ring slots (29 KiB each at C = 32: kd/qd/kr/INV/Mqk/glast); 2 leave room for two CTAs per SM.
 STAGES32 = 2
@@ -35,6 +35,25 @@ def _smem_layouts(chunk: int):
     return (gl.NVMMASharedLayout.get_default_for([chunk, HEAD_DIM], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([chunk, chunk], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM], gl.float32))
+
+
+def descriptors(ws: Workspace, chunk: int) -> tuple:
+    """K2's six TMA descriptors of a workspace of ``chunk``-token chunks: ``kd, qd, kr`` (``[chunk, 128]`` token
+    tiles), ``inv, mqk`` (``[chunk, chunk]`` chunk tiles) and ``glast`` (one ``[1, 128]`` row per chunk and head)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tok_layout, tile_layout, g_layout = _smem_layouts(chunk)
+    T_total, H = ws.kd.shape[:2]
+    NT = ws.layout.num_chunks
+
+    def tokens(x):
+        return TensorDescriptor(x, [T_total, H * HEAD_DIM], [H * HEAD_DIM, 1], [chunk, HEAD_DIM], tok_layout)
+
+    def tiles(x):
+        return TensorDescriptor(x, [NT * H * chunk, chunk], [chunk, 1], [chunk, chunk], tile_layout)
+
+    glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
+    return tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast
 
 
 def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
@@ -73,29 +92,17 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         if final is not None:
             final.copy_(initial_state) if initial_state is not None else final.zero_()
         return o, final
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    C = CHUNK32
-    tok_layout, tile_layout, g_layout = _smem_layouts(C)
-    T_total, NT = B * T, layout.num_chunks
-
-    def tokens(x):
-        return TensorDescriptor(x, [T_total, H * HEAD_DIM], [H * HEAD_DIM, 1], [C, HEAD_DIM], tok_layout)
-
-    def tiles(x):
-        return TensorDescriptor(x, [NT * H * C, C], [C, 1], [C, C], tile_layout)
-
-    glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
+    descs = descriptors(ws, CHUNK32)
     use_order = N > 1
     if use_order and order is None:
         order = layout.seq_order
     dummy = ws.beta
     _kernel()[(H * 2, N)](
-        tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,
-        ws.beta, v, o, initial_state if initial_state is not None else dummy, final if final is not None else dummy,
+        *descs, ws.beta, v, o,
+        initial_state if initial_state is not None else dummy, final if final is not None else dummy,
         layout.cu_seqlens, layout.seq_chunks, order if use_order else layout.seq_chunks,
         checkpoints if every else v, ck_offsets if every else layout.seq_chunks,
-        H=H, C=C, BV=64, STAGES=stages, USE_ORDER=use_order, USE_H0=initial_state is not None,
+        H=H, C=CHUNK32, BV=64, STAGES=stages, USE_ORDER=use_order, USE_H0=initial_state is not None,
         STORE_HT=output_final_state, EVERY=every, num_warps=4,
     )
     return o, final
