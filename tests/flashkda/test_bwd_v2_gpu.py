@@ -84,6 +84,20 @@ def test_launchers_reject_bad_arguments():
         recurrence_train(ws, c["v"], every=0)
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_state_grads_oracle_is_the_backward_emulations_b2(chunk):
+    """``emulate_state_grads`` (B2's oracle) is the B2 stage of ``emulate_backward``: the same ``dh0``, bit for bit."""
+    from flashkda.bwd.v2.emulate import emulate_backward
+
+    c, ws = _case(1, 100, 2, (37, 0, 63), chunk, device="cpu")
+    _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], 2)
+    grads = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, ws.layout, -5.0, c["do"],
+                             c["A_log"], c["dt_bias"], c["h0"], c["dht"], ws=ws, checkpoints=ck, every=2, chunk=chunk)
+    ds, dh0 = emulate_state_grads(ws, c["do"], c["dht"])
+    assert torch.equal(dh0, grads.dh0)
+    assert ds.shape == (ws.layout.num_chunks, 2, K, K) and torch.equal(ds, ds.bfloat16().float())
+
+
 def _prefix(ws, tokens):
     """The workspace of one sequence cut to its first ``tokens`` tokens (a chunk multiple: the same chunks)."""
     lay = ws.layout
