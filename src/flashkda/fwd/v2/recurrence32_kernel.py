@@ -24,7 +24,7 @@ memory once per sequence (rows after the last sequence may be uninitialised memo
 ``EVERY > 0`` adds the training checkpoint stores of the chunk-16 kernel (the state entering every ``EVERY``-th
 chunk, bf16, row ``ck_offsets[n] + j // EVERY`` of ``ckpt``).
 
-The ring helpers here (`_issue_loads`, `_wait_slot`, `_load_v_beta`) also serve the backward's state-gradient
+The ring helpers here (`_issue_loads`, `_wait_slot`, `_load_v_beta`, `_zero_rows_past`) also serve the backward's state-gradient
 chain (`flashkda.bwd.v2.state_grad_kernel`), which walks the same tiles in reverse.
 """
 
@@ -53,7 +53,6 @@ except ImportError:  # loaded by path by the offline compile script (no flashkda
 
 HEAD_DIM = gl.constexpr(128)
 _store_state_bf16 = _k16._store_state_bf16
-_zero_rows_past = _k16._zero_rows_past
 
 
 @gluon.jit
@@ -84,6 +83,15 @@ def _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, phase):
     mbarrier.wait(inv_b.index(slot), phase)
     mbarrier.wait(mqk_b.index(slot), phase)
     mbarrier.wait(g_b.index(slot), phase)
+
+
+@gluon.jit
+def _zero_rows_past(t, n_valid, layout: gl.constexpr):
+    """Zero the rows ``>= n_valid`` of the shared-memory tile ``t`` ``[C, 128]`` (the caller fences and syncs)."""
+    o_r = gl.arange(0, t.shape[0], layout=gl.SliceLayout(1, layout))
+    b_t = t.load(layout)
+    gl.thread_barrier()
+    t.store(gl.where((o_r < n_valid)[:, None], b_t, 0.0))
 
 
 @gluon.jit

@@ -79,15 +79,6 @@ def _store_state_bf16(dst, b_s, row, i_h, H, o_vk, o_kk, K: gl.constexpr, V: gl.
 
 
 @gluon.jit
-def _zero_rows_past(t, n_valid, layout: gl.constexpr):
-    """Zero the rows ``>= n_valid`` of the shared-memory tile ``t`` ``[C, 128]`` (the caller fences and syncs)."""
-    o_r = gl.arange(0, t.shape[0], layout=gl.SliceLayout(1, layout))
-    b_t = t.load(layout)
-    gl.thread_barrier()
-    t.store(gl.where((o_r < n_valid)[:, None], b_t, 0.0))
-
-
-@gluon.jit
 def _store_o(o, b_o, row0, n_valid, i_h, H, o_vc, o_tc, V: gl.constexpr):
     # o^T [BV, C] of one chunk, token rows row0 .. row0 + n_valid - 1, straight from the accumulator layout (2-byte
     # stores, 16 contiguous bytes per 8 lanes; a layout conversion would cost two CTA barriers per chunk)
@@ -209,7 +200,9 @@ def kda_fwd_v2_recurrence_kernel(
         if j * C + C > eos - bos:
             # a partial last chunk: its rows past the sequence's end may hold any bits (token rows after the last
             # sequence are never written), and kr^T U would turn a NaN there into NaN state even with U = 0
-            _zero_rows_past(kr_t, eos - bos - j * C, kr_layout)
+            o_tr = gl.arange(0, C, layout=gl.SliceLayout(1, kr_layout))
+            b_kr = kr_t.load(kr_layout)
+            kr_t.store(gl.where((j * C + o_tr < eos - bos)[:, None], b_kr, 0.0))
             fence_async_shared()
             gl.thread_barrier()
 
