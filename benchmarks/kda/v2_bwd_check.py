@@ -8,7 +8,7 @@ writes what was measured and exits when a kernel hangs past it):
 2. per row (H64 T8192 and H32 T32768 at chunk 32, H64 varlen 1k x 8 at chunk 16, as the forward v2 serves them):
    K1's workspace (the emulated one when K1 fails), then F2's checkpoints and B2's ``ds``/``dh0`` against the
    emulation on that workspace (relative RMS), then medians of CUDA events of K2, F2 (the checkpoint stores'
-   overhead is F2 - K2), B2, and, as context, fla 0.6.0 ``chunk_kda``'s whole backward and fwd+bwd on the same
+   overhead is F2 - K2), B2 (ring of 2 and 3 slots), and, as context, fla 0.6.0 ``chunk_kda``'s whole backward and fwd+bwd on the same
    inputs (B2 is one stage of our backward: the numbers are not a speedup).
 
 Results: ``benchmarks/results/kda-v2-bwd-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
@@ -95,13 +95,15 @@ def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
         k2 = recurrence_fwd if chunk == 16 else recurrence32_fwd
         runs = {"k2": lambda: k2(ws, x["v"], x["initial_state"], True),
                 "f2": lambda: recurrence_train(ws, x["v"], x["initial_state"], True, every),
-                "b2": lambda: state_grad_bwd(ws, do, dht, True)}
+                "b2": lambda: state_grad_bwd(ws, do, dht, True),
+                "b2 stages3": lambda: state_grad_bwd(ws, do, dht, True, stages=3)}
         extra: dict = {"workspace": source}
         if check:
             _, _, ck, _ = runs["f2"]()
             ds, dh0 = runs["b2"]()
             errs, err = guarded(f"errors {shape.name}", emulation_errors, ws, x, do, dht, ck, ds, dh0, every)
             extra.update(errs or {"errors": f"failed: {err}"})
+            extra["checkpoints MB"] = round(ck.numel() * ck.element_size() / 1e6, 1)
             del ck, ds, dh0
         ms = {}
         for name, fn in runs.items():
@@ -129,7 +131,8 @@ def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
     f2_row = Row(f"{shape.name} c{chunk} F2", "K2 without checkpoints (same run)", ms["k2"], ms["f2"],
                  params=params, extra=extra, note="F2 = K2 + checkpoint stores; ours/baseline < 1 is its overhead")
     b2_row = Row(f"{shape.name} c{chunk} B2", FLA, extra["fla bwd ms"], None, params=params,
-                 extra={"b2 ms": ms["b2"], "fla fwd+bwd ms": extra["fla fwd+bwd ms"]},
+                 extra={"b2 ms": ms["b2"], "b2 stages3 ms": ms["b2 stages3"], "k2 ms": ms["k2"],
+                        "fla fwd+bwd ms": extra["fla fwd+bwd ms"]},
                  note="B2 is one stage of the v2 backward (the state-gradient chain); fla's whole backward is context")
     return [f2_row, b2_row]
 
