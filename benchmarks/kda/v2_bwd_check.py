@@ -8,8 +8,8 @@ writes what was measured and exits when a kernel hangs past it):
 2. per row (H64 T8192 and H32 T32768 at chunk 32, H64 varlen 1k x 8 at chunk 16, as the forward v2 serves them):
    K1's workspace (the emulated one when K1 fails), then F2's checkpoints and B2's ``ds``/``dh0`` against the
    emulation on that workspace (relative RMS), then medians of CUDA events of K2, F2 (the checkpoint stores'
-   overhead is F2 - K2), B2 (ring of 2 and 3 slots), and, as context, fla 0.6.0 ``chunk_kda``'s whole backward and fwd+bwd on the same
-   inputs (B2 is one stage of our backward: the numbers are not a speedup).
+   overhead is F2 - K2), B2 (ring of 2 and 3 slots), and, as context, fla 0.6.0 ``chunk_kda``'s whole backward
+   and fwd+bwd on the same inputs (B2 is one stage of our backward: the numbers are not a speedup).
 
 Results: ``benchmarks/results/kda-v2-bwd-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
