@@ -74,6 +74,25 @@ def emulation_errors(ws, x: dict, do, dht, ck, ds, dh0, every: int) -> dict:
             "rms(dh0) vs emulate": float(f"{rms_ratio(dh0, rdh0):.3e}")}
 
 
+def fla_times(x: dict, kw: dict, do, dht, rep: int) -> dict:
+    """Medians of fla 0.6.0 ``chunk_kda``'s backward alone (a retained graph) and of its fwd+bwd, same inputs."""
+    import torch
+
+    fla = Impls._fla()
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    xg = dict(x, **leaves)
+
+    def fwd_bwd():
+        o, s = fla_style(fla, xg, kw)
+        return torch.autograd.grad((o, s), list(leaves.values()), (do, dht))
+
+    o, s = fla_style(fla, xg, kw)
+    bwd = time_fn(lambda: torch.autograd.grad((o, s), list(leaves.values()), (do, dht), retain_graph=True),
+                  device="cuda", rep=rep)
+    both = time_fn(fwd_bwd, device="cuda", rep=rep)
+    return {"fla bwd ms": round(bwd.median_ms, 4), "fla fwd+bwd ms": round(both.median_ms, 4)}
+
+
 def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
     """Errors vs the emulation, then K2, F2, B2 and fla's backward on one row."""
     import torch
@@ -110,26 +129,13 @@ def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
             t, err = guarded(f"time {name} {shape.name}", time_fn, fn, device="cuda", rep=rep)
             ms[name] = None if t is None else round(t.median_ms, 4)
             extra[f"{name} ms"] = ms[name] if t is not None else f"failed: {err}"
-    fla = Impls._fla()
-    leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
-    xg = dict(x, **leaves)
-
-    def fla_fwd_bwd():
-        o, s = fla_style(fla, xg, kw)
-        return torch.autograd.grad((o, s), list(leaves.values()), (do, dht))
-
-    o, s = fla_style(fla, xg, kw)
-    fla_bwd = guarded(f"time fla bwd {shape.name}", time_fn,
-                      lambda: torch.autograd.grad((o, s), list(leaves.values()), (do, dht), retain_graph=True),
-                      device="cuda", rep=rep)[0]
-    fla_all = guarded(f"time fla fwd+bwd {shape.name}", time_fn, fla_fwd_bwd, device="cuda", rep=rep)[0]
-    extra["fla bwd ms"] = None if fla_bwd is None else round(fla_bwd.median_ms, 4)
-    extra["fla fwd+bwd ms"] = None if fla_all is None else round(fla_all.median_ms, 4)
+    got, err = guarded(f"fla {shape.name}", fla_times, x, kw, do, dht, rep)
+    extra.update(got or {"fla bwd ms": None, "fla fwd+bwd ms": None, "fla": f"failed: {err}"})
     if ms["k2"] and ms["f2"]:
         extra["checkpoint overhead ms"] = round(ms["f2"] - ms["k2"], 4)
     log(f"[time] {shape.name} c{chunk}: {extra}")
     f2_row = Row(f"{shape.name} c{chunk} F2", "K2 without checkpoints (same run)", ms["k2"], ms["f2"],
-                 params=params, extra=extra, note="F2 = K2 + checkpoint stores; ours/baseline < 1 is its overhead")
+                 params=params, extra=extra, note="F2 = K2 + checkpoint stores: baseline/ours below 1 by their cost")
     b2_row = Row(f"{shape.name} c{chunk} B2", FLA, extra["fla bwd ms"], None, params=params,
                  extra={"b2 ms": ms["b2"], "b2 stages3 ms": ms["b2 stages3"], "k2 ms": ms["k2"],
                         "fla fwd+bwd ms": extra["fla fwd+bwd ms"]},
