@@ -74,7 +74,7 @@ def emulation_errors(ws, x: dict, do, dht, ck, ds, dh0, every: int) -> dict:
             "rms(dh0) vs emulate": float(f"{rms_ratio(dh0, rdh0):.3e}")}
 
 
-def fla_times(x: dict, kw: dict, do, dht, rep: int) -> dict:
+def fla_times(x: dict, kw: dict, do, dht, rep: int, device: str) -> dict:
     """Medians of fla 0.6.0 ``chunk_kda``'s backward alone (a retained graph) and of its fwd+bwd, same inputs."""
     import torch
 
@@ -88,12 +88,12 @@ def fla_times(x: dict, kw: dict, do, dht, rep: int) -> dict:
 
     o, s = fla_style(fla, xg, kw)
     bwd = time_fn(lambda: torch.autograd.grad((o, s), list(leaves.values()), (do, dht), retain_graph=True),
-                  device="cuda", rep=rep)
-    both = time_fn(fwd_bwd, device="cuda", rep=rep)
+                  device=device, rep=rep)
+    both = time_fn(fwd_bwd, device=device, rep=rep)
     return {"fla bwd ms": round(bwd.median_ms, 4), "fla fwd+bwd ms": round(both.median_ms, 4)}
 
 
-def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
+def time_row(shape: Shape, chunk: int, rep: int, check: bool, device: str = "cuda") -> list[Row]:
     """Errors vs the emulation, then K2, F2, B2 and fla's backward on one row."""
     import torch
 
@@ -102,11 +102,11 @@ def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
     from flashkda.fwd.v2.recurrence import recurrence_fwd
     from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
 
-    x, kw = make_inputs(shape, "cuda")
+    x, kw = make_inputs(shape, device)
     kw = dict(FLAGS, **{k: v for k, v in kw.items() if k.startswith("cu_seqlens")})
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
-    dht = torch.randn(x["initial_state"].shape, generator=gen, device="cuda") * 0.1
+    gen = torch.Generator(device=device).manual_seed(1)
+    do = torch.randn(x["v"].shape, generator=gen, device=device).bfloat16()
+    dht = torch.randn(x["initial_state"].shape, generator=gen, device=device) * 0.1
     every = DEFAULT_EVERY[chunk]
     params = dict(H=shape.H, T=shape.T, B=shape.B, lengths=shape.lengths, chunk=chunk, every=every)
     with torch.inference_mode():
@@ -126,10 +126,10 @@ def time_row(shape: Shape, chunk: int, rep: int, check: bool) -> list[Row]:
             del ck, ds, dh0
         ms = {}
         for name, fn in runs.items():
-            t, err = guarded(f"time {name} {shape.name}", time_fn, fn, device="cuda", rep=rep)
+            t, err = guarded(f"time {name} {shape.name}", time_fn, fn, device=device, rep=rep)
             ms[name] = None if t is None else round(t.median_ms, 4)
             extra[f"{name} ms"] = ms[name] if t is not None else f"failed: {err}"
-    got, err = guarded(f"fla {shape.name}", fla_times, x, kw, do, dht, rep)
+    got, err = guarded(f"fla {shape.name}", fla_times, x, kw, do, dht, rep, device)
     extra.update(got or {"fla bwd ms": None, "fla fwd+bwd ms": None, "fla": f"failed: {err}"})
     if ms["k2"] and ms["f2"]:
         extra["checkpoint overhead ms"] = round(ms["f2"] - ms["k2"], 4)
