@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     threading.Thread(target=_watchdog, args=(budget, results, info, args.no_write), daemon=True).start()
     if not args.skip_pytest:
-        rc, tail = run_pytest(max(10.0, min(90.0, budget.left() - 50)))
+        rc, tail = run_pytest(max(10.0, min(80.0, budget.left() - 50)))
         log(f"[pytest] rc={rc}\n{tail}")
         results.append(Row(f"pytest -m gpu {TEST_FILE}", "pytest", None, None, extra={"rc": str(rc)},
                            note="correctness only"))
