@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         if args.dump:
             dump_asm(k, args.dump, "prepare")
             args.dump = None
-    for script in ("v2_compile_recurrence.py", "v2_compile32.py"):
+    for script in ("v2_compile_recurrence.py", "v2_compile32.py", "v2_compile_bwd.py"):
         rec = HERE / script
         if not args.no_recurrence and rec.exists():
             failed += load_by_path(rec.stem, rec).main(["--sass"] if args.sass else [])

@@ -31,16 +31,16 @@ def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: i
     return REC.COMPILE.compile_prepare(has_a_log, has_dt_bias, group, "prepare32_kernel.py", kernel, maxnreg)
 
 
-def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True):
+def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True, every: int = 0):
     mod = REC.COMPILE.load_by_path("flashkda_v2_recurrence32_kernel", KERNEL_FILE)
     fn = mod.kda_fwd_v2_recurrence32_kernel
     tok, tile, g = (REC.desc_type("bf16", [chunk, 128]), REC.desc_type("bf16", [chunk, chunk]),
                     REC.desc_type("fp32", [1, 128]))
     types = dict(kd_desc=tok, qd_desc=tok, kr_desc=tok, inv_desc=tile, mqk_desc=tile, g_desc=g, beta="*fp32",
                  v="*bf16", o="*bf16", h0="*fp32", ht="*fp32", cu_seqlens="*i32", seq_chunks="*i32",
-                 order="*i32", H="i32")
+                 order="*i32", ckpt="*bf16", ck_offsets="*i32", H="i32")
     num_warps = block_v // 16
-    cx = dict(C=chunk, BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True,
+    cx = dict(C=chunk, BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True, EVERY=every,
               num_warps=num_warps)
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
               REC.COMPILE.PREPARE_OPS,
               lambda a=a, grp=grp, cap=cap: compile_prepare32(a, a, grp, wide=True, maxnreg=cap))
              for cap in (None, 80, 64) for a, grp in ((True, 1), (False, 1), (True, 2))]
-    jobs += [(f"recurrence32 C={c} BV=64 warps=4 stages={st}", REC.RECURRENCE_OPS,
-              lambda c=c, st=st: compile_recurrence32(c, 64, st)) for c in args.chunk for st in args.stages]
+    jobs += [(f"recurrence32 C={c} BV=64 warps=4 stages={st}" + (f" checkpoints every={e}" if e else ""),
+              REC.RECURRENCE_OPS, lambda c=c, st=st, e=e: compile_recurrence32(c, 64, st, every=e))
+             for c in args.chunk for st in args.stages for e in (0, 4)]
     for name, ops, make in jobs:
         try:
             k = make()

@@ -46,15 +46,15 @@ def desc_type(dtype: str, block: list[int]) -> str:
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout}>"
 
 
-def compile_recurrence(block_v: int, stages: int, use_order: bool = True):
+def compile_recurrence(block_v: int, stages: int, use_order: bool = True, every: int = 0):
     mod = load_kernel_module()
     fn = mod.kda_fwd_v2_recurrence_kernel
     tok, tile = desc_type("bf16", [16, 128]), desc_type("bf16", [16, 16])
     types = dict(kd_desc=tok, qd_desc=tok, kr_desc=tok, inv_desc=tile, mqk_desc=tile, glast="*fp32",
                  beta="*fp32", v="*bf16", o="*bf16", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
-                 seq_chunks="*i32", order="*i32", H="i32")
+                 seq_chunks="*i32", order="*i32", ckpt="*bf16", ck_offsets="*i32", H="i32")
     num_warps = block_v // 16
-    cx = dict(BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True,
+    cx = dict(BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True, EVERY=every,
               num_warps=num_warps)
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
@@ -66,24 +66,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bv", type=int, nargs="+", default=[64])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--every", type=int, nargs="+", default=[0, 8],
+                    help="checkpoint every N chunks (0: the inference kernel, 8: training's F2)")
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
     ap.add_argument("--dump", default=None, help="write the ttgir/ptx of the first configuration to this folder")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target {TARGET}")
     failed = 0
-    for bv in args.bv:
-        for st in args.stages:
-            name = f"recurrence BV={bv} warps={bv // 16} stages={st}"
-            try:
-                k = compile_recurrence(bv, st)
-            except Exception as exc:  # report every configuration
-                failed += 1
-                print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
-                continue
-            print(COMPILE.report(name, k, args.sass, RECURRENCE_OPS))
-            if args.dump:
-                COMPILE.dump_asm(k, args.dump, f"recurrence_bv{bv}_s{st}")
-                args.dump = None
+    for bv, st, every in [(bv, st, e) for bv in args.bv for st in args.stages for e in args.every]:
+        name = f"recurrence BV={bv} warps={bv // 16} stages={st}" + (f" checkpoints every={every}" if every else "")
+        try:
+            k = compile_recurrence(bv, st, every=every)
+        except Exception as exc:  # report every configuration
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
+            continue
+        print(COMPILE.report(name, k, args.sass, RECURRENCE_OPS))
+        if args.dump:
+            COMPILE.dump_asm(k, args.dump, f"recurrence_bv{bv}_s{st}_e{every}")
+            args.dump = None
     return 1 if failed else 0
 
 

@@ -19,21 +19,34 @@ import torch
 from flashkda.fwd.v2.emulate import emulate_recurrence
 from flashkda.fwd.v2.workspace import ChunkLayout, Workspace
 
-__all__ = ["checkpoint_offsets", "emulate_recurrence_train"]
+__all__ = ["checkpoint_bound", "checkpoint_offsets", "emulate_recurrence_train"]
 
 
-def checkpoint_offsets(layout: ChunkLayout, every: int) -> torch.Tensor:
-    """``[N + 1]`` int64 (CPU) first checkpoint of each sequence for one checkpoint every ``every`` chunks.
+def _check_every(every: int) -> None:
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every must be a positive int (chunks between state checkpoints), got {every!r}")
+
+
+def checkpoint_offsets(layout: ChunkLayout, every: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N + 1]`` int64 first checkpoint of each sequence for one checkpoint every ``every`` chunks, on ``device``
+    (computed there: no host synchronisation when it is the layout's device).
 
     Raises:
         ValueError: ``every`` is not a positive int.
     """
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"every must be a positive int (chunks between state checkpoints), got {every!r}")
-    seq_chunks = layout.seq_chunks.to("cpu").long()
+    _check_every(every)
+    seq_chunks = layout.seq_chunks.to(device).long()
     counts = seq_chunks[1:] - seq_chunks[:-1]
     per_seq = (counts + every - 1) // every
     return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)])
+
+
+def checkpoint_bound(layout: ChunkLayout, every: int) -> int:
+    """A host-side upper bound of the checkpoint count, exact for fixed length: sequence ``n`` has
+    ``ceil(c_n / every)`` checkpoints, ``c_n <= max_chunks_per_seq`` and ``sum(c_n) <= num_chunks``."""
+    _check_every(every)
+    N = layout.num_seqs
+    return min(N * -(-layout.max_chunks_per_seq // every), (layout.num_chunks + N * (every - 1)) // every)
 
 
 def emulate_recurrence_train(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, every: int,

@@ -38,7 +38,7 @@ from flashkda.fwd.v2.emulate import LOG2E, _bf16, _chunk_rows, gate_log2, l2norm
 from flashkda.fwd.v2.workspace import CHUNK, ChunkLayout, Workspace
 from flashkda.fwd.v2.workspace32 import REF_TOKEN
 
-__all__ = ["KDAGrads", "emulate_backward"]
+__all__ = ["KDAGrads", "emulate_backward", "emulate_state_grads"]
 
 LN2 = math.log(2.0)
 HALF = 16
@@ -188,6 +188,27 @@ def _state_grads(t, doc, layout, dht, rnd):
         dS[seqs] = (dS[seqs] * t["glast"][c][..., None] + t["qd"][c].transpose(-1, -2) @ doc[c]
                     + t["kd"][c].transpose(-1, -2) @ du)
     return dS_out, dS
+
+
+def emulate_state_grads(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B2 alone (the state-gradient kernel's twin), from the forward's workspace and the output gradient.
+
+    Args:
+        ws: workspace of 16- or 32-token chunks (``emulate_prepare``, ``emulate_prepare32`` or K1's).
+        do: ``[B, T, H, V]`` output gradient; dht: ``[N, H, K, V]`` final-state gradient or None.
+
+    Returns:
+        ``(ds, dh0)``: ``ds`` ``[NT, H, K, V]`` fp32 holding bf16 values, the gradient of the state leaving each
+        chunk (zero for unused varlen chunks); ``dh0`` ``[N, H, K, V]`` fp32, the initial state's.
+    """
+    B, T, H, V = do.shape
+    rows, valid = _chunk_rows(ws.layout, do.device, ws.inv.shape[-1])
+    t = {n: _gather(getattr(ws, n).float(), rows, valid) for n in ("kd", "qd", "kr", "beta")}
+    t["b"] = t.pop("beta")
+    t["inv"], t["mqk"], t["glast"] = ws.inv.float(), ws.mqk.float(), ws.glast.float()
+    doc = _gather(do.reshape(B * T, H, V).float(), rows, valid)
+    return _state_grads(t, doc, ws.layout, dht, _bf16)
 
 
 def _local_grads(t, vc, doc, S_in, dS_out, scale, lower_bound, rnd):

@@ -181,8 +181,9 @@ def launch_recurrence(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: torch
         tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk),
         ws.glast, ws.beta, v, o, h0 if h0 is not None else ht, ht,
         layout.cu_seqlens, layout.seq_chunks, order if order is not None else layout.seq_chunks,
+        v, layout.seq_chunks,  # no training checkpoints (EVERY = 0)
         H=H, BV=rec.BLOCK_V, STAGES=rec.STAGES, USE_ORDER=order is not None, USE_H0=h0 is not None,
-        STORE_HT=True, num_warps=rec.BLOCK_V // 16,
+        STORE_HT=True, EVERY=0, num_warps=rec.BLOCK_V // 16,
     )
 
 

@@ -36,14 +36,16 @@ def _smem_layouts():
             gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16))
 
 
-def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int) -> None:
+def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, block_v: int, stages: int,
+           names: tuple[str, str] = ("v", "initial_state")) -> None:
+    v_name, s_name = names
     if not v.is_cuda:
-        raise ValueError(f"v must be a CUDA tensor for the Gluon recurrence, got device {v.device}")
+        raise ValueError(f"{v_name} must be a CUDA tensor for the Gluon recurrence, got device {v.device}")
     if v.dtype != torch.bfloat16 or v.dim() != 4 or v.shape[-1] != HEAD_DIM or not v.is_contiguous():
-        raise ValueError(f"v must be contiguous bf16 [B, T, H, {HEAD_DIM}], got {v.dtype} {tuple(v.shape)}")
+        raise ValueError(f"{v_name} must be contiguous bf16 [B, T, H, {HEAD_DIM}], got {v.dtype} {tuple(v.shape)}")
     B, T, H, _ = v.shape
     if tuple(ws.kd.shape) != (B * T, H, HEAD_DIM):
-        raise ValueError(f"workspace kd {tuple(ws.kd.shape)} does not match v {tuple(v.shape)}")
+        raise ValueError(f"workspace kd {tuple(ws.kd.shape)} does not match {v_name} {tuple(v.shape)}")
     if block_v not in (64, 128):
         raise ValueError(f"block_v must be 64 or 128, got {block_v}")
     if stages not in (2, 3, 4):
@@ -51,15 +53,37 @@ def _check(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None, b
     if initial_state is not None:
         want = (ws.layout.num_seqs, H, HEAD_DIM, HEAD_DIM)
         if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be fp32 {want}, got {initial_state.dtype} "
+            raise ValueError(f"{s_name} must be fp32 {want}, got {initial_state.dtype} "
                              f"{tuple(initial_state.shape)}")
         if not initial_state.is_contiguous() or initial_state.device != v.device:
-            raise ValueError("initial_state must be contiguous and on v's device")
+            raise ValueError(f"{s_name} must be contiguous and on {v_name}'s device")
+
+
+def _check_checkpoints(ws: Workspace, v: torch.Tensor, checkpoints: torch.Tensor | None,
+                       ck_offsets: torch.Tensor | None, every: int) -> None:
+    if checkpoints is None and ck_offsets is None and every == 0:
+        return
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every must be a positive int when checkpoints are stored, got {every!r}")
+    if checkpoints is None or ck_offsets is None:
+        raise ValueError("checkpoints and ck_offsets must be given together (with every)")
+    H = v.shape[2]
+    if (checkpoints.dtype != torch.bfloat16 or checkpoints.dim() != 4
+            or tuple(checkpoints.shape[1:]) != (H, HEAD_DIM, HEAD_DIM) or not checkpoints.is_contiguous()):
+        raise ValueError(f"checkpoints must be contiguous bf16 [NCK, {H}, {HEAD_DIM}, {HEAD_DIM}], got "
+                         f"{checkpoints.dtype} {tuple(checkpoints.shape)}")
+    if ck_offsets.dtype != torch.int32 or tuple(ck_offsets.shape) != (ws.layout.num_seqs + 1,):
+        raise ValueError(f"ck_offsets must be int32 [{ws.layout.num_seqs + 1}], got {ck_offsets.dtype} "
+                         f"{tuple(ck_offsets.shape)}")
+    if checkpoints.device != v.device or ck_offsets.device != v.device:
+        raise ValueError("checkpoints and ck_offsets must be on v's device")
 
 
 def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
                    output_final_state: bool = False, *, order: torch.Tensor | None = None,
-                   block_v: int = BLOCK_V, stages: int = STAGES) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   block_v: int = BLOCK_V, stages: int = STAGES, checkpoints: torch.Tensor | None = None,
+                   ck_offsets: torch.Tensor | None = None, every: int = 0,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and final state of KDA from K1's workspace (same contract as `emulate.emulate_recurrence`).
 
     Args:
@@ -72,12 +96,16 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
             (the layout's ``seq_order``).
         block_v: state columns per CTA, 64 (two CTAs per head) or 128.
         stages: shared-memory ring slots (2, 3 or 4).
+        checkpoints, ck_offsets, every: training checkpoint stores (`flashkda.bwd.v2.recurrence_train`): the state
+            entering chunk ``j`` of sequence ``n`` with ``j % every == 0`` goes to ``checkpoints[ck_offsets[n] +
+            j // every]`` (bf16 ``[NCK, H, 128, 128]``, K-first; ``ck_offsets`` ``[N + 1]`` int32); None/0: none.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (token rows after ``cu_seqlens[-1]`` are not written);
         ``final_state`` or None.
     """
     _check(ws, v, initial_state, block_v, stages)
+    _check_checkpoints(ws, v, checkpoints, ck_offsets, every)
     B, T, H, V = v.shape
     layout = ws.layout
     N = layout.num_seqs
@@ -112,7 +140,8 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
         ws.glast, ws.beta, v, o,
         initial_state if initial_state is not None else dummy, final if final is not None else dummy,
         layout.cu_seqlens, layout.seq_chunks, order if use_order else layout.seq_chunks,
+        checkpoints if every else v, ck_offsets if every else layout.seq_chunks,
         H=H, BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=initial_state is not None,
-        STORE_HT=output_final_state, num_warps=block_v // 16,
+        STORE_HT=output_final_state, EVERY=every, num_warps=block_v // 16,
     )
     return o, final

@@ -11,11 +11,11 @@ import functools
 
 import torch
 
-from flashkda.fwd.v2.recurrence import _check
+from flashkda.fwd.v2.recurrence import _check, _check_checkpoints
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
 
-__all__ = ["STAGES32", "launch_recurrence32", "recurrence32_fwd"]
+__all__ = ["STAGES32", "descriptors", "launch_recurrence32", "recurrence32_fwd"]
 
 #: Shared-memory ring slots (29 KiB each at C = 32: kd/qd/kr/INV/Mqk/glast); 2 leave room for two CTAs per SM.
 STAGES32 = 2
@@ -37,9 +37,30 @@ def _smem_layouts(chunk: int):
             gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM], gl.float32))
 
 
+def descriptors(ws: Workspace, chunk: int) -> tuple:
+    """K2's six TMA descriptors of a workspace of ``chunk``-token chunks: ``kd, qd, kr`` (``[chunk, 128]`` token
+    tiles), ``inv, mqk`` (``[chunk, chunk]`` chunk tiles) and ``glast`` (one ``[1, 128]`` row per chunk and head)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tok_layout, tile_layout, g_layout = _smem_layouts(chunk)
+    T_total, H = ws.kd.shape[:2]
+    NT = ws.layout.num_chunks
+
+    def tokens(x):
+        return TensorDescriptor(x, [T_total, H * HEAD_DIM], [H * HEAD_DIM, 1], [chunk, HEAD_DIM], tok_layout)
+
+    def tiles(x):
+        return TensorDescriptor(x, [NT * H * chunk, chunk], [chunk, 1], [chunk, chunk], tile_layout)
+
+    glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
+    return tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast
+
+
 def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, *, order: torch.Tensor | None = None,
-                     stages: int = STAGES32) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     stages: int = STAGES32, checkpoints: torch.Tensor | None = None,
+                     ck_offsets: torch.Tensor | None = None, every: int = 0,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and final state of KDA from a chunk-32 workspace (contract of ``emulate.emulate_recurrence``).
 
     Args:
@@ -50,6 +71,7 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
         order: ``[N]`` int32 launch order of the sequences; default longest first when N > 1.
         stages: shared-memory ring slots (2, 3 or 4).
+        checkpoints, ck_offsets, every: training checkpoint stores, as ``recurrence.recurrence_fwd``'s.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
@@ -59,17 +81,17 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     N = ws.layout.num_seqs
     o = torch.empty_like(v)
     final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
-    if N == 0:
-        _check(ws, v, initial_state, 64, stages)
-        return o, final
     if order is None and N > 1:
         order = ws.layout.seq_order
-    launch_recurrence32(ws, v, o, initial_state, final, order, stages=stages)
+    launch_recurrence32(ws, v, o, initial_state, final, order, stages=stages, checkpoints=checkpoints,
+                        ck_offsets=ck_offsets, every=every)
     return o, final
 
 
 def launch_recurrence32(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: torch.Tensor | None,
-                        ht: torch.Tensor | None, order: torch.Tensor | None, stages: int = STAGES32) -> None:
+                        ht: torch.Tensor | None, order: torch.Tensor | None, stages: int = STAGES32, *,
+                        checkpoints: torch.Tensor | None = None, ck_offsets: torch.Tensor | None = None,
+                        every: int = 0) -> None:
     """The chunk-32 K2 into caller-owned outputs (also one token segment of `flashkda.fwd.v2.pipeline`).
 
     Args:
@@ -79,8 +101,10 @@ def launch_recurrence32(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: tor
             (written; may be ``h0`` itself: each CTA reads its slice before writing it) or None (not stored).
         order: ``[N]`` int32 launch order of the sequences, or None (sequence order; one sequence).
         stages: shared-memory ring slots (2, 3 or 4).
+        checkpoints, ck_offsets, every: training checkpoint stores, as ``recurrence.recurrence_fwd``'s.
     """
     _check(ws, v, h0, 64, stages)
+    _check_checkpoints(ws, v, checkpoints, ck_offsets, every)
     if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):
         raise ValueError(f"ws must be a chunk-32 workspace (inv [NT, H, 32, 32]), got inv {tuple(ws.inv.shape)}")
     B, T, H, V = v.shape
@@ -94,24 +118,11 @@ def launch_recurrence32(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: tor
         elif ht is not None and h0.data_ptr() != ht.data_ptr():
             ht.copy_(h0)
         return
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    C = CHUNK32
-    tok_layout, tile_layout, g_layout = _smem_layouts(C)
-    T_total, NT = B * T, layout.num_chunks
-
-    def tokens(x):
-        return TensorDescriptor(x, [T_total, H * HEAD_DIM], [H * HEAD_DIM, 1], [C, HEAD_DIM], tok_layout)
-
-    def tiles(x):
-        return TensorDescriptor(x, [NT * H * C, C], [C, 1], [C, C], tile_layout)
-
-    glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
     dummy = ws.beta
     _kernel()[(H * 2, N)](
-        tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast,
-        ws.beta, v, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        *descriptors(ws, CHUNK32), ws.beta, v, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         layout.cu_seqlens, layout.seq_chunks, order if order is not None else layout.seq_chunks,
-        H=H, C=C, BV=64, STAGES=stages, USE_ORDER=order is not None, USE_H0=h0 is not None,
-        STORE_HT=ht is not None, num_warps=4,
+        checkpoints if every else v, ck_offsets if every else layout.seq_chunks,
+        H=H, C=CHUNK32, BV=64, STAGES=stages, USE_ORDER=order is not None, USE_H0=h0 is not None,
+        STORE_HT=ht is not None, EVERY=every, num_warps=4,
     )

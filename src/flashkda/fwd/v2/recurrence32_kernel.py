@@ -21,9 +21,17 @@ What differs from the chunk-16 kernel besides ``C``:
 Rows past a sequence's end: ``W = (v - u) beta`` is selected to zero there, ``U`` is then zero (INV's rows past the
 end are zero), ``o`` is stored for valid rows only, and the ``kr`` rows of a partial chunk are zeroed in shared
 memory once per sequence (rows after the last sequence may be uninitialised memory, and ``0 * NaN`` is NaN).
+``EVERY > 0`` adds the training checkpoint stores of the chunk-16 kernel (the state entering every ``EVERY``-th
+chunk, bf16, row ``ck_offsets[n] + j // EVERY`` of ``ckpt``).
+
+The ring helpers here (`_issue_loads`, `_wait_slot`, `_load_v_beta`, `_zero_rows_past`) also serve the backward's state-gradient
+chain (`flashkda.bwd.v2.state_grad_kernel`), which walks the same tiles in reverse.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,7 +43,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+try:
+    from flashkda.fwd.v2 import recurrence_kernel as _k16
+except ImportError:  # loaded by path by the offline compile script (no flashkda, no torch there)
+    _spec = importlib.util.spec_from_file_location("flashkda_v2_recurrence_kernel",
+                                                   Path(__file__).with_name("recurrence_kernel.py"))
+    _k16 = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_k16)
+
 HEAD_DIM = gl.constexpr(128)
+_store_state_bf16 = _k16._store_state_bf16
 
 
 @gluon.jit
@@ -66,6 +83,15 @@ def _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, phase):
     mbarrier.wait(inv_b.index(slot), phase)
     mbarrier.wait(mqk_b.index(slot), phase)
     mbarrier.wait(g_b.index(slot), phase)
+
+
+@gluon.jit
+def _zero_rows_past(t, n_valid, layout: gl.constexpr):
+    """Zero the rows ``>= n_valid`` of the shared-memory tile ``t`` ``[C, 128]`` (the caller fences and syncs)."""
+    o_r = gl.arange(0, t.shape[0], layout=gl.SliceLayout(1, layout))
+    b_t = t.load(layout)
+    gl.thread_barrier()
+    t.store(gl.where((o_r < n_valid)[:, None], b_t, 0.0))
 
 
 @gluon.jit
@@ -120,8 +146,9 @@ def kda_fwd_v2_recurrence32_kernel(
     kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc,  # TMA: [T_total, H*128] x3, [NT*H*C, C] x2, [NT*H, 128]
     beta, v, o, h0, ht,  # [T_total, H] fp32, [T_total, H, 128] bf16 x2, [N, H, 128, 128] fp32 x2
     cu_seqlens, seq_chunks, order,  # [N + 1] int32, [N + 1] int32, [N] int32 (longest first)
+    ckpt, ck_offsets,  # [NCK, H, 128, 128] bf16, [N + 1] int32 (training checkpoints; unused when EVERY = 0)
     H, C: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
-    USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, EVERY: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     K: gl.constexpr = HEAD_DIM
@@ -184,6 +211,8 @@ def kda_fwd_v2_recurrence32_kernel(
     else:
         b_s = gl.zeros([BV, K], gl.float32, layout=acc_k)
 
+    if EVERY > 0:
+        ck0 = gl.load(ck_offsets + i_n)
     b_v, b_beta = _load_v_beta(v, beta, bos, eos, 0, i_h, H, o_vc, o_tc, V, C)
     for j in range(n_full):
         slot = j % STAGES
@@ -193,6 +222,9 @@ def kda_fwd_v2_recurrence32_kernel(
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
                          kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j + STAGES - 1, bos, c0, i_h, H, C, STAGES)
         n_v, n_beta = _load_v_beta(v, beta, bos, eos, j + 1, i_h, H, o_vc, o_tc, V, C)
+        if EVERY > 0:
+            if j % EVERY == 0:
+                _store_state_bf16(ckpt, b_s, ck0 + j // EVERY, i_h, H, o_vk, o_kk, K, V)
         # three CTA barriers per chunk: this one, the compiler's between the expects and the copies, and its one
         # between the copies and the waits (the ring's slots share one allocation per tensor)
         _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, (j // STAGES) & 1)
@@ -206,13 +238,13 @@ def kda_fwd_v2_recurrence32_kernel(
         # sequence are never written), and kr^T U would turn a NaN there into NaN state even with U = 0
         j = n_full
         slot = j % STAGES
+        if EVERY > 0:
+            if j % EVERY == 0:
+                _store_state_bf16(ckpt, b_s, ck0 + j // EVERY, i_h, H, o_vk, o_kk, K, V)
         _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, (j // STAGES) & 1)
         kr_t = kr_s.index(slot)
         n_valid = eos - bos - j * C
-        o_tr = gl.arange(0, C, layout=gl.SliceLayout(1, kr_layout))
-        b_kr = kr_t.load(kr_layout)
-        gl.thread_barrier()
-        kr_t.store(gl.where((o_tr < n_valid)[:, None], b_kr, 0.0))
+        _zero_rows_past(kr_t, n_valid, kr_layout)
         fence_async_shared()
         gl.thread_barrier()
         b_s = _chunk_step(b_s, b_v, b_beta, kd_s.index(slot), qd_s.index(slot), kr_t, inv_s.index(slot),

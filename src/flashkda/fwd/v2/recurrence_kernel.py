@@ -16,6 +16,10 @@ end belong to the next sequence (or are TMA zero fill): ``W = (v - u) beta`` is 
 zero there too), they add nothing to the state, and ``o`` is stored only for valid rows. Such rows may even be uninitialised memory (tokens
 after the last sequence): ``v - u`` is selected away there, and the ``kr`` rows of a partial chunk are zeroed in
 shared memory, so no NaN can reach the state.
+
+With ``EVERY > 0`` (training) the kernel also stores the state entering every ``EVERY``-th chunk of a sequence
+(chunk ``j`` with ``j % EVERY == 0``) as bf16 to ``ckpt`` ``[NCK, H, 128, 128]`` (K-first), row
+``ck_offsets[n] + j // EVERY`` (`flashkda.bwd.v2.checkpoints`); ``EVERY = 0`` compiles the stores away.
 """
 
 from __future__ import annotations
@@ -68,6 +72,13 @@ def _load_chunk_regs(v, beta, glast, bos, eos, c0, j, n_chunks, i_h, H, o_vc, o_
 
 
 @gluon.jit
+def _store_state_bf16(dst, b_s, row, i_h, H, o_vk, o_kk, K: gl.constexpr, V: gl.constexpr):
+    """Store ``S^T`` ``[BV, K]`` (accumulator layout) as bf16 to the K-first ``dst[row, i_h]`` of ``[R, H, K, V]``."""
+    offs = (row * H + i_h).to(gl.int64) * (K * V) + o_kk[None, :] * V + o_vk[:, None]
+    gl.store(dst + offs, b_s.to(gl.bfloat16))
+
+
+@gluon.jit
 def _store_o(o, b_o, row0, n_valid, i_h, H, o_vc, o_tc, V: gl.constexpr):
     # o^T [BV, C] of one chunk, token rows row0 .. row0 + n_valid - 1, straight from the accumulator layout (2-byte
     # stores, 16 contiguous bytes per 8 lanes; a layout conversion would cost two CTA barriers per chunk)
@@ -80,8 +91,9 @@ def kda_fwd_v2_recurrence_kernel(
     kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc,  # TMA descriptors: kd/qd/kr [T_total, H*128], inv/mqk [NT*H*16, 16]
     glast, beta, v, o, h0, ht,  # [NT, H, 128] fp32, [T_total, H] fp32, [T_total, H, 128] bf16 x2, [N, H, 128, 128] fp32
     cu_seqlens, seq_chunks, order,  # [N + 1] int32, [N + 1] int32, [N] int32 (longest first)
+    ckpt, ck_offsets,  # [NCK, H, 128, 128] bf16, [N + 1] int32 (training checkpoints; unused when EVERY = 0)
     H, BV: gl.constexpr, STAGES: gl.constexpr,
-    USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, EVERY: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     K: gl.constexpr = HEAD_DIM
@@ -154,6 +166,8 @@ def kda_fwd_v2_recurrence_kernel(
     b_v, b_beta, b_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, 0, n_chunks, i_h, H, o_vc, o_tc, o_kg, V, K, C)
     n_v, n_beta, n_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, 1, n_chunks, i_h, H, o_vc, o_tc, o_kg, V, K, C)
 
+    if EVERY > 0:
+        ck0 = gl.load(ck_offsets + i_n)
     zero_c = gl.zeros([BV, C], gl.float32, layout=acc_c)
     for j in range(n_chunks):
         slot = j % STAGES
@@ -166,6 +180,9 @@ def kda_fwd_v2_recurrence_kernel(
                                j + STAGES - 1, bos, c0, i_h, H, STAGES)
         nn_v, nn_beta, nn_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, j + 2, n_chunks, i_h, H, o_vc, o_tc,
                                                o_kg, V, K, C)
+        if EVERY > 0:
+            if j % EVERY == 0:
+                _store_state_bf16(ckpt, b_s, ck0 + j // EVERY, i_h, H, o_vk, o_kk, K, V)
 
         # this chunk's glast into the accumulator's column layout, while its TMA loads may still be in flight
         b_gk = gl.convert_layout(b_g, gl.SliceLayout(0, acc_k))  # [K]
