@@ -5,9 +5,11 @@ follows a write, so the parent moves onto a new writable layer) and is SIGKILLed
 process's `gc` then finishes or undoes the fork. The sandbox must answer (files, interpreter, commands) with
 its files, its record must name the writable layer its tool server really writes to, and every child left
 must answer with the parent's files. Failures are printed (and listed in the JSON) with what the host knew.
+With ``--kernels``, the sandbox keeps a live Python kernel (its copy is carried into every child); without,
+the check's kernel is ended before the next round, as in the soak.
 
-Run: ``python -m benchmarks.env.fork_kill --rounds 200`` (root; its own data directory; prints a JSON summary).
-Not a CI test: a round takes about a second.
+Run: ``python -m benchmarks.env.fork_kill --rounds 200 [--kernels]`` (root; its own data directory; prints a
+JSON summary). Not a CI test: a round takes about a second.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _check_children(backend, sb, before: set[str], report: Report) -> None:
         backend.destroy(rec.id)
 
 
-def stress(home: Path, rounds: int, max_delay_s: float) -> dict:
+def stress(home: Path, rounds: int, max_delay_s: float, kernels: bool) -> dict:
     from agentenv import Limits, Sandbox
     from agentenv.runtime.local import NamespaceBackend
     from tests.agentenv.conftest import leftovers
@@ -96,10 +98,14 @@ def stress(home: Path, rounds: int, max_delay_s: float) -> dict:
             report.note(kill_after_s=round(delay, 4), forker_stderr=err.read()[-1500:].decode(errors="replace"),
                         before_gc=describe(backend, sb.id))
         report.at(phase="gc")
-        report.note(gc=backend.gc())
+        recovered = backend.gc()
+        report.note(gc=recovered)
+        report["forks_recovered"] += recovered.get("forks", 0)
         report.at(phase="check")
         ok = _check_parent(backend, sb, i, report)
         _check_children(backend, sb, before, report)
+        if ok and not kernels:
+            sb.python.restart_context()
         if not ok:
             failed = report.failures[-1] if report.failures else {}
             print(json.dumps(failed, indent=1, default=str), file=sys.stderr, flush=True)
@@ -113,7 +119,8 @@ def stress(home: Path, rounds: int, max_delay_s: float) -> dict:
     gc_found = backend.gc()
     backend.gc(everything=True)
     left = leftovers(home)
-    return {"rounds": rounds, "max_delay_s": max_delay_s, "seconds": round(time.perf_counter() - start, 1),
+    return {"rounds": rounds, "max_delay_s": max_delay_s, "kernels": kernels,
+            "seconds": round(time.perf_counter() - start, 1),
             "counts": dict(sorted(report.items())), "failures": report.failures,
             "gc_reclaimed_after": gc_found, "leftovers": left}
 
@@ -123,10 +130,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100, help="kills (default 100)")
     parser.add_argument("--max-delay", type=float, default=0.3, help="kill 0..this many seconds after the "
                         "forker is ready (default 0.3)")
+    parser.add_argument("--kernels", action="store_true", help="keep a live Python kernel in the forked sandbox")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="agentenv-forkkill-", dir="/tmp"))
     try:
-        result = stress(home, args.rounds, args.max_delay)
+        result = stress(home, args.rounds, args.max_delay, args.kernels)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     print(json.dumps(result, indent=1, default=str))
