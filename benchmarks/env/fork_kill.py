@@ -19,13 +19,12 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.env.soak import _FORKER, REPO, Report, describe
+from benchmarks.env.soak import Report, describe, kill_forker_after
 
 
 def _check_parent(backend, sb, round_no: int, report: Report) -> bool:
@@ -85,19 +84,8 @@ def stress(home: Path, rounds: int, max_delay_s: float, kernels: bool) -> dict:
             sb.exec("echo hi > /root/f")
         before = {r.id for r in backend.store.all_records()}
         delay = random.uniform(0.0, max_delay_s)
-        code = _FORKER.format(src=str(REPO / "src"), repo=str(REPO), home=str(home), sid=sb.id)
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err)
-            try:
-                proc.stdout.readline()
-                time.sleep(delay)
-            finally:
-                proc.kill()
-                proc.wait()
-                proc.stdout.close()
-            err.seek(0)
-            report.note(kill_after_s=round(delay, 4), forker_stderr=err.read()[-1500:].decode(errors="replace"),
-                        before_gc=describe(backend, sb.id))
+        stderr = kill_forker_after(home, sb.id, delay)
+        report.note(kill_after_s=round(delay, 4), forker_stderr=stderr, before_gc=describe(backend, sb.id))
         report.at(phase="gc")
         recovered = backend.gc()
         report.note(gc=recovered)

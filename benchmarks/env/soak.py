@@ -156,6 +156,23 @@ def _inject(sb, fault: str, report: Report, others: tuple = ()) -> None:
         report.fail(f"{fault}:{type(e).__name__}", e)
 
 
+def kill_forker_after(home: Path, sid: str, delay_s: float) -> str:
+    """Start a runtime process forking sandbox `sid` of data directory `home` over and over (`_FORKER`),
+    SIGKILL it `delay_s` after it is ready; returns the tail of its stderr."""
+    code = _FORKER.format(src=str(REPO / "src"), repo=str(REPO), home=str(home), sid=sid)
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err)
+        try:
+            proc.stdout.readline()
+            time.sleep(delay_s)
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+        err.seek(0)
+        return err.read()[-1500:].decode(errors="replace")
+
+
 def _kill_mid_fork(sb, report: Report) -> None:
     """Another runtime process forks `sb` over and over and is SIGKILLed at a random instant; then this
     runtime's `gc` recovers, and every fork of `sb` is complete (each child answers) or gone."""
@@ -163,20 +180,10 @@ def _kill_mid_fork(sb, report: Report) -> None:
 
     backend: NamespaceBackend = sb.backend
     before = {r.id for r in backend.store.all_records()}
-    code = _FORKER.format(src=str(REPO / "src"), repo=str(REPO), home=str(backend.store.home), sid=sb.id)
     delay = random.uniform(0.0, 0.3)
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err)
-        try:
-            proc.stdout.readline()
-            time.sleep(delay)
-        finally:
-            proc.kill()
-            proc.wait()
-            proc.stdout.close()
-        err.seek(0)
-        report.note(kill_after_s=round(delay, 4), forker_stderr=err.read()[-1500:].decode(errors="replace"),
-                    pending_forks_before_gc=describe(backend, sb.id)["pending_forks"])
+    stderr = kill_forker_after(backend.store.home, sb.id, delay)
+    report.note(kill_after_s=round(delay, 4), forker_stderr=stderr,
+                pending_forks_before_gc=describe(backend, sb.id)["pending_forks"])
     recovered = backend.gc()
     report.note(gc=recovered)
     report["kill_runtime_mid_fork:forks_recovered"] += recovered.get("forks", 0)
