@@ -7,7 +7,8 @@ client forks through it: `soak_server`). After each fault the sandbox's
 siblings must still answer; after a killed fork the next runtime's `gc` must find the fork either complete
 (every child answers) or undone (no child left) and the sandbox answering with its files; after the last
 cycle a `gc` must find nothing to reclaim and the data directory must hold no process, mount, cgroup, layer
-or record.
+or record. Every failure (a cycle's exception, a sandbox lost or broken after a fault) is counted, and the first
+`MAX_FAILURES` are listed in the result with their fault, phase, exception and traceback tail (``failures``).
 
 Run: ``python -m benchmarks.env.soak --cycles 10000 --workers 3`` (root; writes
 benchmarks/results/env-soak-*.json). Each worker is a process with its own data directory; their counts add up.
@@ -33,6 +34,9 @@ from pathlib import Path
 from benchmarks.progress import track
 
 FAULTS = ("none", "oom", "disk_full", "fork_bomb", "kill_init", "kill_runtime_mid_fork", "kill_server_mid_fork")
+MAX_FAILURES = 20
+"""Failures listed in full in a result (all of them are counted)."""
+TRACEBACK_LINES = 40
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 _FORKER = """
@@ -64,7 +68,59 @@ for p in os.listdir('/proc'):
 """
 
 
-def _inject(sb, fault: str, report: Counter, others: tuple = ()) -> None:
+class Report(Counter):
+    """Outcome counts, plus the first `MAX_FAILURES` failures in full (`fail`), each tagged with where the
+    soak was (`at`: cycle, fault, phase) and what the running fault noted (`note`: e.g. when it killed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[dict] = []
+        self.context: dict = {}
+
+    def at(self, **where) -> None:
+        """Where the soak is now (``cycle`` and ``fault`` start a new context; ``phase`` updates it)."""
+        if "cycle" in where:
+            self.context = {}
+        self.context.update(where)
+
+    def note(self, **detail) -> None:
+        """Facts of the running fault, listed with any failure of this cycle."""
+        self.context.setdefault("noted", {}).update(detail)
+
+    def fail(self, key: str, exc: BaseException | None = None, **detail) -> None:
+        """Count outcome `key` and, among the first `MAX_FAILURES`, list it with `exc` and `detail`."""
+        self[key] += 1
+        self["failures_total"] += 1
+        if len(self.failures) >= MAX_FAILURES:
+            return
+        entry = {**self.context, "outcome": key, **detail}
+        if exc is not None:
+            entry.update(error=type(exc).__name__, message=str(exc)[-2000:],
+                         traceback="".join(traceback.format_exception(exc)).splitlines()[-TRACEBACK_LINES:])
+        self.failures.append(entry)
+
+
+def describe(backend, sid: str) -> dict:
+    """What the host knows of sandbox `sid`: its record, whether its tool server runs, its socket, open forks."""
+    from dataclasses import asdict
+
+    from agentenv.runtime.store import proc_start_time
+
+    rec = backend.store.read_record(sid)
+    out: dict = {"record": None if rec is None else asdict(rec), "sock": backend.store.sock(sid).exists()}
+    if rec is not None:
+        out["alive"] = proc_start_time(rec.pid) == rec.start_time
+        try:
+            status = Path(f"/proc/{rec.pid}/status").read_text().splitlines()
+            out["proc_state"] = next((line for line in status if line.startswith("State:")), "")
+        except OSError:
+            out["proc_state"] = "gone"
+    out["pending_forks"] = [{"fork_id": f, "writer_alive": w, "parent": p.id, "children": c}
+                            for f, w, p, c in backend.store.pending_forks()]
+    return out
+
+
+def _inject(sb, fault: str, report: Report, others: tuple = ()) -> None:
     """Run `fault` in `sb`; count what the sandbox did (survived, error raised). `others`: sandboxes of the same
     fork tree, which must fork their own commands while a fork bomb holds `sb` at its share."""
     from agentenv import errors
@@ -97,41 +153,58 @@ def _inject(sb, fault: str, report: Counter, others: tuple = ()) -> None:
 
             kill_server_mid_fork(report)
     except errors.SandboxError as e:
-        report[f"{fault}:{type(e).__name__}"] += 1
+        report.fail(f"{fault}:{type(e).__name__}", e)
 
 
-def _kill_mid_fork(sb, report: Counter) -> None:
+def kill_forker_after(home: Path, sid: str, delay_s: float) -> str:
+    """Start a runtime process forking sandbox `sid` of data directory `home` over and over (`_FORKER`),
+    SIGKILL it `delay_s` after it is ready; returns the tail of its stderr."""
+    code = _FORKER.format(src=str(REPO / "src"), repo=str(REPO), home=str(home), sid=sid)
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err)
+        try:
+            proc.stdout.readline()
+            time.sleep(delay_s)
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+        err.seek(0)
+        return err.read()[-1500:].decode(errors="replace")
+
+
+def _kill_mid_fork(sb, report: Report) -> None:
     """Another runtime process forks `sb` over and over and is SIGKILLed at a random instant; then this
     runtime's `gc` recovers, and every fork of `sb` is complete (each child answers) or gone."""
     from agentenv.runtime.local import NamespaceBackend
 
     backend: NamespaceBackend = sb.backend
     before = {r.id for r in backend.store.all_records()}
-    code = _FORKER.format(src=str(REPO / "src"), repo=str(REPO), home=str(backend.store.home), sid=sb.id)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        proc.stdout.readline()
-        time.sleep(random.uniform(0.0, 0.3))
-    finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
+    delay = random.uniform(0.0, 0.3)
+    stderr = kill_forker_after(backend.store.home, sb.id, delay)
+    report.note(kill_after_s=round(delay, 4), forker_stderr=stderr,
+                pending_forks_before_gc=describe(backend, sb.id)["pending_forks"])
     recovered = backend.gc()
+    report.note(gc=recovered)
     report["kill_runtime_mid_fork:forks_recovered"] += recovered.get("forks", 0)
     for rec in backend.store.all_records():
         if rec.id in before or rec.parent != sb.id:
             continue
+        out = error = None
         try:
             kid = type(sb).connect(rec.id, backend=backend)
-            ok = kid.exec("cat /root/f", timeout=10).stdout == "hi\n"
+            out = kid.exec("cat /root/f", timeout=10).stdout
             kid.destroy()
-        except Exception:  # noqa: BLE001 - counted: a fork left half made
-            ok = False
+        except Exception as e:  # noqa: BLE001 - counted: a fork left half made
+            error = e
             backend.destroy(rec.id)
-        report[f"kill_runtime_mid_fork:child_{'complete' if ok else 'broken'}"] += 1
+        if out == "hi\n":
+            report["kill_runtime_mid_fork:child_complete"] += 1
+        else:
+            report.fail("kill_runtime_mid_fork:child_broken", error, child=rec.id, stdout=out)
 
 
-def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None:
+def cycle(backend, i: int, report: Report, profile: dict | None = None) -> None:
     """One lifecycle with fault `FAULTS[i % len(FAULTS)]` injected into the first forked child; with
     `profile`, adds the ms of each phase to ``profile[fault][phase]``."""
     from agentenv import Limits, Sandbox, errors
@@ -139,12 +212,14 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
     fault = FAULTS[i % len(FAULTS)]
     made = []
     clock = [time.perf_counter()]
+    report.at(cycle=i, fault=fault, phase="create_snapshot_fork_restore")
 
-    def mark(phase: str) -> None:
+    def mark(phase: str, following: str) -> None:
         now = time.perf_counter()
         if profile is not None:
             profile.setdefault(fault, {}).setdefault(phase, []).append((now - clock[0]) * 1e3)
         clock[0] = now
+        report.at(phase=following)
 
     try:
         sb = Sandbox.create("host", backend=backend, limits=Limits(memory_mb=128, pids=64, disk_mb=32))
@@ -155,20 +230,25 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
         made += kids
         restored = Sandbox.restore(snap, backend=backend)
         made.append(restored)
-        mark("create_snapshot_fork_restore")
+        mark("create_snapshot_fork_restore", "fault")
         _inject(kids[0], fault, report, others=(sb, kids[1], restored))
-        mark("fault")
+        mark("fault", "checks")
         if fault != "kill_init":
+            got = error = None
             try:
-                alive = (kids[0].files.read("/root/f") == "hi\n" and kids[0].python.run("6 * 7").value == "42"
-                         and kids[0].exec("cat /root/f", timeout=10).stdout == "hi\n")
-            except errors.SandboxError:
-                alive = False
-            report[f"{fault}:sandbox_{'answers' if alive else 'lost'}_after"] += 1
+                got = [kids[0].files.read("/root/f"), kids[0].python.run("6 * 7").value,
+                       kids[0].exec("cat /root/f", timeout=10).stdout]
+            except errors.SandboxError as e:
+                error = e
+            if got == ["hi\n", "42", "hi\n"]:
+                report[f"{fault}:sandbox_answers_after"] += 1
+            else:
+                report.fail(f"{fault}:sandbox_lost_after", error, got=got, sandbox=describe(backend, kids[0].id))
         for name, other in (("parent", sb), ("sibling", kids[1]), ("restored", restored)):
             r = other.exec("cat /root/f | cat")  # a pipeline forks: the fork bomb must not take their share
             if r.stdout != "hi\n":
-                report["sibling_broken"] += 1
+                report.fail("sibling_broken", None, sandbox=name, stdout=r.stdout, stderr=r.stderr[-300:],
+                            exit_code=r.exit_code)
                 log.warning("soak cycle %d (%s): %s answered %r %r (exit %s)", i, fault, name, r.stdout,
                             r.stderr[-300:], r.exit_code)
         try:
@@ -176,14 +256,14 @@ def cycle(backend, i: int, report: Counter, profile: dict | None = None) -> None
         except errors.SandboxNotFoundError:
             pass
         report["cycles_ok"] += 1
-        mark("checks")
-    except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
-        report[f"cycle_error:{type(e).__name__}"] += 1
+        mark("checks", "destroy")
+    except Exception as e:  # noqa: BLE001 - counted and listed, the soak goes on
+        report.fail(f"cycle_error:{type(e).__name__}", e)
         log.warning("soak cycle %d (%s): %s", i, fault, "".join(traceback.format_exception(e))[-3000:])
     finally:
         for sb in reversed(made):
             sb.destroy()
-        mark("destroy")
+        mark("destroy", "between_cycles")
 
 
 def soak(home: Path, cycles: int, max_seconds: float | None = None, *, offset: int = 0) -> dict:
@@ -193,7 +273,7 @@ def soak(home: Path, cycles: int, max_seconds: float | None = None, *, offset: i
     from tests.agentenv.conftest import leftovers
 
     backend = NamespaceBackend(home)
-    report: Counter = Counter()
+    report = Report()
     profile: dict = {}
     start = time.perf_counter()
     done = 0
@@ -209,7 +289,7 @@ def soak(home: Path, cycles: int, max_seconds: float | None = None, *, offset: i
     mean_ms = {fault: {phase: [round(sum(v) / len(v), 1), len(v)] for phase, v in phases.items()}
                for fault, phases in profile.items()}
     return {"cycles": done, "cycles_asked": cycles, "seconds": round(seconds, 2),
-            "counts": dict(sorted(report.items())),
+            "counts": dict(sorted(report.items())), "failures": report.failures,
             "mean_ms_by_fault_and_phase": mean_ms, "mean_ms_format": "[mean ms, count]",
             "gc_reclaimed_after_soak": gc_found, "leftovers": left, "leaked": any(left.values())}
 
@@ -236,8 +316,10 @@ def soak_parallel(workers: int, cycles: int, max_seconds: float | None) -> dict:
     counts: Counter = Counter()
     gc_found: Counter = Counter()
     mean_ms: dict = {}
-    for r in results:
+    failures = []
+    for w, r in enumerate(results):
         counts.update(r["counts"])
+        failures += [{"worker": w, **f} for f in r["failures"]]
         gc_found.update(r["gc_reclaimed_after_soak"])
         for fault, phases in r["mean_ms_by_fault_and_phase"].items():
             for phase, (mean, n) in phases.items():
@@ -246,6 +328,7 @@ def soak_parallel(workers: int, cycles: int, max_seconds: float | None) -> dict:
     mean_ms = {f: {p: [round(t / max(n, 1), 1), n] for p, (t, n) in ph.items()} for f, ph in mean_ms.items()}
     return {"cycles": sum(r["cycles"] for r in results), "cycles_asked": cycles, "workers": workers,
             "seconds": round(time.perf_counter() - start, 2), "counts": dict(sorted(counts.items())),
+            "failures": sorted(failures, key=lambda f: f["cycle"])[:MAX_FAILURES],
             "mean_ms_by_fault_and_phase": mean_ms, "mean_ms_format": "[mean ms, count]",
             "gc_reclaimed_after_soak": dict(gc_found), "leftovers": [r["leftovers"] for r in results],
             "leaked": any(r["leaked"] for r in results)}

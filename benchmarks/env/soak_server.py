@@ -15,7 +15,6 @@ import signal
 import tempfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 
@@ -30,8 +29,9 @@ def _forker(url: str, key: str, sid: str, stop: threading.Event) -> None:
             return
 
 
-def kill_server_mid_fork(report: Counter) -> None:
-    """Inject the fault once; count adoption, whole/broken forks and leftovers in `report`."""
+def kill_server_mid_fork(report) -> None:
+    """Inject the fault once; count adoption, whole/broken forks and leftovers in `report` (a
+    `benchmarks.env.soak.Report`: failures are listed with their detail)."""
     from agentenv.client import Client
     from agentenv.runtime.local import NamespaceBackend
     from tests.agentenv.conftest import leftovers
@@ -47,24 +47,34 @@ def kill_server_mid_fork(report: Counter) -> None:
         client.step(sb, {"type": "bash", "command": "echo hi > /root/f"})
         thread = threading.Thread(target=_forker, args=(first.url, first.api_key, sb.id, stop))
         thread.start()
-        time.sleep(random.uniform(0.0, 0.3))
+        delay = random.uniform(0.0, 0.3)
+        report.note(kill_after_s=round(delay, 4))
+        time.sleep(delay)
         first.stop(signal.SIGKILL)
         stop.set()
         thread.join()
         report["kill_server_mid_fork:sent"] += 1
+        report.at(phase="fault: restart the server")
         second = start_server(home, home / "state", create_key=False)
+        report.at(phase="fault: check the restarted server")
         adopted = second.first_lines[-1].get("adopted", [])
-        report[f"kill_server_mid_fork:sandbox_{'adopted' if sb.id in adopted else 'lost'}"] += 1
+        if sb.id in adopted:
+            report["kill_server_mid_fork:sandbox_adopted"] += 1
+        else:
+            report.fail("kill_server_mid_fork:sandbox_lost", None, sandbox=sb.id, server_said=second.first_lines)
         client = Client(second.url, first.api_key, timeout=30)
         for model in client.list():
             sid = model.get("sandboxID") or model.get("sandbox_id")
+            out = error = None
             try:
                 out = client.step(sid, {"type": "bash", "command": "cat /root/f"}).observation.get("stdout")
-            except Exception:  # noqa: BLE001 - counted: a sandbox the server lists but cannot reach
-                out = None
+            except Exception as e:  # noqa: BLE001 - counted: a sandbox the server lists but cannot reach
+                error = e
             kind = "parent" if sid == sb.id else "child"
-            state = "answers" if out == "hi\n" else "broken"
-            report[f"kill_server_mid_fork:{kind}_{state}"] += 1
+            if out == "hi\n":
+                report[f"kill_server_mid_fork:{kind}_answers"] += 1
+            else:
+                report.fail(f"kill_server_mid_fork:{kind}_broken", error, sandbox=sid, stdout=out)
     finally:
         stop.set()
         for srv in (first, second):
@@ -73,5 +83,5 @@ def kill_server_mid_fork(report: Counter) -> None:
         NamespaceBackend(home).gc(everything=True)
         left = leftovers(home)
         if any(left.values()):
-            report["kill_server_mid_fork:leaked"] += 1
+            report.fail("kill_server_mid_fork:leaked", None, leftovers=left)
         shutil.rmtree(home, ignore_errors=True)

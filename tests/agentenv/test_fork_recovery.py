@@ -27,6 +27,20 @@ client.Connection.send = die
 sb.fork(2)
 """
 
+_DIE_CARRYING_KERNELS = """
+import os, sys
+sys.path.insert(0, {src!r})
+from agentenv import Sandbox
+from agentenv.runtime.local import NamespaceBackend
+backend = NamespaceBackend({home!r})
+sb = Sandbox.connect({sid!r}, backend=backend)
+sb.exec("echo changed > /root/changed")
+def die(self, cg, pid):
+    os._exit(9)  # told of the first kernel carried into a child; the tool server still carries the others
+NamespaceBackend._add_later = die
+sb.fork(2)
+"""
+
 _FORK_FOREVER = """
 import sys
 sys.path.insert(0, {src!r})
@@ -96,3 +110,41 @@ def test_runtime_killed_at_random_instants_mid_fork_leaves_complete_forks_only(s
                 kid.destroy()
         assert sb.files.read("/root/f") == "mine"
 
+
+
+def _undone(backend, sb, layer_before: str) -> None:
+    """The fork is undone: no child, the parent on its layer (writes land in the layer its record names),
+    its files and its kernels' state kept."""
+    assert sb.python.run("x", timeout=5).value == "42"  # first, bounded: a parent stuck in the rollback hangs
+    assert _children(backend, sb.id) == []
+    rec = backend.store.read_record(sb.id)
+    assert rec.upper == layer_before
+    assert sb.files.read("/root/f") == "before" and sb.files.read("/root/changed") == "changed\n"
+    sb.files.write("/root/after", "still writable")
+    assert (backend.store.diff(rec.upper) / "root" / "after").read_text() == "still writable"
+
+
+def test_runtime_dying_before_the_move_undoes_the_fork_of_a_sandbox_with_a_kernel(sandbox_factory, backend):
+    # the kernel's copy in each child is the parent tool server's child: the rollback must reap it, or the
+    # killed child (pid 1 of its namespace) never exits and the parent waits for it forever
+    sb = sandbox_factory()
+    sb.files.write("/root/f", "before")
+    sb.python.run("x = 6 * 7")
+    layer_before = backend.store.read_record(sb.id).upper
+    _run(_DIE_BEFORE_MOVE, backend, sb.id)
+    assert backend.gc()["forks"] == 1
+    _undone(backend, sb, layer_before)
+
+
+def test_runtime_dying_while_kernels_are_carried_undoes_the_fork(sandbox_factory, backend):
+    # the tool server cannot tell the host a carried kernel's pid: the fork was never answered, so it is
+    # undone (not kept as done while the parent stays on the layer its children now read)
+    sb = sandbox_factory()
+    sb.files.write("/root/f", "before")
+    sb.python.run("x = 6 * 7")
+    for _ in range(3):
+        sb.python.run("y = 1", context=sb.python.create_context())
+    layer_before = backend.store.read_record(sb.id).upper
+    _run(_DIE_CARRYING_KERNELS, backend, sb.id)
+    assert backend.gc()["forks"] == 1
+    _undone(backend, sb, layer_before)

@@ -17,6 +17,7 @@ def test_soak_with_faults_leaks_nothing():
         result = soak(home, CI_CYCLES)
     finally:
         shutil.rmtree(home, ignore_errors=True)
+    assert result["failures"] == [], result["failures"]  # each with its fault, phase, exception and traceback
     counts = result["counts"]
     assert counts.get("cycles_ok") == CI_CYCLES, counts
     assert not counts.get("sibling_broken"), counts

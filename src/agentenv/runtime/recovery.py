@@ -105,7 +105,11 @@ class Recovery:
                     cg = self._cgroup(cid)
                     lim = Limits.from_dict(rec.limits)
                     cg.create(cgroups.CgroupLimits(lim.memory_mb << 20, lim.pids, lim.cpus))
-                    cg.add(rec.pid)
+                    try:
+                        cg.add(rec.pid)
+                    except ProcessLookupError:  # it died since `_alive`: reclaimed like any dead sandbox
+                        self._reclaim(rec)
+                        continue
                     self._adopt_carried(cg, rec.pid, parent.id)
                 else:
                     self._reclaim(rec)

@@ -23,6 +23,8 @@ from agentenv.runtime import syscalls as sc
 NS_SANDBOX = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWNET | sc.CLONE_NEWUTS | sc.CLONE_NEWIPC | sc.CLONE_NEWCGROUP
 FORK_OWNER_UID = 65533
 """Owner (in our user namespace) of each forked child's user namespace; no process of ours runs as it."""
+ROLL_BACK_TIMEOUT_S = 30.0
+"""Longest wait for the killed children of an undone fork to exit."""
 
 
 class RequestError(Exception):
@@ -58,6 +60,10 @@ class Zygote:
         started: list[tuple[int, int, dict]] = []
         channels: list = []
         namespaces: list[list[int]] = []
+        pids: list[int] = []
+        # from the first clone on, a failure (the host gone while we tell it a child's or kernel's pid) kills
+        # every child cloned so far: only an answered fork may be kept (`fork_outcome` says which it was)
+        self._fork = (req.get("fork_id"), pids)
         try:
             self.shell.dump_state()
             self.shell.close()
@@ -76,8 +82,6 @@ class Zygote:
                 started.append(self._clone_child(index, child, root_fd, listen_fd, req["usr_bind"], conn, fds,
                                                  [r for _, r, _ in started], channels, namespaces))
             mark("children_ms")
-            pids = [pid for pid, _, _ in started]
-            self._fork = (req.get("fork_id"), pids)
             failures = []
             while started:
                 failures.append(self._await_child(*started.pop(0)))
@@ -94,6 +98,10 @@ class Zygote:
             phases["last_kernel"] = self.kernels.last_carry_phases
             if rebase:
                 self._pending_move = (conn, bool(req["usr_bind"]))
+        except BaseException:
+            self._pending_move = None
+            self._roll_back_fork()
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
@@ -188,6 +196,7 @@ class Zygote:
                 self.listener = listener
                 self.own_pidns = os.readlink("/proc/self/ns/pid")
                 self.retired = False
+                self._fork = None  # the parent's fork, not ours
                 # child_ms: from before the clone until the child runs (page tables, namespaces, scheduling)
                 phases = {"child_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3, "root_ms": (t3 - t2) * 1e3,
                           "lo_ms": (t4 - t3) * 1e3, "setup_ms": (time.perf_counter() - t4) * 1e3}
@@ -201,6 +210,7 @@ class Zygote:
                     pass
             os._exit(code)
         t_clone = time.perf_counter()
+        self._fork[1].append(pid)
         os.close(r_map)
         os.close(w_ready)
         try:
@@ -277,18 +287,26 @@ class Zygote:
                 self.fork_outcomes.pop(next(iter(self.fork_outcomes)))
 
     def _roll_back_fork(self) -> None:
-        """Kill the children of the fork in progress (each is pid 1 of its namespaces: all of it dies)."""
+        """Kill the children of the fork in progress (each is pid 1 of its namespaces: all of it dies).
+
+        A killed pid 1 exits only once every process of its pid namespace is reaped, and the copies of our
+        kernels carried into a child are our children (the middle process that forked them exited), so we
+        reap whatever exits until the children are gone: waiting on a child's pid alone would wait forever.
+        """
         _, pids = self._fork
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid in pids:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+        left = set(pids)
+        deadline = time.monotonic() + ROLL_BACK_TIMEOUT_S
+        while left:
+            self._reap()
+            left = {pid for pid in left if os.path.exists(f"/proc/{pid}")}
+            if left and time.monotonic() > deadline:  # gone from our view; the host's gc kills what is left
+                break
+            time.sleep(0.001 if left else 0)
         self._settle_fork("rolled_back")
 
     def op_fork_outcome(self, conn, req, blob, fds):
