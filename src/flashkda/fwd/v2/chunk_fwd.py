@@ -1,4 +1,5 @@
-"""The v2 forward: K1 (`prepare_fwd`) then K2 (`recurrence_fwd`) over 16-token chunks, for the production case.
+"""The v2 forward: K1 then K2 over 32-token chunks (`chunk_fwd32`, the default) or 16-token chunks (`prepare_fwd`,
+`recurrence_fwd`), for the production case.
 
 `supports_v2` says whether a validated call is in scope; `chunk_kda_fwd_v2` takes the arguments of
 ``flashkda.fwd.chunk_fwd.chunk_kda_fwd`` (the subset v2 serves) and returns the same ``(o, final_state, h)``.
@@ -171,8 +172,8 @@ def chunk_kda_fwd_v2(
             fixed length) the call never synchronises and can be captured in a CUDA graph.
         recurrence_on_side: with ``P > 1``, K2 runs on a high-priority side stream and K1 on the caller's
             (True), or the other way round (False).
-        chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 for fixed-length
-            calls and 16 for varlen ones (the measured faster one in each case without segments).
+        chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 (fixed length and
+            varlen; measurements in ``docs/flashkda-v2.md``).
 
     Returns:
         ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 (in the
@@ -191,7 +192,7 @@ def chunk_kda_fwd_v2(
     from flashkda.fwd.v2.recurrence import recurrence_fwd
 
     if chunk_size is None:
-        chunk_size = 32 if cu_seqlens is None else 16
+        chunk_size = 32
     elif chunk_size not in (16, 32) or isinstance(chunk_size, bool):
         raise ValueError(f"chunk_size must be 16, 32 or None, got {chunk_size!r}")
     B, T = q.shape[:2]

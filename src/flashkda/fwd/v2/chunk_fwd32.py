@@ -1,6 +1,6 @@
 """The v2 forward over 32-token chunks: the chunk-32 K1 (`prepare32_fwd`) then the chunk-32 K2
 (`recurrence32_fwd`); half the recurrence's serial steps of the chunk-16 path. Called by
-``chunk_fwd.chunk_kda_fwd_v2(..., chunk_size=32)`` (the default for fixed-length calls)."""
+``chunk_fwd.chunk_kda_fwd_v2`` for ``chunk_size=32`` (the default, fixed length and varlen)."""
 
 from __future__ import annotations
 
@@ -26,5 +26,5 @@ def forward_c32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     B, T = q.shape[:2]
     layout = cached_chunk_layout32(B, T, cu_seqlens, q.device)
     ws = prepare32_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
-                       lower_bound, A_log, dt_bias)
+                       lower_bound, A_log, dt_bias, wide=True, max_registers=80)
     return recurrence32_fwd(ws, v.contiguous(), initial_state, output_final_state)
