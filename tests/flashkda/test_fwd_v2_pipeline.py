@@ -293,19 +293,3 @@ def test_segmented_v2_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
-
-
-def test_overlap_check_dry_run_passes(capsys, monkeypatch):
-    """The device script's CPU half on small cases: every variant named once, the segmented orchestration (with the
-    K1 options the device run passes) on the emulation against fp64, the results file."""
-    from benchmarks.kda import v2_overlap_check as bench
-
-    monkeypatch.setattr(bench, "SMALL", (("fixed B2 T100 H1", None, 2, 100, 1),
-                                         ("varlen (70,1,0,90) H1", (70, 1, 0, 90), 1, 161, 1)))
-    # machine_info imports every library to record its version (20 s here); the results file needs only a stamp
-    monkeypatch.setattr(bench, "machine_info", lambda: {"date": "1970-01-01T00:00:00+00:00"})
-    names = [*bench.full_variants([2, 4, 8], [96, 80, 64]), *bench.kernel_variants([96, 80, 64])]
-    assert len(names) == len(set(names)) and "v2 c32 P4 wide r80" in names and "k1 c32 wide r64" in names
-    assert bench.main(["--dry-run", "--rows", "H64-T8192"]) == 0
-    out = capsys.readouterr().out
-    assert "auto segments on 132 SMs=4" in out and "PASS" in out

@@ -26,5 +26,5 @@ def forward_c32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     B, T = q.shape[:2]
     layout = cached_chunk_layout32(B, T, cu_seqlens, q.device)
     ws = prepare32_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
-                       lower_bound, A_log, dt_bias, wide=True, max_registers=80)
+                       lower_bound, A_log, dt_bias)
     return recurrence32_fwd(ws, v.contiguous(), initial_state, output_final_state)
