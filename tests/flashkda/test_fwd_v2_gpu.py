@@ -193,5 +193,5 @@ def test_v2_chunk_size_choice_and_bad_values():
     for bad in (8, 64, True):
         with pytest.raises(ValueError, match="chunk_size"):
             chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=bad, **flags)
-    with pytest.raises(ValueError, match="segments"):
-        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, segments=0, **flags)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):  # a host copy of offsets the call does not have
+        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, cu_seqlens_cpu=torch.tensor([0, 96]), **flags)
