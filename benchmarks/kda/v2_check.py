@@ -345,10 +345,6 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         ws32, _ = guarded(f"k1 c32 {shape.name}", k1_call, impls.k1c32, x, kw, layout32)
         if ws32 is not None:
             runs["k1 c32"] = lambda: k1_call(impls.k1c32, x, kw, layout32)
-            # the other chunk-32 K1 (products on all 8 warps); checked against the emulation by the gpu tests
-            runs["k1 c32 all-warps"] = lambda: impls.k1c32(
-                x["q"], x["k"], x["g"], x["beta"], x["q"].shape[-1] ** -0.5, layout32, kw["lower_bound"],
-                A_log=x["A_log"], dt_bias=x["dt_bias"], batched=False)
             extra["k2 c32 workspace"] = "k1 c32"
     if ws32 is None and impls.k2c32 and layout32 is not None:
         ws32, _ = guarded(f"emulated workspace32 {shape.name}", emulated_workspace32, x, kw, layout32)

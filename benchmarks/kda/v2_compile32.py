@@ -22,13 +22,9 @@ V2_DIR = HERE.parents[1] / "src" / "flashkda" / "fwd" / "v2"
 KERNEL_FILE = V2_DIR / "recurrence32_kernel.py"
 
 
-def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1, batched: bool = False,
-                      wide: bool = False, maxnreg: int | None = None):
-    if wide:
-        kernel = "kda_fwd_v2_prepare32_wide_kernel"
-    else:
-        kernel = "kda_fwd_v2_prepare32_batched_kernel" if batched else "kda_fwd_v2_prepare32_kernel"
-    return REC.COMPILE.compile_prepare(has_a_log, has_dt_bias, group, "prepare32_kernel.py", kernel, maxnreg)
+def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1, maxnreg: int | None = None):
+    return REC.COMPILE.compile_prepare(has_a_log, has_dt_bias, group, "prepare32_kernel.py",
+                                       "kda_fwd_v2_prepare32_wide_kernel", maxnreg)
 
 
 def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True, every: int = 0):
@@ -56,13 +52,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", default=None, help="write the ttgir/ptx of the first configuration to this folder")
     args = ap.parse_args(argv)
     failed = 0
-    jobs = [(f"prepare32{' batched' if bt else ''} A_log={a} dt_bias={b} GVA group={grp}", REC.COMPILE.PREPARE_OPS,
-             lambda a=a, b=b, grp=grp, bt=bt: compile_prepare32(a, b, grp, bt))
-            for bt in (False, True) for a, b, grp in ((True, True, 1), (False, False, 1), (True, True, 2))]
-    jobs += [(f"prepare32 wide cap={cap or 'default'} A_log={a} dt_bias={a} GVA group={grp}",
-              REC.COMPILE.PREPARE_OPS,
-              lambda a=a, grp=grp, cap=cap: compile_prepare32(a, a, grp, wide=True, maxnreg=cap))
-             for cap in (None, 80, 64) for a, grp in ((True, 1), (False, 1), (True, 2))]
+    jobs = [(f"prepare32 A_log={a} dt_bias={b} GVA group={grp}", REC.COMPILE.PREPARE_OPS,
+             lambda a=a, b=b, grp=grp: compile_prepare32(a, b, grp))
+            for a, b, grp in ((True, True, 1), (False, False, 1), (True, True, 2))]
     jobs += [(f"recurrence32 C={c} BV=64 warps=4 stages={st}" + (f" checkpoints every={e}" if e else ""),
               REC.RECURRENCE_OPS, lambda c=c, st=st, e=e: compile_recurrence32(c, 64, st, every=e))
              for c in args.chunk for st in args.stages for e in (0, 4)]

@@ -194,6 +194,17 @@ def test_v2_entry_rejects_what_it_does_not_serve_and_imports_no_kernel():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+def test_v2_checks_the_host_offsets_it_is_given():
+    from flashkda.fwd.v2.chunk_fwd import _check_cu_seqlens_cpu
+
+    cu = torch.tensor([0, 3, 7])
+    _check_cu_seqlens_cpu(cu, cu.clone())
+    _check_cu_seqlens_cpu(None, None)
+    for cu_dev, cu_cpu in ((None, cu), (cu, cu[:2]), (cu, cu.to("meta"))):
+        with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+            _check_cu_seqlens_cpu(cu_dev, cu_cpu)
+
+
 # ---- device: the Gluon kernels (run on the H200 with -m gpu)
 
 GPU_CASES = [

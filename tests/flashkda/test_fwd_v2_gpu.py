@@ -189,9 +189,9 @@ def test_v2_chunk_size_choice_and_bad_values():
                  use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
     o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, **flags)
     o32, s32, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, **flags)
-    assert torch.equal(o, o32) and torch.equal(s, s32)  # fixed length defaults to 32-token chunks
+    assert torch.equal(o, o32) and torch.equal(s, s32)  # calls default to 32-token chunks
     for bad in (8, 64, True):
         with pytest.raises(ValueError, match="chunk_size"):
             chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=bad, **flags)
-    with pytest.raises(ValueError, match="segments"):
-        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, chunk_size=32, segments=0, **flags)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):  # a host copy of offsets the call does not have
+        chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, cu_seqlens_cpu=torch.tensor([0, 96]), **flags)

@@ -1,4 +1,5 @@
-"""The v2 forward: K1 (`prepare_fwd`) then K2 (`recurrence_fwd`) over 16-token chunks, for the production case.
+"""The v2 forward: K1 then K2 over 32-token chunks (`chunk_fwd32`, the default) or 16-token chunks (`prepare_fwd`,
+`recurrence_fwd`), for the production case.
 
 `supports_v2` says whether a validated call is in scope; `chunk_kda_fwd_v2` takes the arguments of
 ``flashkda.fwd.chunk_fwd.chunk_kda_fwd`` (the subset v2 serves) and returns the same ``(o, final_state, h)``.
@@ -11,9 +12,7 @@ import importlib.util
 
 import torch
 
-from flashkda.fwd.v2.pipeline import SegmentPlan, auto_segments, cached_segment_plan, segmented_forward
 from flashkda.fwd.v2.workspace import HEAD_DIM, cached_chunk_layout
-from flashkda.seqlens import host_cu_seqlens
 
 __all__ = ["MIN_VALUE_HEADS", "chunk_kda_fwd_v2", "prefers_v2", "supports_v2", "v2_unsupported_reason"]
 
@@ -79,42 +78,13 @@ def v2_unsupported_reason(
     return None
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _plan(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
-          segments: int | None, device: torch.device, chunk: int, num_sms: int | None = None,
-          ) -> tuple[list[int] | None, SegmentPlan | None]:
-    """The host token offsets and cached segment plan of a call (``(None, None)`` when it runs unsegmented).
-
-    ``segments=None`` takes ``pipeline.auto_segments`` for ``H`` value heads on ``num_sms`` SMs (default: the
-    device's); it decides from shapes only, so a varlen call it keeps unsegmented never reads ``cu_seqlens``.
-    """
-    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
-        raise ValueError(f"segments must be an int >= 1 or None, got {segments!r}")
-    if cu_seqlens_cpu is not None:
-        want = None if cu_seqlens is None else tuple(cu_seqlens.shape)
-        if want != tuple(cu_seqlens_cpu.shape) or cu_seqlens_cpu.device.type != "cpu":
-            raise ValueError(f"cu_seqlens_cpu must be the CPU copy of cu_seqlens (shape {want}), got shape "
-                             f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
-    if segments is None:
-        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        if num_sms is None:
-            num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        segments = auto_segments(B * T, N, H, num_sms)
-    if segments == 1:
-        return None, None
-    if cu_seqlens is None:
-        cu = [b * T for b in range(B + 1)]
-        plan = cached_segment_plan(B, T, None, None, segments, device, chunk)
-    else:
-        cu = host_cu_seqlens(cu_seqlens, cu_seqlens_cpu).tolist()
-        if cu[-1] > B * T:
-            raise ValueError(f"cu_seqlens ends at {cu[-1]}, past the {B * T} token rows of q")
-        plan = cached_segment_plan(B, T, cu, cu_seqlens, segments, device, chunk)
-    return (cu, plan) if len(plan) > 1 else (None, None)
+def _check_cu_seqlens_cpu(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> None:
+    if cu_seqlens_cpu is None:
+        return
+    want = None if cu_seqlens is None else tuple(cu_seqlens.shape)
+    if want != tuple(cu_seqlens_cpu.shape) or cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be the CPU copy of cu_seqlens (shape {want}), got shape "
+                         f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
 
 
 def supports_v2(*args, **kwargs) -> bool:
@@ -148,8 +118,6 @@ def chunk_kda_fwd_v2(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    segments: int | None = 1,
-    recurrence_on_side: bool = True,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Chunked KDA forward on validated inputs, by the two Gluon kernels (inference: nothing is saved).
@@ -161,18 +129,10 @@ def chunk_kda_fwd_v2(
         output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
-        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one.
-        segments: token segments ``P`` whose K1 overlaps the previous segment's K2 (`flashkda.fwd.v2.pipeline`;
-            either chunk size); None takes ``pipeline.auto_segments`` (split only while K2's chains leave SMs
-            idle); the default 1 runs K1 then K2 (the measured arrangement: ``docs/flashkda-v2.md``). The plan
-            and its chunk layouts are cached per batch shape / ``cu_seqlens`` values.
-            With ``P > 1`` a varlen call needs ``cu_seqlens`` on the host: from ``cu_seqlens_cpu``, else one read
-            of the device tensor (a host synchronisation, cached per tensor object); with ``cu_seqlens_cpu`` (or
-            fixed length) the call never synchronises and can be captured in a CUDA graph.
-        recurrence_on_side: with ``P > 1``, K2 runs on a high-priority side stream and K1 on the caller's
-            (True), or the other way round (False).
-        chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 for fixed-length
-            calls and 16 for varlen ones (the measured faster one in each case without segments).
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one; only its shape is checked
+            (v2 reads no offsets on the host: every call is free of host synchronisation).
+        chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 (fixed length and
+            varlen; measurements in ``docs/flashkda-v2.md``).
 
     Returns:
         ``(o, final_state, None)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 (in the
@@ -191,19 +151,14 @@ def chunk_kda_fwd_v2(
     from flashkda.fwd.v2.recurrence import recurrence_fwd
 
     if chunk_size is None:
-        chunk_size = 32 if cu_seqlens is None else 16
+        chunk_size = 32
     elif chunk_size not in (16, 32) or isinstance(chunk_size, bool):
         raise ValueError(f"chunk_size must be 16, 32 or None, got {chunk_size!r}")
+    _check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
     B, T = q.shape[:2]
-    cu, plan = _plan(B, T, v.shape[2], cu_seqlens, cu_seqlens_cpu, segments, q.device, chunk_size)
     if initial_state is not None:  # the kernels keep the state K-first
         initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).contiguous()
-    if plan is not None:
-        o, final = segmented_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, lower_bound,
-            A_log, dt_bias, initial_state, output_final_state, cu, cu_seqlens, plan,
-            recurrence_on_side=recurrence_on_side)
-    elif chunk_size == 32:
+    if chunk_size == 32:
         from flashkda.fwd.v2.chunk_fwd32 import forward_c32
 
         o, final = forward_c32(q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound, cu_seqlens,

@@ -1,6 +1,6 @@
 """The v2 forward over 32-token chunks: the chunk-32 K1 (`prepare32_fwd`) then the chunk-32 K2
 (`recurrence32_fwd`); half the recurrence's serial steps of the chunk-16 path. Called by
-``chunk_fwd.chunk_kda_fwd_v2(..., chunk_size=32)`` (the default for fixed-length calls)."""
+``chunk_fwd.chunk_kda_fwd_v2`` for ``chunk_size=32`` (the default, fixed length and varlen)."""
 
 from __future__ import annotations
 

@@ -28,9 +28,8 @@ def _kernel_module():
 
 def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
-                  dt_bias: torch.Tensor | None = None, ws: Workspace | None = None, batched: bool = True,
-                  max_registers: int | None = None, wide: bool = False) -> Workspace:
-    """Run the chunk-32 K1 (same contract as ``emulate32.emulate_prepare32``).
+                  dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
+    """Run the chunk-32 K1, ``kda_fwd_v2_prepare32_wide_kernel`` (same contract as ``emulate32.emulate_prepare32``).
 
     Args:
         q, k: ``[B, T, H, 128]`` bf16, contiguous, on a GPU (sm_80 or newer: mma.sync).
@@ -40,22 +39,11 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
         ws: a chunk-32 workspace to fill (``allocate_workspace`` for the same layout and HV), or None.
-        batched: the kernel whose six 16x16x128 products run as two batches of four, one per warp (True), or the
-            one computing them on all 8 warps (False; 6 compute copies). Which is faster is not measured.
-        max_registers: register cap per thread (None: the kernel module's ``MAX_REGISTERS``, 2 CTAs per SM); 80
-            gives the batched kernel 3 CTAs per SM and 64 gives 4 (with 24 and 196 bytes of spill stores, offline
-            compile for sm_90a).
-        wide: the batched kernel's products after an elementwise part on the whole chunk in one layout
-            (``kda_fwd_v2_prepare32_wide_kernel``: 4-byte accesses, half the shuffles, 4 instead of 6 special
-            functions per element; 1560 instead of 2200 SASS instructions); ``batched`` is then ignored.
 
     Returns:
         The chunk-32 `Workspace` with ``HV`` heads; every element the chunk-32 K2 reads is written.
     """
     _check(q, k, g, beta, layout)
-    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
-                                      or not 32 <= max_registers <= 255):
-        raise ValueError(f"max_registers must be an int in [32, 255] or None, got {max_registers!r}")
     if layout.chunk != CHUNK32:
         raise ValueError(f"layout must be a 32-token chunk layout (build_chunk_layout32), got {layout.chunk}-token "
                          "chunks")
@@ -66,16 +54,12 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    if wide:
-        kernel = mod.kda_fwd_v2_prepare32_wide_kernel
-    else:
-        kernel = mod.kda_fwd_v2_prepare32_batched_kernel if batched else mod.kda_fwd_v2_prepare32_kernel
-    kernel[(layout.num_chunks * H,)](
+    mod.kda_fwd_v2_prepare32_wide_kernel[(layout.num_chunks * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
         float(scale), float(lower_bound) / math.log(2.0), layout.num_chunks, H,
         GROUP=H // q.shape[2], HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=int(mod.NUM_WARPS), maxnreg=int(max_registers or mod.MAX_REGISTERS),
+        num_warps=int(mod.NUM_WARPS), maxnreg=int(mod.MAX_REGISTERS),
     )
     return ws

@@ -92,11 +92,11 @@ def launch_recurrence32(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: tor
                         ht: torch.Tensor | None, order: torch.Tensor | None, stages: int = STAGES32, *,
                         checkpoints: torch.Tensor | None = None, ck_offsets: torch.Tensor | None = None,
                         every: int = 0) -> None:
-    """The chunk-32 K2 into caller-owned outputs (also one token segment of `flashkda.fwd.v2.pipeline`).
+    """The chunk-32 K2 into caller-owned outputs.
 
     Args:
-        ws: chunk-32 `Workspace` (or a segment's views of one), its layout with ``N`` sequences.
-        v: ``[B, T, H, 128]`` bf16 values (contiguous; a segment's row view); o: the same shape (written).
+        ws: chunk-32 `Workspace`, its layout with ``N`` sequences.
+        v: ``[B, T, H, 128]`` bf16 values (contiguous); o: the same shape (written).
         h0: ``[N, H, 128, 128]`` fp32 start states or None (zeros); ht: ``[N, H, 128, 128]`` fp32 final states
             (written; may be ``h0`` itself: each CTA reads its slice before writing it) or None (not stored).
         order: ``[N]`` int32 launch order of the sequences, or None (sequence order; one sequence).
