@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="posttrain-"))
+    parser.add_argument("--tasks", choices=("code", "chain"), default="code",
+                        help="task family (agentenv.posttrain.tasks.FAMILIES)")
+    parser.add_argument("--train-tasks", type=int, default=64)
+    parser.add_argument("--eval-tasks", type=int, default=32)
+    parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--tokenizer", choices=("word", "byte"), default="word")
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--sft-tasks", type=int, default=8)
@@ -120,12 +125,13 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
                       grpo_iters=args["grpo_iters"], groups_per_iter=args["groups_per_iter"],
                       group_size=args["group_size"], grpo_lr=args["grpo_lr"], beta=args["beta"],
                       grpo_epochs=args["grpo_epochs"], temperature=args["temperature"],
-                      eval_samples=args["eval_samples"])
+                      eval_samples=args["eval_samples"], task_family=args["tasks"], train_tasks=args["train_tasks"],
+                      eval_tasks=args["eval_tasks"], sft_lr=args["sft_lr"])
     run_dir = Path(args["out"]) / f"seed{seed}"
     home = os.path.join(args["home_root"] or os.path.join(args["out"], "homes"), f"seed{seed}")
     if args["tokenizer"] == "word":
         cfg.max_action_tokens = 8
-        tok = WordTokenizer(vocabulary())
+        tok = WordTokenizer(vocabulary(args["tasks"]))
         model = tiny_model(tok.vocab_size, seed=seed, n_positions=256, eos_token_id=tok.eos_token_id,
                            copy_head=args["copy_head"])
     else:

@@ -31,6 +31,7 @@ from agentenv.posttrain import (  # noqa: E402
 from agentenv.posttrain.policy import generate_action, generate_actions  # noqa: E402
 from agentenv.posttrain.tasks import (  # noqa: E402
     HELD_OUT_FROM,
+    HELD_OUT_PAIRS,
     format_action,
     format_observation,
     parse_action,
@@ -51,6 +52,43 @@ def test_tasks_are_seeded_and_split():
     for call in make_task(7).solution:
         assert parse_action(format_action(call)) == call
     assert parse_action("rm -rf /")["function"]["name"] == "invalid"
+
+
+def _asked_pair(task):
+    field = task.instruction.split()[2]
+    index = task.setup.files["/root/task/index.txt"].splitlines()
+    return field, next(line.split()[2] for line in index if line.split()[0] == field)
+
+
+def test_chain_tasks_split_by_unseen_pairs():
+    train, held = make_tasks(40, family="chain"), make_tasks(40, split="held_out", family="chain")
+    assert make_tasks(3, family="chain")[2].to_dict() == train[2].to_dict()
+    assert {_asked_pair(t) for t in held} == set(HELD_OUT_PAIRS)
+    assert not {_asked_pair(t) for t in train} & HELD_OUT_PAIRS
+    tok = WordTokenizer(vocabulary("chain"))
+    for task in train[:5] + held[:5]:
+        field, name = _asked_pair(task)
+        lines = dict(x.split(": ") for x in task.setup.files[f"/root/task/{name}"].splitlines())
+        assert len(lines) == 2 and lines[field] == task.verifier.expected  # the asked word and a decoy field
+        assert [format_action(c) for c in task.solution][:2] == ["cat index.txt", f"cat {name}"]
+        for text in [task.instruction, *task.setup.files.values(), *map(format_action, task.solution)]:
+            assert tok.unk_token_id not in tok.encode(text)
+    with pytest.raises(ValueError, match="family"):
+        make_tasks(2, family="maze")
+    with pytest.raises(ValueError, match="family"):
+        vocabulary("maze")
+
+
+def test_chain_task_reward_in_the_sandbox(provider, run, live):
+    before = live()
+    task = make_tasks(1, split="held_out", family="chain")[0]
+    field, name = _asked_pair(task)
+    decoy = next(x.split(": ")[1] for x in task.setup.files[f"/root/task/{name}"].splitlines()
+                 if not x.startswith(field))
+    solved = [format_action(c) for c in task.solution]
+    assert _episode(provider, run, task, solved) == 1.0
+    assert _episode(provider, run, task, solved[:2] + [f"write answer.txt {decoy}", "submit"]) == 0.0
+    assert live() == before
 
 
 def test_policy_sees_the_shell_output():
