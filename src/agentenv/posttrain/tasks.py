@@ -7,9 +7,8 @@ are the training split, seeds at or above it the held-out split.
 * ``code`` (`make_task`): the instruction names the file holding the code word (3 tool calls).
 * ``chain`` (`make_chain_task`): the instruction names a field; ``index.txt`` says which file holds each field
   and every file holds two fields, so the agent must read the index, follow the asked field's pointer, pick that
-  field's word among the file's two, write it and submit (4 tool calls, distractors at both reads). The held-out
-  split is compositional: it asks (field, file) pairs the training split never asks (`HELD_OUT_PAIRS`), so each
-  part was seen in training, the combination was not.
+  field's word among the file's two, write it and submit (4 tool calls, distractors at both reads). Where each
+  field lives is drawn anew per task, so no field -> file prior helps: only following the index does.
 
 Action grammar (one line per turn), parsed into OpenAI tool calls::
 
@@ -61,15 +60,12 @@ def make_task(seed: int) -> TaskSpec:
 
 
 FIELDS = ("code", "pin", "tag")
-HELD_OUT_PAIRS = frozenset(zip(FIELDS, FILES))
-"""(asked field, file holding it) pairs of the chain family's held-out split only: ``code`` in ``note.txt``,
-``pin`` in ``key.txt``, ``tag`` in ``info.txt``."""
 
 
 def make_chain_task(seed: int) -> TaskSpec:
     """The chain task of `seed` (deterministic): ``index.txt`` maps each of `FIELDS` to its own file of `FILES`
-    (one file holds none); the file of the asked field also holds one other field's word. Training seeds ask only
-    pairs outside `HELD_OUT_PAIRS`, held-out seeds only pairs inside it.
+    (one file holds none); every file that holds a field also holds a decoy: another field's name with a word that
+    is not that field's.
 
     Raises:
         ValueError: `seed` is not a non-negative int.
@@ -78,14 +74,11 @@ def make_chain_task(seed: int) -> TaskSpec:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     rng = random.Random(seed)
     held_out = seed >= HELD_OUT_FROM
-    while True:
-        place = dict(zip(FIELDS, rng.sample(FILES, len(FIELDS))))
-        field = rng.choice(FIELDS)
-        if ((field, place[field]) in HELD_OUT_PAIRS) == held_out:
-            break
+    place = dict(zip(FIELDS, rng.sample(FILES, len(FIELDS))))
+    field = rng.choice(FIELDS)
     words = rng.sample(WORDS, 2 * len(FIELDS))
     order = rng.sample(FIELDS, len(FIELDS))
-    files = {"/root/task/index.txt": "".join(f"{f} in {place[f]}\n" for f in order)}
+    files = {"/root/task/index.txt": "".join(f"{f}: {place[f]}\n" for f in order)}
     for i, f in enumerate(FIELDS):
         decoy = FIELDS[(FIELDS.index(f) + 1 + rng.randrange(len(FIELDS) - 1)) % len(FIELDS)]
         lines = [f"{f}: {words[i]}\n", f"{decoy}: {words[len(FIELDS) + i]}\n"]
