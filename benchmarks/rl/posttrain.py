@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--copy-head", action=argparse.BooleanOptionalAction, default=False,
                         help="word-level policy with a pointer (copy) head (`PointerLM`)")
+    parser.add_argument("--n-layer", type=int, default=2, help="word-level policy: GPT-2 layers")
+    parser.add_argument("--n-embd", type=int, default=96, help="word-level policy: GPT-2 width")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--eval-samples", type=int, default=0,
                         help="also score the sampling policy on held-out tasks: samples per task")
@@ -133,7 +135,7 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
         cfg.max_action_tokens = 8
         tok = WordTokenizer(vocabulary(args["tasks"]))
         model = tiny_model(tok.vocab_size, seed=seed, n_positions=256, eos_token_id=tok.eos_token_id,
-                           copy_head=args["copy_head"])
+                           copy_head=args["copy_head"], n_layer=args["n_layer"], n_embd=args["n_embd"])
     else:
         tok, model = ByteTokenizer(), tiny_model(seed=seed)
     with LocalProvider(home=home) as provider:
@@ -144,8 +146,8 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
         shutil.rmtree(home, ignore_errors=True)
     write_view(run_dir)
     print(json.dumps({"seed": seed, **res}), flush=True)
-    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"],
-                             "copy_head": args["copy_head"]}, leftover
+    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"], "copy_head": args["copy_head"],
+                             "n_layer": args["n_layer"], "n_embd": args["n_embd"]}, leftover
 
 
 if __name__ == "__main__":
