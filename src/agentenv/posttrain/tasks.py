@@ -63,9 +63,9 @@ FIELDS = ("code", "pin", "tag")
 
 
 def make_chain_task(seed: int) -> TaskSpec:
-    """The chain task of `seed` (deterministic): ``index.txt`` maps each of `FIELDS` to its own file of `FILES`
-    (one file holds none); every file that holds a field also holds a decoy: another field's name with a word that
-    is not that field's.
+    """The chain task of `seed` (deterministic): ``index.txt`` maps each of `FIELDS` (one line each, in that
+    order) to its own file of `FILES` (one file holds none); every file that holds a field also holds a decoy:
+    another field's name with a word that is not that field's.
 
     Raises:
         ValueError: `seed` is not a non-negative int.
@@ -77,8 +77,7 @@ def make_chain_task(seed: int) -> TaskSpec:
     place = dict(zip(FIELDS, rng.sample(FILES, len(FIELDS))))
     field = rng.choice(FIELDS)
     words = rng.sample(WORDS, 2 * len(FIELDS))
-    order = rng.sample(FIELDS, len(FIELDS))
-    files = {"/root/task/index.txt": "".join(f"{f}: {place[f]}\n" for f in order)}
+    files = {"/root/task/index.txt": "".join(f"{f}: {place[f]}\n" for f in FIELDS)}
     for i, f in enumerate(FIELDS):
         decoy = FIELDS[(FIELDS.index(f) + 1 + rng.randrange(len(FIELDS) - 1)) % len(FIELDS)]
         lines = [f"{f}: {words[i]}\n", f"{decoy}: {words[len(FIELDS) + i]}\n"]
