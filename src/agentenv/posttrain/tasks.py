@@ -145,7 +145,7 @@ def format_action(call: dict) -> str:
     raise ValueError(f"call: {name} {args} has no grammar form")
 
 
-def format_observation(obs: dict, limit: int = 64) -> str:
+def format_observation(obs: dict, limit: int = 48) -> str:
     """The part of an observation the policy sees, on one line cut to `limit` chars: its output lines joined
     (a file's ``"code: red"``; a shell result's ``"exit_code: 0 code: red"``), or ``"error TYPE"``."""
     if obs.get("error"):
