@@ -90,6 +90,21 @@ def test_chain_task_reward_in_the_sandbox(provider, run, live):
     assert live() == before
 
 
+def test_chain_transcript_replays(provider, run, live, tmp_path):
+    from agentenv.posttrain import record_transcripts
+    from agentenv.rl import EnvPool, replay
+
+    async def record():
+        async with EnvPool(provider, max_envs=2, record_dir=tmp_path) as pool:
+            return await record_transcripts(pool, make_tasks(2, split="held_out", family="chain"))
+    ids = run(record())
+    assert len(ids) == 2
+    for i in ids:
+        report = replay(tmp_path / f"{i}.jsonl", provider)
+        assert report.ok, report
+    assert not live()
+
+
 def test_policy_sees_the_shell_output():
     shown = format_observation({"content": "exit_code: 0\nstdout:\ncode: ice\n", "error": None})
     assert shown == "exit_code: 0 code: ice"
