@@ -1,7 +1,10 @@
-"""SFT then GRPO on the seeded code-word tasks, several seeds, on CPU: held-out success after SFT only and
-after GRPO, the scripted solver's ceiling, environment share of GRPO iteration time, and a leak check.
+"""SFT then GRPO on the seeded tool tasks, several seeds, on CPU: held-out success after SFT only and after
+GRPO (greedy, and sampled with ``--eval-samples``), the scripted solver's ceiling, environment share of GRPO
+iteration time, and a leak check. ``--tasks`` picks the family (`agentenv.posttrain.tasks.FAMILIES`).
 
     python -m benchmarks.rl.posttrain --seeds 3 --out /tmp/posttrain-runs
+    python -m benchmarks.rl.posttrain --seeds 3 --jobs 3 --tasks chain --copy-head --sft-tasks 16 --sft-steps 60 \
+        --train-tasks 2000 --grpo-iters 100 --grpo-epochs 2 --eval-tasks 64
 
 Each seed runs on its own AgentEnv data directory (no lock or record scan shared with another seed), which is
 checked after the run and removed: no record, mount, cgroup or tool-server process may be left.
