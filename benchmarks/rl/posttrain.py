@@ -1,7 +1,10 @@
-"""SFT then GRPO on the seeded code-word tasks, several seeds, on CPU: held-out success after SFT only and
-after GRPO, the scripted solver's ceiling, environment share of GRPO iteration time, and a leak check.
+"""SFT then GRPO on the seeded tool tasks, several seeds, on CPU: held-out success after SFT only and after
+GRPO (greedy, and sampled with ``--eval-samples``), the scripted solver's ceiling, environment share of GRPO
+iteration time, and a leak check. ``--tasks`` picks the family (`agentenv.posttrain.tasks.FAMILIES`).
 
     python -m benchmarks.rl.posttrain --seeds 3 --out /tmp/posttrain-runs
+    python -m benchmarks.rl.posttrain --seeds 3 --jobs 3 --tasks chain --copy-head --sft-tasks 16 --sft-steps 60 \
+        --train-tasks 2000 --grpo-iters 100 --grpo-epochs 2 --eval-tasks 64
 
 Each seed runs on its own AgentEnv data directory (no lock or record scan shared with another seed), which is
 checked after the run and removed: no record, mount, cgroup or tool-server process may be left.
@@ -34,6 +37,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="posttrain-"))
+    parser.add_argument("--tasks", choices=("code", "chain"), default="code",
+                        help="task family (agentenv.posttrain.tasks.FAMILIES)")
+    parser.add_argument("--train-tasks", type=int, default=64)
+    parser.add_argument("--eval-tasks", type=int, default=32)
+    parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument("--tokenizer", choices=("word", "byte"), default="word")
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--sft-tasks", type=int, default=8)
@@ -46,6 +54,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--copy-head", action=argparse.BooleanOptionalAction, default=False,
                         help="word-level policy with a pointer (copy) head (`PointerLM`)")
+    parser.add_argument("--n-layer", type=int, default=2, help="word-level policy: GPT-2 layers")
+    parser.add_argument("--n-embd", type=int, default=96, help="word-level policy: GPT-2 width")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--eval-samples", type=int, default=0,
                         help="also score the sampling policy on held-out tasks: samples per task")
@@ -120,14 +130,15 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
                       grpo_iters=args["grpo_iters"], groups_per_iter=args["groups_per_iter"],
                       group_size=args["group_size"], grpo_lr=args["grpo_lr"], beta=args["beta"],
                       grpo_epochs=args["grpo_epochs"], temperature=args["temperature"],
-                      eval_samples=args["eval_samples"])
+                      eval_samples=args["eval_samples"], task_family=args["tasks"], train_tasks=args["train_tasks"],
+                      eval_tasks=args["eval_tasks"], sft_lr=args["sft_lr"])
     run_dir = Path(args["out"]) / f"seed{seed}"
     home = os.path.join(args["home_root"] or os.path.join(args["out"], "homes"), f"seed{seed}")
     if args["tokenizer"] == "word":
         cfg.max_action_tokens = 8
-        tok = WordTokenizer(vocabulary())
+        tok = WordTokenizer(vocabulary(args["tasks"]))
         model = tiny_model(tok.vocab_size, seed=seed, n_positions=256, eos_token_id=tok.eos_token_id,
-                           copy_head=args["copy_head"])
+                           copy_head=args["copy_head"], n_layer=args["n_layer"], n_embd=args["n_embd"])
     else:
         tok, model = ByteTokenizer(), tiny_model(seed=seed)
     with LocalProvider(home=home) as provider:
@@ -138,8 +149,8 @@ def _one_seed(args: dict, seed: int) -> tuple[dict, dict, dict]:
         shutil.rmtree(home, ignore_errors=True)
     write_view(run_dir)
     print(json.dumps({"seed": seed, **res}), flush=True)
-    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"],
-                             "copy_head": args["copy_head"]}, leftover
+    return res, vars(cfg) | {"run_dir": str(run_dir), "tokenizer": args["tokenizer"], "copy_head": args["copy_head"],
+                             "n_layer": args["n_layer"], "n_embd": args["n_embd"]}, leftover
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
 """Seeded tool tasks with rewards checked in the sandbox, and the compact action grammar a small LM emits.
 
-Each task puts a code word in a file of a small tree; the agent must find it and write it to ``answer.txt``.
-The verifier checks ``answer.txt`` in the sandbox (a `FileVerifier`): the agent's text is never trusted.
-Seeds below `HELD_OUT_FROM` are the training split, seeds at or above it the held-out split.
+Two task families; in both the agent must write a word to ``answer.txt`` and submit, and the verifier checks
+``answer.txt`` in the sandbox (a `FileVerifier`): the agent's text is never trusted. Seeds below `HELD_OUT_FROM`
+are the training split, seeds at or above it the held-out split.
+
+* ``code`` (`make_task`): the instruction names the file holding the code word (3 tool calls).
+* ``chain`` (`make_chain_task`): the instruction names a field; ``index.txt`` says which file holds each field
+  and every file holds two fields, so the agent must read the index, follow the asked field's pointer, pick that
+  field's word among the file's two, write it and submit (4 tool calls, distractors at both reads). Where each
+  field lives is drawn anew per task, so no field -> file prior helps: only following the index does.
 
 Action grammar (one line per turn), parsed into OpenAI tool calls::
 
@@ -53,14 +59,54 @@ def make_task(seed: int) -> TaskSpec:
                     solution=solution, tags=["posttrain", "held_out" if seed >= HELD_OUT_FROM else "train"])
 
 
-def make_tasks(n: int, *, split: str = "train", start: int = 0) -> list[TaskSpec]:
-    """`n` tasks of a split (``"train"`` or ``"held_out"``), seeds ``start, start+1, ...`` within the split."""
+FIELDS = ("code", "pin", "tag")
+
+
+def make_chain_task(seed: int) -> TaskSpec:
+    """The chain task of `seed` (deterministic): ``index.txt`` maps each of `FIELDS` (one line each, in that
+    order) to its own file of `FILES` (one file holds none); every file that holds a field also holds a decoy:
+    another field's name with a word that is not that field's.
+
+    Raises:
+        ValueError: `seed` is not a non-negative int.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    rng = random.Random(seed)
+    held_out = seed >= HELD_OUT_FROM
+    place = dict(zip(FIELDS, rng.sample(FILES, len(FIELDS))))
+    field = rng.choice(FIELDS)
+    words = rng.sample(WORDS, 2 * len(FIELDS))
+    files = {"/root/task/index.txt": "".join(f"{f}: {place[f]}\n" for f in FIELDS)}
+    for i, f in enumerate(FIELDS):
+        decoy = FIELDS[(FIELDS.index(f) + 1 + rng.randrange(len(FIELDS) - 1)) % len(FIELDS)]
+        lines = [f"{f}: {words[i]}\n", f"{decoy}: {words[len(FIELDS) + i]}\n"]
+        rng.shuffle(lines)
+        files[f"/root/task/{place[f]}"] = "".join(lines)
+    word = words[FIELDS.index(field)]
+    instruction = f"find the {field} via index.txt, write it to answer.txt, submit"
+    solution = [tool_call("read_file", path="index.txt"), tool_call("read_file", path=place[field]),
+                tool_call("write_file", path="answer.txt", content=f"{word}\n"), tool_call("submit")]
+    return TaskSpec(id=f"chain-{seed}", instruction=instruction, setup=Setup(files=files, files_at_reset=True),
+                    verifier=FileVerifier("answer.txt", word), limits=LIMITS, max_steps=6, step_timeout_s=10.0,
+                    solution=solution, tags=["posttrain", "chain", "held_out" if held_out else "train"])
+
+
+FAMILIES = {"code": make_task, "chain": make_chain_task}
+"""Task makers by family name (`make_tasks`'s `family`)."""
+
+
+def make_tasks(n: int, *, split: str = "train", start: int = 0, family: str = "code") -> list[TaskSpec]:
+    """`n` tasks of a family (`FAMILIES`) and split (``"train"`` or ``"held_out"``), seeds ``start, start+1, ...``
+    within the split."""
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     base = 0 if split == "train" else HELD_OUT_FROM
-    return [make_task(base + start + i) for i in range(n)]
+    return [FAMILIES[family](base + start + i) for i in range(n)]
 
 
 def parse_action(text: str) -> dict:
@@ -108,11 +154,19 @@ def format_observation(obs: dict, limit: int = 48) -> str:
     return " ".join(x for x in lines if x and x not in ("stdout:", "stderr:"))[:limit]
 
 
-def vocabulary() -> list[str]:
-    """Every word the tasks' instructions, files, actions and usual observations are made of (for a word-level
-    tokenizer such as `agentenv.posttrain.policy.WordTokenizer`); the same list for both splits."""
+def vocabulary(family: str = "code") -> list[str]:
+    """Every word a family's instructions, files, actions and usual observations are made of (for a word-level
+    tokenizer such as `agentenv.posttrain.policy.WordTokenizer`); the same list for both splits.
+
+    Raises:
+        ValueError: `family` is not in `FAMILIES`.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     words = set(WORDS) | set(FILES) | {"other.log", "answer.txt", "/root/task/answer.txt"}
     words |= set("find the code in write it to submit cat noise exit_code stdout stderr wrote bytes submitted error "
                  "no such file or directory not_found unknown_tool invalid_arguments is_directory".split())
     words |= set(",:;.") | {str(i) for i in range(10)}
+    if family == "chain":
+        words |= set(FIELDS) | {"via", "index.txt"}
     return sorted(words)

@@ -1,4 +1,4 @@
-"""SFT then GRPO on the seeded code-word tasks, writing a run directory the viewer reads.
+"""SFT then GRPO on the seeded tool tasks, writing a run directory the viewer reads.
 
 Run directory: ``config.json``, ``metrics.jsonl`` (one line per GRPO iteration and per evaluation),
 ``groups.jsonl`` (every group: task, parent trajectory, children with actions, observations, rewards),
@@ -61,6 +61,8 @@ class TrainConfig:
     eval_samples: int = 0
     """Also score held-out success of the sampling policy (at `temperature`): this many samples per task."""
     max_envs: int = 64
+    task_family: str = "code"
+    """Which `agentenv.posttrain.tasks.FAMILIES` the train and held-out tasks come from."""
 
 
 def sft(model, tokenizer, samples: list[list[tuple[str, bool]]], *, steps: int, lr: float, batch: int = 8,
@@ -151,8 +153,8 @@ async def run(run_dir: str | os.PathLike, provider, model, tokenizer, config: Tr
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    train_tasks = make_tasks(cfg.train_tasks, split="train", start=cfg.seed * 10_000)
-    held_out = make_tasks(cfg.eval_tasks, split="held_out", start=cfg.seed * 10_000)
+    train_tasks = make_tasks(cfg.train_tasks, split="train", start=cfg.seed * 10_000, family=cfg.task_family)
+    held_out = make_tasks(cfg.eval_tasks, split="held_out", start=cfg.seed * 10_000, family=cfg.task_family)
     t_start = time.perf_counter()
     clock = EnvClock()
     async with EnvPool(provider, max_envs=cfg.max_envs, record_dir=traj_dir, fsync=cfg.fsync) as pool:

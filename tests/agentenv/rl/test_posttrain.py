@@ -53,6 +53,58 @@ def test_tasks_are_seeded_and_split():
     assert parse_action("rm -rf /")["function"]["name"] == "invalid"
 
 
+def _asked_pair(task):
+    field = task.instruction.split()[2]
+    index = task.setup.files["/root/task/index.txt"].splitlines()
+    return field, next(line.split()[1] for line in index if line.split()[0] == field + ":")
+
+
+def test_chain_tasks_follow_the_index():
+    train, held = make_tasks(40, family="chain"), make_tasks(40, split="held_out", family="chain")
+    assert make_tasks(3, family="chain")[2].to_dict() == train[2].to_dict()
+    assert {t.id for t in train}.isdisjoint({t.id for t in held}) and all("held_out" in t.tags for t in held)
+    assert len({_asked_pair(t) for t in train}) == 12           # every field in every file: no prior to learn
+    tok = WordTokenizer(vocabulary("chain"))
+    for task in train[:5] + held[:5]:
+        field, name = _asked_pair(task)
+        lines = dict(x.split(": ") for x in task.setup.files[f"/root/task/{name}"].splitlines())
+        assert len(lines) == 2 and lines[field] == task.verifier.expected  # the asked word and a decoy field
+        assert [format_action(c) for c in task.solution][:2] == ["cat index.txt", f"cat {name}"]
+        for text in [task.instruction, *task.setup.files.values(), *map(format_action, task.solution)]:
+            assert tok.unk_token_id not in tok.encode(text)
+    with pytest.raises(ValueError, match="family"):
+        make_tasks(2, family="maze")
+    with pytest.raises(ValueError, match="family"):
+        vocabulary("maze")
+
+
+def test_chain_task_reward_in_the_sandbox(provider, run, live):
+    before = live()
+    task = make_tasks(1, split="held_out", family="chain")[0]
+    field, name = _asked_pair(task)
+    decoy = next(x.split(": ")[1] for x in task.setup.files[f"/root/task/{name}"].splitlines()
+                 if not x.startswith(field))
+    solved = [format_action(c) for c in task.solution]
+    assert _episode(provider, run, task, solved) == 1.0
+    assert _episode(provider, run, task, solved[:2] + [f"write answer.txt {decoy}", "submit"]) == 0.0
+    assert live() == before
+
+
+def test_chain_transcript_replays(provider, run, live, tmp_path):
+    from agentenv.posttrain import record_transcripts
+    from agentenv.rl import EnvPool, replay
+
+    async def record():
+        async with EnvPool(provider, max_envs=2, record_dir=tmp_path) as pool:
+            return await record_transcripts(pool, make_tasks(2, split="held_out", family="chain"))
+    ids = run(record())
+    assert len(ids) == 2
+    for i in ids:
+        report = replay(tmp_path / f"{i}.jsonl", provider)
+        assert report.ok, report
+    assert not live()
+
+
 def test_policy_sees_the_shell_output():
     shown = format_observation({"content": "exit_code: 0\nstdout:\ncode: ice\n", "error": None})
     assert shown == "exit_code: 0 code: ice"
