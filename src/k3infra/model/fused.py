@@ -1,0 +1,205 @@
+"""Fused Triton kernels for the element-wise chains of `layers`: RMSNorm and SiTU-GLU, forward and backward.
+
+Each kernel reads its inputs once (bf16 or fp32), computes in fp32 and writes its outputs once in the input dtype,
+replacing the dozen memory-bound torch kernels of the eager autograd Functions in `layers`. The math and the
+tensors saved for backward are those of the eager Functions (``x``, ``weight`` and the fp32 ``1/rms`` per row for
+RMSNorm; ``a`` and ``c`` for SiTU-GLU), which stay the reference.
+
+`MODE` chooses the path: ``"auto"`` (CUDA tensors take the kernels, others the eager path), ``"on"`` (also CPU
+tensors, through Triton's interpreter; needs ``TRITON_INTERPRET=1`` before triton is imported), ``"off"`` (eager
+everywhere, for A/B runs).
+
+Shape suffixes: N rows, D hidden, F MLP width.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["MODE", "rms_norm", "situ_glu", "use_fused"]
+
+MODE = "auto"
+"""``"auto"``, ``"on"`` or ``"off"`` (see the module docstring)."""
+
+_MODES = ("auto", "on", "off")
+_MAX_NORM_WIDTH = 1 << 16
+_SITU_BLOCK = 1024
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether ``x`` (fp32 or bf16/fp16) takes the fused kernels under the current `MODE`."""
+    if MODE not in _MODES:
+        raise ValueError(f"fused.MODE must be one of {_MODES}, got {MODE!r}")
+    if MODE == "off" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if x.device.type == "cuda":
+        return True
+    return MODE == "on" and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _grid_rows(n: int, device: torch.device) -> int:
+    """Programs for a row-blocked kernel: a few per SM on a GPU, a handful in the interpreter."""
+    if device.type == "cuda":
+        return max(1, min(n, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n, 4))
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, D, eps, ROWS_PER_PROG, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    row0 = pid * ROWS_PER_PROG
+    for r in range(0, ROWS_PER_PROG):
+        row = row0 + r
+        if row < N:
+            x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            tl.store(rstd_ptr + row, rstd)
+            tl.store(y_ptr + row * D + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr, N, D, ROWS_PER_PROG,
+                         BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    row0 = pid * ROWS_PER_PROG
+    for r in range(0, ROWS_PER_PROG):
+        row = row0 + r
+        if row < N:
+            x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            xhat = x * rstd
+            dyw = dy * w
+            dx = rstd * (dyw - xhat * (tl.sum(dyw * xhat, axis=0) / D))
+            tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * xhat
+    tl.store(dw_part_ptr + pid * D + cols, dw, mask=mask)
+
+
+def _norm_launch(x2: torch.Tensor) -> tuple[int, int, int]:
+    n, d = x2.shape
+    if d > _MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm: the fused kernel takes widths up to {_MAX_NORM_WIDTH}, got {d}")
+    programs = _grid_rows(n, x2.device)
+    return programs, triton.cdiv(n, programs), triton.next_power_of_2(d)
+
+
+class _FusedRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        n, d = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n:
+            programs, rows, block = _norm_launch(x2)
+            _rms_norm_fwd_kernel[(programs,)](x2, weight.contiguous(), y, rstd, n, d, eps, rows, BLOCK_D=block)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n, d = x2.shape
+        dy2 = dy.reshape(-1, d).contiguous()
+        dx = torch.empty_like(x2)
+        dw = torch.zeros(d, dtype=torch.float32, device=x2.device) if n == 0 else None
+        if n:
+            programs, rows, block = _norm_launch(x2)
+            part = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
+            _rms_norm_bwd_kernel[(programs,)](x2, weight.contiguous(), rstd, dy2, dx, part, n, d, rows,
+                                              BLOCK_D=block)
+            dw = part.sum(0)
+        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.shape), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fused `layers.rms_norm`: ``x [..., D]`` (fp32/bf16/fp16) · fp32 ``1/rms`` · ``weight [D]``, in ``x``'s
+    dtype. Saves ``x``, ``weight`` and the fp32 ``1/rms`` ``[N]``; backward gives ``dx`` in ``x``'s dtype and
+    ``dw`` (fp32 per-program partial sums, then one reduction) in ``weight``'s dtype."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    return _FusedRMSNormFunction.apply(x, weight, eps)
+
+
+@triton.jit
+def _tanh(x):
+    # 2σ(2x) − 1 saturates to ±1 without overflow (exp(−2x) → inf gives −1).
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _situ_glu_fwd_kernel(a_ptr, c_ptr, y_ptr, numel, gate_beta, up_beta, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = gate_beta * _tanh(a / gate_beta) * tl.sigmoid(a)
+    up = up_beta * _tanh(c / up_beta)
+    tl.store(y_ptr + offs, (gate * up).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _situ_glu_bwd_kernel(a_ptr, c_ptr, dy_ptr, da_ptr, dc_ptr, numel, gate_beta, up_beta, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t1 = _tanh(a / gate_beta)
+    s = tl.sigmoid(a)
+    t2 = _tanh(c / up_beta)
+    gate = gate_beta * t1 * s
+    up = up_beta * t2
+    da = dy * up * ((1.0 - t1 * t1) * s + gate * (1.0 - s))
+    dc = dy * gate * (1.0 - t2 * t2)
+    tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(dc_ptr + offs, dc.to(dc_ptr.dtype.element_ty), mask=mask)
+
+
+class _FusedSiTUGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, c, gate_beta, up_beta):
+        a, c = a.contiguous(), c.contiguous()
+        y = torch.empty_like(a)
+        numel = a.numel()
+        if numel:
+            grid = (triton.cdiv(numel, _SITU_BLOCK),)
+            _situ_glu_fwd_kernel[grid](a, c, y, numel, float(gate_beta), float(up_beta), BLOCK=_SITU_BLOCK)
+        ctx.save_for_backward(a, c)
+        ctx.betas = (float(gate_beta), float(up_beta))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, c = ctx.saved_tensors
+        dy = dy.contiguous()
+        da, dc = torch.empty_like(a), torch.empty_like(c)
+        numel = a.numel()
+        if numel:
+            grid = (triton.cdiv(numel, _SITU_BLOCK),)
+            _situ_glu_bwd_kernel[grid](a, c, dy, da, dc, numel, *ctx.betas, BLOCK=_SITU_BLOCK)
+        return da, dc, None, None
+
+
+def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
+    """Fused `layers.situ_glu`: ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` element-wise over ``a, c`` (same shape and
+    dtype, fp32/bf16/fp16), fp32 inside, returned in ``a``'s dtype; saves ``a`` and ``c`` for backward."""
+    if a.shape != c.shape or a.dtype != c.dtype:
+        raise ValueError(f"situ_glu: a and c must match in shape and dtype, got {tuple(a.shape)} {a.dtype} and "
+                         f"{tuple(c.shape)} {c.dtype}")
+    return _FusedSiTUGLUFunction.apply(a, c, gate_beta, up_beta)
