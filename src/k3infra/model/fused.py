@@ -27,6 +27,7 @@ MODE = "auto"
 
 _MODES = ("auto", "on", "off")
 _MAX_NORM_WIDTH = 1 << 16
+_NORM_TILE = 8192
 _SITU_BLOCK = 1024
 
 
@@ -49,50 +50,57 @@ def _grid_rows(n: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, D, eps, ROWS_PER_PROG, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    row0 = pid * ROWS_PER_PROG
-    for r in range(0, ROWS_PER_PROG):
-        row = row0 + r
-        if row < N:
-            x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            tl.store(rstd_ptr + row, rstd)
-            tl.store(y_ptr + row * D + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr, N, D, ROWS_PER_PROG,
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, D, eps, BLOCKS_PER_PROG, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row0 = pid * ROWS_PER_PROG
-    for r in range(0, ROWS_PER_PROG):
-        row = row0 + r
-        if row < N:
-            x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row)
-            xhat = x * rstd
-            dyw = dy * w
-            dx = rstd * (dyw - xhat * (tl.sum(dyw * xhat, axis=0) / D))
-            tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-    tl.store(dw_part_ptr + pid * D + cols, dw, mask=mask)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    for i in range(0, BLOCKS_PER_PROG):
+        rows = (pid * BLOCKS_PER_PROG + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < N)[:, None] & (cols < D)[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < N)
+        tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _norm_launch(x2: torch.Tensor) -> tuple[int, int, int]:
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_part_ptr, N, D, BLOCKS_PER_PROG,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for i in range(0, BLOCKS_PER_PROG):
+        rows = (pid * BLOCKS_PER_PROG + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < N)[:, None] & (cols < D)[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < N, other=0.0)
+        xhat = x * rstd[:, None]
+        dyw = dy * w[None, :]
+        dx = rstd[:, None] * (dyw - xhat * (tl.sum(dyw * xhat, axis=1) / D)[:, None])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+    tl.store(dw_part_ptr + pid * D + cols, tl.sum(dw, axis=0), mask=cols < D)
+
+
+def _warps(tile: int) -> int:
+    return 8 if tile >= 4096 else 4
+
+
+def _norm_launch(x2: torch.Tensor) -> tuple[int, int, int, int]:
+    """(programs, row blocks per program, BLOCK_N, BLOCK_D): tiles of about `_NORM_TILE` elements."""
     n, d = x2.shape
     if d > _MAX_NORM_WIDTH:
         raise ValueError(f"rms_norm: the fused kernel takes widths up to {_MAX_NORM_WIDTH}, got {d}")
-    programs = _grid_rows(n, x2.device)
-    return programs, triton.cdiv(n, programs), triton.next_power_of_2(d)
+    block_d = triton.next_power_of_2(d)
+    block_n = min(triton.next_power_of_2(n), max(1, _NORM_TILE // block_d))
+    blocks = triton.cdiv(n, block_n)
+    programs = _grid_rows(blocks, x2.device)
+    return programs, triton.cdiv(blocks, programs), block_n, block_d
 
 
 class _FusedRMSNormFunction(torch.autograd.Function):
@@ -104,8 +112,9 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         y = torch.empty_like(x2)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
         if n:
-            programs, rows, block = _norm_launch(x2)
-            _rms_norm_fwd_kernel[(programs,)](x2, weight.contiguous(), y, rstd, n, d, eps, rows, BLOCK_D=block)
+            programs, blocks, block_n, block_d = _norm_launch(x2)
+            _rms_norm_fwd_kernel[(programs,)](x2, weight.contiguous(), y, rstd, n, d, eps, blocks, BLOCK_N=block_n,
+                                              BLOCK_D=block_d, num_warps=_warps(block_n * block_d))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -118,10 +127,10 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dw = torch.zeros(d, dtype=torch.float32, device=x2.device) if n == 0 else None
         if n:
-            programs, rows, block = _norm_launch(x2)
+            programs, blocks, block_n, block_d = _norm_launch(x2)
             part = torch.empty(programs, d, dtype=torch.float32, device=x2.device)
-            _rms_norm_bwd_kernel[(programs,)](x2, weight.contiguous(), rstd, dy2, dx, part, n, d, rows,
-                                              BLOCK_D=block)
+            _rms_norm_bwd_kernel[(programs,)](x2, weight.contiguous(), rstd, dy2, dx, part, n, d, blocks,
+                                              BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_warps(block_n * block_d))
             dw = part.sum(0)
         dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None
