@@ -161,3 +161,12 @@ def test_fused_kernels_on_cuda_bf16_k3_mini_widths():
     out_ref.backward(d)
     torch.testing.assert_close(a.grad.float(), a_ref.grad.float(), atol=1.0, rtol=1e-2)
     torch.testing.assert_close(c.grad.float(), c_ref.grad.float(), atol=1.0, rtol=1e-2)
+
+
+def test_elementwise_benchmark_dry_run(caplog):
+    from benchmarks.train import elementwise
+
+    caplog.set_level("INFO")
+    assert elementwise.main(["--dry-run", "--rep", "1"]) == 0
+    assert "fused matches eager" in caplog.text
+    assert fused.MODE == "auto"  # the benchmark restores the switch
