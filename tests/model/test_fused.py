@@ -106,6 +106,7 @@ def test_mode_switch_routes_layers(device, monkeypatch):
     monkeypatch.setattr(fused, "MODE", "on")
     assert layers.rms_norm(x, w, 1e-5).grad_fn.name() == "_FusedRMSNormFunctionBackward"
     assert "Fused" in layers.situ_glu(x, x, 4.0, 25.0).grad_fn.name()
+    assert "Fused" in layers.attn_res_mix([x, x * 2], w, w, 1e-5).grad_fn.name()
     assert layers.rms_norm(x.double(), w, 1e-5).grad_fn.name() != "_FusedRMSNormFunctionBackward"
     monkeypatch.setattr(fused, "MODE", "fast")
     with pytest.raises(ValueError, match="fused.MODE must be one of"):
@@ -170,3 +171,37 @@ def test_elementwise_benchmark_dry_run(caplog):
     assert elementwise.main(["--dry-run", "--rep", "1"]) == 0
     assert "fused matches eager" in caplog.text
     assert fused.MODE == "auto"  # the benchmark restores the switch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,shape", [(2, (5, 48)), (3, (2, 7, 40)), (5, (1, 13, 100))])
+def test_attn_res_mix_matches_eager(device, dtype, S, shape):
+    g = torch.Generator().manual_seed(zlib.crc32(repr((S, shape, dtype)).encode()))
+    D = shape[-1]
+    sources = [(torch.randn(shape, generator=g) * (1 + i)).to(device, dtype) for i in range(S)]
+    query = torch.randn(D, generator=g).to(device)  # non-zero: a fresh site's zero query gives uniform weights
+    nw = (1 + 0.3 * torch.randn(D, generator=g)).to(device)
+    dh = torch.randn(shape, generator=g).to(device, dtype)
+    leaves = [t.clone().requires_grad_() for t in (query, nw, *sources)]
+    ref_leaves = [t.clone().requires_grad_() for t in (query, nw, *sources)]
+    out = fused.attn_res_mix(leaves[2:], leaves[0], leaves[1], 1e-5)
+    out_ref = layers._AttnResFunction.apply(ref_leaves[0], ref_leaves[1], 1e-5, *ref_leaves[2:])
+    assert out.dtype == dtype and out.shape == shape
+    _close(out, out_ref, dtype, scale=S)
+    out.backward(dh)
+    out_ref.backward(dh)
+    for i, (got, ref) in enumerate(zip(leaves, ref_leaves)):
+        if i < 2:  # query and norm weight: fp32, summed over all rows
+            torch.testing.assert_close(got.grad, ref.grad, atol=1e-3, rtol=1e-3)
+        else:
+            assert got.grad.dtype == dtype
+            _close(got.grad, ref.grad, dtype, scale=4)
+
+
+def test_attn_res_mix_rejects_bad_inputs(device):
+    v = torch.zeros(2, 3, 8, device=device)
+    q = torch.zeros(8, device=device)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        fused.attn_res_mix([v, v[:, :2]], q, q, 1e-5)
+    with pytest.raises(ValueError, match="query and norm_weight"):
+        fused.attn_res_mix([v, v], q[:4], q, 1e-5)
