@@ -205,3 +205,20 @@ def test_attn_res_mix_rejects_bad_inputs(device):
         fused.attn_res_mix([v, v[:, :2]], q, q, 1e-5)
     with pytest.raises(ValueError, match="query and norm_weight"):
         fused.attn_res_mix([v, v], q[:4], q, 1e-5)
+
+
+@pytest.mark.gpu
+def test_fused_attn_res_on_cuda_bf16_k3_mini_width():
+    g = torch.Generator().manual_seed(4)
+    leaves = [(0.1 * torch.randn(1024, generator=g)).cuda(), (1 + 0.1 * torch.randn(1024, generator=g)).cuda()]
+    leaves += [torch.randn(2, 2048, 1024, generator=g).cuda().bfloat16() for _ in range(8)]
+    got = [t.clone().requires_grad_() for t in leaves]
+    ref = [t.clone().requires_grad_() for t in leaves]
+    out = fused.attn_res_mix(got[2:], got[0], got[1], 1e-5)
+    out_ref = layers._AttnResFunction.apply(ref[0], ref[1], 1e-5, *ref[2:])
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=2e-2, rtol=1e-2)
+    dh = torch.randn_like(out)
+    out.backward(dh)
+    out_ref.backward(dh)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=2e-2, rtol=1e-2)
