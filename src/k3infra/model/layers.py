@@ -13,6 +13,11 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+try:
+    from k3infra.model import fused
+except ModuleNotFoundError:  # no triton: the eager Functions only
+    fused = None
+
 __all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm", "situ_glu"]
 
 
@@ -50,9 +55,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) · weight`` over the last dim in fp32, returned in ``x``'s dtype; saves ``x`` and the fp32
-    ``1/rms`` ``[..., 1]`` for backward (fp64 inputs: plain autograd in fp64)."""
+    ``1/rms`` ``[..., 1]`` for backward (fp64 inputs: plain autograd in fp64; CUDA tensors: the fused kernel of
+    `fused.rms_norm`, as `fused.MODE` says)."""
     if x.dtype == torch.float64:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
+    if fused is not None and fused.use_fused(x):
+        return fused.rms_norm(x, weight, eps)
     return _RMSNormFunction.apply(x, weight, eps)
 
 
@@ -114,9 +122,12 @@ class _SiTUGLUFunction(torch.autograd.Function):
 
 def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
     """SiTU-GLU activation ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` (each factor bounded, product by β1·β2), in fp32,
-    returned in ``a``'s dtype; saves only ``a`` and ``c`` for backward (fp64 inputs: plain autograd)."""
+    returned in ``a``'s dtype; saves only ``a`` and ``c`` for backward (fp64 inputs: plain autograd; CUDA tensors:
+    the fused kernel of `fused.situ_glu`, as `fused.MODE` says)."""
     if a.dtype == torch.float64:
         return _situ_glu_math(a, c, gate_beta, up_beta)
+    if fused is not None and fused.use_fused(a):
+        return fused.situ_glu(a, c, gate_beta, up_beta)
     shape = a.shape
     a, c = a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1])
     return _SiTUGLUFunction.apply(a, c, gate_beta, up_beta).view(shape)
@@ -199,12 +210,15 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
                  eps: float) -> torch.Tensor:
     """``Σ_i softmax_i(qᵀ RMSNorm(V_i)) · V_i`` over ``sources`` (each ``[B, T, D]``, one dtype), fp32 inside,
     returned in the sources' dtype. Keeps for backward the sources themselves (no stacked copy) and fp32
-    ``[S, B, T]`` statistics; nothing of size ``S·B·T·D`` is materialised in either direction."""
+    ``[S, B, T]`` statistics; nothing of size ``S·B·T·D`` is materialised in either direction (CUDA tensors: the
+    fused kernels of `fused.attn_res_mix`, as `fused.MODE` says)."""
     if sources[0].dtype == torch.float64:
         V = torch.stack(sources, 0)
         xn = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(V.dtype)
         w = torch.softmax((xn * query.to(V.dtype)).sum(-1), dim=0)
         return (w.unsqueeze(-1) * V).sum(0)
+    if fused is not None and fused.use_fused(sources[0]):
+        return fused.attn_res_mix(sources, query, norm_weight, eps)
     return _AttnResFunction.apply(query, norm_weight, eps, *sources)
 
 
