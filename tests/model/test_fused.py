@@ -170,7 +170,7 @@ def test_elementwise_benchmark_dry_run(caplog):
     caplog.set_level("INFO")
     assert elementwise.main(["--dry-run", "--rep", "1"]) == 0
     assert "fused matches eager" in caplog.text
-    assert fused.MODE == "auto"  # the benchmark restores the switch
+    assert fused.MODE == "off"  # the benchmark restores the switch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
