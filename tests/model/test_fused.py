@@ -222,3 +222,16 @@ def test_fused_attn_res_on_cuda_bf16_k3_mini_width():
     out_ref.backward(dh)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_mode_starts_from_the_environment():
+    import subprocess
+    import sys
+
+    code = "from k3infra.model import fused; print(fused.MODE)"
+    env = {**os.environ, "K3_FUSED_ELEMENTWISE": "auto"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "auto"
+    env.pop("K3_FUSED_ELEMENTWISE")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "off"

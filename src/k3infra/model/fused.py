@@ -23,8 +23,9 @@ import triton.language as tl
 
 __all__ = ["MODE", "attn_res_mix", "rms_norm", "situ_glu", "use_fused"]
 
-MODE = "off"
-"""``"auto"``, ``"on"`` or ``"off"`` (see the module docstring)."""
+MODE = os.environ.get("K3_FUSED_ELEMENTWISE", "off")
+"""``"auto"``, ``"on"`` or ``"off"`` (see the module docstring); its start value comes from the environment
+variable ``K3_FUSED_ELEMENTWISE`` (default ``"off"``)."""
 
 _MODES = ("auto", "on", "off")
 _MAX_NORM_WIDTH = 1 << 16
