@@ -21,17 +21,24 @@ reduced sizes and the results file (to a temporary folder), no kernel.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from benchmarks.harness import ROOT, Row, machine_info, machine_line, rms_ratio, time_fn, write_results
+from benchmarks.harness import Row, machine_info, machine_line, rms_ratio, time_fn, write_results
 from benchmarks.kda.calibrate import VARLEN_EVEN, Shape, _fixed, _varlen, make_inputs
-from benchmarks.kda.v2_check import FLAGS, Budget, Impls, child_env, fla_style, guarded, k1_call, log
+from benchmarks.kda.v2_check import (
+    FLAGS,
+    Budget,
+    Impls,
+    fla_style,
+    guarded,
+    k1_call,
+    log,
+    run_pytest,
+    start_watchdog,
+    write_rows,
+)
 
 COMPONENT = "kda-v2-bwd"
 #: (row, chunk size): the forward v2's choice (32 fixed length, 16 varlen).
@@ -143,29 +150,8 @@ def time_row(shape: Shape, chunk: int, rep: int, check: bool, device: str = "cud
     return [f2_row, b2_row]
 
 
-def run_pytest(timeout: float) -> tuple[int | str, str]:
-    cmd = [sys.executable, "-m", "pytest", TEST_FILE, "-m", "gpu", "-q", "-p", "no:cacheprovider"]
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "timeout", f"pytest did not finish in {timeout:.0f} s"
-    return res.returncode, (res.stdout + res.stderr)[-4000:]
-
-
 def _write(results: list[Row], info: dict, no_write: bool) -> None:
-    if no_write or not results:
-        return
-    path = write_results(COMPONENT, list(results), title="FlashKDA backward v2 kernels (H200)", info=info)
-    log(f"results: {path}")
-
-
-def _watchdog(budget: Budget, results: list[Row], info: dict, no_write: bool) -> None:
-    while budget.left() > -GRACE_S:
-        time.sleep(1.0)
-    log(f"[watchdog] {GRACE_S:.0f} s past the budget (a hung kernel?): writing what was measured, exiting")
-    info["watchdog"] = "exited past the budget"
-    _write(results, info, no_write)
-    os._exit(3)
+    write_rows(COMPONENT, "FlashKDA backward v2 kernels (H200)", results, info, no_write)
 
 
 def dry_run(rows) -> int:
@@ -233,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     log(machine_line(info))
     results: list[Row] = []
-    threading.Thread(target=_watchdog, args=(budget, results, info, args.no_write), daemon=True).start()
+    start_watchdog(budget, GRACE_S, info, lambda: _write(results, info, args.no_write))
     if not args.skip_pytest:
-        rc, tail = run_pytest(max(10.0, min(80.0, budget.left() - 50)))
+        rc, tail = run_pytest(max(10.0, min(80.0, budget.left() - 50)), [TEST_FILE])
         log(f"[pytest] rc={rc}\n{tail}")
         results.append(Row(f"pytest -m gpu {TEST_FILE}", "pytest", None, None, extra={"rc": str(rc)},
                            note="correctness only"))

@@ -482,35 +482,46 @@ def run_probe(timeout: float) -> dict[str, bool]:
     return {k: found.get(k) == "ok" for k in PROBED}
 
 
-def run_pytest(timeout: float) -> tuple[int | str, str]:
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "flashkda").glob("test_fwd_v2*.py"))
+def run_pytest(timeout: float, files: list[str] | None = None) -> tuple[int | str, str]:
+    """``pytest -m gpu`` on ``files`` (default: the forward v2 test files) in a child process with a time limit:
+    ``(return code or "timeout", the output's tail)``."""
+    if files is None:
+        files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "flashkda").glob("test_fwd_v2*.py"))
     cmd = [sys.executable, "-m", "pytest", *files, "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     try:
         res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", f"pytest did not finish in {timeout:.0f} s"
-    tail = (res.stdout + res.stderr)[-4000:]
-    return res.returncode, tail
-
+    return res.returncode, (res.stdout + res.stderr)[-4000:]
 
 # --------------------------------------------------------------------------------------------------------------- main
 
 
-def _write(results: list[Row], info: dict, no_write: bool) -> None:
+def write_rows(component: str, title: str, results: list[Row], info: dict, no_write: bool) -> None:
+    """The results file of a device check (nothing when ``no_write`` or no rows)."""
     if no_write or not results:
         return
-    path = write_results(COMPONENT, list(results), title="FlashKDA forward v2 (H200)", info=info)
+    path = write_results(component, list(results), title=title, info=info)
     log(f"results: {path}")
 
 
-def _watchdog(budget: Budget, results: list[Row], info: dict, no_write: bool) -> None:
-    """Past the budget (plus a grace period) a kernel is taken to hang: keep what was measured and exit."""
-    while budget.left() > -GRACE_S:
-        time.sleep(1.0)
-    log(f"[watchdog] the run is {GRACE_S:.0f} s past its budget (a hung kernel?): writing what was measured, exiting")
-    info["watchdog"] = "exited past the budget"
-    _write(results, info, no_write)
-    os._exit(3)
+def start_watchdog(budget: Budget, grace_s: float, info: dict, write) -> None:
+    """Past the budget plus ``grace_s`` a kernel is taken to hang: ``write()`` what was measured and exit."""
+
+    def watch() -> None:
+        while budget.left() > -grace_s:
+            time.sleep(1.0)
+        log(f"[watchdog] the run is {grace_s:.0f} s past its budget (a hung kernel?): writing what was measured, "
+            "exiting")
+        info["watchdog"] = "exited past the budget"
+        write()
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _write(results: list[Row], info: dict, no_write: bool) -> None:
+    write_rows(COMPONENT, "FlashKDA forward v2 (H200)", results, info, no_write)
 
 
 def dry_run(rows: list[Shape]) -> int:
@@ -577,8 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     log(machine_line(info))
     device = "cuda"
     results: list[Row] = []
-    watchdog = threading.Thread(target=_watchdog, args=(budget, results, info, args.no_write), daemon=True)
-    watchdog.start()
+    start_watchdog(budget, GRACE_S, info, lambda: _write(results, info, args.no_write))
 
     alive = run_probe(min(150.0, budget.left() * 0.4))
     log(f"[probe] {alive}")
