@@ -216,6 +216,19 @@ def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float)
 
 
 @triton.jit
+def _source_rows(block, cols, sidx, N, D, S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row block ``block`` of the AttnRes kernels: its rows and row mask, the ``[BLOCK_N, BLOCK_D]`` element mask and
+    offsets into a source, and the ``[BLOCK_N, S_PAD]`` offsets and mask into the ``[S, N]`` statistics."""
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    stat_offs = sidx[None, :] * N + rows[:, None]
+    stat_mask = rmask[:, None] & (sidx < S)[None, :]
+    return rows, rmask, mask, offs, stat_offs, stat_mask
+
+
+@triton.jit
 def _attn_res_fwd_kernel(srcs, u_ptr, out_ptr, rstd_ptr, score_ptr, w_ptr, N, D, eps, BLOCKS_PER_PROG,
                          S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
@@ -223,12 +236,8 @@ def _attn_res_fwd_kernel(srcs, u_ptr, out_ptr, rstd_ptr, score_ptr, w_ptr, N, D,
     sidx = tl.arange(0, S_PAD)
     u = tl.load(u_ptr + cols, mask=cols < D, other=0.0)
     for b in range(0, BLOCKS_PER_PROG):
-        rows = (pid * BLOCKS_PER_PROG + b) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        mask = rmask[:, None] & (cols < D)[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        stat_offs = sidx[None, :] * N + rows[:, None]
-        stat_mask = rmask[:, None] & (sidx < S)[None, :]
+        rows, rmask, mask, offs, stat_offs, stat_mask = _source_rows(pid * BLOCKS_PER_PROG + b, cols, sidx, N, D, S,
+                                                                    BLOCK_N)
         # online softmax over the sources: each source is read once
         m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -262,12 +271,8 @@ def _attn_res_bwd_kernel(srcs, grads, dh_ptr, u_ptr, rstd_ptr, score_ptr, w_ptr,
     u = tl.load(u_ptr + cols, mask=cols < D, other=0.0)
     p_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for b in range(0, BLOCKS_PER_PROG):
-        rows = (pid * BLOCKS_PER_PROG + b) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        mask = rmask[:, None] & (cols < D)[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        stat_offs = sidx[None, :] * N + rows[:, None]
-        stat_mask = rmask[:, None] & (sidx < S)[None, :]
+        rows, rmask, mask, offs, stat_offs, stat_mask = _source_rows(pid * BLOCKS_PER_PROG + b, cols, sidx, N, D, S,
+                                                                    BLOCK_N)
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + stat_offs, mask=stat_mask, other=0.0)
         dw = tl.zeros([BLOCK_N, S_PAD], dtype=tl.float32)
