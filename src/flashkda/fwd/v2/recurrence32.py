@@ -15,7 +15,7 @@ from flashkda.fwd.v2.recurrence import _check, _check_checkpoints
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
 
-__all__ = ["STAGES32", "descriptors", "launch_recurrence32", "recurrence32_fwd"]
+__all__ = ["STAGES32", "descriptors", "recurrence32_fwd"]
 
 #: Shared-memory ring slots (29 KiB each at C = 32: kd/qd/kr/INV/Mqk/glast); 2 leave room for two CTAs per SM.
 STAGES32 = 2
@@ -77,52 +77,30 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
         ``final_state`` or None.
     """
-    B, T, H, V = v.shape
-    N = ws.layout.num_seqs
-    o = torch.empty_like(v)
-    final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
-    if order is None and N > 1:
-        order = ws.layout.seq_order
-    launch_recurrence32(ws, v, o, initial_state, final, order, stages=stages, checkpoints=checkpoints,
-                        ck_offsets=ck_offsets, every=every)
-    return o, final
-
-
-def launch_recurrence32(ws: Workspace, v: torch.Tensor, o: torch.Tensor, h0: torch.Tensor | None,
-                        ht: torch.Tensor | None, order: torch.Tensor | None, stages: int = STAGES32, *,
-                        checkpoints: torch.Tensor | None = None, ck_offsets: torch.Tensor | None = None,
-                        every: int = 0) -> None:
-    """The chunk-32 K2 into caller-owned outputs.
-
-    Args:
-        ws: chunk-32 `Workspace`, its layout with ``N`` sequences.
-        v: ``[B, T, H, 128]`` bf16 values (contiguous); o: the same shape (written).
-        h0: ``[N, H, 128, 128]`` fp32 start states or None (zeros); ht: ``[N, H, 128, 128]`` fp32 final states
-            (written; may be ``h0`` itself: each CTA reads its slice before writing it) or None (not stored).
-        order: ``[N]`` int32 launch order of the sequences, or None (sequence order; one sequence).
-        stages: shared-memory ring slots (2, 3 or 4).
-        checkpoints, ck_offsets, every: training checkpoint stores, as ``recurrence.recurrence_fwd``'s.
-    """
-    _check(ws, v, h0, 64, stages)
+    _check(ws, v, initial_state, 64, stages)
     _check_checkpoints(ws, v, checkpoints, ck_offsets, every)
     if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):
         raise ValueError(f"ws must be a chunk-32 workspace (inv [NT, H, 32, 32]), got inv {tuple(ws.inv.shape)}")
     B, T, H, V = v.shape
     layout = ws.layout
     N = layout.num_seqs
+    o = torch.empty_like(v)
+    final = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=v.device) if output_final_state else None
     if N == 0:
-        return
+        return o, final
     if B * T == 0 or layout.num_chunks == 0:
-        if ht is not None and h0 is None:
-            ht.zero_()
-        elif ht is not None and h0.data_ptr() != ht.data_ptr():
-            ht.copy_(h0)
-        return
+        if final is not None:
+            final.copy_(initial_state) if initial_state is not None else final.zero_()
+        return o, final
+    if order is None and N > 1:
+        order = layout.seq_order
     dummy = ws.beta
     _kernel()[(H * 2, N)](
-        *descriptors(ws, CHUNK32), ws.beta, v, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        *descriptors(ws, CHUNK32), ws.beta, v, o,
+        initial_state if initial_state is not None else dummy, final if final is not None else dummy,
         layout.cu_seqlens, layout.seq_chunks, order if order is not None else layout.seq_chunks,
         checkpoints if every else v, ck_offsets if every else layout.seq_chunks,
-        H=H, C=CHUNK32, BV=64, STAGES=stages, USE_ORDER=order is not None, USE_H0=h0 is not None,
-        STORE_HT=ht is not None, EVERY=every, num_warps=4,
+        H=H, C=CHUNK32, BV=64, STAGES=stages, USE_ORDER=order is not None, USE_H0=initial_state is not None,
+        STORE_HT=output_final_state, EVERY=every, num_warps=4,
     )
+    return o, final
