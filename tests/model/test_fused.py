@@ -198,10 +198,30 @@ def test_attn_res_mix_matches_eager(device, dtype, S, shape):
             _close(got.grad, ref.grad, dtype, scale=4)
 
 
+def test_attn_res_mix_mixed_source_dtypes(device):
+    """Autocast leaves an fp32 embedding block beside bf16 layer outputs: each gradient keeps its source's dtype."""
+    g = torch.Generator().manual_seed(7)
+    shape, D = (2, 9, 40), 40
+    sources = [torch.randn(shape, generator=g).to(device, dt) for dt in (torch.float32, torch.bfloat16, torch.bfloat16)]
+    query, nw = torch.randn(D, generator=g).to(device), (1 + 0.3 * torch.randn(D, generator=g)).to(device)
+    dh = torch.randn(shape, generator=g).to(device)
+    leaves = [t.clone().requires_grad_() for t in (query, nw, *sources)]
+    ref_leaves = [t.clone().requires_grad_() for t in (query, nw, *sources)]
+    out = fused.attn_res_mix(leaves[2:], leaves[0], leaves[1], 1e-5)
+    out_ref = layers._AttnResFunction.apply(ref_leaves[0], ref_leaves[1], 1e-5, *ref_leaves[2:])
+    assert out.dtype == torch.float32
+    _close(out, out_ref, torch.bfloat16, scale=3)
+    out.backward(dh)
+    out_ref.backward(dh)
+    for got, ref in zip(leaves[2:], ref_leaves[2:]):
+        assert got.grad.dtype == got.dtype
+        _close(got.grad, ref.grad, got.dtype, scale=4)
+
+
 def test_attn_res_mix_rejects_bad_inputs(device):
     v = torch.zeros(2, 3, 8, device=device)
     q = torch.zeros(8, device=device)
-    with pytest.raises(ValueError, match="one shape and dtype"):
+    with pytest.raises(ValueError, match="one shape"):
         fused.attn_res_mix([v, v[:, :2]], q, q, 1e-5)
     with pytest.raises(ValueError, match="query and norm_weight"):
         fused.attn_res_mix([v, v], q[:4], q, 1e-5)
@@ -235,3 +255,23 @@ def test_mode_starts_from_the_environment():
     env.pop("K3_FUSED_ELEMENTWISE")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "off"
+
+
+@pytest.mark.gpu
+def test_k3_debug_autocast_step_fused_matches_eager(monkeypatch):
+    """The training step's real mix of dtypes: fp32 embedding block, bf16 autocast layer outputs."""
+    torch.manual_seed(0)
+    cfg = K3Config.from_preset("k3-debug", kda_backend="flashkda")
+    model = K3ForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+    losses, grads = [], []
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(fused, "MODE", mode)
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
+    assert abs(losses[0] - losses[1]) < 1e-2
+    assert (grads[0] - grads[1]).norm() <= 2e-2 * grads[0].norm()

@@ -290,7 +290,7 @@ def _attn_res_bwd_kernel(srcs, grads, dh_ptr, u_ptr, rstd_ptr, score_ptr, w_ptr,
             p_acc += c[:, None] * v
             r2 = score * rstd * rstd / D
             dv = w_i[:, None] * dh + c[:, None] * (u[None, :] - r2[:, None] * v)
-            tl.store(grads[i] + offs, dv.to(dh_ptr.dtype.element_ty), mask=mask)  # dh has the sources' dtype
+            tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
     tl.store(p_part_ptr + pid * D + cols, tl.sum(p_acc, axis=0), mask=cols < D)
 
 
@@ -339,11 +339,15 @@ class _FusedAttnResFunction(torch.autograd.Function):
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Fused `layers.attn_res_mix`: ``Σ_i softmax_i(qᵀ RMSNorm(V_i)) · V_i`` over ``sources`` (each ``[..., D]``,
-    one shape and dtype), each source read once (online softmax over the sources, fp32 inside), returned in the
-    sources' dtype. Saves the sources and fp32 ``[3, S, N]`` rms, scores and weights; backward reads each source
-    twice and reduces the query gradient from per-program fp32 partial sums."""
-    if not sources or any(v.shape != sources[0].shape or v.dtype != sources[0].dtype for v in sources):
-        raise ValueError("attn_res_mix: sources must be a non-empty list of tensors of one shape and dtype")
+    one shape; fp32, bf16 or fp16, mixed as autocast leaves them), each source read once (online softmax over the
+    sources, fp32 inside), returned in the first source's dtype; each gradient comes in its source's dtype. Saves
+    the sources and fp32 ``[3, S, N]`` rms, scores and weights; backward reads each source twice and reduces the
+    query gradient from per-program fp32 partial sums."""
+    if not sources or any(v.shape != sources[0].shape for v in sources):
+        raise ValueError("attn_res_mix: sources must be a non-empty list of tensors of one shape, got shapes "
+                         f"{[tuple(v.shape) for v in sources]}")
+    if any(v.dtype not in (torch.float32, torch.bfloat16, torch.float16) for v in sources):
+        raise ValueError(f"attn_res_mix: sources must be fp32, bf16 or fp16, got {[v.dtype for v in sources]}")
     if query.shape != (sources[0].shape[-1],) or norm_weight.shape != query.shape:
         raise ValueError(f"attn_res_mix: query and norm_weight must have shape ({sources[0].shape[-1]},), got "
                          f"{tuple(query.shape)} and {tuple(norm_weight.shape)}")
