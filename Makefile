@@ -43,7 +43,7 @@ demo: install
 
 test: install $(VERL_STAMP) $(TITAN_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider --durations=25
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
