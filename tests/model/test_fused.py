@@ -167,10 +167,11 @@ def test_fused_kernels_on_cuda_bf16_k3_mini_widths():
 def test_elementwise_benchmark_dry_run(caplog):
     from benchmarks.train import elementwise
 
+    before = fused.MODE
     caplog.set_level("INFO")
     assert elementwise.main(["--dry-run", "--rep", "1"]) == 0
     assert "fused matches eager" in caplog.text
-    assert fused.MODE == "off"  # the benchmark restores the switch
+    assert fused.MODE == before  # the benchmark restores the switch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -249,12 +250,12 @@ def test_mode_starts_from_the_environment():
     import sys
 
     code = "from k3infra.model import fused; print(fused.MODE)"
-    env = {**os.environ, "K3_FUSED_ELEMENTWISE": "auto"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "auto"
-    env.pop("K3_FUSED_ELEMENTWISE")
+    env = {**os.environ, "K3_FUSED_ELEMENTWISE": "off"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "off"
+    env.pop("K3_FUSED_ELEMENTWISE")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "auto"
 
 
 @pytest.mark.gpu

@@ -6,9 +6,9 @@ tensors saved for backward are those of the eager Functions (``x``, ``weight`` a
 RMSNorm; ``a`` and ``c`` for SiTU-GLU; the sources, query, norm weight and fp32 ``[S, N]`` rms, scores and
 weights for the AttnRes mix), which stay the reference.
 
-`MODE` chooses the path: ``"off"`` (the default: eager everywhere, until the kernels are timed on a GPU; see
-docs/k3-training.md), ``"auto"`` (CUDA tensors take the kernels, others the eager path), ``"on"`` (also CPU
-tensors, through Triton's interpreter; needs ``TRITON_INTERPRET=1`` before triton is imported).
+`MODE` chooses the path: ``"auto"`` (the default: CUDA tensors take the kernels, others the eager path),
+``"off"`` (eager everywhere), ``"on"`` (also CPU tensors, through Triton's interpreter; needs
+``TRITON_INTERPRET=1`` before triton is imported). Measured speed-ups: docs/k3-training.md.
 
 Shape suffixes: N rows, D hidden, F MLP width.
 """
@@ -23,9 +23,9 @@ import triton.language as tl
 
 __all__ = ["MODE", "attn_res_mix", "rms_norm", "situ_glu", "use_fused"]
 
-MODE = os.environ.get("K3_FUSED_ELEMENTWISE", "off")
+MODE = os.environ.get("K3_FUSED_ELEMENTWISE", "auto")
 """``"auto"``, ``"on"`` or ``"off"`` (see the module docstring); its start value comes from the environment
-variable ``K3_FUSED_ELEMENTWISE`` (default ``"off"``)."""
+variable ``K3_FUSED_ELEMENTWISE`` (default ``"auto"``)."""
 
 _MODES = ("auto", "on", "off")
 _MAX_NORM_WIDTH = 1 << 16
