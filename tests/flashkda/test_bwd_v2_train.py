@@ -1,0 +1,85 @@
+"""The v2 training entry ``chunk_kda_v2`` (forward K1 + F2, backward K1 + B2 + B3) against fp64 autograd.
+
+On the device: the Gluon K1/F2/B2 and the Triton B3 (``gpu``). On the CPU: the same autograd function chaining the
+torch emulation of K1, F2 and B2 with B3 under Triton's interpreter (its wiring: argument and gradient order, GVA,
+varlen, dtypes), and its argument checks.
+"""
+
+import pytest
+import torch
+
+from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case, rel_rms
+from flashkda.bwd.v2.checkpoints import checkpoint_bound, emulate_recurrence_train
+from flashkda.bwd.v2.emulate import emulate_state_grads
+from flashkda.bwd.v2.local_grad import local_grads_bwd
+from flashkda.bwd.v2.train import TrainStages, chunk_kda_v2
+from flashkda.fwd.v2.emulate import emulate_prepare
+
+KERNEL_BAR, DA_LOG_BAR = 8e-3, 3e-2  # as tests/flashkda/test_bwd_v2_emulate.py
+LEAVES = dict(dq="q", dk="k", dv="v", dg="g", dbeta="beta", dA_log="A_log", ddt_bias="dt_bias", dh0="h0")
+
+
+def _emulated_recurrence(ws, v, h0, output_final_state, every):
+    o, final, ck = emulate_recurrence_train(ws, v, h0, every)
+    pad = checkpoint_bound(ws.layout, every) - ck.shape[0]
+    ck = torch.cat([ck, ck.new_zeros(pad, *ck.shape[1:])])
+    return o, final if output_final_state else None, ck, None
+
+
+def _emulated_state_grad(ws, do, dht, output_dh0):
+    ds, dh0 = emulate_state_grads(ws, do, dht)
+    return ds, dh0 if output_dh0 else None
+
+
+EMULATED = TrainStages(emulate_prepare, _emulated_recurrence, _emulated_state_grad, local_grads_bwd)
+
+
+def train_grads(c, lower_bound, every=None, stages=None):
+    leaves = {n: (None if c[n] is None else c[n].detach().clone().requires_grad_())
+              for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
+    o, ht = chunk_kda_v2(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], K**-0.5, leaves["h0"],
+                         True, lower_bound, c["cu"], leaves["A_log"], leaves["dt_bias"], every, stages=stages)
+    ((o.float() * c["do"].float()).sum() + (ht * c["dht"]).sum()).backward()
+    return {n: (None if leaves[x] is None else leaves[x].grad) for n, x in LEAVES.items()}
+
+
+def check_against_fp64(c, lower_bound, got):
+    ref = autograd_grads(c, lower_bound)
+    errs = {}
+    for n, r in ref.items():
+        if r is None:
+            assert got[n] is None, n
+            continue
+        assert got[n] is not None and got[n].shape == r.shape and torch.isfinite(got[n]).all(), n
+        errs[n] = rel_rms(got[n], r)
+    assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
+
+
+def test_emulated_stages_against_fp64_autograd():
+    c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 38, 70], seed=5)
+    check_against_fp64(c, -5.0, train_grads(c, -5.0, every=2, stages=EMULATED))
+
+
+def test_bad_arguments():
+    c = make_case(B=1, T=32, H=1, seed=1)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"])
+    with pytest.raises(ValueError, match="Hopper"):
+        chunk_kda_v2(*args)
+    with pytest.raises(ValueError, match="every"):
+        chunk_kda_v2(*args, every=0)
+
+
+GPU_CASES = {
+    "fixed": (dict(B=2, T=200, H=2), -5.0),
+    "varlen": (dict(B=1, T=300, H=2, cu=[0, 100, 101, 101, 300]), -5.0),
+    "gva": (dict(B=1, T=160, H=1, HV=2), -1.0),
+    "no_alog_no_h0": (dict(B=1, T=100, H=2, a_log=False, init=False), -0.1),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=str)
+def test_device_against_fp64_autograd(case):
+    kw, lb = GPU_CASES[case]
+    c = make_case(**kw, seed=3, device="cuda")
+    check_against_fp64(c, lb, train_grads(c, lb))
