@@ -9,29 +9,11 @@ import pytest
 import torch
 
 from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case, rel_rms
-from flashkda.bwd.v2.checkpoints import checkpoint_bound, emulate_recurrence_train
-from flashkda.bwd.v2.emulate import emulate_state_grads
-from flashkda.bwd.v2.local_grad import local_grads_bwd
-from flashkda.bwd.v2.train import TrainStages, chunk_kda_v2
-from flashkda.fwd.v2.emulate import emulate_prepare
+from flashkda.bwd.v2.train import chunk_kda_v2, emulated_stages
 
 KERNEL_BAR, DA_LOG_BAR = 8e-3, 3e-2  # as tests/flashkda/test_bwd_v2_emulate.py
 LEAVES = dict(dq="q", dk="k", dv="v", dg="g", dbeta="beta", dA_log="A_log", ddt_bias="dt_bias", dh0="h0")
-
-
-def _emulated_recurrence(ws, v, h0, output_final_state, every):
-    o, final, ck = emulate_recurrence_train(ws, v, h0, every)
-    pad = checkpoint_bound(ws.layout, every) - ck.shape[0]
-    ck = torch.cat([ck, ck.new_zeros(pad, *ck.shape[1:])])
-    return o, final if output_final_state else None, ck, None
-
-
-def _emulated_state_grad(ws, do, dht, output_dh0):
-    ds, dh0 = emulate_state_grads(ws, do, dht)
-    return ds, dh0 if output_dh0 else None
-
-
-EMULATED = TrainStages(emulate_prepare, _emulated_recurrence, _emulated_state_grad, local_grads_bwd)
+EMULATED = emulated_stages()
 
 
 def train_grads(c, lower_bound, every=None, stages=None):

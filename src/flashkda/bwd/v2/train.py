@@ -16,7 +16,7 @@ import torch
 from flashkda.bwd.v2.recurrence_train import DEFAULT_EVERY
 from flashkda.fwd.v2.workspace import CHUNK, cached_chunk_layout
 
-__all__ = ["TrainStages", "chunk_kda_v2", "device_stages"]
+__all__ = ["TrainStages", "chunk_kda_v2", "device_stages", "emulated_stages"]
 
 
 class TrainStages(NamedTuple):
@@ -38,6 +38,26 @@ def device_stages() -> TrainStages:
     from flashkda.fwd.v2.prepare import prepare_fwd
 
     return TrainStages(prepare_fwd, recurrence_train, state_grad_bwd, local_grads_bwd)
+
+
+def emulated_stages() -> TrainStages:
+    """K1, F2 and B2 by their torch emulation (any device; ``checkpoints`` padded to `checkpoint_bound` rows as
+    F2's), B3 by its Triton kernel (under ``TRITON_INTERPRET=1`` on a CPU): the entry's CPU check."""
+    from flashkda.bwd.v2.checkpoints import checkpoint_bound, emulate_recurrence_train
+    from flashkda.bwd.v2.emulate import emulate_state_grads
+    from flashkda.bwd.v2.local_grad import local_grads_bwd
+    from flashkda.fwd.v2.emulate import emulate_prepare
+
+    def recurrence(ws, v, h0, output_final_state, every):
+        o, final, ck = emulate_recurrence_train(ws, v, h0, every)
+        pad = ck.new_zeros(checkpoint_bound(ws.layout, every) - ck.shape[0], *ck.shape[1:])
+        return o, final if output_final_state else None, torch.cat([ck, pad]), None
+
+    def state_grad(ws, do, dht, output_dh0):
+        ds, dh0 = emulate_state_grads(ws, do, dht)
+        return ds, dh0 if output_dh0 else None
+
+    return TrainStages(emulate_prepare, recurrence, state_grad, local_grads_bwd)
 
 
 class ChunkKDAV2Function(torch.autograd.Function):
@@ -103,7 +123,7 @@ def chunk_kda_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
         every: 16-token chunks between the saved state checkpoints (default ``DEFAULT_EVERY[16]``: 128 tokens).
         stages: the kernels to chain (default `device_stages`, after checking the call is in v2's scope; the
-            tests chain the torch emulation of K1, F2 and B2 with B3 to check this function on a CPU).
+            CPU checks chain `emulated_stages`).
 
     Returns:
         ``(o [B, T, HV, 128] bf16, final_state [N, HV, 128, 128] fp32 or None)``.
