@@ -2,8 +2,9 @@
 registers, spills, shared memory, resident CTAs and SASS op counts.
 
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
-``/work/venv36/bin/python benchmarks/kda/v2_compile_local.py [--warps 4 8] [--sass]``. The kernel file is loaded by
-path, with `flashkda.rounding` registered by path before it, so neither ``flashkda`` nor torch is imported.
+``/work/venv36/bin/python benchmarks/kda/v2_compile_local.py [--chunk 16 32] [--warps 4 8] [--sass]``. The kernel
+file is loaded by path, with `flashkda.rounding` registered by path before it, so neither ``flashkda`` nor torch is
+imported.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import v2_compile as COMPILE  # noqa: E402  (loaded as a file, like this script)
 LOCAL_OPS = ("LDG", "STG", "LDS", "STS", "HMMA", "HGMMA", "BAR", "SHFL", "MUFU", "LDL", "STL")
 
 
-def compile_local(num_warps: int, has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):
+def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):
     sys.modules["flashkda.rounding"] = COMPILE.load_by_path("flashkda.rounding", SRC / "rounding.py")
     mod = COMPILE.load_by_path("flashkda_v2_local_grad_kernel", SRC / "bwd" / "v2" / "local_grad_kernel.py")
     fn = mod.kda_bwd_v2_local_kernel
@@ -35,7 +36,7 @@ def compile_local(num_warps: int, has_a_log: bool = True, has_dt_bias: bool = Tr
                  dv="*bf16", dg="*bf16", dbeta="*bf16", part_alog="*fp32", part_dt="*fp32", scale="fp32",
                  lower_bound="fp32")
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    cx = dict(HQ=64 // group, HV=64, C=16, K=128, V=128, HAS_ALOG=has_a_log, HAS_DT=has_dt_bias)
+    cx = dict(HQ=64 // group, HV=64, C=chunk, K=128, V=128, HAS_ALOG=has_a_log, HAS_DT=has_dt_bias)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in cx.items()}, attrs)
     return triton.compile(src, target=COMPILE.TARGET, options=dict(num_warps=num_warps))
@@ -44,14 +45,15 @@ def compile_local(num_warps: int, has_a_log: bool = True, has_dt_bias: bool = Tr
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--chunk", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target {COMPILE.TARGET}")
     failed = 0
-    for nw in args.warps:
-        name = f"local_grad (B3) C=16 warps={nw}"
+    for chunk, nw in ((c, w) for c in args.chunk for w in args.warps):
+        name = f"local_grad (B3) C={chunk} warps={nw}"
         try:
-            k = compile_local(nw)
+            k = compile_local(nw, chunk)
         except Exception as exc:  # report every configuration
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")

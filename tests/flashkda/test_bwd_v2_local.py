@@ -15,16 +15,18 @@ from flashkda.fwd.v2.workspace32 import build_chunk_layout32
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
 # Same algebra and roundings as the emulation: what remains is fp32 summation order and the rare bf16 rounding it
-# flips (measured <= 5.5e-5 on these cases, 1.4e-4 on a GVA case with lower_bound -5; dv and dbeta equal bit for
-# bit). The emulation itself errs 3e-3 against fp64.
-MATCH_BAR = 3e-4
+# flips (measured: dv and dbeta equal bit for bit; the others <= 5.5e-5 at chunk 16 and <= 2.6e-4 at chunk 32, there
+# from single elements one bf16 ulp apart at the reference token 15). The emulation itself errs 3e-3 against fp64;
+# an algebra slip (e.g. the Glast term scaled by 0.9) errs far above the bar.
+MATCH_BAR = 1e-3
 KERNEL_BAR, DA_LOG_BAR = 8e-3, 3e-2  # as tests/flashkda/test_bwd_v2_emulate.py
 
 
-def inputs(c, lower_bound, every):
+def inputs(c, lower_bound, every, chunk=16):
     B, T = c["q"].shape[:2]
-    layout = build_chunk_layout(B, T, c["cu"], c["q"].device)
-    ws = emulate_prepare(c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
+    layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], c["q"].device)
+    ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
+        c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
     _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], every)
     ds, dh0 = emulate_state_grads(ws, c["do"], c["dht"])
     pad = checkpoint_bound(layout, every) - ck.shape[0]
@@ -32,11 +34,11 @@ def inputs(c, lower_bound, every):
     return layout, ws, ck, ck_padded, ds, dh0
 
 
-def run_both(c, lower_bound, every):
-    layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every)
+def run_both(c, lower_bound, every, chunk=16):
+    layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
     ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
-                           checkpoints=ck, every=every)
+                           checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
                           ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
     return got, ref
@@ -46,18 +48,20 @@ def rel_rms(x, ref):
     return float((x.double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt())
 
 
-CASES = {
-    "fixed": (dict(B=2, T=40, H=1), 2, -5.0),
-    "varlen": (dict(B=1, T=70, H=1, cu=[0, 33, 34, 34, 70]), 2, -5.0),
-    "gva_no_alog_no_h0": (dict(B=1, T=48, H=1, HV=2, a_log=False, init=False), 3, -0.1),
-    "every1": (dict(B=1, T=35, H=2), 1, -1.0),
+CASES = {  # (inputs, every, lower_bound, chunk)
+    "fixed": (dict(B=2, T=40, H=1), 2, -5.0, 16),
+    "varlen": (dict(B=1, T=70, H=1, cu=[0, 33, 34, 34, 70]), 2, -5.0, 16),
+    "gva_no_alog_no_h0": (dict(B=1, T=48, H=1, HV=2, a_log=False, init=False), 3, -0.1, 16),
+    "every1": (dict(B=1, T=35, H=2), 1, -1.0, 16),
+    "c32_fixed": (dict(B=1, T=80, H=1), 2, -5.0, 32),
+    "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 def test_local_grads_match_emulation(case):
-    kw, every, lb = CASES[case]
-    got, ref = run_both(make_case(**kw, seed=7), lb, every)
+    kw, every, lb, chunk = CASES[case]
+    got, ref = run_both(make_case(**kw, seed=7), lb, every, chunk)
     errs = {}
     for n in NAMES:
         r, x = getattr(ref, n), getattr(got, n)
@@ -110,7 +114,5 @@ def test_bad_arguments():
         local_grads_bwd(*args[:10], ds[:1], 2)
     with pytest.raises(ValueError, match="do must be"):
         local_grads_bwd(*args[:7], c["do"][..., :64], *args[8:], 2)
-    layout32 = build_chunk_layout32(1, 32, None, "cpu")
-    ws32 = emulate_prepare32(c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout32, -5.0)
-    with pytest.raises(ValueError, match="16-token chunks"):
-        local_grads_bwd(*args[:8], ws32, ck, ds, 2)
+    with pytest.raises(ValueError, match="ws has kd"):
+        local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)

@@ -13,9 +13,12 @@ import torch
 
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets
 from flashkda.bwd.v2.emulate import KDAGrads
-from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIM, ChunkLayout, Workspace
+from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
 
-__all__ = ["local_grads_bwd", "segment_table"]
+__all__ = ["CHUNKS", "local_grads_bwd", "segment_table"]
+
+#: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
+CHUNKS = (16, 32)
 
 
 @functools.cache
@@ -43,8 +46,9 @@ def segment_table(layout: ChunkLayout, every: int) -> torch.Tensor:
 
 def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
     C = int(ws.inv.shape[-1])
-    if C != CHUNK:
-        raise ValueError(f"ws must have {CHUNK}-token chunks (B3's Triton kernel), got inv {tuple(ws.inv.shape)}")
+    if C not in CHUNKS or ws.layout.chunk != C:
+        raise ValueError(f"ws must have 16- or 32-token chunks, got inv {tuple(ws.inv.shape)} and a layout of "
+                         f"{ws.layout.chunk}-token chunks")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"every must be a positive int (chunks between state checkpoints), got {every!r}")
     B, T, HV, K = g.shape
@@ -79,7 +83,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         q, k: ``[B, T, Hq, 128]``; v, g, do: ``[B, T, HV, 128]`` (``HV`` a multiple of ``Hq``); beta:
             ``[B, T, HV]`` logits; all contiguous (the forward's inputs and the output gradient).
         scale, lower_bound, A_log (``[HV]`` or None), dt_bias (``[HV * 128]`` or None): the forward's.
-        ws: K1's `Workspace` of 16-token chunks for these inputs.
+        ws: K1's `Workspace` of 16- or 32-token chunks for these inputs.
         checkpoints: ``[>= NCK, HV, 128, 128]`` (bf16 or fp32, K-first) the forward's state checkpoints, one every
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
@@ -90,7 +94,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         ``dA_log`` ``[HV]`` and ``ddt_bias`` ``[HV * 128]`` fp32, or None without ``A_log`` / ``dt_bias``.
 
     Raises:
-        ValueError: a shape, dtype or layout does not fit, the workspace's chunks are not 16 tokens, or ``every``
+        ValueError: a shape, dtype or layout does not fit, the workspace's chunks are not 16 or 32 tokens, or ``every``
             is not a positive int.
     """
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
@@ -115,7 +119,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             checkpoints, ds, ws.layout.chunk_index, seg,
             dq, dk, dv, dg, dbeta, part_alog, part_dt,
             float(scale), float(lower_bound),
-            HQ=Hq, HV=HV, C=CHUNK, K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
+            HQ=Hq, HV=HV, C=int(ws.inv.shape[-1]), K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
             num_warps=8,
         )
     if Hq != HV:

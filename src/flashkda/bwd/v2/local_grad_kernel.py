@@ -1,4 +1,4 @@
-"""B3 of the v2 backward as a Triton kernel: the chunk-local gradients, 16-token chunks, K = V = 128.
+"""B3 of the v2 backward as a Triton kernel: the chunk-local gradients, 16- or 32-token chunks, K = V = 128.
 
 One program per (checkpoint segment, value head). It loads the segment's checkpoint (the state entering its first
 chunk), walks the segment's chunks forward recomputing the state (K2's step) and per chunk turns the state entering
@@ -6,7 +6,9 @@ it, the state gradient leaving it (B2's ``ds``), the workspace and ``v, do`` int
 of the raw ``q, k, g`` (K1 backwards), with the algebra and roundings of ``emulate._local_grads``: every product
 from bf16 operands with fp32 accumulation, its result rounded to bf16 where it is another product's operand, the
 chain ``(I + L)^-1`` gradient ``INV^T (dU W^T) INV^T`` with its second product in fp32 as the emulation; the gate
-gradient takes the bf16 factors that entered the products.
+gradient takes the bf16 factors that entered the products. At 32-token chunks K1's factors are rebuilt by
+16-token halves as ``fwd.v2.emulate32`` builds them (half B relative to ``r = G[15]``, the cross block through
+``k_A 2^(r - G_A)``), and the dependence on ``r`` adds its terms to token 15, as ``emulate._local_grads``.
 
 Outputs per token: ``dq, dk`` fp32 at the value head (GVA sums them over value heads after), ``dv, dg, dbeta`` in
 the inputs' dtypes, and per program fp32 partial sums over the segment's tokens of ``dx * x`` (``A_log``) and of
@@ -22,6 +24,8 @@ from flashkda.rounding import INTERPRET, cast_for_store, round_bf16
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2)
 LN2 = tl.constexpr(0.6931471805599453)
+#: Tokens per half of a 32-token chunk (K1 builds its factors by halves there).
+HALF = tl.constexpr(16)
 
 
 @triton.jit
@@ -126,7 +130,7 @@ def kda_bwd_v2_local_kernel(
         b_Y = _dot(tl.trans(b_inv), b_X)
         b_dL = -tl.dot(b_Y, tl.trans(b_inv.to(tl.float32)), input_precision="ieee")
         b_dL = tl.where(strict, b_dL, 0.0)
-        b_dM = _bf(tl.where(causal, _dot(b_do, tl.trans(b_U)), 0.0))  # [C, C]
+        b_dMf = tl.where(causal, _dot(b_do, tl.trans(b_U)), 0.0)  # [C, C]
         b_dkr = _dot(b_U, tl.trans(b_dS))  # [C, K]
         b_dqd = _dot(b_do, tl.trans(b_S0))
         b_dkd = _dot(b_du, tl.trans(b_S0))
@@ -148,27 +152,56 @@ def kda_bwd_v2_local_kernel(
         b_G = tl.cumsum(b_gl2, 0)  # [C, K] log2 units
         b_Glast = tl.sum(b_gl2, 0)  # [K]
         b_e = tl.exp2(b_G)
-        b_ei = tl.exp2(-b_G)
         b_er = tl.exp2(b_Glast[None, :] - b_G)
-        b_kdh = _bf(b_kn * b_e)
-        b_kih = _bf(b_kn * b_ei)
-        b_qdh = _bf(b_qn * b_e * scale)
+        if C > HALF:  # K1's factors by 16-token halves: half B relative to r = G[15], the cross factor on half A
+            in_b = (o_c >= HALF)[:, None]  # [C, 1]
+            b_r = tl.sum(tl.where(o_c[:, None] == HALF - 1, b_G, 0.0), 0)  # [K]
+            b_ref = tl.where(in_b, b_r[None, :], 0.0)
+            b_eh = tl.exp2(b_G - b_ref)
+            b_eih = tl.exp2(b_ref - b_G)
+            b_ear = tl.where(in_b, 0.0, tl.exp2(b_r[None, :] - b_G))
+            b_kiar = _bf(b_kn * b_ear)
+        else:
+            b_eh = b_e
+            b_eih = tl.exp2(-b_G)
+        b_kdh = _bf(b_kn * b_eh)
+        b_kih = _bf(b_kn * b_eih)
+        b_qdh = _bf(b_qn * b_eh * scale)
 
-        # -- L = strict(diag(beta) kd ki^T) and Mqk backwards
-        b_P = _dot(b_kdh, tl.trans(b_kih))  # [C, C]
+        # -- L = strict(diag(beta) kd ki^T) and Mqk backwards (by half blocks at C = 32: diagonal, cross)
+        b_dLf = b_dL * b_b[:, None]
+        if C > HALF:
+            same = (o_c[:, None] // HALF) == (o_c[None, :] // HALF)
+            off = (o_c[:, None] // HALF) > (o_c[None, :] // HALF)
+            b_P = tl.where(same, _dot(b_kdh, tl.trans(b_kih)), 0.0) + tl.where(off, _dot(b_kdh, tl.trans(b_kiar)), 0.0)
+            b_Ls = _bf(tl.where(same, b_dLf, 0.0))
+            b_Lo = _bf(tl.where(off, b_dLf, 0.0))
+            b_Ms = _bf(tl.where(same, b_dMf, 0.0))
+            b_Mo = _bf(tl.where(off, b_dMf, 0.0))
+            b_dkdh = _dot(b_Ls, b_kih) + _dot(b_Lo, b_kiar)  # [C, K]
+            b_dkih = _dot(tl.trans(b_Ls), b_kdh) + _dot(tl.trans(b_Ms), b_qdh)
+            b_dkiar = _dot(tl.trans(b_Lo), b_kdh) + _dot(tl.trans(b_Mo), b_qdh)
+            b_dqdh = _dot(b_Ms, b_kih) + _dot(b_Mo, b_kiar)
+        else:
+            b_P = _dot(b_kdh, tl.trans(b_kih))  # [C, C]
+            b_dLb = _bf(b_dLf)
+            b_dM = _bf(b_dMf)
+            b_dkdh = _dot(b_dLb, b_kih)  # [C, K]
+            b_dkih = _dot(tl.trans(b_dLb), b_kdh) + _dot(tl.trans(b_dM), b_qdh)
+            b_dqdh = _dot(b_dM, b_kih)
         b_db += tl.sum(b_dL * b_P, 1)
-        b_dLb = _bf(b_dL * b_b[:, None])
-        b_dkdh = _dot(b_dLb, b_kih)  # [C, K]
-        b_dkih = _dot(tl.trans(b_dLb), b_kdh) + _dot(tl.trans(b_dM), b_qdh)
-        b_dqdh = _dot(b_dM, b_kih)
 
         # -- the gate: dG per token from the bf16 factors, reverse cumsum, the chunk-total term
         b_kdf = b_kd.to(tl.float32)
         b_qdf = b_qd.to(tl.float32)
         b_krf = b_kr.to(tl.float32)
-        b_dG = LN2 * (b_dkdh * b_kdh.to(tl.float32) + b_dqdh * b_qdh.to(tl.float32)
-                      - b_dkih * b_kih.to(tl.float32))
-        b_dG += LN2 * (b_dkd * b_kdf + b_dqd * b_qdf - b_dkr * b_krf)
+        b_dGh = LN2 * (b_dkdh * b_kdh.to(tl.float32) + b_dqdh * b_qdh.to(tl.float32)
+                       - b_dkih * b_kih.to(tl.float32))
+        b_dG = b_dGh + LN2 * (b_dkd * b_kdf + b_dqd * b_qdf - b_dkr * b_krf)
+        if C > HALF:  # the cross factor's own term, and r = G[15] that half B's factors and the cross one depend on
+            b_dGar = LN2 * b_dkiar * b_kiar.to(tl.float32)
+            b_adj = tl.sum(b_dGar, 0) - tl.sum(tl.where(in_b, b_dGh, 0.0), 0)  # [K]
+            b_dG += tl.where(o_c[:, None] == HALF - 1, b_adj[None, :], 0.0) - b_dGar
         b_dGlast = LN2 * (tl.sum(b_dkr * b_krf, 0) + b_dglast * b_gl)  # [K]
         b_dgl = tl.cumsum(b_dG, 0, reverse=True) + b_dGlast[None, :]
         b_dx = b_dgl * (lower_bound * LOG2E) * b_sig * (1.0 - b_sig)
@@ -177,8 +210,10 @@ def kda_bwd_v2_local_kernel(
         acc_dt += tl.sum(tl.where(m_ck, b_dgate, 0.0), 0)
 
         # -- the normed q, k, then the L2 norms backwards
-        b_dkn = (b_dkdh + b_dkd) * b_e + b_dkih * b_ei + b_dkr * b_er
-        b_dqn = (b_dqdh + b_dqd) * b_e * scale
+        b_dkn = b_dkdh * b_eh + b_dkih * b_eih + b_dkd * b_e + b_dkr * b_er
+        if C > HALF:
+            b_dkn += b_dkiar * b_ear
+        b_dqn = (b_dqdh * b_eh + b_dqd * b_e) * scale
         b_dq = (b_dqn - b_qn * tl.sum(b_dqn * b_qn, 1)[:, None]) * b_rq[:, None]
         b_dk = (b_dkn - b_kn * tl.sum(b_dkn * b_kn, 1)[:, None]) * b_rk[:, None]
 
