@@ -8,9 +8,9 @@ what was measured and exits when a kernel hangs past it):
    ``flashkda.reference`` at small shapes) in a child process with a time limit;
 2. per row (H64 T8192, H64 varlen 1k x 8, B8 T4096 H32, B1 T32768 H32; bf16, K = V = 128, in-kernel L2 norm,
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
-   input): the gradients of ours-v2 and of ``flashkda.chunk_kda`` against fla's (relative RMS per tensor), the
-   median ms of fwd+bwd of the three, of the forward alone (v2, fla), of v2's kernels one by one (F1 = K1, F2, B2,
-   B3; the backward is K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
+   input): the gradients of ours-v2 (chunk 16 and 32) and of ``flashkda.chunk_kda`` against fla's (relative RMS per
+   tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
+   K1, F2, B2, B3; the backward is K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
 
 Results: ``benchmarks/results/kda-v2-train-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -55,11 +55,12 @@ GRAD_TOL = 1e-2
 FLA = "fla 0.6.0 chunk_kda fwd+bwd"
 
 
-def v2_call(x: dict, kw: dict, stages=None):
+def v2_call(x: dict, kw: dict, chunk_size: int = 16, stages=None):
     from flashkda.bwd.v2 import chunk_kda_v2
 
     return chunk_kda_v2(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True,
-                        kw["lower_bound"], kw.get("cu_seqlens"), x["A_log"], x["dt_bias"], stages=stages)
+                        kw["lower_bound"], kw.get("cu_seqlens"), x["A_log"], x["dt_bias"], chunk_size=chunk_size,
+                        stages=stages)
 
 
 def step(call, x: dict, kw: dict, do, dht):
@@ -84,18 +85,19 @@ def peak_mb(fn) -> float:
     return round((torch.cuda.max_memory_allocated() - base) / 1e6, 1)
 
 
-def stage_fns(x: dict, kw: dict, do, dht) -> dict:
-    """v2's kernels one by one, on the same inputs (inference mode)."""
+def stage_fns(x: dict, kw: dict, do, dht, chunk: int) -> dict:
+    """v2's kernels one by one at ``chunk``-token chunks, on the same inputs (inference mode)."""
     from flashkda.bwd.v2.local_grad import local_grads_bwd
     from flashkda.bwd.v2.recurrence_train import DEFAULT_EVERY, recurrence_train
     from flashkda.bwd.v2.state_grad import state_grad_bwd
-    from flashkda.fwd.v2.prepare import prepare_fwd
+    from flashkda.bwd.v2.train import device_stages
     from flashkda.fwd.v2.workspace import cached_chunk_layout
 
     q = x["q"]
-    every = DEFAULT_EVERY[16]
+    every = DEFAULT_EVERY[chunk]
     scale = q.shape[-1] ** -0.5
-    layout = cached_chunk_layout(q.shape[0], q.shape[1], kw.get("cu_seqlens"), q.device)
+    prepare_fwd = device_stages(chunk).prepare
+    layout = cached_chunk_layout(q.shape[0], q.shape[1], kw.get("cu_seqlens"), q.device, chunk)
     args = (x["q"], x["k"], x["g"], x["beta"], scale, layout, kw["lower_bound"], x["A_log"], x["dt_bias"])
     ws = prepare_fwd(*args)
     _, _, ck, _ = recurrence_train(ws, x["v"], x["initial_state"], True, every)
@@ -117,14 +119,14 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda") -> Row:
     gen = torch.Generator(device=device).manual_seed(1)
     do = torch.randn(x["v"].shape, generator=gen, device=device).bfloat16()
     dht = torch.randn(x["initial_state"].shape, generator=gen, device=device) * 0.1
-    calls = {"v2": v2_call, "fla": lambda xx, k: fla_style(impls.fla, xx, k),
-             "v1": lambda xx, k: fla_style(impls.v1, xx, k)}
-    params = dict(H=shape.H, T=shape.T, B=shape.B, lengths=shape.lengths, chunk=16, every=8)
+    calls = {"v2c16": v2_call, "v2c32": lambda xx, k: v2_call(xx, k, 32),
+             "fla": lambda xx, k: fla_style(impls.fla, xx, k), "v1": lambda xx, k: fla_style(impls.v1, xx, k)}
+    params = dict(H=shape.H, T=shape.T, B=shape.B, lengths=shape.lengths, every_tokens=128)
     extra: dict = {}
     ref, err = guarded(f"fla {shape.name}", step, calls["fla"], x, kw, do, dht)
     if ref is None:
         extra["fla"] = f"failed: {err}"
-    for name in ("v2", "v1"):
+    for name in ("v2c16", "v2c32", "v1"):
         got, err = guarded(f"{name} {shape.name}", step, calls[name], x, kw, do, dht)
         if got is None:
             extra[f"{name} grads"] = f"failed: {err}"
@@ -147,25 +149,28 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda") -> Row:
         extra[f"{name} fwd+bwd ms"] = ms[name] if t is not None else f"failed: {err}"
         mb, _ = guarded(f"memory {name} {shape.name}", peak_mb, lambda c=call: step(c, x, kw, do, dht))
         extra[f"{name} peak MB"] = mb
-    for name in ("v2", "fla"):
+    for name in ("v2c16", "v2c32", "fla"):
         if name in calls:
             xg = dict(x, **{n: x[n].detach().clone().requires_grad_() for n in LEAVES})
             t, _ = guarded(f"time {name} fwd {shape.name}", time_fn, lambda c=calls[name], xg=xg: c(xg, kw),
                            device=device, rep=rep)
             extra[f"{name} fwd ms"] = None if t is None else round(t.median_ms, 4)
-    if "v2" in calls:
+    for chunk in (16, 32):
+        if f"v2c{chunk}" not in calls:
+            continue
         with torch.inference_mode():
-            fns, err = guarded(f"v2 stages {shape.name}", stage_fns, x, kw, do, dht)
+            fns, err = guarded(f"v2c{chunk} stages {shape.name}", stage_fns, x, kw, do, dht, chunk)
             for stage, fn in (fns or {}).items():
-                t, _ = guarded(f"time {stage} {shape.name}", time_fn, fn, device=device, rep=rep)
-                extra[f"v2 {stage} ms"] = None if t is None else round(t.median_ms, 4)
-    for name in ("v2", "v1"):
+                t, _ = guarded(f"time {stage} c{chunk} {shape.name}", time_fn, fn, device=device, rep=rep)
+                extra[f"v2c{chunk} {stage} ms"] = None if t is None else round(t.median_ms, 4)
+    for name in ("v2c16", "v2c32", "v1"):
         if ms.get(name) and ms.get("fla"):
             extra[f"fla / {name}"] = round(ms["fla"] / ms[name], 3)
     log(f"[time] {shape.name}: {extra}")
-    ok = extra.get("v2 max rms vs fla", 1.0) <= GRAD_TOL
-    note = "v2 = chunk_kda_v2 (chunk 16); v1 = flashkda.chunk_kda" + ("" if ok else "; v2 gradients off fla's")
-    return Row(shape.name, FLA, ms.get("fla"), ms.get("v2"), params=params, extra=extra, note=note)
+    bad = [n for n in ("v2c16", "v2c32") if extra.get(f"{n} max rms vs fla", 1.0) > GRAD_TOL]
+    note = ("ours = chunk_kda_v2 at chunk 16 (the entry's default; v2c32 in the extra columns); v1 = "
+            "flashkda.chunk_kda" + (f"; gradients off fla's: {bad}" if bad else ""))
+    return Row(shape.name, FLA, ms.get("fla"), ms.get("v2c16"), params=params, extra=extra, note=note)
 
 
 def _write(results: list[Row], info: dict, no_write: bool) -> None:
@@ -181,7 +186,6 @@ def dry_run(rows) -> int:
     from benchmarks.kda.v2_bwd_precision import autograd_grads
     from flashkda.bwd.v2.train import emulated_stages
 
-    stages = emulated_stages()
     out = []
     for shape in rows:
         log(f"[dry-run] row {shape.name}: B={shape.B} T={shape.T} H={shape.H} lengths={shape.lengths}")
@@ -191,18 +195,19 @@ def dry_run(rows) -> int:
     kw = dict(FLAGS, **{k: v for k, v in kw.items() if k.startswith("cu_seqlens")})
     do = torch.randn(x["v"].shape).bfloat16()
     dht = torch.randn(x["initial_state"].shape) * 0.1
-    o, s, grads = step(lambda xx, k: v2_call(xx, k, stages), x, kw, do, dht)
     case = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                 h0=x["initial_state"], do=do, dht=dht, cu=kw["cu_seqlens"])
     ref = autograd_grads(case, kw["lower_bound"])
     names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", A_log="dA_log", dt_bias="ddt_bias",
                  initial_state="dh0")
-    errs = {names[n]: rms_ratio(gr, ref[names[n]]) for n, gr in zip(LEAVES, grads)}
-    ok = tuple(o.shape) == tuple(x["v"].shape) and all(e < 3e-2 for e in errs.values())
-    log(f"[dry-run] chunk_kda_v2 (emulated K1/F2/B2, Triton B3) at H2 T60 varlen vs fp64: "
-        f"{ {n: f'{e:.1e}' for n, e in errs.items()} } ok={ok}")
-    if not ok:
-        return 1
+    for chunk in (16, 32):
+        o, s, grads = step(lambda xx, k, c=chunk: v2_call(xx, k, c, emulated_stages(c)), x, kw, do, dht)
+        errs = {names[n]: rms_ratio(gr, ref[names[n]]) for n, gr in zip(LEAVES, grads)}
+        ok = tuple(o.shape) == tuple(x["v"].shape) and all(e < 3e-2 for e in errs.values())
+        log(f"[dry-run] chunk_kda_v2 c{chunk} (emulated K1/F2/B2, Triton B3) at H2 T60 varlen vs fp64: "
+            f"{ {n: f'{e:.1e}' for n, e in errs.items()} } ok={ok}")
+        if not ok:
+            return 1
     with tempfile.TemporaryDirectory() as d:
         path = write_results(COMPONENT, out, results_dir=Path(d), info={**machine_info(), "device": "cpu"})
         log(f"[dry-run] results file written: {path.name} ({path.stat().st_size} B)")

@@ -13,14 +13,12 @@ from flashkda.bwd.v2.train import chunk_kda_v2, emulated_stages
 
 KERNEL_BAR, DA_LOG_BAR = 8e-3, 3e-2  # as tests/flashkda/test_bwd_v2_emulate.py
 LEAVES = dict(dq="q", dk="k", dv="v", dg="g", dbeta="beta", dA_log="A_log", ddt_bias="dt_bias", dh0="h0")
-EMULATED = emulated_stages()
-
-
-def train_grads(c, lower_bound, every=None, stages=None):
+def train_grads(c, lower_bound, every=None, stages=None, chunk_size=16):
     leaves = {n: (None if c[n] is None else c[n].detach().clone().requires_grad_())
               for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
     o, ht = chunk_kda_v2(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], K**-0.5, leaves["h0"],
-                         True, lower_bound, c["cu"], leaves["A_log"], leaves["dt_bias"], every, stages=stages)
+                         True, lower_bound, c["cu"], leaves["A_log"], leaves["dt_bias"], every, chunk_size,
+                         stages=stages)
     ((o.float() * c["do"].float()).sum() + (ht * c["dht"]).sum()).backward()
     return {n: (None if leaves[x] is None else leaves[x].grad) for n, x in LEAVES.items()}
 
@@ -37,9 +35,11 @@ def check_against_fp64(c, lower_bound, got):
     assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
 
 
-def test_emulated_stages_against_fp64_autograd():
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_emulated_stages_against_fp64_autograd(chunk_size):
     c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 38, 70], seed=5)
-    check_against_fp64(c, -5.0, train_grads(c, -5.0, every=2, stages=EMULATED))
+    got = train_grads(c, -5.0, every=2, stages=emulated_stages(chunk_size), chunk_size=chunk_size)
+    check_against_fp64(c, -5.0, got)
 
 
 def test_bad_arguments():
@@ -49,6 +49,8 @@ def test_bad_arguments():
         chunk_kda_v2(*args)
     with pytest.raises(ValueError, match="every"):
         chunk_kda_v2(*args, every=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda_v2(*args, chunk_size=64)
 
 
 GPU_CASES = {
@@ -60,8 +62,9 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [16, 32])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=str)
-def test_device_against_fp64_autograd(case):
+def test_device_against_fp64_autograd(case, chunk_size):
     kw, lb = GPU_CASES[case]
     c = make_case(**kw, seed=3, device="cuda")
-    check_against_fp64(c, lb, train_grads(c, lb))
+    check_against_fp64(c, lb, train_grads(c, lb, chunk_size=chunk_size))
