@@ -30,9 +30,10 @@ def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_d
     sys.modules["flashkda.rounding"] = COMPILE.load_by_path("flashkda.rounding", SRC / "rounding.py")
     mod = COMPILE.load_by_path("flashkda_v2_local_grad_kernel", SRC / "bwd" / "v2" / "local_grad_kernel.py")
     fn = mod.kda_bwd_v2_local_kernel
+    acc = "*bf16" if group == 1 else "*fp32"  # dq, dk: straight in q's dtype, or fp32 summed over value heads
     types = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", do="*bf16", A_log="*fp32", dt_bias="*fp32",
                  kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16", glast="*fp32", bsig="*fp32",
-                 ckpt="*bf16", ds="*bf16", chunk_index="*i32", segments="*i32", dq="*fp32", dk="*fp32",
+                 ckpt="*bf16", ds="*bf16", chunk_index="*i32", segments="*i32", dq=acc, dk=acc,
                  dv="*bf16", dg="*bf16", dbeta="*bf16", part_alog="*fp32", part_dt="*fp32", scale="fp32",
                  lower_bound="fp32")
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}

@@ -102,8 +102,10 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     Hq = q.shape[2]
     total = B * T
     dev = g.device
-    dq = torch.zeros(total, HV, K, dtype=torch.float32, device=dev)
-    dk = torch.zeros(total, HV, K, dtype=torch.float32, device=dev)
+    # GVA: fp32 per value head, summed over the value heads of a q/k head after; else straight in q's dtype
+    acc_dtype = torch.float32 if Hq != HV else q.dtype
+    dq = torch.zeros(total, HV, K, dtype=acc_dtype, device=dev)
+    dk = torch.zeros(total, HV, K, dtype=acc_dtype, device=dev)
     dv = torch.zeros_like(v)
     dg = torch.zeros_like(g)
     dbeta = torch.zeros_like(beta)

@@ -10,9 +10,9 @@ gradient takes the bf16 factors that entered the products. At 32-token chunks K1
 16-token halves as ``fwd.v2.emulate32`` builds them (half B relative to ``r = G[15]``, the cross block through
 ``k_A 2^(r - G_A)``), and the dependence on ``r`` adds its terms to token 15, as ``emulate._local_grads``.
 
-Outputs per token: ``dq, dk`` fp32 at the value head (GVA sums them over value heads after), ``dv, dg, dbeta`` in
-the inputs' dtypes, and per program fp32 partial sums over the segment's tokens of ``dx * x`` (``A_log``) and of
-``dg`` (``dt_bias``), ``[NSEG, HV, K]`` each, reduced after.
+Outputs per token: ``dq, dk`` at the value head (fp32 for GVA, summed over value heads after; else in q's dtype),
+``dv, dg, dbeta`` in the inputs' dtypes, and per program fp32 partial sums over the segment's tokens of ``dx * x``
+(``A_log``) and of ``dg`` (``dt_bias``), ``[NSEG, HV, K]`` each, reduced after.
 """
 
 from __future__ import annotations
@@ -217,8 +217,8 @@ def kda_bwd_v2_local_kernel(
         b_dq = (b_dqn - b_qn * tl.sum(b_dqn * b_qn, 1)[:, None]) * b_rq[:, None]
         b_dk = (b_dkn - b_kn * tl.sum(b_dkn * b_kn, 1)[:, None]) * b_rk[:, None]
 
-        tl.store(dq + p_hk, b_dq, mask=m_ck)
-        tl.store(dk + p_hk, b_dk, mask=m_ck)
+        tl.store(dq + p_hk, cast_for_store(b_dq, dq.dtype.element_ty), mask=m_ck)
+        tl.store(dk + p_hk, cast_for_store(b_dk, dk.dtype.element_ty), mask=m_ck)
         tl.store(dv + p_hv, cast_for_store(b_dv, dv.dtype.element_ty), mask=m_ck)
         tl.store(dg + p_hk, cast_for_store(b_dgate, dg.dtype.element_ty), mask=m_ck)
         tl.store(dbeta + o_t * HV + i_h, cast_for_store(b_db * b_b * (1.0 - b_b), dbeta.dtype.element_ty), mask=m_c)
