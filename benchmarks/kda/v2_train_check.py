@@ -102,12 +102,15 @@ def stage_fns(x: dict, kw: dict, do, dht, chunk: int) -> dict:
     ws = prepare_fwd(*args)
     _, _, ck, _ = recurrence_train(ws, x["v"], x["initial_state"], True, every)
     ds, _ = state_grad_bwd(ws, do, dht, True)
+
+    def b3(num_warps):
+        return local_grads_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, kw["lower_bound"], do, ws, ck, ds,
+                               every, A_log=x["A_log"], dt_bias=x["dt_bias"], num_warps=num_warps)
+
     return {"F1 (K1)": lambda: prepare_fwd(*args, ws=ws),
             "F2 (K2 + checkpoints)": lambda: recurrence_train(ws, x["v"], x["initial_state"], True, every),
             "B2 (dS chain)": lambda: state_grad_bwd(ws, do, dht, True),
-            "B3 (local grads)": lambda: local_grads_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale,
-                                                        kw["lower_bound"], do, ws, ck, ds, every, A_log=x["A_log"],
-                                                        dt_bias=x["dt_bias"])}
+            "B3 (local grads)": lambda: b3(8), "B3 at 16 warps": lambda: b3(16)}
 
 
 def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda") -> Row:
