@@ -4,8 +4,9 @@ checked and timed against fla 0.6.0 ``chunk_kda`` and our current training path 
 Stages, each guarded so that one failure does not stop the others, inside ``--budget`` seconds (a watchdog writes
 what was measured and exits when a kernel hangs past it):
 
-1. ``pytest -m gpu tests/flashkda/test_bwd_v2_train.py`` (the entry's gradients against fp64 autograd through
-   ``flashkda.reference`` at small shapes) in a child process with a time limit;
+1. ``pytest -m gpu tests/flashkda/test_bwd_v2_train.py tests/flashkda/test_bwd_v2_local.py`` (the entry's
+   gradients against fp64 autograd through ``flashkda.reference``, B3 against the emulation, at small shapes) in a
+   child process with a time limit (at most 150 s);
 2. per row (H64 T8192, H64 varlen 1k x 8, B8 T4096 H32, B1 T32768 H32; bf16, K = V = 128, in-kernel L2 norm,
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
    input): the gradients of ours-v2 (chunk 16 and 32) and of ``flashkda.chunk_kda`` against fla's (relative RMS per
@@ -48,7 +49,7 @@ from benchmarks.kda.v2_check import (  # noqa: E402
 COMPONENT = "kda-v2-train"
 #: The training bar's rows; rows with the same head count adjacent (fla autotunes per head count).
 ROWS = (_fixed(64, 8192), _varlen(64, VARLEN_EVEN, "1kx8"), _fixed(32, 4096, B=8), _fixed(32, 32768))
-TEST_FILE = "tests/flashkda/test_bwd_v2_train.py"
+TEST_FILES = ["tests/flashkda/test_bwd_v2_train.py", "tests/flashkda/test_bwd_v2_local.py"]
 GRACE_S = 10.0
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 GRAD_TOL = 1e-2
@@ -247,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     start_watchdog(budget, GRACE_S, info, lambda: _write(results, info, args.no_write))
     if not args.skip_pytest:
-        rc, tail = run_pytest(max(10.0, min(120.0, budget.left() - 300)), [TEST_FILE])
+        rc, tail = run_pytest(max(10.0, min(150.0, budget.left() - 300)), TEST_FILES)
         log(f"[pytest] rc={rc}\n{tail}")
-        results.append(Row(f"pytest -m gpu {TEST_FILE}", "pytest", None, None, extra={"rc": str(rc)},
+        results.append(Row(f"pytest -m gpu {' '.join(TEST_FILES)}", "pytest", None, None, extra={"rc": str(rc)},
                            note="correctness only"))
     impls = Impls()
     if impls.missing:
