@@ -11,7 +11,8 @@ what was measured and exits when a kernel hangs past it):
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
    input): the gradients of ours-v2 (chunk 16 and 32) and of ``flashkda.chunk_kda`` against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
-   K1, F2, B2, B3; the backward is K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
+   K1, F2, B2, B3 at 8 and 16 warps and unpipelined; the backward is K1 + B2 + B3), and the peak extra memory of
+   each fwd+bwd step.
 
 Results: ``benchmarks/results/kda-v2-train-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -104,14 +105,16 @@ def stage_fns(x: dict, kw: dict, do, dht, chunk: int) -> dict:
     _, _, ck, _ = recurrence_train(ws, x["v"], x["initial_state"], True, every)
     ds, _ = state_grad_bwd(ws, do, dht, True)
 
-    def b3(num_warps):
+    def b3(num_warps, num_stages=None):
         return local_grads_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, kw["lower_bound"], do, ws, ck, ds,
-                               every, A_log=x["A_log"], dt_bias=x["dt_bias"], num_warps=num_warps)
+                               every, A_log=x["A_log"], dt_bias=x["dt_bias"], num_warps=num_warps,
+                               num_stages=num_stages)
 
     return {"F1 (K1)": lambda: prepare_fwd(*args, ws=ws),
             "F2 (K2 + checkpoints)": lambda: recurrence_train(ws, x["v"], x["initial_state"], True, every),
             "B2 (dS chain)": lambda: state_grad_bwd(ws, do, dht, True),
-            "B3 (local grads)": lambda: b3(8), "B3 at 16 warps": lambda: b3(16)}
+            "B3 (local grads)": lambda: b3(8), "B3 at 16 warps": lambda: b3(16),
+            "B3 unpipelined": lambda: b3(8, 1)}
 
 
 def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda") -> Row:

@@ -116,6 +116,8 @@ def test_bad_arguments():
         local_grads_bwd(*args[:7], c["do"][..., :64], *args[8:], 2)
     with pytest.raises(ValueError, match="num_warps"):
         local_grads_bwd(*args, 2, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        local_grads_bwd(*args, 2, num_stages=0)
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 

@@ -76,7 +76,8 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
 def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None, *, num_warps: int = 8) -> KDAGrads:
+                    dt_bias: torch.Tensor | None = None, *, num_warps: int = 8,
+                    num_stages: int | None = None) -> KDAGrads:
     """B3: the gradients of the raw inputs, chunk-parallel over checkpoint segments.
 
     Args:
@@ -89,6 +90,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
         num_warps: warps per program (8 or 16: the whole ``[128, 128]`` state lives in one program's registers).
+        num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -101,6 +103,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
     if num_warps not in (4, 8, 16):
         raise ValueError(f"num_warps must be 4, 8 or 16, got {num_warps!r}")
+    if num_stages is not None and num_stages not in (1, 2, 3, 4):
+        raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
     B, T, HV, K = g.shape
     Hq = q.shape[2]
     total = B * T
@@ -125,7 +129,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             dq, dk, dv, dg, dbeta, part_alog, part_dt,
             float(scale), float(lower_bound),
             HQ=Hq, HV=HV, C=int(ws.inv.shape[-1]), K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-            num_warps=num_warps,
+            num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         )
     if Hq != HV:
         dq, dk = (x.reshape(total, Hq, HV // Hq, K).sum(2) for x in (dq, dk))
