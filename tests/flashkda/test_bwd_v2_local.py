@@ -1,0 +1,159 @@
+"""B3 (the chunk-local gradients, Triton) against the emulation's B1 + B3 stages and fp64 autograd, on CPU under
+Triton's interpreter (fp32-held bf16 operands, rounded to nearest as on the GPU)."""
+
+import pytest
+import torch
+
+from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case
+from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets, emulate_recurrence_train
+from flashkda.bwd.v2.emulate import emulate_backward, emulate_state_grads
+from flashkda.bwd.v2.local_grad import local_grads_bwd, segment_table
+from flashkda.fwd.v2.emulate import emulate_prepare
+from flashkda.fwd.v2.emulate32 import emulate_prepare32
+from flashkda.fwd.v2.workspace import build_chunk_layout
+from flashkda.fwd.v2.workspace32 import build_chunk_layout32
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
+# Same algebra and roundings as the emulation: what remains is fp32 summation order and the rare bf16 rounding it
+# flips (measured: dv and dbeta equal bit for bit; the others <= 5.5e-5 at chunk 16 and <= 2.6e-4 at chunk 32, there
+# from single elements one bf16 ulp apart at the reference token 15). The emulation itself errs 3e-3 against fp64;
+# an algebra slip (e.g. the Glast term scaled by 0.9) errs far above the bar.
+MATCH_BAR = 1e-3
+KERNEL_BAR, DA_LOG_BAR = 8e-3, 3e-2  # as tests/flashkda/test_bwd_v2_emulate.py
+
+
+def inputs(c, lower_bound, every, chunk=16):
+    B, T = c["q"].shape[:2]
+    layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], c["q"].device)
+    ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
+        c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
+    _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], every)
+    ds, dh0 = emulate_state_grads(ws, c["do"], c["dht"])
+    pad = checkpoint_bound(layout, every) - ck.shape[0]
+    ck_padded = torch.cat([ck, ck.new_full((pad, *ck.shape[1:]), float("nan"))])  # rows no segment may read
+    return layout, ws, ck, ck_padded, ds, dh0
+
+
+def run_both(c, lower_bound, every, chunk=16):
+    layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
+    ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
+                           A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
+                           checkpoints=ck, every=every, chunk=chunk)
+    got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
+    return got, ref
+
+
+def rel_rms(x, ref):
+    return float((x.double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt())
+
+
+CASES = {  # (inputs, every, lower_bound, chunk)
+    "fixed": (dict(B=2, T=40, H=1), 2, -5.0, 16),
+    "varlen": (dict(B=1, T=70, H=1, cu=[0, 33, 34, 34, 70]), 2, -5.0, 16),
+    "gva_no_alog_no_h0": (dict(B=1, T=48, H=1, HV=2, a_log=False, init=False), 3, -0.1, 16),
+    "every1": (dict(B=1, T=35, H=2), 1, -1.0, 16),
+    "c32_fixed": (dict(B=1, T=80, H=1), 2, -5.0, 32),
+    "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_local_grads_match_emulation(case):
+    kw, every, lb, chunk = CASES[case]
+    got, ref = run_both(make_case(**kw, seed=7), lb, every, chunk)
+    errs = {}
+    for n in NAMES:
+        r, x = getattr(ref, n), getattr(got, n)
+        if r is None:
+            assert x is None, n
+            continue
+        assert x.shape == r.shape and x.dtype == r.dtype, (n, x.shape, r.shape, x.dtype, r.dtype)
+        assert torch.isfinite(x).all(), n
+        errs[n] = rel_rms(x, r)
+    assert max(errs.values()) < MATCH_BAR, errs
+
+
+def test_local_grads_against_fp64_autograd():
+    """B3's gradients (B2's ``dh0`` aside) within the emulation's bars against autograd through the reference."""
+    c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=11)
+    got, _ = run_both(c, -5.0, 2)
+    ref = autograd_grads(c, -5.0)
+    errs = {n: rel_rms(getattr(got, n), ref[n]) for n in NAMES}
+    assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
+
+
+@pytest.mark.parametrize("cu", [None, [0, 33, 34, 34, 70, 200]], ids=["fixed", "varlen"])
+def test_segment_table(cu):
+    T = 70 if cu is None else 200
+    layout = build_chunk_layout(2 if cu is None else 1, T, None if cu is None else torch.tensor(cu), "cpu")
+    for every in (1, 2, 3):
+        seg = segment_table(layout, every)
+        ck = checkpoint_offsets(layout, every)
+        assert seg.shape == (checkpoint_bound(layout, every), 2)
+        assert seg[int(ck[-1]):].eq(0).all()
+        seq_chunks = layout.seq_chunks.long()
+        covered = []
+        for n in range(layout.num_seqs):
+            for i in range(int(ck[n]), int(ck[n + 1])):
+                first, cnt = seg[i].tolist()
+                assert first == int(seq_chunks[n]) + (i - int(ck[n])) * every and 1 <= cnt <= every
+                covered += range(first, first + cnt)
+        assert covered == list(range(int(seq_chunks[-1])))
+
+
+def test_bad_arguments():
+    c = make_case(B=1, T=32, H=1, seed=1)
+    layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds)
+    with pytest.raises(ValueError, match="every"):
+        local_grads_bwd(*args, 0)
+    with pytest.raises(ValueError, match="checkpoints"):
+        local_grads_bwd(*args[:9], ck[:, :, :64], ds, 2)
+    with pytest.raises(ValueError, match="ds must be"):
+        local_grads_bwd(*args[:10], ds[:1], 2)
+    with pytest.raises(ValueError, match="do must be"):
+        local_grads_bwd(*args[:7], c["do"][..., :64], *args[8:], 2)
+    with pytest.raises(ValueError, match="num_warps"):
+        local_grads_bwd(*args, 2, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        local_grads_bwd(*args, 2, num_stages=0)
+    with pytest.raises(ValueError, match="ws has kd"):
+        local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
+
+
+def test_rows_past_the_last_sequence_are_not_read():
+    """Varlen with tokens after the last sequence: NaN there (inputs and workspace rows) reaches no gradient, and
+    those rows' gradients stay zero."""
+    c = make_case(B=1, T=60, H=1, cu=[0, 21, 22, 45], seed=4)
+    layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
+    clean = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds, 2,
+                            A_log=c["A_log"], dt_bias=c["dt_bias"])
+    bad = {n: c[n].clone() for n in ("q", "k", "v", "g", "beta", "do")}
+    for x in bad.values():
+        x[:, 45:] = float("nan")
+    for x in (ws.kd, ws.qd, ws.kr, ws.beta):
+        x[45:] = float("nan")
+    got = local_grads_bwd(bad["q"], bad["k"], bad["v"], bad["g"], bad["beta"], K**-0.5, -5.0, bad["do"], ws, ck, ds, 2,
+                          A_log=c["A_log"], dt_bias=c["dt_bias"])
+    for n in NAMES:
+        assert torch.equal(getattr(got, n), getattr(clean, n)), n
+    for n in ("dq", "dk", "dv", "dg", "dbeta"):
+        assert getattr(got, n)[:, 45:].eq(0).all(), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_warps", [8, 16])
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_local_grads_match_emulation_on_device(case, num_warps):
+    """The compiled kernel (bf16 tensor-core products) against the emulation on the device, same bar."""
+    kw, every, lb, chunk = CASES[case]
+    c = make_case(**kw, seed=7, device="cuda")
+    layout, ws, ck, ck_padded, ds, _ = inputs(c, lb, every, chunk)
+    ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lb, c["do"],
+                           A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
+                           checkpoints=ck, every=every, chunk=chunk)
+    got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck_padded,
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], num_warps=num_warps)
+    errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
+    assert max(errs.values()) < MATCH_BAR, errs
