@@ -101,7 +101,8 @@ class Report(Counter):
 
 
 def describe(backend, sid: str) -> dict:
-    """What the host knows of sandbox `sid`: its record, whether its tool server runs, its socket, open forks."""
+    """What the host knows of sandbox `sid`: its record, whether its tool server runs, its socket, its cgroup's
+    task count and memory, open forks."""
     from dataclasses import asdict
 
     from agentenv.runtime.store import proc_start_time
@@ -115,6 +116,12 @@ def describe(backend, sid: str) -> dict:
             out["proc_state"] = next((line for line in status if line.startswith("State:")), "")
         except OSError:
             out["proc_state"] = "gone"
+    cg = backend._cgroup(sid)
+    try:
+        out["cgroup"] = {"pids": (cg.path("pids") / "pids.current").read_text().strip(),
+                         "memory_bytes": cg.memory_usage(), "oom_kills": cg.oom_kills()}
+    except OSError as e:
+        out["cgroup"] = f"unreadable: {e}"
     out["pending_forks"] = [{"fork_id": f, "writer_alive": w, "parent": p.id, "children": c}
                             for f, w, p, c in backend.store.pending_forks()]
     return out
@@ -142,7 +149,9 @@ def _inject(sb, fault: str, report: Report, others: tuple = ()) -> None:
                 report[f"fork_bomb:others_{'fork' if r.stdout == 'hi' + chr(10) else 'cannot_fork'}_while_held"] += 1
             # the agent ends its bomb through the interpreter (while the bomb holds the share, a new command
             # cannot fork; the interpreter and the files API need no new process)
-            sb.python.run(KILL_SLEEPERS)
+            r = sb.python.run(KILL_SLEEPERS)
+            if r.error:
+                report.fail("fork_bomb:kill_sleepers_failed", None, error=r.error, traceback=r.traceback[-2000:])
         elif fault == "kill_init":
             os.kill(sb.backend.store.read_record(sb.id).pid, signal.SIGKILL)
             report["kill_init:sent"] += 1
@@ -235,15 +244,19 @@ def cycle(backend, i: int, report: Report, profile: dict | None = None) -> None:
         mark("fault", "checks")
         if fault != "kill_init":
             got = error = None
+            answers: list = []  # each answer in full (a python error, a command's stderr and exit code)
             try:
-                got = [kids[0].files.read("/root/f"), kids[0].python.run("6 * 7").value,
-                       kids[0].exec("cat /root/f", timeout=10).stdout]
+                answers.append(kids[0].files.read("/root/f"))
+                answers.append(kids[0].python.run("6 * 7"))
+                answers.append(kids[0].exec("cat /root/f", timeout=10))
+                got = [answers[0], answers[1].value, answers[2].stdout]
             except errors.SandboxError as e:
                 error = e
             if got == ["hi\n", "42", "hi\n"]:
                 report[f"{fault}:sandbox_answers_after"] += 1
             else:
-                report.fail(f"{fault}:sandbox_lost_after", error, got=got, sandbox=describe(backend, kids[0].id))
+                report.fail(f"{fault}:sandbox_lost_after", error, got=got, answers=[repr(a)[-1500:] for a in answers],
+                            sandbox=describe(backend, kids[0].id))
         for name, other in (("parent", sb), ("sibling", kids[1]), ("restored", restored)):
             r = other.exec("cat /root/f | cat")  # a pipeline forks: the fork bomb must not take their share
             if r.stdout != "hi\n":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from agentenv import Limits
 
 BOMB = ("setsid -f python3 -c 'import os, time\nwhile True:\n try:\n  os.fork() or time.sleep(600)\n"
@@ -41,3 +43,13 @@ def test_commands_get_the_share_and_keep_the_hard_limit(sandbox_factory):
     limits = sb.exec("sleep 0.2; cat /proc/self/limits").stdout.splitlines()
     line = next(x for x in limits if x.startswith("Max processes"))
     assert line.split()[2] == "56" and line.split()[3] != "56", line
+
+
+def test_a_process_that_died_while_the_sandbox_idled_is_reaped_before_the_next_request(sandbox_factory):
+    """pid 1 reaps before it serves: an agent that killed its processes at the pids limit gets their slots back
+    for its next command, not only after that command failed to fork."""
+    sb = sandbox_factory(limits=Limits(pids=64))
+    pid = int(sb.exec("sleep 0.2 >/dev/null 2>&1 & echo $!").stdout)  # pid 1's child once sh exits
+    time.sleep(0.6)  # it exits while no request comes (pid 1 waits up to 1 s between requests)
+    state = sb.python.run(f"import os; os.path.exists('/proc/{pid}') and open('/proc/{pid}/stat').read()").value
+    assert state == "False", f"process {pid} was not reaped before the next request: {state}"

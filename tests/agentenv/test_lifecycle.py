@@ -54,12 +54,6 @@ def test_create_fork_destroy_cycles_leave_nothing(own_backend, leak_report):
     _only_seed_left(own_backend, leak_report)
 
 
-@pytest.mark.slow
-def test_two_thousand_cycles_leave_nothing(own_backend, leak_report):
-    _cycles(own_backend, 2000)
-    _only_seed_left(own_backend, leak_report)
-
-
 _CHURN = """
 import sys
 sys.path.insert(0, {src!r})

@@ -1,22 +1,20 @@
-"""A CI-sized soak (benchmarks/env/soak.py): lifecycles with injected faults leave nothing behind."""
+"""The CI soak (benchmarks/env/soak.py): 1,000 lifecycles with injected faults, on two worker processes (one per
+core of the CI machine, each on its own data directory), leave nothing behind."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
+import pytest
 
-CI_CYCLES = 25  # `python -m benchmarks.env.soak` runs 1,000 or more
+CI_CYCLES = 1000
+CI_WORKERS = 2
 
 
+@pytest.mark.timeout(1200)
 def test_soak_with_faults_leaks_nothing():
-    from benchmarks.env.soak import FAULTS, soak
+    from benchmarks.env.soak import FAULTS, soak_parallel
 
-    home = Path(tempfile.mkdtemp(prefix="agentenv-soak-", dir="/tmp"))
-    try:
-        result = soak(home, CI_CYCLES)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    result = soak_parallel(CI_WORKERS, CI_CYCLES, None)
+    assert result["cycles"] == CI_CYCLES, result
     assert result["failures"] == [], result["failures"]  # each with its fault, phase, exception and traceback
     counts = result["counts"]
     assert counts.get("cycles_ok") == CI_CYCLES, counts

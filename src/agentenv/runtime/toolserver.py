@@ -138,7 +138,11 @@ class ToolServer(Zygote):
         sel.register(self.listener, selectors.EVENT_READ, None)
         while True:
             timeout = 1.0 if self.deadline is None else max(0.0, min(1.0, self.deadline - time.time()))
-            for key, _ in sel.select(timeout):
+            events = sel.select(timeout)
+            # what died while we waited holds its pid (pids cgroup, RLIMIT_NPROC) until reaped: free it before a
+            # request that may need a new process (an agent that just killed its processes at the pids limit)
+            self._reap()
+            for key, _ in events:
                 if key.data is None:
                     conn, _ = self.listener.accept()
                     conn.set_inheritable(False)

@@ -37,17 +37,35 @@ def _ray_start(*args: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+def _session(sid: int) -> list[int]:
+    """Pids in session `sid`: a `ray start` and all it started (its workers run in process groups of their own)."""
+    pids = []
+    for name in os.listdir("/proc"):
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+            if name.isdigit() and os.getsid(int(name)) == sid:
+                pids.append(int(name))
+        except OSError:  # gone meanwhile
             continue
+    return pids
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 2.0) -> None:
+    """SIGTERM every process of the nodes' sessions, SIGKILL what is left after `grace_s` (`ray start --block`
+    does not act on SIGTERM within 15 s here), until the sessions are empty."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            for pid in _session(proc.pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 30.0)
+        while time.monotonic() < deadline:
+            for proc in procs:
+                proc.poll()
+            if not any(_session(proc.pid) for proc in procs):
+                return
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +94,7 @@ def cluster():
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        for proc in reversed(procs):
-            _stop(proc)
+        _stop(procs)
         shutil.rmtree(temp, ignore_errors=True)
 
 
