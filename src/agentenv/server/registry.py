@@ -451,16 +451,18 @@ class Registry:
                 continue
             log.warning("sandbox %s died: %s", entry.id, reason)
             with self.lock:
-                entry.state, entry.error = "error", reason
                 sb = self._runtime.pop(entry.id, None)
                 link = self._links.pop(entry.id, None)
-                self._save()
             if link is not None:
                 link.close()
             try:
                 (sb or Sandbox(entry.id, backend=self.backend)).destroy()
             except errors.SandboxError as e:
                 log.warning("reclaiming dead sandbox %s: %s", entry.id, e)
+            # published only once reclaimed: a client that sees `error` finds no record, cgroup or mount left
+            with self.lock:
+                entry.state, entry.error = "error", reason
+                self._save()
             failed.append(entry.id)
         return failed
 
