@@ -520,6 +520,30 @@ def start_watchdog(budget: Budget, grace_s: float, info: dict, write) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def pick_rows(parser: argparse.ArgumentParser, rows, asked: list[str] | None, name=lambda row: row.name) -> list:
+    """The rows named in ``asked`` (all of them when it is empty); ``parser.error`` on an unknown name."""
+    names = {name(r) for r in rows}
+    unknown = sorted(set(asked or ()) - names)
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {sorted(names)}")
+    return [r for r in rows if not asked or name(r) in asked]
+
+
+def start_device_run(budget_s: float, grace_s: float, write) -> tuple[Budget, dict] | None:
+    """The budget, the machine line and the watchdog (``write(info)`` on expiry) of a device check; None, after
+    saying so, without a CUDA device."""
+    import torch
+
+    budget = Budget(budget_s)
+    if not torch.cuda.is_available():
+        log("no CUDA device: use --dry-run on a CPU")
+        return None
+    info = machine_info()
+    log(machine_line(info))
+    start_watchdog(budget, grace_s, info, lambda: write(info))
+    return budget, info
+
+
 def _write(results: list[Row], info: dict, no_write: bool) -> None:
     write_rows(COMPONENT, "FlashKDA forward v2 (H200)", results, info, no_write)
 
@@ -567,28 +591,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget <= 0 or args.rep < 1:
         parser.error("--budget must be > 0 and --rep >= 1")
-    names = {s.name for s in ROWS}
-    if args.rows:
-        unknown = sorted(set(args.rows) - names)
-        if unknown:
-            parser.error(f"unknown rows {unknown}; choose from {sorted(names)}")
-    rows = [s for s in ROWS if not args.rows or s.name in args.rows]
+    rows = pick_rows(parser, ROWS, args.rows)
     if args.probe:
         return probe()
     if args.dry_run:
         return dry_run(rows)
 
-    import torch
-
-    budget = Budget(args.budget)
-    if not torch.cuda.is_available():
-        log("no CUDA device: use --dry-run on a CPU")
-        return 2
-    info = machine_info()
-    log(machine_line(info))
-    device = "cuda"
     results: list[Row] = []
-    start_watchdog(budget, GRACE_S, info, lambda: _write(results, info, args.no_write))
+    started = start_device_run(args.budget, GRACE_S, lambda info: _write(results, info, args.no_write))
+    if started is None:
+        return 2
+    budget, info = started
+    device = "cuda"
 
     alive = run_probe(min(150.0, budget.left() * 0.4))
     log(f"[probe] {alive}")

@@ -33,17 +33,17 @@ from pathlib import Path
 if "--dry-run" in sys.argv:  # B3 (Triton) runs in the interpreter on a CPU: set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.harness import Row, machine_info, machine_line, rms_ratio, time_fn, write_results  # noqa: E402
+from benchmarks.harness import Row, machine_info, rms_ratio, time_fn, write_results  # noqa: E402
 from benchmarks.kda.calibrate import VARLEN_EVEN, Shape, _fixed, _varlen, make_inputs  # noqa: E402
 from benchmarks.kda.v2_check import (  # noqa: E402
     FLAGS,
-    Budget,
     Impls,
     fla_style,
     guarded,
     log,
+    pick_rows,
     run_pytest,
-    start_watchdog,
+    start_device_run,
     write_rows,
 )
 
@@ -233,23 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget <= 0 or args.rep < 1:
         parser.error("--budget must be > 0 and --rep >= 1")
-    names = {s.name for s in ROWS}
-    if args.rows and set(args.rows) - names:
-        parser.error(f"unknown rows {sorted(set(args.rows) - names)}; choose from {sorted(names)}")
-    rows = [s for s in ROWS if not args.rows or s.name in args.rows]
+    rows = pick_rows(parser, ROWS, args.rows)
     if args.dry_run:
         return dry_run(rows)
 
+    results: list[Row] = []
+    started = start_device_run(args.budget, GRACE_S, lambda info: _write(results, info, args.no_write))
+    if started is None:
+        return 2
+    budget, info = started
     import torch
 
-    budget = Budget(args.budget)
-    if not torch.cuda.is_available():
-        log("no CUDA device: use --dry-run on a CPU")
-        return 2
-    info = machine_info()
-    log(machine_line(info))
-    results: list[Row] = []
-    start_watchdog(budget, GRACE_S, info, lambda: _write(results, info, args.no_write))
     if not args.skip_pytest:
         rc, tail = run_pytest(max(10.0, min(150.0, budget.left() - 300)), TEST_FILES)
         log(f"[pytest] rc={rc}\n{tail}")
