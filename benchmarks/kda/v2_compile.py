@@ -37,6 +37,13 @@ def load_by_path(name: str, path: Path):
     return mod
 
 
+def signature(fn, types: dict) -> tuple[dict, dict]:
+    """``fn``'s compile signature (``types`` by argument name, every other argument constexpr) and the 16-byte
+    divisibility attribute of each pointer argument."""
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    return sig, {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+
+
 def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
                     file: str = "prepare_kernel.py", kernel: str = "kda_fwd_v2_prepare_batched_kernel",
                     maxnreg: int | None = None):
@@ -47,9 +54,8 @@ def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int
     types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
                  chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16",
                  glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32", H="i32")
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    sig, attrs = signature(fn, types)
     cx = dict(GROUP=group, HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     num_warps = int(mod.NUM_WARPS)
     options = dict(num_warps=num_warps, maxnreg=int(maxnreg or mod.MAX_REGISTERS))
     return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=TARGET, options=options)

@@ -38,8 +38,7 @@ def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool 
     num_warps = block_v // 16
     cx = dict(C=chunk, BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True, EVERY=every,
               num_warps=num_warps)
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    sig, attrs = REC.COMPILE.signature(fn, types)
     src = REC.GluonASTSource(fn, sig, cx, attrs)
     return triton.compile(src, target=REC.TARGET, options=dict(num_warps=num_warps))
 

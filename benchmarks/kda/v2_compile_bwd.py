@@ -30,8 +30,7 @@ def compile_state_grad(chunk: int, stages: int, use_order: bool = True):
                  do="*bf16", ds="*bf16", dht="*fp32", dh0="*fp32", cu_seqlens="*i32", seq_chunks="*i32",
                  order="*i32", H="i32")
     cx = dict(C=chunk, BV=64, STAGES=stages, USE_ORDER=use_order, USE_DHT=True, STORE_DH0=True, num_warps=4)
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    sig, attrs = REC.COMPILE.signature(fn, types)
     src = REC.GluonASTSource(fn, sig, cx, attrs)
     return triton.compile(src, target=REC.TARGET, options=dict(num_warps=4))
 

@@ -36,9 +36,8 @@ def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_d
                  ckpt="*bf16", ds="*bf16", chunk_index="*i32", segments="*i32", dq=acc, dk=acc,
                  dv="*bf16", dg="*bf16", dbeta="*bf16", part_alog="*fp32", part_dt="*fp32", scale="fp32",
                  lower_bound="fp32")
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    sig, attrs = COMPILE.signature(fn, types)
     cx = dict(HQ=64 // group, HV=64, C=chunk, K=128, V=128, HAS_ALOG=has_a_log, HAS_DT=has_dt_bias)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in cx.items()}, attrs)
     return triton.compile(src, target=COMPILE.TARGET, options=dict(num_warps=num_warps))
 

@@ -56,8 +56,7 @@ def compile_recurrence(block_v: int, stages: int, use_order: bool = True, every:
     num_warps = block_v // 16
     cx = dict(BV=block_v, STAGES=stages, USE_ORDER=use_order, USE_H0=True, STORE_HT=True, EVERY=every,
               num_warps=num_warps)
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    sig, attrs = COMPILE.signature(fn, types)
     src = GluonASTSource(fn, sig, cx, attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps))
 
