@@ -42,6 +42,9 @@ except ImportError:  # loaded by path by the offline compile script (no flashkda
     _spec.loader.exec_module(_k2)
 
 HEAD_DIM = gl.constexpr(128)
+_sequence = _k2._sequence
+_allocate_ring = _k2._allocate_ring
+_state_offsets = _k2._state_offsets
 _issue_loads = _k2._issue_loads
 _wait_slot = _k2._wait_slot
 _load_v_beta = _k2._load_v_beta
@@ -92,17 +95,7 @@ def kda_bwd_v2_state_grad_kernel(
     NV: gl.constexpr = V // BV
     gl.static_assert(BV == 16 * num_warps, "one warp per 16 state columns")
 
-    i_hv = gl.program_id(0)
-    i_n = gl.program_id(1)
-    i_h = i_hv // NV
-    i_v = i_hv % NV
-    if USE_ORDER:
-        i_n = gl.load(order + i_n)
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
-    c0 = gl.load(seq_chunks + i_n)
-    n_chunks = (eos - bos + C - 1) // C
-    n_full = (eos - bos) // C
+    i_n, i_h, i_v, bos, eos, c0, n_chunks, n_full = _sequence(cu_seqlens, seq_chunks, order, USE_ORDER, C, NV)
 
     acc_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, C, 16])
@@ -111,25 +104,8 @@ def kda_bwd_v2_state_grad_kernel(
     tile_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                  warps_per_cta=[num_warps, 1], order=[1, 0])
 
-    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kd_desc.layout)
-    qd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], qd_desc.layout)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kr_desc.layout)
-    inv_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], inv_desc.layout)
-    mqk_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], mqk_desc.layout)
-    g_s = gl.allocate_shared_memory(gl.float32, [STAGES, 1, K], g_desc.layout)
-    kd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kr_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    inv_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mqk_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    g_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kd_b.index(s), count=1)
-        mbarrier.init(qd_b.index(s), count=1)
-        mbarrier.init(kr_b.index(s), count=1)
-        mbarrier.init(inv_b.index(s), count=1)
-        mbarrier.init(mqk_b.index(s), count=1)
-        mbarrier.init(g_b.index(s), count=1)
+    kd_s, qd_s, kr_s, inv_s, mqk_s, g_s, kd_b, qd_b, kr_b, inv_b, mqk_b, g_b = _allocate_ring(
+        kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, C, K, STAGES)
 
     # the ring runs backwards: chunk j lives in slot j % STAGES, and is that slot's ((n_chunks - 1 - j) // STAGES)-th
     # fill; the loads run STAGES - 1 chunks ahead (below j) of the math
@@ -138,13 +114,8 @@ def kda_bwd_v2_state_grad_kernel(
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
                          kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, n_chunks - 1 - s, bos, c0, i_h, H, C, STAGES)
 
-    o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))  # [C] tokens
-    o_vc = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_c))  # [BV] value columns
-    o_vk = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_k))
-    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, acc_k))
-
     # dS^T [BV, K]: element (v, k) of the K-first [N, H, K, V]
-    o_state = (i_n * H + i_h).to(gl.int64) * (K * V) + o_kk[None, :] * V + o_vk[:, None]
+    o_tc, o_vc, o_vk, o_kk, o_state = _state_offsets(i_n, i_h, i_v, H, acc_c, acc_k, C, BV, K, V)
     if USE_DHT:
         b_ds = gl.load(dht + o_state)
     else:

@@ -56,6 +56,61 @@ _store_state_bf16 = _k16._store_state_bf16
 
 
 @gluon.jit
+def _sequence(cu_seqlens, seq_chunks, order, USE_ORDER: gl.constexpr, C: gl.constexpr, NV: gl.constexpr):
+    """This program's sequence and head: ``(i_n, i_h, i_v, bos, eos, c0, n_chunks, n_full)`` (``c0`` its first
+    chunk in the flattened chunk index)."""
+    i_hv = gl.program_id(0)
+    i_n = gl.program_id(1)
+    i_h = i_hv // NV
+    i_v = i_hv % NV
+    if USE_ORDER:
+        i_n = gl.load(order + i_n)
+    bos = gl.load(cu_seqlens + i_n)
+    eos = gl.load(cu_seqlens + i_n + 1)
+    c0 = gl.load(seq_chunks + i_n)
+    return i_n, i_h, i_v, bos, eos, c0, (eos - bos + C - 1) // C, (eos - bos) // C
+
+
+@gluon.jit
+def _allocate_ring(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, C: gl.constexpr, K: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """The TMA ring: ``STAGES`` slots of each workspace tile and one initialised mbarrier per tile and slot."""
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kd_desc.layout)
+    qd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], qd_desc.layout)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kr_desc.layout)
+    inv_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], inv_desc.layout)
+    mqk_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], mqk_desc.layout)
+    g_s = gl.allocate_shared_memory(gl.float32, [STAGES, 1, K], g_desc.layout)
+    kd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kr_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    inv_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mqk_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    g_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kd_b.index(s), count=1)
+        mbarrier.init(qd_b.index(s), count=1)
+        mbarrier.init(kr_b.index(s), count=1)
+        mbarrier.init(inv_b.index(s), count=1)
+        mbarrier.init(mqk_b.index(s), count=1)
+        mbarrier.init(g_b.index(s), count=1)
+    return kd_s, qd_s, kr_s, inv_s, mqk_s, g_s, kd_b, qd_b, kr_b, inv_b, mqk_b, g_b
+
+
+@gluon.jit
+def _state_offsets(i_n, i_h, i_v, H, acc_c: gl.constexpr, acc_k: gl.constexpr, C: gl.constexpr,
+                   BV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    """Token and state-column offsets in the wgmma layouts, and the offsets of this program's ``S^T [BV, K]`` in a
+    K-first ``[N, H, K, V]`` state: ``(o_tc, o_vc, o_vk, o_kk, o_state)``."""
+    o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))
+    o_vc = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_c))
+    o_vk = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_k))
+    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, acc_k))
+    o_state = (i_n * H + i_h).to(gl.int64) * (K * V) + o_kk[None, :] * V + o_vk[:, None]
+    return o_tc, o_vc, o_vk, o_kk, o_state
+
+
+@gluon.jit
 def _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
                  kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j, bos, c0, i_h, H, C: gl.constexpr, STAGES: gl.constexpr):
     slot = j % STAGES
@@ -156,17 +211,7 @@ def kda_fwd_v2_recurrence32_kernel(
     NV: gl.constexpr = V // BV
     gl.static_assert(BV == 16 * num_warps, "one warp per 16 state columns")
 
-    i_hv = gl.program_id(0)
-    i_n = gl.program_id(1)
-    i_h = i_hv // NV
-    i_v = i_hv % NV
-    if USE_ORDER:
-        i_n = gl.load(order + i_n)
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
-    c0 = gl.load(seq_chunks + i_n)
-    n_chunks = (eos - bos + C - 1) // C
-    n_full = (eos - bos) // C
+    i_n, i_h, i_v, bos, eos, c0, n_chunks, n_full = _sequence(cu_seqlens, seq_chunks, order, USE_ORDER, C, NV)
 
     acc_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, C, 16])
@@ -175,37 +220,15 @@ def kda_fwd_v2_recurrence32_kernel(
     kr_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                warps_per_cta=[num_warps, 1], order=[1, 0])
 
-    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kd_desc.layout)
-    qd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], qd_desc.layout)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kr_desc.layout)
-    inv_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], inv_desc.layout)
-    mqk_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], mqk_desc.layout)
-    g_s = gl.allocate_shared_memory(gl.float32, [STAGES, 1, K], g_desc.layout)
-    kd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qd_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kr_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    inv_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mqk_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    g_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kd_b.index(s), count=1)
-        mbarrier.init(qd_b.index(s), count=1)
-        mbarrier.init(kr_b.index(s), count=1)
-        mbarrier.init(inv_b.index(s), count=1)
-        mbarrier.init(mqk_b.index(s), count=1)
-        mbarrier.init(g_b.index(s), count=1)
+    kd_s, qd_s, kr_s, inv_s, mqk_s, g_s, kd_b, qd_b, kr_b, inv_b, mqk_b, g_b = _allocate_ring(
+        kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, C, K, STAGES)
 
     for s in gl.static_range(STAGES - 1):
         if s < n_chunks:
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
                          kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, s, bos, c0, i_h, H, C, STAGES)
 
-    o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))  # [C] tokens
-    o_vc = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_c))  # [BV] state columns
-    o_vk = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, acc_k))
-    o_kk = gl.arange(0, K, layout=gl.SliceLayout(0, acc_k))
-
-    o_state = (i_n * H + i_h).to(gl.int64) * (K * V) + o_kk[None, :] * V + o_vk[:, None]
+    o_tc, o_vc, o_vk, o_kk, o_state = _state_offsets(i_n, i_h, i_v, H, acc_c, acc_k, C, BV, K, V)
     if USE_H0:
         b_s = gl.load(h0 + o_state)
     else:
