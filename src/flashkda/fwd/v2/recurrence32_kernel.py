@@ -53,22 +53,7 @@ except ImportError:  # loaded by path by the offline compile script (no flashkda
 
 HEAD_DIM = gl.constexpr(128)
 _store_state_bf16 = _k16._store_state_bf16
-
-
-@gluon.jit
-def _sequence(cu_seqlens, seq_chunks, order, USE_ORDER: gl.constexpr, C: gl.constexpr, NV: gl.constexpr):
-    """This program's sequence and head: ``(i_n, i_h, i_v, bos, eos, c0, n_chunks, n_full)`` (``c0`` its first
-    chunk in the flattened chunk index)."""
-    i_hv = gl.program_id(0)
-    i_n = gl.program_id(1)
-    i_h = i_hv // NV
-    i_v = i_hv % NV
-    if USE_ORDER:
-        i_n = gl.load(order + i_n)
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
-    c0 = gl.load(seq_chunks + i_n)
-    return i_n, i_h, i_v, bos, eos, c0, (eos - bos + C - 1) // C, (eos - bos) // C
+_sequence = _k16._sequence
 
 
 @gluon.jit

@@ -39,6 +39,22 @@ HEAD_DIM = gl.constexpr(128)
 
 
 @gluon.jit
+def _sequence(cu_seqlens, seq_chunks, order, USE_ORDER: gl.constexpr, C: gl.constexpr, NV: gl.constexpr):
+    """This program's sequence and head: ``(i_n, i_h, i_v, bos, eos, c0, n_chunks, n_full)`` (``c0`` its first
+    chunk in the flattened chunk index)."""
+    i_hv = gl.program_id(0)
+    i_n = gl.program_id(1)
+    i_h = i_hv // NV
+    i_v = i_hv % NV
+    if USE_ORDER:
+        i_n = gl.load(order + i_n)
+    bos = gl.load(cu_seqlens + i_n)
+    eos = gl.load(cu_seqlens + i_n + 1)
+    c0 = gl.load(seq_chunks + i_n)
+    return i_n, i_h, i_v, bos, eos, c0, (eos - bos + C - 1) // C, (eos - bos) // C
+
+
+@gluon.jit
 def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
                        kd_b, qd_b, kr_b, inv_b, mqk_b, j, bos, c0, i_h, H, STAGES: gl.constexpr):
     # one mbarrier ring per tensor: TMA copies that share a barrier get a CTA barrier between them from the
@@ -102,16 +118,7 @@ def kda_fwd_v2_recurrence_kernel(
     NV: gl.constexpr = V // BV
     gl.static_assert(BV == 16 * num_warps, "one warp per 16 state columns")
 
-    i_hv = gl.program_id(0)
-    i_n = gl.program_id(1)
-    i_h = i_hv // NV
-    i_v = i_hv % NV
-    if USE_ORDER:
-        i_n = gl.load(order + i_n)
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
-    c0 = gl.load(seq_chunks + i_n)
-    n_chunks = (eos - bos + C - 1) // C
+    i_n, i_h, i_v, bos, eos, c0, n_chunks, _ = _sequence(cu_seqlens, seq_chunks, order, USE_ORDER, C, NV)
 
     # wgmma layouts: M = BV state columns over the warps, N = 16 tokens or K = 128 state rows
     acc_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
