@@ -304,9 +304,9 @@ class Zygote:
         while left:
             self._reap()
             left = {pid for pid in left if os.path.exists(f"/proc/{pid}")}
-            if left and time.monotonic() > deadline:  # gone from our view; the host's gc kills what is left
+            if not left or time.monotonic() > deadline:  # past it: gone from our view; the host's gc kills the rest
                 break
-            time.sleep(0.001 if left else 0)
+            time.sleep(0.001)
         self._settle_fork("rolled_back")
 
     def op_fork_outcome(self, conn, req, blob, fds):
