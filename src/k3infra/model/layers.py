@@ -208,10 +208,10 @@ class _AttnResFunction(torch.autograd.Function):
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """``Σ_i softmax_i(qᵀ RMSNorm(V_i)) · V_i`` over ``sources`` (each ``[B, T, D]``, one dtype), fp32 inside,
-    returned in the sources' dtype. Keeps for backward the sources themselves (no stacked copy) and fp32
-    ``[S, B, T]`` statistics; nothing of size ``S·B·T·D`` is materialised in either direction (CUDA tensors: the
-    fused kernels of `fused.attn_res_mix`, as `fused.MODE` says)."""
+    """``Σ_i softmax_i(qᵀ RMSNorm(V_i)) · V_i`` over ``sources`` (each ``[B, T, D]``; dtypes may differ, as autocast
+    leaves them), fp32 inside, returned in the first source's dtype. Keeps for backward the sources themselves (no
+    stacked copy) and fp32 ``[S, B, T]`` statistics; nothing of size ``S·B·T·D`` is materialised in either direction
+    (CUDA tensors: the fused kernels of `fused.attn_res_mix`, as `fused.MODE` says)."""
     if sources[0].dtype == torch.float64:
         V = torch.stack(sources, 0)
         xn = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(V.dtype)
