@@ -111,3 +111,27 @@ def test_autocast_training_step_fp32_params(checkpointing):
     assert abs(float(out.loss) - 6.93) < 1.0  # ln(1024) at init
     assert model.moe_layers()[0].w1.grad is not None
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("lengths", [(300, 1, 723), (1024,)])
+def test_packed_causal_flash_matches_per_sequence_sdpa(lengths):
+    from k3infra.model.mla import packed_causal_flash, uses_varlen_flash
+
+    torch.manual_seed(0)
+    T, H, E, V = sum(lengths), 4, 192, 128
+    q, k = (torch.randn(1, H, T, E, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, H, T, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+    assert uses_varlen_flash(q)
+    do = torch.randn(1, H, T, V, device="cuda", dtype=torch.bfloat16)
+    o = packed_causal_flash(q, k, v, cu, bounds, E**-0.5)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qf, kf, vf = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(qf[:, :, a:b], kf[:, :, a:b], vf[:, :, a:b],
+                                                                      is_causal=True, scale=E**-0.5)
+                     for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), do.double())
+    for name, x, y in (("o", o, ref), *zip(("dq", "dk", "dv"), grads, ref_grads)):
+        err = ((x.double() - y).norm() / y.norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"

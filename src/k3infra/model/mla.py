@@ -12,13 +12,16 @@ Shape suffixes: B batch, T query tokens, S key tokens, D hidden, H heads.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from k3infra.model.layers import RMSNorm
 
-__all__ = ["K3MLA", "attention_mask_for"]
+__all__ = ["K3MLA", "attention_mask_for", "packed_causal_flash", "uses_varlen_flash"]
 
 MAX_LOGIT_BLOCK_ELEMENTS = 1 << 26
 """Most fp32 logits (256 MB) one block of the QK-Clip max-logit record materialises."""
@@ -90,7 +93,9 @@ class K3MLA(nn.Module):
         bounds = _host_bounds(cu_seqlens) if cu_seqlens is not None else None
         if self.training and self.track_max_logit:
             self._record_max_logit(q_BHTE, k_BHSE, bounds)
-        if bounds is not None and cache is None:
+        if bounds is not None and cache is None and uses_varlen_flash(q_BHTE):
+            o = packed_causal_flash(q_BHTE, k_BHSE, v_BHSV, cu_seqlens, bounds, self.scale)
+        elif bounds is not None and cache is None:
             # one causal SDPA per packed sequence: no [T, S] mask, so the flash / memory-efficient kernels apply
             o = torch.cat([F.scaled_dot_product_attention(q_BHTE[:, :, a:b], k_BHSE[:, :, a:b], v_BHSV[:, :, a:b],
                                                           is_causal=True, scale=self.scale)
@@ -123,6 +128,51 @@ class K3MLA(nn.Module):
                     logits = logits.masked_fill(key[None, :] > query[:, None], float("-inf"))
                     best = torch.maximum(best, logits.amax(dim=(1, 2)))
         self.max_logit.copy_(torch.maximum(self.max_logit, best.to(self.max_logit.dtype)))
+
+
+def uses_varlen_flash(q_BHTE: torch.Tensor) -> bool:
+    """Whether packed causal attention goes through `packed_causal_flash`: CUDA, bf16/fp16, and a torch with
+    ``torch.nn.attention.varlen``."""
+    return q_BHTE.is_cuda and q_BHTE.dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
+
+
+@functools.cache
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def packed_causal_flash(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torch.Tensor, cu_seqlens: torch.Tensor,
+                        bounds: list[int], scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence in one varlen flash-attention call (``B == 1``).
+
+    One call for the whole batch, whatever the sequence lengths: per-sequence SDPA calls build a new cuDNN plan for
+    every new length, which a packed batch brings on every step. Flash attention takes one head size for ``q``,
+    ``k`` and ``v``, so ``v`` is zero-padded to ``q``'s and the output cut back.
+
+    Args:
+        q_BHTE, k_BHSE: ``[1, H, T, E]`` (``S == T``); v_BHSV: ``[1, H, T, V]`` with ``V <= E``; CUDA, bf16/fp16.
+        cu_seqlens: ``[N + 1]`` cumulative lengths (any int dtype, any device); bounds: the same on the host.
+        scale: softmax scale.
+
+    Returns:
+        ``[1, H, T, V]``.
+    """
+    E, V = q_BHTE.shape[-1], v_BHSV.shape[-1]
+    q_THE, k_THE = q_BHTE[0].transpose(0, 1), k_BHSE[0].transpose(0, 1)
+    v_THE = F.pad(v_BHSV[0].transpose(0, 1), (0, E - V))
+    cu = cu_seqlens.to(device=q_BHTE.device, dtype=torch.int32)
+    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=1)
+    attn = _varlen_attn()
+    params = inspect.signature(attn).parameters
+    if "window_size" in params:  # torch >= 2.10
+        o_THE = attn(q_THE, k_THE, v_THE, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+    else:  # torch 2.9: causal flag, default scale only
+        o_THE = attn(q_THE * (scale * E**0.5), k_THE, v_THE, cu, cu, longest, longest, is_causal=True)
+    return o_THE[..., :V].transpose(0, 1).unsqueeze(0)
 
 
 def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
