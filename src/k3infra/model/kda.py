@@ -8,7 +8,10 @@ Per head (``K3_MODEL.md`` §1)::
     y = W_o[σ(W_g x) ⊙ RMSNorm(õ)]
 
 Backends (``config.kda_backend``): ``torch`` (`k3infra.model.kda_torch`, any device, differentiable),
-``flashkda`` / ``fla`` (Triton, CUDA), ``auto`` = ``flashkda`` on CUDA tensors else ``torch``.
+``flashkda`` / ``fla`` (Triton, CUDA), ``auto`` = ``flashkda`` on CUDA tensors else ``torch``. The kernel backends
+take the raw q, k, z and β logits and apply the L2 norm (``x / √(Σx² + 10⁻⁶)``), the gate and the sigmoid inside
+``chunk_kda`` (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``); the torch path
+and decode steps apply them in torch.
 
 Shape suffixes: B batch, T tokens, D hidden, H heads, K head dim, W conv width.
 """
@@ -140,16 +143,25 @@ class K3KDA(nn.Module):
         state = cache.kda_state(self.layer_idx) if cache is not None else None
         pos_T = None if state is not None else positions_in_sequence(T, cu_seqlens, x_BTD.device)
         conv_in = [self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)]
+        backend = _kda_kernels(self.backend, x_BTD.device)
+        decode = not torch.is_grad_enabled() and T <= DECODE_MAX_TOKENS and cu_seqlens is None
+        # the chunk kernels take raw q, k, gate and beta and apply the L2 norm, the bounded gate and the sigmoid
+        # themselves; the torch path and the decode kernel take them applied
+        in_kernel = backend != "torch" and not decode
         # conv, Swish, L2 norm (fp32) and the decay gate (fp32) are recomputed in backward: only the projections'
         # outputs, in the activation dtype, are kept for them.
         q, k, v = (recompute(functools.partial(_conv_act, state=None if state is None else state.conv[i], pos_T=pos_T,
-                                               heads=H, normalize=i < 2), u, w)
+                                               heads=H, normalize=i < 2 and not in_kernel), u, w)
                    for i, (u, w) in enumerate(zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))))
-        g = recompute(functools.partial(_decay, lower_bound=self.lower_bound, heads=H),
-                      self.f_b_proj(self.f_a_proj(x_BTD)), self.A_log)
-        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        z_BTD = self.f_b_proj(self.f_a_proj(x_BTD))
         initial = None if state is None else state.recurrent
-        o, final = self._mix(q, k, v, g, beta, initial, cache is not None, cu_seqlens)
+        if in_kernel:
+            o, final = self._chunk_kernel(backend, q, k, v, z_BTD.view(B, T, H, K), self.b_proj(x_BTD), initial,
+                                          cache is not None, cu_seqlens)
+        else:
+            g = recompute(functools.partial(_decay, lower_bound=self.lower_bound, heads=H), z_BTD, self.A_log)
+            beta = torch.sigmoid(self.b_proj(x_BTD).float())
+            o, final = self._mix(backend, q, k, v, g, beta, initial, cache is not None, cu_seqlens, decode)
         if cache is not None:
             new_conv = [_tail(u, None if state is None else state.conv[i], self.conv_size - 1)
                         for i, u in enumerate(conv_in)]
@@ -157,29 +169,33 @@ class K3KDA(nn.Module):
         o = self.o_norm(o.to(x_BTD.dtype)).reshape(B, T, H * K)
         return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o)
 
-    def _mix(self, q, k, v, g, beta, initial, want_state, cu_seqlens):
-        backend = _kda_kernels(self.backend, q.device)
-        decode = not torch.is_grad_enabled() and q.shape[1] <= DECODE_MAX_TOKENS and cu_seqlens is None
-        if backend == "torch":
-            if decode:
-                return recurrent_kda_torch(q, k, v, g, beta, initial_state=initial)
-            run = functools.partial(chunk_kda_torch, initial_state=initial, output_final_state=want_state,
-                                    cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
-            if q.shape[0] * q.shape[1] < TORCH_KDA_RECOMPUTE_TOKENS:
-                return run(q, k, v, g, beta)
-            # the chunked form's fp32 [B, H, n, C, C, K] intermediates are recomputed in backward, not kept
-            return recompute(run, q, k, v, g, beta)
-        if decode:
-            from flashkda import fused_recurrent_kda
-
-            return fused_recurrent_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), initial_state=initial,
-                                       output_final_state=True)
+    def _chunk_kernel(self, backend, q, k, v, z, beta_logits, initial, want_state, cu_seqlens):
+        """FlashKDA's or fla's ``chunk_kda`` from raw inputs: q, k ``[B, T, H, K]`` before the L2 norm, z
+        ``[B, T, H, K]`` the gate before ``lower_bound · σ(e^A ·)``, beta_logits ``[B, T, H]``."""
         if backend == "fla":
             from fla.ops.kda import chunk_kda
         else:
             from flashkda import chunk_kda
-        return chunk_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), initial_state=initial,
-                         output_final_state=want_state, cu_seqlens=cu_seqlens, safe_gate=True)
+        return chunk_kda(q, k, v, z.to(q.dtype), beta_logits.to(q.dtype), initial_state=initial,
+                         output_final_state=want_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log,
+                         lower_bound=self.lower_bound, safe_gate=True)
+
+    def _mix(self, backend, q, k, v, g, beta, initial, want_state, cu_seqlens, decode):
+        """The torch path, or a decode step, from applied inputs (normed q, k; log decay g; beta in (0, 1))."""
+        if decode and backend != "torch":
+            from flashkda import fused_recurrent_kda
+
+            return fused_recurrent_kda(q, k, v, g.to(q.dtype), beta.to(q.dtype), initial_state=initial,
+                                       output_final_state=True)
+        if decode:
+            return recurrent_kda_torch(q, k, v, g, beta, initial_state=initial)
+        run = functools.partial(chunk_kda_torch, initial_state=initial, output_final_state=want_state,
+                                cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+        if q.shape[0] * q.shape[1] < TORCH_KDA_RECOMPUTE_TOKENS:
+            return run(q, k, v, g, beta)
+        # the chunked form's fp32 [B, H, n, C, C, K] intermediates are recomputed in backward, not kept
+        return recompute(run, q, k, v, g, beta)
 
 
 def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
