@@ -1,4 +1,5 @@
-"""Eager against fused element-wise ops of the K3 model: RMSNorm, SiTU-GLU and the AttnRes mix, forward and
+"""Eager against fused element-wise ops of the K3 model: RMSNorm, SiTU-GLU, the AttnRes mix and the KDA
+short convolution (`fused_conv`), forward and
 forward + backward.
 
 Usage (one H200):  python -m benchmarks.train.elementwise
@@ -26,7 +27,7 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
     """(name, builder) per op; a builder gives (fn(inputs) -> output, inputs)."""
     import torch
 
-    from k3infra.model import layers
+    from k3infra.model import kda, layers
 
     def norm(device, dtype, g):
         x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
@@ -44,8 +45,15 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
         nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device)
         return (lambda *vs: layers.attn_res_mix(list(vs), q, nw, 1e-5)), vs
 
+    def short_conv(device, dtype, g):
+        u = torch.randn(1, tokens, hidden, generator=g).to(device, dtype)
+        w = (0.5 * torch.randn(hidden, 4, generator=g)).to(device)
+        cu = torch.tensor([0, tokens // 3, tokens // 3 + 1, tokens], device=device)
+        pos = kda.positions_in_sequence(tokens, cu, torch.device(device))
+        return (lambda u, w: kda._conv_act(u, w, None, pos, 1, False).view(1, tokens, hidden)), [u, w]
+
     return [(f"rms_norm-{tokens}x{hidden}", norm), (f"situ_glu-{tokens}x{width}", situ),
-            (f"attn_res-{sources}x{tokens}x{hidden}", attn_res)]
+            (f"attn_res-{sources}x{tokens}x{hidden}", attn_res), (f"conv_silu-{tokens}x{hidden}", short_conv)]
 
 
 def _run_once(fn, inputs, dy, backward: bool):

@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3infra.model import fused
+from k3infra.model.fused_conv import conv_silu
 from k3infra.model.kda_torch import chunk_kda_torch, recurrent_kda_torch
 from k3infra.model.layers import RMSNorm, recompute
 
@@ -201,7 +203,11 @@ class K3KDA(nn.Module):
 def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
     """``Swish(Conv(u))`` as ``[B, T, H, K]`` in ``u``'s dtype, L2-normalised per head in fp32 if ``normalize``."""
     B, T, D = u_BTD.shape
-    y = F.silu(causal_depthwise_conv(u_BTD, weight_DW.to(u_BTD.dtype), state, pos_T)).view(B, T, heads, D // heads)
+    if state is None and pos_T is not None and fused.use_fused(u_BTD):
+        y = conv_silu(u_BTD, weight_DW.to(u_BTD.dtype), pos_T).view(B, T, heads, D // heads)
+    else:
+        y = F.silu(causal_depthwise_conv(u_BTD, weight_DW.to(u_BTD.dtype), state, pos_T)).view(B, T, heads,
+                                                                                               D // heads)
     return F.normalize(y.float(), dim=-1, eps=1e-6).to(u_BTD.dtype) if normalize else y
 
 

@@ -1,0 +1,125 @@
+"""Fused Triton kernels for the KDA layer's short convolution: ``Swish(causal depthwise conv)``, forward and backward.
+
+``y[t] = s · σ(s)`` with ``s[t] = Σ_j w[:, W−1−j] · u[t−j]`` over the taps ``j < W`` that stay inside ``t``'s sequence
+(``j ≤ pos[t]``), the eager `kda.causal_depthwise_conv` followed by ``F.silu``. One kernel reads ``u`` once and
+writes ``y`` once, computing in fp32 (the eager chain rounds every tap's product to the activation dtype); backward
+recomputes ``s`` from ``u`` (nothing but ``u`` is saved) and writes ``du`` plus per-block fp32 partial sums of
+``dw``. `fused.MODE` decides where it runs (`fused.use_fused`).
+
+Shape suffixes: N tokens (``B·T`` rows), D channels, W taps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["conv_silu"]
+
+_BLOCK_N = 64
+_BLOCK_D = 128
+_MAX_TAPS = 8
+
+
+@triton.jit
+def _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W: tl.constexpr):
+    """fp32 ``s`` at ``rows`` (``[BN]``, may run past ``N``) and ``cols`` (``[BD]``)."""
+    col_ok = cols < D
+    pos = tl.load(pos_ptr + rows % T, mask=rows < N, other=0)
+    s = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(W):
+        w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
+        src = rows - j
+        ok = (rows < N) & (pos >= j) & (src >= 0)
+        u = tl.load(u_ptr + src.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        s += u * w[None, :]
+    return s
+
+
+@triton.jit
+def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, T, W: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W)
+    y = s * tl.sigmoid(s)
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_silu_bwd_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, du_ptr, dw_part_ptr, N, D, T, W: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
+                     mask=(rows < N)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    du = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # token n feeds tap j of token n + j: du[n] = Σ_j w[W−1−j] · ds[n + j] (when n + j is still in n's sequence),
+    # dw[W−1−j] = Σ_n u[n] · ds[n + j] over the same pairs
+    for j in tl.static_range(W):
+        out = rows + j
+        s = _pre_activation(u_ptr, w_ptr, pos_ptr, out, cols, N, D, T, W)
+        pos = tl.load(pos_ptr + out % T, mask=out < N, other=0)
+        ok = (out < N) & (pos >= j)
+        dy = tl.load(dy_ptr + out.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                     other=0.0).to(tl.float32)
+        sig = tl.sigmoid(s)
+        ds = dy * sig * (1.0 + s * (1.0 - sig))
+        w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
+        du += ds * w[None, :]
+        tl.store(dw_part_ptr + (pid_n * W + (W - 1 - j)) * D + cols, tl.sum(ds * u_here, axis=0), mask=col_ok)
+    tl.store(du_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], du.to(du_ptr.dtype.element_ty),
+             mask=(rows < N)[:, None] & col_ok[None, :])
+
+
+class _ConvSiLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u_ND, weight_DW, pos_T):
+        N, D = u_ND.shape
+        W, T = weight_DW.shape[1], pos_T.shape[0]
+        y = torch.empty_like(u_ND)
+        grid = (triton.cdiv(N, _BLOCK_N), triton.cdiv(D, _BLOCK_D))
+        _conv_silu_fwd_kernel[grid](u_ND, weight_DW, pos_T, y, N, D, T, W=W, BLOCK_N=_BLOCK_N, BLOCK_D=_BLOCK_D)
+        ctx.save_for_backward(u_ND, weight_DW, pos_T)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        u_ND, weight_DW, pos_T = ctx.saved_tensors
+        N, D = u_ND.shape
+        W, T = weight_DW.shape[1], pos_T.shape[0]
+        du = torch.empty_like(u_ND)
+        blocks = triton.cdiv(N, _BLOCK_N)
+        dw_part = torch.empty(blocks, W, D, dtype=torch.float32, device=u_ND.device)
+        _conv_silu_bwd_kernel[(blocks, triton.cdiv(D, _BLOCK_D))](u_ND, weight_DW, pos_T, dy.contiguous(), du,
+                                                                  dw_part, N, D, T, W=W, BLOCK_N=_BLOCK_N,
+                                                                  BLOCK_D=_BLOCK_D)
+        return du, dw_part.sum(0).t().to(weight_DW.dtype), None
+
+
+def conv_silu(u_BTD: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
+    """Fused ``F.silu(causal_depthwise_conv(u, weight, None, pos))`` (no decode state).
+
+    Args:
+        u_BTD: ``[B, T, D]`` fp32/bf16/fp16 inputs (made contiguous).
+        weight_DW: ``[D, W]`` depthwise taps (the last column multiplies the current token), ``W <= 8``, any float
+            dtype (computed in fp32; its gradient comes back in its dtype).
+        pos_T: ``[T]`` int position of each token in its sequence (``B == 1`` packed), or ``arange(T)``.
+
+    Returns:
+        ``[B, T, D]`` in ``u``'s dtype.
+    """
+    B, T, D = u_BTD.shape
+    if weight_DW.dim() != 2 or weight_DW.shape[0] != D or not 1 <= weight_DW.shape[1] <= _MAX_TAPS:
+        raise ValueError(f"conv_silu: weight must be [{D}, W] with 1 <= W <= {_MAX_TAPS}, got "
+                         f"{tuple(weight_DW.shape)}")
+    if pos_T.shape != (T,):
+        raise ValueError(f"conv_silu: pos_T must be [{T}], got {tuple(pos_T.shape)}")
+    y = _ConvSiLUFunction.apply(u_BTD.reshape(B * T, D).contiguous(), weight_DW.contiguous(),
+                                pos_T.to(torch.int32).contiguous())
+    return y.view(B, T, D)
