@@ -110,3 +110,25 @@ def test_stacked_experts_are_orthogonalised_per_slice():
     update = _muon_step(weight, grad, None)
     for e in range(4):
         torch.testing.assert_close(update[e], _muon_step(weight[e], grad[e], None), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("head_rows", [None, (4,)])
+@pytest.mark.parametrize("batch_bytes", [1, 1 << 30])
+def test_parameters_batched_together_step_as_each_alone(monkeypatch, head_rows, batch_bytes):
+    from k3infra.train import optim
+
+    monkeypatch.setattr(optim, "MUON_BATCH_BYTES", batch_bytes)
+    torch.manual_seed(4)
+    shapes = [(8, 10), (3, 8, 10), (12, 10), (8, 10)] if head_rows else [(8, 10), (3, 8, 10), (10, 6), (8, 10)]
+    weights = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) * (1 + 100 * i) for i, s in enumerate(shapes)]
+    if head_rows:  # per-head groups take 2-D matrices only
+        weights, grads = [w for w in weights if w.ndim == 2], [g for g in grads if g.ndim == 2]
+    params = [nn.Parameter(w.clone()) for w in weights]
+    opt = ShardedMuon([{"params": params, "head_rows": head_rows}], lr=0.1, weight_decay=0.0,
+                      adjust_lr_fn="match_rms_adamw")
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, w, g in zip(params, weights, grads):
+        torch.testing.assert_close((p - w).detach(), _muon_step(w, g, head_rows), rtol=0, atol=2e-3)

@@ -145,29 +145,54 @@ class ShardedMuon(torch.optim.Muon):
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
             lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            for param, grad, buf in zip(params, grads, bufs):
+            batch, batch_bytes = [], 0
+            for i, (param, grad, buf) in enumerate(zip(params, grads, bufs)):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                full = update.full_tensor() if isinstance(update, DTensor) else update
-                step = _orthogonalised_step(full, group, lr, param.dtype)
-                if isinstance(update, DTensor):
-                    step = distribute_tensor(step, update.device_mesh, update.placements, src_data_rank=None)
-                param.mul_(1 - lr * wd)
-                param.sub_(step)
+                batch.append((param, update, update.full_tensor() if isinstance(update, DTensor) else update))
+                batch_bytes += batch[-1][2].numel() * 2
+                if batch_bytes >= MUON_BATCH_BYTES or i == len(params) - 1:
+                    steps = _orthogonalised_steps([full for _, _, full in batch], group, lr,
+                                                  [p.dtype for p, _, _ in batch])
+                    for (param, update, _), step in zip(batch, steps):
+                        if isinstance(update, DTensor):
+                            step = distribute_tensor(step, update.device_mesh, update.placements, src_data_rank=None)
+                        param.mul_(1 - lr * wd)
+                        param.sub_(step)
+                    batch, batch_bytes = [], 0
         return loss
 
 
-def _orthogonalised_step(full: torch.Tensor, group: dict, lr: float, dtype: torch.dtype) -> torch.Tensor:
-    """Muon's update for one parameter: every row block (``head_rows``) or expert slice orthogonalised on its own,
-    blocks of one shape in a single batched Newton–Schulz, each scaled for its own shape, in ``dtype``."""
-    if group["head_rows"]:
-        pattern = list(group["head_rows"])
-        blocks = full.reshape(full.shape[0] // sum(pattern), sum(pattern), full.shape[1]).split(pattern, dim=1)
-    else:
-        blocks = [full if full.ndim == 3 else full[None]]
-    steps = [zeropower_batched(b, group["ns_coefficients"], group["ns_steps"], group["eps"]).to(dtype)
-             * _adjust_lr(lr, group["adjust_lr_fn"], b.shape[1:]) for b in blocks]
-    return torch.cat(steps, dim=1).reshape(full.shape)
+#: Muon orthogonalises the updates of consecutive parameters together (all of their blocks of one shape in one
+#: batched Newton–Schulz) until their full (gathered) updates reach this many bf16 bytes: fewer, larger batched
+#: matmuls, and at most this much gathered at once under FSDP.
+MUON_BATCH_BYTES = 1 << 30
+
+
+def _orthogonalised_steps(fulls: list[torch.Tensor], group: dict, lr: float,
+                          dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Muon's updates for several parameters: every row block (``head_rows``) or expert slice orthogonalised on
+    its own, the blocks of one shape (over all the parameters) in a single batched Newton–Schulz, each scaled for
+    its own shape; each update in its parameter's dtype and shape."""
+    blocks = []
+    for full in fulls:
+        if group["head_rows"]:
+            pattern = list(group["head_rows"])
+            blocks.append(full.reshape(full.shape[0] // sum(pattern), sum(pattern), full.shape[1]).split(pattern, 1))
+        else:
+            blocks.append([full if full.ndim == 3 else full[None]])
+    by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, param_blocks in enumerate(blocks):
+        for j, b in enumerate(param_blocks):
+            by_shape.setdefault(tuple(b.shape[1:]), []).append((i, j))
+    done = [[None] * len(param_blocks) for param_blocks in blocks]
+    for shape, members in by_shape.items():
+        stacked = torch.cat([blocks[i][j] for i, j in members]) if len(members) > 1 else blocks[members[0][0]][members[0][1]]
+        ortho = zeropower_batched(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        scale = _adjust_lr(lr, group["adjust_lr_fn"], shape)
+        for (i, j), piece in zip(members, ortho.split([blocks[i][j].shape[0] for i, j in members])):
+            done[i][j] = piece.to(dtypes[i]) * scale
+    return [torch.cat(steps, dim=1).reshape(full.shape) for steps, full in zip(done, fulls)]
 
 
 def zeropower_batched(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
