@@ -14,7 +14,7 @@ import torch
 
 import flashkda
 import flashkda.chunk as chunk_mod
-from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case
+from benchmarks.kda.v2_bwd_precision import K, make_case
 from flashkda.bwd.v2.train import emulated_stages
 from flashkda.fwd.v2 import chunk_fwd
 from tests.flashkda.test_bwd_v2_train import check_against_fp64
@@ -106,6 +106,20 @@ def test_inference_rule_follows_the_env(monkeypatch, on_hopper):
     assert not chunk_fwd.prefers_v2(few, few, many, many, many[..., 0], **K3_FLAGS)
 
 
+def test_calibration_records_the_path_it_timed(monkeypatch):
+    from benchmarks.kda.calibrate import Shape, make_inputs, ours_path
+
+    monkeypatch.delenv(chunk_fwd.KERNELS_ENV, raising=False)
+    x, kw = make_inputs(Shape("tiny", 2, 40, 1, (15, 25)), "cpu", grad=True)
+    assert ours_path(x, kw, training=True) == "v1 (needs a Hopper (sm_90) GPU)"
+    monkeypatch.setattr(chunk_fwd, "_device_reason", lambda q: None)
+    assert ours_path(x, kw, training=True) == "v2 (chunk 16)"
+    assert ours_path(x, dict(kw, disable_recompute=True), training=True).startswith("v1 (disable_recompute")
+    assert ours_path(x, kw, training=False).startswith("v1 (the rule")  # 2 heads: below MIN_VALUE_HEADS
+    monkeypatch.setenv(chunk_fwd.KERNELS_ENV, "v1")
+    assert ours_path(x, kw, training=True).startswith("v1 (the rule or FLASHKDA_KERNELS")
+
+
 class _RoutedToV1(Exception):
     pass
 
@@ -115,13 +129,15 @@ def _v1_route(*args, **kwargs):
     raise _RoutedToV1(kwargs["disable_recompute"])
 
 
-def _leaves(c, state_v_first):
-    """Fresh leaves of a `make_case` case; the initial state in the layout ``state_v_first`` names."""
+def _leaves(c, state_v_first, dt_bias_2d=False):
+    """Fresh leaves of a `make_case` case; the initial state in the layout ``state_v_first`` names, ``dt_bias``
+    ``[HV, K]`` with ``dt_bias_2d`` (chunk_kda takes it as well as ``[HV * K]``)."""
     x = {n: (None if c[n] is None else c[n].detach().clone()) for n in ("q", "k", "v", "g", "beta", "A_log",
                                                                           "dt_bias", "h0")}
     if state_v_first and x["h0"] is not None:
         x["h0"] = x["h0"].transpose(-1, -2).contiguous()
-    x["dt_bias"] = x["dt_bias"].reshape(-1, K)  # chunk_kda takes [HV, K] as well as [HV * K]
+    if dt_bias_2d:
+        x["dt_bias"] = x["dt_bias"].reshape(-1, K)
     return {n: (None if t is None else t.requires_grad_()) for n, t in x.items()}
 
 
@@ -136,7 +152,7 @@ def test_chunk_kda_trains_through_v2_route_on_emulated_stages(monkeypatch, on_ho
     monkeypatch.setattr(chunk_mod, "chunk_kda_v2_autograd", v2_route)
     monkeypatch.setattr(chunk_mod, "chunk_kda_autograd", _v1_route)
     c = make_case(B=1, T=50, H=1, HV=2, cu=[0, 21, 22, 22, 50], seed=7)
-    x = _leaves(c, state_v_first=True)
+    x = _leaves(c, state_v_first=True, dt_bias_2d=True)
     o, ht = flashkda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                output_final_state=True, state_v_first=True, safe_gate=True, cu_seqlens=c["cu"],
                                A_log=x["A_log"], dt_bias=x["dt_bias"], **K3_FLAGS)
@@ -179,7 +195,7 @@ def _assert_near(got, ref, label):
     errs = {}
     for n, r in ref.items():
         assert got[n] is not None and got[n].shape == r.shape and torch.isfinite(got[n]).all(), (label, n)
-        errs[n] = float((got[n].double() - r.double()).norm() / r.double().norm())
+        errs[n] = float((got[n].detach().double() - r.detach().double()).norm() / r.detach().double().norm())
     bars = {n: OUT_TOL if n in ("o", "final_state") else DA_LOG_TOL if n == "dA_log" else GRAD_TOL for n in errs}
     assert all(e < bars[n] for n, e in errs.items()), (label, errs)
 
