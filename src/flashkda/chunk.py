@@ -173,7 +173,7 @@ def chunk_kda(
         if prefers_v2_training(
                 q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log_k,
-                dt_bias_k, disable_recompute):
+                dt_bias_k, disable_recompute=disable_recompute):
             return chunk_kda_v2_autograd(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log,
@@ -405,24 +405,11 @@ def chunk_kda_autograd(
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
 
 
-def chunk_kda_v2_autograd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    lower_bound: float,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    chunk_size: int = TRAINING_CHUNK,
-    stages=None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda_v2_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                          scale: float, initial_state: torch.Tensor | None, output_final_state: bool,
+                          lower_bound: float, state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
+                          A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                          chunk_size: int = TRAINING_CHUNK, stages=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunk_kda`'s v2 training path: ``flashkda.bwd.v2.chunk_kda_v2`` in `chunk_kda`'s contract, on a call
     ``prefers_v2_training`` accepted (the in-kernel L2 norm, bounded gate and beta sigmoid).
 

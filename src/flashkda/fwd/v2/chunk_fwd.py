@@ -8,7 +8,7 @@
 
 | variable | values (default first) | read |
 |---|---|---|
-| ``FLASHKDA_KERNELS`` | auto, v1, v2 | each ``chunk_kda`` call: auto the rules; v1 never v2; v2 wherever v2 serves the call |
+| ``FLASHKDA_KERNELS`` | auto, v1, v2 | each ``chunk_kda`` call: the rules; never v2; v2 wherever it serves the call |
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ __all__ = ["KERNELS_ENV", "MIN_VALUE_HEADS", "TRAINING_CHUNK", "chunk_kda_fwd_v2
 MIN_VALUE_HEADS = 64
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
-#: Tokens per chunk of ``flashkda.chunk_kda``'s v2 training path (faster than 32 on the H200; ``docs/flashkda-v2-backward.md``).
+#: Tokens per chunk of ``flashkda.chunk_kda``'s v2 training path (faster than 32 on the H200;
+#: ``docs/flashkda-v2-backward.md``).
 TRAINING_CHUNK = 16
 #: The switch that overrides the rules (table in the module docstring).
 KERNELS_ENV = "FLASHKDA_KERNELS"
@@ -100,36 +101,18 @@ def _device_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def v2_training_unsupported_reason(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    disable_recompute: bool = False,
-    **_ignored,
-) -> str | None:
+def v2_training_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, *args, disable_recompute: bool = False,
+                                   **kwargs) -> str | None:
     """Why ``flashkda.bwd.v2.chunk_kda_v2`` cannot train this validated ``chunk_kda`` call exactly, or None.
 
-    Arguments as `v2_unsupported_reason` plus ``disable_recompute``. Beyond the forward's scope: raw ``g`` and
-    ``beta`` in bf16 or fp32, at least one token, and no ``disable_recompute`` (the request to keep v1's per-chunk
-    states; v2 keeps its own checkpoints, so the call stays on v1, which honours it). ``safe_gate`` changes no result
-    once ``lower_bound`` is in v2's range, ``state_v_first`` is a transpose, and ``A_log``/``dt_bias`` of any float
-    dtype get their gradients through a cast.
+    Arguments as `v2_unsupported_reason` plus the keyword ``disable_recompute``. Beyond the forward's scope: raw
+    ``g`` and ``beta`` in bf16 or fp32, at least one token, and no ``disable_recompute`` (the request to keep v1's
+    per-chunk states; v2 keeps its own checkpoints, so the call stays on v1, which honours it). ``safe_gate``
+    changes no result once ``lower_bound`` is in v2's range, ``state_v_first`` is a transpose, and
+    ``A_log``/``dt_bias`` of any float dtype get their gradients through a cast.
     """
-    reason = v2_unsupported_reason(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                   use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-                                   cu_seqlens, A_log, dt_bias)
+    reason = v2_unsupported_reason(q, k, v, g, beta, *args, **kwargs)
     if reason is not None:
         return reason
     for name, x in (("g", g), ("beta", beta)):
