@@ -4,6 +4,8 @@ Per row (bf16, K = V = 128, fp32 initial and final state, K3 flags: in-kernel L2
 ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid): fla 0.6.0's own Triton path (its undispatched
 function), MoonshotAI's CUTLASS FlashKDA through fla's adapter when ``flash_kda`` is importable (inference only),
 and ``flashkda.chunk_kda``; inference rows time the forward, training rows forward + backward into every input.
+Ours is whatever ``flashkda.chunk_kda`` runs for the row (v2 where ``prefers_v2`` / ``prefers_v2_training`` hold,
+else v1; ``FLASHKDA_KERNELS=v1`` or ``v2`` forces one); each row records which in ``ours path``.
 Each backend is timed twice, interleaved, and the mean of the two medians kept. Ours must match fla
 (relative RMS of o and the final state <= 1e-2) before it is timed; a row that fails is left out of the table, so
 its class is declined.
@@ -140,8 +142,25 @@ def backends(mode: str) -> dict:
     return found
 
 
-def measure(shape: Shape, mode: str, device: str, rep: int) -> tuple[dict[str, float], dict]:
-    """Median ms per backend (``{}`` for ours when its gate failed) and the gate errors."""
+def ours_path(x: dict, kw: dict, training: bool) -> str:
+    """Which kernels ``flashkda.chunk_kda`` runs for this row: ``"v2"``, or ``"v1"`` with the rule's reason."""
+    from flashkda.fwd.v2 import chunk_fwd
+
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kwargs = dict(kw, initial_state=x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"])
+    if training:
+        if chunk_fwd.prefers_v2_training(*args, **kwargs):
+            return f"v2 (chunk {chunk_fwd.TRAINING_CHUNK})"
+        reason = chunk_fwd.v2_training_unsupported_reason(*args, **kwargs)
+    else:
+        if chunk_fwd.prefers_v2(*args, **kwargs):
+            return "v2"
+        reason = chunk_fwd.v2_unsupported_reason(*args, **kwargs)
+    return f"v1 ({reason or 'the rule or ' + chunk_fwd.KERNELS_ENV + ' prefers it'})"
+
+
+def measure(shape: Shape, mode: str, device: str, rep: int) -> tuple[dict[str, float], dict, str]:
+    """Median ms per backend (``{}`` for ours when its gate failed), the gate errors and `ours_path`."""
     import torch
 
     training = mode == "training"
@@ -181,7 +200,7 @@ def measure(shape: Shape, mode: str, device: str, rep: int) -> tuple[dict[str, f
                 if name in errors and not errors[name]["ok"]:
                     continue
                 medians[name].append(time_fn(run, device=device, warmup=2, rep=rep).median_ms)
-    return {name: sum(v) / len(v) for name, v in medians.items() if v}, errors
+    return {name: sum(v) / len(v) for name, v in medians.items() if v}, errors, ours_path(x, kw, training)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in track(shapes, f"calibrate {mode}"):
             t0 = time.time()
             try:
-                times, errors = measure(shape, mode, device, args.rep)
+                times, errors, path = measure(shape, mode, device, args.rep)
             except torch.OutOfMemoryError as e:
                 print(f"{mode:>9} {shape.name:>18}: out of memory ({e}); left out", flush=True)
                 continue
@@ -234,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode:>9} {shape.name:>18}: {line}  ours failed its gate {errors['flashkda']}", flush=True)
             else:
                 measurements.append(Measurement(shape.name, cls, ours, times))
-                print(f"{mode:>9} {shape.name:>18}: {line}  ours {ours:.3f} ms  "
+                print(f"{mode:>9} {shape.name:>18}: {line}  ours {ours:.3f} ms [{path}]  "
                       f"{times[best] / ours:.2f}x {best}  ({time.time() - t0:.0f}s)", flush=True)
             rows.append(Row(f"{mode}-{shape.name}", f"best of {', '.join(times)} ({best})", times[best],
                             ours if ours is not None else float("nan"),
                             params=dict(mode=mode, shape=cls.label(), H=shape.H, HV=shape.hv, T=shape.T, B=shape.B,
                                         lengths=shape.lengths),
-                            extra={**{f"{n} ms": round(t, 4) for n, t in times.items()},
+                            extra={**{f"{n} ms": round(t, 4) for n, t in times.items()}, "ours path": path,
                                    "gate": {n: {k: (round(v, 6) if isinstance(v, float) else v)
                                                 for k, v in e.items()} for n, e in errors.items()}}))
             # after every row, so a run cut short keeps what it measured

@@ -4,8 +4,9 @@ Rows: bf16, K = V = 128, K3 flags (in-kernel L2 norm, bounded gate ``lower_bound
 ``dt_bias``, beta sigmoid), fp32 initial and final state, gradients for every input:
 ``B1-T8192-H64``, ``varlen1024x8-H64``, ``B8-T4096-H32``, ``B1-T32768-H32``.
 
-Per row: median ms of ``forward + backward`` for ``flashkda.chunk_kda`` and ``fla.ops.kda.chunk_kda`` (fla's own
-Triton path: ``FLASHKDA_DISABLE=1``, ``FLA_FLASH_KDA=0``), the ratio, and the peak extra memory of each step.
+Per row: median ms of ``forward + backward`` for ``flashkda.chunk_kda`` (v2 where ``prefers_v2_training`` holds, as
+on a Hopper GPU at these rows; ``FLASHKDA_KERNELS=v1`` times v1) and ``fla.ops.kda.chunk_kda`` (fla's own Triton
+path: ``FLASHKDA_DISABLE=1``, ``FLA_FLASH_KDA=0``), the ratio, and the peak extra memory of each step.
 
 Gates, before any timing: (1) at a small shape, ours vs fp64 autograd through ``flashkda.reference`` (o, final
 state and every gradient, relative RMS error <= 1e-2); (2) at every row, ours vs fla (same bound). A row whose
@@ -189,7 +190,7 @@ def warm_case(name: str, fn, device: str, log: Progress, slices: list[int] = ())
 
 
 def ours_in_head_slices(n: int):
-    """``flashkda.chunk_kda``'s training path with its backward in ``n`` head slices (``head_slices``)."""
+    """The v1 training path (`chunk_kda_autograd`) with its backward in ``n`` head slices (``head_slices``)."""
     from flashkda.chunk import chunk_kda_autograd
 
     def fn(q, k, v, g, beta, **kw):

@@ -9,7 +9,8 @@ Stages, each guarded so that one failure does not stop the others, all inside ``
 3. correctness: v2, and K2 alone on the emulated workspace, vs the fp64 reference at small sizes (and CUTLASS
    FlashKDA on the same inputs when importable); a gate sweep ``lower_bound`` -5 ... -0.1 (NaN/inf, error vs fp64);
 4. per anchor row: v2 and CUTLASS vs fla (output and final-state relative RMS), then medians of CUDA events of
-   fla, CUTLASS, v1 (``flashkda.chunk_kda``), v2 (its default chunk size), ``v2 c16`` and v2's K1 and K2 alone. K2
+   fla, CUTLASS, v1 (``flashkda.chunk_kda`` with ``FLASHKDA_KERNELS=v1``), v2 (its default chunk size), ``v2 c16``
+   and v2's K1 and K2 alone. K2
    is timed on K1's workspace, or on the emulated one when K1 fails. The chunk-32 forward is timed next to it on the
    same inputs: ``v2 c32`` (``chunk_kda_fwd_v2(..., chunk_size=32)``), ``k1 c32`` and ``k2 c32`` (on K1 c32's
    workspace, or the emulated chunk-32 workspace when K1 c32 fails), each with its errors vs fla and (stage 3) vs
@@ -105,6 +106,23 @@ def find_prepare():
     raise ImportError("flashkda.fwd.v2.prepare has no function taking (q, k, g, beta, scale, layout, ...)")
 
 
+def chunk_kda_v1(*args, **kwargs):
+    """``flashkda.chunk_kda`` under ``FLASHKDA_KERNELS=v1`` (restored after): the v1 kernels, for inference and
+    training alike (a training call's backward is chosen in its forward)."""
+    import flashkda
+    from flashkda.fwd.v2.chunk_fwd import KERNELS_ENV
+
+    old = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = "v1"
+    try:
+        return flashkda.chunk_kda(*args, **kwargs)
+    finally:
+        if old is None:
+            del os.environ[KERNELS_ENV]
+        else:
+            os.environ[KERNELS_ENV] = old
+
+
 class Impls:
     """The forwards under test, each None when it cannot be imported here (the reason in `missing`)."""
 
@@ -112,7 +130,7 @@ class Impls:
         self.missing: dict[str, str] = {}
         self.fla = self._try("fla", self._fla)
         self.cutlass = self._try("cutlass", self._cutlass)
-        self.v1 = self._try("v1", lambda: __import__("flashkda").chunk_kda)
+        self.v1 = self._try("v1", lambda: chunk_kda_v1)
         self.v2 = self._try("v2", lambda: __import__("flashkda.fwd.v2", fromlist=["x"]).chunk_kda_fwd_v2)
         self.k1 = self._try("k1", find_prepare)
         self.k2 = self._try("k2", lambda: __import__("flashkda.fwd.v2.recurrence", fromlist=["x"]).recurrence_fwd)

@@ -1,5 +1,6 @@
 """FlashKDA training v2 on the device: ``flashkda.bwd.v2.chunk_kda_v2`` (K1 + F2 forward, K1 + B2 + B3 backward)
-checked and timed against fla 0.6.0 ``chunk_kda`` and our current training path (``flashkda.chunk_kda``).
+checked and timed against fla 0.6.0 ``chunk_kda`` and our v1 training path (``flashkda.chunk_kda`` with
+``FLASHKDA_KERNELS=v1``).
 
 Stages, each guarded so that one failure does not stop the others, inside ``--budget`` seconds (a watchdog writes
 what was measured and exits when a kernel hangs past it):
@@ -9,7 +10,7 @@ what was measured and exits when a kernel hangs past it):
    child process with a time limit (at most 150 s);
 2. per row (H64 T8192, H64 varlen 1k x 8, B8 T4096 H32, B1 T32768 H32; bf16, K = V = 128, in-kernel L2 norm,
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
-   input): the gradients of ours-v2 (chunk 16 and 32) and of ``flashkda.chunk_kda`` against fla's (relative RMS per
+   input): the gradients of ours-v2 (chunk 16 and 32) and of v1 against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
    K1, F2, B2, B3 at 8 and 16 warps and unpipelined; the backward is K1 + B2 + B3), and the peak extra memory of
    each fwd+bwd step.
@@ -176,7 +177,7 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda") -> Row:
     log(f"[time] {shape.name}: {extra}")
     bad = [n for n in ("v2c16", "v2c32") if extra.get(f"{n} max rms vs fla", 1.0) > GRAD_TOL]
     note = ("ours = chunk_kda_v2 at chunk 16 (the entry's default; v2c32 in the extra columns); v1 = "
-            "flashkda.chunk_kda" + (f"; gradients off fla's: {bad}" if bad else ""))
+            "flashkda.chunk_kda with FLASHKDA_KERNELS=v1" + (f"; gradients off fla's: {bad}" if bad else ""))
     return Row(shape.name, FLA, ms.get("fla"), ms.get("v2c16"), params=params, extra=extra, note=note)
 
 

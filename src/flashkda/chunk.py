@@ -1,7 +1,10 @@
 """Public chunked KDA: ``flashkda.chunk_kda`` (argument for argument fla-core 0.6.0's ``chunk_kda``) and its autograd.
 
 `chunk_kda` validates (``flashkda.checks``) and fills defaults, then runs the forward kernels
-(``flashkda.fwd.chunk_fwd``) directly, or `ChunkKDAFunction` when an input requires grad:
+(``flashkda.fwd.chunk_fwd``, or v2's where ``flashkda.fwd.v2.chunk_fwd.prefers_v2`` holds) directly. When an input
+requires grad it trains through v2 (`chunk_kda_v2_autograd`: ``flashkda.bwd.v2.chunk_kda_v2`` at 16-token chunks)
+where ``prefers_v2_training`` holds (Hopper, bf16, K = V = 128, the K3 gate flags), else through
+`ChunkKDAFunction` (v1):
 
 * forward: the forward kernels, keeping the inputs and the intra stage's ``Aqk``, ``Akk`` and solved inverse for
   the backward. ``disable_recompute=True`` trades memory for speed as fla's option does: the forward also keeps its
@@ -32,10 +35,10 @@ from flashkda.bwd.chunk_bwd import (
 )
 from flashkda.bwd.layout import make_layout
 from flashkda.fwd.chunk_fwd import chunk_kda_fwd
-from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2, prefers_v2
+from flashkda.fwd.v2.chunk_fwd import TRAINING_CHUNK, chunk_kda_fwd_v2, prefers_v2, prefers_v2_training
 from flashkda.options import KDAOptions
 
-__all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda", "chunk_kda_autograd", "needs_grad"]
+__all__ = ["ChunkKDAFunction", "KDAOptions", "chunk_kda", "chunk_kda_autograd", "chunk_kda_v2_autograd", "needs_grad"]
 
 CHUNK_SIZE = 64
 
@@ -97,7 +100,8 @@ def chunk_kda(
         lower_bound: floor of the bounded gate, negative, e.g. ``-5.0``; None selects the softplus gate.
         disable_recompute: training only: keep the forward's per-chunk states (for bf16 also the reverse state
             pass's operands) for the backward instead of recomputing them, as fla's option does: more memory
-            between forward and backward, less time in the backward. Ignored without gradients.
+            between forward and backward, less time in the backward. Ignored without gradients; with them the call
+            trains through v1 (v2 keeps its own state checkpoints).
         return_intermediate_states: not supported (raises ValueError; fla's backend falls back).
         state_v_first: states are ``[V, K]`` per head.
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths for a flattened varlen batch (``B == 1``);
@@ -166,6 +170,14 @@ def chunk_kda(
     scale = checks.default_scale(scale, s.K)
 
     if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        if prefers_v2_training(
+                q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log_k,
+                dt_bias_k, disable_recompute=disable_recompute):
+            return chunk_kda_v2_autograd(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log,
+                dt_bias=dt_bias)
         return chunk_kda_autograd(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -391,3 +403,42 @@ def chunk_kda_autograd(
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+
+
+def chunk_kda_v2_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                          scale: float, initial_state: torch.Tensor | None, output_final_state: bool,
+                          lower_bound: float, state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
+                          A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                          chunk_size: int = TRAINING_CHUNK, stages=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunk_kda`'s v2 training path: ``flashkda.bwd.v2.chunk_kda_v2`` in `chunk_kda`'s contract, on a call
+    ``prefers_v2_training`` accepted (the in-kernel L2 norm, bounded gate and beta sigmoid).
+
+    ``initial_state`` and the final state are transposed for ``state_v_first`` and ``A_log``/``dt_bias`` cast to
+    fp32 ``[HV]``/``[HV * K]`` outside the autograd function, so autograd returns every gradient (``dh0``,
+    ``dA_log``, ``ddt_bias``) in its input's layout, shape and dtype. Autocast is off for the call, as for v1.
+
+    Args:
+        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, HV, 128]`` bf16; g: ``[B, T, HV, 128]`` raw gate; beta:
+            ``[B, T, HV]`` logits (g and beta bf16 or fp32).
+        scale, initial_state, output_final_state, lower_bound, state_v_first, cu_seqlens: as `chunk_kda`'s.
+        A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or ``[HV, 128]`` or None (any float dtype).
+        chunk_size: v2's tokens per chunk, 16 or 32.
+        stages: v2's kernels (``flashkda.bwd.v2.train.TrainStages``); None runs the device kernels (after
+            ``chunk_kda_v2``'s scope check); the CPU tests pass ``emulated_stages``.
+
+    Returns:
+        ``(o [B, T, HV, 128] bf16, final_state fp32 in the ``state_v_first`` layout, or None)``.
+    """
+    from flashkda.bwd.v2.train import chunk_kda_v2
+
+    HV = v.shape[2]
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    A_log = None if A_log is None else A_log.reshape(HV).float()
+    dt_bias = None if dt_bias is None else dt_bias.reshape(-1).float()
+    with torch.autocast(q.device.type, enabled=False):
+        o, final = chunk_kda_v2(q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound, cu_seqlens,
+                                A_log, dt_bias, chunk_size=chunk_size, stages=stages)
+    if final is not None and state_v_first:
+        final = final.transpose(-1, -2).contiguous()
+    return o, final

@@ -3,6 +3,12 @@
 
 `supports_v2` says whether a validated call is in scope; `chunk_kda_fwd_v2` takes the arguments of
 ``flashkda.fwd.chunk_fwd.chunk_kda_fwd`` (the subset v2 serves) and returns the same ``(o, final_state, h)``.
+`prefers_v2` (inference) and `prefers_v2_training` (inputs requiring grad: ``flashkda.bwd.v2.chunk_kda_v2``) are
+``flashkda.chunk_kda``'s rules; ``FLASHKDA_KERNELS`` overrides them for A/B runs:
+
+| variable | values (default first) | read |
+|---|---|---|
+| ``FLASHKDA_KERNELS`` | auto, v1, v2 | each ``chunk_kda`` call: the rules; never v2; v2 wherever it serves the call |
 """
 
 from __future__ import annotations
@@ -12,15 +18,24 @@ import importlib.util
 
 import torch
 
+from flashkda.env import env_choice
 from flashkda.fwd.v2.workspace import HEAD_DIM, cached_chunk_layout
 
-__all__ = ["MIN_VALUE_HEADS", "chunk_kda_fwd_v2", "prefers_v2", "supports_v2", "v2_unsupported_reason"]
+__all__ = ["KERNELS_ENV", "MIN_VALUE_HEADS", "TRAINING_CHUNK", "chunk_kda_fwd_v2", "kernels_choice", "prefers_v2",
+           "prefers_v2_training", "supports_v2", "v2_training_unsupported_reason", "v2_unsupported_reason"]
 
 #: ``flashkda.chunk_kda``'s inference path takes v2 from this many value heads up (below it the v1 kernels are
 #: faster; measurements in ``docs/flashkda-v2.md``).
 MIN_VALUE_HEADS = 64
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
+#: Tokens per chunk of ``flashkda.chunk_kda``'s v2 training path (faster than 32 on the H200;
+#: ``docs/flashkda-v2-backward.md``).
+TRAINING_CHUNK = 16
+#: The switch that overrides the rules (table in the module docstring).
+KERNELS_ENV = "FLASHKDA_KERNELS"
+#: The raw gate and beta dtypes the training kernels take (their gradients come back in the same dtype).
+TRAINING_GATE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @functools.cache
@@ -50,10 +65,9 @@ def v2_unsupported_reason(
     **_ignored,
 ) -> str | None:
     """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "needs a Hopper (sm_90) GPU"
-    if not _has_gluon():
-        return "needs Triton with Gluon"
+    reason = _device_reason(q)
+    if reason is not None:
+        return reason
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {q.dtype}"
     if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
@@ -78,6 +92,44 @@ def v2_unsupported_reason(
     return None
 
 
+def _device_reason(q: torch.Tensor) -> str | None:
+    """Why v2's kernels cannot run on ``q``'s device, or None (a Hopper GPU and Triton with Gluon)."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs a Hopper (sm_90) GPU"
+    if not _has_gluon():
+        return "needs Triton with Gluon"
+    return None
+
+
+def v2_training_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, *args, disable_recompute: bool = False,
+                                   **kwargs) -> str | None:
+    """Why ``flashkda.bwd.v2.chunk_kda_v2`` cannot train this validated ``chunk_kda`` call exactly, or None.
+
+    Arguments as `v2_unsupported_reason` plus the keyword ``disable_recompute``. Beyond the forward's scope: raw
+    ``g`` and ``beta`` in bf16 or fp32, at least one token, and no ``disable_recompute`` (the request to keep v1's
+    per-chunk states; v2 keeps its own checkpoints, so the call stays on v1, which honours it). ``safe_gate``
+    changes no result once ``lower_bound`` is in v2's range, ``state_v_first`` is a transpose, and
+    ``A_log``/``dt_bias`` of any float dtype get their gradients through a cast.
+    """
+    reason = v2_unsupported_reason(q, k, v, g, beta, *args, **kwargs)
+    if reason is not None:
+        return reason
+    for name, x in (("g", g), ("beta", beta)):
+        if x.dtype not in TRAINING_GATE_DTYPES:
+            return f"training needs {name} in bf16 or fp32, got {x.dtype}"
+    if q.shape[0] * q.shape[1] == 0:
+        return "training needs at least one token"
+    if disable_recompute:
+        return "disable_recompute asks for v1's kept per-chunk states"
+    return None
+
+
+def kernels_choice() -> str:
+    """``FLASHKDA_KERNELS``: ``"auto"`` (unset), ``"v1"`` or ``"v2"`` (ValueError naming the variable otherwise)."""
+    return env_choice(KERNELS_ENV, "auto", ("auto", "v1", "v2"))
+
+
 def _check_cu_seqlens_cpu(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None) -> None:
     if cu_seqlens_cpu is None:
         return
@@ -94,8 +146,21 @@ def supports_v2(*args, **kwargs) -> bool:
 
 def prefers_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> bool:
     """True when an inference call (arguments as `v2_unsupported_reason`) should run v2 rather than the v1 kernels:
-    v2 serves it and it has at least `MIN_VALUE_HEADS` value heads."""
-    return v.dim() == 4 and v.shape[2] >= MIN_VALUE_HEADS and supports_v2(q, k, v, *args, **kwargs)
+    v2 serves it and it has at least `MIN_VALUE_HEADS` value heads (any number with ``FLASHKDA_KERNELS=v2``, never
+    with ``v1``)."""
+    choice = kernels_choice()
+    if choice == "v1" or v.dim() != 4 or (choice == "auto" and v.shape[2] < MIN_VALUE_HEADS):
+        return False
+    return supports_v2(q, k, v, *args, **kwargs)
+
+
+def prefers_v2_training(*args, **kwargs) -> bool:
+    """True when a training call (inputs requiring grad; arguments as `v2_training_unsupported_reason`) should run
+    ``flashkda.bwd.v2.chunk_kda_v2`` at `TRAINING_CHUNK`-token chunks rather than the v1 autograd path: whenever v2
+    trains it exactly (faster than v1 on every measured shape), unless ``FLASHKDA_KERNELS=v1``."""
+    if kernels_choice() == "v1":
+        return False
+    return v2_training_unsupported_reason(*args, **kwargs) is None
 
 
 def chunk_kda_fwd_v2(
