@@ -1,6 +1,5 @@
 """Eager against fused element-wise ops of the K3 model: RMSNorm, SiTU-GLU, the AttnRes mix and the KDA
-short convolution (`fused_conv`), forward and
-forward + backward.
+short convolution (`fused_conv`), forward and forward + backward.
 
 Usage (one H200):  python -m benchmarks.train.elementwise
 CPU dry run:       python -m benchmarks.train.elementwise --dry-run   (tiny shapes, Triton's interpreter, no file)

@@ -187,7 +187,7 @@ def _orthogonalised_steps(fulls: list[torch.Tensor], group: dict, lr: float,
             by_shape.setdefault(tuple(b.shape[1:]), []).append((i, j))
     done = [[None] * len(param_blocks) for param_blocks in blocks]
     for shape, members in by_shape.items():
-        stacked = torch.cat([blocks[i][j] for i, j in members]) if len(members) > 1 else blocks[members[0][0]][members[0][1]]
+        stacked = torch.cat([blocks[i][j] for i, j in members])
         ortho = zeropower_batched(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
         scale = _adjust_lr(lr, group["adjust_lr_fn"], shape)
         for (i, j), piece in zip(members, ortho.split([blocks[i][j].shape[0] for i, j in members])):
