@@ -83,15 +83,16 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
 
 
 def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, grads, parts, scale, lower_bound,
-                  block_v, num_warps, chunk_warps, pipelining):
+                  block_v, warps, max_registers, pipelining):
     """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch."""
     dq, dk, dv, dg, dbeta = grads
     part_alog, part_dt = parts
     state_kernel, chunk_kernel = _split_kernels()
+    caps = [{} if r is None else {"maxnreg": r} for r in max_registers]
     NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
     C = int(ws.inv.shape[-1])
     NV = K // block_v
-    # every (V block, chunk, head) row is written by B3a: the segments cover every chunk
+    # B3a writes every live chunk's rows (the segments cover them); B3b reads no row of an unused (varlen) chunk
     part_ck = torch.empty(NV, NT, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
     part_cc = torch.empty(NV, NT, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
     part_k = torch.empty(NV, NT, HV, K, dtype=torch.float32, device=g.device)  # dglast
@@ -100,7 +101,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, grad
     state_kernel[(seg.shape[0] * NV, HV)](
         v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
         dv, part_ck, part_cc, part_k, part_c, NT,
-        HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=num_warps, **pipelining,
+        HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=warps[0], **pipelining, **caps[0],
     )
     chunk_kernel[(NT, HV)](
         q, k, g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
@@ -108,7 +109,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, grad
         part_ck, part_cc, part_k, part_c, dq, dk, dg, dbeta, part_alog, part_dt,
         float(scale), float(lower_bound), NT,
         HQ=q.shape[2], HV=HV, C=C, K=K, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-        num_warps=chunk_warps,
+        num_warps=warps[1], **caps[1],
     )
 
 
@@ -116,7 +117,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
                     dt_bias: torch.Tensor | None = None, *, split: bool = True, block_v: int = 64,
-                    num_warps: int = 8, num_stages: int | None = None, chunk_warps: int = 4) -> KDAGrads:
+                    num_warps: int = 8, num_stages: int | None = None, chunk_warps: int = 8,
+                    max_registers: tuple[int | None, int | None] = (None, None)) -> KDAGrads:
     """B3: the gradients of the raw inputs, chunk-parallel over checkpoint segments (the state part) and over chunks
     (K1 backwards, ``split``).
 
@@ -135,6 +137,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         num_warps: warps per program of the fused kernel or of B3a (4, 8 or 16).
         num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
         chunk_warps: warps per program of B3b (4 or 8; split only).
+        max_registers: per-thread register caps of B3a and B3b (None: ptxas' choice; split only; ignored by the
+            interpreter), e.g. 128 for two 8-warp programs per SM.
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -151,6 +155,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
     if chunk_warps not in (4, 8):
         raise ValueError(f"chunk_warps must be 4 or 8, got {chunk_warps!r}")
+    if not isinstance(max_registers, tuple) or len(max_registers) != 2 \
+            or any(r is not None and r not in range(64, 256, 8) for r in max_registers):
+        raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
     if num_stages is not None and num_stages not in (1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
     B, T, HV, K = g.shape
@@ -173,7 +180,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     pipelining = {} if num_stages is None else {"num_stages": num_stages}
     if split and n_seg and total:
         _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, (dq, dk, dv, dg, dbeta),
-                      (part_alog, part_dt), scale, lower_bound, block_v, num_warps, chunk_warps, pipelining)
+                      (part_alog, part_dt), scale, lower_bound, block_v, (num_warps, chunk_warps), max_registers,
+                      pipelining)
     elif n_seg and total:
         dummy = ws.beta
         _kernel()[(n_seg, HV)](
