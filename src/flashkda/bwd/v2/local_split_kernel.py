@@ -57,21 +57,24 @@ def kda_bwd_v2_local_state_kernel(
         o_cc = o_c[:, None] * C + o_c[None, :]  # [C, C]
         o_ck = o_c[:, None] * K + o_k[None, :]  # [C, K]
 
-        b_kd = _op(tl.load(kd + p_hk, mask=m_ck, other=0.0))  # [C, K]
-        b_kr = _op(tl.load(kr + p_hk, mask=m_ck, other=0.0))
-        b_inv = _op(tl.load(inv + i_ch * C * C + o_cc))  # [C, C], rows past the chunk's end zero
-        b_mqk = _op(tl.load(mqk + i_ch * C * C + o_cc))
-        b_gl = tl.load(glast + i_ch * K + o_k)  # [K] fp32, 2^Glast
+        # -- ordered so that few tiles are live at once: the old state's last use first, then the new state
+        b_dS = _op(tl.load(ds + i_ch * K * V + o_kv))  # [K, BV]
+        tl.store(part_k + i_p * K + o_k, tl.sum(b_S * b_dS.to(tl.float32), 1))  # dglast
+        b_S0 = _bf(b_S)
         b_b = tl.load(bsig + o_t * HV + i_h, mask=m_c, other=0.0)  # [C] fp32 sigmoid(beta)
         b_v = tl.load(v + p_hv, mask=m_ck, other=0.0).to(tl.float32)  # [C, BV]
-        b_do = _op(tl.load(do + p_hv, mask=m_ck, other=0.0))  # [C, BV]
-        b_dS = _op(tl.load(ds + i_ch * K * V + o_kv))  # [K, BV]
-        b_S0 = _bf(b_S)
-
-        # -- K2's step again: W, U; then their gradients, the V contractions as this block's partials
-        b_vu = b_v - _dot(b_kd, b_S0)  # [C, BV]
+        b_kd = _op(tl.load(kd + p_hk, mask=m_ck, other=0.0))  # [C, K]
+        b_vu = b_v - _dot(b_kd, b_S0)  # [C, BV]: K2's step again
         b_W = _bf(b_vu * b_b[:, None])
+        b_inv = _op(tl.load(inv + i_ch * C * C + o_cc))  # [C, C], rows past the chunk's end zero
         b_U = _bf(_dot(b_inv, b_W))  # [C, BV]
+        b_kr = _op(tl.load(kr + p_hk, mask=m_ck, other=0.0))
+        b_gl = tl.load(glast + i_ch * K + o_k)  # [K] fp32, 2^Glast
+        b_S = b_S * b_gl[:, None] + _dot(tl.trans(b_kr), b_U)  # the state entering the next chunk
+
+        # -- the gradients of W, U; the V contractions as this block's partials
+        b_mqk = _op(tl.load(mqk + i_ch * C * C + o_cc))
+        b_do = _op(tl.load(do + p_hv, mask=m_ck, other=0.0))  # [C, BV]
         b_dU = _bf(_dot(tl.trans(b_mqk), b_do) + _dot(b_kr, b_dS))
         b_dW = _dot(tl.trans(b_inv), b_dU)  # [C, BV] fp32
         tl.store(dv + p_hv, cast_for_store(b_dW * b_b[:, None], dv.dtype.element_ty), mask=m_ck)
@@ -79,11 +82,9 @@ def kda_bwd_v2_local_state_kernel(
         b_du = _bf(-b_b[:, None] * b_dW)
         tl.store(part_cc + i_p * 2 * C * C + o_cc, _dot(b_dU, tl.trans(b_W)))
         tl.store(part_cc + i_p * 2 * C * C + C * C + o_cc, _dot(b_do, tl.trans(b_U)))
-        tl.store(part_ck + i_p * 3 * C * K + o_ck, _dot(b_du, tl.trans(b_S0)))  # dkd
-        tl.store(part_ck + i_p * 3 * C * K + C * K + o_ck, _dot(b_do, tl.trans(b_S0)))  # dqd
         tl.store(part_ck + i_p * 3 * C * K + 2 * C * K + o_ck, _dot(b_U, tl.trans(b_dS)))  # dkr
-        tl.store(part_k + i_p * K + o_k, tl.sum(b_S * b_dS.to(tl.float32), 1))  # dglast
-        b_S = b_S * b_gl[:, None] + _dot(tl.trans(b_kr), b_U)  # the state entering the next chunk
+        tl.store(part_ck + i_p * 3 * C * K + C * K + o_ck, _dot(b_do, tl.trans(b_S0)))  # dqd
+        tl.store(part_ck + i_p * 3 * C * K + o_ck, _dot(b_du, tl.trans(b_S0)))  # dkd
 
 
 @triton.jit
