@@ -58,8 +58,8 @@ def kda_bwd_v2_local_state_kernel(
         o_ck = o_c[:, None] * K + o_k[None, :]  # [C, K]
 
         # -- ordered so that few tiles are live at once: the old state's last use first, then the new state
-        b_dS = _op(tl.load(ds + i_ch * K * V + o_kv))  # [K, BV]
-        tl.store(part_k + i_p * K + o_k, tl.sum(b_S * b_dS.to(tl.float32), 1))  # dglast
+        b_dSf = tl.load(ds + i_ch * K * V + o_kv).to(tl.float32)  # [K, BV]
+        tl.store(part_k + i_p * K + o_k, tl.sum(b_S * b_dSf, 1))  # dglast
         b_S0 = _bf(b_S)
         b_b = tl.load(bsig + o_t * HV + i_h, mask=m_c, other=0.0)  # [C] fp32 sigmoid(beta)
         b_v = tl.load(v + p_hv, mask=m_ck, other=0.0).to(tl.float32)  # [C, BV]
@@ -75,6 +75,7 @@ def kda_bwd_v2_local_state_kernel(
         # -- the gradients of W, U; the V contractions as this block's partials
         b_mqk = _op(tl.load(mqk + i_ch * C * C + o_cc))
         b_do = _op(tl.load(do + p_hv, mask=m_ck, other=0.0))  # [C, BV]
+        b_dS = _op(tl.load(ds + i_ch * K * V + o_kv))  # [K, BV], again as a product operand
         b_dU = _bf(_dot(tl.trans(b_mqk), b_do) + _dot(b_kr, b_dS))
         b_dW = _dot(tl.trans(b_inv), b_dU)  # [C, BV] fp32
         tl.store(dv + p_hv, cast_for_store(b_dW * b_b[:, None], dv.dtype.element_ty), mask=m_ck)
