@@ -47,7 +47,7 @@ TYPES = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", do="*bf16", A_log="*fp3
              kd="*bf16", qd="*bf16", kr="*bf16", inv="*bf16", mqk="*bf16", glast="*fp32", bsig="*fp32",
              ckpt="*bf16", ds="*bf16", chunk_index="*i32", segments="*i32", dv="*bf16", dg="*bf16", dbeta="*bf16",
              part_alog="*fp32", part_dt="*fp32", part_ck="*fp32", part_cc="*fp32", part_k="*fp32", part_c="*fp32",
-             scale="fp32", lower_bound="fp32", NT="i32")
+             scale="fp32", lower_bound="fp32", NT="i32", NTS="i32", bounds="*i32", grp="i32", segment0="i32")
 
 
 def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1):

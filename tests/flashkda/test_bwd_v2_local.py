@@ -66,8 +66,10 @@ CASES = {  # (inputs, every, lower_bound, chunk)
     "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
     "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 70], a_log=False, dt=False), 2, -5.0, 32),
 }
-#: B3's forms: split (B3a + B3b) with 64- or 128-column V blocks, and the fused kernel.
-FORMS = {"split": dict(split=True), "split_bv128": dict(block_v=128), "fused": dict(split=False)}
+#: B3's forms: split (B3a + B3b) with 64- or 128-column V blocks, split over groups of segments (a 0.25 MiB
+#: scratch: one or two segments per group here), and the fused kernel.
+FORMS = {"split": dict(split=True), "split_bv128": dict(block_v=128), "split_grouped": dict(scratch_mb=0.25),
+         "fused": dict(split=False)}
 
 
 @pytest.mark.parametrize("form", list(FORMS), ids=str)
@@ -156,11 +158,13 @@ def test_bad_arguments():
         local_grads_bwd(*args, 2, max_registers=(128,))
     with pytest.raises(ValueError, match="max_registers"):
         local_grads_bwd(*args, 2, max_registers=(None, 300))
+    with pytest.raises(ValueError, match="scratch_mb"):
+        local_grads_bwd(*args, 2, scratch_mb=0)
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 
 
-@pytest.mark.parametrize("form", ["split", "fused"], ids=str)
+@pytest.mark.parametrize("form", ["split", "split_grouped", "fused"], ids=str)
 def test_rows_past_the_last_sequence_are_not_read(form):
     """Varlen with tokens after the last sequence: NaN there (inputs and workspace rows, and the workspace's unused
     chunks) reaches no gradient, and those rows' gradients stay zero."""

@@ -82,9 +82,15 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
                          f"got {tuple(ds.shape)}")
 
 
-def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, grads, parts, scale, lower_bound,
-                  block_v, warps, max_registers, pipelining):
-    """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch."""
+#: fp32 scratch floats per (V block, chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T, dglast, db.
+def _scratch_floats(C: int, K: int) -> int:
+    return 3 * C * K + 2 * C * C + K + C
+
+
+def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
+                  block_v, warps, max_registers, pipelining, scratch_mb):
+    """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch; by
+    groups of segments whose scratch fits in ``scratch_mb`` MiB (at least one segment)."""
     dq, dk, dv, dg, dbeta = grads
     part_alog, part_dt = parts
     state_kernel, chunk_kernel = _split_kernels()
@@ -92,25 +98,32 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, grad
     NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
     C = int(ws.inv.shape[-1])
     NV = K // block_v
-    # B3a writes every live chunk's rows (the segments cover them); B3b reads no row of an unused (varlen) chunk
-    part_ck = torch.empty(NV, NT, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
-    part_cc = torch.empty(NV, NT, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
-    part_k = torch.empty(NV, NT, HV, K, dtype=torch.float32, device=g.device)  # dglast
-    part_c = torch.empty(NV, NT, HV, C, dtype=torch.float32, device=g.device)  # db
+    n_seg = seg.shape[0]
+    per_seg = NV * every * HV * _scratch_floats(C, K) * 4
+    group = max(1, min(n_seg, int(scratch_mb * 2**20) // per_seg))  # segments per launch pair
+    NTS = group * every  # scratch chunk rows
+    # the segments cover the used chunks in order: a group's chunks are [first of its first, first of the next)
+    cum = torch.cat([seg.new_zeros(1), seg[:, 1].cumsum(0).to(torch.int32)])
+    bounds = cum[[*range(0, n_seg, group), n_seg]].contiguous()  # [groups + 1] int32
+    part_ck = torch.empty(NV, NTS, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
+    part_cc = torch.empty(NV, NTS, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
+    part_k = torch.empty(NV, NTS, HV, K, dtype=torch.float32, device=g.device)  # dglast
+    part_c = torch.empty(NV, NTS, HV, C, dtype=torch.float32, device=g.device)  # db
     dummy = ws.beta
-    state_kernel[(seg.shape[0] * NV, HV)](
-        v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
-        dv, part_ck, part_cc, part_k, part_c, NT,
-        HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=warps[0], **pipelining, **caps[0],
-    )
-    chunk_kernel[(NT, HV)](
-        q, k, g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-        ws.kd, ws.qd, ws.kr, ws.inv, ws.glast, ws.beta, ws.layout.chunk_index,
-        part_ck, part_cc, part_k, part_c, dq, dk, dg, dbeta, part_alog, part_dt,
-        float(scale), float(lower_bound), NT,
-        HQ=q.shape[2], HV=HV, C=C, K=K, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-        num_warps=warps[1], **caps[1],
-    )
+    for grp, s0 in enumerate(range(0, n_seg, group)):
+        state_kernel[(min(group, n_seg - s0) * NV, HV)](
+            v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
+            dv, part_ck, part_cc, part_k, part_c, bounds, grp, s0, NTS,
+            HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=warps[0], **pipelining, **caps[0],
+        )
+        chunk_kernel[(min(group, n_seg - s0) * every, HV)](
+            q, k, g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            ws.kd, ws.qd, ws.kr, ws.inv, ws.glast, ws.beta, ws.layout.chunk_index,
+            part_ck, part_cc, part_k, part_c, dq, dk, dg, dbeta, part_alog, part_dt,
+            bounds, grp, float(scale), float(lower_bound), NT, NTS,
+            HQ=q.shape[2], HV=HV, C=C, K=K, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
+            num_warps=warps[1], **caps[1],
+        )
 
 
 def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -118,7 +131,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
                     dt_bias: torch.Tensor | None = None, *, split: bool = True, block_v: int = 64,
                     num_warps: int = 8, num_stages: int | None = None, chunk_warps: int = 8,
-                    max_registers: tuple[int | None, int | None] = (None, None)) -> KDAGrads:
+                    max_registers: tuple[int | None, int | None] = (None, None),
+                    scratch_mb: float = 512.0) -> KDAGrads:
     """B3: the gradients of the raw inputs, chunk-parallel over checkpoint segments (the state part) and over chunks
     (K1 backwards, ``split``).
 
@@ -131,14 +145,16 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
-        split: B3a + B3b through an fp32 scratch of ``128 / block_v * NT * HV * (3 C 128 + 2 C^2 + 128 + C)``
-            floats (True), or the fused kernel (False).
+        split: B3a + B3b through an fp32 scratch of ``128 / block_v * (3 C 128 + 2 C^2 + 128 + C)`` floats per
+            chunk and value head (True), or the fused kernel (False).
         block_v: value columns per B3a program (64 or 128; split only): its state is ``[128, block_v]``.
         num_warps: warps per program of the fused kernel or of B3a (4, 8 or 16).
         num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
         chunk_warps: warps per program of B3b (4 or 8; split only).
         max_registers: per-thread register caps of B3a and B3b (None: ptxas' choice; split only; ignored by the
             interpreter), e.g. 128 for two 8-warp programs per SM.
+        scratch_mb: the split's scratch bound, MiB: B3a + B3b run over groups of checkpoint segments that fit
+            (at least one segment per group).
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -158,6 +174,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if not isinstance(max_registers, tuple) or len(max_registers) != 2 \
             or any(r is not None and r not in range(64, 256, 8) for r in max_registers):
         raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
+    if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
+        raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
     if num_stages is not None and num_stages not in (1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
     B, T, HV, K = g.shape
@@ -179,9 +197,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     part_dt = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
     pipelining = {} if num_stages is None else {"num_stages": num_stages}
     if split and n_seg and total:
-        _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, (dq, dk, dv, dg, dbeta),
+        _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
                       (part_alog, part_dt), scale, lower_bound, block_v, (num_warps, chunk_warps), max_registers,
-                      pipelining)
+                      pipelining, scratch_mb)
     elif n_seg and total:
         dummy = ws.beta
         _kernel()[(n_seg, HV)](

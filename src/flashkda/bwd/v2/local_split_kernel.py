@@ -6,7 +6,9 @@ roundings of the fused kernel (`local_grad_kernel`) and of ``emulate._local_grad
 writes ``dv`` and the chunk's fp32 partials over its value columns of every contraction over V that K1 backwards
 needs: ``X = dU W^T`` and ``dMf = do U^T`` ``[C, C]``, ``dkd = du S^T``, ``dqd = do S^T``, ``dkr = U dS^T``
 ``[C, K]``, ``dglast = rowsum(S * dS)`` ``[K]`` and ``db = rowsum(dW * vu)`` ``[C]``, to scratch indexed
-``[NV, NT, HV, ...]`` (``NV = V / BV``).
+``[NV, NTS, HV, ...]`` (``NV = V / BV``). The launcher runs the pair over groups of segments, so that the
+scratch holds ``NTS`` chunks (a group's) at a time: ``bounds[grp]`` is the group's first chunk, ``segment0`` its
+first segment.
 
 **B3b** (`kda_bwd_v2_local_chunk_kernel`), chunk-parallel: one program per (chunk, value head). It sums the ``NV``
 partials in fp32 (then rounds ``X`` to bf16 where the fused kernel does, so the bf16 rounding points are the
@@ -24,15 +26,15 @@ from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _dot, _gate_scalars, 
 from flashkda.rounding import cast_for_store
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grp", "segment0"])
 def kda_bwd_v2_local_state_kernel(
     v, do, kd, kr, inv, mqk, glast, bsig,
     ckpt, ds, chunk_index, segments,
-    dv, part_ck, part_cc, part_k, part_c, NT,
+    dv, part_ck, part_cc, part_k, part_c, bounds, grp, segment0, NTS,
     HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
 ):
     NV: tl.constexpr = V // BV
-    i_s = tl.program_id(0) // NV
+    i_s = segment0 + tl.program_id(0) // NV
     i_v = tl.program_id(0) % NV
     i_h = tl.program_id(1)
     o_c = tl.arange(0, C)
@@ -40,6 +42,7 @@ def kda_bwd_v2_local_state_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     first = tl.load(segments + i_s * 2)
     n_chunks = tl.load(segments + i_s * 2 + 1)
+    c0 = tl.load(bounds + grp)  # the group's first chunk: scratch row 0
 
     o_kv = o_k[:, None] * V + o_v[None, :]  # [K, BV]
     b_S = tl.load(ckpt + (i_s.to(tl.int64) * HV + i_h) * K * V + o_kv).to(tl.float32)  # [K, BV] entering
@@ -51,7 +54,7 @@ def kda_bwd_v2_local_state_kernel(
         o_t = (row0 + o_c).to(tl.int64)  # [C] token rows
         m_ck = m_c[:, None]
         i_ch = i_c.to(tl.int64) * HV + i_h  # (chunk, head) row of the workspace and ds
-        i_p = (i_v * NT + i_c).to(tl.int64) * HV + i_h  # (V block, chunk, head) row of the partials
+        i_p = (i_v * NTS + i_c - c0).to(tl.int64) * HV + i_h  # (V block, chunk, head) row of the partials
         p_hk = (o_t[:, None] * HV + i_h) * K + o_k[None, :]  # [C, K] token-major at the value head
         p_hv = (o_t[:, None] * HV + i_h) * V + o_v[None, :]  # [C, BV]
         o_cc = o_c[:, None] * C + o_c[None, :]  # [C, C]
@@ -88,17 +91,20 @@ def kda_bwd_v2_local_state_kernel(
         tl.store(part_ck + i_p * 3 * C * K + o_ck, _dot(b_du, tl.trans(b_S0)))  # dkd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grp"])
 def kda_bwd_v2_local_chunk_kernel(
     q, k, g, A_log, dt_bias,
     kd, qd, kr, inv, glast, bsig, chunk_index,
     part_ck, part_cc, part_k, part_c,
     dq, dk, dg, dbeta, part_alog, part_dt,
-    scale, lower_bound, NT,
+    bounds, grp, scale, lower_bound, NT, NTS,
     HQ: tl.constexpr, HV: tl.constexpr, C: tl.constexpr, K: tl.constexpr, NV: tl.constexpr,
     HAS_ALOG: tl.constexpr, HAS_DT: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
+    c0 = tl.load(bounds + grp)  # the group's chunks [c0, c1)
+    i_j = tl.program_id(0)  # the chunk's scratch row
+    in_group = i_j < tl.load(bounds + grp + 1) - c0
+    i_c = tl.minimum(c0 + i_j, NT - 1)
     i_h = tl.program_id(1)
     i_hq = i_h // (HV // HQ)
     o_c = tl.arange(0, C)
@@ -108,8 +114,8 @@ def kda_bwd_v2_local_chunk_kernel(
     a, a2, b_dt = _gate_scalars(A_log, dt_bias, i_h, K, HAS_ALOG, HAS_DT)
 
     row0 = tl.load(chunk_index + i_c * 3 + 1)
-    n_valid = tl.load(chunk_index + i_c * 3 + 2)
-    live = n_valid > 0  # varlen bounds the chunk count: chunks past the last sequence's have no partials
+    n_valid = tl.where(in_group, tl.load(chunk_index + i_c * 3 + 2), 0)
+    live = n_valid > 0  # a chunk of the group (every chunk in a group is used)
     m_c = o_c < n_valid  # [C]
     o_t = (row0 + o_c).to(tl.int64)  # [C] token rows
     m_ck = m_c[:, None]
@@ -132,7 +138,7 @@ def kda_bwd_v2_local_chunk_kernel(
     b_dglast = tl.zeros([K], dtype=tl.float32)
     b_db = tl.zeros([C], dtype=tl.float32)
     for i_v in tl.static_range(NV):
-        i_p = (i_v * NT + i_c).to(tl.int64) * HV + i_h
+        i_p = (i_v * NTS + i_j).to(tl.int64) * HV + i_h
         b_X += tl.load(part_cc + i_p * 2 * C * C + o_cc, mask=l_cc, other=0.0)
         b_dMf += tl.load(part_cc + i_p * 2 * C * C + C * C + o_cc, mask=l_cc, other=0.0)
         b_dkd += tl.load(part_ck + i_p * 3 * C * K + o_ck, mask=l_ck, other=0.0)
@@ -157,5 +163,5 @@ def kda_bwd_v2_local_chunk_kernel(
     tl.store(dk + p_hk, cast_for_store(b_dk, dk.dtype.element_ty), mask=m_ck)
     tl.store(dg + p_hk, cast_for_store(b_dgate, dg.dtype.element_ty), mask=m_ck)
     tl.store(dbeta + o_t * HV + i_h, cast_for_store(b_db * b_b * (1.0 - b_b), dbeta.dtype.element_ty), mask=m_c)
-    tl.store(part_alog + i_ch * K + o_k, alog_part)
-    tl.store(part_dt + i_ch * K + o_k, dt_part)
+    tl.store(part_alog + i_ch * K + o_k, alog_part, mask=l_k)
+    tl.store(part_dt + i_ch * K + o_k, dt_part, mask=l_k)
