@@ -11,9 +11,9 @@ what was measured and exits when a kernel hangs past it):
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
    input): the gradients of ours-v2 (chunk 16 and 32) and of ``flashkda.chunk_kda`` against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
-   K1, F2, B2, and B3 in its forms: ``B3 split`` (B3a + B3b, the default) against ``B3 fused`` (the one kernel,
-   also at 16 warps and unpipelined) and the split's launch variants; the backward is K1 + B2 + B3), and the peak
-   extra memory of each fwd+bwd step.
+   K1, F2, B2, and B3 in the forms of ``--b3-forms``: ``B3 split`` (B3a + B3b, the default) against ``B3 fused``
+   (the one kernel) and the split's launch variants, with ``B3 fused / split`` per chunk size; the backward is
+   K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
 
 Results: ``benchmarks/results/kda-v2-train-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
