@@ -66,12 +66,14 @@ B3_FORMS = {
     "split-b3b-4warps": dict(chunk_warps=4),
     "split-unpipelined": dict(num_stages=1),
     "split-one-group": dict(scratch_mb=1e6),
+    "split-scratch128": dict(scratch_mb=128),
     "fused": dict(split=False),
     "fused-16warps": dict(split=False, num_warps=16),
 }
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short;
-#: ``split-one-group``, the split's scratch unbounded, compiles nothing new).
-B3_DEFAULT = ("split", "split-one-group", "split-bv128", "split-b3a-regs128", "split-b3b-4warps", "fused")
+#: ``split-one-group`` and ``split-scratch128``, the split's scratch unbounded or 128 MiB, compile nothing new).
+B3_DEFAULT = ("split", "split-one-group", "split-scratch128", "split-bv128", "split-b3a-regs128", "split-b3b-4warps",
+              "fused")
 
 
 def v2_call(x: dict, kw: dict, chunk_size: int = 16, stages=None):
