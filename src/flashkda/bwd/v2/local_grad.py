@@ -82,8 +82,9 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
                          f"got {tuple(ds.shape)}")
 
 
-#: fp32 scratch floats per (V block, chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T, dglast, db.
 def _scratch_floats(C: int, K: int) -> int:
+    """fp32 scratch floats per (V block, chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T,
+    dglast, db."""
     return 3 * C * K + 2 * C * C + K + C
 
 
@@ -104,7 +105,8 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     NTS = group * every  # scratch chunk rows
     # the segments cover the used chunks in order: a group's chunks are [first of its first, first of the next)
     cum = torch.cat([seg.new_zeros(1), seg[:, 1].cumsum(0).to(torch.int32)])
-    bounds = cum[[*range(0, n_seg, group), n_seg]].contiguous()  # [groups + 1] int32
+    bounds = cum[::group] if n_seg % group == 0 else torch.cat([cum[::group], cum[-1:]])  # [groups + 1], device ops
+    bounds = bounds.contiguous()
     part_ck = torch.empty(NV, NTS, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
     part_cc = torch.empty(NV, NTS, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
     part_k = torch.empty(NV, NTS, HV, K, dtype=torch.float32, device=g.device)  # dglast
