@@ -64,6 +64,7 @@ B3_FORMS = {
     "split-b3a-regs128": dict(max_registers=(128, None)),
     "split-b3a-regs128-unpipelined": dict(max_registers=(128, None), num_stages=1),
     "split-b3a-16warps": dict(num_warps=16),
+    "split-b3b-regs128": dict(max_registers=(None, 128)),
     "split-b3b-4warps": dict(chunk_warps=4),
     "split-unpipelined": dict(num_stages=1),
     "split-one-group": dict(scratch_mb=1e6),
@@ -74,7 +75,7 @@ B3_FORMS = {
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short;
 #: ``split-one-group`` and ``split-scratch128``, the split's scratch unbounded or 128 MiB, compile nothing new).
 B3_DEFAULT = ("split", "split-one-group", "split-scratch128", "split-bv128", "split-b3a-regs128", "split-b3a-16warps",
-              "fused")
+              "split-b3b-regs128", "fused")
 
 
 def v2_call(x: dict, kw: dict, chunk_size: int = 16, stages=None):
