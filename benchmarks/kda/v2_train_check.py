@@ -12,8 +12,8 @@ what was measured and exits when a kernel hangs past it):
    input): the gradients of ours-v2 (chunk 16 and 32) and of ``flashkda.chunk_kda`` against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
    K1, F2, B2, and B3 in the forms of ``--b3-forms``: ``B3 split`` (B3a + B3b, the default) against ``B3 fused``
-   (the one kernel) and the split's launch variants, with ``B3 fused / split`` per chunk size; the backward is
-   K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
+   (the one kernel) and the split's launch variants, with ``B3 fused / split`` per chunk size and the split's B3a
+   and B3b apart (torch profiler); the backward is K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
 
 Results: ``benchmarks/results/kda-v2-train-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -108,6 +108,28 @@ def peak_mb(fn) -> float:
     return round((torch.cuda.max_memory_allocated() - base) / 1e6, 1)
 
 
+#: The split's kernels by name (the profiler's keys): B3a, B3b.
+SPLIT_KERNELS = {"B3a": "kda_bwd_v2_local_state_kernel", "B3b": "kda_bwd_v2_local_chunk_kernel"}
+
+
+def kernel_ms(fn, names: dict, rep: int = 5) -> dict:
+    """Mean device ms per call of ``fn`` spent in each kernel of ``names`` (label -> kernel name), from the torch
+    profiler over ``rep`` calls after one warm call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rep):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = next(a for a in ("self_device_time_total", "self_cuda_time_total") if events and hasattr(events[0], a))
+    return {label: round(sum(getattr(e, attr) for e in events if name in e.key) / 1e3 / rep, 4)
+            for label, name in names.items()}
+
+
 def stage_fns(x: dict, kw: dict, do, dht, chunk: int, b3_forms=B3_DEFAULT) -> dict:
     """v2's kernels one by one at ``chunk``-token chunks, on the same inputs (inference mode)."""
     from flashkda.bwd.v2.local_grad import local_grads_bwd
@@ -190,6 +212,13 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_form
             for stage, fn in (fns or {}).items():
                 t, _ = guarded(f"time {stage} c{chunk} {shape.name}", time_fn, fn, device=device, rep=rep)
                 extra[f"v2c{chunk} {stage} ms"] = None if t is None else round(t.median_ms, 4)
+            if fns and "B3 split" in fns:  # the split's two kernels apart (profiler, all groups summed)
+                parts, err = guarded(f"profile B3 split c{chunk} {shape.name}", kernel_ms, fns["B3 split"],
+                                     SPLIT_KERNELS)
+                for label, t in (parts or {}).items():
+                    extra[f"v2c{chunk} B3 split: {label} ms"] = t
+                if parts is None:
+                    extra[f"v2c{chunk} B3 split: kernels"] = f"failed: {err}"
     for name in ("v2c16", "v2c32", "v1"):
         if ms.get(name) and ms.get("fla"):
             extra[f"fla / {name}"] = round(ms["fla"] / ms[name], 3)
