@@ -22,6 +22,15 @@ MATCH_BAR = 1e-3
 KERNEL_BAR, DA_LOG_BAR = 8e-3, 3e-2  # as tests/flashkda/test_bwd_v2_emulate.py
 
 
+def case_inputs(kw, seed=7, device="cpu"):
+    """`make_case` of a CASES entry (its ``dt=False`` drops ``dt_bias``)."""
+    kw = dict(kw)
+    c = make_case(**{n: x for n, x in kw.items() if n != "dt"}, seed=seed, device=device)
+    if not kw.get("dt", True):
+        c["dt_bias"] = None
+    return c
+
+
 def inputs(c, lower_bound, every, chunk=16):
     B, T = c["q"].shape[:2]
     layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], c["q"].device)
@@ -34,13 +43,13 @@ def inputs(c, lower_bound, every, chunk=16):
     return layout, ws, ck, ck_padded, ds, dh0
 
 
-def run_both(c, lower_bound, every, chunk=16):
+def run_both(c, lower_bound, every, chunk=16, **form):
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
     ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
                            checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
-                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], **form)
     return got, ref
 
 
@@ -55,13 +64,19 @@ CASES = {  # (inputs, every, lower_bound, chunk)
     "every1": (dict(B=1, T=35, H=2), 1, -1.0, 16),
     "c32_fixed": (dict(B=1, T=80, H=1), 2, -5.0, 32),
     "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
+    "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 70], a_log=False, dt=False), 2, -5.0, 32),
 }
+#: B3's forms: split (B3a + B3b) with 64- or 128-column V blocks, split over groups of segments (a 0.25 MiB
+#: scratch: one or two segments per group here), and the fused kernel.
+FORMS = {"split": dict(split=True), "split_bv128": dict(block_v=128), "split_grouped": dict(scratch_mb=0.25),
+         "fused": dict(split=False)}
 
 
+@pytest.mark.parametrize("form", list(FORMS), ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation(case):
+def test_local_grads_match_emulation(case, form):
     kw, every, lb, chunk = CASES[case]
-    got, ref = run_both(make_case(**kw, seed=7), lb, every, chunk)
+    got, ref = run_both(case_inputs(kw), lb, every, chunk, **FORMS[form])
     errs = {}
     for n in NAMES:
         r, x = getattr(ref, n), getattr(got, n)
@@ -74,10 +89,27 @@ def test_local_grads_match_emulation(case):
     assert max(errs.values()) < MATCH_BAR, errs
 
 
-def test_local_grads_against_fp64_autograd():
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_split_matches_fused(case):
+    """The split's only difference from the fused kernel is the fp32 summation order over V (then a rare bf16
+    rounding it flips): far below the emulation bar; ``dv`` and ``dbeta`` (no partial sums) agree bit for bit."""
+    kw, every, lb, chunk = CASES[case]
+    c = case_inputs(kw, seed=3)
+    layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
+    fused = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], split=False)
+    split = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"])
+    for n in ("dv", "dbeta"):
+        assert torch.equal(getattr(split, n), getattr(fused, n)), n
+    errs = {n: rel_rms(getattr(split, n), getattr(fused, n)) for n in NAMES if getattr(fused, n) is not None}
+    assert max(errs.values()) < 1e-4, errs
+
+
+@pytest.mark.parametrize("form", ["split", "fused"], ids=str)
+def test_local_grads_against_fp64_autograd(form):
     """B3's gradients (B2's ``dh0`` aside) within the emulation's bars against autograd through the reference."""
     c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=11)
-    got, _ = run_both(c, -5.0, 2)
+    got, _ = run_both(c, -5.0, 2, **FORMS[form])
     ref = autograd_grads(c, -5.0)
     errs = {n: rel_rms(getattr(got, n), ref[n]) for n in NAMES}
     assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
@@ -118,42 +150,61 @@ def test_bad_arguments():
         local_grads_bwd(*args, 2, num_warps=3)
     with pytest.raises(ValueError, match="num_stages"):
         local_grads_bwd(*args, 2, num_stages=0)
+    with pytest.raises(ValueError, match="block_v"):
+        local_grads_bwd(*args, 2, block_v=32)
+    with pytest.raises(ValueError, match="chunk_warps"):
+        local_grads_bwd(*args, 2, chunk_warps=16)
+    with pytest.raises(ValueError, match="max_registers"):
+        local_grads_bwd(*args, 2, max_registers=(128,))
+    with pytest.raises(ValueError, match="max_registers"):
+        local_grads_bwd(*args, 2, max_registers=(None, 300))
+    with pytest.raises(ValueError, match="scratch_mb"):
+        local_grads_bwd(*args, 2, scratch_mb=0)
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 
 
-def test_rows_past_the_last_sequence_are_not_read():
-    """Varlen with tokens after the last sequence: NaN there (inputs and workspace rows) reaches no gradient, and
-    those rows' gradients stay zero."""
+@pytest.mark.parametrize("form", ["split", "split_grouped", "fused"], ids=str)
+def test_rows_past_the_last_sequence_are_not_read(form):
+    """Varlen with tokens after the last sequence: NaN there (inputs and workspace rows, and the workspace's unused
+    chunks) reaches no gradient, and those rows' gradients stay zero."""
     c = make_case(B=1, T=60, H=1, cu=[0, 21, 22, 45], seed=4)
     layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
     clean = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds, 2,
-                            A_log=c["A_log"], dt_bias=c["dt_bias"])
+                            A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
     bad = {n: c[n].clone() for n in ("q", "k", "v", "g", "beta", "do")}
     for x in bad.values():
         x[:, 45:] = float("nan")
     for x in (ws.kd, ws.qd, ws.kr, ws.beta):
         x[45:] = float("nan")
+    used = int(layout.seq_chunks[-1])
+    assert used < layout.num_chunks  # the varlen bound leaves unused chunks
+    for x in (ws.inv, ws.mqk, ws.glast, ds):
+        x[used:] = float("nan")
     got = local_grads_bwd(bad["q"], bad["k"], bad["v"], bad["g"], bad["beta"], K**-0.5, -5.0, bad["do"], ws, ck, ds, 2,
-                          A_log=c["A_log"], dt_bias=c["dt_bias"])
+                          A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
     for n in NAMES:
         assert torch.equal(getattr(got, n), getattr(clean, n)), n
     for n in ("dq", "dk", "dv", "dg", "dbeta"):
         assert getattr(got, n)[:, 45:].eq(0).all(), n
 
 
+#: Forms on the device (each compiles per case: few): the fused kernel, the split with 64- and 128-column V blocks.
+DEVICE_FORMS = {"fused": dict(split=False), "split": {}, "split_bv128": dict(block_v=128)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_warps", [8, 16])
+@pytest.mark.parametrize("form", list(DEVICE_FORMS), ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation_on_device(case, num_warps):
-    """The compiled kernel (bf16 tensor-core products) against the emulation on the device, same bar."""
+def test_local_grads_match_emulation_on_device(case, form):
+    """The compiled kernels (bf16 tensor-core products) against the emulation on the device, same bar."""
     kw, every, lb, chunk = CASES[case]
-    c = make_case(**kw, seed=7, device="cuda")
+    c = case_inputs(kw, device="cuda")
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lb, every, chunk)
     ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lb, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
                            checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck_padded,
-                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], num_warps=num_warps)
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], **DEVICE_FORMS[form])
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs

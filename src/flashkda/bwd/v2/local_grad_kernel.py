@@ -1,14 +1,16 @@
-"""B3 of the v2 backward as a Triton kernel: the chunk-local gradients, 16- or 32-token chunks, K = V = 128.
+"""B3 of the v2 backward as one Triton kernel (the fused form; `local_split_kernel` splits it in two): the
+chunk-local gradients, 16- or 32-token chunks, K = V = 128.
 
 One program per (checkpoint segment, value head). It loads the segment's checkpoint (the state entering its first
 chunk), walks the segment's chunks forward recomputing the state (K2's step) and per chunk turns the state entering
 it, the state gradient leaving it (B2's ``ds``), the workspace and ``v, do`` into ``dv, dbeta`` and the gradients
-of the raw ``q, k, g`` (K1 backwards), with the algebra and roundings of ``emulate._local_grads``: every product
-from bf16 operands with fp32 accumulation, its result rounded to bf16 where it is another product's operand, the
-chain ``(I + L)^-1`` gradient ``INV^T (dU W^T) INV^T`` with its second product in fp32 as the emulation; the gate
-gradient takes the bf16 factors that entered the products. At 32-token chunks K1's factors are rebuilt by
-16-token halves as ``fwd.v2.emulate32`` builds them (half B relative to ``r = G[15]``, the cross block through
-``k_A 2^(r - G_A)``), and the dependence on ``r`` adds its terms to token 15, as ``emulate._local_grads``.
+of the raw ``q, k, g`` (K1 backwards, `local_grad_ops._k1_grads`), with the algebra and roundings of
+``emulate._local_grads``: every product from bf16 operands with fp32 accumulation, its result rounded to bf16 where
+it is another product's operand, the chain ``(I + L)^-1`` gradient ``INV^T (dU W^T) INV^T`` with its second product
+in fp32 as the emulation; the gate gradient takes the bf16 factors that entered the products. At 32-token chunks
+K1's factors are rebuilt by 16-token halves as ``fwd.v2.emulate32`` builds them (half B relative to ``r = G[15]``,
+the cross block through ``k_A 2^(r - G_A)``), and the dependence on ``r`` adds its terms to token 15, as
+``emulate._local_grads``.
 
 Outputs per token: ``dq, dk`` at the value head (fp32 for GVA, summed over value heads after; else in q's dtype),
 ``dv, dg, dbeta`` in the inputs' dtypes, and per program fp32 partial sums over the segment's tokens of ``dx * x``
@@ -20,40 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashkda.rounding import INTERPRET, cast_for_store, round_bf16
-
-LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2)
-LN2 = tl.constexpr(0.6931471805599453)
-#: Tokens per half of a 32-token chunk (K1 builds its factors by halves there).
-HALF = tl.constexpr(16)
-
-
-@triton.jit
-def _bf(b_x):
-    """fp32 -> a bf16 product operand, rounded to nearest (held in fp32 on the interpreter, whose bf16 conversion
-    truncates and whose bf16 products are wrong)."""
-    return round_bf16(b_x, INTERPRET)
-
-
-@triton.jit
-def _op(b_x):
-    """A tile loaded from bf16 memory as a product operand (fp32 on the interpreter: bf16 values are exact there)."""
-    if INTERPRET:
-        b_y = b_x.to(tl.float32)
-    else:
-        b_y = b_x.to(tl.bfloat16)
-    return b_y
-
-
-@triton.jit
-def _dot(b_a, b_b):
-    """``a @ b`` of bf16 operands with fp32 accumulation (exact fp32 products of the fp32-held operands on the
-    interpreter)."""
-    if INTERPRET:
-        b_c = tl.dot(b_a, b_b, input_precision="ieee")
-    else:
-        b_c = tl.dot(b_a, b_b)
-    return b_c
+from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _dot, _gate_scalars, _k1_grads, _op
+from flashkda.rounding import cast_for_store
 
 
 @triton.jit
@@ -76,17 +46,7 @@ def kda_bwd_v2_local_kernel(
     causal = o_c[:, None] >= o_c[None, :]
     first = tl.load(segments + i_s * 2)
     n_chunks = tl.load(segments + i_s * 2 + 1)
-
-    if HAS_ALOG:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        a2 = tl.exp2(tl.load(A_log + i_h).to(tl.float32) * LOG2E)
-    else:
-        a = 1.0
-        a2 = 1.0
-    if HAS_DT:
-        b_dt = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)  # [K]
-    else:
-        b_dt = tl.zeros([K], dtype=tl.float32)
+    a, a2, b_dt = _gate_scalars(A_log, dt_bias, i_h, K, HAS_ALOG, HAS_DT)
 
     o_kv = o_k[:, None] * V + o_v[None, :]  # [K, V]
     b_S = tl.load(ckpt + (i_s.to(tl.int64) * HV + i_h) * K * V + o_kv).to(tl.float32)  # [K, V] entering
@@ -126,10 +86,7 @@ def kda_bwd_v2_local_kernel(
         b_dv = b_dW * b_b[:, None]
         b_db = tl.sum(b_dW * b_vu, 1)  # [C]
         b_du = _bf(-b_b[:, None] * b_dW)
-        b_X = _bf(_dot(b_dU, tl.trans(b_W)))  # [C, C]
-        b_Y = _dot(tl.trans(b_inv), b_X)
-        b_dL = -tl.dot(b_Y, tl.trans(b_inv.to(tl.float32)), input_precision="ieee")
-        b_dL = tl.where(strict, b_dL, 0.0)
+        b_dL = _chain_dl(_bf(_dot(b_dU, tl.trans(b_W))), b_inv, strict)  # [C, C]
         b_dMf = tl.where(causal, _dot(b_do, tl.trans(b_U)), 0.0)  # [C, C]
         b_dkr = _dot(b_U, tl.trans(b_dS))  # [C, K]
         b_dqd = _dot(b_do, tl.trans(b_S0))
@@ -137,85 +94,12 @@ def kda_bwd_v2_local_kernel(
         b_dglast = tl.sum(b_S * b_dS.to(tl.float32), 1)  # [K]
         b_S = b_S * b_gl[:, None] + _dot(tl.trans(b_kr), b_U)  # the state entering the next chunk
 
-        # -- K1 again from the raw inputs: L2 norms, bounded gate, in-chunk cumsum, the factors
-        b_q = tl.load(q + p_qk, mask=m_ck, other=0.0).to(tl.float32)  # [C, K]
-        b_k = tl.load(k + p_qk, mask=m_ck, other=0.0).to(tl.float32)
-        b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)  # [C]
-        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-        b_qn = b_q * b_rq[:, None]
-        b_kn = b_k * b_rk[:, None]
-        b_g = tl.load(g + p_hk, mask=m_ck, other=0.0).to(tl.float32) + b_dt[None, :]
-        b_x = b_g * a  # [C, K]
-        b_sig = 1.0 / (1.0 + tl.exp(-b_x))
-        b_gl2 = lower_bound * LOG2E / (1.0 + tl.exp2(-(b_g * a2) * LOG2E))
-        b_gl2 = tl.where(m_ck, b_gl2, 0.0)
-        b_G = tl.cumsum(b_gl2, 0)  # [C, K] log2 units
-        b_Glast = tl.sum(b_gl2, 0)  # [K]
-        b_e = tl.exp2(b_G)
-        b_er = tl.exp2(b_Glast[None, :] - b_G)
-        if C > HALF:  # K1's factors by 16-token halves: half B relative to r = G[15], the cross factor on half A
-            in_b = (o_c >= HALF)[:, None]  # [C, 1]
-            b_r = tl.sum(tl.where(o_c[:, None] == HALF - 1, b_G, 0.0), 0)  # [K]
-            b_ref = tl.where(in_b, b_r[None, :], 0.0)
-            b_eh = tl.exp2(b_G - b_ref)
-            b_eih = tl.exp2(b_ref - b_G)
-            b_ear = tl.where(in_b, 0.0, tl.exp2(b_r[None, :] - b_G))
-            b_kiar = _bf(b_kn * b_ear)
-        else:
-            b_eh = b_e
-            b_eih = tl.exp2(-b_G)
-        b_kdh = _bf(b_kn * b_eh)
-        b_kih = _bf(b_kn * b_eih)
-        b_qdh = _bf(b_qn * b_eh * scale)
-
-        # -- L = strict(diag(beta) kd ki^T) and Mqk backwards (by half blocks at C = 32: diagonal, cross)
-        b_dLf = b_dL * b_b[:, None]
-        if C > HALF:
-            same = (o_c[:, None] // HALF) == (o_c[None, :] // HALF)
-            off = (o_c[:, None] // HALF) > (o_c[None, :] // HALF)
-            b_P = tl.where(same, _dot(b_kdh, tl.trans(b_kih)), 0.0) + tl.where(off, _dot(b_kdh, tl.trans(b_kiar)), 0.0)
-            b_Ls = _bf(tl.where(same, b_dLf, 0.0))
-            b_Lo = _bf(tl.where(off, b_dLf, 0.0))
-            b_Ms = _bf(tl.where(same, b_dMf, 0.0))
-            b_Mo = _bf(tl.where(off, b_dMf, 0.0))
-            b_dkdh = _dot(b_Ls, b_kih) + _dot(b_Lo, b_kiar)  # [C, K]
-            b_dkih = _dot(tl.trans(b_Ls), b_kdh) + _dot(tl.trans(b_Ms), b_qdh)
-            b_dkiar = _dot(tl.trans(b_Lo), b_kdh) + _dot(tl.trans(b_Mo), b_qdh)
-            b_dqdh = _dot(b_Ms, b_kih) + _dot(b_Mo, b_kiar)
-        else:
-            b_P = _dot(b_kdh, tl.trans(b_kih))  # [C, C]
-            b_dLb = _bf(b_dLf)
-            b_dM = _bf(b_dMf)
-            b_dkdh = _dot(b_dLb, b_kih)  # [C, K]
-            b_dkih = _dot(tl.trans(b_dLb), b_kdh) + _dot(tl.trans(b_dM), b_qdh)
-            b_dqdh = _dot(b_dM, b_kih)
-        b_db += tl.sum(b_dL * b_P, 1)
-
-        # -- the gate: dG per token from the bf16 factors, reverse cumsum, the chunk-total term
-        b_kdf = b_kd.to(tl.float32)
-        b_qdf = b_qd.to(tl.float32)
-        b_krf = b_kr.to(tl.float32)
-        b_dGh = LN2 * (b_dkdh * b_kdh.to(tl.float32) + b_dqdh * b_qdh.to(tl.float32)
-                       - b_dkih * b_kih.to(tl.float32))
-        b_dG = b_dGh + LN2 * (b_dkd * b_kdf + b_dqd * b_qdf - b_dkr * b_krf)
-        if C > HALF:  # the cross factor's own term, and r = G[15] that half B's factors and the cross one depend on
-            b_dGar = LN2 * b_dkiar * b_kiar.to(tl.float32)
-            b_adj = tl.sum(b_dGar, 0) - tl.sum(tl.where(in_b, b_dGh, 0.0), 0)  # [K]
-            b_dG += tl.where(o_c[:, None] == HALF - 1, b_adj[None, :], 0.0) - b_dGar
-        b_dGlast = LN2 * (tl.sum(b_dkr * b_krf, 0) + b_dglast * b_gl)  # [K]
-        b_dgl = tl.cumsum(b_dG, 0, reverse=True) + b_dGlast[None, :]
-        b_dx = b_dgl * (lower_bound * LOG2E) * b_sig * (1.0 - b_sig)
-        b_dgate = b_dx * a
-        acc_alog += tl.sum(tl.where(m_ck, b_dx * b_x, 0.0), 0)
-        acc_dt += tl.sum(tl.where(m_ck, b_dgate, 0.0), 0)
-
-        # -- the normed q, k, then the L2 norms backwards
-        b_dkn = b_dkdh * b_eh + b_dkih * b_eih + b_dkd * b_e + b_dkr * b_er
-        if C > HALF:
-            b_dkn += b_dkiar * b_ear
-        b_dqn = (b_dqdh * b_eh + b_dqd * b_e) * scale
-        b_dq = (b_dqn - b_qn * tl.sum(b_dqn * b_qn, 1)[:, None]) * b_rq[:, None]
-        b_dk = (b_dkn - b_kn * tl.sum(b_dkn * b_kn, 1)[:, None]) * b_rk[:, None]
+        # -- K1 again from the raw inputs, backwards
+        b_dq, b_dk, b_dgate, b_db, alog_part, dt_part = _k1_grads(
+            q, k, g, p_qk, p_hk, m_ck, a, a2, b_dt, scale, lower_bound,
+            b_dL, b_dMf, b_dkd, b_dqd, b_dkr, b_dglast, b_db, b_kd, b_qd, b_kr, b_gl, b_b, C)
+        acc_alog += alog_part
+        acc_dt += dt_part
 
         tl.store(dq + p_hk, cast_for_store(b_dq, dq.dtype.element_ty), mask=m_ck)
         tl.store(dk + p_hk, cast_for_store(b_dk, dk.dtype.element_ty), mask=m_ck)
