@@ -14,7 +14,7 @@ import torch
 
 import flashkda
 import flashkda.chunk as chunk_mod
-from benchmarks.kda.v2_bwd_precision import K, make_case
+from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case
 from flashkda.bwd.v2.train import emulated_stages
 from flashkda.fwd.v2 import chunk_fwd
 from tests.flashkda.test_bwd_v2_train import check_against_fp64
@@ -178,8 +178,9 @@ GPU_CASES = {
     "fixed": dict(B=2, T=300, H=2, HV=4),
     "varlen": dict(B=1, T=420, H=2, cu=[0, 100, 137, 420]),
 }
-#: relative RMS of o and the final state, of every gradient but dA_log, and of dA_log (a sum over all tokens)
-OUT_TOL, GRAD_TOL, DA_LOG_TOL = 1e-2, 1.5e-2, 4e-2
+#: o and the final state against the other bf16 paths (relative RMS); each gradient against fp64 autograd: v2 at
+#: most `GRAD_SLACK` times the other path's error, or under `GRAD_FLOOR` (bf16 noise at these small shapes)
+OUT_TOL, GRAD_SLACK, GRAD_FLOOR = 1e-2, 1.25, 1e-2
 
 
 def _device_step(fn, c, **extra):
@@ -188,16 +189,24 @@ def _device_step(fn, c, **extra):
                state_v_first=True, safe_gate=True, cu_seqlens=c["cu"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                **K3_FLAGS, **extra)
     ((o.float() * c["do"].float()).sum() + (ht * c["dht"].transpose(-1, -2)).sum()).backward()
-    return dict(o=o, final_state=ht, **{f"d{n}": x[n].grad for n in x})
+    grads = {f"d{n}": x[n].grad for n in x}
+    grads["dh0"] = grads["dh0"].transpose(-1, -2)  # K-first, as the fp64 reference's
+    return dict(o=o, final_state=ht, **grads)
 
 
-def _assert_near(got, ref, label):
-    errs = {}
+def _rel(got, ref):
+    return float((got.detach().double() - ref.detach().double()).norm() / ref.detach().double().norm())
+
+
+def _assert_as_close(ours, other, ref, label):
+    """o and the final state within `OUT_TOL` of ``other``; every gradient at least about as close to the fp64
+    ``ref`` as ``other``'s."""
+    for n in ("o", "final_state"):
+        assert _rel(ours[n], other[n]) < OUT_TOL, (label, n, _rel(ours[n], other[n]))
     for n, r in ref.items():
-        assert got[n] is not None and got[n].shape == r.shape and torch.isfinite(got[n]).all(), (label, n)
-        errs[n] = float((got[n].detach().double() - r.detach().double()).norm() / r.detach().double().norm())
-    bars = {n: OUT_TOL if n in ("o", "final_state") else DA_LOG_TOL if n == "dA_log" else GRAD_TOL for n in errs}
-    assert all(e < bars[n] for n, e in errs.items()), (label, errs)
+        assert ours[n] is not None and ours[n].shape == r.shape and torch.isfinite(ours[n]).all(), (label, n)
+        mine, theirs = _rel(ours[n], r), _rel(other[n], r)
+        assert mine < max(GRAD_SLACK * theirs, GRAD_FLOOR), (label, n, mine, theirs)
 
 
 @pytest.mark.gpu
@@ -213,7 +222,8 @@ def test_device_chunk_kda_training_v2_against_fla_and_v1(monkeypatch, case):
     monkeypatch.setenv(chunk_fwd.KERNELS_ENV, "v1")
     v1 = _device_step(flashkda.chunk_kda, c)
     assert routed == [1], "FLASHKDA_KERNELS=v1 still ran v2"
-    _assert_near(ours, v1, "v2 vs v1")
+    ref = autograd_grads(c, K3_FLAGS["lower_bound"])
+    _assert_as_close(ours, v1, ref, "v2 vs v1")
     fla_chunk = pytest.importorskip("fla.ops.kda.chunk")
     fla = _device_step(inspect.unwrap(fla_chunk.chunk_kda), c)  # fla's own path, not dispatched to us
-    _assert_near(ours, fla, "v2 vs fla")
+    _assert_as_close(ours, fla, ref, "v2 vs fla")

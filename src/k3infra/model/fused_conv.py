@@ -3,8 +3,9 @@
 ``y[t] = s · σ(s)`` with ``s[t] = Σ_j w[:, W−1−j] · u[t−j]`` over the taps ``j < W`` that stay inside ``t``'s sequence
 (``j ≤ pos[t]``), the eager `kda.causal_depthwise_conv` followed by ``F.silu``. One kernel reads ``u`` once and
 writes ``y`` once, computing in fp32 (the eager chain rounds every tap's product to the activation dtype); backward
-recomputes ``s`` from ``u`` (nothing but ``u`` is saved) and writes ``du`` plus per-block fp32 partial sums of
-``dw``. `fused.MODE` decides where it runs (`fused.use_fused`).
+recomputes ``s`` from ``u`` (nothing but ``u`` is saved) into the fp32 gradient ``ds`` at ``s``, then gathers
+``du`` and per-block fp32 partial sums of ``dw`` from the taps' ``ds``. `fused.MODE` decides where it runs
+(`fused.use_fused`).
 
 Shape suffixes: N tokens (``B·T`` rows), D channels, W taps.
 """
@@ -50,31 +51,40 @@ def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, T, W: tl.constexpr
 
 
 @triton.jit
-def _conv_silu_bwd_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, du_ptr, dw_part_ptr, N, D, T, W: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, T, W: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W)
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(s)
+    tl.store(ds_ptr + offs, dy * sig * (1.0 + s * (1.0 - sig)), mask=mask)
+
+
+@triton.jit
+def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_ptr, N, D, T, W: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
-                     mask=(rows < N)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    mask = (rows < N)[:, None] & col_ok[None, :]
+    u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     du = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # token n feeds tap j of token n + j: du[n] = Σ_j w[W−1−j] · ds[n + j] (when n + j is still in n's sequence),
     # dw[W−1−j] = Σ_n u[n] · ds[n + j] over the same pairs
     for j in tl.static_range(W):
         out = rows + j
-        s = _pre_activation(u_ptr, w_ptr, pos_ptr, out, cols, N, D, T, W)
         pos = tl.load(pos_ptr + out % T, mask=out < N, other=0)
         ok = (out < N) & (pos >= j)
-        dy = tl.load(dy_ptr + out.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                     other=0.0).to(tl.float32)
-        sig = tl.sigmoid(s)
-        ds = dy * sig * (1.0 + s * (1.0 - sig))
+        ds = tl.load(ds_ptr + out.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                     other=0.0)
         w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
         du += ds * w[None, :]
         tl.store(dw_part_ptr + (pid_n * W + (W - 1 - j)) * D + cols, tl.sum(ds * u_here, axis=0), mask=col_ok)
-    tl.store(du_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], du.to(du_ptr.dtype.element_ty),
-             mask=(rows < N)[:, None] & col_ok[None, :])
+    tl.store(du_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
 class _ConvSiLUFunction(torch.autograd.Function):
@@ -94,11 +104,14 @@ class _ConvSiLUFunction(torch.autograd.Function):
         N, D = u_ND.shape
         W, T = weight_DW.shape[1], pos_T.shape[0]
         du = torch.empty_like(u_ND)
+        ds = torch.empty(N, D, dtype=torch.float32, device=u_ND.device)
         blocks = triton.cdiv(N, _BLOCK_N)
         dw_part = torch.empty(blocks, W, D, dtype=torch.float32, device=u_ND.device)
-        _conv_silu_bwd_kernel[(blocks, triton.cdiv(D, _BLOCK_D))](u_ND, weight_DW, pos_T, dy.contiguous(), du,
-                                                                  dw_part, N, D, T, W=W, BLOCK_N=_BLOCK_N,
-                                                                  BLOCK_D=_BLOCK_D)
+        grid = (blocks, triton.cdiv(D, _BLOCK_D))
+        _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy.contiguous(), ds, N, D, T, W=W, BLOCK_N=_BLOCK_N,
+                                        BLOCK_D=_BLOCK_D)
+        _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, T, W=W, BLOCK_N=_BLOCK_N,
+                                         BLOCK_D=_BLOCK_D)
         return du, dw_part.sum(0).t().to(weight_DW.dtype), None
 
 
