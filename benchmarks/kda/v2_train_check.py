@@ -12,9 +12,8 @@ what was measured and exits when a kernel hangs past it):
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
    input): the gradients of ours-v2 (chunk 16 and 32) and of v1 against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
-   K1, F2, B2, and B3 in the forms of ``--b3-forms``: ``B3 split`` (B3a + B3b, the default) against ``B3 fused``
-   (the one kernel) and the split's launch variants, with ``B3 fused / split`` per chunk size and the split's B3a
-   and B3b apart (torch profiler); the backward is K1 + B2 + B3), and the peak extra memory of each fwd+bwd step.
+   K1, F2, B2, and B3 in the launch forms of ``--b3-forms``; the backward is K1 + B2 + B3), and the peak extra
+   memory of each fwd+bwd step.
 
 Results: ``benchmarks/results/kda-v2-train-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -57,26 +56,14 @@ GRACE_S = 10.0
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 GRAD_TOL = 1e-2
 FLA = "fla 0.6.0 chunk_kda fwd+bwd"
-#: B3's forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: the split
-#: (default: B3a at 8 warps with 64-column V blocks, B3b at 8 warps) and its variants, against the fused kernel.
+#: B3's launch forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size.
 B3_FORMS = {
-    "split": {},
-    "split-bv128": dict(block_v=128),
-    "split-b3a-regs128": dict(max_registers=(128, None)),
-    "split-b3a-regs128-unpipelined": dict(max_registers=(128, None), num_stages=1),
-    "split-b3a-16warps": dict(num_warps=16),
-    "split-b3b-regs128": dict(max_registers=(None, 128)),
-    "split-b3b-4warps": dict(chunk_warps=4),
-    "split-unpipelined": dict(num_stages=1),
-    "split-one-group": dict(scratch_mb=1e6),
-    "split-scratch128": dict(scratch_mb=128),
-    "fused": dict(split=False),
-    "fused-16warps": dict(split=False, num_warps=16),
+    "fused": {},
+    "fused-16warps": dict(num_warps=16),
+    "fused-unpipelined": dict(num_stages=1),
 }
-#: The forms timed by default (each is compiled per chunk size and head count: keep the list short;
-#: ``split-one-group`` and ``split-scratch128``, the split's scratch unbounded or 128 MiB, compile nothing new).
-B3_DEFAULT = ("split", "split-one-group", "split-scratch128", "split-bv128", "split-b3a-regs128", "split-b3a-16warps",
-              "split-b3b-regs128", "fused")
+#: The forms timed by default (each is compiled per chunk size and head count: keep the list short).
+B3_DEFAULT = ("fused",)
 
 
 def v2_call(x: dict, kw: dict, chunk_size: int = 16, stages=None):
@@ -107,28 +94,6 @@ def peak_mb(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return round((torch.cuda.max_memory_allocated() - base) / 1e6, 1)
-
-
-#: The split's kernels by name (the profiler's keys): B3a, B3b.
-SPLIT_KERNELS = {"B3a": "kda_bwd_v2_local_state_kernel", "B3b": "kda_bwd_v2_local_chunk_kernel"}
-
-
-def kernel_ms(fn, names: dict, rep: int = 5) -> dict:
-    """Mean device ms per call of ``fn`` spent in each kernel of ``names`` (label -> kernel name), from the torch
-    profiler over ``rep`` calls after one warm call."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(rep):
-            fn()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    attr = next(a for a in ("self_device_time_total", "self_cuda_time_total") if events and hasattr(events[0], a))
-    return {label: round(sum(getattr(e, attr) for e in events if name in e.key) / 1e3 / rep, 4)
-            for label, name in names.items()}
 
 
 def stage_fns(x: dict, kw: dict, do, dht, chunk: int, b3_forms=B3_DEFAULT) -> dict:
@@ -213,20 +178,9 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_form
             for stage, fn in (fns or {}).items():
                 t, _ = guarded(f"time {stage} c{chunk} {shape.name}", time_fn, fn, device=device, rep=rep)
                 extra[f"v2c{chunk} {stage} ms"] = None if t is None else round(t.median_ms, 4)
-            if fns and "B3 split" in fns:  # the split's two kernels apart (profiler, all groups summed)
-                parts, err = guarded(f"profile B3 split c{chunk} {shape.name}", kernel_ms, fns["B3 split"],
-                                     SPLIT_KERNELS)
-                for label, t in (parts or {}).items():
-                    extra[f"v2c{chunk} B3 split: {label} ms"] = t
-                if parts is None:
-                    extra[f"v2c{chunk} B3 split: kernels"] = f"failed: {err}"
     for name in ("v2c16", "v2c32", "v1"):
         if ms.get(name) and ms.get("fla"):
             extra[f"fla / {name}"] = round(ms["fla"] / ms[name], 3)
-    for chunk in (16, 32):
-        split, fused = extra.get(f"v2c{chunk} B3 split ms"), extra.get(f"v2c{chunk} B3 fused ms")
-        if split and fused:
-            extra[f"v2c{chunk} B3 fused / split"] = round(fused / split, 3)
     log(f"[time] {shape.name}: {extra}")
     bad = [n for n in ("v2c16", "v2c32") if extra.get(f"{n} max rms vs fla", 1.0) > GRAD_TOL]
     note = ("ours = chunk_kda_v2 at chunk 16 (the entry's default; v2c32 in the extra columns); v1 = "

@@ -43,13 +43,13 @@ def inputs(c, lower_bound, every, chunk=16):
     return layout, ws, ck, ck_padded, ds, dh0
 
 
-def run_both(c, lower_bound, every, chunk=16, **form):
+def run_both(c, lower_bound, every, chunk=16):
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
     ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
                            checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
-                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], **form)
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
     return got, ref
 
 
@@ -66,17 +66,10 @@ CASES = {  # (inputs, every, lower_bound, chunk)
     "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
     "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 70], a_log=False, dt=False), 2, -5.0, 32),
 }
-#: B3's forms: split (B3a + B3b) with 64- or 128-column V blocks, split over groups of segments (a 0.25 MiB
-#: scratch: one or two segments per group here), and the fused kernel.
-FORMS = {"split": dict(split=True), "split_bv128": dict(block_v=128), "split_grouped": dict(scratch_mb=0.25),
-         "fused": dict(split=False)}
-
-
-@pytest.mark.parametrize("form", list(FORMS), ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation(case, form):
+def test_local_grads_match_emulation(case):
     kw, every, lb, chunk = CASES[case]
-    got, ref = run_both(case_inputs(kw), lb, every, chunk, **FORMS[form])
+    got, ref = run_both(case_inputs(kw), lb, every, chunk)
     errs = {}
     for n in NAMES:
         r, x = getattr(ref, n), getattr(got, n)
@@ -89,27 +82,10 @@ def test_local_grads_match_emulation(case, form):
     assert max(errs.values()) < MATCH_BAR, errs
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_split_matches_fused(case):
-    """The split's only difference from the fused kernel is the fp32 summation order over V (then a rare bf16
-    rounding it flips): far below the emulation bar; ``dv`` and ``dbeta`` (no partial sums) agree bit for bit."""
-    kw, every, lb, chunk = CASES[case]
-    c = case_inputs(kw, seed=3)
-    layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
-    fused = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], split=False)
-    split = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"])
-    for n in ("dv", "dbeta"):
-        assert torch.equal(getattr(split, n), getattr(fused, n)), n
-    errs = {n: rel_rms(getattr(split, n), getattr(fused, n)) for n in NAMES if getattr(fused, n) is not None}
-    assert max(errs.values()) < 1e-4, errs
-
-
-@pytest.mark.parametrize("form", ["split", "fused"], ids=str)
-def test_local_grads_against_fp64_autograd(form):
+def test_local_grads_against_fp64_autograd():
     """B3's gradients (B2's ``dh0`` aside) within the emulation's bars against autograd through the reference."""
     c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=11)
-    got, _ = run_both(c, -5.0, 2, **FORMS[form])
+    got, _ = run_both(c, -5.0, 2)
     ref = autograd_grads(c, -5.0)
     errs = {n: rel_rms(getattr(got, n), ref[n]) for n in NAMES}
     assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
@@ -150,28 +126,17 @@ def test_bad_arguments():
         local_grads_bwd(*args, 2, num_warps=3)
     with pytest.raises(ValueError, match="num_stages"):
         local_grads_bwd(*args, 2, num_stages=0)
-    with pytest.raises(ValueError, match="block_v"):
-        local_grads_bwd(*args, 2, block_v=32)
-    with pytest.raises(ValueError, match="chunk_warps"):
-        local_grads_bwd(*args, 2, chunk_warps=16)
-    with pytest.raises(ValueError, match="max_registers"):
-        local_grads_bwd(*args, 2, max_registers=(128,))
-    with pytest.raises(ValueError, match="max_registers"):
-        local_grads_bwd(*args, 2, max_registers=(None, 300))
-    with pytest.raises(ValueError, match="scratch_mb"):
-        local_grads_bwd(*args, 2, scratch_mb=0)
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 
 
-@pytest.mark.parametrize("form", ["split", "split_grouped", "fused"], ids=str)
-def test_rows_past_the_last_sequence_are_not_read(form):
+def test_rows_past_the_last_sequence_are_not_read():
     """Varlen with tokens after the last sequence: NaN there (inputs and workspace rows, and the workspace's unused
     chunks) reaches no gradient, and those rows' gradients stay zero."""
     c = make_case(B=1, T=60, H=1, cu=[0, 21, 22, 45], seed=4)
     layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
     clean = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds, 2,
-                            A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
+                            A_log=c["A_log"], dt_bias=c["dt_bias"])
     bad = {n: c[n].clone() for n in ("q", "k", "v", "g", "beta", "do")}
     for x in bad.values():
         x[:, 45:] = float("nan")
@@ -182,22 +147,17 @@ def test_rows_past_the_last_sequence_are_not_read(form):
     for x in (ws.inv, ws.mqk, ws.glast, ds):
         x[used:] = float("nan")
     got = local_grads_bwd(bad["q"], bad["k"], bad["v"], bad["g"], bad["beta"], K**-0.5, -5.0, bad["do"], ws, ck, ds, 2,
-                          A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
+                          A_log=c["A_log"], dt_bias=c["dt_bias"])
     for n in NAMES:
         assert torch.equal(getattr(got, n), getattr(clean, n)), n
     for n in ("dq", "dk", "dv", "dg", "dbeta"):
         assert getattr(got, n)[:, 45:].eq(0).all(), n
 
 
-#: Forms on the device (each compiles per case: few): the fused kernel, the split with 64- and 128-column V blocks.
-DEVICE_FORMS = {"fused": dict(split=False), "split": {}, "split_bv128": dict(block_v=128)}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", list(DEVICE_FORMS), ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation_on_device(case, form):
-    """The compiled kernels (bf16 tensor-core products) against the emulation on the device, same bar."""
+def test_local_grads_match_emulation_on_device(case):
+    """The compiled kernel (bf16 tensor-core products) against the emulation on the device, same bar."""
     kw, every, lb, chunk = CASES[case]
     c = case_inputs(kw, device="cuda")
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lb, every, chunk)
@@ -205,6 +165,6 @@ def test_local_grads_match_emulation_on_device(case, form):
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
                            checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck_padded,
-                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], **DEVICE_FORMS[form])
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs

@@ -1,10 +1,9 @@
 """B3 of the v2 backward: the chunk-local gradients, from the checkpoints, B2's state gradients and the workspace.
 
-Two forms: split (the default: B3a, the sequential state part, then B3b, chunk-parallel K1 backwards, through an
-fp32 scratch; `flashkda.bwd.v2.local_split_kernel`) and fused (one kernel, `flashkda.bwd.v2.local_grad_kernel`).
-The Triton kernels are imported on the first launch only; on a machine without a GPU they run under
-``TRITON_INTERPRET=1`` on CPU tensors. Its torch twin is the ``B1`` + ``B3`` stages of
-``emulate.emulate_backward`` (``_states`` and ``_local_grads``) plus the reductions after them.
+One Triton kernel (`flashkda.bwd.v2.local_grad_kernel`), one program per (checkpoint segment, value head), imported
+on the first launch only; on a machine without a GPU it runs under ``TRITON_INTERPRET=1`` on CPU tensors. Its torch
+twin is the ``B1`` + ``B3`` stages of ``emulate.emulate_backward`` (``_states`` and ``_local_grads``) plus the
+reductions after them.
 """
 
 from __future__ import annotations
@@ -28,13 +27,6 @@ def _kernel():
     from flashkda.bwd.v2 import local_grad_kernel
 
     return local_grad_kernel.kda_bwd_v2_local_kernel
-
-
-@functools.cache
-def _split_kernels():
-    from flashkda.bwd.v2 import local_split_kernel
-
-    return local_split_kernel.kda_bwd_v2_local_state_kernel, local_split_kernel.kda_bwd_v2_local_chunk_kernel
 
 
 def segment_table(layout: ChunkLayout, every: int) -> torch.Tensor:
@@ -82,61 +74,13 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
                          f"got {tuple(ds.shape)}")
 
 
-def _scratch_floats(C: int, K: int) -> int:
-    """fp32 scratch floats per (V block, chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T,
-    dglast, db."""
-    return 3 * C * K + 2 * C * C + K + C
-
-
-def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
-                  block_v, warps, max_registers, pipelining, scratch_mb):
-    """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch; by
-    groups of segments whose scratch fits in ``scratch_mb`` MiB (at least one segment)."""
-    dq, dk, dv, dg, dbeta = grads
-    part_alog, part_dt = parts
-    state_kernel, chunk_kernel = _split_kernels()
-    caps = [{} if r is None else {"maxnreg": r} for r in max_registers]
-    NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
-    C = int(ws.inv.shape[-1])
-    NV = K // block_v
-    n_seg = seg.shape[0]
-    per_seg = NV * every * HV * _scratch_floats(C, K) * 4
-    group = max(1, min(n_seg, int(scratch_mb * 2**20) // per_seg))  # segments per launch pair
-    NTS = group * every  # scratch chunk rows
-    # the segments cover the used chunks in order: a group's chunks are [first of its first, first of the next)
-    cum = torch.cat([seg.new_zeros(1), seg[:, 1].cumsum(0).to(torch.int32)])
-    bounds = cum[::group] if n_seg % group == 0 else torch.cat([cum[::group], cum[-1:]])  # [groups + 1], device ops
-    bounds = bounds.contiguous()
-    part_ck = torch.empty(NV, NTS, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
-    part_cc = torch.empty(NV, NTS, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
-    part_k = torch.empty(NV, NTS, HV, K, dtype=torch.float32, device=g.device)  # dglast
-    part_c = torch.empty(NV, NTS, HV, C, dtype=torch.float32, device=g.device)  # db
-    dummy = ws.beta
-    for grp, s0 in enumerate(range(0, n_seg, group)):
-        state_kernel[(min(group, n_seg - s0) * NV, HV)](
-            v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
-            dv, part_ck, part_cc, part_k, part_c, bounds, grp, s0, NTS,
-            HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=warps[0], **pipelining, **caps[0],
-        )
-        chunk_kernel[(min(group, n_seg - s0) * every, HV)](
-            q, k, g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-            ws.kd, ws.qd, ws.kr, ws.inv, ws.glast, ws.beta, ws.layout.chunk_index,
-            part_ck, part_cc, part_k, part_c, dq, dk, dg, dbeta, part_alog, part_dt,
-            bounds, grp, float(scale), float(lower_bound), NT, NTS,
-            HQ=q.shape[2], HV=HV, C=C, K=K, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-            num_warps=warps[1], **caps[1],
-        )
-
-
 def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None, *, split: bool = True, block_v: int = 64,
-                    num_warps: int = 8, num_stages: int | None = None, chunk_warps: int = 8,
-                    max_registers: tuple[int | None, int | None] = (None, None),
-                    scratch_mb: float = 512.0) -> KDAGrads:
-    """B3: the gradients of the raw inputs, chunk-parallel over checkpoint segments (the state part) and over chunks
-    (K1 backwards, ``split``).
+                    dt_bias: torch.Tensor | None = None, *, num_warps: int = 8,
+                    num_stages: int | None = None) -> KDAGrads:
+    """B3: the gradients of the raw inputs, one program per (checkpoint segment, value head), walking the segment's
+    chunks from its checkpoint (the state part, then K1 backwards per chunk).
 
     Args:
         q, k: ``[B, T, Hq, 128]``; v, g, do: ``[B, T, HV, 128]`` (``HV`` a multiple of ``Hq``); beta:
@@ -147,16 +91,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
-        split: B3a + B3b through an fp32 scratch of ``128 / block_v * (3 C 128 + 2 C^2 + 128 + C)`` floats per
-            chunk and value head (True), or the fused kernel (False).
-        block_v: value columns per B3a program (64 or 128; split only): its state is ``[128, block_v]``.
-        num_warps: warps per program of the fused kernel or of B3a (4, 8 or 16).
+        num_warps: warps per program (4, 8 or 16).
         num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
-        chunk_warps: warps per program of B3b (4 or 8; split only).
-        max_registers: per-thread register caps of B3a and B3b (None: ptxas' choice; split only; ignored by the
-            interpreter), e.g. 128 for two 8-warp programs per SM.
-        scratch_mb: the split's scratch bound, MiB: B3a + B3b run over groups of checkpoint segments that fit
-            (at least one segment per group).
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -169,15 +105,6 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
     if num_warps not in (4, 8, 16):
         raise ValueError(f"num_warps must be 4, 8 or 16, got {num_warps!r}")
-    if block_v not in (64, 128):
-        raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
-    if chunk_warps not in (4, 8):
-        raise ValueError(f"chunk_warps must be 4 or 8, got {chunk_warps!r}")
-    if not isinstance(max_registers, tuple) or len(max_registers) != 2 \
-            or any(r is not None and r not in range(64, 256, 8) for r in max_registers):
-        raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
-    if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
-        raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
     if num_stages is not None and num_stages not in (1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
     B, T, HV, K = g.shape
@@ -194,15 +121,10 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     seg = segment_table(ws.layout, every)
     n_seg = seg.shape[0]
     C = int(ws.inv.shape[-1])
-    n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
-    part_alog = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
-    part_dt = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
+    part_alog = torch.zeros(n_seg, HV, K, dtype=torch.float32, device=dev)  # the A_log / dt_bias partials
+    part_dt = torch.zeros(n_seg, HV, K, dtype=torch.float32, device=dev)
     pipelining = {} if num_stages is None else {"num_stages": num_stages}
-    if split and n_seg and total:
-        _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
-                      (part_alog, part_dt), scale, lower_bound, block_v, (num_warps, chunk_warps), max_registers,
-                      pipelining, scratch_mb)
-    elif n_seg and total:
+    if n_seg and total:
         dummy = ws.beta
         _kernel()[(n_seg, HV)](
             q, k, v, g, do, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,

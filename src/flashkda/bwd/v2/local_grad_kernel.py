@@ -1,5 +1,5 @@
-"""B3 of the v2 backward as one Triton kernel (the fused form; `local_split_kernel` splits it in two): the
-chunk-local gradients, 16- or 32-token chunks, K = V = 128.
+"""B3 of the v2 backward as one Triton kernel: the chunk-local gradients from the checkpoints and B2's state
+gradients, 16- or 32-token chunks, K = V = 128.
 
 One program per (checkpoint segment, value head). It loads the segment's checkpoint (the state entering its first
 chunk), walks the segment's chunks forward recomputing the state (K2's step) and per chunk turns the state entering

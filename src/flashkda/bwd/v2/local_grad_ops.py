@@ -1,8 +1,8 @@
-"""The pieces B3's Triton kernels share (`local_grad_kernel`, the fused one; `local_split_kernel`, B3a and B3b):
-bf16 operand rounding that means the same on the GPU and in the interpreter, the ``(I + L)^-1`` chain's gradient,
-and K1 backwards for one chunk (rebuild K1's factors from the raw ``q, k, g``, then the ``L``/``Mqk`` products, the
-gate with its reverse cumsum and the L2 norms backwards), with the algebra and roundings of
-``emulate._local_grads``.
+"""The Triton helpers of B3's kernel (`local_grad_kernel`): bf16 operand rounding that means the same on the GPU
+and in the interpreter, the ``(I + L)^-1`` chain's gradient, and K1 backwards for one chunk (rebuild K1's factors
+from the raw ``q, k, g``, then the ``L``/``Mqk`` products, the gate with its reverse cumsum and the L2 norms
+backwards), with the algebra and roundings of ``emulate._local_grads``. Apart from the kernel's module to keep both
+short; `benchmarks/kda/v2_compile_local.py` loads the two by path.
 """
 
 from __future__ import annotations
