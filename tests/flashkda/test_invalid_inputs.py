@@ -138,11 +138,12 @@ def test_a_lower_bound_that_is_not_negative_is_named(lower_bound):
 
 
 def test_no_environment_switch_but_the_user_facing_ones():
-    """Only ``FLASHKDA_DISABLE`` (and the dispatch policy's switches) are read: the A/B switches whose defaults won
-    are gone with their losing paths (docs/flashkda-performance.md)."""
+    """Only the user-facing switches are read (``FLASHKDA_DISABLE``, the dispatch policy's, and ``FLASHKDA_KERNELS``,
+    the kernel generation, documented in docs/flashkda.md): the A/B switches whose defaults won are gone with their
+    losing paths (docs/flashkda-performance.md)."""
     import re
     from pathlib import Path
 
     package = Path(flashkda.__file__).parent
     names = {n for path in package.rglob("*.py") for n in re.findall(r"FLASHKDA_[A-Z_]+", path.read_text())}
-    assert names <= {"FLASHKDA_DISABLE", "FLASHKDA_DISPATCH", "FLASHKDA_CALIBRATION"}, sorted(names)
+    assert names <= {"FLASHKDA_DISABLE", "FLASHKDA_DISPATCH", "FLASHKDA_CALIBRATION", "FLASHKDA_KERNELS"}, sorted(names)
