@@ -22,21 +22,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-from pathlib import Path
 
-from benchmarks.harness import Row, machine_info, rms_ratio, time_fn, write_results
+from benchmarks.harness import Row, rms_ratio, time_fn
 from benchmarks.kda.calibrate import VARLEN_EVEN, Shape, _fixed, _varlen, make_inputs
 from benchmarks.kda.v2_check import (
     FLAGS,
     Impls,
     fla_style,
+    gpu_tests_row,
     guarded,
     k1_call,
     log,
     pick_rows,
-    run_pytest,
     start_device_run,
+    write_dry_run_results,
     write_rows,
 )
 
@@ -184,9 +183,7 @@ def dry_run(rows) -> int:
             return 1
         out.append(Row(f"{shape.name} c{chunk}", FLA, None, None, params=dict(chunk=chunk, every=every),
                        note="dry run: emulation only"))
-    with tempfile.TemporaryDirectory() as d:
-        path = write_results(COMPONENT, out, results_dir=Path(d), info={**machine_info(), "device": "cpu"})
-        log(f"[dry-run] results file written: {path.name} ({path.stat().st_size} B)")
+    write_dry_run_results(COMPONENT, out)
     return 0
 
 
@@ -215,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.skip_pytest:
-        rc, tail = run_pytest(max(10.0, min(80.0, budget.left() - 50)), [TEST_FILE])
-        log(f"[pytest] rc={rc}\n{tail}")
-        results.append(Row(f"pytest -m gpu {TEST_FILE}", "pytest", None, None, extra={"rc": str(rc)},
-                           note="correctness only"))
+        results.append(gpu_tests_row(max(10.0, min(80.0, budget.left() - 50)), [TEST_FILE]))
     for shape, chunk in rows:
         if budget.left() < 12:
             log(f"[time] budget: {shape.name} not run ({budget.left():.0f} s left)")

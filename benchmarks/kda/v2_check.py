@@ -512,6 +512,21 @@ def run_pytest(timeout: float, files: list[str] | None = None) -> tuple[int | st
         return "timeout", f"pytest did not finish in {timeout:.0f} s"
     return res.returncode, (res.stdout + res.stderr)[-4000:]
 
+
+def gpu_tests_row(timeout: float, files: list[str] | None = None, case: str | None = None) -> Row:
+    """`run_pytest`, its outcome logged, as a correctness-only results row named ``case`` (default: the command)."""
+    rc, tail = run_pytest(timeout, files)
+    log(f"[pytest] rc={rc}\n{tail}")
+    return Row(case or f"pytest -m gpu {' '.join(files or [])}", "pytest", None, None, extra={"rc": str(rc)},
+               note="correctness only")
+
+
+def write_dry_run_results(component: str, rows: list[Row]) -> None:
+    """A dry run's results file, written to a temporary folder and logged (its format checked, nothing kept)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = write_results(component, rows, results_dir=Path(d), info={**machine_info(), "device": "cpu"})
+        log(f"[dry-run] results file written: {path.name} ({path.stat().st_size} B)")
+
 # --------------------------------------------------------------------------------------------------------------- main
 
 
@@ -587,10 +602,7 @@ def dry_run(rows: list[Shape]) -> int:
                for p in ("emulate", "emulate c32")):
         log("[dry-run] emulation fails the fp64 bar")
         return 1
-    with tempfile.TemporaryDirectory() as d:
-        row = Row("dry-run", "fp64 reference", None, None, extra=err, note="correctness only")
-        path = write_results(COMPONENT, [row], results_dir=Path(d), info={**machine_info(), "device": "cpu"})
-        log(f"[dry-run] results file written: {path.name} ({path.stat().st_size} B)")
+    write_dry_run_results(COMPONENT, [Row("dry-run", "fp64 reference", None, None, extra=err, note="correctness only")])
     assert torch.isfinite(out[0].float()).all()
     return 0
 
@@ -632,10 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"[impls] missing: {impls.missing or 'none'}")
 
     if not args.skip_pytest and budget.left() > 120:
-        rc, tail = run_pytest(min(150.0, budget.left() - 90))
-        log(f"[pytest] rc={rc}\n{tail}")
-        results.append(Row("pytest -m gpu test_fwd_v2*", "pytest", None, None, extra={"rc": str(rc)},
-                           note="correctness only"))
+        results.append(gpu_tests_row(min(150.0, budget.left() - 90), case="pytest -m gpu test_fwd_v2*"))
     if not args.skip_fp64:
         fp64_rows, _ = guarded("fp64", check_fp64, impls, device, budget)
         results += fp64_rows or []

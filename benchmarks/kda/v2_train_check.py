@@ -28,23 +28,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 if "--dry-run" in sys.argv:  # B3 (Triton) runs in the interpreter on a CPU: set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.harness import Row, machine_info, rms_ratio, time_fn, write_results  # noqa: E402
+from benchmarks.harness import Row, rms_ratio, time_fn  # noqa: E402
 from benchmarks.kda.calibrate import VARLEN_EVEN, Shape, _fixed, _varlen, make_inputs  # noqa: E402
 from benchmarks.kda.v2_check import (  # noqa: E402
     FLAGS,
     Impls,
     fla_style,
+    gpu_tests_row,
     guarded,
     log,
     pick_rows,
-    run_pytest,
     start_device_run,
+    write_dry_run_results,
     write_rows,
 )
 
@@ -223,9 +222,7 @@ def dry_run(rows) -> int:
             f"{ {n: f'{e:.1e}' for n, e in errs.items()} } ok={ok}")
         if not ok:
             return 1
-    with tempfile.TemporaryDirectory() as d:
-        path = write_results(COMPONENT, out, results_dir=Path(d), info={**machine_info(), "device": "cpu"})
-        log(f"[dry-run] results file written: {path.name} ({path.stat().st_size} B)")
+    write_dry_run_results(COMPONENT, out)
     return 0
 
 
@@ -256,10 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.skip_pytest:
-        rc, tail = run_pytest(max(10.0, min(150.0, budget.left() - 300)), TEST_FILES)
-        log(f"[pytest] rc={rc}\n{tail}")
-        results.append(Row(f"pytest -m gpu {' '.join(TEST_FILES)}", "pytest", None, None, extra={"rc": str(rc)},
-                           note="correctness only"))
+        results.append(gpu_tests_row(max(10.0, min(150.0, budget.left() - 300)), TEST_FILES))
     impls = Impls()
     if impls.missing:
         log(f"[import] missing: {impls.missing}")
