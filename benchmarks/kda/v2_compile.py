@@ -10,6 +10,7 @@ here; the recurrence kernel (K2) and the chunk-32 kernels by ``v2_compile_recurr
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import re
@@ -113,6 +114,18 @@ def report(name: str, kernel, sass: bool, ops) -> str:
     return line + (f" sass={sass_counts(kernel, ops)}" if sass else "")
 
 
+def compile_and_report(name: str, build, sass: bool, ops):
+    """``build()`` one configuration and print its `report` line, or its failure (every configuration is reported,
+    a failing one does not stop the rest): the kernel, or None when it failed to compile."""
+    try:
+        kernel = build()
+    except Exception as exc:
+        print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
+        return None
+    print(report(name, kernel, sass, ops))
+    return kernel
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
@@ -123,13 +136,10 @@ def main(argv=None) -> int:
     failed = 0
     for a_log, bias, group in [(True, True, 1), (False, False, 1), (True, True, 2)]:
         name = f"prepare A_log={a_log} dt_bias={bias} GVA group={group}"
-        try:
-            k = compile_prepare(a_log, bias, group)
-        except Exception as exc:  # report every configuration
+        k = compile_and_report(name, functools.partial(compile_prepare, a_log, bias, group), args.sass, PREPARE_OPS)
+        if k is None:
             failed += 1
-            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
             continue
-        print(report(name, k, args.sass, PREPARE_OPS))
         if args.dump:
             dump_asm(k, args.dump, "prepare")
             args.dump = None

@@ -58,13 +58,10 @@ def main(argv=None) -> int:
               REC.RECURRENCE_OPS, lambda c=c, st=st, e=e: compile_recurrence32(c, 64, st, every=e))
              for c in args.chunk for st in args.stages for e in (0, 4)]
     for name, ops, make in jobs:
-        try:
-            k = make()
-        except Exception as exc:  # report every configuration
+        k = REC.COMPILE.compile_and_report(name, make, args.sass, ops)
+        if k is None:
             failed += 1
-            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
             continue
-        print(REC.COMPILE.report(name, k, args.sass, ops))
         if args.dump:
             REC.COMPILE.dump_asm(k, args.dump, name.split()[0])
     return 1 if failed else 0

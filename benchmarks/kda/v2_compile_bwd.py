@@ -9,6 +9,7 @@ Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -46,13 +47,11 @@ def main(argv=None) -> int:
     for c in args.chunk:
         for st in args.stages:
             name = f"state_grad (B2) C={c} BV=64 warps=4 stages={st}"
-            try:
-                k = compile_state_grad(c, st)
-            except Exception as exc:  # report every configuration
+            k = REC.COMPILE.compile_and_report(name, functools.partial(compile_state_grad, c, st), args.sass,
+                                               REC.RECURRENCE_OPS)
+            if k is None:
                 failed += 1
-                print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
                 continue
-            print(REC.COMPILE.report(name, k, args.sass, REC.RECURRENCE_OPS))
             if args.dump:
                 REC.COMPILE.dump_asm(k, args.dump, f"state_grad_c{c}_s{st}")
     return 1 if failed else 0

@@ -65,13 +65,7 @@ def main(argv=None) -> int:
             for chunk in args.chunk for nw in args.warps]
     failed = 0
     for name, build in jobs:
-        try:
-            k = build()
-        except Exception as exc:  # report every configuration
-            failed += 1
-            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
-            continue
-        print(COMPILE.report(name, k, args.sass, LOCAL_OPS))
+        failed += COMPILE.compile_and_report(name, build, args.sass, LOCAL_OPS) is None
     return 1 if failed else 0
 
 

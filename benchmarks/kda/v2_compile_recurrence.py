@@ -8,6 +8,7 @@ The kernel file is loaded by path, so ``flashkda`` (and torch) are not imported.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -74,13 +75,11 @@ def main(argv=None) -> int:
     failed = 0
     for bv, st, every in [(bv, st, e) for bv in args.bv for st in args.stages for e in args.every]:
         name = f"recurrence BV={bv} warps={bv // 16} stages={st}" + (f" checkpoints every={every}" if every else "")
-        try:
-            k = compile_recurrence(bv, st, every=every)
-        except Exception as exc:  # report every configuration
+        k = COMPILE.compile_and_report(name, functools.partial(compile_recurrence, bv, st, every=every), args.sass,
+                                       RECURRENCE_OPS)
+        if k is None:
             failed += 1
-            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:4000]}")
             continue
-        print(COMPILE.report(name, k, args.sass, RECURRENCE_OPS))
         if args.dump:
             COMPILE.dump_asm(k, args.dump, f"recurrence_bv{bv}_s{st}_e{every}")
             args.dump = None
