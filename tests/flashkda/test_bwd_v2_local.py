@@ -159,12 +159,6 @@ def test_rows_past_the_last_sequence_are_not_read():
 def test_local_grads_match_emulation_on_device(case):
     """The compiled kernel (bf16 tensor-core products) against the emulation on the device, same bar."""
     kw, every, lb, chunk = CASES[case]
-    c = case_inputs(kw, device="cuda")
-    layout, ws, ck, ck_padded, ds, _ = inputs(c, lb, every, chunk)
-    ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lb, c["do"],
-                           A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
-                           checkpoints=ck, every=every, chunk=chunk)
-    got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck_padded,
-                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
+    got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk)
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs
