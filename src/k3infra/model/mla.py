@@ -138,11 +138,12 @@ def uses_varlen_flash(q_BHTE: torch.Tensor) -> bool:
 
 @functools.cache
 def _varlen_attn():
+    """``(varlen_attn, whether it takes window_size and scale)``, or None on a torch without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, "window_size" in inspect.signature(varlen_attn).parameters
 
 
 def packed_causal_flash(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -166,9 +167,8 @@ def packed_causal_flash(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torc
     v_THE = F.pad(v_BHSV[0].transpose(0, 1), (0, E - V))
     cu = cu_seqlens.to(device=q_BHTE.device, dtype=torch.int32)
     longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=1)
-    attn = _varlen_attn()
-    params = inspect.signature(attn).parameters
-    if "window_size" in params:  # torch >= 2.10
+    attn, takes_window = _varlen_attn()
+    if takes_window:  # torch >= 2.10
         o_THE = attn(q_THE, k_THE, v_THE, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
     else:  # torch 2.9: causal flag, default scale only
         o_THE = attn(q_THE * (scale * E**0.5), k_THE, v_THE, cu, cu, longest, longest, is_causal=True)
