@@ -8,9 +8,11 @@ from tests.train.dist_worker import spawn_run
 
 MiB = 1 << 20
 
-EP_TOL = 1e-3
-"""nats per step over 3 steps (measured gap 2.5e-4): summation order differs (FSDP reduce-scatter, MoonEP combine)
-and Muon's bf16 Newton–Schulz turns 1e-7 gradient differences into ulp flips."""
+EP_TOL = 5e-4
+"""nats per step over 3 steps at lr 5e-3 (measured gap <= 5e-5): summation order differs (FSDP reduce-scatter,
+MoonEP combine, and CPU backward kernels are not bitwise reproducible across runs with 2 threads) and Muon's bf16
+Newton–Schulz turns 1e-7 gradient differences into ulp flips of its update. At lr 2e-2 those flips grow ~50x per
+step, and the third-step loss of one process alone varies by 1e-3 from run to run."""
 
 
 def _kwargs(tmp_path, cache, name, **kw):
@@ -30,7 +32,7 @@ def test_k3_debug_four_ranks_ep4_match_one_process(tmp_path, train_cache):
     # The norm is computed (FSDP2 shards over all ranks, experts over the EP group) but never reached, so the curve
     # compares the parallel step itself: with clipping active, one global scale couples every parameter and the
     # ulp-level differences above grow past EP_TOL within three steps although the first norms agree to 1e-7.
-    kw = dict(steps=3, max_grad_norm=1e4)
+    kw = dict(steps=3, max_grad_norm=1e4, lr=5e-3)
     result = train(TrainConfig(**_kwargs(tmp_path, train_cache, "one", **kw)))
     history = spawn_run(4, _kwargs(tmp_path, train_cache, "four", ep=4, **kw), tmp_path / "4.json", factory_name="k3")
     four = [h["loss"] for h in history]
