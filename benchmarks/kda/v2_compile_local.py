@@ -26,11 +26,15 @@ import v2_compile as COMPILE  # noqa: E402  (loaded as a file, like this script)
 LOCAL_OPS = ("LDG", "STG", "LDS", "STS", "HMMA", "HGMMA", "BAR", "SHFL", "MUFU", "LDL", "STL")
 
 
-def _kernel():
+def _kernel(feature_major: bool = False):
     sys.modules["flashkda.rounding"] = COMPILE.load_by_path("flashkda.rounding", SRC / "rounding.py")
     ops = "flashkda.bwd.v2.local_grad_ops"
     sys.modules[ops] = COMPILE.load_by_path(ops, SRC / "bwd" / "v2" / "local_grad_ops.py")
-    return COMPILE.load_by_path("flashkda_v2_local_grad_kernel", SRC / "bwd" / "v2" / "local_grad_kernel.py")
+    if feature_major:
+        return COMPILE.load_by_path("flashkda_v2_local_grad_fm_kernel",
+                                    SRC / "bwd" / "v2" / "local_grad_fm_kernel.py").kda_bwd_v2_local_fm_kernel
+    return COMPILE.load_by_path("flashkda_v2_local_grad_kernel",
+                                SRC / "bwd" / "v2" / "local_grad_kernel.py").kda_bwd_v2_local_kernel
 
 
 #: The kernel's argument types (bf16 inputs and workspace, fp32 partials).
@@ -41,9 +45,9 @@ TYPES = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", do="*bf16", A_log="*fp3
 
 
 def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
-                  num_stages: int | None = None):
-    """B3's kernel at H64 (``group`` value heads per q/k head)."""
-    fn = _kernel().kda_bwd_v2_local_kernel
+                  num_stages: int | None = None, feature_major: bool = False):
+    """B3's kernel at H64 (``group`` value heads per q/k head), token-major or `feature_major`."""
+    fn = _kernel(feature_major)
     acc = "*bf16" if group == 1 else "*fp32"  # dq, dk: straight in q's dtype, or fp32 summed over value heads
     cx = dict(HQ=64 // group, HV=64, C=chunk, K=128, V=128, HAS_ALOG=has_a_log, HAS_DT=has_dt_bias)
     sig, attrs = COMPILE.signature(fn, dict(TYPES, dq=acc, dk=acc))
@@ -58,11 +62,14 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--stages", type=int, default=None, help="num_stages (default: Triton's)")
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
+    ap.add_argument("--forms", nargs="+", default=["token-major", "feature-major"],
+                    choices=["token-major", "feature-major"], help="kernel layouts to compile")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target {COMPILE.TARGET}")
-    jobs = [(f"local_grad (B3) C={chunk} stages={args.stages}",
-             lambda c=chunk, w=nw: compile_local(w, c, num_stages=args.stages))
-            for chunk in args.chunk for nw in args.warps]
+    jobs = [(f"local_grad (B3) {form} C={chunk} stages={args.stages}",
+             lambda c=chunk, w=nw, fm=form == "feature-major": compile_local(w, c, num_stages=args.stages,
+                                                                            feature_major=fm))
+            for form in args.forms for chunk in args.chunk for nw in args.warps]
     failed = 0
     for name, build in jobs:
         failed += COMPILE.compile_and_report(name, build, args.sass, LOCAL_OPS) is None

@@ -43,13 +43,13 @@ def inputs(c, lower_bound, every, chunk=16):
     return layout, ws, ck, ck_padded, ds, dh0
 
 
-def run_both(c, lower_bound, every, chunk=16):
+def run_both(c, lower_bound, every, chunk=16, feature_major=False):
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
     ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
                            checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
-                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"])
+                          ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"], feature_major=feature_major)
     return got, ref
 
 
@@ -66,10 +66,13 @@ CASES = {  # (inputs, every, lower_bound, chunk)
     "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
     "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 70], a_log=False, dt=False), 2, -5.0, 32),
 }
+
+
+@pytest.mark.parametrize("feature_major", [False, True], ids=["token-major", "feature-major"])
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation(case):
+def test_local_grads_match_emulation(case, feature_major):
     kw, every, lb, chunk = CASES[case]
-    got, ref = run_both(case_inputs(kw), lb, every, chunk)
+    got, ref = run_both(case_inputs(kw), lb, every, chunk, feature_major)
     errs = {}
     for n in NAMES:
         r, x = getattr(ref, n), getattr(got, n)
@@ -82,10 +85,11 @@ def test_local_grads_match_emulation(case):
     assert max(errs.values()) < MATCH_BAR, errs
 
 
-def test_local_grads_against_fp64_autograd():
+@pytest.mark.parametrize("feature_major", [False, True], ids=["token-major", "feature-major"])
+def test_local_grads_against_fp64_autograd(feature_major):
     """B3's gradients (B2's ``dh0`` aside) within the emulation's bars against autograd through the reference."""
     c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=11)
-    got, _ = run_both(c, -5.0, 2)
+    got, _ = run_both(c, -5.0, 2, feature_major=feature_major)
     ref = autograd_grads(c, -5.0)
     errs = {n: rel_rms(getattr(got, n), ref[n]) for n in NAMES}
     assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
@@ -130,13 +134,14 @@ def test_bad_arguments():
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 
 
-def test_rows_past_the_last_sequence_are_not_read():
+@pytest.mark.parametrize("feature_major", [False, True], ids=["token-major", "feature-major"])
+def test_rows_past_the_last_sequence_are_not_read(feature_major):
     """Varlen with tokens after the last sequence: NaN there (inputs and workspace rows, and the workspace's unused
     chunks) reaches no gradient, and those rows' gradients stay zero."""
     c = make_case(B=1, T=60, H=1, cu=[0, 21, 22, 45], seed=4)
     layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
     clean = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds, 2,
-                            A_log=c["A_log"], dt_bias=c["dt_bias"])
+                            A_log=c["A_log"], dt_bias=c["dt_bias"], feature_major=feature_major)
     bad = {n: c[n].clone() for n in ("q", "k", "v", "g", "beta", "do")}
     for x in bad.values():
         x[:, 45:] = float("nan")
@@ -147,7 +152,7 @@ def test_rows_past_the_last_sequence_are_not_read():
     for x in (ws.inv, ws.mqk, ws.glast, ds):
         x[used:] = float("nan")
     got = local_grads_bwd(bad["q"], bad["k"], bad["v"], bad["g"], bad["beta"], K**-0.5, -5.0, bad["do"], ws, ck, ds, 2,
-                          A_log=c["A_log"], dt_bias=c["dt_bias"])
+                          A_log=c["A_log"], dt_bias=c["dt_bias"], feature_major=feature_major)
     for n in NAMES:
         assert torch.equal(getattr(got, n), getattr(clean, n)), n
     for n in ("dq", "dk", "dv", "dg", "dbeta"):
@@ -155,10 +160,11 @@ def test_rows_past_the_last_sequence_are_not_read():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("feature_major", [False, True], ids=["token-major", "feature-major"])
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation_on_device(case):
+def test_local_grads_match_emulation_on_device(case, feature_major):
     """The compiled kernel (bf16 tensor-core products) against the emulation on the device, same bar."""
     kw, every, lb, chunk = CASES[case]
-    got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk)
+    got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk, feature_major)
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs

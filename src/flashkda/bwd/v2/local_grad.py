@@ -23,7 +23,11 @@ CHUNKS = (16, 32)
 
 
 @functools.cache
-def _kernel():
+def _kernel(feature_major: bool):
+    if feature_major:
+        from flashkda.bwd.v2 import local_grad_fm_kernel
+
+        return local_grad_fm_kernel.kda_bwd_v2_local_fm_kernel
     from flashkda.bwd.v2 import local_grad_kernel
 
     return local_grad_kernel.kda_bwd_v2_local_kernel
@@ -78,7 +82,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
                     dt_bias: torch.Tensor | None = None, *, num_warps: int = 8,
-                    num_stages: int | None = None) -> KDAGrads:
+                    num_stages: int | None = None, feature_major: bool = False) -> KDAGrads:
     """B3: the gradients of the raw inputs, one program per (checkpoint segment, value head), walking the segment's
     chunks from its checkpoint (the state part, then K1 backwards per chunk).
 
@@ -93,6 +97,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         every: chunks between checkpoints.
         num_warps: warps per program (4, 8 or 16).
         num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
+        feature_major: run `local_grad_fm_kernel` (the per-chunk tiles ``[128, C]``, the state products with
+            M = 128) instead of `local_grad_kernel` (``[C, 128]``); same results up to fp32 summation order.
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -126,7 +132,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     pipelining = {} if num_stages is None else {"num_stages": num_stages}
     if n_seg and total:
         dummy = ws.beta
-        _kernel()[(n_seg, HV)](
+        _kernel(bool(feature_major))[(n_seg, HV)](
             q, k, v, g, do, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
             ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
             checkpoints, ds, ws.layout.chunk_index, seg,
