@@ -1,12 +1,14 @@
 """Eager against fused element-wise ops of the K3 model: RMSNorm, SiTU-GLU, the AttnRes mix and the KDA
-short convolution (`fused_conv`), forward and forward + backward.
+short convolution (`fused_conv`), forward and forward + backward; and MLA's QK-Clip max-logit record
+(`max_logit`, forward only: it runs under ``no_grad``).
 
 Usage (one H200):  python -m benchmarks.train.elementwise
 CPU dry run:       python -m benchmarks.train.elementwise --dry-run   (tiny shapes, Triton's interpreter, no file)
 
 The baseline is the eager autograd Function of `k3infra.model.layers` (``fused.MODE = "off"``), ours the Triton
 kernels of `k3infra.model.fused` (``"on"``), same inputs in the same run; shapes are those of one k3-mini
-micro-batch (16,384 tokens, hidden 1024, dense MLP width 4864, 8 AttnRes sources), bf16. Each row also records
+micro-batch (16,384 tokens, hidden 1024, dense MLP width 4864, 8 AttnRes sources; the max logit over 8 heads of
+width 192 in packed sequences of 4096, 2048, 1024 x 4, 3072, 1024 and 1 tokens), bf16. Each row also records
 the relative RMS difference of the two outputs and input gradients. JSON goes to
 ``benchmarks/results/elementwise-<date>.json``.
 """
@@ -26,7 +28,7 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
     """(name, builder) per op; a builder gives (fn(inputs) -> output, inputs)."""
     import torch
 
-    from k3infra.model import kda, layers
+    from k3infra.model import kda, layers, max_logit
 
     def norm(device, dtype, g):
         x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
@@ -51,8 +53,20 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
         pos = kda.positions_in_sequence(tokens, cu, torch.device(device))
         return (lambda u, w: kda._conv_act(u, w, None, pos, 1, False).view(1, tokens, hidden)), [u, w]
 
-    return [(f"rms_norm-{tokens}x{hidden}", norm), (f"situ_glu-{tokens}x{width}", situ),
-            (f"attn_res-{sources}x{tokens}x{hidden}", attn_res), (f"conv_silu-{tokens}x{hidden}", short_conv)]
+    def mla_max_logit(device, dtype, g):
+        heads, width = 8, 192
+        lengths = [4096, 2048, 1024, 1024, 1024, 1024, 3072, 1024, 1]
+        bounds = [0]
+        for n in lengths:
+            bounds.append(min(tokens, bounds[-1] + n))
+        bounds.append(tokens)
+        q = torch.randn(1, tokens, heads, width, generator=g).to(device, dtype).transpose(1, 2)
+        k = torch.randn(1, tokens, heads, width, generator=g).to(device, dtype).transpose(1, 2)
+        return (lambda q, k: max_logit.causal_max_logit(q, k, bounds, width**-0.5)), [q, k]
+
+    return [(f"rms_norm-{tokens}x{hidden}", norm, True), (f"situ_glu-{tokens}x{width}", situ, True),
+            (f"attn_res-{sources}x{tokens}x{hidden}", attn_res, True),
+            (f"conv_silu-{tokens}x{hidden}", short_conv, True), (f"mla_max_logit-8x{tokens}x192", mla_max_logit, False)]
 
 
 def _run_once(fn, inputs, dy, backward: bool):
@@ -74,10 +88,10 @@ def measure(tokens: int, hidden: int, width: int, sources: int, device: str, rep
     rows = []
     saved_mode = fused.MODE
     try:
-        for name, build in _cases(tokens, hidden, width, sources):
+        for name, build, has_backward in _cases(tokens, hidden, width, sources):
             fn, inputs = build(device, torch.bfloat16, torch.Generator().manual_seed(0))
             dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
-            for backward in (False, True):
+            for backward in (False, True) if has_backward else (False,):
                 timings, results = {}, {}
                 for mode in ("off", "on"):
                     fused.MODE = mode
@@ -89,7 +103,7 @@ def measure(tokens: int, hidden: int, width: int, sources: int, device: str, rep
                             if backward else None)
                 direction = "fwd+bwd" if backward else "fwd"
                 rows.append(Row(
-                    case=f"{name}-{direction}", baseline="eager autograd Function (layers, fp32 math)",
+                    case=f"{name}-{direction}", baseline="eager torch path (layers, max_logit; fp32 math)",
                     baseline_ms=timings["off"].median_ms, ours_ms=timings["on"].median_ms,
                     params={"tokens": tokens, "hidden": hidden, "width": width, "sources": sources, "dtype": "bf16",
                             "direction": direction},

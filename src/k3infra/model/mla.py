@@ -20,11 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3infra.model.layers import RMSNorm
+from k3infra.model.max_logit import causal_max_logit
 
 __all__ = ["K3MLA", "attention_mask_for", "packed_causal_flash", "uses_varlen_flash"]
-
-MAX_LOGIT_BLOCK_ELEMENTS = 1 << 26
-"""Most fp32 logits (256 MB) one block of the QK-Clip max-logit record materialises."""
 
 
 def attention_mask_for(T: int, S: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -109,24 +107,9 @@ class K3MLA(nn.Module):
 
     @torch.no_grad()
     def _record_max_logit(self, q_BHTE, k_BHSE, bounds: list[int] | None) -> None:
-        """Running per-head max of the causal logits, per packed sequence and in query blocks of at most
-        `MAX_LOGIT_BLOCK_ELEMENTS` fp32 logits (never a whole ``[H, T, S]`` matrix)."""
-        T, S = q_BHTE.shape[2], k_BHSE.shape[2]
-        offset = S - T  # queries are the last T of S positions (a cache holds the first S − T)
-        spans = [(0, T)] if bounds is None else [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        best = torch.full((self.num_heads,), float("-inf"), device=q_BHTE.device)
-        for b in range(q_BHTE.shape[0]):
-            for start, end in spans:
-                k_start = 0 if bounds is None else start + offset
-                rows = max(1, MAX_LOGIT_BLOCK_ELEMENTS // (self.num_heads * (end + offset - k_start)))
-                for r0 in range(start, end, rows):
-                    r1 = min(end, r0 + rows)
-                    k_HSE = k_BHSE[b, :, k_start : r1 + offset].float()
-                    logits = (q_BHTE[b, :, r0:r1].float() @ k_HSE.transpose(-1, -2)) * self.scale
-                    query = torch.arange(r0 + offset, r1 + offset, device=logits.device)
-                    key = torch.arange(k_start, r1 + offset, device=logits.device)
-                    logits = logits.masked_fill(key[None, :] > query[:, None], float("-inf"))
-                    best = torch.maximum(best, logits.amax(dim=(1, 2)))
+        """Running per-head max of the causal logits (`max_logit.causal_max_logit`: a Triton kernel on CUDA, fp32
+        query blocks on CPU; never a whole ``[H, T, S]`` matrix)."""
+        best = causal_max_logit(q_BHTE, k_BHSE, bounds, self.scale)
         self.max_logit.copy_(torch.maximum(self.max_logit, best.to(self.max_logit.dtype)))
 
 
