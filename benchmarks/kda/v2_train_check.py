@@ -60,7 +60,9 @@ B3_FORMS = {
     "fused": {},
     "fused-16warps": dict(num_warps=16),
     "fused-unpipelined": dict(num_stages=1),
+    "fused-4warps": dict(num_warps=4),
     "feature-major": dict(feature_major=True),
+    "feature-major-4warps": dict(feature_major=True, num_warps=4),
     "feature-major-16warps": dict(feature_major=True, num_warps=16),
 }
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short).
