@@ -1,0 +1,94 @@
+"""``--compile``: each k3-debug decoder layer under ``torch.compile`` trains like the eager model, new packed batches
+do not recompile, and parameter names stay those of the eager model.
+
+The tests trace with ``aot_eager`` (Dynamo + AOTAutograd, no inductor code generation) through `BACKEND_ENV`."""
+
+import json
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from k3infra.train import TrainConfig, Trainer
+from k3infra.train.cli import add_arguments, config_from_args
+from k3infra.train.compile import BACKEND_ENV
+
+MiB = 1 << 20
+
+LOSS_TOL = 1e-4
+"""nats per step over 3 steps (fp32 on the CPU): AOTAutograd reorders and re-associates some sums, and Muon's bf16
+Newton–Schulz turns ulp differences of the gradients into ulp flips of its update."""
+
+
+def _cfg(tmp_path, cache, name, **kw):
+    base = dict(preset="k3-debug", steps=3, seq_len=64, batch_size=4, lr=5e-3, out=str(tmp_path / name),
+                cache_dir=str(cache), max_corpus_bytes=MiB, progress=False, tensorboard=False, plot=False)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """A JSONL corpus of short documents (1 to 4 source lines of a few stdlib modules), so that packed batches
+    differ in their segment count."""
+    import argparse
+    import inspect
+    import typing
+
+    rng = random.Random(0)
+    lines = [line for module in (argparse, inspect, typing) for line in inspect.getsource(module).splitlines()
+             if line.strip()]
+    path = tmp_path_factory.mktemp("short-docs") / "docs.jsonl"
+    with path.open("w") as f:
+        start = 0
+        while start < len(lines):
+            size = rng.randint(1, 4)
+            f.write(json.dumps({"text": "\n".join(lines[start : start + size])}) + "\n")
+            start += size
+    return [str(path)]
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_k3_debug_matches_eager_and_does_not_recompile(tmp_path, train_cache, short_docs, aot_eager):
+    eager = Trainer(_cfg(tmp_path, train_cache, "eager", corpus=short_docs))
+    try:
+        eager_losses = [eager.train_step(step)["loss"] for step in range(3)]
+        eager_names = [name for name, _ in eager.model.named_parameters()]
+    finally:
+        eager.state.close()
+    trainer = Trainer(_cfg(tmp_path, train_cache, "compiled", corpus=short_docs, compile=True))
+    try:
+        assert [name for name, _ in trainer.model.named_parameters()] == eager_names
+        # each step packs other documents: the number of segments changes, so the test can see a recompile
+        segments = {len(next(iter(trainer.data.dataset.micro_batches(step, 4, 0, 1, None))).cu_seqlens)
+                    for step in range(3)}
+        assert len(segments) > 1, segments
+        losses = [trainer.train_step(0)["loss"]]
+        frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+        assert frames > 0 and graphs > 0  # the layers were traced
+        losses += [trainer.train_step(step)["loss"] for step in (1, 2)]
+        assert (counters["frames"]["total"], counters["stats"]["unique_graphs"]) == (frames, graphs)
+    finally:
+        trainer.state.close()
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < LOSS_TOL, (losses, eager_losses)
+
+
+def test_compile_needs_decoder_layers(tmp_path, train_cache):
+    with pytest.raises(ValueError, match="--compile needs model.model.layers"):
+        Trainer(_cfg(tmp_path, train_cache, "flat", compile=True), lambda config: torch.nn.Linear(2, 2))
+
+
+def test_compile_option_reaches_the_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--compile"])).compile
+    assert not config_from_args(parser.parse_args([])).compile
