@@ -67,8 +67,9 @@ def apply_compile(layers: list[nn.Module], *, backend: str | None = None) -> Non
     # every layer runs the same forward code: one cache entry per distinct layer kind (mixer, FFN, AttnRes source
     # count), plus the resume functions after the deliberate graph breaks
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 4 * len(layers))
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * len(layers))
+    for name, least in (("recompile_limit", 4 * len(layers)), ("accumulated_recompile_limit", 16 * len(layers))):
+        if hasattr(config, name):  # both named so since torch 2.6
+            setattr(config, name, max(getattr(config, name), least))
     for layer in layers:
         target = _compile_target(layer)
         target.forward = torch.compile(target.forward, backend=backend)
