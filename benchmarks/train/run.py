@@ -2,19 +2,19 @@
 
 Usage (one H200):  python -m benchmarks.train.run --config k3-mini
 CPU smoke:         python -m benchmarks.train.run --device cpu --config k3-debug --steps 2 --warmup 1
-With compile:      python -m benchmarks.train.run --config k3-mini --compile
+With compile:      python -m benchmarks.train.run --config k3-mini --compile [--skip-baseline]
 
 Both variants build the same model from the same seed, read the same packed batches and run the real trainer step
 (forward, backward, Muon + AdamW, QK-Clip, Quantile Balancing). They differ only in the `K3Config` fields given
 by ``--ours`` and ``--baseline`` (JSON); ``--compile`` adds a third variant, ours with each decoder layer under
 ``torch.compile`` (`TrainConfig.compile`), timed in the same run and reported as a second row against the same
-baseline (compilation happens in the warm-up steps). At EP = 1 on one GPU no tokens leave the device, so the MoE
-dispatcher is the local one in both and the measured difference is the KDA kernel; that is recorded in each row's
-note. On the
-CPU both variants use the torch KDA path (the Triton kernels need a GPU), so the timing is a smoke test only.
+baseline (compilation happens in the warm-up steps); ``--skip-baseline`` leaves the baseline out and compares
+ours compiled with ours eager. At EP = 1 on one GPU no tokens leave the device, so the MoE dispatcher is the
+local one in both and the measured difference is the KDA kernel; that is recorded in each row's note. On the CPU
+both variants use the torch KDA path (the Triton kernels need a GPU), so the timing is a smoke test only.
 
-Gate: every variant's first-step loss (same weights, same batch) agrees with the baseline's within ``--gate-tol``
-nats.
+Gate: every variant's first-step loss (same weights, same batch) agrees with the baseline's (``--skip-baseline``:
+ours eager's) within ``--gate-tol`` nats.
 Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
 ``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), peak memory. JSON goes to ``benchmarks/results/``.
 """
@@ -30,6 +30,7 @@ import tempfile
 import torch
 
 from benchmarks.harness import Row, Timing, machine_info, write_results
+from k3infra.train.compile import compile_backend
 from k3infra.train.metrics import format_mfu, mfu
 from k3infra.train.trainer import TrainConfig, Trainer
 
@@ -58,17 +59,19 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         trainer.state.close()
 
 
-def _row(name: str, results: dict, variants: dict, gap: float, args, cfg: TrainConfig, note: str) -> Row:
-    """Variant ``name`` (``ours`` or ``ours+compile``) against the baseline, every variant's numbers in ``extra``."""
-    ours, base = results[name], results["baseline"]
+def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, cfg: TrainConfig, note: str) -> Row:
+    """Variant ``name`` (``ours`` or ``ours+compile``) against variant ``ref`` (``baseline``, or ``ours`` eager
+    with ``--skip-baseline``), every variant's numbers in ``extra``."""
+    ours, base = results[name], results[ref]
     compiled = name == "ours+compile"
     return Row(
         case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}" + ("-compile" if compiled else ""),
-        baseline=f"K3 with {variants['baseline']}",
+        baseline=f"K3 with {variants[ref]}" + (" (eager)" if ref == "ours" else ""),
         baseline_ms=base["timing"].median_ms,
         ours_ms=ours["timing"].median_ms,
         params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-                "ours": variants[name], "baseline_overrides": variants["baseline"], "compile": compiled,
+                "ours": variants[name], "baseline_overrides": variants[ref],
+                "compile": compile_backend() if compiled else False,
                 "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
         extra={
             "flops_per_token": ours["flops_per_token"],
@@ -78,7 +81,8 @@ def _row(name: str, results: dict, variants: dict, gap: float, args, cfg: TrainC
                                                                                                        "p80")},
             "first_loss_gap": gap,
         },
-        note=note + ("; ours under torch.compile per decoder layer (inductor), baseline eager" if compiled else ""),
+        note=note + (f"; ours under torch.compile per decoder layer ({compile_backend()}), {ref} eager" if compiled
+                     else ""),
     )
 
 
@@ -95,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")
     p.add_argument("--compile", action="store_true",
                    help="also time ours with torch.compile per decoder layer (a third variant, second row)")
+    p.add_argument("--skip-baseline", action="store_true",
+                   help="with --compile: time only ours eager and ours compiled (the row's baseline is ours eager)")
     p.add_argument("--gate-tol", type=float, default=0.05, help="max first-step loss difference (nats)")
     p.add_argument("--update-table", action="store_true", help="refresh the train section of BENCHMARKS.md")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible (use --device cpu for the smoke run)")
+    if args.skip_baseline and not args.compile:
+        raise SystemExit("--skip-baseline needs --compile (it compares ours compiled with ours eager)")
     variants = {"ours": json.loads(args.ours), "baseline": json.loads(args.baseline)}
     note = "EP=1 on one device: both use local experts, only the KDA kernel differs"
     if args.device == "cpu":
@@ -108,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     compiled = {"ours+compile"} if args.compile else set()
     if args.compile:
         variants["ours+compile"] = variants["ours"]
+    if args.skip_baseline:
+        del variants["baseline"]
+        note = "ours compiled against ours eager, same run"
+    ref = "ours" if args.skip_baseline else "baseline"
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name, overrides in variants.items():
@@ -122,14 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"MFU {format_mfu(r['mfu'])}  peak "
                   f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
                   f"first loss {r['first_loss']:.4f}")
-    base = results["baseline"]
-    gaps = {name: abs(r["first_loss"] - base["first_loss"]) for name, r in results.items() if name != "baseline"}
+    gaps = {name: abs(r["first_loss"] - results[ref]["first_loss"]) for name, r in results.items() if name != ref}
     failed = {name: gap for name, gap in gaps.items() if gap > args.gate_tol}
     if failed:
-        print(f"gate FAILED: first-step losses differ from the baseline's by {failed} nats (> {args.gate_tol}); "
+        print(f"gate FAILED: first-step losses differ from {ref}'s by {failed} nats (> {args.gate_tol}); "
               "no timing reported")
         return 1
-    rows = [_row(name, results, variants, gaps[name], args, cfg, note) for name in gaps]
+    rows = [_row(name, ref, results, variants, gaps[name], args, cfg, note) for name in gaps]
     path = write_results("train", rows, title="K3 training step", info=machine_info())
     if args.update_table:  # BENCHMARKS.md is refreshed from chosen results files only through benchmarks.table
         from benchmarks import table
