@@ -56,8 +56,9 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
-def test_compiled_k3_debug_matches_eager_and_does_not_recompile(tmp_path, train_cache, short_docs, aot_eager,
+@pytest.mark.parametrize(("scope", "checkpointing"), [("layer", False), ("layer", True), ("module", False)],
+                         ids=["layer", "layer-activation-checkpointing", "module"])
+def test_compiled_k3_debug_matches_eager_and_does_not_recompile(tmp_path, train_cache, short_docs, aot_eager, scope,
                                                                 checkpointing):
     eager = Trainer(_cfg(tmp_path, train_cache, "eager", corpus=short_docs))
     try:
@@ -65,7 +66,7 @@ def test_compiled_k3_debug_matches_eager_and_does_not_recompile(tmp_path, train_
         eager_keys = list(eager.model.state_dict())
     finally:
         eager.state.close()
-    trainer = Trainer(_cfg(tmp_path, train_cache, "compiled", corpus=short_docs, compile=True,
+    trainer = Trainer(_cfg(tmp_path, train_cache, "compiled", corpus=short_docs, compile=scope,
                            activation_checkpointing=checkpointing))
     try:
         assert list(trainer.model.state_dict()) == eager_keys  # checkpoints load either way
@@ -88,10 +89,16 @@ def test_compile_needs_decoder_layers(tmp_path, train_cache):
         Trainer(_cfg(tmp_path, train_cache, "flat", compile=True), lambda config: torch.nn.Linear(2, 2))
 
 
+def test_compile_scope_is_checked(tmp_path, train_cache):
+    with pytest.raises(ValueError, match="--compile must be 'layer' or 'module'"):
+        _cfg(tmp_path, train_cache, "bad", compile="graph").resolved()
+
+
 def test_compile_option_reaches_the_config():
     import argparse
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert config_from_args(parser.parse_args(["--compile"])).compile
-    assert not config_from_args(parser.parse_args([])).compile
+    assert config_from_args(parser.parse_args(["--compile"])).compile == "layer"
+    assert config_from_args(parser.parse_args(["--compile", "module"])).compile == "module"
+    assert config_from_args(parser.parse_args([])).compile is False

@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--router-lr-scale", type=float, default=0.0,
         help="with --lora: 0 freezes the router, > 0 trains it at lr times this")
     add("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
-    add("--compile", action="store_true",
-        help="torch.compile each decoder layer (inductor; Triton KDA/attention/MoonEP stay opaque)")
+    add("--compile", nargs="?", const="layer", default=False, choices=("layer", "module"),
+        help="torch.compile each decoder layer (inductor; Triton KDA/attention/MoonEP stay opaque); 'module': "
+             "each child of a layer instead (fewer graphs to compile)")
     add("--qk-clip-tau", type=float, default=100.0, help="MuonClip threshold on MLA max logits (0: off)")
     add("--rebalance-every", type=int, default=0, metavar="N",
         help="with --ep > 1: re-place the experts by their load history every N steps, moving them with their "

@@ -1,9 +1,12 @@
 """Per-decoder-layer ``torch.compile``, as torchtitan's ``apply_compile``: after activation checkpointing, before FSDP.
 
 Each decoder layer's ``forward`` is compiled in place (parameter names and ``state_dict`` keys do not change, and the
-FSDP hooks on the layer stay outside the compiled code). Under activation checkpointing the wrapped layer inside the
-`CheckpointWrapper` is compiled, so the recompute runs the compiled code and a graph break inside a layer never
-sends the whole checkpointed layer back to eager.
+FSDP hooks on the layer stay outside the compiled code). Scope ``"module"`` compiles the layer's children instead
+(AttnRes sites, pre-norms, mixer, FFN), as torchtitan does inside MoE blocks: every layer of one kind then runs the
+same graphs, so far fewer graphs are compiled (each layer's AttnRes source count makes it a graph of its own under
+``"layer"``), at the price of the layer's glue (residual adds) running eager between them. Under activation
+checkpointing the layer inside the `CheckpointWrapper` is compiled, so the recompute runs the compiled code and a
+graph break inside a layer never sends the whole checkpointed layer back to eager.
 
 What stays opaque to the compiler (deliberate graph breaks, ``torch.compiler.disable``), and why:
 
@@ -30,12 +33,14 @@ import os
 import torch
 from torch import nn
 
-__all__ = ["BACKEND_ENV", "apply_compile", "compile_backend", "mark_packed_dynamic"]
+__all__ = ["BACKEND_ENV", "SCOPES", "apply_compile", "compile_backend", "mark_packed_dynamic"]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "K3_COMPILE_BACKEND"
 """Environment variable naming the ``torch.compile`` backend (default ``inductor``)."""
+SCOPES = ("layer", "module")
+"""What `apply_compile` compiles: each decoder layer, or each child module of a decoder layer."""
 
 
 def compile_backend() -> str:
@@ -50,17 +55,20 @@ def _compile_target(layer: nn.Module) -> nn.Module:
     return layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
 
 
-def apply_compile(layers: list[nn.Module], *, backend: str | None = None) -> None:
+def apply_compile(layers: list[nn.Module], *, scope: str = "layer", backend: str | None = None) -> None:
     """Compile the ``forward`` of each module in ``layers`` (decoder layers, maybe AC-wrapped) in place.
 
     Args:
         layers: the decoder layers (`k3infra.train.parallel.decoder_layers`), after activation checkpointing
             and before FSDP.
+        scope: ``"layer"`` (each layer's forward) or ``"module"`` (the forward of each child of a layer).
         backend: a ``torch.compile`` backend (default: `compile_backend`).
 
     Raises:
-        ValueError: ``layers`` is empty (the model has no ``model.layers`` to compile).
+        ValueError: ``scope`` is unknown, or ``layers`` is empty (the model has no ``model.layers``).
     """
+    if scope not in SCOPES:
+        raise ValueError(f"--compile must be one of {SCOPES} (or given without a value: layer), got {scope!r}")
     if not layers:
         raise ValueError("--compile needs model.model.layers (a transformers decoder) to compile layer by layer")
     backend = backend or compile_backend()
@@ -72,8 +80,9 @@ def apply_compile(layers: list[nn.Module], *, backend: str | None = None) -> Non
             setattr(config, name, max(getattr(config, name), least))
     for layer in layers:
         target = _compile_target(layer)
-        target.forward = torch.compile(target.forward, backend=backend)
-    logger.info("compiled %d decoder layers with torch.compile (backend %s)", len(layers), backend)
+        for module in [target] if scope == "layer" else list(target.children()):
+            module.forward = torch.compile(module.forward, backend=backend)
+    logger.info("compiled %d decoder layers with torch.compile (scope %s, backend %s)", len(layers), scope, backend)
 
 
 def mark_packed_dynamic(cu_seqlens: torch.Tensor | None) -> None:

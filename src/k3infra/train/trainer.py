@@ -78,9 +78,9 @@ class TrainConfig:
     router_lr_scale: float = 0.0
     """With LoRA: 0 freezes the router, > 0 trains it at ``lr ·`` this."""
     activation_checkpointing: bool = False
-    compile: bool = False
-    """``torch.compile`` each decoder layer (`k3infra.train.compile.apply_compile`: after activation checkpointing,
-    before FSDP)."""
+    compile: bool | str = False
+    """``torch.compile`` each decoder layer (True or ``"layer"``) or each child module of a decoder layer
+    (``"module"``); `k3infra.train.compile.apply_compile`, after activation checkpointing, before FSDP."""
     qk_clip_tau: float = 100.0
     """MuonClip threshold τ (0 disables QK-Clip)."""
     rebalance_every: int = 0
@@ -128,6 +128,8 @@ class TrainConfig:
             raise ValueError(f"--router-lr-scale must be >= 0, got {out.router_lr_scale}")
         if out.qk_clip_tau < 0:
             raise ValueError(f"--qk-clip-tau must be >= 0, got {out.qk_clip_tau}")
+        if out.compile not in (False, True, "layer", "module"):
+            raise ValueError(f"--compile must be 'layer' or 'module' (or given without a value), got {out.compile!r}")
         if not isinstance(out.rebalance_every, int) or out.rebalance_every < 0:
             raise ValueError(f"--rebalance-every must be an int >= 0 (0: off), got {out.rebalance_every!r}")
         return out
@@ -276,7 +278,7 @@ class Trainer:
         if cfg.compile:
             from k3infra.train.compile import apply_compile
 
-            apply_compile(decoder_layers(model))
+            apply_compile(decoder_layers(model), scope="layer" if cfg.compile is True else cfg.compile)
         if state.world_size > 1:
             apply_fsdp(model, state, ignored=set(experts))
         self.model = model
