@@ -2,16 +2,17 @@
 
 Usage (one H200):  python -m benchmarks.train.run --config k3-mini
 CPU smoke:         python -m benchmarks.train.run --device cpu --config k3-debug --steps 2 --warmup 1
-With compile:      python -m benchmarks.train.run --config k3-mini --compile [--skip-baseline]
+With compile:      python -m benchmarks.train.run --config k3-mini --compile [module] [--skip-baseline]
 
 Both variants build the same model from the same seed, read the same packed batches and run the real trainer step
 (forward, backward, Muon + AdamW, QK-Clip, Quantile Balancing). They differ only in the `K3Config` fields given
 by ``--ours`` and ``--baseline`` (JSON); ``--compile`` adds a third variant, ours with each decoder layer under
-``torch.compile`` (`TrainConfig.compile`), timed in the same run and reported as a second row against the same
-baseline (compilation happens in the warm-up steps); ``--skip-baseline`` leaves the baseline out and compares
-ours compiled with ours eager. At EP = 1 on one GPU no tokens leave the device, so the MoE dispatcher is the
-local one in both and the measured difference is the KDA kernel; that is recorded in each row's note. On the CPU
-both variants use the torch KDA path (the Triton kernels need a GPU), so the timing is a smoke test only.
+``torch.compile`` (`TrainConfig.compile`; ``--compile module``: each child of a layer), timed in the same run and
+reported as a second row against the same baseline (compilation happens in the warm-up steps); ``--skip-baseline``
+leaves the baseline out and compares ours compiled with ours eager. At EP = 1 on one GPU no tokens leave the
+device, so the MoE dispatcher is the local one in both and the measured difference is the KDA kernel; that is
+recorded in each row's note. On the CPU both variants use the torch KDA path (the Triton kernels need a GPU), so
+the timing is a smoke test only.
 
 Gate: every variant's first-step loss (same weights, same batch) agrees with the baseline's (``--skip-baseline``:
 ours eager's) within ``--gate-tol`` nats.
@@ -71,7 +72,7 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, c
         ours_ms=ours["timing"].median_ms,
         params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
                 "ours": variants[name], "baseline_overrides": variants[ref],
-                "compile": compile_backend() if compiled else False,
+                "compile": f"{args.compile}/{compile_backend()}" if compiled else False,
                 "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
         extra={
             "flops_per_token": ours["flops_per_token"],
@@ -81,8 +82,8 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, c
                                                                                                        "p80")},
             "first_loss_gap": gap,
         },
-        note=note + (f"; ours under torch.compile per decoder layer ({compile_backend()}), {ref} eager" if compiled
-                     else ""),
+        note=note + (f"; ours under torch.compile per {args.compile} ({compile_backend()}), {ref} eager"
+                     if compiled else ""),
     )
 
 
@@ -97,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours", default='{"kda_backend": "flashkda"}', help="K3Config overrides of ours (JSON)")
     p.add_argument("--baseline", default='{"kda_backend": "fla"}', help="K3Config overrides of the baseline (JSON)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")
-    p.add_argument("--compile", action="store_true",
-                   help="also time ours with torch.compile per decoder layer (a third variant, second row)")
+    p.add_argument("--compile", nargs="?", const="layer", default=None, choices=("layer", "module"),
+                   help="also time ours under torch.compile (a third variant, second row): per decoder layer, or "
+                        "'module': per child of a layer")
     p.add_argument("--skip-baseline", action="store_true",
                    help="with --compile: time only ours eager and ours compiled (the row's baseline is ours eager)")
     p.add_argument("--gate-tol", type=float, default=0.05, help="max first-step loss difference (nats)")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                               batch_size=args.batch_size, out=f"{out}/{name}", device=args.device, progress=False,
                               tensorboard=False, plot=False, overrides=overrides,
                               activation_checkpointing=args.activation_checkpointing,
-                              compile=name in compiled).resolved()
+                              compile=args.compile if name in compiled else False).resolved()
             results[name] = measure(cfg, args.steps, args.warmup)
             r = results[name]
             print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
