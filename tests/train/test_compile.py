@@ -16,9 +16,11 @@ from k3infra.train.compile import BACKEND_ENV
 
 MiB = 1 << 20
 
-LOSS_TOL = 1e-4
-"""nats per step over 3 steps (fp32 on the CPU): AOTAutograd reorders and re-associates some sums, and Muon's bf16
-Newton–Schulz turns ulp differences of the gradients into ulp flips of its update."""
+LOSS_TOL = 3e-4
+"""nats per step over 3 steps (fp32 on the CPU; measured gap <= 1e-5 here): AOTAutograd reorders some sums, CPU
+backward kernels with 2 threads are not bitwise reproducible (two eager processes of the default k3-debug run
+differed by 1.2e-4 at the third step), and Muon's bf16 Newton–Schulz turns ulp differences of the gradients into
+ulp flips of its update."""
 
 
 def _cfg(tmp_path, cache, name, **kw):
@@ -102,3 +104,31 @@ def test_compile_option_reaches_the_config():
     assert config_from_args(parser.parse_args(["--compile"])).compile == "layer"
     assert config_from_args(parser.parse_args(["--compile", "module"])).compile == "module"
     assert config_from_args(parser.parse_args([])).compile is False
+
+
+GPU_WIDTHS = {"kda_num_heads": 2, "kda_head_dim": 128, "hidden_size": 128, "moe_latent_size": 64}
+"""k3-debug with FlashKDA-sized heads (its kernels take head dims of 64 or more)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["layer", "module"])
+def test_inductor_on_cuda_matches_eager(tmp_path, train_cache, short_docs, scope):
+    # bf16 autocast: eager runs the fused Triton element-wise kernels, compiled runs inductor's fusion of the eager
+    # chains, so bf16 roundings differ; FlashKDA sits behind its graph break, the grouped-GEMM experts are traced
+    kw = dict(corpus=short_docs, device="cuda", overrides=GPU_WIDTHS)
+    eager = Trainer(_cfg(tmp_path, train_cache, "eager", **kw))
+    try:
+        eager_losses = [eager.train_step(step)["loss"] for step in range(3)]
+    finally:
+        eager.state.close()
+    torch._dynamo.reset()
+    trainer = Trainer(_cfg(tmp_path, train_cache, "compiled", compile=scope, **kw))
+    try:
+        losses = [trainer.train_step(0)["loss"]]
+        frames = counters["frames"]["total"]
+        losses += [trainer.train_step(step)["loss"] for step in (1, 2)]
+        assert counters["frames"]["total"] == frames
+    finally:
+        trainer.state.close()
+    assert abs(losses[0] - eager_losses[0]) < 1e-2, (losses, eager_losses)
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < 5e-2, (losses, eager_losses)
