@@ -2,14 +2,20 @@
 
 Usage (one H200):  python -m benchmarks.train.run --config k3-mini
 CPU smoke:         python -m benchmarks.train.run --device cpu --config k3-debug --steps 2 --warmup 1
+With compile:      python -m benchmarks.train.run --config k3-mini --compile [module] [--skip-baseline]
 
 Both variants build the same model from the same seed, read the same packed batches and run the real trainer step
 (forward, backward, Muon + AdamW, QK-Clip, Quantile Balancing). They differ only in the `K3Config` fields given
-by ``--ours`` and ``--baseline`` (JSON). At EP = 1 on one GPU no tokens leave the device, so the MoE dispatcher is
-the local one in both and the measured difference is the KDA kernel; that is recorded in each row's note. On the
-CPU both variants use the torch KDA path (the Triton kernels need a GPU), so the timing is a smoke test only.
+by ``--ours`` and ``--baseline`` (JSON); ``--compile`` adds a third variant, ours with each decoder layer under
+``torch.compile`` (`TrainConfig.compile`; ``--compile module``: each child of a layer), timed in the same run and
+reported as a second row against the same baseline (compilation happens in the warm-up steps); ``--skip-baseline``
+leaves the baseline out and compares ours compiled with ours eager. At EP = 1 on one GPU no tokens leave the
+device, so the MoE dispatcher is the local one in both and the measured difference is the KDA kernel; that is
+recorded in each row's note. On the CPU both variants use the torch KDA path (the Triton kernels need a GPU), so
+the timing is a smoke test only.
 
-Gate: the two variants' first-step losses (same weights, same batch) agree within ``--gate-tol`` nats.
+Gate: every variant's first-step loss (same weights, same batch) agrees with the baseline's (``--skip-baseline``:
+ours eager's) within ``--gate-tol`` nats.
 Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
 ``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), peak memory. JSON goes to ``benchmarks/results/``.
 """
@@ -25,6 +31,7 @@ import tempfile
 import torch
 
 from benchmarks.harness import Row, Timing, machine_info, write_results
+from k3infra.train.compile import compile_backend
 from k3infra.train.metrics import format_mfu, mfu
 from k3infra.train.trainer import TrainConfig, Trainer
 
@@ -53,6 +60,33 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         trainer.state.close()
 
 
+def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, cfg: TrainConfig, note: str) -> Row:
+    """Variant ``name`` (``ours`` or ``ours+compile``) against variant ``ref`` (``baseline``, or ``ours`` eager
+    with ``--skip-baseline``), every variant's numbers in ``extra``."""
+    ours, base = results[name], results[ref]
+    compiled = name == "ours+compile"
+    return Row(
+        case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}" + ("-compile" if compiled else ""),
+        baseline=f"K3 with {variants[ref]}" + (" (eager)" if ref == "ours" else ""),
+        baseline_ms=base["timing"].median_ms,
+        ours_ms=ours["timing"].median_ms,
+        params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+                "ours": variants[name], "baseline_overrides": variants[ref],
+                "compile": f"{args.compile}/{compile_backend()}" if compiled else False,
+                "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
+        extra={
+            "flops_per_token": ours["flops_per_token"],
+            **{f"{k}_{n}": v[k] for n, v in results.items()
+               for k in ("tokens_per_s", "mfu", "peak_memory_gib", "first_loss")},
+            **{f"{n}_{q}_ms": getattr(v["timing"], f"{q}_ms") for n, v in results.items() for q in ("median", "p20",
+                                                                                                       "p80")},
+            "first_loss_gap": gap,
+        },
+        note=note + (f"; ours under torch.compile per {args.compile} ({compile_backend()}), {ref} eager"
+                     if compiled else ""),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="k3-mini", help="model preset (default k3-mini)")
@@ -64,54 +98,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours", default='{"kda_backend": "flashkda"}', help="K3Config overrides of ours (JSON)")
     p.add_argument("--baseline", default='{"kda_backend": "fla"}', help="K3Config overrides of the baseline (JSON)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")
+    p.add_argument("--compile", nargs="?", const="layer", default=None, choices=("layer", "module"),
+                   help="also time ours under torch.compile (a third variant, second row): per decoder layer, or "
+                        "'module': per child of a layer")
+    p.add_argument("--skip-baseline", action="store_true",
+                   help="with --compile: time only ours eager and ours compiled (the row's baseline is ours eager)")
     p.add_argument("--gate-tol", type=float, default=0.05, help="max first-step loss difference (nats)")
     p.add_argument("--update-table", action="store_true", help="refresh the train section of BENCHMARKS.md")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible (use --device cpu for the smoke run)")
+    if args.skip_baseline and not args.compile:
+        raise SystemExit("--skip-baseline needs --compile (it compares ours compiled with ours eager)")
     variants = {"ours": json.loads(args.ours), "baseline": json.loads(args.baseline)}
     note = "EP=1 on one device: both use local experts, only the KDA kernel differs"
     if args.device == "cpu":
         variants = {name: {**o, "kda_backend": "torch"} for name, o in variants.items()}
         note = "CPU smoke: both variants run the torch KDA path and local experts (no kernel difference)"
+    compiled = {"ours+compile"} if args.compile else set()
+    if args.compile:
+        variants["ours+compile"] = variants["ours"]
+    if args.skip_baseline:
+        del variants["baseline"]
+        note = "ours compiled against ours eager, same run"
+    ref = "ours" if args.skip_baseline else "baseline"
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name, overrides in variants.items():
             cfg = TrainConfig(preset=args.config, steps=args.warmup + args.steps, seq_len=args.seq_len,
                               batch_size=args.batch_size, out=f"{out}/{name}", device=args.device, progress=False,
                               tensorboard=False, plot=False, overrides=overrides,
-                              activation_checkpointing=args.activation_checkpointing).resolved()
+                              activation_checkpointing=args.activation_checkpointing,
+                              compile=args.compile if name in compiled else False).resolved()
             results[name] = measure(cfg, args.steps, args.warmup)
             r = results[name]
-            print(f"{name:8s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
+            print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
                   f"MFU {format_mfu(r['mfu'])}  peak "
                   f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
                   f"first loss {r['first_loss']:.4f}")
-    gap = abs(results["ours"]["first_loss"] - results["baseline"]["first_loss"])
-    if gap > args.gate_tol:
-        print(f"gate FAILED: first-step losses differ by {gap:.4f} nats (> {args.gate_tol}); no timing reported")
+    gaps = {name: abs(r["first_loss"] - results[ref]["first_loss"]) for name, r in results.items() if name != ref}
+    failed = {name: gap for name, gap in gaps.items() if gap > args.gate_tol}
+    if failed:
+        print(f"gate FAILED: first-step losses differ from {ref}'s by {failed} nats (> {args.gate_tol}); "
+              "no timing reported")
         return 1
-    ours, base = results["ours"], results["baseline"]
-    row = Row(
-        case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}",
-        baseline=f"K3 with {variants['baseline']}",
-        baseline_ms=base["timing"].median_ms,
-        ours_ms=ours["timing"].median_ms,
-        params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-                "ours": variants["ours"], "baseline_overrides": variants["baseline"],
-                "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
-        extra={
-            "flops_per_token": ours["flops_per_token"],
-            **{f"{k}_{n}": v[k2] for n, v in results.items()
-               for k, k2 in (("tokens_per_s", "tokens_per_s"), ("mfu", "mfu"), ("peak_memory_gib", "peak_memory_gib"),
-                             ("first_loss", "first_loss"))},
-            "ours_p20_ms": ours["timing"].p20_ms, "ours_p80_ms": ours["timing"].p80_ms,
-            "baseline_p20_ms": base["timing"].p20_ms, "baseline_p80_ms": base["timing"].p80_ms,
-            "first_loss_gap": gap,
-        },
-        note=note,
-    )
-    path = write_results("train", [row], title="K3 training step", info=machine_info())
+    rows = [_row(name, ref, results, variants, gaps[name], args, cfg, note) for name in gaps]
+    path = write_results("train", rows, title="K3 training step", info=machine_info())
     if args.update_table:  # BENCHMARKS.md is refreshed from chosen results files only through benchmarks.table
         from benchmarks import table
 

@@ -171,9 +171,11 @@ class K3KDA(nn.Module):
         o = self.o_norm(o.to(x_BTD.dtype)).reshape(B, T, H * K)
         return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o)
 
+    @torch.compiler.disable
     def _chunk_kernel(self, backend, q, k, v, z, beta_logits, initial, want_state, cu_seqlens):
         """FlashKDA's or fla's ``chunk_kda`` from raw inputs: q, k ``[B, T, H, K]`` before the L2 norm, z
-        ``[B, T, H, K]`` the gate before ``lower_bound · σ(e^A ·)``, beta_logits ``[B, T, H]``."""
+        ``[B, T, H, K]`` the gate before ``lower_bound · σ(e^A ·)``, beta_logits ``[B, T, H]``. Opaque to
+        ``torch.compile`` (Triton, host reads of ``cu_seqlens``)."""
         if backend == "fla":
             from fla.ops.kda import chunk_kda
         else:
@@ -183,8 +185,10 @@ class K3KDA(nn.Module):
                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log,
                          lower_bound=self.lower_bound, safe_gate=True)
 
+    @torch.compiler.disable
     def _mix(self, backend, q, k, v, g, beta, initial, want_state, cu_seqlens, decode):
-        """The torch path, or a decode step, from applied inputs (normed q, k; log decay g; beta in (0, 1))."""
+        """The torch path, or a decode step, from applied inputs (normed q, k; log decay g; beta in (0, 1)).
+        Opaque to ``torch.compile`` (packed documents are laid out by their host lengths)."""
         if decode and backend != "torch":
             from flashkda import fused_recurrent_kda
 

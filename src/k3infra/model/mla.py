@@ -87,23 +87,28 @@ class K3MLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_norm(c)).view(B, S, H, n + dv)
         k_n, v = kv.split([n, dv], dim=-1)
         k_BHSE = torch.cat([k_n, k_r[:, :, None, :].expand(B, S, H, r)], -1).transpose(1, 2)
-        v_BHSV = v.transpose(1, 2)
+        o = self._attend(q_BHTE, k_BHSE, v.transpose(1, 2), cu_seqlens, cache is not None)
+        o_BTV = o.transpose(1, 2).reshape(B, T, H * dv)
+        return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o_BTV)
+
+    @torch.compiler.disable
+    def _attend(self, q_BHTE, k_BHSE, v_BHSV, cu_seqlens, cached: bool) -> torch.Tensor:
+        """Causal attention ``[B, H, T, V]`` (within each packed sequence) and, in training, the max-logit record.
+        Opaque to ``torch.compile``: the packed path reads the sequence bounds on the host."""
+        T, S = q_BHTE.shape[2], k_BHSE.shape[2]
         bounds = _host_bounds(cu_seqlens) if cu_seqlens is not None else None
         if self.training and self.track_max_logit:
             self._record_max_logit(q_BHTE, k_BHSE, bounds)
-        if bounds is not None and cache is None and uses_varlen_flash(q_BHTE):
-            o = packed_causal_flash(q_BHTE, k_BHSE, v_BHSV, cu_seqlens, bounds, self.scale)
-        elif bounds is not None and cache is None:
+        if bounds is not None and not cached and uses_varlen_flash(q_BHTE):
+            return packed_causal_flash(q_BHTE, k_BHSE, v_BHSV, cu_seqlens, bounds, self.scale)
+        if bounds is not None and not cached:
             # one causal SDPA per packed sequence: no [T, S] mask, so the flash / memory-efficient kernels apply
-            o = torch.cat([F.scaled_dot_product_attention(q_BHTE[:, :, a:b], k_BHSE[:, :, a:b], v_BHSV[:, :, a:b],
-                                                          is_causal=True, scale=self.scale)
-                           for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=2)
-        else:
-            mask_TS = attention_mask_for(T, S, cu_seqlens, x_BTD.device)
-            o = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=mask_TS is None,
-                                               scale=self.scale)
-        o_BTV = o.transpose(1, 2).reshape(B, T, H * dv)
-        return self.o_proj(torch.sigmoid(self.g_proj(x_BTD)) * o_BTV)
+            return torch.cat([F.scaled_dot_product_attention(q_BHTE[:, :, a:b], k_BHSE[:, :, a:b],
+                                                             v_BHSV[:, :, a:b], is_causal=True, scale=self.scale)
+                              for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=2)
+        mask_TS = attention_mask_for(T, S, cu_seqlens, q_BHTE.device)
+        return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=mask_TS is None,
+                                              scale=self.scale)
 
     @torch.no_grad()
     def _record_max_logit(self, q_BHTE, k_BHSE, bounds: list[int] | None) -> None:

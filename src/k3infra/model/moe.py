@@ -127,6 +127,12 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
         used = torch.arange(x_CL.shape[0], device=x_CL.device) < offs[-1]
         # rows past the counts are never written by _grouped_mm (any bits, NaN included): select, never multiply
         return torch.where(used[:, None], y, y.new_zeros(()))
+    return _grouped_situ_loop(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta, up_beta, scale_C)
+
+
+@torch.compiler.disable
+def _grouped_situ_loop(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta, up_beta, scale_C):
+    """`grouped_situ` one expert at a time; opaque to ``torch.compile`` (the counts are read on the host)."""
     out, start = [], 0
     for p, count in enumerate(counts_P.tolist()):
         if count:
@@ -207,7 +213,8 @@ class K3MoE(nn.Module):
         s, K = idx_sK.shape
         flat = idx_sK.flatten()
         order = flat.argsort(stable=True)
-        counts_E = torch.bincount(flat, minlength=self.num_experts)
+        # (not bincount: its output length depends on the data, which torch.compile cannot trace)
+        counts_E = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
         token = order // K
         w_C = weights_sK.flatten()[order]
         y_CL = grouped_situ(h_sL[token], counts_E, self.w1, self.w3, self.w2, self.gate_beta, self.up_beta, w_C)
@@ -217,7 +224,9 @@ class K3MoE(nn.Module):
         unsort[order] = torch.arange(order.numel(), device=order.device)
         return y_CL[unsort].view(s, K, -1).float().sum(1)
 
+    @torch.compiler.disable
     def _expert_parallel(self, h_sL, idx_sK, weights_sK):
+        """MoonEP dispatch, the home experts, combine; opaque to ``torch.compile`` (host-side plans, collectives)."""
         buf = self.ep_buffer
         h_in = h_sL.to(buf.dtype)
         out = buf.dispatch(h_in, idx_sK, weights_sK)

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--router-lr-scale", type=float, default=0.0,
         help="with --lora: 0 freezes the router, > 0 trains it at lr times this")
     add("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    add("--compile", nargs="?", const="layer", default=False, choices=("layer", "module"),
+        help="torch.compile each decoder layer (inductor; Triton KDA/attention/MoonEP stay opaque); 'module': "
+             "each child of a layer instead (fewer graphs to compile)")
     add("--qk-clip-tau", type=float, default=100.0, help="MuonClip threshold on MLA max logits (0: off)")
     add("--rebalance-every", type=int, default=0, metavar="N",
         help="with --ep > 1: re-place the experts by their load history every N steps, moving them with their "
@@ -81,7 +84,8 @@ def config_from_args(args: argparse.Namespace):
         weight_decay=args.weight_decay, optimizer=args.optimizer, ep=args.ep, out=args.out, resume=args.resume,
         init_from=args.init_from,
         save_every=args.save_every, lora=args.lora, router_lr_scale=args.router_lr_scale,
-        activation_checkpointing=args.activation_checkpointing, qk_clip_tau=args.qk_clip_tau, seed=args.seed,
+        activation_checkpointing=args.activation_checkpointing, compile=args.compile, qk_clip_tau=args.qk_clip_tau,
+        seed=args.seed,
         rebalance_every=args.rebalance_every,
         corpus=list(args.corpus), max_corpus_bytes=int(args.max_corpus_mb * 2**20) or None,
         cache_dir=args.cache_dir, device=args.device, progress=not args.no_progress,

@@ -78,6 +78,9 @@ class TrainConfig:
     router_lr_scale: float = 0.0
     """With LoRA: 0 freezes the router, > 0 trains it at ``lr ·`` this."""
     activation_checkpointing: bool = False
+    compile: bool | str = False
+    """``torch.compile`` each decoder layer (True or ``"layer"``) or each child module of a decoder layer
+    (``"module"``); `k3infra.train.compile.apply_compile`, after activation checkpointing, before FSDP."""
     qk_clip_tau: float = 100.0
     """MuonClip threshold τ (0 disables QK-Clip)."""
     rebalance_every: int = 0
@@ -125,6 +128,8 @@ class TrainConfig:
             raise ValueError(f"--router-lr-scale must be >= 0, got {out.router_lr_scale}")
         if out.qk_clip_tau < 0:
             raise ValueError(f"--qk-clip-tau must be >= 0, got {out.qk_clip_tau}")
+        if out.compile not in (False, True, "layer", "module"):
+            raise ValueError(f"--compile must be 'layer' or 'module' (or given without a value), got {out.compile!r}")
         if not isinstance(out.rebalance_every, int) or out.rebalance_every < 0:
             raise ValueError(f"--rebalance-every must be an int >= 0 (0: off), got {out.rebalance_every!r}")
         return out
@@ -270,6 +275,10 @@ class Trainer:
             if not layers:
                 raise ValueError("--activation-checkpointing needs model.model.layers (a transformers decoder)")
             apply_activation_checkpointing(model, check_fn=lambda m: m in layers)
+        if cfg.compile:
+            from k3infra.train.compile import apply_compile
+
+            apply_compile(decoder_layers(model), scope="layer" if cfg.compile is True else cfg.compile)
         if state.world_size > 1:
             apply_fsdp(model, state, ignored=set(experts))
         self.model = model
@@ -303,6 +312,10 @@ class Trainer:
         local_sum = torch.zeros((), device=state.device)
         for batch in micro:
             batch = batch.to(state.device)
+            if cfg.compile:
+                from k3infra.train.compile import mark_packed_dynamic
+
+                mark_packed_dynamic(batch.cu_seqlens)
             with self._autocast():
                 output = self.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
             # this rank's token-loss sum over the global target count: the ranks' terms add up to the global mean
