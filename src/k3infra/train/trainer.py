@@ -256,7 +256,11 @@ class Trainer:
         if self.init_from is not None:
             load_model_weights(self.init_from, model)
         if cfg.ep > 1:
-            model.enable_expert_parallel(state.ep_group, max_tokens_per_rank=self._micro_rows() * cfg.seq_len)
+            # the buffers live on the training device (the model is still on the CPU here) and carry the
+            # activations' dtype: bf16 under CUDA autocast (fp32 would double the dispatched bytes)
+            model.enable_expert_parallel(
+                state.ep_group, max_tokens_per_rank=self._micro_rows() * cfg.seq_len, device=state.device,
+                dtype=torch.bfloat16 if state.device.type == "cuda" else None)
         self.moe_layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
         self.expert_names = list(expert_parameters(model))
         experts = list(expert_parameters(model).values())
