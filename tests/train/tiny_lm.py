@@ -85,7 +85,7 @@ class TinyLM(nn.Module):
         self.model.norm = nn.RMSNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
-    def enable_expert_parallel(self, group, *, max_tokens_per_rank: int) -> None:
+    def enable_expert_parallel(self, group, *, max_tokens_per_rank: int, dtype=None, device=None) -> None:
         for moe in self.moe_layers():
             moe.shard(group)
 
