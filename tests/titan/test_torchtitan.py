@@ -89,7 +89,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchtitan(nproc: int, out: Path, cache: Path, *args: str) -> None:
+def _torchtitan(nproc: int, out: Path, cache: Path, *args: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_free_port()), "-m", "k3infra.titan.train_cpu", "--module", "k3infra.titan", "--config", "k3_debug",
            "--tokenizer.max_bytes", str(MAX_BYTES), "--tokenizer.cache_dir", str(cache), "--debug.seed", "0",
@@ -97,6 +97,7 @@ def _torchtitan(nproc: int, out: Path, cache: Path, *args: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
 
 
 def _losses(out: Path) -> list[float]:
@@ -118,12 +119,17 @@ def test_torchtitan_trainer_ep2_fsdp_matches_one_process(tmp_path):
     _torchtitan(1, tmp_path / "one", tmp_path, *common, "--training.local_batch_size", "8")
     _torchtitan(2, tmp_path / "ep2", tmp_path, *common, "--training.local_batch_size", "4",
                 "--parallelism.expert_parallel_degree", "2")
-    one, ep2 = _losses(tmp_path / "one"), _losses(tmp_path / "ep2")
-    assert len(one) == len(ep2) == 3
+    log = _torchtitan(1, tmp_path / "compiled", tmp_path, *common, "--training.local_batch_size", "8",
+                      "--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager")
+    assert "compiled 5 decoder layers" in log, log[-3000:]
+    one, ep2, compiled = _losses(tmp_path / "one"), _losses(tmp_path / "ep2"), _losses(tmp_path / "compiled")
+    assert len(one) == len(ep2) == len(compiled) == 3
     assert abs(one[0] - math.log(512)) < 0.05
     assert one[-1] < one[0] - 0.1  # it learns
     # same global batch, same weights: only the summation order differs (FSDP reduce-scatter, MoonEP combine)
     np.testing.assert_allclose(ep2, one, atol=1e-4)
+    # the decoder layers under torch.compile (traced, autograd through AOT): the same steps
+    np.testing.assert_allclose(compiled, one, atol=3e-4)
 
 
 @pytest.mark.gpu
@@ -139,6 +145,7 @@ def test_torchtitan_trainer_k3_mini_on_gpu(tmp_path):
            "--dump_folder", str(tmp_path / "mini"), "--metrics.enable_tensorboard"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
     losses = _losses(tmp_path / "mini")
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(32768)) < 0.3

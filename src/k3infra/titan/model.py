@@ -86,6 +86,9 @@ class K3TitanModel(BaseModel):
         Returns:
             ``fp32 [B, T, V]`` logits; position ``t`` predicts the token after ``tokens[:, t]``.
         """
+        from k3infra.train.compile import mark_packed_dynamic
+
+        mark_packed_dynamic(cu_seqlens)  # compiled layers: new packings do not recompile
         return self.lm(input_ids=tokens, cu_seqlens=cu_seqlens, use_cache=False).logits
 
     @torch.no_grad()

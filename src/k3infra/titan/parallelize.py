@@ -95,17 +95,17 @@ def parallelize_k3(model: nn.Module, *, parallel_dims, training, parallelism, co
     """torchtitan ``parallelize_fn`` for `K3TitanModel` (see the module docstring). Returns the model.
 
     Raises:
-        ValueError: tensor, context or pipeline parallelism, or ``torch.compile``, is asked for (not provided by
-            this spec: the KDA/MLA layers carry no TP plan and the Block Attention Residuals pass block sums between
-            layers, which torchtitan's pipeline splitter does not carry).
+        ValueError: tensor, context or pipeline parallelism is asked for (not provided by this spec: the KDA/MLA
+            layers carry no TP plan and the Block Attention Residuals pass block sums between layers, which
+            torchtitan's pipeline splitter does not carry).
+
+    ``compile.enable`` with ``model`` in ``compile.components`` compiles each decoder layer
+    (`k3infra.train.compile.apply_compile`, ``compile.backend``) after activation checkpointing and before FSDP.
     """
     for name, enabled in (("tensor", parallel_dims.tp_enabled), ("context", parallel_dims.cp_enabled),
                           ("pipeline", parallel_dims.pp_enabled)):
         if enabled:
             raise ValueError(f"the K3 spec does not provide {name} parallelism; set its degree to 1")
-    if compile_config.enable and "model" in compile_config.components:
-        raise ValueError("the K3 spec does not support compile.enable for the model (host-side varlen and MoonEP "
-                         "plans); remove 'model' from compile.components")
     lm = model.lm
     if parallel_dims.ep_enabled:
         from torchtitan.config import TORCH_DTYPE_MAP
@@ -117,6 +117,10 @@ def parallelize_k3(model: nn.Module, *, parallel_dims, training, parallelism, co
         layers = lm.model.layers
         for i in range(len(layers)):
             layers[i] = policy._wrap_block(layers[i], base_fqn=f"lm.model.layers.{i}")
+    if compile_config.enable and "model" in compile_config.components:
+        from k3infra.train.compile import apply_compile
+
+        apply_compile(list(lm.model.layers), backend=compile_config.backend)  # after AC, before FSDP
     _apply_fsdp(model, parallel_dims, training, parallelism)
     logger.info("K3: FSDP over %d ranks, expert parallel %d, activation checkpointing %s",
                 parallel_dims.world_size, parallel_dims.ep, type(ac_config).__qualname__ if ac_config else "off")
