@@ -132,15 +132,22 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def apply_fsdp(model: nn.Module, state: ParallelState, *, ignored: set[nn.Parameter]) -> None:
-    """`fully_shard` every decoder layer, then the root, over all ranks; ``ignored`` stay local."""
+def apply_fsdp(model: nn.Module, state: ParallelState, *, ignored: set[nn.Parameter],
+               param_dtype: torch.dtype | None = None) -> None:
+    """`fully_shard` every decoder layer, then the root, over all ranks; ``ignored`` stay local.
+
+    With ``param_dtype`` (bf16 on CUDA, as torchtitan's ``mixed_precision_param``) FSDP all-gathers the parameters in
+    that dtype for forward and backward and reduce-scatters the gradients in fp32 into the fp32 shards; forward
+    inputs are not cast (the AttnRes sources keep their dtypes)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(state.device.type, (state.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                              cast_forward_inputs=False)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, ignored_params=ignored or None)
-    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
+        fully_shard(layer, mesh=mesh, ignored_params=ignored or None, mp_policy=mp)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=mp)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -284,7 +284,8 @@ class Trainer:
 
             apply_compile(decoder_layers(model), scope="layer" if cfg.compile is True else cfg.compile)
         if state.world_size > 1:
-            apply_fsdp(model, state, ignored=set(experts))
+            apply_fsdp(model, state, ignored=set(experts),
+                       param_dtype=torch.bfloat16 if state.device.type == "cuda" else None)
         self.model = model
         self.experts = experts
         self.optimizers = build_optimizers(
