@@ -8,8 +8,8 @@ CPU dry run:       python -m benchmarks.train.elementwise --dry-run   (tiny shap
 The baseline is the eager autograd Function of `k3infra.model.layers` (``fused.MODE = "off"``), ours the Triton
 kernels of `k3infra.model.fused` (``"on"``), same inputs in the same run; shapes are those of one k3-mini
 micro-batch (16,384 tokens, hidden 1024, dense MLP width 4864, 8 AttnRes sources; the max logit over 8 heads of
-width 192 in packed sequences of 4096, 2048, 1024 x 4, 3072, 1024 and 1 tokens), bf16. Each row also records
-the relative RMS difference of the two outputs and input gradients. JSON goes to
+width 192 in packed sequences of 4096, 2048, 1024 x 4, 3072, 1024 and 1 tokens, then one of the rest), bf16.
+Each row also records the relative RMS difference of the two outputs and input gradients. JSON goes to
 ``benchmarks/results/elementwise-<date>.json``.
 """
 

@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         variants = {name: {**o, "kda_backend": "torch"} for name, o in variants.items()}
         note = "CPU smoke: both variants run the torch KDA path and local experts (no kernel difference)"
-    compiled = {"ours+compile"} if args.compile else set()
     if args.compile:
         variants["ours+compile"] = variants["ours"]
     if args.skip_baseline:
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                               batch_size=args.batch_size, out=f"{out}/{name}", device=args.device, progress=False,
                               tensorboard=False, plot=False, overrides=overrides,
                               activation_checkpointing=args.activation_checkpointing,
-                              compile=args.compile if name in compiled else False).resolved()
+                              compile=args.compile if name == "ours+compile" else False).resolved()
             results[name] = measure(cfg, args.steps, args.warmup)
             r = results[name]
             print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from flashkda.rounding import INTERPRET
+from k3infra.model.fused import use_fused
 
 __all__ = ["MAX_LOGIT_BLOCK_ELEMENTS", "causal_max_logit"]
 
@@ -42,8 +43,6 @@ def causal_max_logit(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, bounds: list[in
     Returns:
         ``[H]`` fp32; ``-inf`` for a head with no pair (no tokens).
     """
-    from k3infra.model.fused import use_fused
-
     B, H, T, E = q_BHTE.shape
     S = k_BHSE.shape[2]
     if tuple(k_BHSE.shape) != (B, H, S, E) or S < T:

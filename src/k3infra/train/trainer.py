@@ -26,6 +26,7 @@ from torch import nn
 from k3infra.model.config import K3Config, flops_per_token, preset_names
 from k3infra.train.callbacks import TrainerCallback
 from k3infra.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
+from k3infra.train.compile import apply_compile, mark_packed_dynamic
 from k3infra.train.data import TrainData, prepare_data
 from k3infra.train.metrics import TensorBoardLogger, format_mfu, mfu, peak_flops, plot_curves
 from k3infra.train.optim import build_optimizers, build_schedulers
@@ -257,10 +258,9 @@ class Trainer:
             load_model_weights(self.init_from, model)
         if cfg.ep > 1:
             # the buffers live on the training device (the model is still on the CPU here) and carry the
-            # activations' dtype: bf16 under CUDA autocast (fp32 would double the dispatched bytes)
-            model.enable_expert_parallel(
-                state.ep_group, max_tokens_per_rank=self._micro_rows() * cfg.seq_len, device=state.device,
-                dtype=torch.bfloat16 if state.device.type == "cuda" else None)
+            # activations' dtype (fp32 under bf16 autocast would double the dispatched bytes)
+            model.enable_expert_parallel(state.ep_group, max_tokens_per_rank=self._micro_rows() * cfg.seq_len,
+                                         device=state.device, dtype=self._compute_dtype())
         self.moe_layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
         self.expert_names = list(expert_parameters(model))
         experts = list(expert_parameters(model).values())
@@ -280,12 +280,9 @@ class Trainer:
                 raise ValueError("--activation-checkpointing needs model.model.layers (a transformers decoder)")
             apply_activation_checkpointing(model, check_fn=lambda m: m in layers)
         if cfg.compile:
-            from k3infra.train.compile import apply_compile
-
             apply_compile(decoder_layers(model), scope="layer" if cfg.compile is True else cfg.compile)
         if state.world_size > 1:
-            apply_fsdp(model, state, ignored=set(experts),
-                       param_dtype=torch.bfloat16 if state.device.type == "cuda" else None)
+            apply_fsdp(model, state, ignored=set(experts), param_dtype=self._compute_dtype())
         self.model = model
         self.experts = experts
         self.optimizers = build_optimizers(
@@ -301,10 +298,13 @@ class Trainer:
         per_rank = self.cfg.batch_size // self.state.world_size
         return min(per_rank, self.cfg.micro_batch_size or per_rank)
 
+    def _compute_dtype(self) -> torch.dtype | None:
+        """bf16 on CUDA (autocast, FSDP's parameter all-gathers, MoonEP's buffers), None (fp32) elsewhere."""
+        return torch.bfloat16 if self.state.device.type == "cuda" else None
+
     def _autocast(self):
-        if self.state.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        dtype = self._compute_dtype()
+        return torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def train_step(self, step: int) -> dict:
         """Forward, backward and update on step ``step``'s global batch. Returns the history entry."""
@@ -318,8 +318,6 @@ class Trainer:
         for batch in micro:
             batch = batch.to(state.device)
             if cfg.compile:
-                from k3infra.train.compile import mark_packed_dynamic
-
                 mark_packed_dynamic(batch.cu_seqlens)
             with self._autocast():
                 output = self.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)

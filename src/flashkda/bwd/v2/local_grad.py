@@ -1,6 +1,7 @@
 """B3 of the v2 backward: the chunk-local gradients, from the checkpoints, B2's state gradients and the workspace.
 
-One Triton kernel (`flashkda.bwd.v2.local_grad_kernel`), one program per (checkpoint segment, value head), imported
+One Triton kernel, one program per (checkpoint segment, value head), in two layouts until their device A/B decides
+(`flashkda.bwd.v2.local_grad_kernel`, tiles ``[C, 128]``; `local_grad_fm_kernel`, tiles ``[128, C]``), imported
 on the first launch only; on a machine without a GPU it runs under ``TRITON_INTERPRET=1`` on CPU tensors. Its torch
 twin is the ``B1`` + ``B3`` stages of ``emulate.emulate_backward`` (``_states`` and ``_local_grads``) plus the
 reductions after them.
