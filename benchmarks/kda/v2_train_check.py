@@ -12,8 +12,9 @@ what was measured and exits when a kernel hangs past it):
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
    input): the gradients of ours-v2 (chunk 16 and 32) and of v1 against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
-   K1, F2, B2, and B3 in the launch forms of ``--b3-forms``; the backward is K1 + B2 + B3), and the peak extra
-   memory of each fwd+bwd step.
+   K1, F2, B2, and B3 in the forms of ``--b3-forms``, each form's gradients against the first's and the split's
+   B3a and B3b apart (torch profiler); the backward is K1 + B2 + B3), and the peak extra memory of each fwd+bwd
+   step.
 
 Results: ``benchmarks/results/kda-v2-train-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
@@ -55,18 +56,30 @@ GRACE_S = 10.0
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 GRAD_TOL = 1e-2
 FLA = "fla 0.6.0 chunk_kda fwd+bwd"
-#: B3's launch forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size.
+#: B3's forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: the fused
+#: kernel in its two layouts and launch variants, and the split (B3a at 8 warps with 64-column V blocks, then B3b:
+#: the Gluon kernel at chunk 16, Triton at chunk 32) with register caps.
 B3_FORMS = {
     "fused": {},
     "fused-16warps": dict(num_warps=16),
     "fused-unpipelined": dict(num_stages=1),
     "fused-4warps": dict(num_warps=4),
-    "feature-major": dict(feature_major=True),
-    "feature-major-4warps": dict(feature_major=True, num_warps=4),
-    "feature-major-16warps": dict(feature_major=True, num_warps=16),
+    "feature-major": dict(form="feature-major"),
+    "feature-major-4warps": dict(form="feature-major", num_warps=4),
+    "feature-major-16warps": dict(form="feature-major", num_warps=16),
+    "split": dict(form="split"),
+    "split-b3b-regs128": dict(form="split", max_registers=(None, 128)),
+    "split-regs128": dict(form="split", max_registers=(128, 128)),
+    "split-bv128": dict(form="split", block_v=128),
+    "split-one-group": dict(form="split", scratch_mb=1e6),
 }
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short).
 B3_DEFAULT = ("fused",)
+#: B3's gradients (`emulate.KDAGrads` fields) compared across forms.
+B3_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
+#: The split's kernels by name (the profiler's keys): B3a, and B3b in Gluon or in Triton.
+SPLIT_KERNELS = {"B3a": "kda_bwd_v2_local_state_kernel", "B3b (Gluon)": "kda_bwd_v2_k1_gluon_kernel",
+                 "B3b (Triton)": "kda_bwd_v2_local_chunk_kernel"}
 
 
 def v2_call(x: dict, kw: dict, chunk_size: int = 16, stages=None):
@@ -97,6 +110,24 @@ def peak_mb(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return round((torch.cuda.max_memory_allocated() - base) / 1e6, 1)
+
+
+def kernel_ms(fn, names: dict, rep: int = 5) -> dict:
+    """Mean device ms per call of ``fn`` spent in each kernel of ``names`` (label -> kernel name), from the torch
+    profiler over ``rep`` calls after one warm call; kernels that did not run are left out."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rep):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = next(a for a in ("self_device_time_total", "self_cuda_time_total") if events and hasattr(events[0], a))
+    times = {label: sum(getattr(e, attr) for e in events if name in e.key) for label, name in names.items()}
+    return {label: round(t / 1e3 / rep, 4) for label, t in times.items() if t > 0}
 
 
 def stage_fns(x: dict, kw: dict, do, dht, chunk: int, b3_forms=B3_DEFAULT) -> dict:
@@ -181,6 +212,24 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_form
             for stage, fn in (fns or {}).items():
                 t, _ = guarded(f"time {stage} c{chunk} {shape.name}", time_fn, fn, device=device, rep=rep)
                 extra[f"v2c{chunk} {stage} ms"] = None if t is None else round(t.median_ms, 4)
+            b3 = [n for n in (fns or {}) if n.startswith("B3 ")]
+            if len(b3) > 1:  # every B3 form's gradients against the first's, on the same inputs
+                first, err = guarded(f"{b3[0]} c{chunk} {shape.name}", fns[b3[0]])
+                for stage in b3[1:]:
+                    other, err = guarded(f"{stage} c{chunk} {shape.name}", fns[stage])
+                    if first is None or other is None:
+                        extra[f"v2c{chunk} {stage} rms vs {b3[0]}"] = f"failed: {err}"
+                        continue
+                    errs = {n: rms_ratio(getattr(other, n), getattr(first, n)) for n in B3_GRADS
+                            if getattr(first, n) is not None}
+                    extra[f"v2c{chunk} {stage} rms vs {b3[0]}"] = {n: float(f"{e:.3e}") for n, e in errs.items()}
+                del first
+            for stage in [n for n in b3 if n.startswith("B3 split")]:  # the split's kernels apart
+                parts, err = guarded(f"profile {stage} c{chunk} {shape.name}", kernel_ms, fns[stage], SPLIT_KERNELS)
+                for label, t in (parts or {}).items():
+                    extra[f"v2c{chunk} {stage}: {label} ms"] = t
+                if parts is None:
+                    extra[f"v2c{chunk} {stage}: kernels"] = f"failed: {err}"
     for name in ("v2c16", "v2c32", "v1"):
         if ms.get(name) and ms.get("fla"):
             extra[f"fla / {name}"] = round(ms["fla"] / ms[name], 3)

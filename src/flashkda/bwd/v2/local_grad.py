@@ -1,8 +1,16 @@
 """B3 of the v2 backward: the chunk-local gradients, from the checkpoints, B2's state gradients and the workspace.
 
-One Triton kernel, one program per (checkpoint segment, value head), in two layouts until their device A/B decides
-(`flashkda.bwd.v2.local_grad_kernel`, tiles ``[C, 128]``; `local_grad_fm_kernel`, tiles ``[128, C]``), imported
-on the first launch only; on a machine without a GPU it runs under ``TRITON_INTERPRET=1`` on CPU tensors. Its torch
+Three forms until their device A/B decides (`FORMS`):
+
+- ``"fused"``: one Triton kernel per (checkpoint segment, value head), tiles ``[C, 128]``
+  (`flashkda.bwd.v2.local_grad_kernel`);
+- ``"feature-major"``: the same kernel with tiles ``[128, C]`` (`local_grad_fm_kernel`);
+- ``"split"``: B3a, the sequential state part per (segment, block of value columns, value head), then B3b, K1
+  backwards per (chunk, value head), through an fp32 scratch (`local_split_kernel`); B3b is the Gluon kernel of
+  `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU).
+
+Kernels are imported on the first launch only; on a machine without a GPU the Triton ones run under
+``TRITON_INTERPRET=1`` on CPU tensors. Its torch
 twin is the ``B1`` + ``B3`` stages of ``emulate.emulate_backward`` (``_states`` and ``_local_grads``) plus the
 reductions after them.
 """
@@ -17,21 +25,39 @@ from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets
 from flashkda.bwd.v2.emulate import KDAGrads
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
 
-__all__ = ["CHUNKS", "local_grads_bwd", "segment_table"]
+__all__ = ["CHUNKS", "FORMS", "local_grads_bwd", "segment_table"]
 
 #: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
 CHUNKS = (16, 32)
+#: B3's forms (see the module docstring).
+FORMS = ("fused", "feature-major", "split")
 
 
 @functools.cache
-def _kernel(feature_major: bool):
-    if feature_major:
+def _kernel(form: str):
+    if form == "feature-major":
         from flashkda.bwd.v2 import local_grad_fm_kernel
 
         return local_grad_fm_kernel.kda_bwd_v2_local_fm_kernel
     from flashkda.bwd.v2 import local_grad_kernel
 
     return local_grad_kernel.kda_bwd_v2_local_kernel
+
+
+@functools.cache
+def _split_kernels(gluon_k1: bool):
+    from flashkda.bwd.v2 import local_split_kernel
+
+    if gluon_k1:
+        from flashkda.bwd.v2 import local_k1_gluon
+
+        return local_split_kernel.kda_bwd_v2_local_state_kernel, local_k1_gluon.kda_bwd_v2_k1_gluon_kernel
+    return local_split_kernel.kda_bwd_v2_local_state_kernel, local_split_kernel.kda_bwd_v2_local_chunk_kernel
+
+
+def _gluon_k1(device: torch.device, C: int) -> bool:
+    """Whether B3b runs the Gluon kernel: 16-token chunks on a Hopper GPU."""
+    return device.type == "cuda" and C == 16 and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def segment_table(layout: ChunkLayout, every: int) -> torch.Tensor:
@@ -79,13 +105,66 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
                          f"got {tuple(ds.shape)}")
 
 
+def _scratch_floats(C: int, K: int) -> int:
+    """fp32 scratch floats per (V block, chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T,
+    dglast, db."""
+    return 3 * C * K + 2 * C * C + K + C
+
+
+def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
+                  block_v, num_warps, caps, launch, scratch_mb):
+    """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch; by
+    groups of segments whose scratch fits in ``scratch_mb`` MiB (at least one segment)."""
+    dq, dk, dv, dg, dbeta = grads
+    part_alog, part_dt = parts
+    NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
+    C = int(ws.inv.shape[-1])
+    gluon_k1 = _gluon_k1(g.device, C)
+    state_kernel, chunk_kernel = _split_kernels(gluon_k1)
+    NV = K // block_v
+    n_seg = seg.shape[0]
+    per_seg = NV * every * HV * _scratch_floats(C, K) * 4
+    group = max(1, min(n_seg, int(scratch_mb * 2**20) // per_seg))  # segments per launch pair
+    NTS = group * every  # scratch chunk rows
+    # the segments cover the used chunks in order: a group's chunks are [first of its first, first of the next)
+    cum = torch.cat([seg.new_zeros(1), seg[:, 1].cumsum(0).to(torch.int32)])
+    bounds = cum[::group] if n_seg % group == 0 else torch.cat([cum[::group], cum[-1:]])  # [groups + 1], device ops
+    bounds = bounds.contiguous()
+    part_ck = torch.empty(NV, NTS, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
+    part_cc = torch.empty(NV, NTS, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
+    part_k = torch.empty(NV, NTS, HV, K, dtype=torch.float32, device=g.device)  # dglast
+    part_c = torch.empty(NV, NTS, HV, C, dtype=torch.float32, device=g.device)  # db
+    dummy = ws.beta
+    chunk_consts = dict(HQ=q.shape[2], HV=HV, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None)
+    if gluon_k1:
+        from flashkda.bwd.v2.local_k1_gluon import NUM_WARPS
+
+        chunk_launch = dict(num_warps=int(NUM_WARPS), **caps[1])
+    else:
+        chunk_launch = dict(C=C, K=K, num_warps=8, **caps[1])
+    for grp, s0 in enumerate(range(0, n_seg, group)):
+        state_kernel[(min(group, n_seg - s0) * NV, HV)](
+            v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
+            dv, part_ck, part_cc, part_k, part_c, bounds, grp, s0, NTS,
+            HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=num_warps, **launch, **caps[0],
+        )
+        chunk_kernel[(min(group, n_seg - s0) * every, HV)](
+            q, k, g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            ws.kd, ws.qd, ws.kr, ws.inv, ws.glast, ws.beta, ws.layout.chunk_index,
+            part_ck, part_cc, part_k, part_c, dq, dk, dg, dbeta, part_alog, part_dt,
+            bounds, grp, float(scale), float(lower_bound), NT, NTS, **chunk_consts, **chunk_launch,
+        )
+
+
 def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None, *, num_warps: int = 8,
-                    num_stages: int | None = None, feature_major: bool = False) -> KDAGrads:
-    """B3: the gradients of the raw inputs, one program per (checkpoint segment, value head), walking the segment's
-    chunks from its checkpoint (the state part, then K1 backwards per chunk).
+                    dt_bias: torch.Tensor | None = None, *, form: str = "fused", num_warps: int = 8,
+                    num_stages: int | None = None, block_v: int = 64,
+                    max_registers: tuple[int | None, int | None] = (None, None),
+                    scratch_mb: float = 512.0) -> KDAGrads:
+    """B3: the gradients of the raw inputs, walking each checkpoint segment's chunks from its checkpoint (the state
+    part, then K1 backwards per chunk, in the same kernel or, ``form="split"``, in a chunk-parallel second one).
 
     Args:
         q, k: ``[B, T, Hq, 128]``; v, g, do: ``[B, T, HV, 128]`` (``HV`` a multiple of ``Hq``); beta:
@@ -96,10 +175,15 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
-        num_warps: warps per program (4, 8 or 16).
+        form: one of `FORMS`; the same results up to fp32 summation order.
+        num_warps: warps per program of the walking kernel (the fused one, or B3a; 4, 8 or 16).
         num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
-        feature_major: run `local_grad_fm_kernel` (the per-chunk tiles ``[128, C]``, the state products with
-            M = 128) instead of `local_grad_kernel` (``[C, 128]``); same results up to fp32 summation order.
+        block_v: value columns per B3a program (64 or 128; split only): its state is ``[128, block_v]``.
+        max_registers: per-thread register caps (``maxnreg``) of the walking kernel and of B3b (None: ptxas'
+            choice; multiples of 8 in [64, 248]; the second is for the split only; ignored by the interpreter).
+        scratch_mb: the split's scratch bound, MiB: B3a + B3b run over groups of checkpoint segments whose
+            ``128 / block_v * (3 C 128 + 2 C^2 + 128 + C)`` fp32 floats per chunk and value head fit (at least one
+            segment per group).
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -110,10 +194,19 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             is not a positive int, or a launch option is out of range.
     """
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     if num_warps not in (4, 8, 16):
         raise ValueError(f"num_warps must be 4, 8 or 16, got {num_warps!r}")
     if num_stages is not None and num_stages not in (1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
+    if block_v not in (64, 128):
+        raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
+    if not isinstance(max_registers, tuple) or len(max_registers) != 2 \
+            or any(r is not None and r not in range(64, 256, 8) for r in max_registers):
+        raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
+    if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
+        raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
     B, T, HV, K = g.shape
     Hq = q.shape[2]
     total = B * T
@@ -128,19 +221,25 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     seg = segment_table(ws.layout, every)
     n_seg = seg.shape[0]
     C = int(ws.inv.shape[-1])
-    part_alog = torch.zeros(n_seg, HV, K, dtype=torch.float32, device=dev)  # the A_log / dt_bias partials
-    part_dt = torch.zeros(n_seg, HV, K, dtype=torch.float32, device=dev)
-    pipelining = {} if num_stages is None else {"num_stages": num_stages}
-    if n_seg and total:
+    split = form == "split"
+    n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
+    part_alog = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
+    part_dt = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
+    launch = {} if num_stages is None else {"num_stages": num_stages}
+    caps = [{} if r is None else {"maxnreg": r} for r in max_registers]
+    if split and n_seg and total:
+        _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
+                      (part_alog, part_dt), scale, lower_bound, block_v, num_warps, caps, launch, scratch_mb)
+    elif n_seg and total:
         dummy = ws.beta
-        _kernel(bool(feature_major))[(n_seg, HV)](
+        _kernel(form)[(n_seg, HV)](
             q, k, v, g, do, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
             ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
             checkpoints, ds, ws.layout.chunk_index, seg,
             dq, dk, dv, dg, dbeta, part_alog, part_dt,
             float(scale), float(lower_bound),
             HQ=Hq, HV=HV, C=C, K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-            num_warps=num_warps, **pipelining,
+            num_warps=num_warps, **launch, **caps[0],
         )
     if Hq != HV:
         dq, dk = (x.reshape(total, Hq, HV // Hq, K).sum(2) for x in (dq, dk))
