@@ -69,6 +69,7 @@ B3_FORMS = {
     "feature-major-16warps": dict(form="feature-major", num_warps=16),
     "split": dict(form="split"),
     "split-b3b-regs128": dict(form="split", max_registers=(None, 128)),
+    "split-b3b-regs64": dict(form="split", max_registers=(None, 64)),
     "split-regs128": dict(form="split", max_registers=(128, 128)),
     "split-bv128": dict(form="split", block_v=128),
     "split-one-group": dict(form="split", scratch_mb=1e6),

@@ -108,8 +108,6 @@ def kda_bwd_v2_k1_gluon_kernel(
     else:
         a = 1.0
         a2 = 1.0
-    b_x = b_g * a
-    b_sig = 1.0 / (1.0 + gl.exp(-b_x))
     b_gl2 = gl.where(m_tk, lower_bound * LOG2E / (1.0 + gl.exp2(-(b_g * a2) * LOG2E)), 0.0)
     b_G = gl.associative_scan(b_gl2, 0, _add)  # [C, K] log2 units
     b_Glast = gl.sum(b_gl2, axis=0)  # [K]
@@ -135,20 +133,11 @@ def kda_bwd_v2_k1_gluon_kernel(
     l_cc = o_cc < gl.where(live, C * C, 0)
     b_X = gl.zeros([C, C], gl.float32, CC)
     b_dMf = gl.zeros([C, C], gl.float32, CC)
-    b_dkd = gl.zeros([C, K], gl.float32, COL)
-    b_dqd = gl.zeros([C, K], gl.float32, COL)
-    b_dkr = gl.zeros([C, K], gl.float32, COL)
-    b_dglast = gl.zeros([K], gl.float32, gl.SliceLayout(0, COL))
     b_db = gl.zeros([C], gl.float32, gl.SliceLayout(1, CC))
-    l_tk = gl.expand_dims(o_t < gl.where(live, C, 0), 1) & gl.expand_dims(o_k < K, 0)
     for i_v in gl.static_range(NV):
         i_p = (i_v * NTS + i_j).to(gl.int64) * HV + i_h
         b_X += gl.load(part_cc + i_p * 2 * C * C + o_cc, mask=l_cc, other=0.0)
         b_dMf += gl.load(part_cc + i_p * 2 * C * C + C * C + o_cc, mask=l_cc, other=0.0)
-        b_dkd += gl.load(part_ck + i_p * 3 * C * K + o_ck, mask=l_tk, other=0.0)
-        b_dqd += gl.load(part_ck + i_p * 3 * C * K + C * K + o_ck, mask=l_tk, other=0.0)
-        b_dkr += gl.load(part_ck + i_p * 3 * C * K + 2 * C * K + o_ck, mask=l_tk, other=0.0)
-        b_dglast += gl.load(part_k + i_p * K + o_k, mask=l_k, other=0.0)
         b_db += gl.load(part_c + i_p * C + o_i, mask=o_i < gl.where(live, C, 0), other=0.0)
 
     # INV^T bf(X) on mma.sync: INV^T and bf(X) through shared memory
@@ -185,6 +174,17 @@ def kda_bwd_v2_k1_gluon_kernel(
 
     # ---- the gate's dG and the normed q, k's gradients, accumulated term by term (few tiles live at once):
     # first the state terms (B3a's dkd, dqd, dkr against the workspace's bf16 factors), then each product's
+    b_dkd = gl.zeros([C, K], gl.float32, COL)
+    b_dqd = gl.zeros([C, K], gl.float32, COL)
+    b_dkr = gl.zeros([C, K], gl.float32, COL)
+    b_dglast = gl.zeros([K], gl.float32, gl.SliceLayout(0, COL))
+    l_tk = gl.expand_dims(o_t < gl.where(live, C, 0), 1) & gl.expand_dims(o_k < K, 0)
+    for i_v in gl.static_range(NV):
+        i_p = (i_v * NTS + i_j).to(gl.int64) * HV + i_h
+        b_dkd += gl.load(part_ck + i_p * 3 * C * K + o_ck, mask=l_tk, other=0.0)
+        b_dqd += gl.load(part_ck + i_p * 3 * C * K + C * K + o_ck, mask=l_tk, other=0.0)
+        b_dkr += gl.load(part_ck + i_p * 3 * C * K + 2 * C * K + o_ck, mask=l_tk, other=0.0)
+        b_dglast += gl.load(part_k + i_p * K + o_k, mask=l_k, other=0.0)
     b_kdf = gl.load(kd + p_hk, mask=m_tk, other=0.0).to(gl.float32)
     b_qdf = gl.load(qd + p_hk, mask=m_tk, other=0.0).to(gl.float32)
     b_krf = gl.load(kr + p_hk, mask=m_tk, other=0.0).to(gl.float32)
@@ -194,18 +194,20 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_dqn = b_dqd * b_e
     zero = gl.zeros([C, K], gl.float32, MMA)
     b_dkdh = _mm_tok(dl_s, kih_s, zero)
-    b_dG += b_dkdh * b_kdh.to(gl.float32)
+    b_dG += b_dkdh * kdh_s.load(COL).to(gl.float32)
     b_dkn += b_dkdh * b_e
     b_dqdh = _mm_tok(dm_s, kih_s, zero)
-    b_dG += b_dqdh * b_qdh.to(gl.float32)
+    b_dG += b_dqdh * qdh_s.load(COL).to(gl.float32)
     b_dqn += b_dqdh * b_e
     b_dkih = _mm_tok(dmT_s, qdh_s, mma_v2(dlT_s.load(DOT_A), kdh_s.load(DOT_B), zero))
-    b_dG -= b_dkih * b_kih.to(gl.float32)
+    b_dG -= b_dkih * kih_s.load(COL).to(gl.float32)
     b_dkn += b_dkih * gl.exp2(-b_G)
 
     b_gl = gl.load(glast + i_ch * K + o_k, mask=l_k, other=0.0)  # [K] fp32, 2^Glast
     b_dGlast += LN2 * b_dglast * b_gl
     b_dgl = LN2 * gl.associative_scan(b_dG, 0, _add, reverse=True) + gl.expand_dims(b_dGlast, 0)
+    b_x = b_g * a
+    b_sig = 1.0 / (1.0 + gl.exp(-b_x))
     b_dx = b_dgl * (lower_bound * LOG2E) * b_sig * (1.0 - b_sig)
     b_dgate = b_dx * a
     gl.store(part_alog + i_ch * K + o_k, gl.sum(gl.where(m_tk, b_dx * b_x, 0.0), axis=0), mask=l_k)
