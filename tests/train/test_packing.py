@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,22 @@ def test_local_jsonl_and_text(tmp_path):
     (tmp_path / "b.txt").write_text("plain text file")
     corpus = Corpus.from_paths([tmp_path])
     assert corpus.documents == ("hello world", "second doc", "plain text file")
+
+
+def test_folder_walk_is_in_sorted_path_order(tmp_path):
+    """Files in sorted-path order ("b/..." before "b-c/..." before "b.txt"), skipped folders never read, a symlinked
+    folder (here a loop) not entered."""
+    names = ["b.txt", "b/c.md", "b-c/d.jsonl", "B/z.py", "a b/e.py", "b/test/u.py", "b/__pycache__/x.py",
+             "site-packages/s.py", "x.bin"]
+    for name in names:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f'{{"text": "{name}"}}\n' if name.endswith(".jsonl") else name)
+    (tmp_path / "b" / "loop").symlink_to(tmp_path, target_is_directory=True)
+    corpus = Corpus.from_paths([tmp_path])
+    expected = ["B/z.py", "a b/e.py", "b/c.md", "b/test/u.py", "b-c/d.jsonl", "b.txt"]
+    assert [str(Path(f).relative_to(tmp_path)) for f in corpus.sources] == expected
+    assert corpus.documents == tuple(expected)
 
 
 @pytest.mark.parametrize("bad, match", [

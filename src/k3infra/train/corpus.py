@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 """Files read whole as one document each."""
 
 _SKIP_DIRS = {"site-packages", "__pycache__", "dist-packages"}
+_STDLIB_TEST_DIRS = {"test", "tests", "idle_test"}
 
 
 def stdlib_root() -> Path:
@@ -107,14 +109,26 @@ def _files(roots: list[Path], *, stdlib_only: bool) -> Iterator[Path]:
         if root.is_file():
             yield root
             continue
-        for file in sorted(root.rglob("*")):
-            rel = file.relative_to(root).parts
-            if not file.is_file() or _SKIP_DIRS.intersection(rel):
-                continue
-            if stdlib_only and (file.suffix != ".py" or any(p in ("test", "tests", "idle_test") for p in rel)):
-                continue
+        for file in _walk_sorted(root, stdlib_only):
             if file.suffix in TEXT_SUFFIXES or file.suffix in (".jsonl", ".parquet"):
                 yield file
+
+
+def _walk_sorted(folder: Path, stdlib_only: bool) -> Iterator[Path]:
+    """The files under ``folder`` in sorted-path order (each folder's entries by name, a subfolder's files where
+    its name sorts), never entering `_SKIP_DIRS` (nor test folders, nor anything but ``.py`` files, with
+    ``stdlib_only``)."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):  # as Path.rglob: symlinked folders are not entered
+            if entry.name in _SKIP_DIRS or (stdlib_only and entry.name in _STDLIB_TEST_DIRS):
+                continue
+            yield from _walk_sorted(Path(entry.path), stdlib_only)
+        elif entry.is_file() and not (stdlib_only and not entry.name.endswith(".py")):
+            yield Path(entry.path)
 
 
 def _read_documents(file: Path) -> Iterator[str]:
