@@ -11,7 +11,8 @@
 # record the commit from .k3_commit). The script installs the carried wheels into /tmp/site, unpacks the committed
 # Triton autotune cache of fla's and our kernels (benchmarks/kda/fla-autotune-h200.tgz: fla's first training call
 # then skips minutes of autotuning), records the machine in $OUT/machine.txt, tees everything to $OUT/log.txt and
-# copies the results files this run wrote to $OUT/results/. CAP (seconds, default 540) bounds each benchmark.
+# copies the results files this run wrote to $OUT/results/ and the autotune results it added to
+# $OUT/autotune-new.tgz. CAP (seconds, default 540) bounds each benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 CAP=${CAP:-540}
@@ -55,5 +56,9 @@ else
 fi
 # only the results this run wrote: $OUT comes back with a limited number of files
 find benchmarks/results -name '*.json' -newer /tmp/k3_run_start -exec cp {} "$OUT/results/" \;
+# the autotune results this run added (fla's kernels at new shapes or flags): merge them into
+# benchmarks/kda/fla-autotune-h200.tgz here, so that later calls skip that autotuning
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer /tmp/k3_run_start | tar -czf "$OUT/autotune-new.tgz" -T - \
+  && [ "$(tar -tzf "$OUT/autotune-new.tgz" | wc -l)" -gt 0 ] || rm -f "$OUT/autotune-new.tgz")
 [ -f BENCHMARKS.md ] && [ BENCHMARKS.md -nt /tmp/k3_run_start ] && cp BENCHMARKS.md "$OUT/"
 exit "$status"
