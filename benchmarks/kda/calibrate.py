@@ -71,10 +71,12 @@ INFERENCE = (
     + [_varlen(H, lens, tag) for H in (12, 64, 96) for lens, tag in ((VARLEN_MIXED, "mixed"), (VARLEN_EVEN, "1kx8"))]
     + [Shape("H16-HV64-T8192", 16, 8192, HV=64)]
 )
-#: Training rows: the training table's rows plus the small and large head counts.
+#: Training rows: the training table's rows plus the small and large head counts, GVA and K = V = 64 (the training
+#: bar's six rows are among them).
 TRAINING = [
     _fixed(64, 8192), _varlen(64, VARLEN_EVEN, "1kx8"), _varlen(64, VARLEN_MIXED, "mixed"), _fixed(32, 4096, B=8),
     _fixed(32, 32768), _fixed(12, 8192), _fixed(96, 8192), Shape("H16-HV64-T8192", 16, 8192, HV=64),
+    Shape("H64-T8192-K64", 64, 8192, D=64),
 ]
 
 

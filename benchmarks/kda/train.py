@@ -1,8 +1,9 @@
 """FlashKDA training benchmark: forward + backward of ours vs fla-core 0.6.0 in one run, correctness gates first.
 
-Rows: bf16, K = V = 128, K3 flags (in-kernel L2 norm, bounded gate ``lower_bound=-5`` with ``A_log`` and
-``dt_bias``, beta sigmoid), fp32 initial and final state, gradients for every input:
-``B1-T8192-H64``, ``varlen1024x8-H64``, ``B8-T4096-H32``, ``B1-T32768-H32``.
+Rows (the training bar's six): bf16, K3 flags (in-kernel L2 norm, bounded gate ``lower_bound=-5`` with ``A_log`` and
+``dt_bias``, beta sigmoid), fp32 initial and final state, gradients for every input; K = V = 128: ``B1-T8192-H64``,
+``varlen1024x8-H64``, ``B8-T4096-H32``, ``B1-T32768-H32``, GVA ``B1-T8192-H16-HV64`` (16 q/k heads, 64 value
+heads); and ``B1-T8192-H64-K64`` (K = V = 64).
 
 Per row: median ms of ``forward + backward`` for ``flashkda.chunk_kda`` (v2 where ``prefers_v2_training`` holds, as
 on a Hopper GPU at these rows; ``FLASHKDA_KERNELS=v1`` times v1) and ``fla.ops.kda.chunk_kda`` (fla's own Triton
@@ -53,6 +54,8 @@ TRAIN_CASES = {
     "varlen1024x8-H64": dict(B=1, T=8192, H=64, lengths=(1024,) * 8),
     "B8-T4096-H32": dict(B=8, T=4096, H=32, lengths=None),
     "B1-T32768-H32": dict(B=1, T=32768, H=32, lengths=None),
+    "B1-T8192-H16-HV64": dict(B=1, T=8192, H=16, HV=64, lengths=None),
+    "B1-T8192-H64-K64": dict(B=1, T=8192, H=64, D=64, lengths=None),
 }
 FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
@@ -60,19 +63,27 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 TOL = 1e-2
 
 
-def make_inputs(B: int, T: int, H: int, lengths, device: str, D: int = 128, seed: int = 0):
+def dims(case: dict) -> tuple[int, int]:
+    """``(value heads, head dim)`` of a `TRAIN_CASES` entry."""
+    return case.get("HV", case["H"]), case.get("D", 128)
+
+
+def make_inputs(B: int, T: int, H: int, lengths, device: str, D: int = 128, seed: int = 0, HV: int | None = None):
+    """Leaf inputs of one row (``H`` q/k heads, ``HV`` value heads, default ``H``; head dim ``D``) and the varlen
+    keywords."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
+    HV = H if HV is None else HV
 
     def rn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
     N = B if lengths is None else len(lengths)
-    x = dict(q=rn(B, T, H, D), k=rn(B, T, H, D), v=rn(B, T, H, D), g=rn(B, T, H, D), beta=rn(B, T, H))
-    x["A_log"] = torch.log(torch.empty(H, device=device).uniform_(1, 16, generator=gen))
-    x["dt_bias"] = rn(H * D, dtype=torch.float32)
-    x["initial_state"] = rn(N, H, D, D, dtype=torch.float32) * 0.1
+    x = dict(q=rn(B, T, H, D), k=rn(B, T, H, D), v=rn(B, T, HV, D), g=rn(B, T, HV, D), beta=rn(B, T, HV))
+    x["A_log"] = torch.log(torch.empty(HV, device=device).uniform_(1, 16, generator=gen))
+    x["dt_bias"] = rn(HV * D, dtype=torch.float32)
+    x["initial_state"] = rn(N, HV, D, D, dtype=torch.float32) * 0.1
     for t in x.values():
         t.requires_grad_()
     extra = {}
@@ -178,10 +189,11 @@ def warm_case(name: str, fn, device: str, log: Progress, slices: list[int] = ())
     import torch
 
     c = TRAIN_CASES[name]
-    x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
+    HV, D = dims(c)
+    x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device, D=D, HV=HV)
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
-    do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
-    dht = torch.randn(N, c["H"], 128, 128, device=device)
+    do = torch.randn(c["B"], c["T"], HV, D, device=device, dtype=torch.bfloat16)
+    dht = torch.randn(N, HV, D, D, device=device)
     for n in (None, *slices):
         log(f"{name}: warm-up call" + ("" if n is None else f" with {n} head slices"))
         step(fn if n is None else ours_in_head_slices(n), x, extra, do, dht)
@@ -213,17 +225,18 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     from flashkda.bwd.gated_dots import fused_gates
 
     c = TRAIN_CASES[name]
-    x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device)
+    HV, D = dims(c)
+    x, extra = make_inputs(c["B"], c["T"], c["H"], c["lengths"], device, D=D, HV=HV)
     if disable_recompute:
         extra = dict(extra, disable_recompute=True)
         name = f"{name}-disable_recompute"
     baseline = "fla 0.6.0 chunk_kda fwd+bwd" + (" (disable_recompute=True)" if disable_recompute else "")
     N = c["B"] if c["lengths"] is None else len(c["lengths"])
-    do = torch.randn(c["B"], c["T"], c["H"], 128, device=device, dtype=torch.bfloat16)
-    dht = torch.randn(N, c["H"], 128, 128, device=device)
+    do = torch.randn(c["B"], c["T"], HV, D, device=device, dtype=torch.bfloat16)
+    dht = torch.randn(N, HV, D, D, device=device)
     NC = sum(-(-n // 64) for n in c["lengths"]) if c["lengths"] else c["B"] * -(-c["T"] // 64)
-    slices = backward_head_slices(N, NC, c["H"], 1, 64, 128, 128)
-    params = dict(B=c["B"], T=c["T"], H=c["H"], K=128, V=128, dtype="bf16", varlen=c["lengths"] is not None)
+    slices = backward_head_slices(N, NC, HV, HV // c["H"], 64, D, D)
+    params = dict(B=c["B"], T=c["T"], H=c["H"], HV=HV, K=D, V=D, dtype="bf16", varlen=c["lengths"] is not None)
 
     def run_fla():
         return step(fla_chunk_kda, x, extra, do, dht)
@@ -240,7 +253,7 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     log(f"{name}: ours {t_ours.median_ms:.2f} ms (p20-p80 {t_ours.p20_ms:.2f}-{t_ours.p80_ms:.2f}), "
         f"peak {mem_ours:.0f} MiB")
     extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
-              "ours_head_slices": len(slices), "ours_fused_gates": fused_gates("tf32", 128)}
+              "ours_head_slices": len(slices), "ours_fused_gates": fused_gates("tf32", D)}
     for n in args.slices:
         def run_sliced(n: int = n):
             return step(ours_in_head_slices(n), x, extra, do, dht)
