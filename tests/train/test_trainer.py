@@ -73,9 +73,13 @@ def test_lora_router_low_lr(tmp_path, train_cache):
     (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"),
     (["--override", '{"num_experts_per_tok": 32}'], "num_experts_per_tok"),
     (["--override", '{"hidden_sise": 64}'], "--override: unknown K3Config field"),
+    (["--profile", "two"], "--profile must be START:COUNT"),
+    (["--profile", "0:2"], "--profile START and COUNT must be >= 1"),
+    (["--steps", "4", "--profile", "3:3"], "--profile 3:3 ends at step 5, after the last step --steps 4"),
 ], ids=["unknown-preset", "ep-not-dividing-experts", "ep-without-processes", "seq-len-too-long", "zero-steps",
         "negative-lr", "missing-resume", "negative-lora", "zero-micro-batch", "negative-max-grad-norm",
-        "bad-override-value", "unknown-override-field"])
+        "bad-override-value", "unknown-override-field", "profile-not-a-range", "profile-from-step-0",
+        "profile-past-the-last-step"])
 def test_bad_config_errors_name_the_option(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit, match=match):
         k3infra_main(["train", "--out", str(tmp_path), "--no-progress", *argv])
@@ -142,3 +146,17 @@ def test_k3_model_resumes_the_identical_curve(tmp_path, train_cache):
     resumed = Trainer(_cfg(tmp_path, train_cache, steps=4, out=str(tmp_path / "again"),
                            resume=str(tmp_path / "run" / "checkpoints" / "step_2"))).fit()
     assert [h["loss"] for h in resumed.history[2:]] == full.losses[2:]
+
+
+def test_profile_records_the_chosen_steps(tmp_path, train_cache):
+    """``--profile 2:2``: a Chrome trace and an operator table in OUT/profile, the operator count on the last
+    recorded step's history entry, the steps outside the range untouched."""
+    result = Trainer(_cfg(tmp_path, train_cache, steps=4, profile=(2, 2)), tiny_factory).fit()
+    folder = result.out / "profile"
+    trace = json.loads((folder / "trace-rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)
+    assert "Self CPU" in (folder / "ops-rank0.txt").read_text()
+    recorded = [h for h in result.history if "profile_kernels_per_step" in h]
+    assert [h["step"] for h in recorded] == [3] and recorded[0]["profile_kernels_per_step"] > 100
+    assert recorded[0]["profile_trace"] == str(folder / "trace-rank0.json")

@@ -5,9 +5,11 @@ The `k3infra.train.Trainer` calls, on every rank and in this order:
 1. ``setup(trainer)`` once, after the model, its parallelism and the optimizers are built and before a
    ``--resume`` checkpoint is loaded;
 2. ``load_state_dict(state)`` when resuming, with what ``state_dict()`` returned when the checkpoint was written;
-3. ``on_step_end(trainer, step, entry)`` after each optimizer step (``step`` 0-based; ``entry`` is the step's
+3. ``on_fit_begin(trainer, first_step)`` once, right before the first step of the loop (``first_step`` 0-based:
+   where a resumed run continues);
+4. ``on_step_end(trainer, step, entry)`` after each optimizer step (``step`` 0-based; ``entry`` is the step's
    history dict, which the callback may extend with JSON-serialisable fields);
-4. ``on_fit_end(trainer)`` once, after the last step (also when the loop raised), before the group is closed.
+5. ``on_fit_end(trainer)`` once, after the last step (also when the loop raised), before the group is closed.
 
 Collectives are allowed in every hook: all ranks call them at the same point.
 """
@@ -27,6 +29,9 @@ class TrainerCallback:
 
     def setup(self, trainer: Any) -> None:
         """Attach to ``trainer`` (its ``model``, ``optimizers``, ``state``, ``cfg`` are built)."""
+
+    def on_fit_begin(self, trainer: Any, first_step: int) -> None:
+        """Before the loop's first step, ``first_step`` (0-based)."""
 
     def on_step_end(self, trainer: Any, step: int, entry: dict) -> None:
         """After the optimizer step of ``step``; may add fields to ``entry`` (the history entry)."""

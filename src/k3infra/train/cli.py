@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile each decoder layer (inductor; Triton KDA/attention/MoonEP stay opaque); 'module': "
              "each child of a layer instead (fewer graphs to compile)")
     add("--qk-clip-tau", type=float, default=100.0, help="MuonClip threshold on MLA max logits (0: off)")
+    add("--profile", default=None, metavar="START:COUNT",
+        help="record optimizer steps START..START+COUNT-1 with torch.profiler: a Chrome trace and an operator "
+             "table per rank in OUT/profile/, GPU kernels (CPU: aten operators) per step in the log")
     add("--rebalance-every", type=int, default=0, metavar="N",
         help="with --ep > 1: re-place the experts by their load history every N steps, moving them with their "
              "optimizer state (0: off)")
@@ -76,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The `TrainConfig` the options describe."""
+    from k3infra.train.profiling import parse_profile_steps
     from k3infra.train.trainer import TrainConfig
 
     return TrainConfig(
@@ -87,6 +91,7 @@ def config_from_args(args: argparse.Namespace):
         activation_checkpointing=args.activation_checkpointing, compile=args.compile, qk_clip_tau=args.qk_clip_tau,
         seed=args.seed,
         rebalance_every=args.rebalance_every,
+        profile=None if args.profile is None else parse_profile_steps(args.profile),
         corpus=list(args.corpus), max_corpus_bytes=int(args.max_corpus_mb * 2**20) or None,
         cache_dir=args.cache_dir, device=args.device, progress=not args.no_progress,
         tensorboard=not args.no_tensorboard, plot=not args.no_plot, overrides=args.override,

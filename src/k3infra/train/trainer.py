@@ -87,6 +87,9 @@ class TrainConfig:
     rebalance_every: int = 0
     """With ``ep > 1``: recompute the experts' placement from the load history every this many steps and move
     them (`k3infra.train.elastic.ElasticMoE`); 0: experts stay at home."""
+    profile: tuple[int, int] | None = None
+    """Record optimizer steps ``(start, count)`` (1-based) with ``torch.profiler`` into ``<out>/profile/``
+    (`k3infra.train.profiling.StepProfiler`); None: off."""
     seed: int = 0
     corpus: list[str] = field(default_factory=list)
     max_corpus_bytes: int | None = 16 << 20
@@ -133,6 +136,13 @@ class TrainConfig:
             raise ValueError(f"--compile must be 'layer' or 'module' (or given without a value), got {out.compile!r}")
         if not isinstance(out.rebalance_every, int) or out.rebalance_every < 0:
             raise ValueError(f"--rebalance-every must be an int >= 0 (0: off), got {out.rebalance_every!r}")
+        if out.profile is not None:
+            start, count = out.profile
+            if not (isinstance(start, int) and isinstance(count, int) and start >= 1 and count >= 1):
+                raise ValueError(f"--profile START and COUNT must be ints >= 1, got {out.profile!r}")
+            if start + count - 1 > out.steps:
+                raise ValueError(f"--profile {start}:{count} ends at step {start + count - 1}, after the last step "
+                                 f"--steps {out.steps}")
         return out
 
 
@@ -191,7 +201,8 @@ class Trainer:
     Args:
         cfg: the run settings.
         model_factory: ``K3Config -> nn.Module`` with the `K3ForCausalLM` forward contract (default: the K3 model).
-        callbacks: `TrainerCallback` hooks (``cfg.rebalance_every`` adds an `ElasticMoE`).
+        callbacks: `TrainerCallback` hooks (``cfg.rebalance_every`` adds an `ElasticMoE`, ``cfg.profile`` a
+            `profiling.StepProfiler`).
     """
 
     def __init__(self, cfg: TrainConfig, model_factory: Callable[[K3Config], nn.Module] | None = None,
@@ -202,6 +213,10 @@ class Trainer:
             from k3infra.train.elastic import ElasticMoE
 
             self.callbacks.append(ElasticMoE(cfg.rebalance_every))
+        if cfg.profile is not None:
+            from k3infra.train.profiling import StepProfiler
+
+            self.callbacks.append(StepProfiler(*cfg.profile))
         resume = resolve_checkpoint(cfg.resume) if cfg.resume else None
         self.init_from = resolve_checkpoint(cfg.init_from, option="--init-from") if cfg.init_from else None
         unknown = sorted(k for k in cfg.overrides if k not in K3Config.__annotations__ and not hasattr(K3Config, k))
@@ -382,6 +397,8 @@ class Trainer:
         writer = TensorBoardLogger(out) if state.is_main and cfg.tensorboard else None
         checkpoint = None
         try:
+            for callback in self.callbacks:
+                callback.on_fit_begin(self, self.start_step)
             with _progress(cfg.progress and state.is_main, cfg.steps, self.start_step) as advance:
                 for step in range(self.start_step, cfg.steps):
                     entry = self.train_step(step)
