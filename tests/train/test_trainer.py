@@ -1,3 +1,4 @@
+import gzip
 import json
 
 import pytest
@@ -153,10 +154,11 @@ def test_profile_records_the_chosen_steps(tmp_path, train_cache):
     recorded step's history entry, the steps outside the range untouched."""
     result = Trainer(_cfg(tmp_path, train_cache, steps=4, profile=(2, 2)), tiny_factory).fit()
     folder = result.out / "profile"
-    trace = json.loads((folder / "trace-rank0.json").read_text())
+    trace = json.loads(gzip.decompress((folder / "trace-rank0.json.gz").read_bytes()))
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(n.startswith("aten::") for n in names)
     assert "Self CPU" in (folder / "ops-rank0.txt").read_text()
     recorded = [h for h in result.history if "profile_kernels_per_step" in h]
     assert [h["step"] for h in recorded] == [3] and recorded[0]["profile_kernels_per_step"] > 100
-    assert recorded[0]["profile_trace"] == str(folder / "trace-rank0.json")
+    assert recorded[0]["profile_trace"] == str(folder / "trace-rank0.json.gz")
+    assert not (folder / "trace-rank0.json").exists()

@@ -3,7 +3,7 @@
 Steps ``START .. START + COUNT - 1`` (1-based optimizer steps, each with all its micro-batches) are recorded, the
 step before them as the profiler's warm-up when there is one. Each rank writes to ``<out>/profile/``:
 
-- ``trace-rank<r>.json``: a Chrome trace (``chrome://tracing`` or https://ui.perfetto.dev);
+- ``trace-rank<r>.json.gz``: a gzipped Chrome trace (https://ui.perfetto.dev or ``chrome://tracing`` open it);
 - ``ops-rank<r>.txt``: the operators and kernels by total time (device time on a GPU, CPU time otherwise).
 
 The last recorded step's history entry gets ``profile_kernels_per_step`` (GPU kernels launched per step; on the
@@ -13,7 +13,9 @@ of launches per step is what a host-bound step is bound by.
 
 from __future__ import annotations
 
+import gzip
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +101,12 @@ class StepProfiler(TrainerCallback):
 
     def _write(self, prof: torch.profiler.profile) -> None:
         self._folder.mkdir(parents=True, exist_ok=True)
-        self.trace = self._folder / f"trace-rank{self._rank}.json"
-        prof.export_chrome_trace(str(self.trace))
+        raw = self._folder / f"trace-rank{self._rank}.json"
+        prof.export_chrome_trace(str(raw))
+        self.trace = raw.with_suffix(".json.gz")
+        with raw.open("rb") as src, gzip.open(self.trace, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
         events = prof.key_averages()
         if self._device == "cuda":
             launched = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
