@@ -60,10 +60,10 @@ FLA = "fla 0.6.0 chunk_kda fwd+bwd"
 #: kernel in its two layouts and launch variants, and the split (B3a at 8 warps with 64-column V blocks, then B3b:
 #: the Gluon kernel at chunk 16, Triton at chunk 32) with register caps.
 B3_FORMS = {
-    "fused": {},
-    "fused-16warps": dict(num_warps=16),
-    "fused-unpipelined": dict(num_stages=1),
-    "fused-4warps": dict(num_warps=4),
+    "fused": dict(form="fused"),
+    "fused-16warps": dict(form="fused", num_warps=16),
+    "fused-unpipelined": dict(form="fused", num_stages=1),
+    "fused-4warps": dict(form="fused", num_warps=4),
     "feature-major": dict(form="feature-major"),
     "feature-major-4warps": dict(form="feature-major", num_warps=4),
     "feature-major-16warps": dict(form="feature-major", num_warps=16),

@@ -7,7 +7,7 @@ import torch
 from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets, emulate_recurrence_train
 from flashkda.bwd.v2.emulate import emulate_backward, emulate_state_grads
-from flashkda.bwd.v2.local_grad import local_grads_bwd, segment_table
+from flashkda.bwd.v2.local_grad import DEFAULT_FORM, local_grads_bwd, segment_table
 from flashkda.fwd.v2.emulate import emulate_prepare
 from flashkda.fwd.v2.emulate32 import emulate_prepare32
 from flashkda.fwd.v2.workspace import build_chunk_layout
@@ -45,7 +45,7 @@ def inputs(c, lower_bound, every, chunk=16):
 
 #: B3's forms under test, `local_grads_bwd` options by id: the split over groups of segments has a 0.25 MiB scratch
 #: (one or two segments per group here).
-FORMS = {"fused": {}, "feature-major": dict(form="feature-major"), "split": dict(form="split"),
+FORMS = {"fused": dict(form="fused"), "feature-major": dict(form="feature-major"), "split": dict(form="split"),
          "split-bv128": dict(form="split", block_v=128), "split-grouped": dict(form="split", scratch_mb=0.25)}
 forms = pytest.mark.parametrize("form", list(FORMS), ids=str)
 
@@ -110,11 +110,15 @@ def test_split_matches_fused(case):
     c = case_inputs(kw, seed=3)
     layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
     args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
-    fused = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"])
+    fused = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="fused")
     split = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="split")
     assert torch.equal(split.dv, fused.dv)
     errs = {n: rel_rms(getattr(split, n), getattr(fused, n)) for n in NAMES if getattr(fused, n) is not None}
     assert max(errs.values()) < 1e-4, errs
+    # no form given: the chunk size's default form, bit for bit
+    default = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"])
+    chosen = {"fused": fused, "split": split}[DEFAULT_FORM[chunk]]
+    assert all(torch.equal(getattr(default, n), getattr(chosen, n)) for n in NAMES if getattr(chosen, n) is not None)
 
 
 @pytest.mark.parametrize("cu", [None, [0, 33, 34, 34, 70, 200]], ids=["fixed", "varlen"])

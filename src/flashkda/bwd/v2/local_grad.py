@@ -25,12 +25,15 @@ from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets
 from flashkda.bwd.v2.emulate import KDAGrads
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
 
-__all__ = ["CHUNKS", "FORMS", "local_grads_bwd", "segment_table"]
+__all__ = ["CHUNKS", "DEFAULT_FORM", "FORMS", "local_grads_bwd", "segment_table"]
 
 #: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
 CHUNKS = (16, 32)
 #: B3's forms (see the module docstring).
 FORMS = ("fused", "feature-major", "split")
+#: The form `local_grads_bwd` runs by default per chunk size: the faster one measured at that size
+#: (``docs/flashkda-v2-backward.md``).
+DEFAULT_FORM = {16: "fused", 32: "split"}
 
 
 @functools.cache
@@ -159,7 +162,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
 def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None, *, form: str = "fused", num_warps: int = 8,
+                    dt_bias: torch.Tensor | None = None, *, form: str | None = None, num_warps: int = 8,
                     num_stages: int | None = None, block_v: int = 64,
                     max_registers: tuple[int | None, int | None] = (None, None),
                     scratch_mb: float = 512.0) -> KDAGrads:
@@ -175,7 +178,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
-        form: one of `FORMS`; the same results up to fp32 summation order.
+        form: one of `FORMS` (None: `DEFAULT_FORM` of the workspace's chunk size); the same results up to fp32
+            summation order.
         num_warps: warps per program of the walking kernel (the fused one, or B3a; 4, 8 or 16).
         num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
         block_v: value columns per B3a program (64 or 128; split only): its state is ``[128, block_v]``.
@@ -194,6 +198,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             is not a positive int, or a launch option is out of range.
     """
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
+    if form is None:
+        form = DEFAULT_FORM[int(ws.inv.shape[-1])]
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     if num_warps not in (4, 8, 16):
