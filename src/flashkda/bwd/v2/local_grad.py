@@ -10,9 +10,8 @@ Three forms until their device A/B decides (`FORMS`):
   `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU).
 
 Kernels are imported on the first launch only; on a machine without a GPU the Triton ones run under
-``TRITON_INTERPRET=1`` on CPU tensors. Its torch
-twin is the ``B1`` + ``B3`` stages of ``emulate.emulate_backward`` (``_states`` and ``_local_grads``) plus the
-reductions after them.
+``TRITON_INTERPRET=1`` on CPU tensors. The torch twin of B3 is the ``B1`` + ``B3`` stages of
+``emulate.emulate_backward`` (``_states`` and ``_local_grads``) plus the reductions after them.
 """
 
 from __future__ import annotations
