@@ -93,7 +93,13 @@ def compile_chunk_gluon(block_v: int = 64, group: int = 1, maxnreg: int | None =
                     gluon=True)
 
 
-KERNELS = ("fused", "feature-major", "state", "chunk", "chunk-gluon")
+def compile_state_gluon(maxnreg: int | None = None):
+    """B3a in Gluon (16-token chunks, 64-column V blocks, one warpgroup)."""
+    mod = COMPILE.load_by_path("flashkda_v2_local_walk_gluon", SRC / "bwd" / "v2" / "local_walk_gluon.py")
+    return _compile(mod.kda_bwd_v2_walk_gluon_kernel, TYPES, dict(HV=64), int(mod.NUM_WARPS), maxnreg, gluon=True)
+
+
+KERNELS = ("fused", "feature-major", "state", "chunk", "state-gluon", "chunk-gluon")
 
 
 def main(argv=None) -> int:
@@ -123,6 +129,9 @@ def main(argv=None) -> int:
                 if "chunk" in args.kernels:
                     jobs.append((f"local_chunk (B3b Triton) C={chunk} NV={128 // bv} maxnreg={cap}",
                                  lambda c=chunk, w=nw, b=bv, r=cap: compile_chunk(w, c, b, maxnreg=r)))
+        if "state-gluon" in args.kernels and chunk == 16:
+            jobs.append((f"local_walk_gluon (B3a Gluon) C=16 BV=64 maxnreg={cap}",
+                         lambda r=cap: compile_state_gluon(maxnreg=r)))
         if "chunk-gluon" in args.kernels and chunk == 16:
             for bv in args.block_v:
                 jobs.append((f"local_k1_gluon (B3b Gluon) C=16 NV={128 // bv} maxnreg={cap}",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kda.calibrate import make_inputs  # noqa: E402
 from benchmarks.kda.v2_check import FLAGS, v2_call  # noqa: E402
-from benchmarks.kda.v2_train_check import B3_FORMS, ROWS, stage_fns  # noqa: E402
+from benchmarks.kda.v2_train_check import B3_CHUNKS, B3_FORMS, ROWS, stage_fns  # noqa: E402
 
 #: The inference forwards by name: ``chunk_kda_fwd_v2``'s ``chunk_size``.
 FORWARDS = {"forward": None, "forward-c32": 32}
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if not args.stages and not args.forms:
         parser.error("nothing to profile: give --stages and/or --forms")
+    for form in args.forms:
+        if args.chunk not in B3_CHUNKS.get(form, (args.chunk,)):
+            parser.error(f"B3 form {form} takes chunk sizes {B3_CHUNKS[form]}, got --chunk {args.chunk}")
     import torch
 
     if not torch.cuda.is_available():

@@ -7,7 +7,9 @@ Three forms until their device A/B decides (`FORMS`):
 - ``"feature-major"``: the same kernel with tiles ``[128, C]`` (`local_grad_fm_kernel`);
 - ``"split"``: B3a, the sequential state part per (segment, block of value columns, value head), then B3b, K1
   backwards per (chunk, value head), through an fp32 scratch (`local_split_kernel`); B3b is the Gluon kernel of
-  `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU).
+  `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU);
+- ``"split-gluon"``: the split with B3a in Gluon too (`local_walk_gluon`, the state on warpgroup MMA; Hopper,
+  16-token chunks and 64-column V blocks only).
 
 Kernels are imported on the first launch only; on a machine without a GPU the Triton ones run under
 ``TRITON_INTERPRET=1`` on CPU tensors. The torch twin of B3 is the ``B1`` + ``B3`` stages of
@@ -29,7 +31,7 @@ __all__ = ["CHUNKS", "DEFAULT_FORM", "FORMS", "local_grads_bwd", "segment_table"
 #: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
 CHUNKS = (16, 32)
 #: B3's forms (see the module docstring).
-FORMS = ("fused", "feature-major", "split")
+FORMS = ("fused", "feature-major", "split", "split-gluon")
 #: The form `local_grads_bwd` runs by default per chunk size: the faster one measured at that size
 #: (``docs/flashkda-v2-backward.md``).
 DEFAULT_FORM = {16: "fused", 32: "split"}
@@ -55,6 +57,13 @@ def _split_kernels(gluon_k1: bool):
 
         return local_split_kernel.kda_bwd_v2_local_state_kernel, local_k1_gluon.kda_bwd_v2_k1_gluon_kernel
     return local_split_kernel.kda_bwd_v2_local_state_kernel, local_split_kernel.kda_bwd_v2_local_chunk_kernel
+
+
+@functools.cache
+def _gluon_walk():
+    from flashkda.bwd.v2 import local_walk_gluon
+
+    return local_walk_gluon.kda_bwd_v2_walk_gluon_kernel
 
 
 def _gluon_k1(device: torch.device, C: int) -> bool:
@@ -114,9 +123,10 @@ def _scratch_floats(C: int, K: int) -> int:
 
 
 def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
-                  block_v, num_warps, caps, launch, scratch_mb):
+                  block_v, num_warps, caps, launch, scratch_mb, gluon_walk=False):
     """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch; by
-    groups of segments whose scratch fits in ``scratch_mb`` MiB (at least one segment)."""
+    groups of segments whose scratch fits in ``scratch_mb`` MiB (at least one segment); ``gluon_walk``: B3a in
+    Gluon."""
     dq, dk, dv, dg, dbeta = grads
     part_alog, part_dt = parts
     NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
@@ -144,11 +154,17 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
         chunk_launch = dict(num_warps=int(NUM_WARPS), **caps[1])
     else:
         chunk_launch = dict(C=C, K=K, num_warps=8, **caps[1])
+    if gluon_walk:
+        from flashkda.bwd.v2.local_walk_gluon import NUM_WARPS as WALK_WARPS
+
+        state_kernel = _gluon_walk()
+        state_launch = dict(HV=HV, num_warps=int(WALK_WARPS), **caps[0])
+    else:
+        state_launch = dict(HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=num_warps, **launch, **caps[0])
     for grp, s0 in enumerate(range(0, n_seg, group)):
         state_kernel[(min(group, n_seg - s0) * NV, HV)](
             v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
-            dv, part_ck, part_cc, part_k, part_c, bounds, grp, s0, NTS,
-            HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=num_warps, **launch, **caps[0],
+            dv, part_ck, part_cc, part_k, part_c, bounds, grp, s0, NTS, **state_launch,
         )
         chunk_kernel[(min(group, n_seg - s0) * every, HV)](
             q, k, g, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
@@ -212,6 +228,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
     if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
         raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
+    if form == "split-gluon" and not (_gluon_k1(g.device, int(ws.inv.shape[-1])) and block_v == 64):
+        raise ValueError(f"form='split-gluon' needs a Hopper GPU, 16-token chunks and block_v=64, got device "
+                         f"{g.device}, {int(ws.inv.shape[-1])}-token chunks and block_v={block_v}")
     B, T, HV, K = g.shape
     Hq = q.shape[2]
     total = B * T
@@ -226,7 +245,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     seg = segment_table(ws.layout, every)
     n_seg = seg.shape[0]
     C = int(ws.inv.shape[-1])
-    split = form == "split"
+    split = form in ("split", "split-gluon")
     n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
     part_alog = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
     part_dt = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
@@ -234,7 +253,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     caps = [{} if r is None else {"maxnreg": r} for r in max_registers]
     if split and n_seg and total:
         _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
-                      (part_alog, part_dt), scale, lower_bound, block_v, num_warps, caps, launch, scratch_mb)
+                      (part_alog, part_dt), scale, lower_bound, block_v, num_warps, caps, launch, scratch_mb,
+                      gluon_walk=form == "split-gluon")
     elif n_seg and total:
         dummy = ws.beta
         _kernel(form)[(n_seg, HV)](
