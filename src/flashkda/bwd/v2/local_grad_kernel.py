@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _dot, _gate_scalars, _k1_grads, _op
+from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _chunk_tokens, _dot, _gate_scalars, _k1_grads, _op
 from flashkda.rounding import cast_for_store
 
 
@@ -54,10 +54,7 @@ def kda_bwd_v2_local_kernel(
     acc_dt = tl.zeros([K], dtype=tl.float32)
     for j in range(n_chunks):
         i_c = first + j
-        row0 = tl.load(chunk_index + i_c * 3 + 1)
-        n_valid = tl.load(chunk_index + i_c * 3 + 2)
-        m_c = o_c < n_valid  # [C]
-        o_t = (row0 + o_c).to(tl.int64)  # [C] token rows
+        o_t, m_c = _chunk_tokens(chunk_index, i_c, o_c)  # [C] token rows, valid tokens
         m_ck = m_c[:, None]
         p_hk = (o_t[:, None] * HV + i_h) * K + o_k[None, :]  # [C, K] token-major at the value head
         p_hv = (o_t[:, None] * HV + i_h) * V + o_v[None, :]  # [C, V]

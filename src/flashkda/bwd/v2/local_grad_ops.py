@@ -47,6 +47,16 @@ def _dot(b_a, b_b):
 
 
 @triton.jit
+def _chunk_tokens(chunk_index, i_c, o_c):
+    """Chunk ``i_c``'s token rows ``[C]`` int64 (``o_c`` = ``arange(C)`` from its first row) and the mask of its
+    valid tokens ``[C]`` (`flashkda.fwd.v2.workspace` ``chunk_index``)."""
+    row0 = tl.load(chunk_index + i_c * 3 + 1)
+    n_valid = tl.load(chunk_index + i_c * 3 + 2)
+    m_c = o_c < n_valid
+    return (row0 + o_c).to(tl.int64), m_c
+
+
+@triton.jit
 def _gate_scalars(A_log, dt_bias, i_h, K: tl.constexpr, HAS_ALOG: tl.constexpr, HAS_DT: tl.constexpr):
     """``(exp(A_log), the same through exp2, dt_bias [K])`` of value head ``i_h`` (1, 1, 0 when absent)."""
     if HAS_ALOG:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _dot, _gate_scalars, _k1_grads, _op
+from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _chunk_tokens, _dot, _gate_scalars, _k1_grads, _op
 from flashkda.rounding import cast_for_store
 
 
@@ -50,10 +50,7 @@ def kda_bwd_v2_local_state_kernel(
     b_S = tl.load(ckpt + (i_s.to(tl.int64) * HV + i_h) * K * V + o_kv).to(tl.float32)  # [K, BV] entering
     for j in range(n_chunks):
         i_c = first + j
-        row0 = tl.load(chunk_index + i_c * 3 + 1)
-        n_valid = tl.load(chunk_index + i_c * 3 + 2)
-        m_c = o_c < n_valid  # [C]
-        o_t = (row0 + o_c).to(tl.int64)  # [C] token rows
+        o_t, m_c = _chunk_tokens(chunk_index, i_c, o_c)  # [C] token rows, valid tokens
         m_ck = m_c[:, None]
         i_ch = i_c.to(tl.int64) * HV + i_h  # (chunk, head) row of the workspace and ds
         i_p = (i_v * NTS + i_c - c0).to(tl.int64) * HV + i_h  # (V block, chunk, head) row of the partials
