@@ -49,21 +49,22 @@ def _kernel(form: str):
 
 
 @functools.cache
-def _split_kernels(gluon_k1: bool):
+def _split_kernels(gluon_walk: bool, gluon_k1: bool):
+    """The split's B3a and B3b kernels and the warps each Gluon one is laid out for (None: a Triton kernel, whose
+    warps the launcher picks)."""
     from flashkda.bwd.v2 import local_split_kernel
 
+    walk, walk_warps = local_split_kernel.kda_bwd_v2_local_state_kernel, None
+    k1, k1_warps = local_split_kernel.kda_bwd_v2_local_chunk_kernel, None
+    if gluon_walk:
+        from flashkda.bwd.v2 import local_walk_gluon
+
+        walk, walk_warps = local_walk_gluon.kda_bwd_v2_walk_gluon_kernel, int(local_walk_gluon.NUM_WARPS)
     if gluon_k1:
         from flashkda.bwd.v2 import local_k1_gluon
 
-        return local_split_kernel.kda_bwd_v2_local_state_kernel, local_k1_gluon.kda_bwd_v2_k1_gluon_kernel
-    return local_split_kernel.kda_bwd_v2_local_state_kernel, local_split_kernel.kda_bwd_v2_local_chunk_kernel
-
-
-@functools.cache
-def _gluon_walk():
-    from flashkda.bwd.v2 import local_walk_gluon
-
-    return local_walk_gluon.kda_bwd_v2_walk_gluon_kernel
+        k1, k1_warps = local_k1_gluon.kda_bwd_v2_k1_gluon_kernel, int(local_k1_gluon.NUM_WARPS)
+    return walk, walk_warps, k1, k1_warps
 
 
 def _gluon_k1(device: torch.device, C: int) -> bool:
@@ -131,8 +132,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     part_alog, part_dt = parts
     NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
     C = int(ws.inv.shape[-1])
-    gluon_k1 = _gluon_k1(g.device, C)
-    state_kernel, chunk_kernel = _split_kernels(gluon_k1)
+    state_kernel, walk_warps, chunk_kernel, k1_warps = _split_kernels(gluon_walk, _gluon_k1(g.device, C))
     NV = K // block_v
     n_seg = seg.shape[0]
     per_seg = NV * every * HV * _scratch_floats(C, K) * 4
@@ -148,17 +148,9 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     part_c = torch.empty(NV, NTS, HV, C, dtype=torch.float32, device=g.device)  # db
     dummy = ws.beta
     chunk_consts = dict(HQ=q.shape[2], HV=HV, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None)
-    if gluon_k1:
-        from flashkda.bwd.v2.local_k1_gluon import NUM_WARPS
-
-        chunk_launch = dict(num_warps=int(NUM_WARPS), **caps[1])
-    else:
-        chunk_launch = dict(C=C, K=K, num_warps=8, **caps[1])
-    if gluon_walk:
-        from flashkda.bwd.v2.local_walk_gluon import NUM_WARPS as WALK_WARPS
-
-        state_kernel = _gluon_walk()
-        state_launch = dict(HV=HV, num_warps=int(WALK_WARPS), **caps[0])
+    chunk_launch = dict(num_warps=k1_warps, **caps[1]) if k1_warps else dict(C=C, K=K, num_warps=8, **caps[1])
+    if walk_warps:
+        state_launch = dict(HV=HV, num_warps=walk_warps, **caps[0])
     else:
         state_launch = dict(HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=num_warps, **launch, **caps[0])
     for grp, s0 in enumerate(range(0, n_seg, group)):
@@ -195,8 +187,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         every: chunks between checkpoints.
         form: one of `FORMS` (None: `DEFAULT_FORM` of the workspace's chunk size); the same results up to fp32
             summation order.
-        num_warps: warps per program of the walking kernel (the fused one, or B3a; 4, 8 or 16).
-        num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default).
+        num_warps: warps per program of the walking kernel (the fused one, or the Triton B3a; 4, 8 or 16).
+        num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default; the Gluon
+            kernels ignore it and ``num_warps``: their layouts fix their warps).
         block_v: value columns per B3a program (64 or 128; split only): its state is ``[128, block_v]``.
         max_registers: per-thread register caps (``maxnreg``) of the walking kernel and of B3b (None: ptxas'
             choice; multiples of 8 in [64, 248]; the second is for the split only; ignored by the interpreter).
@@ -213,8 +206,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             is not a positive int, or a launch option is out of range.
     """
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
+    C = int(ws.inv.shape[-1])
     if form is None:
-        form = DEFAULT_FORM[int(ws.inv.shape[-1])]
+        form = DEFAULT_FORM[C]
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     if num_warps not in (4, 8, 16):
@@ -228,9 +222,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
     if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
         raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
-    if form == "split-gluon" and not (_gluon_k1(g.device, int(ws.inv.shape[-1])) and block_v == 64):
+    if form == "split-gluon" and not (_gluon_k1(g.device, C) and block_v == 64):
         raise ValueError(f"form='split-gluon' needs a Hopper GPU, 16-token chunks and block_v=64, got device "
-                         f"{g.device}, {int(ws.inv.shape[-1])}-token chunks and block_v={block_v}")
+                         f"{g.device}, {C}-token chunks and block_v={block_v}")
     B, T, HV, K = g.shape
     Hq = q.shape[2]
     total = B * T
@@ -244,7 +238,6 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     dbeta = torch.zeros_like(beta)
     seg = segment_table(ws.layout, every)
     n_seg = seg.shape[0]
-    C = int(ws.inv.shape[-1])
     split = form in ("split", "split-gluon")
     n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
     part_alog = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
