@@ -82,11 +82,16 @@ def compile_chunk(num_warps: int, chunk: int = 16, block_v: int = 64, group: int
     return _compile(fn, dict(TYPES, dq=acc, dk=acc), cx, num_warps, maxnreg)
 
 
-def compile_chunk_gluon(block_v: int = 64, group: int = 1, maxnreg: int | None = None):
-    """B3b in Gluon (16-token chunks, its own warp count)."""
+def _gluon_module(file: str):
+    """A Gluon kernel file of ``bwd/v2``, with the forward K1 module it takes its layout constants from."""
     k1 = "flashkda.fwd.v2.prepare_kernel"
     sys.modules[k1] = COMPILE.load_by_path(k1, SRC / "fwd" / "v2" / "prepare_kernel.py")
-    mod = COMPILE.load_by_path("flashkda_v2_local_k1_gluon", SRC / "bwd" / "v2" / "local_k1_gluon.py")
+    return COMPILE.load_by_path(f"flashkda_v2_{Path(file).stem}", SRC / "bwd" / "v2" / file)
+
+
+def compile_chunk_gluon(block_v: int = 64, group: int = 1, maxnreg: int | None = None):
+    """B3b in Gluon (16-token chunks, its own warp count)."""
+    mod = _gluon_module("local_k1_gluon.py")
     acc = "*bf16" if group == 1 else "*fp32"
     cx = dict(HQ=64 // group, HV=64, NV=128 // block_v, HAS_ALOG=True, HAS_DT=True)
     return _compile(mod.kda_bwd_v2_k1_gluon_kernel, dict(TYPES, dq=acc, dk=acc), cx, int(mod.NUM_WARPS), maxnreg,
@@ -95,7 +100,7 @@ def compile_chunk_gluon(block_v: int = 64, group: int = 1, maxnreg: int | None =
 
 def compile_state_gluon(maxnreg: int | None = None):
     """B3a in Gluon (16-token chunks, 64-column V blocks, one warpgroup)."""
-    mod = COMPILE.load_by_path("flashkda_v2_local_walk_gluon", SRC / "bwd" / "v2" / "local_walk_gluon.py")
+    mod = _gluon_module("local_walk_gluon.py")
     return _compile(mod.kda_bwd_v2_walk_gluon_kernel, TYPES, dict(HV=64), int(mod.NUM_WARPS), maxnreg, gluon=True)
 
 

@@ -18,7 +18,8 @@ with the algebra and roundings of the Triton B3a, and the same outputs: ``dv`` a
 ``BV``-column block (``part_ck``: dkd, dqd, dkr ``[C, K]``; ``part_cc``: X, dMf ``[C, C]``; ``part_k``: dglast;
 ``part_c``: db), same grid and arguments.
 
-Imports nothing but Triton, so the offline compile script can load it by path (Triton 3.6, no torch).
+Imports Triton and the forward's K1 kernel module (no torch), so the offline compile script can load both by path
+(Triton 3.6).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-CHUNK = gl.constexpr(16)
-HEAD_DIM = gl.constexpr(128)
+from flashkda.fwd.v2.prepare_kernel import CHUNK, HEAD_DIM
+
 BLOCK_V = gl.constexpr(64)
 NUM_WARPS = gl.constexpr(4)
 
