@@ -23,9 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kda.calibrate import make_inputs  # noqa: E402
-from benchmarks.kda.v2_check import FLAGS, v2_call  # noqa: E402
-from benchmarks.kda.v2_train_check import B3_CHUNKS, B3_FORMS, ROWS, stage_fns  # noqa: E402
+from benchmarks.kda.v2_check import v2_call  # noqa: E402
+from benchmarks.kda.v2_train_check import B3_CHUNKS, B3_FORMS, ROWS, row_inputs, stage_fns  # noqa: E402
 
 #: The inference forwards by name: ``chunk_kda_fwd_v2``'s ``chunk_size``.
 FORWARDS = {"forward": None, "forward-c32": 32}
@@ -57,11 +56,7 @@ def main(argv=None) -> int:
     from flashkda.fwd.v2 import chunk_kda_fwd_v2
 
     shape = next(s for s in ROWS if s.name == args.row)
-    x, kw = make_inputs(shape, "cuda")
-    kw = dict(FLAGS, **{k: v for k, v in kw.items() if k.startswith("cu_seqlens")})
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    do = torch.randn(x["v"].shape, generator=gen, device="cuda").bfloat16()
-    dht = torch.randn(x["initial_state"].shape, generator=gen, device="cuda") * 0.1
+    x, kw, do, dht = row_inputs(shape, "cuda")
     with torch.inference_mode():
         calls = {name: partial(v2_call, partial(chunk_kda_fwd_v2, chunk_size=chunk), x, kw)
                  for name, chunk in FORWARDS.items() if name in args.stages}

@@ -165,8 +165,9 @@ def stage_fns(x: dict, kw: dict, do, dht, chunk: int, b3_forms=B3_DEFAULT) -> di
     return fns
 
 
-def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_forms=B3_DEFAULT) -> Row:
-    """Gradients of v2 and v1 against fla's, then fwd+bwd, forward and v2's kernels timed, peak memory."""
+def row_inputs(shape: Shape, device: str) -> tuple[dict, dict, object, object]:
+    """A row's inputs ``x``, call keywords (K3 flags, varlen offsets), output gradient ``do`` (bf16) and final-state
+    gradient ``dht``, the same in every run."""
     import torch
 
     x, kw = make_inputs(shape, device)
@@ -174,6 +175,14 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_form
     gen = torch.Generator(device=device).manual_seed(1)
     do = torch.randn(x["v"].shape, generator=gen, device=device).bfloat16()
     dht = torch.randn(x["initial_state"].shape, generator=gen, device=device) * 0.1
+    return x, kw, do, dht
+
+
+def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_forms=B3_DEFAULT) -> Row:
+    """Gradients of v2 and v1 against fla's, then fwd+bwd, forward and v2's kernels timed, peak memory."""
+    import torch
+
+    x, kw, do, dht = row_inputs(shape, device)
     calls = {"v2c16": v2_call, "v2c32": lambda xx, k: v2_call(xx, k, 32),
              "fla": lambda xx, k: fla_style(impls.fla, xx, k), "v1": lambda xx, k: fla_style(impls.v1, xx, k)}
     params = dict(H=shape.H, T=shape.T, B=shape.B, lengths=shape.lengths, every_tokens=128)
