@@ -1,11 +1,11 @@
-"""Offline sm_90a compile of B3, the v2 backward's chunk-local gradient kernels: the fused one in its two layouts
-(`local_grad_kernel.py`, `local_grad_fm_kernel.py`), and the split pair (`local_split_kernel.py`: B3a, the state
-part, per V block; B3b, K1 backwards per chunk, in Triton there and in Gluon in `local_k1_gluon.py`): registers,
-spills, shared memory, resident CTAs and SASS op counts.
+"""Offline sm_90a compile of B3, the v2 backward's chunk-local gradient kernels: the fused one
+(`local_grad_kernel.py`) and the split pair (`local_split_kernel.py`: B3a, the state part, per V block; B3b, K1
+backwards per chunk, in Triton there and in Gluon in `local_k1_gluon.py`): registers, spills, shared memory,
+resident CTAs and SASS op counts.
 
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
 ``/work/venv36/bin/python benchmarks/kda/v2_compile_local.py [--chunk 16 32] [--warps 4 8] [--stages N]
-[--block-v 64 128] [--maxnreg N ...] [--kernels ...] [--sass]``. The kernel files are loaded by path, with
+[--block-v 128 64] [--maxnreg N ...] [--kernels ...] [--sass]``. The kernel files are loaded by path, with
 `flashkda.rounding` and `flashkda.bwd.v2.local_grad_ops` registered by path before them, so neither ``flashkda``
 nor torch is imported.
 """
@@ -56,25 +56,22 @@ TYPES = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", do="*bf16", A_log="*fp3
 
 
 def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
-                  num_stages: int | None = None, feature_major: bool = False, maxnreg: int | None = None):
-    """The fused kernel at H64 (``group`` value heads per q/k head), token-major or `feature_major`."""
-    if feature_major:
-        fn = _module("local_grad_fm_kernel.py").kda_bwd_v2_local_fm_kernel
-    else:
-        fn = _module("local_grad_kernel.py").kda_bwd_v2_local_kernel
+                  num_stages: int | None = None, maxnreg: int | None = None):
+    """The fused kernel at H64 (``group`` value heads per q/k head)."""
+    fn = _module("local_grad_kernel.py").kda_bwd_v2_local_kernel
     acc = "*bf16" if group == 1 else "*fp32"  # dq, dk: straight in q's dtype, or fp32 summed over value heads
     cx = dict(HQ=64 // group, HV=64, C=chunk, K=128, V=128, HAS_ALOG=has_a_log, HAS_DT=has_dt_bias)
     return _compile(fn, dict(TYPES, dq=acc, dk=acc), cx, num_warps, maxnreg, num_stages)
 
 
-def compile_state(num_warps: int, chunk: int = 16, block_v: int = 64, maxnreg: int | None = None,
+def compile_state(num_warps: int, chunk: int = 16, block_v: int = 128, maxnreg: int | None = None,
                   num_stages: int | None = None):
     """B3a, the split's state part, ``block_v`` value columns per program (``maxnreg``: the register cap)."""
     fn = _module("local_split_kernel.py").kda_bwd_v2_local_state_kernel
     return _compile(fn, TYPES, dict(HV=64, C=chunk, K=128, V=128, BV=block_v), num_warps, maxnreg, num_stages)
 
 
-def compile_chunk(num_warps: int, chunk: int = 16, block_v: int = 64, group: int = 1, maxnreg: int | None = None):
+def compile_chunk(num_warps: int, chunk: int = 16, block_v: int = 128, group: int = 1, maxnreg: int | None = None):
     """B3b in Triton, the split's chunk-parallel K1 backwards, summing ``128 / block_v`` partials."""
     fn = _module("local_split_kernel.py").kda_bwd_v2_local_chunk_kernel
     acc = "*bf16" if group == 1 else "*fp32"
@@ -89,7 +86,7 @@ def _gluon_module(file: str):
     return COMPILE.load_by_path(f"flashkda_v2_{Path(file).stem}", SRC / "bwd" / "v2" / file)
 
 
-def compile_chunk_gluon(block_v: int = 64, group: int = 1, maxnreg: int | None = None):
+def compile_chunk_gluon(block_v: int = 128, group: int = 1, maxnreg: int | None = None):
     """B3b in Gluon (16-token chunks, its own warp count)."""
     mod = _gluon_module("local_k1_gluon.py")
     acc = "*bf16" if group == 1 else "*fp32"
@@ -98,20 +95,15 @@ def compile_chunk_gluon(block_v: int = 64, group: int = 1, maxnreg: int | None =
                     gluon=True)
 
 
-def compile_state_gluon(maxnreg: int | None = None):
-    """B3a in Gluon (16-token chunks, 64-column V blocks, one warpgroup)."""
-    mod = _gluon_module("local_walk_gluon.py")
-    return _compile(mod.kda_bwd_v2_walk_gluon_kernel, TYPES, dict(HV=64), int(mod.NUM_WARPS), maxnreg, gluon=True)
-
-
-KERNELS = ("fused", "feature-major", "state", "chunk", "state-gluon", "chunk-gluon")
+KERNELS = ("fused", "state", "chunk", "chunk-gluon")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--chunk", type=int, nargs="+", default=[16, 32])
-    ap.add_argument("--block-v", type=int, nargs="+", default=[64, 128], help="B3a/B3b: value columns per B3a")
+    ap.add_argument("--block-v", type=int, nargs="+", default=[128],
+                    help="B3a/B3b: value columns per B3a (the library's: 128)")
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                     help="register caps to try (0, the default: none, ptxas' own)")
@@ -122,11 +114,9 @@ def main(argv=None) -> int:
     jobs = []
     for chunk, cap in ((c, r or None) for c in args.chunk for r in args.maxnreg):
         for nw in args.warps:
-            for form in ("fused", "feature-major"):
-                if form in args.kernels:
-                    jobs.append((f"local_grad (B3 {form}) C={chunk} maxnreg={cap} stages={args.stages}",
-                                 lambda c=chunk, w=nw, r=cap, f=form: compile_local(
-                                     w, c, num_stages=args.stages, feature_major=f == "feature-major", maxnreg=r)))
+            if "fused" in args.kernels:
+                jobs.append((f"local_grad (B3 fused) C={chunk} maxnreg={cap} stages={args.stages}",
+                             lambda c=chunk, w=nw, r=cap: compile_local(w, c, num_stages=args.stages, maxnreg=r)))
             for bv in args.block_v:
                 if "state" in args.kernels:
                     jobs.append((f"local_state (B3a) C={chunk} BV={bv} maxnreg={cap}",
@@ -134,9 +124,6 @@ def main(argv=None) -> int:
                 if "chunk" in args.kernels:
                     jobs.append((f"local_chunk (B3b Triton) C={chunk} NV={128 // bv} maxnreg={cap}",
                                  lambda c=chunk, w=nw, b=bv, r=cap: compile_chunk(w, c, b, maxnreg=r)))
-        if "state-gluon" in args.kernels and chunk == 16:
-            jobs.append((f"local_walk_gluon (B3a Gluon) C=16 BV=64 maxnreg={cap}",
-                         lambda r=cap: compile_state_gluon(maxnreg=r)))
         if "chunk-gluon" in args.kernels and chunk == 16:
             for bv in args.block_v:
                 jobs.append((f"local_k1_gluon (B3b Gluon) C=16 NV={128 // bv} maxnreg={cap}",

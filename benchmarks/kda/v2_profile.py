@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kda.v2_check import v2_call  # noqa: E402
-from benchmarks.kda.v2_train_check import B3_CHUNKS, B3_FORMS, ROWS, row_inputs, stage_fns  # noqa: E402
+from benchmarks.kda.v2_train_check import B3_FORMS, ROWS, row_inputs, stage_fns  # noqa: E402
 
 #: The inference forwards by name: ``chunk_kda_fwd_v2``'s ``chunk_size``.
 FORWARDS = {"forward": None, "forward-c32": 32}
@@ -37,16 +37,13 @@ def main(argv=None) -> int:
     parser.add_argument("--row", default=ROWS[0].name, choices=[s.name for s in ROWS])
     parser.add_argument("--chunk", type=int, default=16, choices=(16, 32), help="the training stages' chunk size")
     parser.add_argument("--stages", nargs="*", default=[], choices=[*FORWARDS, *TRAIN_STAGES])
-    parser.add_argument("--forms", nargs="*", default=["fused"], choices=list(B3_FORMS), help="B3's forms")
+    parser.add_argument("--forms", nargs="*", default=["split"], choices=list(B3_FORMS), help="B3's forms")
     parser.add_argument("--repeat", type=int, default=1, help="traced calls per stage (default 1)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if not args.stages and not args.forms:
         parser.error("nothing to profile: give --stages and/or --forms")
-    for form in args.forms:
-        if args.chunk not in B3_CHUNKS.get(form, (args.chunk,)):
-            parser.error(f"B3 form {form} takes chunk sizes {B3_CHUNKS[form]}, got --chunk {args.chunk}")
     import torch
 
     if not torch.cuda.is_available():

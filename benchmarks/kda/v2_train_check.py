@@ -56,35 +56,21 @@ GRACE_S = 10.0
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 GRAD_TOL = 1e-2
 FLA = "fla 0.6.0 chunk_kda fwd+bwd"
-#: B3's forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: the fused
-#: kernel in its two layouts and launch variants, and the split (B3a at 8 warps with 64-column V blocks, then B3b:
-#: the Gluon kernel at chunk 16, Triton at chunk 32) with register caps.
+#: B3's forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: the split
+#: (the default: B3a, then B3b in Gluon at chunk 16 and in Triton at chunk 32), the same over one group of segments
+#: (no scratch bound), and the fused kernel.
 B3_FORMS = {
-    "fused": dict(form="fused"),
-    "fused-16warps": dict(form="fused", num_warps=16),
-    "fused-unpipelined": dict(form="fused", num_stages=1),
-    "fused-4warps": dict(form="fused", num_warps=4),
-    "feature-major": dict(form="feature-major"),
-    "feature-major-4warps": dict(form="feature-major", num_warps=4),
-    "feature-major-16warps": dict(form="feature-major", num_warps=16),
     "split": dict(form="split"),
-    "split-b3b-regs128": dict(form="split", max_registers=(None, 128)),
-    "split-b3b-regs64": dict(form="split", max_registers=(None, 64)),
-    "split-regs128": dict(form="split", max_registers=(128, 128)),
-    "split-bv128": dict(form="split", block_v=128),
     "split-one-group": dict(form="split", scratch_mb=1e6),
-    "split-gluon": dict(form="split-gluon"),
-    "split-gluon-regs168": dict(form="split-gluon", max_registers=(168, None)),
+    "fused": dict(form="fused"),
 }
-#: Forms that exist at some chunk sizes only (the Gluon B3a: 16-token chunks).
-B3_CHUNKS = {"split-gluon": (16,), "split-gluon-regs168": (16,)}
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short).
-B3_DEFAULT = ("fused",)
+B3_DEFAULT = ("split", "fused")
 #: B3's gradients (`emulate.KDAGrads` fields) compared across forms.
 B3_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
 #: The split's kernels by name (the profiler's keys): B3a, and B3b in Gluon or in Triton.
-SPLIT_KERNELS = {"B3a (Triton)": "kda_bwd_v2_local_state_kernel", "B3a (Gluon)": "kda_bwd_v2_walk_gluon_kernel",
-                 "B3b (Gluon)": "kda_bwd_v2_k1_gluon_kernel", "B3b (Triton)": "kda_bwd_v2_local_chunk_kernel"}
+SPLIT_KERNELS = {"B3a": "kda_bwd_v2_local_state_kernel", "B3b (Gluon)": "kda_bwd_v2_k1_gluon_kernel",
+                 "B3b (Triton)": "kda_bwd_v2_local_chunk_kernel"}
 
 
 def v2_call(x: dict, kw: dict, chunk_size: int = 16, stages=None):
@@ -160,8 +146,7 @@ def stage_fns(x: dict, kw: dict, do, dht, chunk: int, b3_forms=B3_DEFAULT) -> di
     fns = {"F1 (K1)": lambda: prepare_fwd(*args, ws=ws),
            "F2 (K2 + checkpoints)": lambda: recurrence_train(ws, x["v"], x["initial_state"], True, every),
            "B2 (dS chain)": lambda: state_grad_bwd(ws, do, dht, True)}
-    fns.update({f"B3 {name}": lambda f=B3_FORMS[name]: b3(**f) for name in b3_forms
-                if chunk in B3_CHUNKS.get(name, (chunk,))})
+    fns.update({f"B3 {name}": lambda f=B3_FORMS[name]: b3(**f) for name in b3_forms})
     return fns
 
 

@@ -45,11 +45,8 @@ def inputs(c, lower_bound, every, chunk=16):
 
 #: B3's forms under test, `local_grads_bwd` options by id: the split over groups of segments has a 0.25 MiB scratch
 #: (one or two segments per group here).
-FORMS = {"fused": dict(form="fused"), "feature-major": dict(form="feature-major"), "split": dict(form="split"),
-         "split-bv128": dict(form="split", block_v=128), "split-grouped": dict(form="split", scratch_mb=0.25)}
+FORMS = {"fused": dict(form="fused"), "split": dict(form="split"), "split-grouped": dict(form="split", scratch_mb=0.25)}
 forms = pytest.mark.parametrize("form", list(FORMS), ids=str)
-#: Forms with no CPU path (Gluon throughout): the device tests only.
-DEVICE_ONLY_FORMS = {"split-gluon": dict(form="split-gluon")}
 
 
 def run_both(c, lower_bound, every, chunk=16, form="fused"):
@@ -59,7 +56,7 @@ def run_both(c, lower_bound, every, chunk=16, form="fused"):
                            checkpoints=ck, every=every, chunk=chunk)
     got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
                           ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"],
-                          **{**FORMS, **DEVICE_ONLY_FORMS}[form])
+                          **FORMS[form])
     return got, ref
 
 
@@ -107,8 +104,8 @@ def test_local_grads_against_fp64_autograd(form):
 
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 def test_split_matches_fused(case):
-    """The split's only difference from the fused kernel is the fp32 summation order over V (then a rare bf16
-    rounding it flips): far below the emulation bar; ``dv`` (no partial sums) agrees bit for bit."""
+    """The split differs from the fused kernel in fp32 summation order only (then a rare bf16 rounding it flips):
+    far below the emulation bar; ``dv`` (no partial sums) agrees bit for bit."""
     kw, every, lb, chunk = CASES[case]
     c = case_inputs(kw, seed=3)
     layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
@@ -161,14 +158,8 @@ def test_bad_arguments():
         local_grads_bwd(*args, 2, num_stages=0)
     with pytest.raises(ValueError, match="form must be one of"):
         local_grads_bwd(*args, 2, form="split-v")
-    with pytest.raises(ValueError, match="block_v"):
-        local_grads_bwd(*args, 2, form="split", block_v=32)
-    with pytest.raises(ValueError, match="max_registers"):
-        local_grads_bwd(*args, 2, max_registers=(300, None))
     with pytest.raises(ValueError, match="scratch_mb"):
         local_grads_bwd(*args, 2, form="split", scratch_mb=0)
-    with pytest.raises(ValueError, match="form='split-gluon' needs a Hopper GPU"):
-        local_grads_bwd(*args, 2, form="split-gluon")
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 
@@ -199,15 +190,12 @@ def test_rows_past_the_last_sequence_are_not_read(form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["fused", "split", "split-gluon"], ids=str)
+@pytest.mark.parametrize("form", ["fused", "split"], ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 def test_local_grads_match_emulation_on_device(case, form):
-    """The compiled kernels (bf16 tensor-core products; the split's B3b in Gluon at chunk 16, and its B3a too in
-    ``split-gluon``) against the emulation on the device, same bar (the other forms: `v2_train_check` compares them
-    at full size)."""
+    """The compiled kernels (bf16 tensor-core products; the split's B3b in Gluon at chunk 16) against the emulation
+    on the device, same bar (`v2_train_check` compares the forms at full size)."""
     kw, every, lb, chunk = CASES[case]
-    if form == "split-gluon" and chunk != 16:
-        pytest.skip("the Gluon B3a takes 16-token chunks only")
     got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk, form)
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs

@@ -1,15 +1,13 @@
 """B3 of the v2 backward: the chunk-local gradients, from the checkpoints, B2's state gradients and the workspace.
 
-Three forms until their device A/B decides (`FORMS`):
+Two forms (`FORMS`; the default per chunk size in `DEFAULT_FORM`):
 
-- ``"fused"``: one Triton kernel per (checkpoint segment, value head), tiles ``[C, 128]``
-  (`flashkda.bwd.v2.local_grad_kernel`);
-- ``"feature-major"``: the same kernel with tiles ``[128, C]`` (`local_grad_fm_kernel`);
-- ``"split"``: B3a, the sequential state part per (segment, block of value columns, value head), then B3b, K1
-  backwards per (chunk, value head), through an fp32 scratch (`local_split_kernel`); B3b is the Gluon kernel of
-  `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU);
-- ``"split-gluon"``: the split with B3a in Gluon too (`local_walk_gluon`, the state on warpgroup MMA; Hopper,
-  16-token chunks and 64-column V blocks only).
+- ``"split"``: B3a, the sequential state part per (segment, value head) with the state ``[128, 128]`` in
+  registers, then B3b, K1 backwards per (chunk, value head), through an fp32 scratch (`local_split_kernel`); B3b
+  is the Gluon kernel of `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and
+  the CPU);
+- ``"fused"``: both parts in one Triton kernel per (checkpoint segment, value head), tiles ``[C, 128]``
+  (`flashkda.bwd.v2.local_grad_kernel`), no scratch.
 
 Kernels are imported on the first launch only; on a machine without a GPU the Triton ones run under
 ``TRITON_INTERPRET=1`` on CPU tensors. The torch twin of B3 is the ``B1`` + ``B3`` stages of
@@ -31,40 +29,35 @@ __all__ = ["CHUNKS", "DEFAULT_FORM", "FORMS", "local_grads_bwd", "segment_table"
 #: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
 CHUNKS = (16, 32)
 #: B3's forms (see the module docstring).
-FORMS = ("fused", "feature-major", "split", "split-gluon")
-#: The form `local_grads_bwd` runs by default per chunk size: the faster one measured at that size
-#: (``docs/flashkda-v2-backward.md``).
-DEFAULT_FORM = {16: "fused", 32: "split"}
+FORMS = ("split", "fused")
+#: The form `local_grads_bwd` runs by default per chunk size (``docs/flashkda-v2-backward.md``).
+DEFAULT_FORM = {16: "split", 32: "split"}
+#: B3a's value columns per program: the whole state (128 beat two blocks of 64 at both chunk sizes).
+BLOCK_V = HEAD_DIM
+#: The Gluon B3b's per-thread register cap (``maxnreg``): two CTAs per SM; faster than uncapped (one CTA) and 64.
+K1_GLUON_MAX_REGISTERS = 128
 
 
 @functools.cache
-def _kernel(form: str):
-    if form == "feature-major":
-        from flashkda.bwd.v2 import local_grad_fm_kernel
-
-        return local_grad_fm_kernel.kda_bwd_v2_local_fm_kernel
+def _fused_kernel():
     from flashkda.bwd.v2 import local_grad_kernel
 
     return local_grad_kernel.kda_bwd_v2_local_kernel
 
 
 @functools.cache
-def _split_kernels(gluon_walk: bool, gluon_k1: bool):
-    """The split's B3a and B3b kernels and the warps each Gluon one is laid out for (None: a Triton kernel, whose
-    warps the launcher picks)."""
+def _split_kernels(gluon_k1: bool):
+    """The split's B3a and B3b kernels, and the launch options the Gluon B3b is built for (None: the Triton B3b,
+    launched at 8 warps)."""
     from flashkda.bwd.v2 import local_split_kernel
 
-    walk, walk_warps = local_split_kernel.kda_bwd_v2_local_state_kernel, None
-    k1, k1_warps = local_split_kernel.kda_bwd_v2_local_chunk_kernel, None
-    if gluon_walk:
-        from flashkda.bwd.v2 import local_walk_gluon
+    walk = local_split_kernel.kda_bwd_v2_local_state_kernel
+    if not gluon_k1:
+        return walk, local_split_kernel.kda_bwd_v2_local_chunk_kernel, None
+    from flashkda.bwd.v2 import local_k1_gluon
 
-        walk, walk_warps = local_walk_gluon.kda_bwd_v2_walk_gluon_kernel, int(local_walk_gluon.NUM_WARPS)
-    if gluon_k1:
-        from flashkda.bwd.v2 import local_k1_gluon
-
-        k1, k1_warps = local_k1_gluon.kda_bwd_v2_k1_gluon_kernel, int(local_k1_gluon.NUM_WARPS)
-    return walk, walk_warps, k1, k1_warps
+    k1_launch = dict(num_warps=int(local_k1_gluon.NUM_WARPS), maxnreg=K1_GLUON_MAX_REGISTERS)
+    return walk, local_k1_gluon.kda_bwd_v2_k1_gluon_kernel, k1_launch
 
 
 def _gluon_k1(device: torch.device, C: int) -> bool:
@@ -118,22 +111,21 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
 
 
 def _scratch_floats(C: int, K: int) -> int:
-    """fp32 scratch floats per (V block, chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T,
-    dglast, db."""
+    """fp32 scratch floats per (chunk, value head) between B3a and B3b: dkd, dqd, dkr, dU W^T, do U^T, dglast,
+    db."""
     return 3 * C * K + 2 * C * C + K + C
 
 
 def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
-                  block_v, num_warps, caps, launch, scratch_mb, gluon_walk=False):
-    """B3a over (segment, V block, value head), then B3b over (chunk, value head), through the fp32 scratch; by
-    groups of segments whose scratch fits in ``scratch_mb`` MiB (at least one segment); ``gluon_walk``: B3a in
-    Gluon."""
+                  num_warps, launch, scratch_mb):
+    """B3a over (segment, value head), then B3b over (chunk, value head), through the fp32 scratch; by groups of
+    segments whose scratch fits in ``scratch_mb`` MiB (at least one segment)."""
     dq, dk, dv, dg, dbeta = grads
     part_alog, part_dt = parts
     NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
     C = int(ws.inv.shape[-1])
-    state_kernel, walk_warps, chunk_kernel, k1_warps = _split_kernels(gluon_walk, _gluon_k1(g.device, C))
-    NV = K // block_v
+    state_kernel, chunk_kernel, k1_launch = _split_kernels(_gluon_k1(g.device, C))
+    NV = K // BLOCK_V  # the kernels' V blocks (one: B3a holds the whole state)
     n_seg = seg.shape[0]
     per_seg = NV * every * HV * _scratch_floats(C, K) * 4
     group = max(1, min(n_seg, int(scratch_mb * 2**20) // per_seg))  # segments per launch pair
@@ -148,11 +140,8 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     part_c = torch.empty(NV, NTS, HV, C, dtype=torch.float32, device=g.device)  # db
     dummy = ws.beta
     chunk_consts = dict(HQ=q.shape[2], HV=HV, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None)
-    chunk_launch = dict(num_warps=k1_warps, **caps[1]) if k1_warps else dict(C=C, K=K, num_warps=8, **caps[1])
-    if walk_warps:
-        state_launch = dict(HV=HV, num_warps=walk_warps, **caps[0])
-    else:
-        state_launch = dict(HV=HV, C=C, K=K, V=K, BV=block_v, num_warps=num_warps, **launch, **caps[0])
+    chunk_launch = k1_launch or dict(C=C, K=K, num_warps=8)
+    state_launch = dict(HV=HV, C=C, K=K, V=K, BV=BLOCK_V, num_warps=num_warps, **launch)
     for grp, s0 in enumerate(range(0, n_seg, group)):
         state_kernel[(min(group, n_seg - s0) * NV, HV)](
             v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
@@ -170,9 +159,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
                     dt_bias: torch.Tensor | None = None, *, form: str | None = None, num_warps: int = 8,
-                    num_stages: int | None = None, block_v: int = 64,
-                    max_registers: tuple[int | None, int | None] = (None, None),
-                    scratch_mb: float = 512.0) -> KDAGrads:
+                    num_stages: int | None = None, scratch_mb: float = 512.0) -> KDAGrads:
     """B3: the gradients of the raw inputs, walking each checkpoint segment's chunks from its checkpoint (the state
     part, then K1 backwards per chunk, in the same kernel or, ``form="split"``, in a chunk-parallel second one).
 
@@ -187,15 +174,10 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         every: chunks between checkpoints.
         form: one of `FORMS` (None: `DEFAULT_FORM` of the workspace's chunk size); the same results up to fp32
             summation order.
-        num_warps: warps per program of the walking kernel (the fused one, or the Triton B3a; 4, 8 or 16).
-        num_stages: Triton's software pipelining depth of the chunk loop's loads (None: Triton's default; the Gluon
-            kernels ignore it and ``num_warps``: their layouts fix their warps).
-        block_v: value columns per B3a program (64 or 128; split only): its state is ``[128, block_v]``.
-        max_registers: per-thread register caps (``maxnreg``) of the walking kernel and of B3b (None: ptxas'
-            choice; multiples of 8 in [64, 248]; the second is for the split only; ignored by the interpreter).
+        num_warps: warps per program of the walking kernel (B3a, or the fused one; 4, 8 or 16).
+        num_stages: Triton's software pipelining depth of the walking kernel's chunk loop (None: Triton's default).
         scratch_mb: the split's scratch bound, MiB: B3a + B3b run over groups of checkpoint segments whose
-            ``128 / block_v * (3 C 128 + 2 C^2 + 128 + C)`` fp32 floats per chunk and value head fit (at least one
-            segment per group).
+            ``3 C 128 + 2 C^2 + 128 + C`` fp32 floats per chunk and value head fit (at least one segment per group).
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
@@ -215,16 +197,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"num_warps must be 4, 8 or 16, got {num_warps!r}")
     if num_stages is not None and num_stages not in (1, 2, 3, 4):
         raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
-    if block_v not in (64, 128):
-        raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
-    if not isinstance(max_registers, tuple) or len(max_registers) != 2 \
-            or any(r is not None and r not in range(64, 256, 8) for r in max_registers):
-        raise ValueError(f"max_registers must be a pair of None or multiples of 8 in [64, 248], got {max_registers!r}")
     if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
         raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
-    if form == "split-gluon" and not (_gluon_k1(g.device, C) and block_v == 64):
-        raise ValueError(f"form='split-gluon' needs a Hopper GPU, 16-token chunks and block_v=64, got device "
-                         f"{g.device}, {C}-token chunks and block_v={block_v}")
     B, T, HV, K = g.shape
     Hq = q.shape[2]
     total = B * T
@@ -238,26 +212,24 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     dbeta = torch.zeros_like(beta)
     seg = segment_table(ws.layout, every)
     n_seg = seg.shape[0]
-    split = form in ("split", "split-gluon")
+    split = form == "split"
     n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
     part_alog = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
     part_dt = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
     launch = {} if num_stages is None else {"num_stages": num_stages}
-    caps = [{} if r is None else {"maxnreg": r} for r in max_registers]
     if split and n_seg and total:
         _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
-                      (part_alog, part_dt), scale, lower_bound, block_v, num_warps, caps, launch, scratch_mb,
-                      gluon_walk=form == "split-gluon")
+                      (part_alog, part_dt), scale, lower_bound, num_warps, launch, scratch_mb)
     elif n_seg and total:
         dummy = ws.beta
-        _kernel(form)[(n_seg, HV)](
+        _fused_kernel()[(n_seg, HV)](
             q, k, v, g, do, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
             ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
             checkpoints, ds, ws.layout.chunk_index, seg,
             dq, dk, dv, dg, dbeta, part_alog, part_dt,
             float(scale), float(lower_bound),
             HQ=Hq, HV=HV, C=C, K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-            num_warps=num_warps, **launch, **caps[0],
+            num_warps=num_warps, **launch,
         )
     if Hq != HV:
         dq, dk = (x.reshape(total, Hq, HV // Hq, K).sum(2) for x in (dq, dk))
