@@ -121,6 +121,22 @@ def test_split_matches_fused(case):
     assert all(torch.equal(getattr(default, n), getattr(chosen, n)) for n in NAMES if getattr(chosen, n) is not None)
 
 
+def test_tables_kept_with_the_layout_give_the_same_gradients():
+    """A second call on the same layout (a model's next KDA layer) reads the segment table and the split's group
+    bounds kept with the layout: bit-equal gradients, tables built once."""
+    c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=5)
+    layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds.bfloat16(), 2)
+    first = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="split", scratch_mb=0.25)
+    kept = dict(layout._derived)
+    assert any(key[0] == "B3 segments" for key in kept) and any(key[0] == "B3 group bounds" for key in kept)
+    again = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="split", scratch_mb=0.25)
+    assert all(layout._derived[key] is value for key, value in kept.items())
+    for n in NAMES:
+        if getattr(first, n) is not None:
+            assert torch.equal(getattr(again, n), getattr(first, n)), n
+
+
 @pytest.mark.parametrize("cu", [None, [0, 33, 34, 34, 70, 200]], ids=["fixed", "varlen"])
 def test_segment_table(cu):
     T = 70 if cu is None else 200

@@ -264,3 +264,17 @@ def test_chunk_kda_fwd_v2_matches_fp64(B, T, H, cu, a_log, HV, chunk_size):
     ro, rs = reference.chunk_kda_reference(q, k, v, g, beta, K**-0.5, h0, True, **kw)
     assert_close("o", ro, o, 5e-3 if cu is None else 6e-3)
     assert_close("final_state", rs, s, 1e-2)
+
+
+def test_layout_derived_tables_are_built_once_per_key():
+    layout = cached_chunk_layout(1, 50, torch.tensor([0, 20, 50]), CPU)
+    calls = []
+
+    def build():
+        calls.append(1)
+        return layout.seq_chunks * 2
+
+    first = layout.derived(("double", 1), build)
+    assert layout.derived(("double", 1), build) is first and len(calls) == 1
+    assert layout.derived(("double", 2), build) is not first and len(calls) == 2
+    assert build_chunk_layout(1, 50, torch.tensor([0, 20, 50]), CPU).derived(("double", 1), build) is not first

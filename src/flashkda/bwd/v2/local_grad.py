@@ -116,6 +116,14 @@ def _scratch_floats(C: int, K: int) -> int:
     return 3 * C * K + 2 * C * C + K + C
 
 
+def _group_bounds(seg: torch.Tensor, group: int) -> torch.Tensor:
+    """``[groups + 1]`` int32 first chunk of each group of ``group`` segments (and the end), device ops only: the
+    segments cover the used chunks in order, so a group's chunks run from its first segment's to the next's."""
+    cum = torch.cat([seg.new_zeros(1), seg[:, 1].cumsum(0).to(torch.int32)])
+    bounds = cum[::group] if seg.shape[0] % group == 0 else torch.cat([cum[::group], cum[-1:]])
+    return bounds.contiguous()
+
+
 def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
                   num_warps, launch, scratch_mb):
     """B3a over (segment, value head), then B3b over (chunk, value head), through the fp32 scratch; by groups of
@@ -130,10 +138,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     per_seg = NV * every * HV * _scratch_floats(C, K) * 4
     group = max(1, min(n_seg, int(scratch_mb * 2**20) // per_seg))  # segments per launch pair
     NTS = group * every  # scratch chunk rows
-    # the segments cover the used chunks in order: a group's chunks are [first of its first, first of the next)
-    cum = torch.cat([seg.new_zeros(1), seg[:, 1].cumsum(0).to(torch.int32)])
-    bounds = cum[::group] if n_seg % group == 0 else torch.cat([cum[::group], cum[-1:]])  # [groups + 1], device ops
-    bounds = bounds.contiguous()
+    bounds = ws.layout.derived(("B3 group bounds", every, group), lambda: _group_bounds(seg, group))
     part_ck = torch.empty(NV, NTS, HV, 3, C, K, dtype=torch.float32, device=g.device)  # dkd, dqd, dkr
     part_cc = torch.empty(NV, NTS, HV, 2, C, C, dtype=torch.float32, device=g.device)  # dU W^T, do U^T
     part_k = torch.empty(NV, NTS, HV, K, dtype=torch.float32, device=g.device)  # dglast
@@ -210,7 +215,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     dv = torch.zeros_like(v)
     dg = torch.zeros_like(g)
     dbeta = torch.zeros_like(beta)
-    seg = segment_table(ws.layout, every)
+    seg = ws.layout.derived(("B3 segments", every), lambda: segment_table(ws.layout, every))
     n_seg = seg.shape[0]
     split = form == "split"
     n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment

@@ -46,7 +46,8 @@ def recurrence_train(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     if chunk not in DEFAULT_EVERY:
         raise ValueError(f"ws must have 16- or 32-token chunks, got inv {tuple(ws.inv.shape)}")
     every = DEFAULT_EVERY[chunk] if every is None else every
-    ck_offsets = checkpoint_offsets(ws.layout, every, device=v.device).to(torch.int32)
+    ck_offsets = ws.layout.derived(("checkpoint offsets", every, v.device),
+                                   lambda: checkpoint_offsets(ws.layout, every, device=v.device).to(torch.int32))
     H = v.shape[2]
     checkpoints = torch.empty(checkpoint_bound(ws.layout, every), H, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16,
                               device=v.device)

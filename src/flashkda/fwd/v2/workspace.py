@@ -19,7 +19,8 @@ The chunks of sequence ``n`` are ``seq_chunks[n] .. seq_chunks[n + 1] - 1``, in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +59,16 @@ class ChunkLayout:
     cu_seqlens: torch.Tensor
     seq_order: torch.Tensor | None = None
     chunk: int = CHUNK
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def derived(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``build()``, a tensor computed from this layout alone, kept with the layout under ``key``: a model's layers
+        share one cached layout (`cached_chunk_layout`), so the small kernels that derive per-chunk tables from it
+        run once per batch. The tensor must never be written."""
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = build()
+        return value
 
 
 def longest_first_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
