@@ -67,3 +67,25 @@ def test_kda_layer_fused_conv_matches_eager(monkeypatch):
     torch.testing.assert_close(results["on"][0], results["off"][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results["on"][1], results["off"][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_conv_silu_reads_a_column_slice_in_place(B):
+    """A column slice of a wider projection output (the KDA layer's q, k, v) is read with its row stride: the same
+    outputs and gradients as its contiguous copy, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    T, D, W = 70, 96, 4
+    wide = torch.randn(B, T, 3 * D + 8, generator=g).to(DEVICE).requires_grad_()
+    w = (torch.randn(D, W, generator=g) / W**0.5).to(DEVICE)
+    dy = torch.randn(B, T, D, generator=g).to(DEVICE)
+    pos = positions_in_sequence(T, torch.tensor([0, 30, 70]) if B == 1 else None, torch.device(DEVICE))
+    part = wide[..., D:2 * D]
+    assert not part.is_contiguous()
+    y = conv_silu(part, w, pos)
+    (grad,) = torch.autograd.grad(y, wide, dy)
+    copy = part.detach().contiguous().requires_grad_()
+    y_ref = conv_silu(copy, w, pos)
+    (grad_ref,) = torch.autograd.grad(y_ref, copy, dy)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(grad[..., D:2 * D], grad_ref)
+    assert grad[..., :D].eq(0).all() and grad[..., 2 * D:].eq(0).all()

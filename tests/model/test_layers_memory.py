@@ -57,3 +57,32 @@ def test_bf16_layers_save_no_fp32_activation_copies():
            if t.untyped_storage().data_ptr() not in known}
     # bf16 h and rms_norm(h); fp32 per-row statistics: [S, B, T] rms, score, weight and rms_norm's [B, T, 1]
     assert sum(new.values()) <= 2 * (2 * 64 * 32 * 2) + 3 * 5 * 2 * 64 * 4 + 2 * 64 * 4 + 256
+
+
+def test_shared_input_linears_match_the_modules():
+    """One GEMM over the concatenated weights gives each module's output and every gradient (fp64: exact up to
+    summation order); a biased module or a wrapper falls back to calling the modules."""
+    import torch.nn as nn
+
+    from k3infra.model.layers import shared_input_linears
+
+    torch.manual_seed(0)
+    mods = (nn.Linear(24, 16, bias=False), nn.Linear(24, 5, bias=False), nn.Linear(24, 32, bias=False))
+    mods = tuple(m.double() for m in mods)
+    x = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
+    outs = shared_input_linears(x, mods)
+    refs = [m(x) for m in mods]
+    assert [o.shape for o in outs] == [r.shape for r in refs]
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+    upstream = [torch.randn_like(r) for r in refs]
+    params = [x, *(m.weight for m in mods)]
+    got = torch.autograd.grad(outs, params, upstream)
+    want = torch.autograd.grad(refs, params, upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    biased = (mods[0], nn.Linear(24, 3).double())
+    calls = []
+    biased[1].register_forward_hook(lambda *_: calls.append(1))
+    outs = shared_input_linears(x, biased)
+    assert calls == [1] and torch.equal(outs[1], biased[1](x))

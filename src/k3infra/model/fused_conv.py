@@ -24,8 +24,8 @@ _MAX_TAPS = 8
 
 
 @triton.jit
-def _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W: tl.constexpr):
-    """fp32 ``s`` at ``rows`` (``[BN]``, may run past ``N``) and ``cols`` (``[BD]``)."""
+def _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W: tl.constexpr):
+    """fp32 ``s`` at ``rows`` (``[BN]``, may run past ``N``) and ``cols`` (``[BD]``); ``u``'s rows ``SU`` apart."""
     col_ok = cols < D
     pos = tl.load(pos_ptr + rows % T, mask=rows < N, other=0)
     s = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
@@ -33,29 +33,29 @@ def _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W: tl.constexpr)
         w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
         src = rows - j
         ok = (rows < N) & (pos >= j) & (src >= 0)
-        u = tl.load(u_ptr + src.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+        u = tl.load(u_ptr + src.to(tl.int64)[:, None] * SU + cols[None, :], mask=ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
         s += u * w[None, :]
     return s
 
 
 @triton.jit
-def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, T, W: tl.constexpr, BLOCK_N: tl.constexpr,
+def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, SU, T, W: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W)
+    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W)
     y = s * tl.sigmoid(s)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, T, W: tl.constexpr,
+def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, SU, T, W: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, T, W)
+    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -64,14 +64,14 @@ def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, T, W:
 
 
 @triton.jit
-def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_ptr, N, D, T, W: tl.constexpr,
+def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_ptr, N, D, SU, T, W: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     mask = (rows < N)[:, None] & col_ok[None, :]
-    u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * SU + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     du = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # token n feeds tap j of token n + j: du[n] = Σ_j w[W−1−j] · ds[n + j] (when n + j is still in n's sequence),
     # dw[W−1−j] = Σ_n u[n] · ds[n + j] over the same pairs
@@ -92,9 +92,10 @@ class _ConvSiLUFunction(torch.autograd.Function):
     def forward(ctx, u_ND, weight_DW, pos_T):
         N, D = u_ND.shape
         W, T = weight_DW.shape[1], pos_T.shape[0]
-        y = torch.empty_like(u_ND)
+        y = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
         grid = (triton.cdiv(N, _BLOCK_N), triton.cdiv(D, _BLOCK_D))
-        _conv_silu_fwd_kernel[grid](u_ND, weight_DW, pos_T, y, N, D, T, W=W, BLOCK_N=_BLOCK_N, BLOCK_D=_BLOCK_D)
+        _conv_silu_fwd_kernel[grid](u_ND, weight_DW, pos_T, y, N, D, u_ND.stride(0), T, W=W, BLOCK_N=_BLOCK_N,
+                                    BLOCK_D=_BLOCK_D)
         ctx.save_for_backward(u_ND, weight_DW, pos_T)
         return y
 
@@ -103,14 +104,15 @@ class _ConvSiLUFunction(torch.autograd.Function):
         u_ND, weight_DW, pos_T = ctx.saved_tensors
         N, D = u_ND.shape
         W, T = weight_DW.shape[1], pos_T.shape[0]
-        du = torch.empty_like(u_ND)
+        du = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
         ds = torch.empty(N, D, dtype=torch.float32, device=u_ND.device)
         blocks = triton.cdiv(N, _BLOCK_N)
         dw_part = torch.empty(blocks, W, D, dtype=torch.float32, device=u_ND.device)
         grid = (blocks, triton.cdiv(D, _BLOCK_D))
-        _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy.contiguous(), ds, N, D, T, W=W, BLOCK_N=_BLOCK_N,
-                                        BLOCK_D=_BLOCK_D)
-        _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, T, W=W, BLOCK_N=_BLOCK_N,
+        SU = u_ND.stride(0)
+        _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy.contiguous(), ds, N, D, SU, T, W=W,
+                                        BLOCK_N=_BLOCK_N, BLOCK_D=_BLOCK_D)
+        _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, SU, T, W=W, BLOCK_N=_BLOCK_N,
                                          BLOCK_D=_BLOCK_D)
         return du, dw_part.sum(0).t().to(weight_DW.dtype), None
 
@@ -119,7 +121,8 @@ def conv_silu(u_BTD: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor)
     """Fused ``F.silu(causal_depthwise_conv(u, weight, None, pos))`` (no decode state).
 
     Args:
-        u_BTD: ``[B, T, D]`` fp32/bf16/fp16 inputs (made contiguous).
+        u_BTD: ``[B, T, D]`` fp32/bf16/fp16 inputs: read in place when its channels are contiguous and its tokens
+            evenly spaced (a column slice of a wider projection output), else copied contiguous first.
         weight_DW: ``[D, W]`` depthwise taps (the last column multiplies the current token), ``W <= 8``, any float
             dtype (computed in fp32; its gradient comes back in its dtype).
         pos_T: ``[T]`` int position of each token in its sequence (``B == 1`` packed), or ``arange(T)``.
@@ -133,6 +136,8 @@ def conv_silu(u_BTD: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor)
                          f"{tuple(weight_DW.shape)}")
     if pos_T.shape != (T,):
         raise ValueError(f"conv_silu: pos_T must be [{T}], got {tuple(pos_T.shape)}")
-    y = _ConvSiLUFunction.apply(u_BTD.reshape(B * T, D).contiguous(), weight_DW.contiguous(),
-                                pos_T.to(torch.int32).contiguous())
+    u_ND = u_BTD.reshape(B * T, D)
+    if u_ND.stride(1) != 1 or u_ND.stride(0) < D:
+        u_ND = u_ND.contiguous()
+    y = _ConvSiLUFunction.apply(u_ND, weight_DW.contiguous(), pos_T.to(torch.int32).contiguous())
     return y.view(B, T, D)

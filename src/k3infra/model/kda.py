@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from k3infra.model import fused
 from k3infra.model.fused_conv import conv_silu
 from k3infra.model.kda_torch import chunk_kda_torch, recurrent_kda_torch
-from k3infra.model.layers import RMSNorm, recompute
+from k3infra.model.layers import RMSNorm, recompute, shared_input_linears
 
 __all__ = ["K3KDA", "causal_depthwise_conv", "positions_in_sequence"]
 
@@ -144,7 +144,8 @@ class K3KDA(nn.Module):
         H, K = self.num_heads, self.head_dim
         state = cache.kda_state(self.layer_idx) if cache is not None else None
         pos_T = None if state is not None else positions_in_sequence(T, cu_seqlens, x_BTD.device)
-        conv_in = [self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)]
+        *conv_in, z_low, beta_logits = shared_input_linears(
+            x_BTD, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj))
         backend = _kda_kernels(self.backend, x_BTD.device)
         decode = not torch.is_grad_enabled() and T <= DECODE_MAX_TOKENS and cu_seqlens is None
         # the chunk kernels take raw q, k, gate and beta and apply the L2 norm, the bounded gate and the sigmoid
@@ -155,14 +156,14 @@ class K3KDA(nn.Module):
         q, k, v = (recompute(functools.partial(_conv_act, state=None if state is None else state.conv[i], pos_T=pos_T,
                                                heads=H, normalize=i < 2 and not in_kernel), u, w)
                    for i, (u, w) in enumerate(zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))))
-        z_BTD = self.f_b_proj(self.f_a_proj(x_BTD))
+        z_BTD = self.f_b_proj(z_low)
         initial = None if state is None else state.recurrent
         if in_kernel:
-            o, final = self._chunk_kernel(backend, q, k, v, z_BTD.view(B, T, H, K), self.b_proj(x_BTD), initial,
+            o, final = self._chunk_kernel(backend, q, k, v, z_BTD.view(B, T, H, K), beta_logits, initial,
                                           cache is not None, cu_seqlens)
         else:
             g = recompute(functools.partial(_decay, lower_bound=self.lower_bound, heads=H), z_BTD, self.A_log)
-            beta = torch.sigmoid(self.b_proj(x_BTD).float())
+            beta = torch.sigmoid(beta_logits.float())
             o, final = self._mix(backend, q, k, v, g, beta, initial, cache is not None, cu_seqlens, decode)
         if cache is not None:
             new_conv = [_tail(u, None if state is None else state.conv[i], self.conv_size - 1)

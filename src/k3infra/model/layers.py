@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 try:
@@ -18,7 +19,8 @@ try:
 except ModuleNotFoundError:  # no triton: the eager Functions only
     fused = None
 
-__all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm", "situ_glu"]
+__all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm", "shared_input_linears",
+           "situ_glu"]
 
 
 def recompute(fn, *args):
@@ -28,6 +30,22 @@ def recompute(fn, *args):
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return fn(*args)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """``[m(x) for m in linears]`` as one matrix product over the concatenated weights when every module is a plain
+    bias-free `nn.Linear` (else module by module, e.g. under LoRA adapters): one cast of the input and one of the
+    weights under autocast instead of one each per module, one GEMM forward and two backward, the input gradient
+    summed inside the GEMM. The outputs are column slices of one ``[..., Σ out_features]`` tensor.
+
+    Args:
+        x: ``[..., in_features]``, the input every module reads.
+        linears: the modules, in output order.
+    """
+    if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+        return [m(x) for m in linears]
+    out = F.linear(x, torch.cat([m.weight for m in linears]))
+    return list(out.split([m.out_features for m in linears], dim=-1))
 
 
 class _RMSNormFunction(torch.autograd.Function):
