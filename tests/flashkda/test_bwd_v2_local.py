@@ -121,6 +121,30 @@ def test_split_matches_fused(case):
     assert all(torch.equal(getattr(default, n), getattr(chosen, n)) for n in NAMES if getattr(chosen, n) is not None)
 
 
+@forms
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", ["fixed", "gva_no_alog_no_h0", "every1", "c32_fixed"], ids=str)
+def test_dense_layouts_leave_no_output_unwritten(case, device, form, monkeypatch):
+    """On a fixed-length layout the outputs are not zero-filled first: with NaN in every element before the
+    kernels run, the gradients equal those of zero-filled outputs bit for bit (every element is written; on the
+    device this covers the Gluon B3b)."""
+    from flashkda.bwd.v2 import local_grad
+
+    kw, every, lb, chunk = CASES[case]
+    c = case_inputs(kw, seed=9, device=device)
+    layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
+    assert layout.dense
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
+    monkeypatch.setattr(local_grad, "_unfilled",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    poisoned = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
+    monkeypatch.setattr(local_grad, "_unfilled", torch.zeros)
+    zeroed = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
+    for n in NAMES:
+        if getattr(zeroed, n) is not None:
+            assert torch.equal(getattr(poisoned, n), getattr(zeroed, n)), n
+
+
 def test_tables_kept_with_the_layout_give_the_same_gradients():
     """A second call on the same layout (a model's next KDA layer) reads the segment table and the split's group
     bounds kept with the layout: bit-equal gradients, tables built once."""

@@ -60,6 +60,11 @@ def _split_kernels(gluon_k1: bool):
     return walk, local_k1_gluon.kda_bwd_v2_k1_gluon_kernel, k1_launch
 
 
+def _unfilled(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output every element of which the kernels write (`torch.empty`; the tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _gluon_k1(device: torch.device, C: int) -> bool:
     """Whether B3b runs the Gluon kernel: 16-token chunks on a Hopper GPU."""
     return device.type == "cuda" and C == 16 and torch.cuda.get_device_capability(device)[0] == 9
@@ -208,19 +213,21 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     Hq = q.shape[2]
     total = B * T
     dev = g.device
+    # the kernels write every row of a dense layout; a varlen one may have rows no chunk covers, kept at zero
+    alloc = _unfilled if ws.layout.dense else torch.zeros
     # GVA: fp32 per value head, summed over the value heads of a q/k head after; else straight in q's dtype
     acc_dtype = torch.float32 if Hq != HV else q.dtype
-    dq = torch.zeros(total, HV, K, dtype=acc_dtype, device=dev)
-    dk = torch.zeros(total, HV, K, dtype=acc_dtype, device=dev)
-    dv = torch.zeros_like(v)
-    dg = torch.zeros_like(g)
-    dbeta = torch.zeros_like(beta)
+    dq = alloc((total, HV, K), dtype=acc_dtype, device=dev)
+    dk = alloc((total, HV, K), dtype=acc_dtype, device=dev)
+    dv = alloc(v.shape, dtype=v.dtype, device=dev)
+    dg = alloc(g.shape, dtype=g.dtype, device=dev)
+    dbeta = alloc(beta.shape, dtype=beta.dtype, device=dev)
     seg = ws.layout.derived(("B3 segments", every), lambda: segment_table(ws.layout, every))
     n_seg = seg.shape[0]
     split = form == "split"
     n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
-    part_alog = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
-    part_dt = torch.zeros(n_part, HV, K, dtype=torch.float32, device=dev)
+    part_alog = alloc((n_part, HV, K), dtype=torch.float32, device=dev)
+    part_dt = alloc((n_part, HV, K), dtype=torch.float32, device=dev)
     launch = {} if num_stages is None else {"num_stages": num_stages}
     if split and n_seg and total:
         _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),

@@ -48,6 +48,8 @@ class ChunkLayout:
         cu_seqlens: ``[N + 1]`` int32 token offsets of the sequences (built for fixed length too).
         seq_order: ``[N]`` int32 sequence ids longest first (the recurrence's launch order), None for one sequence.
         chunk: tokens per chunk.
+        dense: every token row lies in a chunk and every chunk row is in use (fixed length); a varlen layout may
+            have rows past the last sequence and unused chunk rows.
     """
 
     num_seqs: int
@@ -59,6 +61,7 @@ class ChunkLayout:
     cu_seqlens: torch.Tensor
     seq_order: torch.Tensor | None = None
     chunk: int = CHUNK
+    dense: bool = False
     _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     def derived(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -116,7 +119,7 @@ def build_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: 
     return ChunkLayout(num_seqs=index.num_seqs, num_chunks=index.num_chunks, total_tokens=B * T,
                        max_chunks_per_seq=nts, chunk_index=chunk_index, seq_chunks=seq_chunks.contiguous(),
                        cu_seqlens=cu.contiguous(), seq_order=longest_first_order(cu) if index.num_seqs > 1 else None,
-                       chunk=chunk)
+                       chunk=chunk, dense=not index.is_varlen)
 
 
 _FIXED_LAYOUTS: dict[tuple, ChunkLayout] = {}
