@@ -62,7 +62,7 @@ class ChunkLayout:
     seq_order: torch.Tensor | None = None
     chunk: int = CHUNK
     dense: bool = False
-    _derived: dict = field(default_factory=dict, compare=False, repr=False)
+    _derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def derived(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``build()``, a tensor computed from this layout alone, kept with the layout under ``key``: a model's layers
