@@ -1,6 +1,8 @@
 """FlashKDA forward v2: the chunk layout, the torch emulation of its kernels against the fp64 oracle (CPU), and the
 Gluon kernels against the emulation (``gpu``)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -279,6 +281,4 @@ def test_layout_derived_tables_are_built_once_per_key():
     assert layout.derived(("double", 2), build) is not first and len(calls) == 2
     assert build_chunk_layout(1, 50, torch.tensor([0, 20, 50]), CPU).derived(("double", 1), build) is not first
     # a copy with another field is another layout: it does not share the kept tables
-    import dataclasses
-
     assert dataclasses.replace(layout, dense=not layout.dense).derived(("double", 1), build) is not first
