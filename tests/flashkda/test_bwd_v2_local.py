@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case
+from flashkda.bwd.v2 import local_grad
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets, emulate_recurrence_train
 from flashkda.bwd.v2.emulate import emulate_backward, emulate_state_grads
 from flashkda.bwd.v2.local_grad import DEFAULT_FORM, local_grads_bwd, segment_table
@@ -128,8 +129,6 @@ def test_dense_layouts_leave_no_output_unwritten(case, device, form, monkeypatch
     """On a fixed-length layout the outputs are not zero-filled first: with NaN in every element before the
     kernels run, the gradients equal those of zero-filled outputs bit for bit (every element is written; on the
     device this covers the Gluon B3b)."""
-    from flashkda.bwd.v2 import local_grad
-
     kw, every, lb, chunk = CASES[case]
     c = case_inputs(kw, seed=9, device=device)
     layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)

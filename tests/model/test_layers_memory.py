@@ -1,11 +1,13 @@
 """RMSNorm, SiTU-GLU and the AttnRes site compute in fp32 with hand-written backwards that keep only their
-inputs: outputs and every gradient equal plain fp64 autograd, and nothing of fp32 activation size is saved."""
+inputs: outputs and every gradient equal plain fp64 autograd, and nothing of fp32 activation size is saved; the
+projections of one input as one product (`shared_input_linears`) equal the modules called one by one."""
 
 import pytest
 import torch
+import torch.nn as nn
 
 from k3infra.model import layers
-from k3infra.model.layers import attn_res_mix, rms_norm, situ_glu
+from k3infra.model.layers import attn_res_mix, rms_norm, shared_input_linears, situ_glu
 
 
 def _check(fn, inputs, tol=1e-5):
@@ -61,11 +63,7 @@ def test_bf16_layers_save_no_fp32_activation_copies():
 
 def test_shared_input_linears_match_the_modules():
     """One GEMM over the concatenated weights gives each module's output and every gradient (fp64: exact up to
-    summation order); a biased module or a wrapper falls back to calling the modules."""
-    import torch.nn as nn
-
-    from k3infra.model.layers import shared_input_linears
-
+    summation order); with a biased module among them the modules are called one by one."""
     torch.manual_seed(0)
     mods = (nn.Linear(24, 16, bias=False), nn.Linear(24, 5, bias=False), nn.Linear(24, 32, bias=False))
     mods = tuple(m.double() for m in mods)
