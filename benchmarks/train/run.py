@@ -66,11 +66,13 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, c
     ours, base = results[name], results[ref]
     compiled = name == "ours+compile"
     return Row(
-        case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}" + ("-compile" if compiled else ""),
+        case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}-mb{cfg.micro_batch_size}"
+             + ("-compile" if compiled else ""),
         baseline=f"K3 with {variants[ref]}" + (" (eager)" if ref == "ours" else ""),
         baseline_ms=base["timing"].median_ms,
         ours_ms=ours["timing"].median_ms,
         params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+                "micro_batch_size": cfg.micro_batch_size,
                 "ours": variants[name], "baseline_overrides": variants[ref],
                 "compile": f"{args.compile}/{compile_backend()}" if compiled else False,
                 "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (the bar) or cpu (smoke)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the preset's)")
     p.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the preset's)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="rows per forward/backward (default: the preset's; the step accumulates the rest)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compilation, autotuning)")
     p.add_argument("--ours", default='{"kda_backend": "flashkda"}', help="K3Config overrides of ours (JSON)")
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         for name, overrides in variants.items():
             cfg = TrainConfig(preset=args.config, steps=args.warmup + args.steps, seq_len=args.seq_len,
-                              batch_size=args.batch_size, out=f"{out}/{name}", device=args.device, progress=False,
+                              batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+                              out=f"{out}/{name}", device=args.device, progress=False,
                               tensorboard=False, plot=False, overrides=overrides,
                               activation_checkpointing=args.activation_checkpointing,
                               compile=args.compile if name == "ours+compile" else False).resolved()
