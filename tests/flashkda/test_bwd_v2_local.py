@@ -9,6 +9,7 @@ from flashkda.bwd.v2 import local_grad
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets, emulate_recurrence_train
 from flashkda.bwd.v2.emulate import emulate_backward, emulate_state_grads
 from flashkda.bwd.v2.local_grad import DEFAULT_FORM, local_grads_bwd, segment_table
+from flashkda.bwd.v2.tail import zero_rows_past_end
 from flashkda.fwd.v2.emulate import emulate_prepare
 from flashkda.fwd.v2.emulate32 import emulate_prepare32
 from flashkda.fwd.v2.workspace import build_chunk_layout
@@ -68,11 +69,12 @@ def rel_rms(x, ref):
 CASES = {  # (inputs, every, lower_bound, chunk)
     "fixed": (dict(B=2, T=40, H=1), 2, -5.0, 16),
     "varlen": (dict(B=1, T=70, H=1, cu=[0, 33, 34, 34, 70]), 2, -5.0, 16),
+    "varlen_tail": (dict(B=1, T=60, H=1, cu=[0, 21, 22, 45]), 2, -5.0, 16),  # rows 45.. in no sequence
     "gva_no_alog_no_h0": (dict(B=1, T=48, H=1, HV=2, a_log=False, init=False), 3, -0.1, 16),
     "every1": (dict(B=1, T=35, H=2), 1, -1.0, 16),
     "c32_fixed": (dict(B=1, T=80, H=1), 2, -5.0, 32),
     "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
-    "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 70], a_log=False, dt=False), 2, -5.0, 32),
+    "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 62], a_log=False, dt=False), 2, -5.0, 32),
 }
 
 
@@ -124,15 +126,16 @@ def test_split_matches_fused(case):
 
 @forms
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("case", ["fixed", "gva_no_alog_no_h0", "every1", "c32_fixed"], ids=str)
-def test_dense_layouts_leave_no_output_unwritten(case, device, form, monkeypatch):
-    """On a fixed-length layout the outputs are not zero-filled first: with NaN in every element before the
-    kernels run, the gradients equal those of zero-filled outputs bit for bit (every element is written; on the
-    device this covers the Gluon B3b)."""
+@pytest.mark.parametrize("case", ["fixed", "varlen", "varlen_tail", "gva_no_alog_no_h0", "every1", "c32_fixed",
+                                  "c32_no_gate_params"], ids=str)
+def test_outputs_need_no_zero_fill(case, device, form, monkeypatch):
+    """The outputs are not zero-filled first (a varlen layout's partial sums aside): with NaN in every element
+    before the kernels run, the gradients equal those of zero-filled outputs bit for bit; every element is written,
+    by the kernels or, for the rows past the last sequence, by `tail.zero_rows_past_end` (on the device this covers
+    the Gluon B3b)."""
     kw, every, lb, chunk = CASES[case]
     c = case_inputs(kw, seed=9, device=device)
     layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
-    assert layout.dense
     args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
     monkeypatch.setattr(local_grad, "_unfilled",
                         lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
@@ -238,3 +241,21 @@ def test_local_grads_match_emulation_on_device(case, form):
     got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk, form)
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs
+
+
+def test_zero_rows_past_end_zeroes_only_the_tail():
+    """Rows from ``cu_seqlens[-1]`` on, in every output of any 2+ byte dtype; nothing before; bad outputs named."""
+    outs = [torch.full((37, 3, 5), float("nan"), dtype=torch.bfloat16), torch.full((37, 4), float("nan")),
+            torch.full((37,), float("nan"), dtype=torch.float16)]
+    zero_rows_past_end(outs, torch.tensor([0, 10, 20], dtype=torch.int32))
+    for x in outs:
+        assert x[:20].float().isnan().all() and x[20:].eq(0).all()
+    full = torch.ones(37, 2)
+    zero_rows_past_end([full], torch.tensor([0, 37]))
+    assert full.eq(1).all()
+    with pytest.raises(ValueError, match="outputs must hold 1 to"):
+        zero_rows_past_end([], torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"outputs\[1\] must be contiguous with 37 rows"):
+        zero_rows_past_end([full, torch.ones(36, 2)], torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"outputs\[0\] must be contiguous .* 2\+ bytes"):
+        zero_rows_past_end([torch.ones(37, 2, dtype=torch.uint8)], torch.tensor([0, 3]))

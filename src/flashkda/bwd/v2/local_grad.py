@@ -22,6 +22,7 @@ import torch
 
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets
 from flashkda.bwd.v2.emulate import KDAGrads
+from flashkda.bwd.v2.tail import zero_rows_past_end
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
 
 __all__ = ["CHUNKS", "DEFAULT_FORM", "FORMS", "local_grads_bwd", "segment_table"]
@@ -213,8 +214,11 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     Hq = q.shape[2]
     total = B * T
     dev = g.device
-    # the kernels write every row of a dense layout; a varlen one may have rows no chunk covers, kept at zero
-    alloc = _unfilled if ws.layout.dense else torch.zeros
+    seg = ws.layout.derived(("B3 segments", every), lambda: segment_table(ws.layout, every))
+    n_seg = seg.shape[0]
+    launched = n_seg > 0 and total > 0
+    # the kernels write every token row inside a sequence; a varlen layout's rows past the last one are zeroed after
+    alloc = _unfilled if launched else torch.zeros
     # GVA: fp32 per value head, summed over the value heads of a q/k head after; else straight in q's dtype
     acc_dtype = torch.float32 if Hq != HV else q.dtype
     dq = alloc((total, HV, K), dtype=acc_dtype, device=dev)
@@ -222,17 +226,17 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     dv = alloc(v.shape, dtype=v.dtype, device=dev)
     dg = alloc(g.shape, dtype=g.dtype, device=dev)
     dbeta = alloc(beta.shape, dtype=beta.dtype, device=dev)
-    seg = ws.layout.derived(("B3 segments", every), lambda: segment_table(ws.layout, every))
-    n_seg = seg.shape[0]
     split = form == "split"
     n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
-    part_alog = alloc((n_part, HV, K), dtype=torch.float32, device=dev)
-    part_dt = alloc((n_part, HV, K), dtype=torch.float32, device=dev)
+    # a varlen layout's unused chunk and segment rows write no partials
+    part_alloc = _unfilled if launched and ws.layout.dense else torch.zeros
+    part_alog = part_alloc((n_part, HV, K), dtype=torch.float32, device=dev)
+    part_dt = part_alloc((n_part, HV, K), dtype=torch.float32, device=dev)
     launch = {} if num_stages is None else {"num_stages": num_stages}
-    if split and n_seg and total:
+    if split and launched:
         _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
                       (part_alog, part_dt), scale, lower_bound, num_warps, launch, scratch_mb)
-    elif n_seg and total:
+    elif launched:
         dummy = ws.beta
         _fused_kernel()[(n_seg, HV)](
             q, k, v, g, do, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
@@ -243,6 +247,8 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             HQ=Hq, HV=HV, C=C, K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
             num_warps=num_warps, **launch,
         )
+    if launched and not ws.layout.dense:
+        zero_rows_past_end([x.view(total, -1) for x in (dq, dk, dv, dg, dbeta)], ws.layout.cu_seqlens)
     if Hq != HV:
         dq, dk = (x.reshape(total, Hq, HV // Hq, K).sum(2) for x in (dq, dk))
     dq, dk = (x.reshape(B, T, Hq, K).to(q.dtype) for x in (dq, dk))
