@@ -58,10 +58,13 @@ GRAD_TOL = 1e-2
 FLA = "fla 0.6.0 chunk_kda fwd+bwd"
 #: B3's forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: the split
 #: (the default: B3a, then B3b in Gluon at chunk 16 and in Triton at chunk 32), the same over one group of segments
-#: (no scratch bound), and the fused kernel.
+#: (no scratch bound), B3a at 16 warps (128 registers, one CTA per SM) and at 4 warps (two CTAs per SM, spilling)
+#: instead of 8, and the fused kernel.
 B3_FORMS = {
     "split": dict(form="split"),
     "split-one-group": dict(form="split", scratch_mb=1e6),
+    "split-b3a-16-warps": dict(form="split", num_warps=16),
+    "split-b3a-4-warps": dict(form="split", num_warps=4),
     "fused": dict(form="fused"),
 }
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short).
