@@ -234,7 +234,12 @@ def markdown_table(rows: list[Row]) -> str:
         elif group is alone:
             parts.append("Measured without a baseline in this run (absolute numbers):")
         parts.append(_table(head + extras + (["note"] if with_note else []), lines))
-    missing = [r.case for r in rows if r.ours_ms is None]
+    checks = [r for r in rows if r.ours_ms is None and r.note == "correctness only" and "rc" in r.extra]
+    if checks:
+        parts.append("Checks: " + "; ".join(
+            f"{r.case}: {'passed' if str(r.extra.get('rc')) == '0' else 'FAILED'} (rc {r.extra.get('rc')})"
+            for r in checks) + ".")
+    missing = [r.case for r in rows if r.ours_ms is None and r not in checks]
     if missing:
         parts.append(f"Not run: {', '.join(missing)}.")
     return "\n\n".join(parts)

@@ -282,8 +282,12 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     t_fla = time_fn(run_fla, device=device, warmup=2, rep=args.rep)
     mem_fla = peak_extra_mib(run_fla, device)
     extras["fla_peak_MiB"] = round(mem_fla)
-    note = ("both keep the forward's states (ours: h, v_new, w, qg, kg; no recompute, one reverse state pass)"
-            if disable_recompute else "ours = forward kernels + training backward (recomputes h)")
+    from benchmarks.kda.calibrate import ours_path
+
+    path = ours_path(x, dict(FLAGS, **extra), training=True)
+    extras["ours_path"] = path
+    note = f"ours = flashkda.chunk_kda: {path}" + (
+        "; both keep the forward's states (disable_recompute=True)" if disable_recompute else "")
     row = Row(name, baseline, t_fla.median_ms, t_ours.median_ms, params, extras, note)
     log(f"{name}: fla {t_fla.median_ms:.2f} ms, ours {t_ours.median_ms:.2f} ms ({row.speedup:.2f}x); "
         f"peak fla {mem_fla:.0f} MiB ours {mem_ours:.0f} MiB")

@@ -244,7 +244,7 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_form
 
 
 def _write(results: list[Row], info: dict, no_write: bool) -> None:
-    write_rows(COMPONENT, "FlashKDA training v2 fwd+bwd (H200)", results, info, no_write)
+    write_rows(COMPONENT, "FlashKDA training v2 fwd+bwd", results, info, no_write)
 
 
 def dry_run(rows) -> int:
