@@ -1,7 +1,6 @@
-"""Offline sm_90a compile of B3, the v2 backward's chunk-local gradient kernels: the fused one
-(`local_grad_kernel.py`) and the split pair (`local_split_kernel.py`: B3a, the state part, per V block; B3b, K1
-backwards per chunk, in Triton there and in Gluon in `local_k1_gluon.py`): registers, spills, shared memory,
-resident CTAs and SASS op counts.
+"""Offline sm_90a compile of B3, the v2 backward's chunk-local gradient kernels (`local_split_kernel.py`: B3a, the
+state part, per V block; B3b, K1 backwards per chunk, in Triton there and in Gluon in `local_k1_gluon.py`):
+registers, spills, shared memory, resident CTAs and SASS op counts.
 
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
 ``/work/venv36/bin/python benchmarks/kda/v2_compile_local.py [--chunk 16 32] [--warps 4 8] [--stages N]
@@ -55,15 +54,6 @@ TYPES = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", do="*bf16", A_log="*fp3
              scale="fp32", lower_bound="fp32", NT="i32", NTS="i32", bounds="*i32", grp="i32", segment0="i32")
 
 
-def compile_local(num_warps: int, chunk: int = 16, has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
-                  num_stages: int | None = None, maxnreg: int | None = None):
-    """The fused kernel at H64 (``group`` value heads per q/k head)."""
-    fn = _module("local_grad_kernel.py").kda_bwd_v2_local_kernel
-    acc = "*bf16" if group == 1 else "*fp32"  # dq, dk: straight in q's dtype, or fp32 summed over value heads
-    cx = dict(HQ=64 // group, HV=64, C=chunk, K=128, V=128, HAS_ALOG=has_a_log, HAS_DT=has_dt_bias)
-    return _compile(fn, dict(TYPES, dq=acc, dk=acc), cx, num_warps, maxnreg, num_stages)
-
-
 def compile_state(num_warps: int, chunk: int = 16, block_v: int = 128, maxnreg: int | None = None,
                   num_stages: int | None = None):
     """B3a, the split's state part, ``block_v`` value columns per program (``maxnreg``: the register cap)."""
@@ -95,7 +85,7 @@ def compile_chunk_gluon(block_v: int = 128, group: int = 1, maxnreg: int | None 
                     gluon=True)
 
 
-KERNELS = ("fused", "state", "chunk", "chunk-gluon")
+KERNELS = ("state", "chunk", "chunk-gluon")
 
 
 def main(argv=None) -> int:
@@ -114,9 +104,6 @@ def main(argv=None) -> int:
     jobs = []
     for chunk, cap in ((c, r or None) for c in args.chunk for r in args.maxnreg):
         for nw in args.warps:
-            if "fused" in args.kernels:
-                jobs.append((f"local_grad (B3 fused) C={chunk} maxnreg={cap} stages={args.stages}",
-                             lambda c=chunk, w=nw, r=cap: compile_local(w, c, num_stages=args.stages, maxnreg=r)))
             for bv in args.block_v:
                 if "state" in args.kernels:
                     jobs.append((f"local_state (B3a) C={chunk} BV={bv} maxnreg={cap}",

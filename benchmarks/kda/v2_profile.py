@@ -9,7 +9,7 @@ At one row of ``v2_train_check`` (its inputs, K3 flags): the inference forward (
         python3 -m benchmarks.kda.v2_profile --forms split
     ncu --nvtx --nvtx-include "forward-c32/" --set full -o $OUT/fwd python3 -m benchmarks.kda.v2_profile \\
         --stages forward-c32 --forms
-    nsys profile -o $OUT/v2 python3 -m benchmarks.kda.v2_profile --stages forward F1 F2 B2 --forms fused split
+    nsys profile -o $OUT/v2 python3 -m benchmarks.kda.v2_profile --stages forward F1 F2 B2 --forms split
 
 Usage: ``python -m benchmarks.kda.v2_profile [--row H64-T8192] [--chunk 16] [--stages NAME ...] [--forms FORM ...]
 [--repeat N]`` (CUDA only; ``--chunk`` is the training stages' chunk size).

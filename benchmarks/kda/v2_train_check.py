@@ -56,19 +56,14 @@ GRACE_S = 10.0
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 GRAD_TOL = 1e-2
 FLA = "fla 0.6.0 chunk_kda fwd+bwd"
-#: B3's forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: the split
-#: (the default: B3a, then B3b in Gluon at chunk 16 and in Triton at chunk 32), the same over one group of segments
-#: (no scratch bound), B3a at 16 warps (128 registers, one CTA per SM) and at 4 warps (two CTAs per SM, spilling)
-#: instead of 8, and the fused kernel.
+#: B3's launch forms (`local_grads_bwd` options) that ``--b3-forms`` picks from, timed per row and chunk size: B3a
+#: then B3b over groups of segments within the default scratch bound, and over one group (no bound).
 B3_FORMS = {
-    "split": dict(form="split"),
-    "split-one-group": dict(form="split", scratch_mb=1e6),
-    "split-b3a-16-warps": dict(form="split", num_warps=16),
-    "split-b3a-4-warps": dict(form="split", num_warps=4),
-    "fused": dict(form="fused"),
+    "split": {},
+    "split-one-group": dict(scratch_mb=1e6),
 }
 #: The forms timed by default (each is compiled per chunk size and head count: keep the list short).
-B3_DEFAULT = ("split", "fused")
+B3_DEFAULT = ("split",)
 #: B3's gradients (`emulate.KDAGrads` fields) compared across forms.
 B3_GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
 #: The split's kernels by name (the profiler's keys): B3a, and B3b in Gluon or in Triton.

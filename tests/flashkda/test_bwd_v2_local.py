@@ -8,7 +8,7 @@ from benchmarks.kda.v2_bwd_precision import K, autograd_grads, make_case
 from flashkda.bwd.v2 import local_grad
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets, emulate_recurrence_train
 from flashkda.bwd.v2.emulate import emulate_backward, emulate_state_grads
-from flashkda.bwd.v2.local_grad import DEFAULT_FORM, local_grads_bwd, segment_table
+from flashkda.bwd.v2.local_grad import local_grads_bwd, segment_table
 from flashkda.bwd.v2.tail import zero_rows_past_end
 from flashkda.fwd.v2.emulate import emulate_prepare
 from flashkda.fwd.v2.emulate32 import emulate_prepare32
@@ -45,13 +45,13 @@ def inputs(c, lower_bound, every, chunk=16):
     return layout, ws, ck, ck_padded, ds, dh0
 
 
-#: B3's forms under test, `local_grads_bwd` options by id: the split over groups of segments has a 0.25 MiB scratch
-#: (one or two segments per group here).
-FORMS = {"fused": dict(form="fused"), "split": dict(form="split"), "split-grouped": dict(form="split", scratch_mb=0.25)}
+#: B3's launch forms under test, `local_grads_bwd` options by id: all segments in one group, or groups within a
+#: 0.25 MiB scratch (one or two segments per group here).
+FORMS = {"one-group": {}, "grouped": dict(scratch_mb=0.25)}
 forms = pytest.mark.parametrize("form", list(FORMS), ids=str)
 
 
-def run_both(c, lower_bound, every, chunk=16, form="fused"):
+def run_both(c, lower_bound, every, chunk=16, form="one-group"):
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
     ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
@@ -105,25 +105,6 @@ def test_local_grads_against_fp64_autograd(form):
     assert all(e < (DA_LOG_BAR if n == "dA_log" else KERNEL_BAR) for n, e in errs.items()), errs
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_split_matches_fused(case):
-    """The split differs from the fused kernel in fp32 summation order only (then a rare bf16 rounding it flips):
-    far below the emulation bar; ``dv`` (no partial sums) agrees bit for bit."""
-    kw, every, lb, chunk = CASES[case]
-    c = case_inputs(kw, seed=3)
-    layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
-    fused = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="fused")
-    split = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="split")
-    assert torch.equal(split.dv, fused.dv)
-    errs = {n: rel_rms(getattr(split, n), getattr(fused, n)) for n in NAMES if getattr(fused, n) is not None}
-    assert max(errs.values()) < 1e-4, errs
-    # no form given: the chunk size's default form, bit for bit
-    default = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"])
-    chosen = {"fused": fused, "split": split}[DEFAULT_FORM[chunk]]
-    assert all(torch.equal(getattr(default, n), getattr(chosen, n)) for n in NAMES if getattr(chosen, n) is not None)
-
-
 @forms
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", ["fixed", "varlen", "varlen_tail", "gva_no_alog_no_h0", "every1", "c32_fixed",
@@ -153,10 +134,10 @@ def test_tables_kept_with_the_layout_give_the_same_gradients():
     c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=5)
     layout, ws, _, ck, ds, _ = inputs(c, -5.0, 2)
     args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, -5.0, c["do"], ws, ck, ds.bfloat16(), 2)
-    first = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="split", scratch_mb=0.25)
+    first = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], scratch_mb=0.25)
     kept = dict(layout._derived)
     assert any(key[0] == "B3 segments" for key in kept) and any(key[0] == "B3 group bounds" for key in kept)
-    again = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], form="split", scratch_mb=0.25)
+    again = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], scratch_mb=0.25)
     assert all(layout._derived[key] is value for key, value in kept.items())
     for n in NAMES:
         if getattr(first, n) is not None:
@@ -194,14 +175,8 @@ def test_bad_arguments():
         local_grads_bwd(*args[:10], ds[:1], 2)
     with pytest.raises(ValueError, match="do must be"):
         local_grads_bwd(*args[:7], c["do"][..., :64], *args[8:], 2)
-    with pytest.raises(ValueError, match="num_warps"):
-        local_grads_bwd(*args, 2, num_warps=3)
-    with pytest.raises(ValueError, match="num_stages"):
-        local_grads_bwd(*args, 2, num_stages=0)
-    with pytest.raises(ValueError, match="form must be one of"):
-        local_grads_bwd(*args, 2, form="split-v")
     with pytest.raises(ValueError, match="scratch_mb"):
-        local_grads_bwd(*args, 2, form="split", scratch_mb=0)
+        local_grads_bwd(*args, 2, scratch_mb=0)
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
 
@@ -232,13 +207,12 @@ def test_rows_past_the_last_sequence_are_not_read(form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["fused", "split"], ids=str)
 @pytest.mark.parametrize("case", list(CASES), ids=str)
-def test_local_grads_match_emulation_on_device(case, form):
-    """The compiled kernels (bf16 tensor-core products; the split's B3b in Gluon at chunk 16) against the emulation
-    on the device, same bar (`v2_train_check` compares the forms at full size)."""
+def test_local_grads_match_emulation_on_device(case):
+    """The compiled kernels (bf16 tensor-core products; B3b in Gluon at chunk 16) against the emulation on the
+    device, same bar."""
     kw, every, lb, chunk = CASES[case]
-    got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk, form)
+    got, ref = run_both(case_inputs(kw, device="cuda"), lb, every, chunk)
     errs = {n: rel_rms(getattr(got, n), getattr(ref, n)) for n in NAMES if getattr(ref, n) is not None}
     assert max(errs.values()) < MATCH_BAR, errs
 

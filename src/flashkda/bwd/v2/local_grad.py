@@ -1,13 +1,8 @@
 """B3 of the v2 backward: the chunk-local gradients, from the checkpoints, B2's state gradients and the workspace.
 
-Two forms (`FORMS`; the default per chunk size in `DEFAULT_FORM`):
-
-- ``"split"``: B3a, the sequential state part per (segment, value head) with the state ``[128, 128]`` in
-  registers, then B3b, K1 backwards per (chunk, value head), through an fp32 scratch (`local_split_kernel`); B3b
-  is the Gluon kernel of `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and
-  the CPU);
-- ``"fused"``: both parts in one Triton kernel per (checkpoint segment, value head), tiles ``[C, 128]``
-  (`flashkda.bwd.v2.local_grad_kernel`), no scratch.
+Two kernels through an fp32 scratch (`local_split_kernel`): B3a, the sequential state part per (checkpoint segment,
+value head) with the state ``[128, 128]`` in registers, then B3b, K1 backwards per (chunk, value head); B3b is the
+Gluon kernel of `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU).
 
 Kernels are imported on the first launch only; on a machine without a GPU the Triton ones run under
 ``TRITON_INTERPRET=1`` on CPU tensors. The torch twin of B3 is the ``B1`` + ``B3`` stages of
@@ -25,25 +20,16 @@ from flashkda.bwd.v2.emulate import KDAGrads
 from flashkda.bwd.v2.tail import zero_rows_past_end
 from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
 
-__all__ = ["CHUNKS", "DEFAULT_FORM", "FORMS", "local_grads_bwd", "segment_table"]
+__all__ = ["CHUNKS", "local_grads_bwd", "segment_table"]
 
 #: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
 CHUNKS = (16, 32)
-#: B3's forms (see the module docstring).
-FORMS = ("split", "fused")
-#: The form `local_grads_bwd` runs by default per chunk size (``docs/flashkda-v2-backward.md``).
-DEFAULT_FORM = {16: "split", 32: "split"}
 #: B3a's value columns per program: the whole state (128 beat two blocks of 64 at both chunk sizes).
 BLOCK_V = HEAD_DIM
+#: B3a's warps per program (255 registers, one CTA per SM; 16 warps, at 128 registers, were slower).
+B3A_NUM_WARPS = 8
 #: The Gluon B3b's per-thread register cap (``maxnreg``): two CTAs per SM; faster than uncapped (one CTA) and 64.
 K1_GLUON_MAX_REGISTERS = 128
-
-
-@functools.cache
-def _fused_kernel():
-    from flashkda.bwd.v2 import local_grad_kernel
-
-    return local_grad_kernel.kda_bwd_v2_local_kernel
 
 
 @functools.cache
@@ -131,7 +117,7 @@ def _group_bounds(seg: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, grads, parts, scale, lower_bound,
-                  num_warps, launch, scratch_mb):
+                  scratch_mb):
     """B3a over (segment, value head), then B3b over (chunk, value head), through the fp32 scratch; by groups of
     segments whose scratch fits in ``scratch_mb`` MiB (at least one segment)."""
     dq, dk, dv, dg, dbeta = grads
@@ -152,7 +138,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     dummy = ws.beta
     chunk_consts = dict(HQ=q.shape[2], HV=HV, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None)
     chunk_launch = k1_launch or dict(C=C, K=K, num_warps=8)
-    state_launch = dict(HV=HV, C=C, K=K, V=K, BV=BLOCK_V, num_warps=num_warps, **launch)
+    state_launch = dict(HV=HV, C=C, K=K, V=K, BV=BLOCK_V, num_warps=B3A_NUM_WARPS)
     for grp, s0 in enumerate(range(0, n_seg, group)):
         state_kernel[(min(group, n_seg - s0) * NV, HV)](
             v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
@@ -169,10 +155,9 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
 def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     scale: float, lower_bound: float, do: torch.Tensor, ws: Workspace, checkpoints: torch.Tensor,
                     ds: torch.Tensor, every: int, A_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None, *, form: str | None = None, num_warps: int = 8,
-                    num_stages: int | None = None, scratch_mb: float = 512.0) -> KDAGrads:
-    """B3: the gradients of the raw inputs, walking each checkpoint segment's chunks from its checkpoint (the state
-    part, then K1 backwards per chunk, in the same kernel or, ``form="split"``, in a chunk-parallel second one).
+                    dt_bias: torch.Tensor | None = None, *, scratch_mb: float = 512.0) -> KDAGrads:
+    """B3: the gradients of the raw inputs, walking each checkpoint segment's chunks from its checkpoint (B3a, the
+    state part), then K1 backwards per chunk (B3b, chunk-parallel).
 
     Args:
         q, k: ``[B, T, Hq, 128]``; v, g, do: ``[B, T, HV, 128]`` (``HV`` a multiple of ``Hq``); beta:
@@ -183,11 +168,7 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
         ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
-        form: one of `FORMS` (None: `DEFAULT_FORM` of the workspace's chunk size); the same results up to fp32
-            summation order.
-        num_warps: warps per program of the walking kernel (B3a, or the fused one; 4, 8 or 16).
-        num_stages: Triton's software pipelining depth of the walking kernel's chunk loop (None: Triton's default).
-        scratch_mb: the split's scratch bound, MiB: B3a + B3b run over groups of checkpoint segments whose
+        scratch_mb: the scratch bound, MiB: B3a + B3b run over groups of checkpoint segments whose
             ``3 C 128 + 2 C^2 + 128 + C`` fp32 floats per chunk and value head fit (at least one segment per group).
 
     Returns:
@@ -196,18 +177,9 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
     Raises:
         ValueError: a shape, dtype or layout does not fit, the workspace's chunks are not 16 or 32 tokens, or ``every``
-            is not a positive int, or a launch option is out of range.
+            is not a positive int, or ``scratch_mb`` is not a positive number.
     """
     _check(q, k, v, g, beta, do, ws, checkpoints, ds, every)
-    C = int(ws.inv.shape[-1])
-    if form is None:
-        form = DEFAULT_FORM[C]
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
-    if num_warps not in (4, 8, 16):
-        raise ValueError(f"num_warps must be 4, 8 or 16, got {num_warps!r}")
-    if num_stages is not None and num_stages not in (1, 2, 3, 4):
-        raise ValueError(f"num_stages must be 1 to 4 or None, got {num_stages!r}")
     if not isinstance(scratch_mb, (int, float)) or isinstance(scratch_mb, bool) or not scratch_mb > 0:
         raise ValueError(f"scratch_mb must be a positive number, got {scratch_mb!r}")
     B, T, HV, K = g.shape
@@ -226,27 +198,13 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     dv = alloc(v.shape, dtype=v.dtype, device=dev)
     dg = alloc(g.shape, dtype=g.dtype, device=dev)
     dbeta = alloc(beta.shape, dtype=beta.dtype, device=dev)
-    split = form == "split"
-    n_part = ws.layout.num_chunks if split else n_seg  # the A_log / dt_bias partials: per chunk or per segment
-    # a varlen layout's unused chunk and segment rows write no partials
+    # the A_log / dt_bias partials per chunk; a varlen layout's unused chunk rows write none
     part_alloc = _unfilled if launched and ws.layout.dense else torch.zeros
-    part_alog = part_alloc((n_part, HV, K), dtype=torch.float32, device=dev)
-    part_dt = part_alloc((n_part, HV, K), dtype=torch.float32, device=dev)
-    launch = {} if num_stages is None else {"num_stages": num_stages}
-    if split and launched:
+    part_alog = part_alloc((ws.layout.num_chunks, HV, K), dtype=torch.float32, device=dev)
+    part_dt = part_alloc((ws.layout.num_chunks, HV, K), dtype=torch.float32, device=dev)
+    if launched:
         _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, every, (dq, dk, dv, dg, dbeta),
-                      (part_alog, part_dt), scale, lower_bound, num_warps, launch, scratch_mb)
-    elif launched:
-        dummy = ws.beta
-        _fused_kernel()[(n_seg, HV)](
-            q, k, v, g, do, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-            ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
-            checkpoints, ds, ws.layout.chunk_index, seg,
-            dq, dk, dv, dg, dbeta, part_alog, part_dt,
-            float(scale), float(lower_bound),
-            HQ=Hq, HV=HV, C=C, K=K, V=K, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None,
-            num_warps=num_warps, **launch,
-        )
+                      (part_alog, part_dt), scale, lower_bound, scratch_mb)
     if launched and not ws.layout.dense:
         zero_rows_past_end([x.view(total, -1) for x in (dq, dk, dv, dg, dbeta)], ws.layout.cu_seqlens)
     if Hq != HV:

@@ -1,4 +1,4 @@
-"""The Triton helpers B3's kernels share (`local_grad_kernel`, `local_split_kernel`): bf16
+"""The Triton helpers of B3's kernels (`local_split_kernel`): bf16
 operand rounding that means the same on the GPU and in the interpreter, the ``(I + L)^-1`` chain's gradient, and
 K1 backwards for one chunk (rebuild K1's factors from the raw ``q, k, g``, then the ``L``/``Mqk`` products, the gate
 with its reverse cumsum and the L2 norms backwards), with the algebra and roundings of ``emulate._local_grads``.

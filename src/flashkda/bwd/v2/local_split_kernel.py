@@ -1,5 +1,5 @@
-"""B3 of the v2 backward split in two Triton kernels (16- or 32-token chunks, K = V = 128), with the algebra and
-roundings of the fused kernel (`local_grad_kernel`) and of ``emulate._local_grads``.
+"""B3 of the v2 backward in two Triton kernels (16- or 32-token chunks, K = V = 128), with the algebra and
+roundings of ``emulate._local_grads``.
 
 **B3a** (`kda_bwd_v2_local_state_kernel`), sequential: one program per (checkpoint segment, value head, block of
 ``BV`` value columns). It walks the segment's chunks recomputing the state ``[K, BV]`` (K2's step) and per chunk
@@ -13,7 +13,7 @@ first segment.
 **B3b** (`kda_bwd_v2_local_chunk_kernel`), chunk-parallel: one program per (chunk, value head); on a Hopper GPU at
 16-token chunks the Gluon kernel of `local_k1_gluon` takes its place (same arguments), this one serves chunk 32 and
 the interpreter. It sums the ``NV``
-partials in fp32 (then rounds ``X`` to bf16 where the fused kernel does, so the bf16 rounding points are the
+partials in fp32 (then rounds ``X`` to bf16 where the emulation does, so the bf16 rounding points are the
 same; only the fp32 summation order over V differs), runs the ``(I + L)^-1`` chain to ``dL`` and K1 backwards
 (`local_grad_ops._k1_grads`), and writes ``dq, dk, dg, dbeta`` and the chunk's ``A_log`` / ``dt_bias`` partials
 ``[NT, HV, K]``.
