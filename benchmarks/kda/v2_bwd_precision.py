@@ -29,8 +29,13 @@ K = 128
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
 
 
-def make_case(B, T, H, cu=None, HV=None, seed=0, a_log=True, init=True, device="cpu"):
-    """Random bf16 inputs, ``do`` and ``dht`` (as the forward v2 tests' inputs), on ``device``."""
+def _scale(c):
+    """The query scale of a case: ``K ** -0.5`` at its head width."""
+    return c["q"].shape[-1] ** -0.5
+
+
+def make_case(B, T, H, cu=None, HV=None, seed=0, a_log=True, init=True, device="cpu", K=K):
+    """Random bf16 inputs, ``do`` and ``dht`` (as the forward v2 tests' inputs; head width ``K``), on ``device``."""
     HV = HV or H
     N = B if cu is None else len(cu) - 1
     gen = torch.Generator().manual_seed(seed)
@@ -56,7 +61,7 @@ def autograd_grads(c, lower_bound):
     leaves = {n: (None if c[n] is None else c[n].double().requires_grad_())
               for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
     o, s = reference.chunk_kda_reference(
-        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], K**-0.5, leaves["h0"], True,
+        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], _scale(c), leaves["h0"], True,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=lower_bound, cu_seqlens=c["cu"], A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
     ((o * c["do"].double()).sum() + (s * c["dht"].double()).sum()).backward()
@@ -68,13 +73,13 @@ def emulated_grads(c, lower_bound, exact, every=4, ck_dtype=torch.bfloat16, chun
     """`emulate_backward` on the forward emulation's workspace and checkpoints (or ``exact``)."""
     B, T = c["q"].shape[:2]
     layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], c["q"].device)
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"])
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], _scale(c), layout, lower_bound, c["do"])
     kw = dict(A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], chunk=chunk)
     if exact:
         grads = emulate_backward(*args, exact=True, **kw)
     else:
         ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
-            c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
+            c["q"], c["k"], c["g"], c["beta"], _scale(c), layout, lower_bound, c["A_log"], c["dt_bias"])
         _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], every, ck_dtype)
         grads = emulate_backward(*args, ws=ws, checkpoints=ck, every=every, **kw)
     return {n: getattr(grads, n) for n in NAMES}
@@ -121,7 +126,7 @@ def fla_grads(c, lower_bound):
     from fla.ops.kda import chunk_kda
 
     return _loss_grads(c, lambda x: chunk_kda(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, initial_state=x["h0"], output_final_state=True,
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=_scale(x), initial_state=x["h0"], output_final_state=True,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
         lower_bound=lower_bound, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=c["cu"]))
 
@@ -131,7 +136,7 @@ def v2_grads(c, lower_bound, chunk=16):
     from flashkda.bwd.v2 import chunk_kda_v2
 
     return _loss_grads(c, lambda x: chunk_kda_v2(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], K**-0.5, x["h0"], True, lower_bound, c["cu"], x["A_log"],
+        x["q"], x["k"], x["v"], x["g"], x["beta"], _scale(x), x["h0"], True, lower_bound, c["cu"], x["A_log"],
         x["dt_bias"], chunk_size=chunk))
 
 

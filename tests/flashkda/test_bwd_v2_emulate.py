@@ -63,6 +63,18 @@ def test_chunk32_kernel_precision_within_bar(case, lower_bound):
     assert within_kernel_bars(err), err
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_head_width_64(chunk):
+    """The emulation (forward and backward) is width-free: at K = V = 64 (varlen GVA) exact equals autograd, and the
+    bf16 roundings stay within the kernel bars. It is the oracle for 64-wide kernels (the kernels are 128 only)."""
+    c = make_case(B=1, T=90, H=1, HV=2, cu=[0, 41, 42, 90], seed=5, K=64)
+    assert c["q"].shape[-1] == 64 and c["dt_bias"].shape == (2 * 64,)
+    exact = errors(c, -5.0, exact=True, chunk=chunk)
+    assert max(exact.values()) < EXACT_BAR, exact
+    err = errors(c, -5.0, exact=False, every=2, chunk=chunk)
+    assert within_kernel_bars(err), err
+
+
 @pytest.mark.parametrize("lower_bound", [-3.0, -1.0, -0.1])
 def test_kernel_precision_gate_sweep(lower_bound):
     err = errors(make_case(B=1, T=64, H=2, seed=1), lower_bound, exact=False)

@@ -106,7 +106,7 @@ def emulate_prepare(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: tor
     if q.shape[2] != H:  # GVA: H / Hq value heads share a q/k head
         q, k = (x.repeat_interleave(H // q.shape[2], dim=2) for x in (q, k))
     device = q.device
-    ws = allocate_workspace(layout, H, device)
+    ws = allocate_workspace(layout, H, device, K)
     rows, valid = _chunk_rows(layout, device)  # [NT, C]
     m = valid[..., None, None]  # [NT, C, 1, 1]
     qn = l2norm_fp32(q.reshape(B * T, H, K))[rows] * m  # [NT, C, H, K]

@@ -76,7 +76,7 @@ def emulate_prepare32(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: t
     if q.shape[2] != H:
         q, k = (x.repeat_interleave(H // q.shape[2], dim=2) for x in (q, k))
     device = q.device
-    ws = allocate_workspace(layout, H, device)
+    ws = allocate_workspace(layout, H, device, K)
     rows, valid = _chunk_rows(layout, device, CHUNK32)  # [NT, C]
     m = valid[..., None, None]
     qn = l2norm_fp32(q.reshape(B * T, H, K))[rows] * m  # [NT, C, H, K]

@@ -172,29 +172,30 @@ class Workspace:
         return self.kd.shape[1]
 
 
-def allocate_workspace(layout: ChunkLayout, H: int, device: torch.device) -> Workspace:
+def allocate_workspace(layout: ChunkLayout, H: int, device: torch.device, head_dim: int = HEAD_DIM) -> Workspace:
     """Uninitialised workspace for ``layout`` and ``H`` heads (K1 writes every element K2 reads).
 
     Args:
         layout: from `build_chunk_layout`.
         H: number of heads.
         device: the inputs' device.
+        head_dim: ``K`` (the kernels: 128; the torch emulation also takes other widths).
 
     Returns:
-        `Workspace` with ``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, C, C]`` bf16 (``C`` the
-        layout's chunk), ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32.
+        `Workspace` with ``kd, qd, kr`` ``[T_total, H, K]`` bf16, ``inv, mqk`` ``[NT, H, C, C]`` bf16 (``C`` the
+        layout's chunk), ``glast`` ``[NT, H, K]`` fp32, ``beta`` ``[T_total, H]`` fp32.
     """
     T_total, NT, C = layout.total_tokens, layout.num_chunks, layout.chunk
 
     def tokens():
-        return torch.empty(T_total, H, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        return torch.empty(T_total, H, head_dim, dtype=torch.bfloat16, device=device)
 
     def tiles():
         return torch.empty(NT, H, C, C, dtype=torch.bfloat16, device=device)
 
     return Workspace(
         kd=tokens(), qd=tokens(), kr=tokens(), inv=tiles(), mqk=tiles(),
-        glast=torch.empty(NT, H, HEAD_DIM, dtype=torch.float32, device=device),
+        glast=torch.empty(NT, H, head_dim, dtype=torch.float32, device=device),
         beta=torch.empty(T_total, H, dtype=torch.float32, device=device),
         layout=layout,
     )
