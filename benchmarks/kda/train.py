@@ -252,8 +252,13 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     mem_ours = peak_extra_mib(run_ours, device)
     log(f"{name}: ours {t_ours.median_ms:.2f} ms (p20-p80 {t_ours.p20_ms:.2f}-{t_ours.p80_ms:.2f}), "
         f"peak {mem_ours:.0f} MiB")
-    extras = {"ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms, "ours_p80_ms": t_ours.p80_ms,
-              "ours_head_slices": len(slices), "ours_fused_gates": fused_gates("tf32", D)}
+    from benchmarks.kda.calibrate import ours_path
+
+    path = ours_path(x, dict(FLAGS, **extra), training=True)
+    extras = {"ours_path": path, "ours_peak_MiB": round(mem_ours), "ours_p20_ms": t_ours.p20_ms,
+              "ours_p80_ms": t_ours.p80_ms}
+    if path.startswith("v1"):  # v1's backward options
+        extras.update(ours_head_slices=len(slices), ours_fused_gates=fused_gates("tf32", D))
     for n in args.slices:
         def run_sliced(n: int = n):
             return step(ours_in_head_slices(n), x, extra, do, dht)
@@ -282,10 +287,6 @@ def run_case(name: str, ours, fla_chunk_kda, args, with_profile: bool, device: s
     t_fla = time_fn(run_fla, device=device, warmup=2, rep=args.rep)
     mem_fla = peak_extra_mib(run_fla, device)
     extras["fla_peak_MiB"] = round(mem_fla)
-    from benchmarks.kda.calibrate import ours_path
-
-    path = ours_path(x, dict(FLAGS, **extra), training=True)
-    extras["ours_path"] = path
     note = f"ours = flashkda.chunk_kda: {path}" + (
         "; both keep the forward's states (disable_recompute=True)" if disable_recompute else "")
     row = Row(name, baseline, t_fla.median_ms, t_ours.median_ms, params, extras, note)
