@@ -26,7 +26,7 @@ __all__ = ["CHUNKS", "local_grads_bwd", "segment_table"]
 CHUNKS = (16, 32)
 #: B3a's value columns per program: the whole state (128 beat two blocks of 64 at both chunk sizes).
 BLOCK_V = HEAD_DIM
-#: B3a's warps per program (255 registers, one CTA per SM; 16 warps, at 128 registers, were slower).
+#: B3a's warps per program: 255 registers, one CTA per SM (the warp-count A/B: ``docs/flashkda-v2-backward.md``).
 B3A_NUM_WARPS = 8
 #: The Gluon B3b's per-thread register cap (``maxnreg``): two CTAs per SM; faster than uncapped (one CTA) and 64.
 K1_GLUON_MAX_REGISTERS = 128
