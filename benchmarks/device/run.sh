@@ -9,8 +9,8 @@
 # Before the call, on this machine: `bash benchmarks/device/fetch_wheels.sh` (the baselines' wheels into .whl/) and
 # `git rev-parse HEAD > .k3_commit`; carry [".whl", ".k3_commit"] (the device copy has no git history, so results
 # record the commit from .k3_commit). The script installs the carried wheels into /tmp/site, unpacks the committed
-# Triton autotune cache of fla's and our kernels (benchmarks/kda/fla-autotune-h200.tgz: fla's first training call
-# then skips minutes of autotuning), records the machine in $OUT/machine.txt, tees everything to $OUT/log.txt and
+# Triton autotune cache of fla's and our kernels for this GPU (benchmarks/kda/fla-autotune-h200.tgz or -h100.tgz:
+# fla's first training call then skips minutes of autotuning), records the machine in $OUT/machine.txt, tees everything to $OUT/log.txt and
 # copies the results files this run wrote to $OUT/results/ and the autotune results it added to
 # $OUT/autotune-new.tgz. CAP (seconds, default 540) bounds each benchmark.
 set -uo pipefail
@@ -30,7 +30,10 @@ export PYTHONPATH="$PWD:$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNB
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache} TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f benchmarks/kda/fla-autotune-h200.tgz ] && tar -xzf benchmarks/kda/fla-autotune-h200.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+# Triton keys autotune results by architecture, not by card: an H100 and an H200 would share entries
+GPU_CACHE=benchmarks/kda/fla-autotune-h200.tgz
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && GPU_CACHE=benchmarks/kda/fla-autotune-h100.tgz
+[ -f "$GPU_CACHE" ] && tar -xzf "$GPU_CACHE" -C "$TRITON_CACHE_DIR" 2>/dev/null
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } > "$OUT/machine.txt" 2>&1
 
 status=0
@@ -57,7 +60,7 @@ fi
 # only the results this run wrote: $OUT comes back with a limited number of files
 find benchmarks/results -name '*.json' -newer /tmp/k3_run_start -exec cp {} "$OUT/results/" \;
 # the autotune results this run added (fla's kernels at new shapes or flags): merge them into
-# benchmarks/kda/fla-autotune-h200.tgz here, so that later calls skip that autotuning
+# this GPU's cache here ($GPU_CACHE), so that later calls skip that autotuning
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer /tmp/k3_run_start | tar -czf "$OUT/autotune-new.tgz" -T - \
   && [ "$(tar -tzf "$OUT/autotune-new.tgz" | wc -l)" -gt 0 ] || rm -f "$OUT/autotune-new.tgz")
 [ -f BENCHMARKS.md ] && [ BENCHMARKS.md -nt /tmp/k3_run_start ] && cp BENCHMARKS.md "$OUT/"

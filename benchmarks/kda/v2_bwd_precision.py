@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import torch
 
@@ -140,6 +141,22 @@ def v2_grads(c, lower_bound, chunk=16):
         x["dt_bias"], chunk_size=chunk))
 
 
+def worst_ratio(extra: dict) -> dict:
+    """The bar's summary of one row's errors: the tensor where ours / fla (both against fp64) is largest, and that
+    ratio; empty when either backend's errors are missing."""
+    ratios = {n: extra[f"ours c16 {n}"] / extra[f"fla {n}"] for n in NAMES
+              if f"ours c16 {n}" in extra and extra.get(f"fla {n}")}
+    if not ratios:
+        return {}
+    worst = max(ratios, key=ratios.get)
+    return {"ours / fla worst tensor": worst, "ours / fla worst ratio": ratios[worst]}
+
+
+def describe(extra: dict) -> str:
+    """One log line of a row's numbers (floats in scientific notation, anything else as is)."""
+    return ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
+
+
 def run(device: str, T: int, write: bool = True) -> list:
     """Rows of per-tensor errors for a fixed and a varlen case at lower_bound -5 and -0.1."""
     from benchmarks.harness import Row, machine_info, write_results
@@ -150,29 +167,32 @@ def run(device: str, T: int, write: bool = True) -> list:
     for name, kw in cases.items():
         for lb in (-5.0, -0.1):
             c = make_case(**kw, device=device)
+            start = time.perf_counter()
             ref = autograd_grads(c, lb)
+            seconds = {"fp64": time.perf_counter() - start}
             extra = {}
             for chunk in (16, 32):
                 if chunk == 32 and "cu" in kw:
                     continue
+                start = time.perf_counter()
                 for n, e in errors(c, lb, False, ref=ref, chunk=chunk).items():
                     extra[f"emulation c{chunk} {n}"] = e
+                seconds[f"emulation c{chunk}"] = time.perf_counter() - start
             if device.startswith("cuda"):
                 for label, grads in (("fla", fla_grads), ("ours c16", v2_grads)):
+                    start = time.perf_counter()
                     try:
                         for n, e in compare(grads(c, lb), ref).items():
                             extra[f"{label} {n}"] = e
                     except Exception as exc:  # a backend missing or failing: the other numbers still stand
                         logger.warning("%s failed on %s: %s", label, name, exc)
-                ratios = {n: extra[f"ours c16 {n}"] / extra[f"fla {n}"] for n in NAMES
-                          if f"ours c16 {n}" in extra and extra.get(f"fla {n}")}
-                if ratios:  # the bar: ours no worse than fla against fp64, per tensor
-                    worst = max(ratios, key=ratios.get)
-                    extra["ours / fla worst"] = f"{worst} {ratios[worst]:.3f}"
+                    seconds[label] = time.perf_counter() - start
+                extra.update(worst_ratio(extra))
             rows.append(Row(case=f"{name}-lb{lb}", baseline="fla 0.6.0 chunk_kda bf16 (rel. RMS vs fp64)",
                             baseline_ms=None, ours_ms=None, params=dict(T=T, lower_bound=lb), extra=extra,
                             note="gradient errors, not times"))
-            logger.info("%s lb %s: %s", name, lb, {k: f"{v:.2e}" for k, v in extra.items()})
+            logger.info("%s lb %s: %s", name, lb, describe(extra))
+            logger.info("  seconds: %s", ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     if write:
         path = write_results("kda-v2-bwd-precision", rows, title="FlashKDA v2 backward precision",
                              info=machine_info())

@@ -118,3 +118,18 @@ def test_bad_arguments():
     ws = emulate_prepare(c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, -5.0)
     with pytest.raises(ValueError, match="checkpoint_dtype"):
         emulate_recurrence_train(ws, c["v"], None, 1, torch.float16)
+
+
+def test_precision_report_rows():
+    from benchmarks.kda.v2_bwd_precision import describe, run, worst_ratio
+
+    rows = run("cpu", 32, write=False)
+    assert len(rows) == 4
+    assert all(0 < e < DA_LOG_BAR for r in rows for e in r.extra.values())
+    extra = {"fla dq": 2e-3, "ours c16 dq": 3e-3, "fla dk": 4e-3, "ours c16 dk": 2e-3, "ours c16 dv": 1e-3}
+    summary = worst_ratio(extra)
+    assert summary["ours / fla worst tensor"] == "dq"
+    assert summary["ours / fla worst ratio"] == pytest.approx(1.5)
+    line = describe({**extra, **summary})
+    assert "ours / fla worst tensor dq" in line and "ours / fla worst ratio 1.50e+00" in line
+    assert worst_ratio({"ours c16 dq": 1e-3}) == {}
