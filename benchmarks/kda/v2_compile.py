@@ -1,7 +1,8 @@
 """Offline sm_90a compile of the v2 forward kernels: registers, spills, shared memory and resident CTAs per SM.
 
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
-``/work/venv36/bin/python benchmarks/kda/v2_compile.py [--sass] [--dump DIR] [--no-recurrence]``.
+``/work/venv36/bin/python benchmarks/kda/v2_compile.py [--sass] [--dump DIR] [--no-recurrence]
+[--head-dim 128 64]``.
 Kernel files are loaded by path, so ``flashkda`` (and torch) are not imported. The prepare kernel (K1) is compiled
 here; the recurrence kernel (K2) and the chunk-32 kernels by ``v2_compile_recurrence.py`` and
 ``v2_compile32.py`` (with the chunk-32 K1) beside this file, run after K1 when present.
@@ -47,9 +48,9 @@ def signature(fn, types: dict) -> tuple[dict, dict]:
 
 def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1,
                     file: str = "prepare_kernel.py", kernel: str = "kda_fwd_v2_prepare_batched_kernel",
-                    maxnreg: int | None = None):
+                    maxnreg: int | None = None, head_dim: int = 128):
     """Compile a prepare kernel (the chunk-16 one by default; ``file``/``kernel`` name another with its arguments;
-    ``maxnreg`` overrides the module's register cap)."""
+    ``maxnreg`` overrides the module's register cap; ``head_dim``: K, for a kernel that takes it)."""
     mod = load_by_path(f"flashkda_v2_{Path(file).stem}", V2_DIR / file)
     fn = getattr(mod, kernel)
     types = dict(q="*bf16", k="*bf16", g="*bf16", beta_in="*bf16", A_log="*fp32", dt_bias="*fp32",
@@ -58,6 +59,8 @@ def compile_prepare(has_a_log: bool = True, has_dt_bias: bool = True, group: int
     sig, attrs = signature(fn, types)
     cx = dict(GROUP=group, HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias)
     num_warps = int(mod.NUM_WARPS)
+    if "K" in fn.arg_names:
+        cx["K"] = head_dim
     options = dict(num_warps=num_warps, maxnreg=int(maxnreg or mod.MAX_REGISTERS))
     return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=TARGET, options=options)
 
@@ -129,20 +132,22 @@ def compile_and_report(name: str, build, sass: bool, ops):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
-    ap.add_argument("--dump", default=None, help="write the prepare kernel's ttgir/ptx to this folder")
+    ap.add_argument("--dump", default=None, help="write the prepare kernel's ttgir/ptx to this folder (prepare_k<K>.*)")
     ap.add_argument("--no-recurrence", action="store_true", help="skip the recurrence kernel's compile")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 64], help="K1's head widths K (default: both)")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target {TARGET}")
     failed = 0
-    for a_log, bias, group in [(True, True, 1), (False, False, 1), (True, True, 2)]:
-        name = f"prepare A_log={a_log} dt_bias={bias} GVA group={group}"
-        k = compile_and_report(name, functools.partial(compile_prepare, a_log, bias, group), args.sass, PREPARE_OPS)
-        if k is None:
-            failed += 1
-            continue
-        if args.dump:
-            dump_asm(k, args.dump, "prepare")
-            args.dump = None
+    for head_dim in args.head_dim:
+        for a_log, bias, group in [(True, True, 1), (False, False, 1), (True, True, 2)]:
+            name = f"prepare K={head_dim} A_log={a_log} dt_bias={bias} GVA group={group}"
+            build = functools.partial(compile_prepare, a_log, bias, group, head_dim=head_dim)
+            k = compile_and_report(name, build, args.sass, PREPARE_OPS)
+            if k is None:
+                failed += 1
+                continue
+            if args.dump and (a_log, bias, group) == (True, True, 1):
+                dump_asm(k, args.dump, f"prepare_k{head_dim}")
     for script in ("v2_compile_recurrence.py", "v2_compile32.py", "v2_compile_bwd.py"):
         rec = HERE / script
         if not args.no_recurrence and rec.exists():

@@ -4,9 +4,9 @@ registers, spills, shared memory, resident CTAs and SASS op counts.
 
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
 ``/work/venv36/bin/python benchmarks/kda/v2_compile_local.py [--chunk 16 32] [--warps 4 8] [--stages N]
-[--block-v 128 64] [--maxnreg N ...] [--kernels ...] [--sass]``. The kernel files are loaded by path, with
-`flashkda.rounding` and `flashkda.bwd.v2.local_grad_ops` registered by path before them, so neither ``flashkda``
-nor torch is imported.
+[--block-v 128 64] [--maxnreg N ...] [--kernels ...] [--head-dim 128 64] [--sass]`` (``--head-dim``: the Gluon
+B3b's widths). The kernel files are loaded by path, with `flashkda.rounding` and `flashkda.bwd.v2.local_grad_ops`
+registered by path before them, so neither ``flashkda`` nor torch is imported.
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def _gluon_module(file: str):
     return COMPILE.load_by_path(f"flashkda_v2_{Path(file).stem}", SRC / "bwd" / "v2" / file)
 
 
-def compile_chunk_gluon(block_v: int = 128, group: int = 1, maxnreg: int | None = None):
-    """B3b in Gluon (16-token chunks, its own warp count)."""
+def compile_chunk_gluon(block_v: int = 128, group: int = 1, maxnreg: int | None = None, head_dim: int = 128):
+    """B3b in Gluon (16-token chunks, head width ``head_dim``, its own warp count), summing ``head_dim / block_v``
+    partials."""
     mod = _gluon_module("local_k1_gluon.py")
     acc = "*bf16" if group == 1 else "*fp32"
-    cx = dict(HQ=64 // group, HV=64, NV=128 // block_v, HAS_ALOG=True, HAS_DT=True)
+    cx = dict(HQ=64 // group, HV=64, K=head_dim, NV=head_dim // block_v, HAS_ALOG=True, HAS_DT=True)
     return _compile(mod.kda_bwd_v2_k1_gluon_kernel, dict(TYPES, dq=acc, dk=acc), cx, int(mod.NUM_WARPS), maxnreg,
                     gluon=True)
 
@@ -98,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                     help="register caps to try (0, the default: none, ptxas' own)")
     ap.add_argument("--stages", type=int, default=None, help="num_stages of the walking kernels (default: Triton's)")
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 64],
+                    help="the Gluon B3b's head widths K (default: both); at K = 64 one block of 64 value columns")
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
     args = ap.parse_args(argv)
     print(f"triton {triton.__version__}, target {COMPILE.TARGET}")
@@ -112,9 +115,10 @@ def main(argv=None) -> int:
                     jobs.append((f"local_chunk (B3b Triton) C={chunk} NV={128 // bv} maxnreg={cap}",
                                  lambda c=chunk, w=nw, b=bv, r=cap: compile_chunk(w, c, b, maxnreg=r)))
         if "chunk-gluon" in args.kernels and chunk == 16:
-            for bv in args.block_v:
-                jobs.append((f"local_k1_gluon (B3b Gluon) C=16 NV={128 // bv} maxnreg={cap}",
-                             lambda b=bv, r=cap: compile_chunk_gluon(b, maxnreg=r)))
+            for kk in args.head_dim:
+                for bv in args.block_v if kk == 128 else [kk]:
+                    jobs.append((f"local_k1_gluon (B3b Gluon) C=16 K={kk} NV={kk // bv} maxnreg={cap}",
+                                 lambda b=bv, r=cap, kk=kk: compile_chunk_gluon(b, maxnreg=r, head_dim=kk)))
     failed = 0
     for name, build in jobs:
         failed += COMPILE.compile_and_report(name, build, args.sass, LOCAL_OPS) is None

@@ -8,7 +8,8 @@ what was measured and exits when a kernel hangs past it):
 1. ``pytest -m gpu tests/flashkda/test_bwd_v2_train.py tests/flashkda/test_bwd_v2_local.py`` (the entry's
    gradients against fp64 autograd through ``flashkda.reference``, B3 against the emulation, at small shapes) in a
    child process with a time limit (at most 150 s);
-2. per row (H64 T8192, H64 varlen 1k x 8, B8 T4096 H32, B1 T32768 H32; bf16, K = V = 128, in-kernel L2 norm,
+2. per row (H64 T8192, H64 varlen 1k x 8, B8 T4096 H32, B1 T32768 H32 at K = V = 128, and H64 T8192 at
+   K = V = 64 (chunk 16 only); bf16, in-kernel L2 norm,
    ``lower_bound=-5`` with ``A_log``/``dt_bias``, beta sigmoid, fp32 initial and final state, gradients of every
    input): the gradients of ours-v2 (chunk 16 and 32) and of v1 against fla's (relative RMS per
    tensor), the median ms of fwd+bwd of the four, of the forward alone (v2, fla), of v2's kernels one by one (F1 =
@@ -50,7 +51,8 @@ from benchmarks.kda.v2_check import (  # noqa: E402
 
 COMPONENT = "kda-v2-train"
 #: The training bar's rows; rows with the same head count adjacent (fla autotunes per head count).
-ROWS = (_fixed(64, 8192), _varlen(64, VARLEN_EVEN, "1kx8"), _fixed(32, 4096, B=8), _fixed(32, 32768))
+ROWS = (_fixed(64, 8192), _varlen(64, VARLEN_EVEN, "1kx8"), _fixed(32, 4096, B=8), _fixed(32, 32768),
+        Shape("H64-T8192-K64", 64, 8192, D=64))
 TEST_FILES = ["tests/flashkda/test_bwd_v2_train.py", "tests/flashkda/test_bwd_v2_local.py"]
 GRACE_S = 10.0
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -168,12 +170,14 @@ def time_row(shape: Shape, impls: Impls, rep: int, device: str = "cuda", b3_form
     x, kw, do, dht = row_inputs(shape, device)
     calls = {"v2c16": v2_call, "v2c32": lambda xx, k: v2_call(xx, k, 32),
              "fla": lambda xx, k: fla_style(impls.fla, xx, k), "v1": lambda xx, k: fla_style(impls.v1, xx, k)}
-    params = dict(H=shape.H, T=shape.T, B=shape.B, lengths=shape.lengths, every_tokens=128)
+    params = dict(H=shape.H, T=shape.T, B=shape.B, lengths=shape.lengths, K=shape.D, every_tokens=128)
     extra: dict = {}
+    if shape.D != 128:  # 32-token chunks train K = V = 128 only
+        calls.pop("v2c32")
     ref, err = guarded(f"fla {shape.name}", step, calls["fla"], x, kw, do, dht)
     if ref is None:
         extra["fla"] = f"failed: {err}"
-    for name in ("v2c16", "v2c32", "v1"):
+    for name in [n for n in ("v2c16", "v2c32", "v1") if n in calls]:
         got, err = guarded(f"{name} {shape.name}", step, calls[name], x, kw, do, dht)
         if got is None:
             extra[f"{name} grads"] = f"failed: {err}"

@@ -3,7 +3,7 @@
 `chunk_kda` validates (``flashkda.checks``) and fills defaults, then runs the forward kernels
 (``flashkda.fwd.chunk_fwd``, or v2's where ``flashkda.fwd.v2.chunk_fwd.prefers_v2`` holds) directly. When an input
 requires grad it trains through v2 (`chunk_kda_v2_autograd`: ``flashkda.bwd.v2.chunk_kda_v2`` at 16-token chunks)
-where ``prefers_v2_training`` holds (Hopper, bf16, K = V = 128, the K3 gate flags), else through
+where ``prefers_v2_training`` holds (Hopper, bf16, K = V = 64 or 128, the K3 gate flags), else through
 `ChunkKDAFunction` (v1):
 
 * forward: the forward kernels, keeping the inputs and the intra stage's ``Aqk``, ``Akk`` and solved inverse for

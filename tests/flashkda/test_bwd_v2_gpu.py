@@ -39,14 +39,14 @@ def _id(x):
     return f"B{x['B']}-T{x['T']}-H{x['H']}-{x['lengths']}" if isinstance(x, dict) else str(x)
 
 
-def _case(B, T, H, lengths, chunk, seed=0, init=True, extra_rows=0, lower_bound=-5.0, device="cuda"):
+def _case(B, T, H, lengths, chunk, seed=0, init=True, extra_rows=0, lower_bound=-5.0, device="cuda", head_dim=K):
     """Inputs, ``do``, ``dht`` and the emulated workspace of ``chunk``-token chunks."""
     cu = None if lengths is None else [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    c = make_case(B, T + extra_rows, H, cu=cu, seed=seed, init=init, device=device)
+    c = make_case(B, T + extra_rows, H, cu=cu, seed=seed, init=init, device=device, K=head_dim)
     layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T + extra_rows, c["cu"],
                                                                            torch.device(device))
     ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
-        c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
+        c["q"], c["k"], c["g"], c["beta"], head_dim**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
     return c, ws
 
 
@@ -205,3 +205,38 @@ def test_b2_and_f2_ignore_rows_past_the_last_sequence(chunk):
     assert_close("dh0", rdh0, dh0, TOL_EMULATE)
     assert_close("checkpoints", rck.float(), ck[:rck.shape[0]].float(), TOL_EMULATE)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_head_width_64_stages_match_emulation(case):
+    """K = V = 64 at 16-token chunks: K1's workspace, F2's output, final state and checkpoints, and B2's state
+    gradients against their emulation, with the K = 128 bars."""
+    from flashkda.bwd.v2.recurrence_train import recurrence_train
+    from flashkda.bwd.v2.state_grad import state_grad_bwd
+    from flashkda.fwd.v2.prepare import prepare_fwd
+    from flashkda.fwd.v2.recurrence import recurrence_fwd
+    from tests.flashkda.test_fwd_v2 import assert_workspace_close
+
+    init = case.get("init", True)
+    c, ws = _case(case["B"], case["T"], case["H"], case["lengths"], 16, seed=2, init=init, head_dim=64)
+    with torch.inference_mode():
+        got_ws = prepare_fwd(c["q"], c["k"], c["g"], c["beta"], 64**-0.5, ws.layout, -5.0, c["A_log"],
+                             c["dt_bias"])
+        o, s, ck, _ = recurrence_train(ws, c["v"], c["h0"], True, 8)
+        o2, s2 = recurrence_fwd(ws, c["v"], c["h0"], True)
+        ro, rs, rck = emulate_recurrence_train(ws, c["v"], c["h0"], 8)
+        dht = c["dht"] if init else None
+        ds, dh0 = state_grad_bwd(ws, c["do"], dht, True)
+        rds, rdh0 = emulate_state_grads(ws, c["do"], dht)
+    torch.cuda.synchronize()
+    assert_workspace_close(got_ws, ws)
+    assert o.shape == (case["B"], case["T"], case["H"], 64) and ck.shape[1:] == (case["H"], 64, 64)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    n = int(checkpoint_offsets(ws.layout, 8)[-1])
+    assert_close("checkpoints", rck.float(), ck[:n].float(), TOL_EMULATE)
+    assert_close("o", ro.float(), o.float(), TOL_EMULATE)
+    assert_close("final state", rs.float(), s.float(), TOL_EMULATE)
+    used = int(ws.layout.seq_chunks[-1])
+    assert_close("ds", rds[:used], ds[:used].float(), TOL_EMULATE)
+    assert_close("dh0", rdh0, dh0, TOL_EMULATE)

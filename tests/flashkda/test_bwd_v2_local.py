@@ -33,11 +33,15 @@ def case_inputs(kw, seed=7, device="cpu"):
     return c
 
 
+def scale_of(c):
+    return c["q"].shape[-1] ** -0.5
+
+
 def inputs(c, lower_bound, every, chunk=16):
     B, T = c["q"].shape[:2]
     layout = (build_chunk_layout if chunk == 16 else build_chunk_layout32)(B, T, c["cu"], c["q"].device)
     ws = (emulate_prepare if chunk == 16 else emulate_prepare32)(
-        c["q"], c["k"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["A_log"], c["dt_bias"])
+        c["q"], c["k"], c["g"], c["beta"], scale_of(c), layout, lower_bound, c["A_log"], c["dt_bias"])
     _, _, ck = emulate_recurrence_train(ws, c["v"], c["h0"], every)
     ds, dh0 = emulate_state_grads(ws, c["do"], c["dht"])
     pad = checkpoint_bound(layout, every) - ck.shape[0]
@@ -53,10 +57,10 @@ forms = pytest.mark.parametrize("form", list(FORMS), ids=str)
 
 def run_both(c, lower_bound, every, chunk=16, form="one-group"):
     layout, ws, ck, ck_padded, ds, _ = inputs(c, lower_bound, every, chunk)
-    ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, layout, lower_bound, c["do"],
+    ref = emulate_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], scale_of(c), layout, lower_bound, c["do"],
                            A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], dht=c["dht"], ws=ws,
                            checkpoints=ck, every=every, chunk=chunk)
-    got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lower_bound, c["do"], ws, ck_padded,
+    got = local_grads_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], scale_of(c), lower_bound, c["do"], ws, ck_padded,
                           ds.bfloat16(), every, A_log=c["A_log"], dt_bias=c["dt_bias"],
                           **FORMS[form])
     return got, ref
@@ -75,6 +79,9 @@ CASES = {  # (inputs, every, lower_bound, chunk)
     "c32_fixed": (dict(B=1, T=80, H=1), 2, -5.0, 32),
     "c32_varlen_gva": (dict(B=1, T=90, H=1, HV=2, cu=[0, 40, 41, 41, 90]), 1, -0.1, 32),
     "c32_no_gate_params": (dict(B=1, T=70, H=1, cu=[0, 30, 62], a_log=False, dt=False), 2, -5.0, 32),
+    "k64_varlen_gva": (dict(B=1, T=70, H=1, HV=2, cu=[0, 33, 34, 34, 62], K=64), 2, -5.0, 16),
+    "k64_fixed": (dict(B=2, T=40, H=2, K=64), 3, -0.1, 16),
+    "k64_c32": (dict(B=1, T=80, H=1, K=64), 2, -5.0, 32),
 }
 
 
@@ -96,9 +103,10 @@ def test_local_grads_match_emulation(case, form):
 
 
 @forms
-def test_local_grads_against_fp64_autograd(form):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_local_grads_against_fp64_autograd(form, head_dim):
     """B3's gradients (B2's ``dh0`` aside) within the emulation's bars against autograd through the reference."""
-    c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=11)
+    c = make_case(B=1, T=70, H=1, HV=2, cu=[0, 37, 38, 70], seed=11, K=head_dim)
     got, _ = run_both(c, -5.0, 2, form=form)
     ref = autograd_grads(c, -5.0)
     errs = {n: rel_rms(getattr(got, n), ref[n]) for n in NAMES}
@@ -108,7 +116,7 @@ def test_local_grads_against_fp64_autograd(form):
 @forms
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", ["fixed", "varlen", "varlen_tail", "gva_no_alog_no_h0", "every1", "c32_fixed",
-                                  "c32_no_gate_params"], ids=str)
+                                  "c32_no_gate_params", "k64_varlen_gva"], ids=str)
 def test_outputs_need_no_zero_fill(case, device, form, monkeypatch):
     """The outputs are not zero-filled first (a varlen layout's partial sums aside): with NaN in every element
     before the kernels run, the gradients equal those of zero-filled outputs bit for bit; every element is written,
@@ -117,7 +125,7 @@ def test_outputs_need_no_zero_fill(case, device, form, monkeypatch):
     kw, every, lb, chunk = CASES[case]
     c = case_inputs(kw, seed=9, device=device)
     layout, ws, _, ck, ds, _ = inputs(c, lb, every, chunk)
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], K**-0.5, lb, c["do"], ws, ck, ds.bfloat16(), every)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], scale_of(c), lb, c["do"], ws, ck, ds.bfloat16(), every)
     monkeypatch.setattr(local_grad, "_unfilled",
                         lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
     poisoned = local_grads_bwd(*args, A_log=c["A_log"], dt_bias=c["dt_bias"], **FORMS[form])
@@ -179,6 +187,11 @@ def test_bad_arguments():
         local_grads_bwd(*args, 2, scratch_mb=0)
     with pytest.raises(ValueError, match="ws has kd"):
         local_grads_bwd(*args[:8], inputs(make_case(B=1, T=32, H=1, HV=2), -5.0, 2)[1], ck, ds, 2)
+    wide = make_case(B=1, T=32, H=1, seed=1, K=96)
+    _, ws96, _, ck96, ds96, _ = inputs(wide, -5.0, 2)
+    with pytest.raises(ValueError, match=r"K in \(64, 128\)"):
+        local_grads_bwd(wide["q"], wide["k"], wide["v"], wide["g"], wide["beta"], 96**-0.5, -5.0, wide["do"], ws96,
+                        ck96, ds96, 2)
 
 
 @forms

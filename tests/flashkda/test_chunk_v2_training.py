@@ -47,7 +47,7 @@ def on_hopper(monkeypatch):
 @pytest.mark.parametrize("case", [
     dict(), dict(HV=4), dict(T=45, cu=[0, 20, 20, 45]), dict(state_v_first=True), dict(g_dtype=torch.float32),
     dict(beta_dtype=torch.float32), dict(A_log=None), dict(dt_bias=None), dict(initial_state=None),
-    dict(lower_bound=-0.5), dict(safe_gate=False), dict(B=3),
+    dict(lower_bound=-0.5), dict(safe_gate=False), dict(B=3), dict(D=64), dict(D=64, HV=4, T=45, cu=[0, 20, 45]),
 ], ids=lambda c: ",".join(c) or "k3")
 def test_rule_takes_v2(on_hopper, case):
     args, kw = _call(**case)
@@ -58,7 +58,8 @@ def test_rule_takes_v2(on_hopper, case):
 @pytest.mark.parametrize("case,why", [
     (dict(dtype=torch.float16), "bf16"),
     (dict(dtype=torch.float32), "bf16"),
-    (dict(D=64), "K = V = 128"),
+    (dict(D=96), "K = V = 64 or 128"),
+    (dict(D=64, chunk_size=32), "K = V = 128, got K=64, V=64 at 32-token chunks"),
     (dict(use_qk_l2norm_in_kernel=False), "in-kernel"),
     (dict(use_gate_in_kernel=False), "in-kernel"),
     (dict(use_beta_sigmoid_in_kernel=False), "in-kernel"),
@@ -177,6 +178,7 @@ def test_chunk_kda_keeps_v1_for_disable_recompute(monkeypatch, on_hopper):
 GPU_CASES = {
     "fixed": dict(B=2, T=300, H=2, HV=4),
     "varlen": dict(B=1, T=420, H=2, cu=[0, 100, 137, 420]),
+    "k64_varlen_gva": dict(B=1, T=300, H=2, HV=4, cu=[0, 100, 137, 300], K=64),
 }
 #: o and the final state against the other bf16 paths (relative RMS); each gradient against fp64 autograd: v2 at
 #: most `GRAD_SLACK` times the other path's error, or under `GRAD_FLOOR` (bf16 noise at these small shapes)

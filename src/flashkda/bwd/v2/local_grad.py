@@ -1,7 +1,7 @@
 """B3 of the v2 backward: the chunk-local gradients, from the checkpoints, B2's state gradients and the workspace.
 
 Two kernels through an fp32 scratch (`local_split_kernel`): B3a, the sequential state part per (checkpoint segment,
-value head) with the state ``[128, 128]`` in registers, then B3b, K1 backwards per (chunk, value head); B3b is the
+value head) with the whole state ``[K, K]`` (K = 64 or 128) in registers, then B3b, K1 backwards per (chunk, value head); B3b is the
 Gluon kernel of `local_k1_gluon` on a Hopper GPU at 16-token chunks, else the Triton one (chunk 32, and the CPU).
 
 Kernels are imported on the first launch only; on a machine without a GPU the Triton ones run under
@@ -18,14 +18,12 @@ import torch
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets
 from flashkda.bwd.v2.emulate import KDAGrads
 from flashkda.bwd.v2.tail import zero_rows_past_end
-from flashkda.fwd.v2.workspace import HEAD_DIM, ChunkLayout, Workspace
+from flashkda.fwd.v2.workspace import HEAD_DIMS, ChunkLayout, Workspace
 
 __all__ = ["CHUNKS", "local_grads_bwd", "segment_table"]
 
 #: The chunk sizes B3 serves (K1's workspaces of `workspace` and `workspace32`).
 CHUNKS = (16, 32)
-#: B3a's value columns per program: the whole state (128 beat two blocks of 64 at both chunk sizes).
-BLOCK_V = HEAD_DIM
 #: B3a's warps per program: 255 registers, one CTA per SM (the warp-count A/B: ``docs/flashkda-v2-backward.md``).
 B3A_NUM_WARPS = 8
 #: The Gluon B3b's per-thread register cap (``maxnreg``): two CTAs per SM; faster than uncapped (one CTA) and 64.
@@ -80,26 +78,27 @@ def _check(q, k, v, g, beta, do, ws, checkpoints, ds, every):
                          f"{ws.layout.chunk}-token chunks")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"every must be a positive int (chunks between state checkpoints), got {every!r}")
+    if g.dim() != 4 or g.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"g must be [B, T, HV, K] with K in {HEAD_DIMS}, got {tuple(g.shape)}")
     B, T, HV, K = g.shape
     for name, x, heads in (("q", q, q.shape[2]), ("k", k, q.shape[2]), ("v", v, HV), ("g", g, HV), ("do", do, HV)):
-        if x.dim() != 4 or tuple(x.shape) != (B, T, heads, HEAD_DIM) or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [{B}, {T}, {heads}, {HEAD_DIM}], got {tuple(x.shape)}")
+        if x.dim() != 4 or tuple(x.shape) != (B, T, heads, K) or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [{B}, {T}, {heads}, {K}] (g's), got {tuple(x.shape)}")
         if x.device != g.device:
             raise ValueError(f"{name} is on {x.device}, g on {g.device}")
     if HV % q.shape[2] != 0:
         raise ValueError(f"g has {HV} value heads, not a multiple of q's {q.shape[2]} heads")
     if tuple(beta.shape) != (B, T, HV) or not beta.is_contiguous():
         raise ValueError(f"beta must be contiguous [{B}, {T}, {HV}], got {tuple(beta.shape)}")
-    if ws.kd.shape[:2] != (B * T, HV) or ws.layout.total_tokens != B * T:
-        raise ValueError(f"ws has kd {tuple(ws.kd.shape)}, expected [{B * T}, {HV}, {HEAD_DIM}]")
+    if tuple(ws.kd.shape) != (B * T, HV, K) or ws.layout.total_tokens != B * T:
+        raise ValueError(f"ws has kd {tuple(ws.kd.shape)}, expected [{B * T}, {HV}, {K}]")
     n_ck = checkpoint_bound(ws.layout, every)
-    if checkpoints.dim() != 4 or tuple(checkpoints.shape[1:]) != (HV, HEAD_DIM, HEAD_DIM) \
+    if checkpoints.dim() != 4 or tuple(checkpoints.shape[1:]) != (HV, K, K) \
             or checkpoints.shape[0] < n_ck or not checkpoints.is_contiguous():
-        raise ValueError(f"checkpoints must be contiguous [>= {n_ck}, {HV}, {HEAD_DIM}, {HEAD_DIM}] for every={every}, "
+        raise ValueError(f"checkpoints must be contiguous [>= {n_ck}, {HV}, {K}, {K}] for every={every}, "
                          f"got {tuple(checkpoints.shape)}")
-    if tuple(ds.shape) != (ws.layout.num_chunks, HV, HEAD_DIM, HEAD_DIM) or not ds.is_contiguous():
-        raise ValueError(f"ds must be contiguous [{ws.layout.num_chunks}, {HV}, {HEAD_DIM}, {HEAD_DIM}], "
-                         f"got {tuple(ds.shape)}")
+    if tuple(ds.shape) != (ws.layout.num_chunks, HV, K, K) or not ds.is_contiguous():
+        raise ValueError(f"ds must be contiguous [{ws.layout.num_chunks}, {HV}, {K}, {K}], got {tuple(ds.shape)}")
 
 
 def _scratch_floats(C: int, K: int) -> int:
@@ -125,7 +124,7 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     NT, HV, K = ws.layout.num_chunks, g.shape[2], g.shape[3]
     C = int(ws.inv.shape[-1])
     state_kernel, chunk_kernel, k1_launch = _split_kernels(_gluon_k1(g.device, C))
-    NV = K // BLOCK_V  # the kernels' V blocks (one: B3a holds the whole state)
+    NV = 1  # B3a holds the whole state (one block of K value columns beat two of K / 2 at K = 128)
     n_seg = seg.shape[0]
     per_seg = NV * every * HV * _scratch_floats(C, K) * 4
     group = max(1, min(n_seg, int(scratch_mb * 2**20) // per_seg))  # segments per launch pair
@@ -137,8 +136,8 @@ def _split_launch(q, k, v, g, do, A_log, dt_bias, ws, checkpoints, ds, seg, ever
     part_c = torch.empty(NV, NTS, HV, C, dtype=torch.float32, device=g.device)  # db
     dummy = ws.beta
     chunk_consts = dict(HQ=q.shape[2], HV=HV, NV=NV, HAS_ALOG=A_log is not None, HAS_DT=dt_bias is not None)
-    chunk_launch = k1_launch or dict(C=C, K=K, num_warps=8)
-    state_launch = dict(HV=HV, C=C, K=K, V=K, BV=BLOCK_V, num_warps=B3A_NUM_WARPS)
+    chunk_launch = dict(k1_launch, K=K) if k1_launch else dict(C=C, K=K, num_warps=8)
+    state_launch = dict(HV=HV, C=C, K=K, V=K, BV=K, num_warps=B3A_NUM_WARPS)
     for grp, s0 in enumerate(range(0, n_seg, group)):
         state_kernel[(min(group, n_seg - s0) * NV, HV)](
             v, do, ws.kd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta, checkpoints, ds, ws.layout.chunk_index, seg,
@@ -160,20 +159,20 @@ def local_grads_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     state part), then K1 backwards per chunk (B3b, chunk-parallel).
 
     Args:
-        q, k: ``[B, T, Hq, 128]``; v, g, do: ``[B, T, HV, 128]`` (``HV`` a multiple of ``Hq``); beta:
-            ``[B, T, HV]`` logits; all contiguous (the forward's inputs and the output gradient).
-        scale, lower_bound, A_log (``[HV]`` or None), dt_bias (``[HV * 128]`` or None): the forward's.
+        q, k: ``[B, T, Hq, K]``; v, g, do: ``[B, T, HV, K]`` (``HV`` a multiple of ``Hq``, ``K`` 64 or 128);
+            beta: ``[B, T, HV]`` logits; all contiguous (the forward's inputs and the output gradient).
+        scale, lower_bound, A_log (``[HV]`` or None), dt_bias (``[HV * K]`` or None): the forward's.
         ws: K1's `Workspace` of 16- or 32-token chunks for these inputs.
-        checkpoints: ``[>= NCK, HV, 128, 128]`` (bf16 or fp32, K-first) the forward's state checkpoints, one every
+        checkpoints: ``[>= NCK, HV, K, K]`` (bf16 or fp32, K-first) the forward's state checkpoints, one every
             ``every`` chunks of each sequence (`checkpoints.checkpoint_offsets`).
-        ds: ``[NT, HV, 128, 128]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
+        ds: ``[NT, HV, K, K]`` (bf16 or fp32, K-first) B2's gradient of the state leaving each chunk.
         every: chunks between checkpoints.
         scratch_mb: the scratch bound, MiB: B3a + B3b run over groups of checkpoint segments whose
-            ``3 C 128 + 2 C^2 + 128 + C`` fp32 floats per chunk and value head fit (at least one segment per group).
+            ``3 C K + 2 C^2 + K + C`` fp32 floats per chunk and value head fit (at least one segment per group).
 
     Returns:
         `emulate.KDAGrads` with ``dh0=None`` (B2's): ``dq, dk`` like ``q``; ``dv, dg, dbeta`` like ``v, g, beta``;
-        ``dA_log`` ``[HV]`` and ``ddt_bias`` ``[HV * 128]`` fp32, or None without ``A_log`` / ``dt_bias``.
+        ``dA_log`` ``[HV]`` and ``ddt_bias`` ``[HV * K]`` fp32, or None without ``A_log`` / ``dt_bias``.
 
     Raises:
         ValueError: a shape, dtype or layout does not fit, the workspace's chunks are not 16 or 32 tokens, or ``every``

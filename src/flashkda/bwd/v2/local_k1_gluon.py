@@ -1,15 +1,16 @@
 """B3b of the v2 backward in Gluon: K1 backwards per (16-token chunk, value head) from B3a's fp32 partials.
 
-The Triton B3b of `local_split_kernel` leaves the layouts to the compiler, which keeps the chunk's ``[16, 128]``
+The Triton B3b of `local_split_kernel` leaves the layouts to the compiler, which keeps the chunk's ``[16, K]``
 tiles in mma layouts and converts them for every row sum and cumsum (about 90 barriers per chunk). Here each
-thread owns 8 tokens of one channel (`COL`, two lanes per channel, as the forward's K1): the gate's cumsums run in
-registers plus one shuffle, the sums over tokens in registers, the row sums over channels are one cross-warp
-reduction. The products go through shared memory to mma.sync: ``P = kd ki^T`` and ``inv^T X`` ``[16, 16]``, the
-four ``[16, 16] x [16, 128]`` products of ``dL`` and ``dMqk`` with ``ki, kd, qd``; the chain's second product
-``(inv^T X) inv^T`` in fp32 on the FMA units (`L3`), as the emulation.
+thread owns the tokens of one channel (the forward K1's `col_layout`: 8 tokens, two lanes per channel at K = 128;
+4 tokens, four lanes at K = 64): the gate's cumsums run in registers plus one (two) shuffles, the sums over tokens
+in registers and shuffles, the row sums over channels are one cross-warp reduction. The products go through shared
+memory to mma.sync: ``P = kd ki^T`` and ``inv^T X`` ``[16, 16]``, the four ``[16, 16] x [16, K]`` products of
+``dL`` and ``dMqk`` with ``ki, kd, qd``; the chain's second product ``(inv^T X) inv^T`` in fp32 on the FMA units
+(`L3`), as the emulation.
 
-Per chunk and value head (C = 16, K = 128), with the algebra and roundings of ``local_grad_ops._k1_grads`` and
-``emulate._local_grads``::
+Per chunk and value head (C = 16, K = 64 or 128), with the algebra and roundings of ``local_grad_ops._k1_grads``
+and ``emulate._local_grads``::
 
     sums     X, dMf [C, C]; dkd, dqd, dkr [C, K]; dglast [K]; db [C]      (B3a's partials, summed over V blocks)
     K1 again qn, kn, G (cumsum), kd = bf(kn 2^G), ki = bf(kn 2^-G), qd = bf(qn 2^G scale)
@@ -28,13 +29,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-# the forward K1's layout and constants: 8 tokens of one channel per thread (COL), its shared-memory tile layouts
-from flashkda.fwd.v2.prepare_kernel import CHUNK, COL, HEAD_DIM, L2NORM_EPS, LOG2E, SMEM_KT, SMEM_TOK, _add
+# the forward K1's layout and constants: the tokens of one channel per thread (col_layout), its shared-memory tile
+# layouts
+from flashkda.fwd.v2.prepare_kernel import CHUNK, L2NORM_EPS, LOG2E, SMEM_KT, SMEM_TOK, _add, col_layout
 
-NUM_WARPS = gl.constexpr(8)
+NUM_WARPS = gl.constexpr(8)  # the forward K1's, over which col_layout spreads the channels
 LN2 = gl.constexpr(0.6931471805599453)
 
-# mma.sync m16n8k16 over 8 warps side by side: a [16, 128] result is 16 columns per warp
+# mma.sync m16n8k16 over 8 warps side by side: a [16, K] result is K / 8 columns per warp
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8], instr_shape=[16, 8]))
 DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
@@ -51,25 +53,28 @@ def _bf(x):
 
 
 @gluon.jit
-def _mm_tok(a_s, b_s, acc):
-    """``a @ b + acc``: ``a`` a [16, 16] bf16 tile and ``b`` a [16, 128] bf16 tile in shared memory, fp32 [16, 128]
-    in `COL`."""
-    return gl.convert_layout(mma_v2(a_s.load(DOT_A), b_s.load(DOT_B), acc), COL)
+def _mm_tok(a_s, b_s, acc, K: gl.constexpr):
+    """``a @ b + acc``: ``a`` a [16, 16] bf16 tile and ``b`` a [16, K] bf16 tile in shared memory, fp32 [16, K] in
+    `col_layout`."""
+    return gl.convert_layout(mma_v2(a_s.load(DOT_A), b_s.load(DOT_B), acc), col_layout(K))
 
 
 @gluon.jit
 def kda_bwd_v2_k1_gluon_kernel(
-    q, k, g, A_log, dt_bias,  # raw inputs: [T, HQ, 128] x2, [T, HV, 128]; [HV], [HV * 128]
+    q, k, g, A_log, dt_bias,  # raw inputs: [T, HQ, K] x2, [T, HV, K]; [HV], [HV * K]
     kd, qd, kr, inv, glast, bsig, chunk_index,  # K1's workspace
     part_ck, part_cc, part_k, part_c,  # B3a's partials [NV, NTS, HV, ...]: dkd/dqd/dkr, X/dMf, dglast, db
     dq, dk, dg, dbeta, part_alog, part_dt,
     bounds, grp, scale, lower_bound, NT, NTS,
-    HQ: gl.constexpr, HV: gl.constexpr, NV: gl.constexpr, HAS_ALOG: gl.constexpr, HAS_DT: gl.constexpr,
+    HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, NV: gl.constexpr, HAS_ALOG: gl.constexpr,
+    HAS_DT: gl.constexpr,
 ):
-    """One CTA of `NUM_WARPS` warps per (chunk of the group, value head), grid ``(chunks of the group, HV)``; the
-    arguments as the Triton B3b's (`local_split_kernel.kda_bwd_v2_local_chunk_kernel`)."""
+    """One CTA of `NUM_WARPS` warps per (chunk of the group, value head), grid ``(chunks of the group, HV)``; head
+    width K (64 or 128); the arguments as the Triton B3b's (`local_split_kernel.kda_bwd_v2_local_chunk_kernel`,
+    less its chunk size)."""
+    gl.static_assert((K == 64) or (K == 128), "B3b serves head widths 64 and 128")
     C: gl.constexpr = CHUNK
-    K: gl.constexpr = HEAD_DIM
+    COL: gl.constexpr = col_layout(K)
     c0 = gl.load(bounds + grp)
     i_j = gl.program_id(0)
     in_group = i_j < gl.load(bounds + grp + 1) - c0
@@ -193,13 +198,13 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_dkn = b_dkd * b_e + b_dkr * gl.exp2(gl.expand_dims(b_Glast, 0) - b_G)
     b_dqn = b_dqd * b_e
     zero = gl.zeros([C, K], gl.float32, MMA)
-    b_dkdh = _mm_tok(dl_s, kih_s, zero)
+    b_dkdh = _mm_tok(dl_s, kih_s, zero, K)
     b_dG += b_dkdh * kdh_s.load(COL).to(gl.float32)
     b_dkn += b_dkdh * b_e
-    b_dqdh = _mm_tok(dm_s, kih_s, zero)
+    b_dqdh = _mm_tok(dm_s, kih_s, zero, K)
     b_dG += b_dqdh * qdh_s.load(COL).to(gl.float32)
     b_dqn += b_dqdh * b_e
-    b_dkih = _mm_tok(dmT_s, qdh_s, mma_v2(dlT_s.load(DOT_A), kdh_s.load(DOT_B), zero))
+    b_dkih = _mm_tok(dmT_s, qdh_s, mma_v2(dlT_s.load(DOT_A), kdh_s.load(DOT_B), zero), K)
     b_dG -= b_dkih * kih_s.load(COL).to(gl.float32)
     b_dkn += b_dkih * gl.exp2(-b_G)
 

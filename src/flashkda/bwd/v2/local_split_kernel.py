@@ -1,4 +1,4 @@
-"""B3 of the v2 backward in two Triton kernels (16- or 32-token chunks, K = V = 128), with the algebra and
+"""B3 of the v2 backward in two Triton kernels (16- or 32-token chunks, K = V = 64 or 128), with the algebra and
 roundings of ``emulate._local_grads``.
 
 **B3a** (`kda_bwd_v2_local_state_kernel`), sequential: one program per (checkpoint segment, value head, block of

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashkda.bwd.v2.checkpoints import checkpoint_bound, checkpoint_offsets
-from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
+from flashkda.fwd.v2.workspace import Workspace
 
 __all__ = ["DEFAULT_EVERY", "recurrence_train"]
 
@@ -26,15 +26,16 @@ def recurrence_train(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
 
     Args:
         ws: K1's `Workspace`, 16- or 32-token chunks (``ws.inv.shape[-1]``).
-        v: ``[B, T, H, 128]`` bf16, contiguous, on a Hopper GPU.
-        initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None.
+        v: ``[B, T, H, K]`` bf16, contiguous, on a Hopper GPU; the head width ``K = V`` is 128, or 64 at 16-token
+            chunks.
+        initial_state: ``[N, H, K, K]`` fp32 (K-first) or None.
         output_final_state: also return the final state.
         every: chunks between checkpoints; default `DEFAULT_EVERY` of the chunk size (128 tokens).
         order: the sequences' launch order (default longest first), as K2's.
 
     Returns:
-        ``(o, final_state, checkpoints, ck_offsets)``: ``o`` ``[B, T, H, 128]`` bf16; ``final_state`` fp32 or None;
-        ``checkpoints`` ``[NCK_bound, H, 128, 128]`` bf16, K-first, of which rows ``< ck_offsets[-1]`` are
+        ``(o, final_state, checkpoints, ck_offsets)``: ``o`` ``[B, T, H, K]`` bf16; ``final_state`` fp32 or None;
+        ``checkpoints`` ``[NCK_bound, H, K, K]`` bf16, K-first, of which rows ``< ck_offsets[-1]`` are
         written (``NCK_bound`` is a static bound, `checkpoints.checkpoint_bound`, so nothing syncs with the host);
         ``ck_offsets`` ``[N + 1]`` int32 on the device, sequence ``n``'s first checkpoint row.
 
@@ -48,9 +49,8 @@ def recurrence_train(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     every = DEFAULT_EVERY[chunk] if every is None else every
     ck_offsets = ws.layout.derived(("checkpoint offsets", every, v.device),
                                    lambda: checkpoint_offsets(ws.layout, every, device=v.device).to(torch.int32))
-    H = v.shape[2]
-    checkpoints = torch.empty(checkpoint_bound(ws.layout, every), H, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16,
-                              device=v.device)
+    H, K = v.shape[2], v.shape[-1]
+    checkpoints = torch.empty(checkpoint_bound(ws.layout, every), H, K, K, dtype=torch.bfloat16, device=v.device)
     kw = dict(order=order, checkpoints=checkpoints, ck_offsets=ck_offsets, every=every)
     if chunk == 16:
         from flashkda.fwd.v2.recurrence import recurrence_fwd

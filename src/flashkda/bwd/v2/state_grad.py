@@ -32,32 +32,37 @@ def state_grad_bwd(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | None = N
 
     Args:
         ws: K1's `Workspace` (16- or 32-token chunks), as K2 reads it.
-        do: ``[B, T, H, 128]`` bf16 gradient of the output, contiguous, on a Hopper GPU.
-        dht: ``[N, H, 128, 128]`` fp32 gradient of the final state (K-first) or None (zeros).
+        do: ``[B, T, H, K]`` bf16 gradient of the output, contiguous, on a Hopper GPU; the head width ``K = V`` is
+            128, or 64 at 16-token chunks.
+        dht: ``[N, H, K, K]`` fp32 gradient of the final state (K-first) or None (zeros).
         output_dh0: also return the initial state's gradient.
         order: ``[N]`` int32 launch order of the sequences; default longest first when N > 1.
         stages: shared-memory ring slots (2, 3 or 4).
 
     Returns:
-        ``(ds, dh0)``: ``ds`` ``[NT, H, 128, 128]`` bf16, K-first, the gradient of the state leaving chunk ``c``
-        (rows of unused varlen chunks ``>= seq_chunks[N]`` are not written); ``dh0`` ``[N, H, 128, 128]`` fp32 or
+        ``(ds, dh0)``: ``ds`` ``[NT, H, K, K]`` bf16, K-first, the gradient of the state leaving chunk ``c``
+        (rows of unused varlen chunks ``>= seq_chunks[N]`` are not written); ``dh0`` ``[N, H, K, K]`` fp32 or
         None.
 
     Raises:
-        ValueError: ``do``/``dht`` do not fit the workspace, the workspace's chunk size is not 16 or 32, or
-            ``stages`` is out of range.
+        ValueError: ``do``/``dht`` do not fit the workspace, the workspace's chunk size is not 16 or 32, the head
+            width is not 64 or 128 (128 at 32-token chunks), or ``stages`` is out of range.
     """
     from flashkda.fwd.v2.recurrence import _check
 
-    _check(ws, do, dht, 64, stages, names=("do", "dht"))
     chunk = int(ws.inv.shape[-1])
     if chunk not in (16, 32):
         raise ValueError(f"ws must have 16- or 32-token chunks, got inv {tuple(ws.inv.shape)}")
+    if chunk == 32 and do.dim() == 4 and do.shape[-1] != HEAD_DIM:
+        raise ValueError(f"do must have head width {HEAD_DIM} at 32-token chunks (K = 64 runs at 16-token chunks), "
+                         f"got {tuple(do.shape)}")
+    _check(ws, do, dht, 64, stages, names=("do", "dht"))
     B, T, H, V = do.shape
+    K = V
     layout = ws.layout
     N = layout.num_seqs
-    ds = torch.empty(layout.num_chunks, H, HEAD_DIM, V, dtype=torch.bfloat16, device=do.device)
-    dh0 = torch.empty(N, H, HEAD_DIM, V, dtype=torch.float32, device=do.device) if output_dh0 else None
+    ds = torch.empty(layout.num_chunks, H, K, V, dtype=torch.bfloat16, device=do.device)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=do.device) if output_dh0 else None
     if N == 0:
         return ds, dh0
     if B * T == 0 or layout.num_chunks == 0:
@@ -70,11 +75,11 @@ def state_grad_bwd(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | None = N
     if use_order and order is None:
         order = layout.seq_order
     dummy = ws.beta
-    _kernel()[(H * 2, N)](
+    _kernel()[(H * (V // 64), N)](
         *descriptors(ws, chunk), ws.beta, do, ds,
         dht if dht is not None else dummy, dh0 if dh0 is not None else dummy,
         layout.cu_seqlens, layout.seq_chunks, order if use_order else layout.seq_chunks,
-        H=H, C=chunk, BV=64, STAGES=stages, USE_ORDER=use_order, USE_DHT=dht is not None,
+        H=H, C=chunk, K=K, BV=64, STAGES=stages, USE_ORDER=use_order, USE_DHT=dht is not None,
         STORE_DH0=output_dh0, num_warps=4,
     )
     return ds, dh0

@@ -2,13 +2,14 @@
 launch, and by path (without torch) by the offline compile script.
 
 K2's shape walked backwards: one CTA per (sequence, head, 64 value columns), one warpgroup holding the state
-gradient ``dS^T`` ``[64, 128]`` as the fp32 wgmma accumulator. From the sequence's last chunk to its first, per
-chunk of ``C`` tokens (16 or 32; shapes per CTA)::
+gradient ``dS^T`` ``[64, K]`` as the fp32 wgmma accumulator; the head width ``K = V`` (64 or 128) is a constexpr, and
+at ``K = 64`` one CTA holds a head's whole ``dS``. From the sequence's last chunk to its first, per chunk of ``C``
+tokens (16 or 32; shapes per CTA)::
 
     store bf16(dS^T)                              the gradient of the state leaving the chunk, ``ds[chunk]``
-    dU^T = bf16(do^T Mqk + bf16(dS^T) kr^T)       [64, C]    M64 NC KC, then NC K128
+    dU^T = bf16(do^T Mqk + bf16(dS^T) kr^T)       [64, C]    M64 NC KC, then NC K128 (K64)
     du^T = bf16(-(dU^T INV) diag(beta))           [64, C]    M64 NC KC
-    dS^T = dS^T diag(glast) + do^T qd + du^T kd   [64, 128]  M64 N128 KC, twice
+    dS^T = dS^T diag(glast) + do^T qd + du^T kd   [64, K]    M64 N128 (N64) KC, twice
 
 and after the first chunk stores ``dh0 = dS``. ``kd, qd, kr, INV, Mqk, glast`` arrive by TMA through K2's ring
 (`recurrence32_kernel._issue_loads`: same descriptors and tiles), ``do`` and ``beta`` are loaded into registers one
@@ -41,7 +42,6 @@ except ImportError:  # loaded by path by the offline compile script (no flashkda
     _k2 = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_k2)
 
-HEAD_DIM = gl.constexpr(128)
 _sequence = _k2._sequence
 _allocate_ring = _k2._allocate_ring
 _state_offsets = _k2._state_offsets
@@ -84,16 +84,17 @@ def _grad_step(b_ds, b_do, b_beta, kd_t, qd_t, kr_t, inv_t, mqk_t, g_t, ds, chun
 @gluon.jit
 def kda_bwd_v2_state_grad_kernel(
     kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc,  # K2's TMA descriptors (chunks of C tokens)
-    beta, do, ds, dht, dh0,  # [T_total, H] fp32, [T_total, H, 128] bf16, [NT, H, 128, 128] bf16, [N, H, 128, 128] fp32 x2
+    beta, do, ds, dht, dh0,  # [T_total, H] fp32, [T_total, H, V] bf16, [NT, H, K, V] bf16, [N, H, K, V] fp32 x2
     cu_seqlens, seq_chunks, order,  # [N + 1] int32, [N + 1] int32, [N] int32 (longest first)
-    H, C: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
+    H, C: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
     USE_ORDER: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    K: gl.constexpr = HEAD_DIM
-    V: gl.constexpr = HEAD_DIM
+    V: gl.constexpr = K
     NV: gl.constexpr = V // BV
+    gl.static_assert(K == 64 or K == 128, "head width 64 or 128")
     gl.static_assert(BV == 16 * num_warps, "one warp per 16 state columns")
+    gl.static_assert(BV <= V, "at most V state columns per CTA")
 
     i_n, i_h, i_v, bos, eos, c0, n_chunks, n_full = _sequence(cu_seqlens, seq_chunks, order, USE_ORDER, C, NV)
 
@@ -112,7 +113,7 @@ def kda_bwd_v2_state_grad_kernel(
     for s in gl.static_range(STAGES - 1):
         if s < n_chunks:
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
-                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, n_chunks - 1 - s, bos, c0, i_h, H, C, STAGES)
+                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, n_chunks - 1 - s, bos, c0, i_h, H, C, K, STAGES)
 
     # dS^T [BV, K]: element (v, k) of the K-first [N, H, K, V]
     o_tc, o_vc, o_vk, o_kk, o_state = _state_offsets(i_n, i_h, i_v, H, acc_c, acc_k, C, BV, K, V)
@@ -129,7 +130,7 @@ def kda_bwd_v2_state_grad_kernel(
         slot = j % STAGES
         if j - (STAGES - 1) >= 0:
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
-                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j - (STAGES - 1), bos, c0, i_h, H, C, STAGES)
+                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j - (STAGES - 1), bos, c0, i_h, H, C, K, STAGES)
         n_do, n_beta = _load_v_beta(do, beta, bos, eos, gl.maximum(j - 1, 0), i_h, H, o_vc, o_tc, V, C)
         _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, 0)
         n_valid = eos - bos - j * C
@@ -150,7 +151,7 @@ def kda_bwd_v2_state_grad_kernel(
         gl.thread_barrier()
         if j - (STAGES - 1) >= 0:
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
-                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j - (STAGES - 1), bos, c0, i_h, H, C, STAGES)
+                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j - (STAGES - 1), bos, c0, i_h, H, C, K, STAGES)
         n_do, n_beta = _load_v_beta(do, beta, bos, eos, gl.maximum(j - 1, 0), i_h, H, o_vc, o_tc, V, C)
         _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, ((n_chunks - 1 - j) // STAGES) & 1)
         b_ds = _grad_step(b_ds, b_do, b_beta, kd_s.index(slot), qd_s.index(slot), kr_s.index(slot),

@@ -4,7 +4,8 @@ Forward: F1 (K1, the workspace) and F2 (K2 with the state checkpoint stores); it
 checkpoints, one per ``every`` chunks (128 tokens by default), and frees the workspace. Backward: B0 (K1 again),
 B2 (the state-gradient chain, ``ds`` per chunk and ``dh0``) and B3 (the chunk-local gradients, Triton).
 ``docs/flashkda-v2-backward.md`` has the design. K1, F2 and B2 are Gluon kernels for Hopper, B3 a Triton kernel;
-all of them at 16- or 32-token chunks (``chunk_size``), fixed length and varlen.
+all of them at 16- or 32-token chunks (``chunk_size``), fixed length and varlen, head width K = V = 128 (and 64 at
+16-token chunks).
 """
 
 from __future__ import annotations
@@ -96,11 +97,11 @@ class ChunkKDAV2Function(torch.autograd.Function):
                 ddt, None, None, None)
 
 
-def _validate(q, k, v, g, beta, initial_state, lower_bound, cu_seqlens, A_log, dt_bias) -> None:
-    from flashkda.fwd.v2.chunk_fwd import v2_unsupported_reason
+def _validate(q, k, v, g, beta, initial_state, lower_bound, cu_seqlens, A_log, dt_bias, chunk_size) -> None:
+    from flashkda.fwd.v2.chunk_fwd import TRAINING_HEAD_DIMS, v2_unsupported_reason
 
     reason = v2_unsupported_reason(q, k, v, g, beta, initial_state, True, True, True, False, lower_bound, False,
-                                   cu_seqlens, A_log, dt_bias)
+                                   cu_seqlens, A_log, dt_bias, head_dims=TRAINING_HEAD_DIMS[chunk_size])
     if reason is not None:
         raise ValueError(f"chunk_kda_v2: {reason}")
 
@@ -117,22 +118,23 @@ def chunk_kda_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=lower_bound)`` with the state K-first.
 
     Args:
-        q, k: ``[B, T, H, 128]`` bf16; v: ``[B, T, HV, 128]`` bf16 (``HV`` a multiple of ``H``, GVA); g:
-            ``[B, T, HV, 128]`` raw gate (bf16 or fp32); beta: ``[B, T, HV]`` logits. On a Hopper GPU.
-        scale: query scale, default ``128 ** -0.5``.
-        initial_state: ``[N, HV, 128, 128]`` fp32 (K-first) or None.
+        q, k: ``[B, T, H, K]`` bf16; v: ``[B, T, HV, K]`` bf16 (``HV`` a multiple of ``H``, GVA); g:
+            ``[B, T, HV, K]`` raw gate (bf16 or fp32); beta: ``[B, T, HV]`` logits. On a Hopper GPU. ``K`` is 128,
+            or 64 at 16-token chunks.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, K]`` fp32 (K-first) or None.
         output_final_state: also return the final state (differentiable).
         lower_bound: the gate's floor in nats, in ``[-5, 0)``: ``g_log = lower_bound * sigmoid(exp(A_log) *
             (g + dt_bias))``.
         cu_seqlens: ``[N + 1]`` int64/int32 cumulative lengths (varlen, ``B == 1``) or None.
-        A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
+        A_log: ``[HV]`` or None; dt_bias: ``[HV * K]`` or None.
         every: chunks between the saved state checkpoints (default `DEFAULT_EVERY` of the chunk size: 128 tokens).
         chunk_size: tokens per chunk, 16 or 32 (every kernel of the forward and the backward).
         stages: the kernels to chain for ``chunk_size`` (default `device_stages`, after checking the call is in v2's scope; the
             CPU checks chain `emulated_stages`).
 
     Returns:
-        ``(o [B, T, HV, 128] bf16, final_state [N, HV, 128, 128] fp32 or None)``.
+        ``(o [B, T, HV, K] bf16, final_state [N, HV, K, K] fp32 or None)``.
 
     Raises:
         ValueError: the call is outside v2's scope (the message says why), ``every`` is not a positive int or
@@ -149,7 +151,7 @@ def chunk_kda_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     if chunk_size not in DEFAULT_EVERY or isinstance(chunk_size, bool):
         raise ValueError(f"chunk_size must be 16 or 32, got {chunk_size!r}")
     if stages is None:
-        _validate(q, k, v, g, beta, initial_state, lower_bound, cu_seqlens, A_log, dt_bias)
+        _validate(q, k, v, g, beta, initial_state, lower_bound, cu_seqlens, A_log, dt_bias, chunk_size)
         stages = device_stages(chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     every = DEFAULT_EVERY[chunk_size] if every is None else every

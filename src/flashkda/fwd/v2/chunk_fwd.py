@@ -19,7 +19,7 @@ import importlib.util
 import torch
 
 from flashkda.env import env_choice
-from flashkda.fwd.v2.workspace import HEAD_DIM, cached_chunk_layout
+from flashkda.fwd.v2.workspace import HEAD_DIM, HEAD_DIMS, cached_chunk_layout
 
 __all__ = ["KERNELS_ENV", "MIN_VALUE_HEADS", "TRAINING_CHUNK", "chunk_kda_fwd_v2", "kernels_choice", "prefers_v2",
            "prefers_v2_training", "supports_v2", "v2_training_unsupported_reason", "v2_unsupported_reason"]
@@ -36,6 +36,8 @@ TRAINING_CHUNK = 16
 KERNELS_ENV = "FLASHKDA_KERNELS"
 #: The raw gate and beta dtypes the training kernels take (their gradients come back in the same dtype).
 TRAINING_GATE_DTYPES = (torch.bfloat16, torch.float32)
+#: The head widths (K = V) the training kernels take, per chunk size (the inference forward: `HEAD_DIM` only).
+TRAINING_HEAD_DIMS = {16: HEAD_DIMS, 32: (HEAD_DIM,)}
 
 
 @functools.cache
@@ -62,16 +64,20 @@ def v2_unsupported_reason(
     cu_seqlens: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    head_dims: tuple[int, ...] = (HEAD_DIM,),
     **_ignored,
 ) -> str | None:
-    """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s."""
+    """Why v2 cannot serve this (validated) call, or None when it can; arguments as ``chunk_kda_fwd``'s, plus
+    ``head_dims``, the widths ``K = V`` the kernels in question take (the inference forward's: 128)."""
     reason = _device_reason(q)
     if reason is not None:
         return reason
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {q.dtype}"
-    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        return f"needs K = V = {HEAD_DIM}, got K={q.shape[-1]}, V={v.shape[-1]}"
+    K = q.shape[-1]
+    if K not in head_dims or v.shape[-1] != K:
+        widths = " or ".join(str(d) for d in head_dims)
+        return f"needs K = V = {widths}, got K={K}, V={v.shape[-1]}"
     H, HV = q.shape[2], v.shape[2]
     if HV % H != 0 or g.shape[2] != HV or beta.shape[2] != HV:
         return f"needs g, beta and v with HV heads, a multiple of H={H}; got v {HV}, g {g.shape[2]}, beta {beta.shape[2]}"
@@ -85,8 +91,8 @@ def v2_unsupported_reason(
         return f"needs an fp32 initial_state, got {initial_state.dtype}"
     if cu_seqlens is not None and q.shape[0] != 1:
         return "varlen needs B == 1"
-    if dt_bias is not None and dt_bias.numel() != HV * HEAD_DIM:
-        return f"needs dt_bias of HV*K = {HV * HEAD_DIM} elements, got {dt_bias.numel()}"
+    if dt_bias is not None and dt_bias.numel() != HV * K:
+        return f"needs dt_bias of HV*K = {HV * K} elements, got {dt_bias.numel()}"
     if A_log is not None and A_log.numel() != HV:
         return f"needs A_log of HV = {HV} elements, got {A_log.numel()}"
     return None
@@ -103,18 +109,21 @@ def _device_reason(q: torch.Tensor) -> str | None:
 
 def v2_training_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                    beta: torch.Tensor, *args, disable_recompute: bool = False,
-                                   **kwargs) -> str | None:
-    """Why ``flashkda.bwd.v2.chunk_kda_v2`` cannot train this validated ``chunk_kda`` call exactly, or None.
+                                   chunk_size: int = TRAINING_CHUNK, **kwargs) -> str | None:
+    """Why ``flashkda.bwd.v2.chunk_kda_v2`` at ``chunk_size``-token chunks cannot train this validated ``chunk_kda``
+    call exactly, or None.
 
-    Arguments as `v2_unsupported_reason` plus the keyword ``disable_recompute``. Beyond the forward's scope: raw
+    Arguments as `v2_unsupported_reason` plus the keywords ``disable_recompute`` and ``chunk_size``. Beyond the
+    forward's scope: the head widths of `TRAINING_HEAD_DIMS` (64 too at 16-token chunks), raw
     ``g`` and ``beta`` in bf16 or fp32, at least one token, and no ``disable_recompute`` (the request to keep v1's
     per-chunk states; v2 keeps its own checkpoints, so the call stays on v1, which honours it). ``safe_gate``
     changes no result once ``lower_bound`` is in v2's range, ``state_v_first`` is a transpose, and
     ``A_log``/``dt_bias`` of any float dtype get their gradients through a cast.
     """
+    kwargs["head_dims"] = TRAINING_HEAD_DIMS[chunk_size]
     reason = v2_unsupported_reason(q, k, v, g, beta, *args, **kwargs)
     if reason is not None:
-        return reason
+        return reason if chunk_size == TRAINING_CHUNK else f"{reason} at {chunk_size}-token chunks"
     for name, x in (("g", g), ("beta", beta)):
         if x.dtype not in TRAINING_GATE_DTYPES:
             return f"training needs {name} in bf16 or fp32, got {x.dtype}"

@@ -2,9 +2,11 @@
 
 It imports nothing but Triton, so the offline compile script can load it by path with Triton 3.6 and no torch.
 
-One kernel, `kda_fwd_v2_prepare_batched_kernel`: 8 warps per CTA, one CTA per (4 consecutive chunks, head). Each thread owns 8 tokens of one
-channel (two lanes share a channel), so the gate's cumsum runs in registers plus one shuffle, and the L2 norms are one
-cross-warp reduction per token. Per chunk and head (C = 16, K = 128)::
+One kernel, `kda_fwd_v2_prepare_batched_kernel`, for head width K = 64 or 128: 8 warps per CTA, one CTA per (4
+consecutive chunks, head). Each thread owns the tokens of one channel in the chunk's ``[16, K]`` tiles (`col_layout`:
+at K = 128 8 tokens, two lanes sharing a channel; at K = 64 4 tokens, four lanes), so the gate's cumsum runs in
+registers plus one (two) shuffles, and the L2 norms are one cross-warp reduction per token. Per chunk and head
+(C = 16)::
 
     q, k, g  [C, K] bf16 -> fp32   rows past the chunk's last token load as 0, and their gate is forced to 0
     G        = cumsum(lower_bound * log2(e) * sigmoid(exp(A_log) * (g + dt_bias)))      (fp32, log2 units)
@@ -13,7 +15,7 @@ cross-warp reduction per token. Per chunk and head (C = 16, K = 128)::
     INV      = (I - L)(I + L^2)(I + L^4)(I + L^8)                                        (mma.sync, fp16 in, fp32 acc)
 
 The 16x16 products go through shared memory (bf16 ``kd, qd, ki`` tiles, fp16 16x16 tiles), because an mma.sync
-operand layout spreads a row over four lanes while the elementwise layout keeps a channel in two lanes. A 16x16
+operand layout spreads a row over four lanes while the elementwise layout keeps a channel in a few lanes. A 16x16
 result needs only two warps, so the kernel gives each warp its own (chunk, 8-column half) of the [4, 16, 16] products
 (with one chunk per CTA, six of the eight warps would compute copies).
 """
@@ -25,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 CHUNK = gl.constexpr(16)
+#: the chunk-32 kernel's head width (`prepare32_kernel`); this one takes K as an argument
 HEAD_DIM = gl.constexpr(128)
 NUM_WARPS = gl.constexpr(8)
 #: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 108; the cap is the measured fastest,
@@ -33,8 +36,15 @@ MAX_REGISTERS = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 L2NORM_EPS = gl.constexpr(1e-6)
 
-# 8 tokens of one channel per thread
-COL = gl.constexpr(gl.BlockedLayout([8, 1], [2, 16], [1, 8], [0, 1]))
+
+@gluon.constexpr_function
+def col_layout(K):
+    """``[C, K]`` tiles over the CTA's warps side by side (K / 8 channels per warp), each thread on the tokens of one
+    channel: ``256 / K`` lanes share a channel (two at K = 128, 8 tokens each; four at K = 64, 4 tokens each)."""
+    lanes = 32 * NUM_WARPS.value // K
+    return gl.BlockedLayout([CHUNK.value // lanes, 1], [lanes, 32 // lanes], [1, NUM_WARPS.value], [0, 1])
+
+
 SMEM_TOK = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
 # the batched kernel: CB chunks per CTA, one (chunk, 8-column half) of every 16x16 product per warp
 CB = gl.constexpr(4)
@@ -73,26 +83,27 @@ def _neumann_inverse(L1, eye, a_s, b_s, mma: gl.constexpr, dot_a: gl.constexpr, 
 
 
 @gluon.jit
-def _token_offsets(first, n_valid, i_h, H):
+def _token_offsets(first, n_valid, i_h, H, K: gl.constexpr):
     """Mask ``[C, K]`` of a chunk's valid tokens, the 64-bit offset of its first token-head row and the 32-bit
     offsets of its elements from there, for tensors with ``H`` heads."""
+    COL: gl.constexpr = col_layout(K)
     o_t = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, COL))
-    o_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, COL))
-    m_tk = gl.expand_dims(o_t < n_valid, 1) & gl.expand_dims(o_k < HEAD_DIM, 0)
-    base = (first.to(gl.int64) * H + i_h) * HEAD_DIM
-    o_tk = gl.expand_dims(o_t * (H * HEAD_DIM), 1) + gl.expand_dims(o_k, 0)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
+    m_tk = gl.expand_dims(o_t < n_valid, 1) & gl.expand_dims(o_k < K, 0)
+    base = (first.to(gl.int64) * H + i_h) * K
+    o_tk = gl.expand_dims(o_t * (H * K), 1) + gl.expand_dims(o_k, 0)
     return m_tk, base, o_tk
 
 
 @gluon.jit
-def _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP: gl.constexpr):
+def _load_tokens(q, k, g, first, n_valid, i_h, H, K: gl.constexpr, GROUP: gl.constexpr):
     """A chunk's ``q, k, g`` ``[C, K]`` as stored (0 past its last token); GROUP value heads share a q/k head."""
-    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H)
+    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H, K)
     if GROUP == 1:
         b_q = gl.load(q + base + o_tk, mask=m_tk, other=0.0)
         b_k = gl.load(k + base + o_tk, mask=m_tk, other=0.0)
     else:
-        _, base_qk, o_qk = _token_offsets(first, n_valid, i_h // GROUP, H // GROUP)
+        _, base_qk, o_qk = _token_offsets(first, n_valid, i_h // GROUP, H // GROUP, K)
         b_q = gl.load(q + base_qk + o_qk, mask=m_tk, other=0.0)
         b_k = gl.load(k + base_qk + o_qk, mask=m_tk, other=0.0)
     b_g = gl.load(g + base + o_tk, mask=m_tk, other=0.0)
@@ -100,13 +111,14 @@ def _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _gate_params(A_log, dt_bias, i_h, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+def _gate_params(A_log, dt_bias, i_h, K: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
     """The head's gate bias ``[K]`` (0 without dt_bias) and raw A_log (0 without it, i.e. a factor of 1)."""
-    o_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, COL))
+    COL: gl.constexpr = col_layout(K)
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
     if HAS_DT_BIAS:
-        b_dt = gl.load(dt_bias + i_h * HEAD_DIM + o_k).to(gl.float32)
+        b_dt = gl.load(dt_bias + i_h * K + o_k).to(gl.float32)
     else:
-        b_dt = gl.zeros([HEAD_DIM], gl.float32, gl.SliceLayout(0, COL))
+        b_dt = gl.zeros([K], gl.float32, gl.SliceLayout(0, COL))
     if HAS_A_LOG:
         a_log = gl.load(A_log + i_h).to(gl.float32)
     else:
@@ -116,12 +128,12 @@ def _gate_params(A_log, dt_bias, i_h, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.c
 
 @gluon.jit
 def _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, tile, i_h, first, n_valid, scale, gate_scale,
-                    H, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
-    """The elementwise part for one [16, 128] chunk-head from its loaded ``q, k, g``: stores ``kd, qd, kr`` and
-    ``glast[tile]``, returns the bf16 ``kd, qd, ki`` tiles (in the ``COL`` layout) for the products."""
+                    H, K: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The elementwise part for one [16, K] chunk-head from its loaded ``q, k, g``: stores ``kd, qd, kr`` and
+    ``glast[tile]``, returns the bf16 ``kd, qd, ki`` tiles (in `col_layout`) for the products."""
     C: gl.constexpr = CHUNK
-    K: gl.constexpr = HEAD_DIM
-    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H)
+    COL: gl.constexpr = col_layout(K)
+    m_tk, base, o_tk = _token_offsets(first, n_valid, i_h, H, K)
     o_t = gl.arange(0, C, layout=gl.SliceLayout(1, COL))
     o_k = gl.arange(0, K, layout=gl.SliceLayout(0, COL))
     b_q = b_q.to(gl.float32)
@@ -164,34 +176,34 @@ def _beta_sigmoid(b, beta, rows, mask):
 
 @gluon.jit
 def kda_fwd_v2_prepare_batched_kernel(
-    q, k, g, beta_in,  # [T_total, H / GROUP, 128] bf16 x2, [T_total, H, 128], [T_total, H] logits (any float)
-    A_log, dt_bias,  # [H], [H * 128] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
+    q, k, g, beta_in,  # [T_total, H / GROUP, K] bf16 x2, [T_total, H, K], [T_total, H] logits (any float)
+    A_log, dt_bias,  # [H], [H * K] (any float; unused without HAS_A_LOG / HAS_DT_BIAS)
     chunk_index,  # [NT, 3] int32 (sequence, first token row, valid tokens)
     kd, qd, kr, inv, mqk, glast, beta,  # the workspace (see flashkda.fwd.v2.workspace)
     scale, gate_scale,  # fp32: query scale, lower_bound * log2(e)
     NT, H,  # chunks, value heads
-    GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
+    K: gl.constexpr, GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
-    """One CTA per (CB consecutive chunks, value head), grid ``ceil(NT / CB) * H``; GROUP value heads share a q/k
-    head (GVA). The elementwise part runs chunk by chunk; the products run once for all CB chunks, each warp on its
-    own (chunk, column half)."""
+    """One CTA per (CB consecutive chunks, value head), grid ``ceil(NT / CB) * H``; head width K (64 or 128); GROUP
+    value heads share a q/k head (GVA). The elementwise part runs chunk by chunk; the products run once for all CB
+    chunks, each warp on its own (chunk, column half)."""
+    gl.static_assert((K == 64) or (K == 128), "K1 serves head widths 64 and 128")
     C: gl.constexpr = CHUNK
-    K: gl.constexpr = HEAD_DIM
     i_b = gl.program_id(0) // H
     i_h = gl.program_id(0) % H
     # written chunk by chunk through 2D views, read back whole through 3D views of the same bytes (the swizzle
-    # of each [16, 128] / [128, 16] slice is the same in both)
+    # of each [16, K] / [K, 16] slice is the same in both)
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
     qd_s = gl.allocate_shared_memory(gl.bfloat16, [CB, C, K], SMEM_TOK)
     kiT_s = gl.allocate_shared_memory(gl.bfloat16, [CB, K, C], SMEM_KT)
-    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, HAS_A_LOG, HAS_DT_BIAS)
+    b_dt, a_log = _gate_params(A_log, dt_bias, i_h, K, HAS_A_LOG, HAS_DT_BIAS)
     for s in range(CB):
         c = i_b * CB + s
         first = gl.load(chunk_index + c * 3 + 1, mask=c < NT, other=0)
         n_valid = gl.load(chunk_index + c * 3 + 2, mask=c < NT, other=0)  # 0 past NT: all masked off
-        b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, GROUP)
+        b_q, b_k, b_g = _load_tokens(q, k, g, first, n_valid, i_h, H, K, GROUP)
         b_kd, b_qd, b_ki = _prepare_tokens(b_q, b_k, b_g, b_dt, a_log, kd, qd, kr, glast, c.to(gl.int64) * H + i_h,
-                                           i_h, first, n_valid, scale, gate_scale, H, HAS_A_LOG, HAS_DT_BIAS)
+                                           i_h, first, n_valid, scale, gate_scale, H, K, HAS_A_LOG, HAS_DT_BIAS)
         kd_s.index(s).store(b_kd)
         qd_s.index(s).store(b_qd)
         kiT_s.index(s).store(gl.permute(b_ki, [1, 0]))

@@ -29,30 +29,31 @@ def _kernel():
 
 
 @functools.cache
-def _smem_layouts(chunk: int):
+def _smem_layouts(chunk: int, head_dim: int):
     from triton.experimental.gluon import language as gl
 
-    return (gl.NVMMASharedLayout.get_default_for([chunk, HEAD_DIM], gl.bfloat16),
+    return (gl.NVMMASharedLayout.get_default_for([chunk, head_dim], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([chunk, chunk], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM], gl.float32))
+            gl.NVMMASharedLayout.get_default_for([1, head_dim], gl.float32))
 
 
 def descriptors(ws: Workspace, chunk: int) -> tuple:
-    """K2's six TMA descriptors of a workspace of ``chunk``-token chunks: ``kd, qd, kr`` (``[chunk, 128]`` token
-    tiles), ``inv, mqk`` (``[chunk, chunk]`` chunk tiles) and ``glast`` (one ``[1, 128]`` row per chunk and head)."""
+    """K2's six TMA descriptors of a workspace of ``chunk``-token chunks and head width ``K`` (``ws.kd``'s last
+    dimension, 64 or 128): ``kd, qd, kr`` (``[chunk, K]`` token tiles), ``inv, mqk`` (``[chunk, chunk]`` chunk
+    tiles) and ``glast`` (one ``[1, K]`` row per chunk and head)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    tok_layout, tile_layout, g_layout = _smem_layouts(chunk)
-    T_total, H = ws.kd.shape[:2]
+    T_total, H, K = ws.kd.shape
+    tok_layout, tile_layout, g_layout = _smem_layouts(chunk, K)
     NT = ws.layout.num_chunks
 
     def tokens(x):
-        return TensorDescriptor(x, [T_total, H * HEAD_DIM], [H * HEAD_DIM, 1], [chunk, HEAD_DIM], tok_layout)
+        return TensorDescriptor(x, [T_total, H * K], [H * K, 1], [chunk, K], tok_layout)
 
     def tiles(x):
         return TensorDescriptor(x, [NT * H * chunk, chunk], [chunk, 1], [chunk, chunk], tile_layout)
 
-    glast = TensorDescriptor(ws.glast, [NT * H, HEAD_DIM], [HEAD_DIM, 1], [1, HEAD_DIM], g_layout)
+    glast = TensorDescriptor(ws.glast, [NT * H, K], [K, 1], [1, K], g_layout)
     return tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast
 
 
@@ -66,7 +67,8 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     Args:
         ws: chunk-32 `Workspace` (``kd, qd, kr`` ``[T_total, H, 128]`` bf16, ``inv, mqk`` ``[NT, H, 32, 32]`` bf16,
             ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32, layout from ``build_chunk_layout32``).
-        v: ``[B, T, H, 128]`` bf16 values, contiguous, on a Hopper GPU.
+        v: ``[B, T, H, 128]`` bf16 values, contiguous, on a Hopper GPU (head width 128 only: K = 64 runs at
+            16-token chunks, `flashkda.fwd.v2.recurrence`).
         initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None (zeros).
         output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
         order: ``[N]`` int32 launch order of the sequences; default longest first when N > 1.
@@ -76,7 +78,14 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
         ``final_state`` or None.
+
+    Raises:
+        ValueError: an argument does not fit (the message names it), as ``recurrence.recurrence_fwd``'s, or ``v``
+            is not 128 wide.
     """
+    if v.dim() == 4 and v.shape[-1] != HEAD_DIM:
+        raise ValueError(f"v must have head width {HEAD_DIM} at 32-token chunks (K = 64 runs at 16-token chunks), "
+                         f"got {tuple(v.shape)}")
     _check(ws, v, initial_state, 64, stages)
     _check_checkpoints(ws, v, checkpoints, ck_offsets, every)
     if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):

@@ -2,8 +2,8 @@
 by `flashkda.fwd.v2.recurrence32` on first launch, and by path (without torch) by the offline compile script.
 
 The math and layouts are those of the chunk-16 kernel (`recurrence_kernel`): one CTA per (sequence, head, V-slice
-of ``BV`` columns), one warpgroup per 64 columns, the state ``S^T`` ``[BV, K]`` as the fp32 wgmma accumulator.
-Per chunk (shapes per CTA, ``C = 32``)::
+of ``BV`` columns), one warpgroup per 64 columns, the state ``S^T`` ``[BV, K]`` as the fp32 wgmma accumulator, here
+at head width ``K = V = 128`` only. Per chunk (shapes per CTA, ``C = 32``)::
 
     u^T  = S^T kd^T                      [BV, C]   wgmma M64 N32 K128, A = bf16(S^T) from registers
     qS^T = S^T qd^T                      [BV, C]   M64 N32 K128
@@ -24,8 +24,9 @@ memory once per sequence (rows after the last sequence may be uninitialised memo
 ``EVERY > 0`` adds the training checkpoint stores of the chunk-16 kernel (the state entering every ``EVERY``-th
 chunk, bf16, row ``ck_offsets[n] + j // EVERY`` of ``ckpt``).
 
-The ring helpers here (`_issue_loads`, `_wait_slot`, `_load_v_beta`, `_zero_rows_past`) also serve the backward's state-gradient
-chain (`flashkda.bwd.v2.state_grad_kernel`), which walks the same tiles in reverse.
+The ring helpers here (`_issue_loads`, `_wait_slot`, `_load_v_beta`, `_zero_rows_past`) take the head width ``K`` (64
+or 128) and also serve the backward's state-gradient chain (`flashkda.bwd.v2.state_grad_kernel`), which walks the
+same tiles in reverse.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _state_offsets(i_n, i_h, i_v, H, acc_c: gl.constexpr, acc_k: gl.constexpr, C
 
 @gluon.jit
 def _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
-                 kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j, bos, c0, i_h, H, C: gl.constexpr, STAGES: gl.constexpr):
+                 kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j, bos, c0, i_h, H, C: gl.constexpr, K: gl.constexpr,
+                 STAGES: gl.constexpr):
     slot = j % STAGES
     row = bos + j * C
     chunk = (c0 + j) * H + i_h
@@ -107,9 +109,9 @@ def _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd
     mbarrier.expect(inv_b.index(slot), inv_desc.block_type.nbytes)
     mbarrier.expect(mqk_b.index(slot), mqk_desc.block_type.nbytes)
     mbarrier.expect(g_b.index(slot), g_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(kd_desc, [row, i_h * 128], kd_b.index(slot), kd_s.index(slot))
-    tma.async_copy_global_to_shared(qd_desc, [row, i_h * 128], qd_b.index(slot), qd_s.index(slot))
-    tma.async_copy_global_to_shared(kr_desc, [row, i_h * 128], kr_b.index(slot), kr_s.index(slot))
+    tma.async_copy_global_to_shared(kd_desc, [row, i_h * K], kd_b.index(slot), kd_s.index(slot))
+    tma.async_copy_global_to_shared(qd_desc, [row, i_h * K], qd_b.index(slot), qd_s.index(slot))
+    tma.async_copy_global_to_shared(kr_desc, [row, i_h * K], kr_b.index(slot), kr_s.index(slot))
     tma.async_copy_global_to_shared(inv_desc, [chunk * C, 0], inv_b.index(slot), inv_s.index(slot))
     tma.async_copy_global_to_shared(mqk_desc, [chunk * C, 0], mqk_b.index(slot), mqk_s.index(slot))
     tma.async_copy_global_to_shared(g_desc, [chunk, 0], g_b.index(slot), g_s.index(slot))
@@ -127,7 +129,7 @@ def _wait_slot(kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, slot, phase):
 
 @gluon.jit
 def _zero_rows_past(t, n_valid, layout: gl.constexpr):
-    """Zero the rows ``>= n_valid`` of the shared-memory tile ``t`` ``[C, 128]`` (the caller fences and syncs)."""
+    """Zero the rows ``>= n_valid`` of the shared-memory tile ``t`` ``[C, K]`` (the caller fences and syncs)."""
     o_r = gl.arange(0, t.shape[0], layout=gl.SliceLayout(1, layout))
     b_t = t.load(layout)
     gl.thread_barrier()
@@ -211,7 +213,7 @@ def kda_fwd_v2_recurrence32_kernel(
     for s in gl.static_range(STAGES - 1):
         if s < n_chunks:
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
-                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, s, bos, c0, i_h, H, C, STAGES)
+                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, s, bos, c0, i_h, H, C, K, STAGES)
 
     o_tc, o_vc, o_vk, o_kk, o_state = _state_offsets(i_n, i_h, i_v, H, acc_c, acc_k, C, BV, K, V)
     if USE_H0:
@@ -228,7 +230,7 @@ def kda_fwd_v2_recurrence32_kernel(
         gl.thread_barrier()
         if j + STAGES - 1 < n_chunks:
             _issue_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, g_desc, kd_s, qd_s, kr_s, inv_s, mqk_s, g_s,
-                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j + STAGES - 1, bos, c0, i_h, H, C, STAGES)
+                         kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, j + STAGES - 1, bos, c0, i_h, H, C, K, STAGES)
         n_v, n_beta = _load_v_beta(v, beta, bos, eos, j + 1, i_h, H, o_vc, o_tc, V, C)
         if EVERY > 0:
             if j % EVERY == 0:

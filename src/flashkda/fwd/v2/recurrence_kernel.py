@@ -1,8 +1,9 @@
 """The Gluon recurrence kernel (K2) of the v2 forward; imported only by `flashkda.fwd.v2.recurrence` on first launch.
 
-One CTA per (sequence, head, V-slice of ``BV`` columns), one warpgroup per 64 columns. The state is kept transposed,
-``S^T`` ``[BV, K]``, as the fp32 accumulator of Hopper ``wgmma`` (V on M, so M = 64 per warpgroup), and never leaves
-registers between chunks. Per 16-token chunk (shapes per CTA)::
+One CTA per (sequence, head, V-slice of ``BV`` columns), one warpgroup per 64 columns; the head width ``K = V`` (64
+or 128) is a constexpr, and ``BV`` is 64 or 128 at ``K = 128``, 64 at ``K = 64`` (wgmma's smallest M). The state is
+kept transposed, ``S^T`` ``[BV, K]``, as the fp32 accumulator of Hopper ``wgmma`` (V on M, so M = 64 per
+warpgroup), and never leaves registers between chunks. Per 16-token chunk (shapes per CTA)::
 
     u^T  = S^T kd^T                      [BV, 16]   A = bf16(S^T) from registers, B = kd tile (smem, TMA)
     qS^T = S^T qd^T                      [BV, 16]
@@ -18,7 +19,7 @@ after the last sequence): ``v - u`` is selected away there, and the ``kr`` rows 
 shared memory, so no NaN can reach the state.
 
 With ``EVERY > 0`` (training) the kernel also stores the state entering every ``EVERY``-th chunk of a sequence
-(chunk ``j`` with ``j % EVERY == 0``) as bf16 to ``ckpt`` ``[NCK, H, 128, 128]`` (K-first), row
+(chunk ``j`` with ``j % EVERY == 0``) as bf16 to ``ckpt`` ``[NCK, H, K, V]`` (K-first), row
 ``ck_offsets[n] + j // EVERY`` (`flashkda.bwd.v2.checkpoints`); ``EVERY = 0`` compiles the stores away.
 """
 
@@ -35,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 CHUNK = gl.constexpr(16)
-HEAD_DIM = gl.constexpr(128)
 
 
 @gluon.jit
@@ -56,7 +56,8 @@ def _sequence(cu_seqlens, seq_chunks, order, USE_ORDER: gl.constexpr, C: gl.cons
 
 @gluon.jit
 def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
-                       kd_b, qd_b, kr_b, inv_b, mqk_b, j, bos, c0, i_h, H, STAGES: gl.constexpr):
+                       kd_b, qd_b, kr_b, inv_b, mqk_b, j, bos, c0, i_h, H, K: gl.constexpr,
+                       STAGES: gl.constexpr):
     # one mbarrier ring per tensor: TMA copies that share a barrier get a CTA barrier between them from the
     # compiler; with separate barriers only the one between the expects and the copies remains
     slot = j % STAGES
@@ -67,9 +68,9 @@ def _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s
     mbarrier.expect(kr_b.index(slot), kr_desc.block_type.nbytes)
     mbarrier.expect(inv_b.index(slot), inv_desc.block_type.nbytes)
     mbarrier.expect(mqk_b.index(slot), mqk_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(kd_desc, [row, i_h * 128], kd_b.index(slot), kd_s.index(slot))
-    tma.async_copy_global_to_shared(qd_desc, [row, i_h * 128], qd_b.index(slot), qd_s.index(slot))
-    tma.async_copy_global_to_shared(kr_desc, [row, i_h * 128], kr_b.index(slot), kr_s.index(slot))
+    tma.async_copy_global_to_shared(kd_desc, [row, i_h * K], kd_b.index(slot), kd_s.index(slot))
+    tma.async_copy_global_to_shared(qd_desc, [row, i_h * K], qd_b.index(slot), qd_s.index(slot))
+    tma.async_copy_global_to_shared(kr_desc, [row, i_h * K], kr_b.index(slot), kr_s.index(slot))
     tma.async_copy_global_to_shared(inv_desc, [tile, 0], inv_b.index(slot), inv_s.index(slot))
     tma.async_copy_global_to_shared(mqk_desc, [tile, 0], mqk_b.index(slot), mqk_s.index(slot))
 
@@ -104,23 +105,24 @@ def _store_o(o, b_o, row0, n_valid, i_h, H, o_vc, o_tc, V: gl.constexpr):
 
 @gluon.jit
 def kda_fwd_v2_recurrence_kernel(
-    kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc,  # TMA descriptors: kd/qd/kr [T_total, H*128], inv/mqk [NT*H*16, 16]
-    glast, beta, v, o, h0, ht,  # [NT, H, 128] fp32, [T_total, H] fp32, [T_total, H, 128] bf16 x2, [N, H, 128, 128] fp32
+    kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc,  # TMA descriptors: kd/qd/kr [T_total, H*K], inv/mqk [NT*H*16, 16]
+    glast, beta, v, o, h0, ht,  # [NT, H, K] fp32, [T_total, H] fp32, [T_total, H, V] bf16 x2, [N, H, K, V] fp32
     cu_seqlens, seq_chunks, order,  # [N + 1] int32, [N + 1] int32, [N] int32 (longest first)
-    ckpt, ck_offsets,  # [NCK, H, 128, 128] bf16, [N + 1] int32 (training checkpoints; unused when EVERY = 0)
-    H, BV: gl.constexpr, STAGES: gl.constexpr,
+    ckpt, ck_offsets,  # [NCK, H, K, V] bf16, [N + 1] int32 (training checkpoints; unused when EVERY = 0)
+    H, K: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
     USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, EVERY: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    K: gl.constexpr = HEAD_DIM
-    V: gl.constexpr = HEAD_DIM
+    V: gl.constexpr = K
     C: gl.constexpr = CHUNK
     NV: gl.constexpr = V // BV
+    gl.static_assert(K == 64 or K == 128, "head width 64 or 128")
     gl.static_assert(BV == 16 * num_warps, "one warp per 16 state columns")
+    gl.static_assert(BV <= V, "at most V state columns per CTA")
 
     i_n, i_h, i_v, bos, eos, c0, n_chunks, _ = _sequence(cu_seqlens, seq_chunks, order, USE_ORDER, C, NV)
 
-    # wgmma layouts: M = BV state columns over the warps, N = 16 tokens or K = 128 state rows
+    # wgmma layouts: M = BV state columns over the warps, N = 16 tokens or K state rows
     acc_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, C, 16])
     acc_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -129,7 +131,8 @@ def kda_fwd_v2_recurrence_kernel(
     a_k: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_k, k_width=2)
     g_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                               warps_per_cta=[num_warps], order=[0])
-    kr_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+    # [C, K] in 16-byte vectors, K // 8 lanes to a row: a warp covers two rows at K = 128, four at K = 64
+    kr_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // K, K // 8],
                                                warps_per_cta=[num_warps, 1], order=[1, 0])
 
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], kd_desc.layout)
@@ -153,7 +156,7 @@ def kda_fwd_v2_recurrence_kernel(
         if s < n_chunks:
             _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
                                kd_b, qd_b, kr_b, inv_b, mqk_b,
-                               s, bos, c0, i_h, H, STAGES)
+                               s, bos, c0, i_h, H, K, STAGES)
 
     # index vectors: tokens and state columns in the two accumulator layouts and the glast layout
     o_tc = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))  # [C] tokens
@@ -184,7 +187,7 @@ def kda_fwd_v2_recurrence_kernel(
         if j + STAGES - 1 < n_chunks:
             _issue_chunk_loads(kd_desc, qd_desc, kr_desc, inv_desc, mqk_desc, kd_s, qd_s, kr_s, inv_s, mqk_s,
                                kd_b, qd_b, kr_b, inv_b, mqk_b,
-                               j + STAGES - 1, bos, c0, i_h, H, STAGES)
+                               j + STAGES - 1, bos, c0, i_h, H, K, STAGES)
         nn_v, nn_beta, nn_g = _load_chunk_regs(v, beta, glast, bos, eos, c0, j + 2, n_chunks, i_h, H, o_vc, o_tc,
                                                o_kg, V, K, C)
         if EVERY > 0:

@@ -27,11 +27,13 @@ import torch
 from flashkda.index import build_chunk_index
 from flashkda.seqlens import IdentityCache
 
-__all__ = ["CHUNK", "HEAD_DIM", "ChunkLayout", "Workspace", "allocate_workspace", "build_chunk_layout",
+__all__ = ["CHUNK", "HEAD_DIM", "HEAD_DIMS", "ChunkLayout", "Workspace", "allocate_workspace", "build_chunk_layout",
            "cached_chunk_layout", "longest_first_order"]
 
 CHUNK = 16
 HEAD_DIM = 128
+#: The head widths ``K = V`` the 16-token-chunk kernels take (K1, K2, B2, B3); the 32-token ones take `HEAD_DIM`.
+HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ def allocate_workspace(layout: ChunkLayout, H: int, device: torch.device, head_d
         layout: from `build_chunk_layout`.
         H: number of heads.
         device: the inputs' device.
-        head_dim: ``K`` (the kernels: 128; the torch emulation also takes other widths).
+        head_dim: ``K`` (the kernels: 64 or 128; the torch emulation also takes other widths).
 
     Returns:
         `Workspace` with ``kd, qd, kr`` ``[T_total, H, K]`` bf16, ``inv, mqk`` ``[NT, H, C, C]`` bf16 (``C`` the
