@@ -163,6 +163,7 @@ def run(device: str, T: int, write: bool = True) -> list:
 
     cases = {f"fixed-T{T}-H4": dict(B=1, T=T, H=4),
              f"varlen-{T}-H4": dict(B=1, T=T, H=4, cu=[0, T // 3, T // 3 + 1, T])}
+    info = machine_info() if write else None
     rows = []
     for name, kw in cases.items():
         for lb in (-5.0, -0.1):
@@ -193,10 +194,10 @@ def run(device: str, T: int, write: bool = True) -> list:
                             note="gradient errors, not times"))
             logger.info("%s lb %s: %s", name, lb, describe(extra))
             logger.info("  seconds: %s", ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
-    if write:
-        path = write_results("kda-v2-bwd-precision", rows, title="FlashKDA v2 backward precision",
-                             info=machine_info())
-        logger.info("wrote %s", path)
+            if write:  # after every row (the same file each time): a run cut short keeps what it measured
+                path = write_results("kda-v2-bwd-precision", rows, title="FlashKDA v2 backward precision",
+                                     info=info)
+                logger.info("wrote %s", path)
     return rows
 
 

@@ -30,7 +30,7 @@ CHUNK = gl.constexpr(16)
 #: the chunk-32 kernel's head width (`prepare32_kernel`); this one takes K as an argument
 HEAD_DIM = gl.constexpr(128)
 NUM_WARPS = gl.constexpr(8)
-#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 108; the cap is the measured fastest,
+#: register cap per thread: 4 CTAs of 8 warps per SM (uncapped, ptxas takes 153 at K = 128; the cap is the measured fastest,
 #: ``docs/flashkda-v2.md``)
 MAX_REGISTERS = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
