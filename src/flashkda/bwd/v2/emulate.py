@@ -17,7 +17,10 @@ inputs, the workspace of K1 (``fwd.v2.emulate.emulate_prepare``, or the kernel's
 
 Precision (``exact=False``): states and state gradients fp32, entering products as bf16 operands (checkpoints as
 stored); every product from bf16 operands with fp32 accumulation, its result rounded to bf16 when it is the operand
-of another product (``W, U, dU, du, diag(beta) dL, dMqk, INV^T dINV``); elementwise chain rules in fp32; the
+of another product (``W, U, dU, du, diag(beta) dL, INV^T dINV``), except on the ``Mqk`` path: ``dMqk = do U^T``
+takes ``U`` and the products after it take ``dMqk`` each as two bf16 operands (value and remainder, `_split`),
+which cuts dq's and dk's error against fp64 by a fifth at ``lower_bound`` -5 (the study in
+``docs/flashkda-v2-backward.md``); elementwise chain rules in fp32; the
 gate's ``dG = ln2 (dkd kd + dqd qd - dki ki - dkr kr)`` takes the bf16 factors that entered the products (the
 pair terms of ``kd_i ki_j`` then cancel in the reverse cumsum as in exact arithmetic; with the fp32 factors
 ``k 2^G`` instead, ``dg`` errs 10x more: 4.2e-2 against 3.9e-3 relative RMS at T = 64); ``dq, dk, dv, dg, dbeta`` returned in the inputs' dtype, ``dA_log, dt_bias`` and the
@@ -211,6 +214,13 @@ def emulate_state_grads(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | Non
     return _state_grads(t, doc, ws.layout, dht, _bf16)
 
 
+def _split(x, rnd):
+    """``x`` as the sum of two rounded operands ``rnd(x) + rnd(x - rnd(x))`` (a product then takes two bf16 products,
+    about 16 significant bits of ``x``)."""
+    hi = rnd(x)
+    return hi + rnd(x - hi)
+
+
 def _local_grads(t, vc, doc, S_in, dS_out, scale, lower_bound, rnd):
     """B3: per-chunk gradients of the normed q, k (``dqn, dkn``), v, sigmoided beta and the log2 gate per token."""
     mT = lambda x: x.transpose(-1, -2)  # noqa: E731
@@ -218,7 +228,8 @@ def _local_grads(t, vc, doc, S_in, dS_out, scale, lower_bound, rnd):
     b = t["b"][..., None]
     vu = vc - t["kd"] @ S0
     W = rnd(vu * b)
-    U = rnd(t["inv"] @ W)
+    Uf = t["inv"] @ W
+    U = rnd(Uf)
     dU = rnd(mT(t["mqk"]) @ doc + t["kr"] @ dS_out)
     dW = mT(t["inv"]) @ dU
     dv = dW * b
@@ -228,7 +239,7 @@ def _local_grads(t, vc, doc, S_in, dS_out, scale, lower_bound, rnd):
     dL = torch.where(t["strict"], dL, 0.0)
     db = db + (dL * t["P"]).sum(-1)
     dLb = rnd(dL * b)
-    dM = rnd(torch.where(t["causal"], doc @ mT(U), 0.0))
+    dM = _split(torch.where(t["causal"], doc @ mT(_split(Uf, rnd)), 0.0), rnd)
     Ls, Lo, Ms, Mo = (torch.where(t[m], x, 0.0) for x, m in ((dLb, "same"), (dLb, "off"), (dM, "same"), (dM, "off")))
     dkdh = Ls @ t["kih"] + Lo @ t["kiar"]
     dkih = mT(Ls) @ t["kdh"] + mT(Ms) @ t["qdh"]

@@ -89,7 +89,8 @@ def _k1_grads(q, k, g, p_qk, p_hk, m_ck, a, a2, b_dt, scale, lower_bound,
 
     Args: the raw ``q, k`` (at ``p_qk``) and ``g`` (at ``p_hk``), rows masked by ``m_ck`` [C, 1]; the gate's
     ``exp(A_log)`` twice and ``dt_bias`` [K]; the gradients reaching K1's outputs: strict ``dL`` and causal ``dMf``
-    [C, C] fp32 (``beta`` not yet applied to ``dL``), ``dkd, dqd, dkr`` [C, K] fp32, ``dglast`` [K] (of the state
+    [C, C] fp32 (``beta`` not yet applied to ``dL``; ``dMf`` enters its products as two bf16 operands, value and
+    remainder), ``dkd, dqd, dkr`` [C, K] fp32, ``dglast`` [K] (of the state
     decay ``2^Glast``), ``db`` [C] (``beta``'s from ``W``); the workspace's ``kd, qd, kr`` [C, K] operands,
     ``2^Glast`` [K] and ``sigmoid(beta)`` [C].
 
@@ -135,19 +136,22 @@ def _k1_grads(q, k, g, p_qk, p_hk, m_ck, a, a2, b_dt, scale, lower_bound,
         b_P = tl.where(same, _dot(b_kdh, tl.trans(b_kih)), 0.0) + tl.where(off, _dot(b_kdh, tl.trans(b_kiar)), 0.0)
         b_Ls = _bf(tl.where(same, b_dLf, 0.0))
         b_Lo = _bf(tl.where(off, b_dLf, 0.0))
-        b_Ms = _bf(tl.where(same, b_dMf, 0.0))
-        b_Mo = _bf(tl.where(off, b_dMf, 0.0))
+        b_Msf = tl.where(same, b_dMf, 0.0)
+        b_Mof = tl.where(off, b_dMf, 0.0)
+        b_Ms, b_Mo = _bf(b_Msf), _bf(b_Mof)
+        b_Msr, b_Mor = _bf(b_Msf - b_Ms.to(tl.float32)), _bf(b_Mof - b_Mo.to(tl.float32))
         b_dkdh = _dot(b_Ls, b_kih) + _dot(b_Lo, b_kiar)  # [C, K]
-        b_dkih = _dot(tl.trans(b_Ls), b_kdh) + _dot(tl.trans(b_Ms), b_qdh)
-        b_dkiar = _dot(tl.trans(b_Lo), b_kdh) + _dot(tl.trans(b_Mo), b_qdh)
-        b_dqdh = _dot(b_Ms, b_kih) + _dot(b_Mo, b_kiar)
+        b_dkih = _dot(tl.trans(b_Ls), b_kdh) + _dot(tl.trans(b_Ms), b_qdh) + _dot(tl.trans(b_Msr), b_qdh)
+        b_dkiar = _dot(tl.trans(b_Lo), b_kdh) + _dot(tl.trans(b_Mo), b_qdh) + _dot(tl.trans(b_Mor), b_qdh)
+        b_dqdh = _dot(b_Ms, b_kih) + _dot(b_Msr, b_kih) + _dot(b_Mo, b_kiar) + _dot(b_Mor, b_kiar)
     else:
         b_P = _dot(b_kdh, tl.trans(b_kih))  # [C, C]
         b_dLb = _bf(b_dLf)
         b_dM = _bf(b_dMf)
+        b_dMr = _bf(b_dMf - b_dM.to(tl.float32))
         b_dkdh = _dot(b_dLb, b_kih)  # [C, K]
-        b_dkih = _dot(tl.trans(b_dLb), b_kdh) + _dot(tl.trans(b_dM), b_qdh)
-        b_dqdh = _dot(b_dM, b_kih)
+        b_dkih = _dot(tl.trans(b_dLb), b_kdh) + _dot(tl.trans(b_dM), b_qdh) + _dot(tl.trans(b_dMr), b_qdh)
+        b_dqdh = _dot(b_dM, b_kih) + _dot(b_dMr, b_kih)
     b_db += tl.sum(b_dL * b_P, 1)
 
     # -- the gate: dG per token from the bf16 factors, reverse cumsum, the chunk-total term

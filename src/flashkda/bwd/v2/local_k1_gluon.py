@@ -5,8 +5,8 @@ tiles in mma layouts and converts them for every row sum and cumsum (about 90 ba
 thread owns the tokens of one channel (the forward K1's `col_layout`: 8 tokens, two lanes per channel at K = 128;
 4 tokens, four lanes at K = 64): the gate's cumsums run in registers plus one (two) shuffles, the sums over tokens
 in registers and shuffles, the row sums over channels are one cross-warp reduction. The products go through shared
-memory to mma.sync: ``P = kd ki^T`` and ``inv^T X`` ``[16, 16]``, the four ``[16, 16] x [16, K]`` products of
-``dL`` and ``dMqk`` with ``ki, kd, qd``; the chain's second product ``(inv^T X) inv^T`` in fp32 on the FMA units
+memory to mma.sync: ``P = kd ki^T`` and ``inv^T X`` ``[16, 16]``, the ``[16, 16] x [16, K]`` products of
+``dL`` and ``dMqk`` with ``ki, kd, qd`` (``dMqk`` as two bf16 operands, ``sp`` below: six products); the chain's second product ``(inv^T X) inv^T`` in fp32 on the FMA units
 (`L3`), as the emulation.
 
 Per chunk and value head (C = 16, K = 64 or 128), with the algebra and roundings of ``local_grad_ops._k1_grads``
@@ -15,9 +15,11 @@ and ``emulate._local_grads``::
     sums     X, dMf [C, C]; dkd, dqd, dkr [C, K]; dglast [K]; db [C]      (B3a's partials, summed over V blocks)
     K1 again qn, kn, G (cumsum), kd = bf(kn 2^G), ki = bf(kn 2^-G), qd = bf(qn 2^G scale)
     chain    dL = strict(-(INV^T bf(X)) INV^T),  db += rowsum(dL * (kd ki^T))
-    products dkd' = bf(dL b) ki,  dki = bf(dL b)^T kd + bf(dMf)^T qd,  dqd' = bf(dMf) ki
+    products dkd' = bf(dL b) ki,  dki = bf(dL b)^T kd + sp(dMf)^T qd,  dqd' = sp(dMf) ki
     gate     dG = ln2 (dkd' kd + dqd' qd - dki ki + dkd kd_ws + dqd qd_ws - dkr kr_ws), reverse cumsum, + Glast term
     norms    dq, dk through the L2 norms; dg through the bounded sigmoid gate; dbeta through its sigmoid
+
+``bf(x)`` is x rounded to bf16; ``sp(x)`` the pair ``bf(x), bf(x - bf(x))``, each a bf16 operand (`emulate._split`).
 
 Imports Triton and the forward's K1 kernel module (no torch), so the offline compile script can load both by path
 (Triton 3.6).
@@ -167,15 +169,22 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_db += gl.sum(b_dL * gl.convert_layout(b_P, CC), axis=1)
     b_b = gl.load(bsig + (row0 + o_i).to(gl.int64) * HV + i_h, mask=o_i < n_valid, other=0.0)  # [C] fp32
     b_dLb = (b_dL * gl.expand_dims(b_b, 1)).to(gl.bfloat16)
-    b_dM = gl.where(ii >= jj, b_dMf, 0.0).to(gl.bfloat16)
+    # dMqk as two bf16 operands, its rounding and the remainder (`emulate._split`)
+    b_dMm = gl.where(ii >= jj, b_dMf, 0.0)
+    b_dM = b_dMm.to(gl.bfloat16)
+    b_dMr = (b_dMm - b_dM.to(gl.float32)).to(gl.bfloat16)
     dl_s = gl.allocate_shared_memory(gl.bfloat16, [C, C], SMEM_TILE)
     dlT_s = gl.allocate_shared_memory(gl.bfloat16, [C, C], SMEM_TILE)
     dm_s = gl.allocate_shared_memory(gl.bfloat16, [C, C], SMEM_TILE)
     dmT_s = gl.allocate_shared_memory(gl.bfloat16, [C, C], SMEM_TILE)
+    dmr_s = gl.allocate_shared_memory(gl.bfloat16, [C, C], SMEM_TILE)
+    dmrT_s = gl.allocate_shared_memory(gl.bfloat16, [C, C], SMEM_TILE)
     dl_s.store(b_dLb)
     dlT_s.store(gl.permute(b_dLb, [1, 0]))
     dm_s.store(b_dM)
     dmT_s.store(gl.permute(b_dM, [1, 0]))
+    dmr_s.store(b_dMr)
+    dmrT_s.store(gl.permute(b_dMr, [1, 0]))
 
     # ---- the gate's dG and the normed q, k's gradients, accumulated term by term (few tiles live at once):
     # first the state terms (B3a's dkd, dqd, dkr against the workspace's bf16 factors), then each product's
@@ -201,10 +210,11 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_dkdh = _mm_tok(dl_s, kih_s, zero, K)
     b_dG += b_dkdh * kdh_s.load(COL).to(gl.float32)
     b_dkn += b_dkdh * b_e
-    b_dqdh = _mm_tok(dm_s, kih_s, zero, K)
+    b_dqdh = _mm_tok(dmr_s, kih_s, mma_v2(dm_s.load(DOT_A), kih_s.load(DOT_B), zero), K)
     b_dG += b_dqdh * qdh_s.load(COL).to(gl.float32)
     b_dqn += b_dqdh * b_e
-    b_dkih = _mm_tok(dmT_s, qdh_s, mma_v2(dlT_s.load(DOT_A), kdh_s.load(DOT_B), zero), K)
+    b_dkih = mma_v2(dmrT_s.load(DOT_A), qdh_s.load(DOT_B), mma_v2(dlT_s.load(DOT_A), kdh_s.load(DOT_B), zero))
+    b_dkih = _mm_tok(dmT_s, qdh_s, b_dkih, K)
     b_dG -= b_dkih * kih_s.load(COL).to(gl.float32)
     b_dkn += b_dkih * gl.exp2(-b_G)
 

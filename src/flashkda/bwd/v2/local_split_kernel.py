@@ -4,7 +4,8 @@ roundings of ``emulate._local_grads``.
 **B3a** (`kda_bwd_v2_local_state_kernel`), sequential: one program per (checkpoint segment, value head, block of
 ``BV`` value columns). It walks the segment's chunks recomputing the state ``[K, BV]`` (K2's step) and per chunk
 writes ``dv`` and the chunk's fp32 partials over its value columns of every contraction over V that K1 backwards
-needs: ``X = dU W^T`` and ``dMf = do U^T`` ``[C, C]``, ``dkd = du S^T``, ``dqd = do S^T``, ``dkr = U dS^T``
+needs: ``X = dU W^T`` and ``dMf = do U^T`` ``[C, C]`` (``U`` as two bf16 operands, value and remainder),
+``dkd = du S^T``, ``dqd = do S^T``, ``dkr = U dS^T``
 ``[C, K]``, ``dglast = rowsum(S * dS)`` ``[K]`` and ``db = rowsum(dW * vu)`` ``[C]``, to scratch indexed
 ``[NV, NTS, HV, ...]`` (``NV = V / BV``). The launcher runs the pair over groups of segments, so that the
 scratch holds ``NTS`` chunks (a group's) at a time: ``bounds[grp]`` is the group's first chunk, ``segment0`` its
@@ -69,7 +70,9 @@ def kda_bwd_v2_local_state_kernel(
         b_vu = b_v - _dot(b_kd, b_S0)  # [C, BV]: K2's step again
         b_W = _bf(b_vu * b_b[:, None])
         b_inv = _op(tl.load(inv + i_ch * C * C + o_cc))  # [C, C], rows past the chunk's end zero
-        b_U = _bf(_dot(b_inv, b_W))  # [C, BV]
+        b_Uf = _dot(b_inv, b_W)  # [C, BV]
+        b_U = _bf(b_Uf)
+        b_Ur = _bf(b_Uf - b_U.to(tl.float32))  # the remainder: dMqk takes U as two bf16 operands
         b_kr = _op(tl.load(kr + p_hk, mask=m_ck, other=0.0))
         b_gl = tl.load(glast + i_ch * K + o_k)  # [K] fp32, 2^Glast
         b_S = b_S * b_gl[:, None] + _dot(tl.trans(b_kr), b_U)  # the state entering the next chunk
@@ -84,7 +87,7 @@ def kda_bwd_v2_local_state_kernel(
         tl.store(part_c + i_p * C + o_c, tl.sum(b_dW * b_vu, 1))
         b_du = _bf(-b_b[:, None] * b_dW)
         tl.store(part_cc + i_p * 2 * C * C + o_cc, _dot(b_dU, tl.trans(b_W)))
-        tl.store(part_cc + i_p * 2 * C * C + C * C + o_cc, _dot(b_do, tl.trans(b_U)))
+        tl.store(part_cc + i_p * 2 * C * C + C * C + o_cc, _dot(b_do, tl.trans(b_U)) + _dot(b_do, tl.trans(b_Ur)))
         tl.store(part_ck + i_p * 3 * C * K + 2 * C * K + o_ck, _dot(b_U, tl.trans(b_dS)))  # dkr
         tl.store(part_ck + i_p * 3 * C * K + C * K + o_ck, _dot(b_do, tl.trans(b_S0)))  # dqd
         tl.store(part_ck + i_p * 3 * C * K + o_ck, _dot(b_du, tl.trans(b_S0)))  # dkd
