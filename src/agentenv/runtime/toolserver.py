@@ -33,8 +33,6 @@ from agentenv.runtime.fileio import read_regular
 from agentenv.runtime.zygote import NS_SANDBOX, RequestError, Zygote
 
 OUTPUT_CAP = 16 << 20
-#: How long `ToolServer.kill_agents` waits for killed processes to be gone (the host's retire request allows 10 s).
-KILL_WAIT_S = 5.0
 MAX_READ = 256 << 20
 """Largest file `files.read` returns (the tool server holds it in memory); larger ones are refused."""
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -122,21 +120,16 @@ class ToolServer(Zygote):
             self.kernels.stop_all()
         else:
             keep = self.kernels.pids()
-        # until they are gone (reaped): a killed process exits only once it gets a CPU to tear down its memory,
-        # which on a loaded machine takes longer than a fixed number of short polls
-        deadline = time.monotonic() + KILL_WAIT_S
-        pause = 0.001
-        while True:
+        for _ in range(100):
             pids = [pid for pid in self._own_processes() if pid not in keep]
-            if not pids or time.monotonic() > deadline:
+            if not pids:
                 return
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+            time.sleep(0.001)
             self._reap()
 
     # ---- serving --------------------------------------------------------------------------------------
