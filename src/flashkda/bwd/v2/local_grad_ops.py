@@ -10,12 +10,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashkda.rounding import INTERPRET, round_bf16
+from flashkda.rounding import INTERPRET, PREC_HILO, operand_split, round_bf16
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2)
 LN2 = tl.constexpr(0.6931471805599453)
 #: Tokens per half of a 32-token chunk (K1 builds its factors by halves there).
 HALF = tl.constexpr(16)
+#: `operand_split`'s precision where a product takes an operand as two bf16 parts (value and remainder).
+HILO = tl.constexpr(PREC_HILO)
 
 
 @triton.jit
@@ -136,10 +138,8 @@ def _k1_grads(q, k, g, p_qk, p_hk, m_ck, a, a2, b_dt, scale, lower_bound,
         b_P = tl.where(same, _dot(b_kdh, tl.trans(b_kih)), 0.0) + tl.where(off, _dot(b_kdh, tl.trans(b_kiar)), 0.0)
         b_Ls = _bf(tl.where(same, b_dLf, 0.0))
         b_Lo = _bf(tl.where(off, b_dLf, 0.0))
-        b_Msf = tl.where(same, b_dMf, 0.0)
-        b_Mof = tl.where(off, b_dMf, 0.0)
-        b_Ms, b_Mo = _bf(b_Msf), _bf(b_Mof)
-        b_Msr, b_Mor = _bf(b_Msf - b_Ms.to(tl.float32)), _bf(b_Mof - b_Mo.to(tl.float32))
+        b_Ms, b_Msr = operand_split(tl.where(same, b_dMf, 0.0), HILO, INTERPRET)
+        b_Mo, b_Mor = operand_split(tl.where(off, b_dMf, 0.0), HILO, INTERPRET)
         b_dkdh = _dot(b_Ls, b_kih) + _dot(b_Lo, b_kiar)  # [C, K]
         b_dkih = _dot(tl.trans(b_Ls), b_kdh) + _dot(tl.trans(b_Ms), b_qdh) + _dot(tl.trans(b_Msr), b_qdh)
         b_dkiar = _dot(tl.trans(b_Lo), b_kdh) + _dot(tl.trans(b_Mo), b_qdh) + _dot(tl.trans(b_Mor), b_qdh)
@@ -147,8 +147,7 @@ def _k1_grads(q, k, g, p_qk, p_hk, m_ck, a, a2, b_dt, scale, lower_bound,
     else:
         b_P = _dot(b_kdh, tl.trans(b_kih))  # [C, C]
         b_dLb = _bf(b_dLf)
-        b_dM = _bf(b_dMf)
-        b_dMr = _bf(b_dMf - b_dM.to(tl.float32))
+        b_dM, b_dMr = operand_split(b_dMf, HILO, INTERPRET)
         b_dkdh = _dot(b_dLb, b_kih)  # [C, K]
         b_dkih = _dot(tl.trans(b_dLb), b_kdh) + _dot(tl.trans(b_dM), b_qdh) + _dot(tl.trans(b_dMr), b_qdh)
         b_dqdh = _dot(b_dM, b_kih) + _dot(b_dMr, b_kih)

@@ -25,8 +25,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashkda.bwd.v2.local_grad_ops import _bf, _chain_dl, _chunk_tokens, _dot, _gate_scalars, _k1_grads, _op
-from flashkda.rounding import cast_for_store
+from flashkda.bwd.v2.local_grad_ops import (
+    HILO,
+    _bf,
+    _chain_dl,
+    _chunk_tokens,
+    _dot,
+    _gate_scalars,
+    _k1_grads,
+    _op,
+)
+from flashkda.rounding import INTERPRET, cast_for_store, operand_split
 
 
 @triton.jit(do_not_specialize=["grp", "segment0"])
@@ -70,9 +79,7 @@ def kda_bwd_v2_local_state_kernel(
         b_vu = b_v - _dot(b_kd, b_S0)  # [C, BV]: K2's step again
         b_W = _bf(b_vu * b_b[:, None])
         b_inv = _op(tl.load(inv + i_ch * C * C + o_cc))  # [C, C], rows past the chunk's end zero
-        b_Uf = _dot(b_inv, b_W)  # [C, BV]
-        b_U = _bf(b_Uf)
-        b_Ur = _bf(b_Uf - b_U.to(tl.float32))  # the remainder: dMqk takes U as two bf16 operands
+        b_U, b_Ur = operand_split(_dot(b_inv, b_W), HILO, INTERPRET)  # [C, BV]; dMqk takes both parts
         b_kr = _op(tl.load(kr + p_hk, mask=m_ck, other=0.0))
         b_gl = tl.load(glast + i_ch * K + o_k)  # [K] fp32, 2^Glast
         b_S = b_S * b_gl[:, None] + _dot(tl.trans(b_kr), b_U)  # the state entering the next chunk
