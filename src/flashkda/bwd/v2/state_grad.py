@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
+from flashkda.fwd.v2.workspace import HEAD_DIM, HEAD_DIMS, Workspace
 
 __all__ = ["STAGES_B2", "state_grad_bwd"]
 
@@ -53,10 +53,7 @@ def state_grad_bwd(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | None = N
     chunk = int(ws.inv.shape[-1])
     if chunk not in (16, 32):
         raise ValueError(f"ws must have 16- or 32-token chunks, got inv {tuple(ws.inv.shape)}")
-    if chunk == 32 and do.dim() == 4 and do.shape[-1] != HEAD_DIM:
-        raise ValueError(f"do must have head width {HEAD_DIM} at 32-token chunks (K = 64 runs at 16-token chunks), "
-                         f"got {tuple(do.shape)}")
-    _check(ws, do, dht, 64, stages, names=("do", "dht"))
+    _check(ws, do, dht, 64, stages, names=("do", "dht"), head_dims=HEAD_DIMS if chunk == 16 else (HEAD_DIM,))
     B, T, H, V = do.shape
     K = V
     layout = ws.layout

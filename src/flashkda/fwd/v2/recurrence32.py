@@ -83,10 +83,7 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         ValueError: an argument does not fit (the message names it), as ``recurrence.recurrence_fwd``'s, or ``v``
             is not 128 wide.
     """
-    if v.dim() == 4 and v.shape[-1] != HEAD_DIM:
-        raise ValueError(f"v must have head width {HEAD_DIM} at 32-token chunks (K = 64 runs at 16-token chunks), "
-                         f"got {tuple(v.shape)}")
-    _check(ws, v, initial_state, 64, stages)
+    _check(ws, v, initial_state, 64, stages, head_dims=(HEAD_DIM,))
     _check_checkpoints(ws, v, checkpoints, ck_offsets, every)
     if tuple(ws.inv.shape[-2:]) != (CHUNK32, CHUNK32):
         raise ValueError(f"ws must be a chunk-32 workspace (inv [NT, H, 32, 32]), got inv {tuple(ws.inv.shape)}")
