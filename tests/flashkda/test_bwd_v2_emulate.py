@@ -123,9 +123,14 @@ def test_bad_arguments():
 def test_precision_report_rows():
     from benchmarks.kda.v2_bwd_precision import describe, run, worst_ratio
 
-    rows = run("cpu", 32, write=False)
+    rows = run("cpu", 32, write=False, seeds=2)
     assert len(rows) == 4
     assert all(0 < e < DA_LOG_BAR for r in rows for e in r.extra.values())
+    assert all(r.params["seeds"] == 2 for r in rows)
+    one = run("cpu", 32, write=False)
+    assert all(o.extra.keys() == r.extra.keys() and o.extra != r.extra for o, r in zip(one, rows))
+    with pytest.raises(ValueError, match="seeds"):
+        run("cpu", 32, write=False, seeds=0)
     extra = {"fla dq": 2e-3, "ours c16 dq": 3e-3, "fla dk": 4e-3, "ours c16 dk": 2e-3, "ours c16 dv": 1e-3}
     summary = worst_ratio(extra)
     assert summary["ours / fla worst tensor"] == "dq"
