@@ -58,7 +58,7 @@ else
   done
 fi
 # only the results this run wrote: $OUT comes back with a limited number of files
-find benchmarks/results -name '*.json' -newer /tmp/k3_run_start -exec cp {} "$OUT/results/" \;
+find benchmarks/results \( -name '*.json' -o -name '*.png' \) -newer /tmp/k3_run_start -exec cp {} "$OUT/results/" \;
 # the autotune results this run added (fla's kernels at new shapes or flags): merge them into
 # this GPU's cache here ($GPU_CACHE), so that later calls skip that autotuning
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer /tmp/k3_run_start | tar -czf "$OUT/autotune-new.tgz" -T - \
