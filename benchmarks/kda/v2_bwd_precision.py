@@ -181,19 +181,24 @@ def _timed(seconds: dict, label: str, fn, *args, **kw):
         seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
 
 
-def run(device: str, T: int, write: bool = True, seeds: int = 1) -> list:
-    """Rows of per-tensor errors for a fixed and a varlen case at lower_bound -5 and -0.1, each pooled over
-    ``seeds`` random cases."""
+def run(device: str, T: int, write: bool = True, seeds: int = 1, kinds=("fixed", "varlen"),
+        lower_bounds=(-5.0, -0.1)) -> list:
+    """Rows of per-tensor errors for a fixed and a varlen case (``kinds``) at each of ``lower_bounds``, each pooled
+    over ``seeds`` random cases."""
     from benchmarks.harness import Row, machine_info, write_results
 
     if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
         raise ValueError(f"seeds must be a positive int, got {seeds!r}")
+    unknown = set(kinds) - {"fixed", "varlen"}
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of ('fixed', 'varlen'), got {kinds!r}")
     cases = {f"fixed-T{T}-H4": dict(B=1, T=T, H=4),
              f"varlen-{T}-H4": dict(B=1, T=T, H=4, cu=[0, T // 3, T // 3 + 1, T])}
+    cases = {name: kw for name, kw in cases.items() if name.split("-")[0] in kinds}
     info = machine_info() if write else None
     rows = []
     for name, kw in cases.items():
-        for lb in (-5.0, -0.1):
+        for lb in lower_bounds:
             sums: dict[str, list[float]] = {}
             seconds: dict[str, float] = {}
             for seed in range(seeds):
@@ -229,10 +234,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--T", type=int, default=1024)
     parser.add_argument("--seeds", type=int, default=8, help="random cases pooled per row")
+    parser.add_argument("--kinds", nargs="+", choices=("fixed", "varlen"), default=("fixed", "varlen"))
+    parser.add_argument("--lower-bounds", nargs="+", type=float, default=(-5.0, -0.1))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    run(args.device, args.T, write=not args.no_write, seeds=args.seeds)
+    run(args.device, args.T, write=not args.no_write, seeds=args.seeds, kinds=tuple(args.kinds),
+        lower_bounds=tuple(args.lower_bounds))
 
 
 if __name__ == "__main__":

@@ -131,6 +131,10 @@ def test_precision_report_rows():
     assert all(o.extra.keys() == r.extra.keys() and o.extra != r.extra for o, r in zip(one, rows))
     with pytest.raises(ValueError, match="seeds"):
         run("cpu", 32, write=False, seeds=0)
+    fixed = run("cpu", 32, write=False, kinds=("fixed",), lower_bounds=(-5.0,))
+    assert [r.case for r in fixed] == ["fixed-T32-H4-lb-5.0"] and fixed[0].extra == one[0].extra
+    with pytest.raises(ValueError, match="kinds"):
+        run("cpu", 32, write=False, kinds=("packed",))
     extra = {"fla dq": 2e-3, "ours c16 dq": 3e-3, "fla dk": 4e-3, "ours c16 dk": 2e-3, "ours c16 dv": 1e-3}
     summary = worst_ratio(extra)
     assert summary["ours / fla worst tensor"] == "dq"
