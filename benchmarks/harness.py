@@ -15,7 +15,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -192,10 +192,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _shared_extras(rows: list[Row], room: int) -> list[str]:
-    """Scalar extra columns every row has (a column some rows lack would need filler cells), the first `room`."""
+def _shared_extras(rows: list[Row], room: int, first: Sequence[str] = ()) -> list[str]:
+    """Scalar extra columns every row has (a column some rows lack would need filler cells), the first `room`,
+    the keys named in `first` ahead of the others."""
     scalar = (int, float, str, bool)  # nested dicts and lists stay in the JSON
     keys = [k for k in rows[0].extra if all(isinstance(r.extra.get(k), scalar) for r in rows)]
+    keys = [k for k in first if k in keys] + [k for k in keys if k not in first]
     return keys[: max(room, 0)]
 
 
@@ -205,41 +207,47 @@ def _table(headers: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def markdown_table(rows: list[Row]) -> str:
+def markdown_table(rows: list[Row], headline: Sequence[str] = ()) -> str:
     """Markdown for `rows`: at most `MAX_COLUMNS` columns and no filler cells.
 
     Rows with a baseline make one table (case, baseline, both medians, speed-up, shared extras, note); rows
-    measured without a baseline make a second one (case, ours, shared extras, note); rows that were not measured
-    at all (``ours_ms`` None) are named in one sentence. Columns only some rows have stay in the JSON.
+    measured without a baseline make a second one (case, ours, shared extras, note); rows that measured something
+    other than a time (no medians, scalar extras: errors, loss gaps) a third (case, baseline, shared extras, note);
+    correctness checks and rows that were not measured at all are named in one sentence each. Extra columns named
+    in `headline` come first; columns only some rows have, and those past the width, stay in the JSON.
     """
     parts: list[str] = []
     compared = [r for r in rows if r.baseline_ms is not None and r.ours_ms is not None]
     alone = [r for r in rows if r.baseline_ms is None and r.ours_ms is not None]
+    checks = [r for r in rows if r.ours_ms is None and r.note == "correctness only" and "rc" in r.extra]
+    measured = [r for r in rows if r.ours_ms is None and r.baseline_ms is None and r not in checks
+                and _shared_extras([r], 1)]
     for group, fixed in ((compared, ["case", "baseline", "baseline ms", "ours ms", "speed-up"]),
-                         (alone, ["case", "ours ms"])):
+                         (alone, ["case", "ours ms"]), (measured, ["case", "baseline"])):
         if not group:
             continue
         one_baseline = len({r.baseline for r in group}) == 1
         head = [h for h in fixed if not (h == "baseline" and one_baseline)]
         with_note = any(r.note for r in group)
-        extras = _shared_extras(group, MAX_COLUMNS - len(head) - with_note)
+        extras = _shared_extras(group, MAX_COLUMNS - len(head) - with_note, headline)
         lines = []
         for r in group:
             cells = {"case": r.case, "baseline": r.baseline, "baseline ms": _fmt(r.baseline_ms),
                      "ours ms": _fmt(r.ours_ms), "speed-up": f"{r.speedup:.2f}x" if r.speedup else "-"}
             note = [r.note] if with_note else []
             lines.append([cells[h] for h in head] + [_fmt(r.extra[k]) for k in extras] + note)
-        if group is compared and one_baseline:
+        if group is not alone and one_baseline:
             parts.append(f"Baseline: {group[0].baseline}.")
         elif group is alone:
             parts.append("Measured without a baseline in this run (absolute numbers):")
+        if group is measured:
+            parts.append("Measurements other than times:")
         parts.append(_table(head + extras + (["note"] if with_note else []), lines))
-    checks = [r for r in rows if r.ours_ms is None and r.note == "correctness only" and "rc" in r.extra]
     if checks:
         parts.append("Checks: " + "; ".join(
             f"{r.case}: {'passed' if str(r.extra.get('rc')) == '0' else 'FAILED'} (rc {r.extra.get('rc')})"
             for r in checks) + ".")
-    missing = [r.case for r in rows if r.ours_ms is None and r not in checks]
+    missing = [r.case for r in rows if r.ours_ms is None and r not in checks and r not in measured]
     if missing:
         parts.append(f"Not run: {', '.join(missing)}.")
     return "\n\n".join(parts)
@@ -295,7 +303,11 @@ def update_markdown(
     title: str | None = None,
     markdown: Path | None = None,
     json_name: str = "",
+    headline: Sequence[str] = (),
 ) -> None:
+    """Replace (or append) `component`'s section of `markdown` (default BENCHMARKS.md) with a table of `rows`
+    (`markdown_table`, `headline` columns first) under `title`, the machine line of `info` and the results file
+    names `json_name`."""
     markdown = markdown or BENCHMARKS_MD
     begin, end = f"<!-- bench:{component} -->", f"<!-- /bench:{component} -->"
     section = "\n".join(
@@ -306,7 +318,7 @@ def update_markdown(
             f"`{machine_line(info)}`  ",
             f"raw: `benchmarks/results/{json_name}`",
             "",
-            markdown_table(rows),
+            markdown_table(rows, headline),
             end,
         ]
     )

@@ -33,6 +33,10 @@ TITLES = {  # for results files written before the harness stored a title
     "env-fuzz": "AgentEnv server under generated requests (schemathesis)",
     "env-soak": "AgentEnv soak: lifecycles with injected faults",
 }
+HEADLINES = {  # the extra columns a section shows first, where a component has more than fit
+    "kda-v2-bwd-precision": ("ours / fla worst tensor", "ours / fla worst ratio", "ours c16 dq", "fla dq",
+                             "ours c16 dg", "fla dg", "ours c16 dA_log", "fla dA_log"),
+}
 SECTION = re.compile(r"<!-- bench:(?P<component>[\w.-]+) -->(?P<body>.*?)<!-- /bench:(?P=component) -->", re.S)
 RAW = re.compile(r"`benchmarks/results/([\w.-]+\.json)`")
 
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         section[2].append(path.name)
     for component, (rows, machine, names, title) in sections.items():
         update_markdown(component, rows, machine, title=title, markdown=markdown,
-                        json_name="`, `benchmarks/results/".join(names))
+                        json_name="`, `benchmarks/results/".join(names), headline=HEADLINES.get(component, ()))
         print(f"{component}: {len(rows)} rows from {', '.join(names)}")
     if not args.no_charts:
         search = list(dict.fromkeys([*(p.resolve().parent for p in args.files), RESULTS_DIR]))

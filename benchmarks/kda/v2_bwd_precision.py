@@ -217,7 +217,8 @@ def run(device: str, T: int, write: bool = True, seeds: int = 1, kinds=("fixed",
                             logger.warning("%s failed on %s seed %d: %s", label, name, seed, exc)
             extra = {k: (e2 / r2) ** 0.5 for k, (e2, r2) in sums.items()}
             extra.update(worst_ratio(extra))
-            rows.append(Row(case=f"{name}-lb{lb}", baseline="fla 0.6.0 chunk_kda bf16 (rel. RMS vs fp64)",
+            case = f"{name}-lb{lb}" + (f"-{seeds}seeds" if seeds > 1 else "")
+            rows.append(Row(case=case, baseline="fla 0.6.0 chunk_kda bf16 (rel. RMS vs fp64)",
                             baseline_ms=None, ours_ms=None, params=dict(T=T, lower_bound=lb, seeds=seeds),
                             extra=extra, note="gradient errors, not times"))
             logger.info("%s lb %s: %s", name, lb, describe(extra))

@@ -56,6 +56,17 @@ def test_markdown_table_caps_columns_and_names_unmeasured_rows():
     assert widths == {MAX_COLUMNS} and table.endswith("Not run: z.")
 
 
+def test_markdown_table_shows_measurements_that_are_not_times_headline_first():
+    errors = {"emulation dq": 1e-3, "ours dq": 2e-3, "fla dq": 3e-3, "curve": [1.0, 2.0]}
+    rows = [Row("e1", "fla vs fp64", None, None, extra=errors, note="errors"),
+            Row("e2", "fla vs fp64", None, None, extra={**errors, "ours dq": 4e-3}, note="errors"),
+            Row("gone", "fla vs fp64", None, None)]
+    table = markdown_table(rows, headline=("fla dq", "ours dq", "absent"))
+    assert "Baseline: fla vs fp64." in table and table.endswith("Not run: gone.")
+    assert "| case | fla dq | ours dq | emulation dq | note |" in table
+    assert "| e2 | 0.003 | 0.004 | 0.001 | errors |" in table and "curve" not in table
+
+
 def _tables(text: str) -> list[list[str]]:
     return [line.strip().strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
 
