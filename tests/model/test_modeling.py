@@ -54,3 +54,24 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model(ids, labels=ids).loss.backward()
     for n, g in plain.items():
         torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, msg=n)
+
+
+def test_training_loss_in_pieces_matches_the_full_logits():
+    """Past ``loss_chunk_size`` tokens the training loss goes through `linear_ce` (no logits kept): same loss and
+    gradients as the full-logits cross-entropy, ignored targets included."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("k3-debug")).train()
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, 5:9] = -100
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    full = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.config.loss_chunk_size = 10
+    pieces = model(ids, labels=labels)
+    assert out.logits is not None and pieces.logits is None
+    torch.testing.assert_close(pieces.loss, out.loss, rtol=1e-6, atol=0)
+    pieces.loss.backward()
+    for n, g in full.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, rtol=1e-4, atol=1e-6, msg=n)

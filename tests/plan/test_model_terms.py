@@ -1,9 +1,10 @@
-"""Planner terms that follow `K3ForCausalLM`'s memory: the chunked loss holds one chunk's logits, AttnRes keeps two
-running sums per layer without full recompute, a batched prefill holds every sequence's working set."""
+"""Planner terms that follow `K3ForCausalLM`'s memory: the chunked loss holds one chunk's logits and the head's
+weight gradient, AttnRes keeps two running sums per layer without full recompute, a batched prefill holds every
+sequence's working set."""
 
 from k3infra.model.config import K3Config
 from k3infra.plan import Layout, ServeWorkload, TrainWorkload, model_from_k3, serve_memory, train_memory
-from k3infra.plan.memory import CE_CHUNK_BYTES
+from k3infra.plan.memory import CE_CHUNK_BYTES, CE_WEIGHT_GRAD_BYTES
 from k3infra.plan.prefill import prefill_peak
 
 SPEC = model_from_k3(K3Config.from_preset("k3-mini"))
@@ -17,8 +18,10 @@ def _train(**kw):
 def test_chunked_loss_holds_one_chunk():
     full = _train(micro_batch=4)["logits"]
     chunked = _train(micro_batch=4, chunked_ce=True, ce_chunk_tokens=4096)
-    assert chunked["logits"] == 4096 * SPEC.vocab * CE_CHUNK_BYTES < full
-    assert _train(micro_batch=4, chunked_ce=True, ce_chunk_tokens=2048)["logits"] == chunked["logits"] / 2
+    head_grad = SPEC.vocab * SPEC.hidden * CE_WEIGHT_GRAD_BYTES
+    assert chunked["logits"] == 4096 * SPEC.vocab * CE_CHUNK_BYTES + head_grad < full
+    half = _train(micro_batch=4, chunked_ce=True, ce_chunk_tokens=2048)["logits"]
+    assert half - head_grad == (chunked["logits"] - head_grad) / 2
 
 
 def test_attn_res_running_sums_only_without_full_recompute():

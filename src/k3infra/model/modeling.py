@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -31,7 +30,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from k3infra.model.cache import K3Cache
 from k3infra.model.config import K3Config
 from k3infra.model.kda import K3KDA
-from k3infra.model.layers import AttnResSite, RMSNorm, SiTUGLU, recompute
+from k3infra.model.layers import AttnResSite, RMSNorm, SiTUGLU
+from k3infra.model.linear_ce import linear_cross_entropy_sum
 from k3infra.model.mla import K3MLA
 from k3infra.model.moe import K3MoE
 
@@ -195,11 +195,6 @@ class K3Model(K3PreTrainedModel):
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, K3MoE)]
 
 
-def _ce_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(h_ND, weight_VD).float()
-    return F.cross_entropy(logits, target_N, ignore_index=-100, reduction="sum")
-
-
 class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
     """`K3Model` with an untied LM head and next-token cross-entropy."""
 
@@ -284,13 +279,11 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
         return result
 
     def _chunked_loss(self, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Mean next-token CE over ``chunk``-token pieces; each piece's logits are recomputed in backward."""
+        """Mean next-token CE over ``chunk``-token pieces (`linear_ce`: each piece's gradient formed in the forward,
+        no logits kept)."""
         h_ND = hidden_BTD[:, :-1].reshape(-1, hidden_BTD.shape[-1])
         target_N = labels_BT[:, 1:].reshape(-1).long()
-        total = h_ND.new_zeros((), dtype=torch.float32)
-        for start in range(0, h_ND.shape[0], chunk):
-            total = total + recompute(functools.partial(_ce_sum, target_N=target_N[start : start + chunk]),
-                                      h_ND[start : start + chunk], self.lm_head.weight)
+        total = linear_cross_entropy_sum(h_ND, self.lm_head.weight, target_N, chunk)
         return total / (target_N != -100).sum().clamp(min=1)
 
     def enable_expert_parallel(self, group, *, max_tokens_per_rank: int, dtype: torch.dtype | None = None,

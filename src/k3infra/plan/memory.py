@@ -25,9 +25,12 @@ KDA_CHUNK = 64
 """Chunk length C of the chunked KDA form whose intermediates are saved (``K3_MODEL.md`` §5)."""
 GRAD_BYTES = 4.0
 WEIGHT_TRAIN_BYTES = 2.0
-CE_CHUNK_BYTES = 12.0
-"""Per token per vocabulary entry of one chunk in a chunked cross-entropy's backward: the recomputed bf16 logits,
-their fp32 copy, the fp32 gradient and its bf16 cast."""
+CE_CHUNK_BYTES = 2.0
+"""Per token per vocabulary entry of one piece of the chunked cross-entropy (`k3infra.model.linear_ce`): the bf16
+logits, turned into their gradient in place."""
+CE_WEIGHT_GRAD_BYTES = 4.0
+"""Per LM-head weight of the chunked cross-entropy: its fp32 gradient, formed in the forward and kept until the
+backward reaches the loss."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,9 @@ def train_memory(model: ModelSpec, layout: Layout, work: TrainWorkload, micro_ba
     o_shard = (dense_group, expert_group) if L.zero >= 1 else (1, 1)
     tokens = work.micro_batch * work.seq_len / (L.cp * L.tp)  # tokens per GPU per micro-batch (sequence parallel)
     attn_res = (model.attn_res_blocks + 1) * model.hidden * 2.0 if model.attn_res_blocks else 0.0
-    if work.chunked_ce:  # one chunk's logits at a time, recomputed in backward
-        logits = min(tokens, work.ce_chunk_tokens) * model.vocab * CE_CHUNK_BYTES
+    if work.chunked_ce:  # one piece's logits at a time; the head's input gradient replaces the saved input
+        logits = (min(tokens, work.ce_chunk_tokens) * model.vocab * CE_CHUNK_BYTES
+                  + model.vocab * model.hidden * CE_WEIGHT_GRAD_BYTES)
     else:  # bf16 logits, fp32 log-probabilities and their fp32 gradient for every token
         logits = tokens * model.vocab * 10.0
     best: dict[str, float] | None = None

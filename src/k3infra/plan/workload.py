@@ -44,8 +44,8 @@ class TrainWorkload:
     """``fp8``: GEMMs at the FP8 peak and saved GEMM inputs stored in 1 byte."""
     optimizer: str = "muon"
     chunked_ce: bool = False
-    """Cross-entropy in chunks of ``ce_chunk_tokens`` tokens whose logits are recomputed in backward (no logits
-    kept; `K3ForCausalLM` does this in training, ``loss_chunk_size``)."""
+    """Cross-entropy in pieces of ``ce_chunk_tokens`` tokens whose gradients are formed in the forward (no logits
+    kept; `K3ForCausalLM` does this in training past ``loss_chunk_size`` tokens, `k3infra.model.linear_ce`)."""
     ce_chunk_tokens: int = 4096
 
     def __post_init__(self) -> None:
