@@ -36,6 +36,8 @@ TITLES = {  # for results files written before the harness stored a title
 HEADLINES = {  # the extra columns a section shows first, where a component has more than fit
     "kda-v2-bwd-precision": ("ours / fla worst tensor", "ours / fla worst ratio", "ours c16 dq", "fla dq",
                              "ours c16 dg", "fla dg", "ours c16 dA_log", "fla dA_log"),
+    "train-loss": ("baseline_peak_MiB", "ours_peak_MiB", "baseline_dh_rel_rms", "ours_dh_rel_rms",
+                   "baseline_dW_rel_rms", "ours_dW_rel_rms"),
 }
 SECTION = re.compile(r"<!-- bench:(?P<component>[\w.-]+) -->(?P<body>.*?)<!-- /bench:(?P=component) -->", re.S)
 RAW = re.compile(r"`benchmarks/results/([\w.-]+\.json)`")
