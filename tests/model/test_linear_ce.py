@@ -62,6 +62,14 @@ def _rel_rms(x, ref):
     return float((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
 
+def test_no_grad_gives_the_loss_alone():
+    h, w, t = _case(N=12, D=8, V=20)
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(h, w, t, 5)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss.double(), _reference(h, w, t)[0], rtol=1e-6, atol=0)
+
+
 def test_autocast_computes_in_bf16_as_accurately_as_f_linear():
     h, w, t = _case(N=40, D=32, V=50, dtype=torch.float32)
     exact_loss, exact_h, exact_w = _reference(*(x.detach().double().requires_grad_() for x in (h, w)), t)

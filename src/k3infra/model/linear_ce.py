@@ -92,9 +92,8 @@ def _compute_dtype(h_ND: torch.Tensor, weight_VD: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, target_N, chunk):
-        dtype = _compute_dtype(h_ND, weight_VD)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, h_ND, weight_VD, target_N, chunk, dtype, grad_enabled):
+        want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         with torch.autocast(h_ND.device.type, enabled=False):
             w_VD = weight_VD.to(dtype)
             grad_h_ND = torch.empty(h_ND.shape, dtype=dtype, device=h_ND.device) if want_h else None
@@ -119,7 +118,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         grad_h = None if grad_h_ND is None else (grad_h_ND * grad_total).to(h_dtype)
         grad_w = None if grad_w_VD is None else (grad_w_VD * grad_total).to(w_dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, target_N: torch.Tensor,
@@ -149,4 +148,5 @@ def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, target
                          f"{tuple(target_N.shape)}")
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    return _LinearCrossEntropySum.apply(h_ND, weight_VD, target_N.contiguous(), chunk)
+    return _LinearCrossEntropySum.apply(h_ND, weight_VD, target_N.contiguous(), chunk,
+                                        _compute_dtype(h_ND, weight_VD), torch.is_grad_enabled())
