@@ -1,6 +1,7 @@
 """Eager against fused element-wise ops of the K3 model: RMSNorm, SiTU-GLU, the AttnRes mix and the KDA
-short convolution (`fused_conv`), forward and forward + backward; and MLA's QK-Clip max-logit record
-(`max_logit`, forward only: it runs under ``no_grad``).
+short convolution (`fused_conv`), forward and forward + backward; MLA's QK-Clip max-logit record (`max_logit`,
+forward only: it runs under ``no_grad``) and the router's top-(k+1) selection (`fused_topk`, fp32 scores over 256
+experts, forward only: no gradient flows through the selection).
 
 Usage (one H200):  python -m benchmarks.train.elementwise
 CPU dry run:       python -m benchmarks.train.elementwise --dry-run   (tiny shapes, Triton's interpreter, no file)
@@ -28,7 +29,7 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
     """(name, builder) per op; a builder gives (fn(inputs) -> output, inputs)."""
     import torch
 
-    from k3infra.model import kda, layers, max_logit
+    from k3infra.model import fused_topk, kda, layers, max_logit
 
     def norm(device, dtype, g):
         x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
@@ -64,9 +65,16 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
         k = torch.randn(1, tokens, heads, width, generator=g).to(device, dtype).transpose(1, 2)
         return (lambda q, k: max_logit.causal_max_logit(q, k, bounds, width**-0.5)), [q, k]
 
+    def router_topk(device, dtype, g):
+        experts, k = 256, 9  # k3-mini: top-8 and the cutoff of Quantile Balancing
+        scores = torch.rand(tokens, experts, generator=g).to(device)
+        bias = (0.1 * torch.randn(experts, generator=g)).to(device)
+        return (lambda s: fused_topk.biased_topk(s, bias, k)[0]), [scores]
+
     return [(f"rms_norm-{tokens}x{hidden}", norm, True), (f"situ_glu-{tokens}x{width}", situ, True),
             (f"attn_res-{sources}x{tokens}x{hidden}", attn_res, True),
-            (f"conv_silu-{tokens}x{hidden}", short_conv, True), (f"mla_max_logit-8x{tokens}x192", mla_max_logit, False)]
+            (f"conv_silu-{tokens}x{hidden}", short_conv, True), (f"mla_max_logit-8x{tokens}x192", mla_max_logit, False),
+            (f"router_topk-{tokens}x256-k9", router_topk, False)]
 
 
 def _run_once(fn, inputs, dy, backward: bool):

@@ -72,7 +72,7 @@ def _ce_grad_inplace(logits_NV: torch.Tensor, target_N: torch.Tensor) -> torch.T
         return loss_N
     x_NV = logits_NV.float()
     ignored_N = target_N == IGNORE_INDEX
-    safe_N = target_N.clamp(min=0).unsqueeze(1)
+    safe_N = target_N.long().clamp(min=0).unsqueeze(1)
     lse_N = torch.logsumexp(x_NV, dim=1)
     loss_N.copy_(torch.where(ignored_N, 0.0, lse_N - x_NV.gather(1, safe_N).squeeze(1)))
     grad_NV = torch.exp(x_NV - lse_N.unsqueeze(1))

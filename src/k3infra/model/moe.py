@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from k3infra.model.fused_topk import biased_topk
 from k3infra.model.layers import RMSNorm, SiTUGLU, recompute, situ_glu
 
 __all__ = ["K3MoE", "Router", "grouped_situ"]
@@ -55,10 +56,10 @@ class Router(nn.Module):
         # fp32: sigmoid scores near 0/1 and their normalisation lose precision in bf16.
         # (recomputed in backward: only x in its own dtype is kept, not an fp32 copy)
         scores_sE = torch.sigmoid(recompute(_fp32_logits, x_sD, self.weight))
-        sel = (scores_sE.detach() + self.bias).topk(self.top_k + 1, dim=1)
-        idx_sK = sel.indices[:, : self.top_k]
+        sel_values, sel_indices = biased_topk(scores_sE.detach(), self.bias.float(), self.top_k + 1)
+        idx_sK = sel_indices[:, : self.top_k]
         if self.training:
-            self._record(scores_sE.detach(), sel.values[:, self.top_k])
+            self._record(scores_sE.detach(), sel_values[:, self.top_k])
         weights_sK = scores_sE.gather(1, idx_sK)
         return idx_sK, weights_sK / weights_sK.sum(1, keepdim=True).clamp(min=1e-20)
 

@@ -1,0 +1,67 @@
+"""`fused_topk.biased_topk` (the router's selection) against ``torch.topk``: random scores, ties, widths that are not
+a power of two, K3's 896 experts, and the router through both paths. On CPU the kernel runs in Triton's interpreter
+(``TRITON_INTERPRET=1``, set by tests/conftest.py)."""
+
+import os
+
+import pytest
+import torch
+
+from k3infra.model import fused
+from k3infra.model.fused_topk import biased_topk
+from k3infra.model.moe import Router
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or Triton's CPU interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)",
+)
+
+
+@pytest.fixture
+def fused_on(monkeypatch):
+    monkeypatch.setattr(fused, "MODE", "on")
+
+
+@pytest.mark.parametrize(("S", "E", "k"), [(37, 256, 9), (5, 896, 17), (3, 12, 12), (1, 7, 1)])
+def test_matches_torch_topk(fused_on, device, S, E, k):
+    g = torch.Generator().manual_seed(S * 1000 + E)
+    scores = torch.rand(S, E, generator=g).to(device)
+    bias = (0.1 * torch.randn(E, generator=g)).to(device)
+    values, indices = biased_topk(scores, bias, k)
+    ref = (scores + bias).topk(k, dim=1)
+    assert values.dtype == torch.float32 and indices.dtype == torch.int64 and values.shape == (S, k)
+    torch.testing.assert_close(values, ref.values, rtol=0, atol=0)
+    torch.testing.assert_close(indices, ref.indices, rtol=0, atol=0)
+
+
+def test_ties_go_to_the_lower_index(fused_on, device):
+    scores = torch.tensor([[0.5, 0.9, 0.5, 0.9, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]], device=device)
+    values, indices = biased_topk(scores, torch.zeros(5, device=device), 3)
+    assert indices.tolist() == [[1, 3, 0], [0, 1, 2]]
+    torch.testing.assert_close(values, scores.gather(1, indices), rtol=0, atol=0)
+
+
+def test_router_selects_the_same_experts_through_both_paths(monkeypatch, device):
+    torch.manual_seed(0)
+    router = Router(hidden=24, num_experts=40, top_k=6, bins=16, margin_range=1.0).to(device)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.bias.copy_(0.05 * torch.randn(40))
+    x = torch.randn(50, 24, device=device)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(fused, "MODE", mode)
+        router.qb_hist.zero_()
+        idx, weights = router(x)
+        out[mode] = (idx, weights, router.qb_hist.clone())
+    for a, b in zip(out["off"], out["on"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_arguments_are_named():
+    scores = torch.rand(4, 8)
+    with pytest.raises(ValueError, match="scores_sE"):
+        biased_topk(scores.double(), torch.zeros(8), 2)
+    with pytest.raises(ValueError, match="bias_E"):
+        biased_topk(scores, torch.zeros(7), 2)
+    with pytest.raises(ValueError, match="k must"):
+        biased_topk(scores, torch.zeros(8), 9)
