@@ -132,3 +132,21 @@ def test_parameters_batched_together_step_as_each_alone(monkeypatch, head_rows, 
     opt.step()
     for p, w, g in zip(params, weights, grads):
         torch.testing.assert_close((p - w).detach(), _muon_step(w, g, head_rows), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (24, 16)])
+def test_whole_matrices_step_as_torch_muon(shape):
+    """Without head blocks a 2-D parameter follows `torch.optim.Muon` (same momentum, Newton–Schulz, scale and
+    decoupled weight decay) over several steps; only bf16 summation order differs."""
+    torch.manual_seed(5)
+    weight = torch.randn(shape)
+    ours, ref = nn.Parameter(weight.clone()), nn.Parameter(weight.clone())
+    kw = dict(lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    opts = [ShardedMuon([{"params": [ours], "head_rows": None}], **kw), torch.optim.Muon([ref], **kw)]
+    for _ in range(3):
+        grad = torch.randn(shape)
+        for p, opt in zip((ours, ref), opts):
+            p.grad = grad.clone()
+            opt.step()
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=2e-3)
+    assert not torch.equal(ours.detach(), weight)

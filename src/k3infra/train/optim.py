@@ -152,13 +152,10 @@ class ShardedMuon(torch.optim.Muon):
                 batch.append((param, update, update.full_tensor() if isinstance(update, DTensor) else update))
                 batch_bytes += batch[-1][2].numel() * 2
                 if batch_bytes >= MUON_BATCH_BYTES or i == len(params) - 1:
-                    steps = _orthogonalised_steps([full for _, _, full in batch], group, lr,
-                                                  [p.dtype for p, _, _ in batch])
-                    for (param, update, _), step in zip(batch, steps):
-                        if isinstance(update, DTensor):
-                            step = distribute_tensor(step, update.device_mesh, update.placements, src_data_rank=None)
+                    steps = _orthogonalised_steps([full for _, _, full in batch], group, lr)
+                    for (param, update, full), blocks in zip(batch, steps):
                         param.mul_(1 - lr * wd)
-                        param.sub_(step)
+                        _subtract_step(param, update, full, blocks, group["head_rows"])
                     batch, batch_bytes = [], 0
         return loss
 
@@ -169,30 +166,51 @@ class ShardedMuon(torch.optim.Muon):
 MUON_BATCH_BYTES = 1 << 30
 
 
-def _orthogonalised_steps(fulls: list[torch.Tensor], group: dict, lr: float,
-                          dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+def _orthogonalised_steps(fulls: list[torch.Tensor], group: dict, lr: float) -> list[list[tuple[torch.Tensor, float]]]:
     """Muon's updates for several parameters: every row block (``head_rows``) or expert slice orthogonalised on
     its own, the blocks of one shape (over all the parameters) in a single batched Newton–Schulz, each scaled for
-    its own shape; each update in its parameter's dtype and shape."""
-    blocks = []
-    for full in fulls:
-        if group["head_rows"]:
-            pattern = list(group["head_rows"])
-            blocks.append(full.reshape(full.shape[0] // sum(pattern), sum(pattern), full.shape[1]).split(pattern, 1))
-        else:
-            blocks.append([full if full.ndim == 3 else full[None]])
+    its own shape. Per parameter, per block (`_blocks` order): the bf16 orthogonalised block and its scale."""
+    blocks = [_blocks(full, group["head_rows"]) for full in fulls]
     by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for i, param_blocks in enumerate(blocks):
         for j, b in enumerate(param_blocks):
             by_shape.setdefault(tuple(b.shape[1:]), []).append((i, j))
-    done = [[None] * len(param_blocks) for param_blocks in blocks]
+    done: list[list] = [[None] * len(param_blocks) for param_blocks in blocks]
     for shape, members in by_shape.items():
-        stacked = torch.cat([blocks[i][j] for i, j in members])
+        sizes = [blocks[i][j].shape[0] for i, j in members]
+        # one bf16 copy of the blocks, which Newton-Schulz reads as is (no fp32 stack, then a bf16 cast of it)
+        stacked = torch.empty(sum(sizes), *shape, dtype=torch.bfloat16, device=fulls[0].device)
+        for (i, j), piece in zip(members, stacked.split(sizes)):
+            piece.copy_(blocks[i][j])
         ortho = zeropower_batched(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
         scale = _adjust_lr(lr, group["adjust_lr_fn"], shape)
-        for (i, j), piece in zip(members, ortho.split([blocks[i][j].shape[0] for i, j in members])):
-            done[i][j] = piece.to(dtypes[i]) * scale
-    return [torch.cat(steps, dim=1).reshape(full.shape) for steps, full in zip(done, fulls)]
+        for (i, j), piece in zip(members, ortho.split(sizes)):
+            done[i][j] = (piece, scale)
+    return done
+
+
+def _blocks(full: torch.Tensor, head_rows: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The ``[B, n, m]`` views of ``full`` Newton–Schulz takes one slice at a time: its ``head_rows`` row blocks
+    (``[heads, rows, in]`` each), its expert slices, or the matrix itself as ``[1, n, m]``."""
+    if head_rows:
+        period = sum(head_rows)
+        return list(full.reshape(full.shape[0] // period, period, full.shape[1]).split(list(head_rows), 1))
+    return [full if full.ndim == 3 else full[None]]
+
+
+def _subtract_step(param: torch.Tensor, update: torch.Tensor, full: torch.Tensor,
+                   blocks: list[tuple[torch.Tensor, float]], head_rows: tuple[int, ...] | None) -> None:
+    """``param -= scale · block`` for every orthogonalised block, in place. A plain contiguous parameter takes each
+    bf16 block through its matching view (one pass, no fp32 copy of the step); a DTensor gets the full step
+    assembled and sharded like ``update``."""
+    if not isinstance(param, DTensor) and param.is_contiguous() and param.shape == full.shape:
+        for view, (piece, scale) in zip(_blocks(param, head_rows), blocks):
+            view.add_(piece, alpha=-scale)
+        return
+    step = torch.cat([piece.to(param.dtype) * scale for piece, scale in blocks], dim=1).reshape(full.shape)
+    if isinstance(update, DTensor):
+        step = distribute_tensor(step, update.device_mesh, update.placements, src_data_rank=None)
+    param.sub_(step)
 
 
 def zeropower_batched(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
