@@ -155,6 +155,40 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+class _SortedCopies(torch.autograd.Function):
+    """``h_sL[order // K]``: each token's row once per selected expert, in expert-sorted slot order. Backward gathers
+    each token's ``K`` slot gradients (``unsort`` is ``order``'s inverse) and sums them in fp32 (or wider): no
+    scatter."""
+
+    @staticmethod
+    def forward(ctx, h_sL, order, unsort, K):
+        ctx.save_for_backward(unsort)
+        ctx.K, ctx.dtype = K, h_sL.dtype
+        return h_sL[order // K]
+
+    @staticmethod
+    def backward(ctx, grad_CL):
+        (unsort,) = ctx.saved_tensors
+        s = unsort.numel() // ctx.K
+        acc = torch.promote_types(grad_CL.dtype, torch.float32)
+        grad_sL = grad_CL[unsort].view(s, ctx.K, -1).sum(1, dtype=acc).to(ctx.dtype)
+        return grad_sL, None, None, None
+
+
+class _PermutedRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inverse``; backward is the gather ``grad[inverse]``."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
 class K3MoE(nn.Module):
     """Stable LatentMoE FFN (parameters exactly those counted by `count_parameters`).
 
@@ -216,14 +250,14 @@ class K3MoE(nn.Module):
         order = flat.argsort(stable=True)
         # (not bincount: its output length depends on the data, which torch.compile cannot trace)
         counts_E = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
-        token = order // K
-        w_C = weights_sK.flatten()[order]
-        y_CL = grouped_situ(h_sL[token], counts_E, self.w1, self.w3, self.w2, self.gate_beta, self.up_beta, w_C)
-        # back to token order and the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy
-        # of y for backward; gather and sum keep nothing of that size)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
-        return y_CL[unsort].view(s, K, -1).float().sum(1)
+        w_C = weights_sK.flatten()[order]
+        y_CL = grouped_situ(_SortedCopies.apply(h_sL, order, unsort, K), counts_E, self.w1, self.w3, self.w2,
+                            self.gate_beta, self.up_beta, w_C)
+        # back to token order and the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy
+        # of y for backward; gather and sum keep nothing of that size)
+        return _PermutedRows.apply(y_CL, unsort, order).view(s, K, -1).float().sum(1)
 
     @torch.compiler.disable
     def _expert_parallel(self, h_sL, idx_sK, weights_sK):

@@ -1,0 +1,55 @@
+"""The local expert path's token sort (`moe._SortedCopies`, `moe._PermutedRows`): forward and gradients equal to
+plain indexing (``h[order // K]`` and ``y[unsort]``, whose backwards scatter) in fp64, through a whole MoE layer."""
+
+import pytest
+import torch
+
+from k3infra.model import K3Config, moe
+
+
+def _layer():
+    torch.manual_seed(0)
+    config = K3Config.from_preset("k3-debug")
+    layer = moe.K3MoE(config).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer, config.hidden_size
+
+
+def _run(layer, x):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def test_sorted_copies_and_permuted_rows_match_plain_indexing(monkeypatch):
+    layer, hidden = _layer()
+    x = torch.randn(2, 13, hidden, dtype=torch.float64)
+    ours = _run(layer, x)
+    layer.zero_grad()
+    monkeypatch.setattr(moe._SortedCopies, "apply", lambda h, order, unsort, K: h[order // K])
+    monkeypatch.setattr(moe._PermutedRows, "apply", lambda y, perm, inverse: y[perm])
+    plain = _run(layer, x)
+    torch.testing.assert_close(ours[0], plain[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours[1], plain[1], rtol=1e-10, atol=1e-12)
+    assert ours[2].keys() == plain[2].keys() and {"w1", "w2", "w3"} <= ours[2].keys()
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(ours[2][name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sorted_copies_sum_each_tokens_slots_in_fp32(dtype):
+    s, K, L = 5, 3, 4
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(s, L, generator=g).to(dtype).requires_grad_()
+    order = torch.randperm(s * K, generator=g)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(s * K)
+    rows = moe._SortedCopies.apply(h, order, unsort, K)
+    torch.testing.assert_close(rows, h.detach()[order // K], rtol=0, atol=0)
+    grad = torch.randn(s * K, L, generator=g).to(dtype)
+    rows.backward(grad)
+    expected = torch.zeros(s, L, dtype=torch.float64).index_add_(0, order // K, grad.double())
+    assert h.grad.dtype == dtype
+    torch.testing.assert_close(h.grad.double(), expected.to(dtype).double(), rtol=1e-6, atol=0)
