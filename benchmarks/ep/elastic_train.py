@@ -24,12 +24,18 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# Before any worker forms a group: torch.distributed.nn.functional binds ``group.WORLD`` as a default argument
+# when it is first imported (the first AdamW imports it, through torch._dynamo); after `init_process_group`,
+# that default would keep the gloo group alive past `destroy_process_group` (see `leave_group`).
+import torch.distributed.nn.functional  # noqa: F401
 
 ZIPF_S = 1.2
 EXIT_TIMEOUT_S = 30.0
@@ -170,6 +176,30 @@ def run_processes(
     return outcome
 
 
+def leave_group() -> None:
+    """Leave the default gloo group for good: a barrier (no rank closes its connections while a peer still
+    reads), then `dist.destroy_process_group`, which must free the group here so that its worker threads are
+    joined while the interpreter is alive.
+
+    A gloo worker thread drops its reference to a collective's tensors a moment after the caller's wait has
+    returned. If the group lives on into interpreter exit, that drop can fall in the finalization, where taking
+    the GIL to free a tensor's Python object ends the thread inside a C++ destructor: "terminate called without
+    an active exception", SIGABRT after a clean result.
+
+    Raises:
+        RuntimeError: something still references the group after `destroy_process_group`.
+    """
+    group = weakref.ref(dist.group.WORLD)
+    dist.barrier()
+    dist.destroy_process_group()
+    if group() is not None:
+        raise RuntimeError(
+            "the default process group outlived destroy_process_group (e.g. a module first imported after "
+            "init_process_group bound group.WORLD as a default argument); its gloo threads would run into "
+            "interpreter exit"
+        )
+
+
 def placed_training_worker(member: str, results: mp.Queue, port: int, world: int, cfg: Config, steps: int, every: int):
     """Train twice in one process group: ``static`` (initial placement) and ``rebalanced`` (every ``every``)."""
     try:
@@ -191,7 +221,7 @@ def placed_training_worker(member: str, results: mp.Queue, port: int, world: int
                 balance.append(max_over_mean)
             layer.buffer.destroy()
             out[mode] = {"losses": losses, "max_over_mean": balance, "rows_received": received, "rebalance_s": seconds}
-        dist.destroy_process_group()
+        leave_group()
         results.put((member, True, out))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((member, False, traceback.format_exc()))

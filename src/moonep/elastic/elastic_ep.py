@@ -26,6 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# Before `ElasticEP` forms a group: this module binds ``group.WORLD`` as a default argument when first imported
+# (the first AdamW imports it, through torch._dynamo); after `init_process_group` that default would keep the
+# group alive past `destroy_process_group`, its gloo threads running into interpreter exit (SIGABRT there).
+import torch.distributed.nn.functional  # noqa: F401
+
 from moonep.elastic.checkpoint import expert_modules, load_shards, save_shard
 from moonep.elastic.membership import Membership
 from moonep.elastic.rehome import rehome_live
