@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 ZIPF_S = 1.2
+PLACED_TIMEOUT_S = 30.0
+"""Seconds a collective of the placed-training run may wait for a peer (all ranks stay alive there)."""
 EXIT_TIMEOUT_S = 30.0
 """Seconds a worker may take to exit after its result (slow on a loaded 2-core machine)."""
 
@@ -208,7 +210,9 @@ def placed_training_worker(member: str, results: mp.Queue, port: int, world: int
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         out: dict[str, dict] = {}
         for mode in ("static", "rebalanced"):
-            layer = build_layer(cfg)
+            # no rank is killed here: a long timeout only keeps a loaded machine's slow exchange from reading as a
+            # dead peer
+            layer = build_layer(cfg, buffer_timeout_s=PLACED_TIMEOUT_S)
             optimizer = make_optimizer(cfg)(layer)
             losses, balance, received, seconds = [], [], 0, 0.0
             for step in range(steps):
