@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import rms_ratio
 from k3infra.model import fused
 from k3infra.model.linear_ce import IGNORE_INDEX, linear_cross_entropy_sum
 
@@ -58,10 +59,6 @@ def test_ignored_rows_add_nothing_and_a_frozen_head_gets_no_gradient():
     assert w2.grad is None and h2.grad is not None and torch.count_nonzero(h2.grad) > 0
 
 
-def _rel_rms(x, ref):
-    return float((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
 def test_no_grad_gives_the_loss_alone_and_int32_targets_work():
     h, w, t = _case(N=12, D=8, V=20)
     with torch.no_grad():
@@ -82,7 +79,7 @@ def test_autocast_computes_in_bf16_as_accurately_as_f_linear():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)  # the same bf16 logits, summed in another order
     # the gradients round the logits' gradient to bf16 as the F.linear path does, the weight's per piece of 16 rows
     for ours, theirs, exact in ((gh, ref_h, exact_h), (gw, ref_w, exact_w)):
-        assert _rel_rms(ours, exact) <= 1.5 * _rel_rms(theirs, exact) < 2e-2
+        assert rms_ratio(ours, exact) <= 1.5 * rms_ratio(theirs, exact) < 2e-2
 
 
 @needs_triton
