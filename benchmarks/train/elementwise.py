@@ -66,15 +66,16 @@ def _cases(tokens: int, hidden: int, width: int, sources: int):
         return (lambda q, k: max_logit.causal_max_logit(q, k, bounds, width**-0.5)), [q, k]
 
     def router_topk(device, dtype, g):
-        experts, k = 256, 9  # k3-mini: top-8 and the cutoff of Quantile Balancing
+        experts, k = 256, 9  # k3-mini: top-8 and the cutoff of Quantile Balancing, whose margins are counted
         scores = torch.rand(tokens, experts, generator=g).to(device)
         bias = (0.1 * torch.randn(experts, generator=g)).to(device)
-        return (lambda s: fused_topk.biased_topk(s, bias, k)[0]), [scores]
+        hist = torch.zeros(experts, 2048, device=device)
+        return (lambda s: fused_topk.biased_topk(s, bias, k, hist_EX=hist, margin_range=2.0)[0]), [scores]
 
     return [(f"rms_norm-{tokens}x{hidden}", norm, True), (f"situ_glu-{tokens}x{width}", situ, True),
             (f"attn_res-{sources}x{tokens}x{hidden}", attn_res, True),
             (f"conv_silu-{tokens}x{hidden}", short_conv, True), (f"mla_max_logit-8x{tokens}x192", mla_max_logit, False),
-            (f"router_topk-{tokens}x256-k9", router_topk, False)]
+            (f"router_topk_qb-{tokens}x256-k9-bins2048", router_topk, False)]
 
 
 def _run_once(fn, inputs, dy, backward: bool):

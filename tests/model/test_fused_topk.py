@@ -65,3 +65,39 @@ def test_bad_arguments_are_named():
         biased_topk(scores, torch.zeros(7), 2)
     with pytest.raises(ValueError, match="k must"):
         biased_topk(scores, torch.zeros(8), 9)
+
+
+@pytest.mark.parametrize(("S", "E", "k", "bins"), [(37, 256, 9, 64), (5, 896, 17, 2048), (9, 12, 3, 1)])
+def test_margin_histogram_matches_the_torch_path(monkeypatch, device, S, E, k, bins):
+    g = torch.Generator().manual_seed(S + E)
+    scores = torch.rand(S, E, generator=g).to(device)
+    scores[0, :4] = scores[0, 4]  # ties, margins of exactly zero
+    bias = (0.1 * torch.randn(E, generator=g)).to(device)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(fused, "MODE", mode)
+        hist = torch.zeros(E, bins, device=device)
+        values, indices = biased_topk(scores, bias, k, hist_EX=hist, margin_range=0.75)
+        out[mode] = (values, indices, hist)
+    for a, b in zip(out["off"], out["on"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    hist = out["on"][2]
+    assert hist.sum().item() == S * E and (hist.sum(1) == S).all()
+    # the k-th value's own margin is 0: the middle bin of its expert holds at least that token
+    ref = ((scores - out["off"][0][:, -1:]) + 0.75) / 1.5 * bins
+    assert hist[torch.arange(E, device=device)[None, :].expand(S, E), ref.long().clamp(0, bins - 1)].min() >= 1
+
+
+def test_margin_histogram_accumulates_and_rejects_bad_buffers(fused_on, device):
+    scores = torch.rand(6, 16, device=device)
+    hist = torch.zeros(16, 8, device=device)
+    biased_topk(scores, torch.zeros(16, device=device), 3, hist_EX=hist, margin_range=1.0)
+    biased_topk(scores, torch.zeros(16, device=device), 3, hist_EX=hist, margin_range=1.0)
+    assert hist.sum().item() == 2 * 6 * 16
+    with pytest.raises(ValueError, match="hist_EX"):
+        biased_topk(scores, torch.zeros(16, device=device), 3, hist_EX=torch.zeros(15, 8, device=device))
+    with pytest.raises(ValueError, match="hist_EX"):
+        biased_topk(scores, torch.zeros(16, device=device), 3, hist_EX=torch.zeros(8, 16, device=device).t())
+    with pytest.raises(ValueError, match="margin_range"):
+        biased_topk(scores, torch.zeros(16, device=device), 3, hist_EX=hist, margin_range=0.0)
+    assert hist.sum().item() == 2 * 6 * 16  # a rejected call adds nothing

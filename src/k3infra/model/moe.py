@@ -56,20 +56,12 @@ class Router(nn.Module):
         # fp32: sigmoid scores near 0/1 and their normalisation lose precision in bf16.
         # (recomputed in backward: only x in its own dtype is kept, not an fp32 copy)
         scores_sE = torch.sigmoid(recompute(_fp32_logits, x_sD, self.weight))
-        sel_values, sel_indices = biased_topk(scores_sE.detach(), self.bias.float(), self.top_k + 1)
+        # the (k+1)-th biased value is Quantile Balancing's cutoff: in training its margins go to qb_hist
+        _, sel_indices = biased_topk(scores_sE.detach(), self.bias.float(), self.top_k + 1,
+                                     hist_EX=self.qb_hist if self.training else None, margin_range=self.margin_range)
         idx_sK = sel_indices[:, : self.top_k]
-        if self.training:
-            self._record(scores_sE.detach(), sel_values[:, self.top_k])
         weights_sK = scores_sE.gather(1, idx_sK)
         return idx_sK, weights_sK / weights_sK.sum(1, keepdim=True).clamp(min=1e-20)
-
-    @torch.no_grad()
-    def _record(self, scores_sE: torch.Tensor, cutoff_s: torch.Tensor) -> None:
-        margins_sE = scores_sE - cutoff_s[:, None]
-        X, R = self.bins, self.margin_range
-        bin_sE = ((margins_sE + R) / (2 * R) * X).long().clamp(0, X - 1)
-        flat = (bin_sE + torch.arange(self.num_experts, device=bin_sE.device) * X).flatten()
-        self.qb_hist.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self.qb_hist.dtype))
 
     @torch.no_grad()
     def update_bias(self, group: dist.ProcessGroup | None = None) -> bool:
