@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from k3infra.model import fused
 from k3infra.model.fused_topk import biased_topk
@@ -101,3 +102,23 @@ def test_margin_histogram_accumulates_and_rejects_bad_buffers(fused_on, device):
     with pytest.raises(ValueError, match="margin_range"):
         biased_topk(scores, torch.zeros(16, device=device), 3, hist_EX=hist, margin_range=0.0)
     assert hist.sum().item() == 2 * 6 * 16  # a rejected call adds nothing
+
+
+def test_compiled_graph_calls_the_kernel_operator(fused_on, device):
+    torch._dynamo.reset()
+    scores = torch.rand(21, 40, device=device)
+    bias = 0.1 * torch.randn(40, device=device)
+
+    def select(s, hist):
+        values, indices = biased_topk(s, bias, 5, hist_EX=hist, margin_range=0.5)
+        return values * 2, indices
+
+    hist_eager, hist_compiled = torch.zeros(40, 32, device=device), torch.zeros(40, 32, device=device)
+    ref = select(scores, hist_eager)
+    counts = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out = torch.compile(select, backend=counts, fullgraph=True)(scores, hist_compiled)
+    assert counts.frame_count == 1
+    for a, b in zip((*ref, hist_eager), (*out, hist_compiled)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    graph = "\n".join(str(g.graph) for g in counts.graphs)
+    assert "k3infra.biased_topk" in graph and "topk(" not in graph.replace("biased_topk", "")

@@ -8,7 +8,7 @@ weights for the AttnRes mix), which stay the reference.
 
 `MODE` chooses the path: ``"auto"`` (the default: CUDA tensors take the kernels, others the eager path),
 ``"off"`` (eager everywhere), ``"on"`` (also CPU tensors, through Triton's interpreter; needs
-``TRITON_INTERPRET=1`` before triton is imported). While ``torch.compile`` traces, no mode takes the kernels: the
+``TRITON_INTERPRET=1`` before triton is imported). While ``torch.compile`` traces, no mode takes these kernels: the
 compiler fuses the eager chains itself. Measured speed-ups: docs/k3-training.md.
 
 Shape suffixes: N rows, D hidden, F MLP width.
@@ -34,12 +34,15 @@ _NORM_TILE = 8192
 _SITU_BLOCK = 1024
 
 
-def use_fused(x: torch.Tensor) -> bool:
-    """Whether ``x`` (fp32 or bf16/fp16) takes the fused kernels under the current `MODE` (never while
-    ``torch.compile`` traces)."""
+def use_fused(x: torch.Tensor, while_compiling: bool = False) -> bool:
+    """Whether ``x`` (fp32 or bf16/fp16) takes the fused kernels under the current `MODE`; while ``torch.compile``
+    traces only with ``while_compiling`` (a kernel registered as an operator, which the compiler cannot fuse
+    better itself)."""
     if MODE not in _MODES:
         raise ValueError(f"fused.MODE must be one of {_MODES}, got {MODE!r}")
-    if MODE == "off" or torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if MODE == "off" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if torch.compiler.is_compiling() and not while_compiling:
         return False
     if x.device.type == "cuda":
         return True

@@ -3,8 +3,8 @@
 ``torch.topk`` over a ``[tokens, experts]`` fp32 score matrix runs a radix select per row; with a few hundred experts
 and ``k`` around ten, one program can hold a block of rows in registers and take the maximum ``k`` times instead,
 reading the scores once. Same result as ``(scores + bias).topk(k, dim=1)`` (values in descending order, their
-column indices), ties going to the lower index. `fused.MODE` decides where it runs (`fused.use_fused`); elsewhere,
-and while ``torch.compile`` traces, it is ``torch.topk``.
+column indices), ties going to the lower index. `fused.MODE` decides where it runs (`fused.use_fused`), also inside
+``torch.compile``'s graphs (it is the operator ``k3infra::biased_topk`` there); elsewhere it is ``torch.topk``.
 
 With ``hist_EX`` the same pass also counts Quantile Balancing's margins: every score's distance to its row's k-th
 value, binned per expert (`margin_bins`), added to ``hist_EX`` with atomics, so the ``[tokens, experts]`` margins,
@@ -101,12 +101,19 @@ def biased_topk(scores_sE: torch.Tensor, bias_E: torch.Tensor, k: int, hist_EX: 
         if not margin_range > 0:
             raise ValueError(f"margin_range must be > 0, got {margin_range!r}")
     kernel_hist = hist_EX is None or hist_EX.dtype == torch.float32  # the kernel adds with fp32 atomics
-    if not fused.use_fused(scores_sE) or E > _MAX_EXPERTS or not kernel_hist:
+    if not fused.use_fused(scores_sE, while_compiling=True) or E > _MAX_EXPERTS or not kernel_hist:
         top = (scores_sE + bias_E).topk(k, dim=1)
         if hist_EX is not None:
             _add_margins(hist_EX, scores_sE, top.values[:, -1], margin_range)
         return top.values, top.indices
-    S = scores_sE.shape[0]
+    return _biased_topk_op(scores_sE.contiguous(), bias_E.contiguous(), k, hist_EX, float(margin_range))
+
+
+@torch.library.custom_op("k3infra::biased_topk", mutates_args=("hist_EX",))
+def _biased_topk_op(scores_sE: torch.Tensor, bias_E: torch.Tensor, k: int, hist_EX: torch.Tensor | None,
+                    margin_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # an operator, so that torch.compile's graphs call the kernel instead of tracing torch.topk
+    S, E = scores_sE.shape
     values = torch.empty(S, k, dtype=torch.float32, device=scores_sE.device)
     indices = torch.empty(S, k, dtype=torch.int64, device=scores_sE.device)
     if S:
@@ -114,7 +121,12 @@ def biased_topk(scores_sE: torch.Tensor, bias_E: torch.Tensor, k: int, hist_EX: 
         block_s = max(1, min(_TILE // block_e, triton.next_power_of_2(S)))
         hist = hist_EX if hist_EX is not None else values  # never written without HIST
         _biased_topk_kernel[(triton.cdiv(S, block_s),)](
-            scores_sE.contiguous(), bias_E.contiguous(), values, indices, hist, S, E, float(margin_range),
-            2.0 * float(margin_range), K=k, BLOCK_S=block_s, BLOCK_E=block_e,
-            BINS=hist_EX.shape[1] if hist_EX is not None else 1, HIST=hist_EX is not None)
+            scores_sE, bias_E, values, indices, hist, S, E, margin_range, 2.0 * margin_range, K=k, BLOCK_S=block_s,
+            BLOCK_E=block_e, BINS=hist_EX.shape[1] if hist_EX is not None else 1, HIST=hist_EX is not None)
     return values, indices
+
+
+@_biased_topk_op.register_fake
+def _(scores_sE, bias_E, k, hist_EX, margin_range):
+    S = scores_sE.shape[0]
+    return scores_sE.new_empty(S, k), scores_sE.new_empty(S, k, dtype=torch.int64)
