@@ -173,7 +173,7 @@ class K3Model(K3PreTrainedModel):
             cache = K3Cache()
         if cache is not None and cu_seqlens is not None:
             raise ValueError("cu_seqlens cannot be combined with a cache (decode one batch of whole sequences)")
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         blocks, partial = [x], None
         size = self.config.attn_res_block_size
         for i, layer in enumerate(self.layers):
@@ -189,6 +189,15 @@ class K3Model(K3PreTrainedModel):
         if cache is not None:  # an extra key (item assignment: transformers versions whose outputs reject it)
             out["cache"] = cache
         return out
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Under autocast the embedding enters the residual sources in the compute dtype, as with FSDP's bf16
+        # parameters: an fp32 first source would make every AttnRes output, norm and projection input fp32.
+        x = self.embed_tokens(input_ids)
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
+            x = x.to(torch.get_autocast_dtype(device))
+        return x
 
     def moe_layers(self) -> list[K3MoE]:
         """The LatentMoE modules, in layer order."""
