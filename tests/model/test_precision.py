@@ -56,3 +56,22 @@ def test_grouped_experts_rows_past_the_counts_are_zero_in_reused_memory():
         del poison
         y = grouped_situ(x, counts, w1, w3, w2, 4.0, 25.0)
         assert torch.isfinite(y).all() and float(y[34:].abs().max()) == 0
+
+
+def test_residual_sources_stay_in_the_autocast_dtype():
+    # an fp32 embedding source would make every AttnRes output, norm and projection input fp32 under autocast
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("k3-debug"))
+    dtypes = {}
+    for name, module in model.named_modules():
+        if name.endswith(("attn_res", "ffn_res", "input_layernorm", "post_attention_layernorm", "final_res", "norm")):
+            module.register_forward_hook(lambda m, args, out, name=name: dtypes.__setitem__(name, out.dtype))
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert dtypes and set(dtypes.values()) == {torch.bfloat16}, dtypes
+    assert model.model.embed_tokens.weight.grad.dtype == torch.float32
+    assert torch.isfinite(model.model.embed_tokens.weight.grad).all()
+    model(ids)  # without autocast nothing is cast: fp32 throughout
+    assert set(dtypes.values()) == {torch.float32}
