@@ -168,7 +168,8 @@ class _SortedCopies(torch.autograd.Function):
 
 
 class _PermutedRows(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` with inverse ``inverse``; backward is the gather ``grad[inverse]``."""
+    """``x[perm]`` (rows, or the elements of a vector) for a permutation ``perm`` with inverse ``inverse``; backward
+    is the gather ``grad[inverse]``."""
 
     @staticmethod
     def forward(ctx, x, perm, inverse):
@@ -244,7 +245,7 @@ class K3MoE(nn.Module):
         counts_E = flat.new_zeros(self.num_experts).index_add_(0, flat, torch.ones_like(flat))
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
-        w_C = weights_sK.flatten()[order]
+        w_C = _PermutedRows.apply(weights_sK.flatten(), order, unsort)  # a gather backward, not a scatter
         y_CL = grouped_situ(_SortedCopies.apply(h_sL, order, unsort, K), counts_E, self.w1, self.w3, self.w2,
                             self.gate_beta, self.up_beta, w_C)
         # back to token order and the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy
