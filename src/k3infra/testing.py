@@ -40,6 +40,10 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
+    # before the group exists: imported later (the first AdamW does, through torch._dynamo) it binds the group as a
+    # default argument and keeps it alive past destroy_process_group, into interpreter exit
+    import torch.distributed.nn.functional  # noqa: F401
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group(
