@@ -53,3 +53,22 @@ def test_sorted_copies_sum_each_tokens_slots_in_fp32(dtype):
     expected = torch.zeros(s, L, dtype=torch.float64).index_add_(0, order // K, grad.double())
     assert h.grad.dtype == dtype
     torch.testing.assert_close(h.grad.double(), expected.to(dtype).double(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_router_logits_function_matches_autograd(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 24, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(10, 24, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    w.requires_grad_()
+    grad = torch.randn(37, 10, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        ours = moe._RouterLogits.apply(x, w)
+    ours.backward(grad)
+    got = (ours.detach(), x.grad, w.grad)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = x2.to(w2.dtype) @ w2.t()
+    ref.backward(grad)
+    assert ours.dtype == w.dtype and x.grad.dtype == dtype and w.grad.dtype == w.dtype
+    for a, b in zip(got, (ref.detach(), x2.grad, w2.grad)):
+        torch.testing.assert_close(a, b, rtol=0 if dtype == torch.float64 else 1e-5, atol=1e-12)

@@ -25,16 +25,37 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from k3infra.model.fused_topk import biased_topk
-from k3infra.model.layers import RMSNorm, SiTUGLU, recompute, situ_glu
+from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
 
 __all__ = ["K3MoE", "Router", "grouped_situ"]
 
 logger = logging.getLogger(__name__)
 
 
-def _fp32_logits(x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    with torch.autocast(x_sD.device.type, enabled=False):
-        return x_sD.float() @ w_ED.float().t()
+def _logits_dtype(x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x_sD.dtype, w_ED.dtype), torch.float32)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x_sD @ w_ED.t()`` in fp32 (fp64 for fp64 inputs) with autocast off, keeping ``x_sD`` in its own dtype for
+    backward (not an fp32 copy): the backward casts it again instead of recomputing the product."""
+
+    @staticmethod
+    def forward(ctx, x_sD, w_ED):
+        ctx.save_for_backward(x_sD, w_ED)
+        dtype = _logits_dtype(x_sD, w_ED)
+        with torch.autocast(x_sD.device.type, enabled=False):
+            return x_sD.to(dtype) @ w_ED.to(dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad_sE):
+        x_sD, w_ED = ctx.saved_tensors
+        dtype = _logits_dtype(x_sD, w_ED)
+        with torch.autocast(x_sD.device.type, enabled=False):
+            grad_x = grad_sE.to(dtype) @ w_ED.to(dtype) if ctx.needs_input_grad[0] else None
+            grad_w = grad_sE.to(dtype).t() @ x_sD.to(dtype) if ctx.needs_input_grad[1] else None
+        return (None if grad_x is None else grad_x.to(x_sD.dtype),
+                None if grad_w is None else grad_w.to(w_ED.dtype))
 
 
 class Router(nn.Module):
@@ -52,12 +73,12 @@ class Router(nn.Module):
         self.top_k, self.num_experts, self.bins, self.margin_range = top_k, num_experts, bins, margin_range
 
     def forward(self, x_sD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(topk_idx_sK int64, topk_weights_sK fp32)``; records QB margins in training."""
-        # fp32: sigmoid scores near 0/1 and their normalisation lose precision in bf16.
-        # (recomputed in backward: only x in its own dtype is kept, not an fp32 copy)
-        scores_sE = torch.sigmoid(recompute(_fp32_logits, x_sD, self.weight))
+        """Returns ``(topk_idx_sK int64, topk_weights_sK fp32)`` (fp64 in an fp64 model); records QB margins in
+        training."""
+        # fp32 at least: sigmoid scores near 0/1 and their normalisation lose precision in bf16.
+        scores_sE = torch.sigmoid(_RouterLogits.apply(x_sD, self.weight))
         # the (k+1)-th biased value is Quantile Balancing's cutoff: in training its margins go to qb_hist
-        _, sel_indices = biased_topk(scores_sE.detach(), self.bias.float(), self.top_k + 1,
+        _, sel_indices = biased_topk(scores_sE.detach().float(), self.bias.float(), self.top_k + 1,
                                      hist_EX=self.qb_hist if self.training else None, margin_range=self.margin_range)
         idx_sK = sel_indices[:, : self.top_k]
         weights_sK = scores_sE.gather(1, idx_sK)
