@@ -105,7 +105,7 @@ def test_mode_switch_routes_layers(device, monkeypatch):
     assert layers.rms_norm(x, w, 1e-5).grad_fn.name() == "_RMSNormFunctionBackward"
     monkeypatch.setattr(fused, "MODE", "on")
     assert layers.rms_norm(x, w, 1e-5).grad_fn.name() == "_FusedRMSNormFunctionBackward"
-    assert "Fused" in layers.situ_glu(x, x, 4.0, 25.0).grad_fn.name()
+    assert "situ_glu" in layers.situ_glu(x, x, 4.0, 25.0).grad_fn.name().lower()
     assert "Fused" in layers.attn_res_mix([x, x * 2], w, w, 1e-5).grad_fn.name()
     assert layers.rms_norm(x.double(), w, 1e-5).grad_fn.name() != "_FusedRMSNormFunctionBackward"
     monkeypatch.setattr(fused, "MODE", "fast")
@@ -276,3 +276,30 @@ def test_k3_debug_autocast_step_fused_matches_eager(monkeypatch):
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
     assert abs(losses[0] - losses[1]) < 1e-2
     assert (grads[0] - grads[1]).norm() <= 2e-2 * grads[0].norm()
+
+
+def test_compiled_graph_calls_the_situ_glu_operators(fused_on, device):
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    a0 = (torch.randn(37, 24, generator=g) * 6).to(device)
+    c0 = (torch.randn(37, 24, generator=g) * 40).to(device)
+    dy = torch.randn(37, 24, generator=g).to(device)
+
+    def step(a, c):
+        return (layers.situ_glu(a, c, 4.0, 25.0) * 2).sum(0)
+
+    results = []
+    for compiled in (False, True):
+        a, c = a0.clone().requires_grad_(), c0.clone().requires_grad_()
+        counts = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(step, backend=counts, fullgraph=True) if compiled else step
+        out = fn(a, c)
+        out.backward(dy.sum(0))
+        results.append((out.detach(), a.grad, c.grad))
+        if compiled:
+            assert counts.frame_count == 1
+            assert "k3infra.fused_situ_glu" in "\n".join(str(gm.graph) for gm in counts.graphs)
+    for got, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)

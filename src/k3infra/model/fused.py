@@ -8,8 +8,10 @@ weights for the AttnRes mix), which stay the reference.
 
 `MODE` chooses the path: ``"auto"`` (the default: CUDA tensors take the kernels, others the eager path),
 ``"off"`` (eager everywhere), ``"on"`` (also CPU tensors, through Triton's interpreter; needs
-``TRITON_INTERPRET=1`` before triton is imported). While ``torch.compile`` traces, no mode takes these kernels: the
-compiler fuses the eager chains itself. Measured speed-ups: docs/k3-training.md.
+``TRITON_INTERPRET=1`` before triton is imported). While ``torch.compile`` traces, the compiler fuses the RMSNorm
+and AttnRes chains itself; SiTU-GLU stays these kernels there (operators ``k3infra::fused_situ_glu`` and its
+backward: the compiled chain took about ten times as long in an H100 profile). Measured speed-ups:
+docs/k3-training.md.
 
 Shape suffixes: N rows, D hidden, F MLP width.
 """
@@ -186,38 +188,61 @@ def _situ_glu_bwd_kernel(a_ptr, c_ptr, dy_ptr, da_ptr, dc_ptr, numel, gate_beta,
     tl.store(dc_ptr + offs, dc.to(dc_ptr.dtype.element_ty), mask=mask)
 
 
-class _FusedSiTUGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, c, gate_beta, up_beta):
-        a, c = a.contiguous(), c.contiguous()
-        y = torch.empty_like(a)
-        numel = a.numel()
-        if numel:
-            grid = (triton.cdiv(numel, _SITU_BLOCK),)
-            _situ_glu_fwd_kernel[grid](a, c, y, numel, float(gate_beta), float(up_beta), BLOCK=_SITU_BLOCK)
-        ctx.save_for_backward(a, c)
-        ctx.betas = (float(gate_beta), float(up_beta))
-        return y
+@torch.library.custom_op("k3infra::fused_situ_glu", mutates_args=())
+def _situ_glu_op(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
+    # operators (forward and backward), so that torch.compile's graphs call these kernels too
+    y = torch.empty_like(a)
+    numel = a.numel()
+    if numel:
+        grid = (triton.cdiv(numel, _SITU_BLOCK),)
+        _situ_glu_fwd_kernel[grid](a, c, y, numel, gate_beta, up_beta, BLOCK=_SITU_BLOCK)
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        a, c = ctx.saved_tensors
-        dy = dy.contiguous()
-        da, dc = torch.empty_like(a), torch.empty_like(c)
-        numel = a.numel()
-        if numel:
-            grid = (triton.cdiv(numel, _SITU_BLOCK),)
-            _situ_glu_bwd_kernel[grid](a, c, dy, da, dc, numel, *ctx.betas, BLOCK=_SITU_BLOCK)
-        return da, dc, None, None
+
+@_situ_glu_op.register_fake
+def _(a, c, gate_beta, up_beta):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("k3infra::fused_situ_glu_backward", mutates_args=())
+def _situ_glu_bwd_op(a: torch.Tensor, c: torch.Tensor, dy: torch.Tensor, gate_beta: float,
+                     up_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    da, dc = torch.empty_like(a), torch.empty_like(c)
+    numel = a.numel()
+    if numel:
+        grid = (triton.cdiv(numel, _SITU_BLOCK),)
+        _situ_glu_bwd_kernel[grid](a, c, dy.contiguous(), da, dc, numel, gate_beta, up_beta, BLOCK=_SITU_BLOCK)
+    return da, dc
+
+
+@_situ_glu_bwd_op.register_fake
+def _(a, c, dy, gate_beta, up_beta):
+    return torch.empty_like(a), torch.empty_like(c)
+
+
+def _situ_glu_setup(ctx, inputs, output):
+    a, c, gate_beta, up_beta = inputs
+    ctx.save_for_backward(a, c)
+    ctx.betas = (gate_beta, up_beta)
+
+
+def _situ_glu_backward(ctx, dy):
+    a, c = ctx.saved_tensors
+    da, dc = _situ_glu_bwd_op(a, c, dy, *ctx.betas)
+    return da, dc, None, None
+
+
+_situ_glu_op.register_autograd(_situ_glu_backward, setup_context=_situ_glu_setup)
 
 
 def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
     """Fused `layers.situ_glu`: ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` element-wise over ``a, c`` (same shape and
-    dtype, fp32/bf16/fp16), fp32 inside, returned in ``a``'s dtype; saves ``a`` and ``c`` for backward."""
+    dtype, fp32/bf16/fp16), fp32 inside, returned in ``a``'s dtype; saves ``a`` and ``c`` for backward. The operator
+    ``k3infra::fused_situ_glu`` (and its backward): compiled graphs call these kernels as well."""
     if a.shape != c.shape or a.dtype != c.dtype:
         raise ValueError(f"situ_glu: a and c must match in shape and dtype, got {tuple(a.shape)} {a.dtype} and "
                          f"{tuple(c.shape)} {c.dtype}")
-    return _FusedSiTUGLUFunction.apply(a, c, gate_beta, up_beta)
+    return _situ_glu_op(a.contiguous(), c.contiguous(), float(gate_beta), float(up_beta))
 
 
 @triton.jit
