@@ -69,6 +69,20 @@ def test_kda_layer_fused_conv_matches_eager(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_conv_without_norm_is_not_run_again_in_backward(monkeypatch):
+    # q and k are L2-normalised on the torch path (recomputed in backward); v's fused conv keeps only its input
+    from k3infra.model import kda
+
+    monkeypatch.setattr(fused, "MODE", "on")
+    calls = []
+    monkeypatch.setattr(kda, "conv_silu", lambda *a: calls.append(a[0].shape) or conv_silu(*a))
+    torch.manual_seed(0)
+    layer = K3KDA(K3Config.from_preset("k3-debug", kda_backend="torch"), 0).to(DEVICE)
+    x = torch.randn(1, 30, 64, device=DEVICE, requires_grad=True)
+    layer(x, cu_seqlens=torch.tensor([0, 11, 30], dtype=torch.int32, device=DEVICE)).square().sum().backward()
+    assert len(calls) == 5  # q, k: forward + recompute; v: forward only
+
+
 @pytest.mark.parametrize("B", [1, 2])
 def test_conv_silu_reads_a_column_slice_in_place(B):
     """A column slice of a wider projection output (the KDA layer's q, k, v) is read with its row stride: the same

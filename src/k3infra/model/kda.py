@@ -152,9 +152,9 @@ class K3KDA(nn.Module):
         # themselves; the torch path and the decode kernel take them applied
         in_kernel = backend != "torch" and not decode
         # conv, Swish, L2 norm (fp32) and the decay gate (fp32) are recomputed in backward: only the projections'
-        # outputs, in the activation dtype, are kept for them.
-        q, k, v = (recompute(functools.partial(_conv_act, state=None if state is None else state.conv[i], pos_T=pos_T,
-                                               heads=H, normalize=i < 2 and not in_kernel), u, w)
+        # outputs, in the activation dtype, are kept for them (the fused conv kernel keeps only its input already).
+        q, k, v = (_conv_act_kept_input(u, w, None if state is None else state.conv[i], pos_T, H,
+                                        normalize=i < 2 and not in_kernel)
                    for i, (u, w) in enumerate(zip(conv_in, (self.q_conv, self.k_conv, self.v_conv))))
         z_BTD = self.f_b_proj(z_low)
         initial = None if state is None else state.recurrent
@@ -214,6 +214,15 @@ def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> to
         y = F.silu(causal_depthwise_conv(u_BTD, weight_DW.to(u_BTD.dtype), state, pos_T)).view(B, T, heads,
                                                                                                D // heads)
     return F.normalize(y.float(), dim=-1, eps=1e-6).to(u_BTD.dtype) if normalize else y
+
+
+def _conv_act_kept_input(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
+    """`_conv_act`, keeping only ``u`` and the weight for backward: the fused kernel does so by itself (its backward
+    recomputes the pre-activation), so it is called directly; other paths go through `layers.recompute`."""
+    if not normalize and state is None and pos_T is not None and fused.use_fused(u_BTD):
+        return _conv_act(u_BTD, weight_DW, state, pos_T, heads, normalize)
+    return recompute(functools.partial(_conv_act, state=state, pos_T=pos_T, heads=heads, normalize=normalize),
+                     u_BTD, weight_DW)
 
 
 def _decay(z_BTD, A_log_H, lower_bound: float, heads: int) -> torch.Tensor:
