@@ -208,7 +208,7 @@ class K3KDA(nn.Module):
 def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
     """``Swish(Conv(u))`` as ``[B, T, H, K]`` in ``u``'s dtype, L2-normalised per head in fp32 if ``normalize``."""
     B, T, D = u_BTD.shape
-    if state is None and pos_T is not None and fused.use_fused(u_BTD):
+    if _takes_fused_conv(u_BTD, state, pos_T):
         y = conv_silu(u_BTD, weight_DW.to(u_BTD.dtype), pos_T).view(B, T, heads, D // heads)
     else:
         y = F.silu(causal_depthwise_conv(u_BTD, weight_DW.to(u_BTD.dtype), state, pos_T)).view(B, T, heads,
@@ -216,10 +216,15 @@ def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> to
     return F.normalize(y.float(), dim=-1, eps=1e-6).to(u_BTD.dtype) if normalize else y
 
 
+def _takes_fused_conv(u_BTD, state, pos_T) -> bool:
+    """Whether `_conv_act` runs the fused kernel (no decode state, positions known, `fused.use_fused`)."""
+    return state is None and pos_T is not None and fused.use_fused(u_BTD)
+
+
 def _conv_act_kept_input(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
     """`_conv_act`, keeping only ``u`` and the weight for backward: the fused kernel does so by itself (its backward
     recomputes the pre-activation), so it is called directly; other paths go through `layers.recompute`."""
-    if not normalize and state is None and pos_T is not None and fused.use_fused(u_BTD):
+    if not normalize and _takes_fused_conv(u_BTD, state, pos_T):
         return _conv_act(u_BTD, weight_DW, state, pos_T, heads, normalize)
     return recompute(functools.partial(_conv_act, state=state, pos_T=pos_T, heads=heads, normalize=normalize),
                      u_BTD, weight_DW)
