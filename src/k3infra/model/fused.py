@@ -10,8 +10,7 @@ weights for the AttnRes mix), which stay the reference.
 ``"off"`` (eager everywhere), ``"on"`` (also CPU tensors, through Triton's interpreter; needs
 ``TRITON_INTERPRET=1`` before triton is imported). While ``torch.compile`` traces, the compiler fuses the RMSNorm
 and AttnRes chains itself; SiTU-GLU stays these kernels there (operators ``k3infra::fused_situ_glu`` and its
-backward: the compiled chain took about ten times as long in an H100 profile). Measured speed-ups:
-docs/k3-training.md.
+backward, faster than the compiled chain). Measured speed-ups: docs/k3-training.md.
 
 Shape suffixes: N rows, D hidden, F MLP width.
 """
