@@ -72,3 +72,51 @@ def test_router_logits_function_matches_autograd(dtype):
     assert ours.dtype == w.dtype and x.grad.dtype == dtype and w.grad.dtype == w.dtype
     for a, b in zip(got, (ref.detach(), x2.grad, w2.grad)):
         torch.testing.assert_close(a, b, rtol=0 if dtype == torch.float64 else 1e-5, atol=1e-12)
+
+
+def _router_case(device="cpu"):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 256, generator=g).bfloat16().to(device)
+    w = (torch.randn(64, 256, generator=g) * 0.05).to(device)
+    grad = torch.randn(300, 64, generator=g).to(device) * 1e-3
+    return x, w, grad
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def test_router_split_products_reach_fp32_precision():
+    x, w, grad = _router_case()
+    xd, wd, gd = x.double(), w.double(), grad.double()
+    ref = xd @ wd.t(), gd @ wd, gd.t() @ xd
+    fp32 = x.float() @ w.t(), grad @ w, grad.t() @ x.float()
+    split = (moe.router_logits_split(x, w), *moe.router_logits_split_backward(grad, x, w))
+    for name, s, f, r in zip(("logits", "grad_x", "grad_w"), split, fp32, ref):
+        assert s.dtype == torch.float32, name
+        # grad_x uses two-part splits (it is rounded to bf16 after): 2^-16 is far below bf16's 2^-8
+        bound = 2e-5 if name == "grad_x" else 3 * _rel(f, r) + 1e-7
+        assert _rel(s, r) <= bound, (name, _rel(s, r), _rel(f, r))
+    # a one-part product would not pass: the test can tell the split from a plain bf16 cast
+    assert _rel(x.float() @ w.bfloat16().float().t(), ref[0]) > 100 * _rel(split[0], ref[0])
+
+
+def test_router_split_backward_skips_gradients_not_needed():
+    x, w, grad = _router_case()
+    gx, gw = moe.router_logits_split_backward(grad, x, w, needs=(False, True))
+    assert gx is None and gw.shape == w.shape
+    gx, gw = moe.router_logits_split_backward(grad, x, w, needs=(True, False))
+    assert gw is None and gx.shape == x.shape
+
+
+@pytest.mark.gpu
+def test_router_logits_function_splits_on_cuda():
+    x, w, grad = _router_case("cuda")
+    x.requires_grad_(), w.requires_grad_()
+    out = moe._RouterLogits.apply(x, w)
+    out.backward(grad)
+    xd, wd, gd = x.detach().double(), w.detach().double(), grad.double()
+    assert out.dtype == torch.float32 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert _rel(out.detach(), xd @ wd.t()) < 1e-6
+    assert _rel(w.grad, gd.t() @ xd) < 1e-6
+    assert _rel(x.grad, gd @ wd) < 8e-3

@@ -36,15 +36,66 @@ def _logits_dtype(x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x_sD.dtype, w_ED.dtype), torch.float32)
 
 
+def _bf16_parts(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``parts`` bf16 tensors whose fp32 sum is ``t`` (fp32) to about ``2^(−8·parts)`` relative: each takes
+    what the previous ones left."""
+    out, rest = [], t.float()
+    for _ in range(parts):
+        out.append(rest.to(torch.bfloat16))
+        rest = rest - out[-1].float()
+    return out
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 matrices with fp32 accumulation and an fp32 result (tensor cores on CUDA)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _splits_router_products(x_sD: torch.Tensor, w_ED: torch.Tensor) -> bool:
+    # bf16 tokens against fp32 router weights on a GPU: the fp32 products would run on CUDA cores
+    return x_sD.is_cuda and x_sD.dtype == torch.bfloat16 and w_ED.dtype == torch.float32
+
+
+def router_logits_split(x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """``x @ w.t()`` as fp32 ``[s, E]`` from bf16 products: ``x`` (bf16 ``[s, D]``) is exact in bf16 and ``w``
+    (fp32 ``[E, D]``) is split into three bf16 parts, so one GEMM against the stacked parts with fp32 accumulation
+    gives the fp32 product to fp32 rounding."""
+    E = w_ED.shape[0]
+    parts_sPE = _mm_fp32(x_sD, torch.cat(_bf16_parts(w_ED, 3)).t()).view(-1, 3, E)
+    return parts_sPE[:, 2] + parts_sPE[:, 1] + parts_sPE[:, 0]
+
+
+def router_logits_split_backward(grad_sE: torch.Tensor, x_sD: torch.Tensor, w_ED: torch.Tensor,
+                                 needs: tuple[bool, bool] = (True, True)) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of `router_logits_split` from the fp32 ``grad_sE`` (None where ``needs`` says so): ``grad_x``
+    fp32 ``[s, D]``, ``g·w`` from the products of two-part splits down to ``2^−16`` (it is rounded to bf16 after),
+    and ``grad_w`` fp32 ``[E, D]``, ``gᵀx`` with ``g`` in three parts (fp32 rounding, like ``w``)."""
+    E = w_ED.shape[0]
+    g1, g2, g3 = _bf16_parts(grad_sE, 3)
+    grad_x = grad_w = None
+    if needs[0]:
+        w1, w2 = _bf16_parts(w_ED, 2)
+        grad_x = _mm_fp32(torch.cat([g1, g1, g2], 1), torch.cat([w1, w2, w1]))
+    if needs[1]:
+        parts_PED = _mm_fp32(torch.cat([g1, g2, g3], 1).t(), x_sD).view(3, E, -1)
+        grad_w = parts_PED[2] + parts_PED[1] + parts_PED[0]
+    return grad_x, grad_w
+
+
 class _RouterLogits(torch.autograd.Function):
     """``x_sD @ w_ED.t()`` in fp32 (fp64 for fp64 inputs) with autocast off, keeping ``x_sD`` in its own dtype for
-    backward (not an fp32 copy): the backward casts it again instead of recomputing the product."""
+    backward (not an fp32 copy): the backward casts it again instead of recomputing the product. bf16 tokens and
+    fp32 weights on a GPU take split bf16 tensor-core products (`router_logits_split`) with fp32 results."""
 
     @staticmethod
     def forward(ctx, x_sD, w_ED):
         ctx.save_for_backward(x_sD, w_ED)
-        dtype = _logits_dtype(x_sD, w_ED)
         with torch.autocast(x_sD.device.type, enabled=False):
+            if _splits_router_products(x_sD, w_ED):
+                return router_logits_split(x_sD, w_ED)
+            dtype = _logits_dtype(x_sD, w_ED)
             return x_sD.to(dtype) @ w_ED.to(dtype).t()
 
     @staticmethod
@@ -52,8 +103,11 @@ class _RouterLogits(torch.autograd.Function):
         x_sD, w_ED = ctx.saved_tensors
         dtype = _logits_dtype(x_sD, w_ED)
         with torch.autocast(x_sD.device.type, enabled=False):
-            grad_x = grad_sE.to(dtype) @ w_ED.to(dtype) if ctx.needs_input_grad[0] else None
-            grad_w = grad_sE.to(dtype).t() @ x_sD.to(dtype) if ctx.needs_input_grad[1] else None
+            if _splits_router_products(x_sD, w_ED):
+                grad_x, grad_w = router_logits_split_backward(grad_sE, x_sD, w_ED, ctx.needs_input_grad[:2])
+            else:
+                grad_x = grad_sE.to(dtype) @ w_ED.to(dtype) if ctx.needs_input_grad[0] else None
+                grad_w = grad_sE.to(dtype).t() @ x_sD.to(dtype) if ctx.needs_input_grad[1] else None
         return (None if grad_x is None else grad_x.to(x_sD.dtype),
                 None if grad_w is None else grad_w.to(w_ED.dtype))
 
