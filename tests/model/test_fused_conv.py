@@ -103,3 +103,38 @@ def test_conv_silu_reads_a_column_slice_in_place(B):
     assert torch.equal(y, y_ref)
     assert torch.equal(grad[..., D:2 * D], grad_ref)
     assert grad[..., :D].eq(0).all() and grad[..., 2 * D:].eq(0).all()
+
+
+def test_compiled_graph_calls_the_conv_operator(monkeypatch):
+    """Under ``torch.compile`` the KDA layer's convolution is the operator (forward and backward kernels), equal to
+    eager bit for bit."""
+    import torch._dynamo.testing
+
+    from k3infra.model import kda
+
+    monkeypatch.setattr(fused, "MODE", "on")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    T, D, W = 40, 64, 4
+    wide = torch.randn(1, T, 2 * D + 8, generator=g).to(DEVICE)
+    w = (torch.randn(D, W, generator=g) / W**0.5).to(DEVICE)
+    dy = torch.randn(1, T, 2, D // 2, generator=g).to(DEVICE)
+    pos = positions_in_sequence(T, torch.tensor([0, 15, 40]), torch.device(DEVICE))
+
+    def step(x, w):
+        return kda._conv_act_kept_input(x[..., D:2 * D], w, None, pos, 2, normalize=False) * 2
+
+    results = []
+    for compiled in (False, True):
+        x, wl = wide.clone().requires_grad_(), w.clone().requires_grad_()
+        counts = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(step, backend=counts, fullgraph=True) if compiled else step
+        out = fn(x, wl)
+        out.backward(dy)
+        results.append((out.detach(), x.grad, wl.grad))
+        if compiled:
+            assert counts.frame_count == 1
+            graphs = "\n".join(str(gm.graph) for gm in counts.graphs)
+            assert "k3infra.fused_conv_silu" in graphs
+    for got, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)

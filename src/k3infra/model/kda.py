@@ -217,8 +217,9 @@ def _conv_act(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> to
 
 
 def _takes_fused_conv(u_BTD, state, pos_T) -> bool:
-    """Whether `_conv_act` runs the fused kernel (no decode state, positions known, `fused.use_fused`)."""
-    return state is None and pos_T is not None and fused.use_fused(u_BTD)
+    """Whether `_conv_act` runs the fused kernel (no decode state, positions known, `fused.use_fused`; an operator,
+    so compiled graphs take it too)."""
+    return state is None and pos_T is not None and fused.use_fused(u_BTD, while_compiling=True)
 
 
 def _conv_act_kept_input(u_BTD, weight_DW, state, pos_T, heads: int, normalize: bool) -> torch.Tensor:
