@@ -3,9 +3,8 @@
 ``y[t] = s · σ(s)`` with ``s[t] = Σ_j w[:, W−1−j] · u[t−j]`` over the taps ``j < W`` that stay inside ``t``'s sequence
 (``j ≤ pos[t]``), the eager `kda.causal_depthwise_conv` followed by ``F.silu``. The forward reads ``u`` once and
 writes ``y`` once, computing in fp32 (the eager chain rounds every tap's product to the activation dtype). The
-backward is one kernel too: a block of tokens ``n`` recomputes ``s`` at ``n + j`` for every tap ``j`` (nothing but
-``u`` is saved; the shifted tiles come from the cache), forms the fp32 gradient at ``s`` there, gathers
-``du[n] = Σ_j w[W−1−j] · ds[n + j]`` and sums ``dw`` over its blocks in registers into one fp32 partial per program.
+backward recomputes ``s`` from ``u`` (nothing but ``u`` is saved) into the fp32 gradient ``ds`` at ``s``, then
+gathers ``du`` and per-block fp32 partial sums of ``dw`` from the taps' ``ds``.
 Rows of ``u`` may be a column slice of a wider projection output; a row stride that is a multiple of 8 elements is
 declared so, so those loads are 16-byte vectors. Both are operators (``k3infra::fused_conv_silu`` and its
 backward), so compiled graphs call them too. `fused.MODE` decides where it runs (`fused.use_fused`).
@@ -23,11 +22,10 @@ __all__ = ["conv_silu"]
 
 _BLOCK_N = 32
 _BLOCK_D = 128
-_WARPS = 8
-_BWD_BLOCK_N = 16
-_BWD_BLOCK_D = 64
+_WARPS = 4
+_BWD_BLOCK_N = 32
+_BWD_BLOCK_D = 128
 _BWD_WARPS = 4
-_BWD_BLOCKS_PER_PROG = 8
 _MAX_TAPS = 8
 
 
@@ -60,38 +58,42 @@ def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, SU_BY_VEC, T, W: t
 
 
 @triton.jit
-def _conv_silu_bwd_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, du_ptr, dw_part_ptr, N, D, SU_BY_VEC, T,
-                          W: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCKS_PER_PROG: tl.constexpr, MAX_TAPS: tl.constexpr):
+def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, SU_BY_VEC, T, W: tl.constexpr,
+                              VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    SU = SU_BY_VEC * VEC
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W)
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(s)
+    tl.store(ds_ptr + offs, dy * sig * (1.0 + s * (1.0 - sig)), mask=mask)
+
+
+@triton.jit
+def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_ptr, N, D, SU_BY_VEC, T,
+                               W: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     SU = SU_BY_VEC * VEC
     pid_n = tl.program_id(0)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    dw_acc = tl.zeros([MAX_TAPS, BLOCK_D], dtype=tl.float32)
-    taps = tl.arange(0, MAX_TAPS)
-    for b in range(BLOCKS_PER_PROG):
-        rows = (pid_n * BLOCKS_PER_PROG + b) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows < N)[:, None] & col_ok[None, :]
-        u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * SU + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32)
-        du = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        # token n feeds tap j of token n + j: du[n] = Σ_j w[W−1−j] · ds[n + j] (when n + j is still in n's
-        # sequence), dw[W−1−j] = Σ_n u[n] · ds[n + j] over the same pairs; ds at n + j is recomputed here
-        for j in tl.static_range(W):
-            out = rows + j
-            pos = tl.load(pos_ptr + out % T, mask=out < N, other=0)
-            ok = (out < N) & (pos >= j)
-            s = _pre_activation(u_ptr, w_ptr, pos_ptr, out, cols, N, D, SU, T, W)
-            dy = tl.load(dy_ptr + out.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                         other=0.0).to(tl.float32)
-            sig = tl.sigmoid(s)
-            ds = dy * sig * (1.0 + s * (1.0 - sig))
-            w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
-            du += ds * w[None, :]
-            dw_acc += tl.where(taps[:, None] == W - 1 - j, tl.sum(ds * u_here, axis=0)[None, :], 0.0)
-        tl.store(du_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_part_ptr + (pid_n * MAX_TAPS + taps[:, None]) * D + cols[None, :], dw_acc,
-             mask=(taps < W)[:, None] & col_ok[None, :])
+    mask = (rows < N)[:, None] & col_ok[None, :]
+    u_here = tl.load(u_ptr + rows.to(tl.int64)[:, None] * SU + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    du = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # token n feeds tap j of token n + j: du[n] = Σ_j w[W−1−j] · ds[n + j] (when n + j is still in n's sequence),
+    # dw[W−1−j] = Σ_n u[n] · ds[n + j] over the same pairs
+    for j in tl.static_range(W):
+        out = rows + j
+        pos = tl.load(pos_ptr + out % T, mask=out < N, other=0)
+        ok = (out < N) & (pos >= j)
+        ds = tl.load(ds_ptr + out.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
+        du += ds * w[None, :]
+        tl.store(dw_part_ptr + (pid_n * W + (W - 1 - j)) * D + cols, tl.sum(ds * u_here, axis=0), mask=col_ok)
+    tl.store(du_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_stride(u_ND: torch.Tensor) -> tuple[int, int]:
@@ -129,15 +131,16 @@ def _conv_silu_bwd_op(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.
     if u_ND.stride(1) != 1:
         u_ND = u_ND.contiguous()
     du = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
-    progs = triton.cdiv(N, _BWD_BLOCK_N * _BWD_BLOCKS_PER_PROG)
-    dw_part = torch.empty(progs, _MAX_TAPS, D, dtype=torch.float32, device=u_ND.device)
+    ds = torch.empty(N, D, dtype=torch.float32, device=u_ND.device)
+    blocks = triton.cdiv(N, _BWD_BLOCK_N)
+    dw_part = torch.empty(blocks, W, D, dtype=torch.float32, device=u_ND.device)
     if N:
         su, vec = _row_stride(u_ND)
-        grid = (progs, triton.cdiv(D, _BWD_BLOCK_D))
-        _conv_silu_bwd_kernel[grid](u_ND, weight_DW, pos_T, dy_ND.contiguous(), du, dw_part, N, D, su, T, W=W,
-                                    VEC=vec, BLOCK_N=_BWD_BLOCK_N, BLOCK_D=_BWD_BLOCK_D,
-                                    BLOCKS_PER_PROG=_BWD_BLOCKS_PER_PROG, MAX_TAPS=_MAX_TAPS, num_warps=_BWD_WARPS)
-    return du, dw_part[:, :W].sum(0).t().to(weight_DW.dtype)
+        grid = (blocks, triton.cdiv(D, _BWD_BLOCK_D))
+        meta = dict(W=W, VEC=vec, BLOCK_N=_BWD_BLOCK_N, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS)
+        _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy_ND.contiguous(), ds, N, D, su, T, **meta)
+        _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, su, T, **meta)
+    return du, dw_part.sum(0).t().to(weight_DW.dtype)
 
 
 @_conv_silu_bwd_op.register_fake
