@@ -1,9 +1,8 @@
-"""Offline sm_90a compile of the chunk-32 v2 kernels (K1 `prepare32_kernel.py` and the TMA-fed K1
-`prepare32_tma_kernel.py`, K2 `recurrence32_kernel.py`): registers, spills, shared memory, resident CTAs, wgmma
-serialisation and SASS op counts.
+"""Offline sm_90a compile of the chunk-32 v2 kernels (K1 `prepare32_kernel.py`, K2 `recurrence32_kernel.py`):
+registers, spills, shared memory, resident CTAs, wgmma serialisation and SASS op counts.
 
 Runs without a GPU and without torch, with Triton 3.6 (the GPU machine's version):
-``/work/venv36/bin/python benchmarks/kda/v2_compile32.py [--chunk 32] [--stages 2 3] [--sass] [--k1-only]``;
+``/work/venv36/bin/python benchmarks/kda/v2_compile32.py [--chunk 32] [--stages 2 3] [--sass]``;
 `v2_compile.py` runs it after the other kernels.
 """
 
@@ -28,27 +27,6 @@ def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: i
                                        "kda_fwd_v2_prepare32_wide_kernel", maxnreg)
 
 
-#: SASS op counts of the TMA-fed K1: the wide kernel's and its TMA copies, mbarrier waits and wgmmas
-PREPARE_TMA_OPS = (*REC.COMPILE.PREPARE_OPS, "HGMMA", "UTMALDG", "SYNCS")
-
-
-def compile_prepare32_tma(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1, g_tma: bool = True,
-                          maxnreg: int | None = None):
-    """The TMA-fed K1 c32 (``g_tma``: a bf16 gate by TMA; otherwise an fp32 gate by plain loads)."""
-    mod = REC.COMPILE.load_by_path("flashkda_v2_prepare32_tma_kernel", V2_DIR / "prepare32_tma_kernel.py")
-    fn = mod.kda_fwd_v2_prepare32_tma_kernel
-    tok, gate = REC.desc_type("bf16", [32, int(mod.KH)]), REC.desc_type("bf16", [16, int(mod.KH)])
-    types = dict(q_desc=tok, k_desc=tok, g_desc=gate, g="*bf16" if g_tma else "*fp32", beta_in="*bf16",
-                 A_log="*fp32", dt_bias="*fp32", chunk_index="*i32", kd="*bf16", qd="*bf16", kr="*bf16",
-                 inv="*bf16", mqk="*bf16", glast="*fp32", beta="*fp32", scale="fp32", gate_scale="fp32", NT="i32",
-                 H="i32")
-    sig, attrs = REC.COMPILE.signature(fn, types)
-    cx = dict(GROUP=group, HAS_A_LOG=has_a_log, HAS_DT_BIAS=has_dt_bias, G_TMA=g_tma)
-    num_warps = int(mod.NUM_WARPS)
-    options = dict(num_warps=num_warps, maxnreg=int(maxnreg or mod.MAX_REGISTERS))
-    return triton.compile(REC.GluonASTSource(fn, sig, cx, attrs), target=REC.TARGET, options=options)
-
-
 def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True, every: int = 0):
     mod = REC.COMPILE.load_by_path("flashkda_v2_recurrence32_kernel", KERNEL_FILE)
     fn = mod.kda_fwd_v2_recurrence32_kernel
@@ -71,22 +49,11 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--sass", action="store_true", help="also print SASS op counts")
     ap.add_argument("--dump", default=None, help="write the ttgir/ptx of the first configuration to this folder")
-    ap.add_argument("--k1-only", action="store_true", help="compile the two K1 c32 kernels only")
-    ap.add_argument("--tma-maxnreg", type=int, nargs="*", default=[],
-                    help="also compile the TMA K1 at these register caps (default: its MAX_REGISTERS only)")
     args = ap.parse_args(argv)
     failed = 0
     jobs = [(f"prepare32 A_log={a} dt_bias={b} GVA group={grp}", REC.COMPILE.PREPARE_OPS,
              lambda a=a, b=b, grp=grp: compile_prepare32(a, b, grp))
             for a, b, grp in ((True, True, 1), (False, False, 1), (True, True, 2))]
-    jobs += [(f"prepare32 tma A_log={a} dt_bias={b} GVA group={grp} gate={'bf16 by TMA' if gt else 'fp32 by loads'}"
-              + (f" maxnreg={r}" if r else ""), PREPARE_TMA_OPS,
-              lambda a=a, b=b, grp=grp, gt=gt, r=r: compile_prepare32_tma(a, b, grp, gt, r))
-             for a, b, grp, gt in ((True, True, 1, True), (False, False, 1, True), (True, True, 2, True),
-                                   (True, True, 1, False))
-             for r in [None] + ([] if (a, b, grp, gt) != (True, True, 1, True) else args.tma_maxnreg)]
-    if args.k1_only:
-        args.chunk = []
     jobs += [(f"recurrence32 C={c} BV=64 warps=4 stages={st}" + (f" checkpoints every={e}" if e else ""),
               REC.RECURRENCE_OPS, lambda c=c, st=st, e=e: compile_recurrence32(c, 64, st, every=e))
              for c in args.chunk for st in args.stages for e in (0, 4)]

@@ -99,63 +99,6 @@ def test_wide_kernel_factor_products_match_the_emulation(lower_bound, saturate):
         assert (ours.float() - ref).norm() / scale < 2e-3, name
 
 
-def _mm16_model(a, b):
-    """The kernels' ``_mm16``: fp16 operands, exact products, the fp32 result."""
-    return (a.float().half().double() @ b.float().half().double()).float()
-
-
-def _neumann_model(L1, eye):
-    L2 = _mm16_model(L1, L1)
-    L4 = _mm16_model(L2, L2)
-    L8 = _mm16_model(L4, L4)
-    X = _mm16_model(eye - L1, eye + L2)
-    X = _mm16_model(X, eye + L4)
-    return _mm16_model(X, eye + L8)
-
-
-def test_tma_kernel_products_and_inverse_on_32x32_tiles_match_the_16x16_blocks():
-    # `prepare32_tma_kernel._products`: the six 16x16x128 products from 32-row windows of its operand tiles, and
-    # the block inverse on 32x32 tiles with exact-zero off-diagonal blocks, against the wide kernel's 16x16 blocks
-    gen = torch.Generator().manual_seed(3)
-    kd_a, kd_b, qd_a, qd_b, ki_a, ki_ar, ki_b = (torch.randn(16, K, generator=gen).bfloat16().float() * 0.3
-                                                  for _ in range(7))
-    kq = {}  # tile 4j + h: k (kd_op) of token half h, channel half j; 4j + 2 + h: q (qd_op)
-    w = {}  # tile 3j + p: ki_A, kiAr, ki_B
-    for j in range(2):
-        cols = slice(64 * j, 64 * j + 64)
-        kq.update({4 * j: kd_a[:, cols], 4 * j + 1: kd_b[:, cols], 4 * j + 2: qd_a[:, cols], 4 * j + 3: qd_b[:, cols]})
-        w.update({3 * j: ki_a[:, cols], 3 * j + 1: ki_ar[:, cols], 3 * j + 2: ki_b[:, cols]})
-    acc0, acc1 = torch.zeros(64, 32), torch.zeros(64, 32)
-    for j in range(2):
-        a = torch.cat([kq[4 * j + i] for i in range(4)])  # [64, 64]
-        acc0 += a @ torch.cat([w[3 * j], w[3 * j + 1]]).T
-        acc1 += a @ torch.cat([w[3 * j + 1], w[3 * j + 2]]).T
-    rr = torch.arange(64)[:, None]
-    S = torch.where(rr % 32 < 16, acc0, acc1)
-    ii, jj = torch.arange(32)[:, None], torch.arange(32)[None, :]
-    beta = torch.rand(32, 1, generator=gen)
-    L = torch.where(jj < ii, S[:32] * beta, 0.0)
-    mqk = torch.where(jj <= ii, S[32:], 0.0)
-    strict = torch.tril(torch.ones(16, 16, dtype=torch.bool), -1)
-    L11 = torch.where(strict, kd_a @ ki_a.T * beta[:16], 0.0)
-    L22 = torch.where(strict, kd_b @ ki_b.T * beta[16:], 0.0)
-    L21 = kd_b @ ki_ar.T * beta[16:]
-    for got, want in ((L[:16, :16], L11), (L[16:, 16:], L22), (L[16:, :16], L21), (L[:16, 16:], 0 * L11),
-                      (mqk[:16, :16], torch.tril(qd_a @ ki_a.T)), (mqk[16:, 16:], torch.tril(qd_b @ ki_b.T)),
-                      (mqk[16:, :16], qd_b @ ki_ar.T), (mqk[:16, 16:], 0 * L11)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-    # the inverse: 32x32 with blockdiag(L11, L22), then X - X (L21 X), against the 16x16 blocks, bit for bit
-    diag = (ii < 16) == (jj < 16)
-    eye32, eye16 = torch.eye(32), torch.eye(16)
-    X = _neumann_model(torch.where(diag, L, 0.0), eye32)
-    X = X - _mm16_model(X, _mm16_model(torch.where(diag, 0.0, L), X))
-    a_inv, b_inv = _neumann_model(L[:16, :16], eye16), _neumann_model(L[16:, 16:], eye16)
-    x21 = -_mm16_model(b_inv, _mm16_model(L[16:, :16], a_inv))
-    assert torch.equal(X[:16, :16], a_inv) and torch.equal(X[16:, 16:], b_inv) and torch.equal(X[16:, :16], x21)
-    assert not X[:16, 16:].any()
-
-
 @pytest.mark.parametrize("lower_bound", [-5.0, -3.0, -1.0, -0.1])
 @pytest.mark.parametrize("B, T, cu", [(2, 80, None), (1, 150, (0, 0, 1, 70, 101, 150))], ids=["fixed", "varlen"])
 def test_emulation32_matches_fp64_like_chunk16(B, T, cu, lower_bound):
@@ -311,65 +254,6 @@ def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV):
     ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     torch.cuda.synchronize()
     assert_workspace_close(ws, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B, T, H, cu, a_log, HV", V2_GPU_CASES)
-def test_prepare32_tma_kernel_matches_emulation_and_wide(B, T, H, cu, a_log, HV):
-    from flashkda.fwd.v2.prepare32 import prepare32_fwd
-
-    cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
-    layout = build_chunk_layout32(B, T, cu_t, q.device)
-    ref = emulate_prepare32(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, kernel="tma")
-    wide = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, kernel="wide")
-    torch.cuda.synchronize()
-    assert_workspace_close(ws, ref)
-    assert_workspace_close(ws, wide)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gate_dtype, gate_scale, lower_bound", [
-    pytest.param(torch.float32, 1.0, -5.0, id="fp32-gate-by-loads"),
-    pytest.param(torch.bfloat16, 50.0, -5.0, id="saturated-gate"),
-    pytest.param(torch.bfloat16, 1.0, -0.1, id="lower-bound-0.1"),
-])
-def test_prepare32_tma_kernel_gate_paths(gate_dtype, gate_scale, lower_bound):
-    # the TMA kernel reads a bf16 gate by TMA and any other dtype by plain loads; saturated gates reach the
-    # exponent range's ends (|G| = 231 over a chunk at lower_bound -5)
-    from flashkda.fwd.v2.prepare32 import prepare32_fwd
-
-    cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(1, 300, 2, (0, 100, 300), True, 3, 4)
-    g = (g.float() * gate_scale).to(gate_dtype)
-    layout = build_chunk_layout32(1, 300, cu_t, q.device)
-    ref = emulate_prepare32(q, k, g, beta, K**-0.5, layout, lower_bound, A_log, dt_bias)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, lower_bound, A_log, dt_bias, kernel="tma")
-    wide = prepare32_fwd(q, k, g, beta, K**-0.5, layout, lower_bound, A_log, dt_bias, kernel="wide")
-    torch.cuda.synchronize()
-    assert_workspace_close(ws, ref)
-    assert_workspace_close(ws, wide)
-
-
-@pytest.mark.gpu
-def test_chunk32_forward_with_the_tma_prepare_matches_fp64():
-    from flashkda.fwd.v2.prepare32 import prepare32_fwd
-    from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
-
-    cu_t, (q, k, v, g, beta, A_log, dt_bias, h0) = gpu_inputs(1, 2048, 2, (0, 1500, 2048), True, 9, 2)
-    layout = build_chunk_layout32(1, 2048, cu_t, q.device)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, kernel="tma")
-    o, s = recurrence32_fwd(ws, v, h0, True)
-    ro, rs = _reference(q, k, v, g, beta, h0, -5.0, cu_t, A_log, dt_bias)
-    assert_close("o", ro, o, 6e-3)
-    assert_close("final_state", rs, s, 1e-2)
-
-
-def test_prepare32_rejects_an_unknown_kernel():
-    from flashkda.fwd.v2.prepare32 import prepare32_fwd
-
-    x = torch.zeros(1, 32, 1, K, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        prepare32_fwd(x, x, x, x[..., 0], K**-0.5, build_chunk_layout32(1, 32, None, CPU), -5.0, kernel="cutlass")
 
 
 @pytest.mark.gpu
