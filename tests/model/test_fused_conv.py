@@ -138,3 +138,17 @@ def test_compiled_graph_calls_the_conv_operator(monkeypatch):
             assert "k3infra.fused_conv_silu" in graphs
     for got, ref in zip(results[1], results[0]):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_conv_operators_pass_opcheck():
+    """Fake (meta) kernels agree with the real ones in shapes, strides and dtypes, which compiled graphs assert."""
+    from k3infra.model import fused_conv
+
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(40, 3 * 32 + 8, generator=g).to(DEVICE)[:, 32:64]
+    w = torch.randn(32, 4, generator=g).to(DEVICE)
+    pos = positions_in_sequence(40, torch.tensor([0, 13, 40]), torch.device(DEVICE)).to(torch.int32)
+    dy = torch.randn(40, 32, generator=g).to(DEVICE)
+    torch.library.opcheck(fused_conv._conv_silu_op, (u, w, pos), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(fused_conv._conv_silu_bwd_op, (u, w, pos, dy),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -5,8 +5,8 @@
 writes ``y`` once, computing in fp32 (the eager chain rounds every tap's product to the activation dtype). The
 backward recomputes ``s`` from ``u`` (nothing but ``u`` is saved) into the fp32 gradient ``ds`` at ``s``, then
 gathers ``du`` and per-block fp32 partial sums of ``dw`` from the taps' ``ds``.
-Rows of ``u`` may be a column slice of a wider projection output; a row stride that is a multiple of 8 elements is
-declared so, so those loads are 16-byte vectors. Both are operators (``k3infra::fused_conv_silu`` and its
+Rows of ``u`` may be a column slice of a wider projection output; the forward declares a row stride that is a
+multiple of 8 elements so, so its loads are 16-byte vectors. Both are operators (``k3infra::fused_conv_silu`` and its
 backward), so compiled graphs call them too. `fused.MODE` decides where it runs (`fused.use_fused`).
 
 Shape suffixes: N tokens (``B·T`` rows), D channels, W taps.
@@ -23,7 +23,7 @@ __all__ = ["conv_silu"]
 _BLOCK_N = 32
 _BLOCK_D = 128
 _WARPS = 4
-_BWD_BLOCK_N = 32
+_BWD_BLOCK_N = 64
 _BWD_BLOCK_D = 128
 _BWD_WARPS = 4
 _MAX_TAPS = 8
@@ -135,12 +135,13 @@ def _conv_silu_bwd_op(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.
     blocks = triton.cdiv(N, _BWD_BLOCK_N)
     dw_part = torch.empty(blocks, W, D, dtype=torch.float32, device=u_ND.device)
     if N:
-        su, vec = _row_stride(u_ND)
         grid = (blocks, triton.cdiv(D, _BWD_BLOCK_D))
-        meta = dict(W=W, VEC=vec, BLOCK_N=_BWD_BLOCK_N, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS)
-        _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy_ND.contiguous(), ds, N, D, su, T, **meta)
-        _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, su, T, **meta)
-    return du, dw_part.sum(0).t().to(weight_DW.dtype)
+        # plain strides here: declaring 16-byte rows made both kernels slower (more registers) in the A/B
+        meta = dict(W=W, VEC=1, BLOCK_N=_BWD_BLOCK_N, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS)
+        _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy_ND.contiguous(), ds, N, D, u_ND.stride(0), T,
+                                        **meta)
+        _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, u_ND.stride(0), T, **meta)
+    return du, dw_part.sum(0).t().contiguous().to(weight_DW.dtype)
 
 
 @_conv_silu_bwd_op.register_fake
