@@ -58,9 +58,8 @@ def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, SU_BY_VEC, T, W: t
 
 
 @triton.jit
-def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, SU_BY_VEC, T, W: tl.constexpr,
-                              VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    SU = SU_BY_VEC * VEC
+def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, SU, T, W: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W)
@@ -72,9 +71,8 @@ def _conv_silu_bwd_pre_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, ds_ptr, N, D, SU_BY
 
 
 @triton.jit
-def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_ptr, N, D, SU_BY_VEC, T,
-                               W: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    SU = SU_BY_VEC * VEC
+def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_ptr, N, D, SU, T, W: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -136,8 +134,8 @@ def _conv_silu_bwd_op(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.
     dw_part = torch.empty(blocks, W, D, dtype=torch.float32, device=u_ND.device)
     if N:
         grid = (blocks, triton.cdiv(D, _BWD_BLOCK_D))
-        # plain strides here: declaring 16-byte rows made both kernels slower (more registers) in the A/B
-        meta = dict(W=W, VEC=1, BLOCK_N=_BWD_BLOCK_N, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS)
+        # the row stride as is: declaring 16-byte rows made both kernels slower (more registers) in the A/B
+        meta = dict(W=W, BLOCK_N=_BWD_BLOCK_N, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS)
         _conv_silu_bwd_pre_kernel[grid](u_ND, weight_DW, pos_T, dy_ND.contiguous(), ds, N, D, u_ND.stride(0), T,
                                         **meta)
         _conv_silu_bwd_taps_kernel[grid](u_ND, weight_DW, pos_T, ds, du, dw_part, N, D, u_ND.stride(0), T, **meta)
