@@ -94,6 +94,13 @@ def _conv_silu_bwd_taps_kernel(u_ptr, w_ptr, pos_ptr, ds_ptr, du_ptr, dw_part_pt
     tl.store(du_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
+def _readable_rows(u_ND: torch.Tensor) -> torch.Tensor:
+    """``u_ND`` itself when its channels are contiguous and its rows do not overlap (a column slice of a wider
+    projection output), else a contiguous copy; the operators check it, since a compiled graph may hand over
+    another layout than eager's."""
+    return u_ND if u_ND.stride(1) == 1 and u_ND.stride(0) >= u_ND.shape[1] else u_ND.contiguous()
+
+
 def _row_stride(u_ND: torch.Tensor) -> tuple[int, int]:
     """``(stride // vec, vec)``: 8 when the row stride is a multiple of 8 elements (16-byte rows in bf16)."""
     stride = u_ND.stride(0)
@@ -105,8 +112,7 @@ def _row_stride(u_ND: torch.Tensor) -> tuple[int, int]:
 def _conv_silu_op(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
     N, D = u_ND.shape
     W, T = weight_DW.shape[1], pos_T.shape[0]
-    if u_ND.stride(1) != 1:  # a compiled graph may hand over another layout than eager's
-        u_ND = u_ND.contiguous()
+    u_ND = _readable_rows(u_ND)
     y = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
     if N:
         su, vec = _row_stride(u_ND)
@@ -126,8 +132,7 @@ def _conv_silu_bwd_op(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.
                       dy_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, D = u_ND.shape
     W, T = weight_DW.shape[1], pos_T.shape[0]
-    if u_ND.stride(1) != 1:
-        u_ND = u_ND.contiguous()
+    u_ND = _readable_rows(u_ND)
     du = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
     ds = torch.empty(N, D, dtype=torch.float32, device=u_ND.device)
     blocks = triton.cdiv(N, _BWD_BLOCK_N)
@@ -180,8 +185,7 @@ def conv_silu(u_BTD: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor)
                          f"{tuple(weight_DW.shape)}")
     if pos_T.shape != (T,):
         raise ValueError(f"conv_silu: pos_T must be [{T}], got {tuple(pos_T.shape)}")
-    u_ND = u_BTD.reshape(B * T, D)
-    if u_ND.stride(1) != 1 or u_ND.stride(0) < D:
-        u_ND = u_ND.contiguous()
+    # made readable before the operator too, so that the tensor saved for backward is the readable one
+    u_ND = _readable_rows(u_BTD.reshape(B * T, D))
     y = _conv_silu_op(u_ND, weight_DW.contiguous(), pos_T.to(torch.int32).contiguous())
     return y.view(B, T, D)

@@ -101,11 +101,11 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sE):
         x_sD, w_ED = ctx.saved_tensors
-        dtype = _logits_dtype(x_sD, w_ED)
         with torch.autocast(x_sD.device.type, enabled=False):
             if _splits_router_products(x_sD, w_ED):
                 grad_x, grad_w = router_logits_split_backward(grad_sE, x_sD, w_ED, ctx.needs_input_grad[:2])
             else:
+                dtype = _logits_dtype(x_sD, w_ED)
                 grad_x = grad_sE.to(dtype) @ w_ED.to(dtype) if ctx.needs_input_grad[0] else None
                 grad_w = grad_sE.to(dtype).t() @ x_sD.to(dtype) if ctx.needs_input_grad[1] else None
         return (None if grad_x is None else grad_x.to(x_sD.dtype),
