@@ -48,17 +48,18 @@ def test_conv_silu_matches_eager(dtype, B, T, D, W, cu):
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("seg, rows, pad", [pytest.param(4, 2, 0, id="SEG4-ROWS2-contiguous"),
                                             pytest.param(8, 4, 3, id="SEG8-ROWS4-stride163")])
-def test_conv_silu_backward_across_segments(monkeypatch, W, seg, rows, pad):
-    """The one-kernel backward walks segments of SEG rows (set small here, so most rows sit near a segment edge and
+def test_conv_silu_across_segments(monkeypatch, W, seg, rows, pad):
+    """Both kernels walk segments of SEG rows (set small here, so most rows sit near a segment edge and
     W - 1 > SEG for W = 6) against fp64 autograd: N = 61 not a multiple of SEG, sequences ending inside a segment
     (5, 19, 20: a one-token sequence, 33) and on its edge (16 for both SEG), the last one long enough for unmasked
     groups at every W, D = 80 over 32-channel blocks, ``u`` a column slice with an odd row stride. A wrong window
-    before or after a segment shows in ``du`` of its edge rows and in ``dw``."""
+    before or after a segment shows in ``y`` and ``du`` of its edge rows and in ``dw``."""
     from k3infra.model import fused_conv
 
-    monkeypatch.setattr(fused_conv, "_BWD_SEG", seg)
-    monkeypatch.setattr(fused_conv, "_BWD_ROWS", rows)
-    monkeypatch.setattr(fused_conv, "_BWD_BLOCK_D", 32)
+    for kernel in ("FWD", "BWD"):
+        monkeypatch.setattr(fused_conv, f"_{kernel}_SEG", seg)
+        monkeypatch.setattr(fused_conv, f"_{kernel}_ROWS", rows)
+        monkeypatch.setattr(fused_conv, f"_{kernel}_BLOCK_D", 32)
     g = torch.Generator().manual_seed(W * 100 + seg)
     N, D = 61, 80
     wide = torch.randn(1, N, 2 * D + pad, generator=g).to(DEVICE).requires_grad_()
@@ -68,7 +69,9 @@ def test_conv_silu_backward_across_segments(monkeypatch, W, seg, rows, pad):
     y = conv_silu(wide[..., pad:pad + D], w, pos)
     du, dw = torch.autograd.grad(y, (wide, w), dy)
     uf, wf = (x.detach().double().requires_grad_() for x in (wide[..., pad:pad + D], w))
-    du_ref, dw_ref = torch.autograd.grad(_eager(uf, wf, pos), (uf, wf), dy.double())
+    y_ref = _eager(uf, wf, pos)
+    du_ref, dw_ref = torch.autograd.grad(y_ref, (uf, wf), dy.double())
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(du[..., pad:pad + D].double(), du_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw.double(), dw_ref, rtol=1e-5, atol=1e-5)
 

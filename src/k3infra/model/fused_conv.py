@@ -1,12 +1,13 @@
 """Fused Triton kernels for the KDA layer's short convolution: ``Swish(causal depthwise conv)``, forward and backward.
 
 ``y[t] = s · σ(s)`` with ``s[t] = Σ_j w[:, W−1−j] · u[t−j]`` over the taps ``j < W`` that stay inside ``t``'s sequence
-(``j ≤ pos[t]``), the eager `kda.causal_depthwise_conv` followed by ``F.silu``. The forward reads ``u`` once and
+(``j ≤ pos[t]``), the eager `kda.causal_depthwise_conv` followed by ``F.silu``. Both kernels walk along the tokens
+of a segment with the last rows in registers. The forward reads ``u`` once (plus W − 1 rows of halo a segment) and
 writes ``y`` once, computing in fp32 (the eager chain rounds every tap's product to the activation dtype). The
-backward is one kernel that walks along the tokens of a segment: it recomputes ``s`` from ``u`` (nothing but ``u`` is
-saved) into the fp32 gradient ``ds`` at ``s``, keeps the last W − 1 rows of ``u`` and ``ds`` in registers, and emits
-``du`` of a row once the ``ds`` of the W − 1 rows after it are known, with per-segment fp32 partial sums of ``dw``;
-it reads ``u`` and ``dy`` once and writes ``du`` once, plus W − 1 rows of halo a segment.
+backward recomputes ``s`` from ``u`` (nothing but ``u`` is saved) into the fp32 gradient ``ds`` at ``s``, keeps the
+last W − 1 rows of ``u`` and ``ds`` in registers, and emits ``du`` of a row once the ``ds`` of the W − 1 rows after
+it are known, with per-segment fp32 partial sums of ``dw``; it reads ``u`` and ``dy`` once and writes ``du`` once,
+plus W − 1 rows of halo a segment.
 Rows of ``u`` may be a column slice of a wider projection output; both kernels declare a row stride that is a
 multiple of 8 elements when it is one, so that their loads of ``u`` are vectors. Both are operators
 (``k3infra::fused_conv_silu`` and its backward), so compiled graphs call them too. `fused.MODE` decides where it runs
@@ -23,70 +24,115 @@ import triton.language as tl
 
 __all__ = ["conv_silu"]
 
-_BLOCK_N = 32
-_BLOCK_D = 128
-_WARPS = 4
-# the backward: SEG rows a program, walked ROWS at a time (their loads in flight together); BLOCK_D channels over
-# WARPS warps (2 a thread: 64 registers at W = 4 for sm_90a); VEC: a row stride of 8·k elements declared as such
-_BWD_SEG = 64
+# both kernels walk SEG rows a program, ROWS at a time (their loads in flight together), over BLOCK_D channels on
+# WARPS warps; VEC: a row stride of 8·k elements declared as such (vector loads of u)
+_FWD_SEG = 128
+_FWD_ROWS = 8
+_FWD_BLOCK_D = 128
+_FWD_WARPS = 2
+_BWD_SEG = 128
 _BWD_ROWS = 4
 _BWD_BLOCK_D = 128
-_BWD_WARPS = 2
+_BWD_WARPS = 1
 _BWD_VEC = True
 _MAX_TAPS = 8
 
 
 @triton.jit
-def _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W: tl.constexpr):
-    """fp32 ``s`` at ``rows`` (``[BN]``, may run past ``N``) and ``cols`` (``[BD]``); ``u``'s rows ``SU`` apart."""
-    col_ok = cols < D
-    pos = tl.load(pos_ptr + rows % T, mask=rows < N, other=0)
-    s = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+def _taps(w_ptr, o_d, m_d, W: tl.constexpr):
+    """W x ``[BD]`` fp32: element ``j`` multiplies ``u[t − j]``."""
+    b_w = ()
     for j in tl.static_range(W):
-        w = tl.load(w_ptr + cols * W + (W - 1 - j), mask=col_ok, other=0.0).to(tl.float32)
-        src = rows - j
-        ok = (rows < N) & (pos >= j) & (src >= 0)
-        u = tl.load(u_ptr + src.to(tl.int64)[:, None] * SU + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        s += u * w[None, :]
-    return s
+        b_w += (tl.load(w_ptr + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32),)
+    return b_w
 
 
 @triton.jit
-def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, SU_BY_VEC, T, W: tl.constexpr, VEC: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    SU = SU_BY_VEC * VEC
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s = _pre_activation(u_ptr, w_ptr, pos_ptr, rows, cols, N, D, SU, T, W)
-    y = s * tl.sigmoid(s)
-    mask = (rows < N)[:, None] & (cols < D)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+def _history(u_ptr, t0, o_d, m_d, SU, W: tl.constexpr):
+    """``u`` of the W − 1 rows before ``t0``, newest first, in its dtype (zeros before row 0)."""
+    b_uw = ()
+    for k in tl.static_range(W - 1):
+        t_h = t0 - 1 - k
+        b_uw += (tl.load(u_ptr + t_h.to(tl.int64) * SU + o_d, mask=tl.where(t_h >= 0, m_d, False), other=0.0),)
+    return b_uw
+
+
+@triton.jit
+def _load_u_row(u_ptr, pos_ptr, t, o_d, m_d, N, SU):
+    """Row ``t`` of ``u`` in its dtype (``[BD]``; zeros past ``N``) and the int32 position in its sequence."""
+    t = tl.cast(t, tl.int32)  # a Python int in the interpreter's loops
+    # a select, not `m_d & (t < N)`: Triton's interpreter splats a scalar comparison as int32, not as a mask
+    b_u = tl.load(u_ptr + t.to(tl.int64) * SU + o_d, mask=tl.where(t < N, m_d, False), other=0.0)
+    p = tl.load(pos_ptr + t, mask=t < N, other=0)
+    return b_u, p
 
 
 @triton.jit
 def _load_row(u_ptr, dy_ptr, pos_ptr, t, o_d, m_d, N, D, SU):
-    """Row ``t`` (may run past ``N``: zeros there): ``u`` and ``dy`` in their dtype (``[BD]``) and the int32 position
-    in its sequence."""
-    t = tl.cast(t, tl.int32)  # a Python int in the interpreter's loops
-    # a select, not `m_d & (t < N)`: Triton's interpreter splats a scalar comparison as int32, not as a mask
-    m = tl.where(t < N, m_d, False)
-    b_u = tl.load(u_ptr + t.to(tl.int64) * SU + o_d, mask=m, other=0.0)
-    b_dy = tl.load(dy_ptr + t.to(tl.int64) * D + o_d, mask=m, other=0.0)
-    p = tl.load(pos_ptr + t, mask=t < N, other=0)
+    """`_load_u_row` and ``dy`` of row ``t`` in its dtype: ``(u, dy, pos)``."""
+    b_u, p = _load_u_row(u_ptr, pos_ptr, t, o_d, m_d, N, SU)
+    t = tl.cast(t, tl.int32)
+    b_dy = tl.load(dy_ptr + t.to(tl.int64) * D + o_d, mask=tl.where(t < N, m_d, False), other=0.0)
     return b_u, b_dy, p
 
 
 @triton.jit
-def _silu_grad(b_u, b_dy, p, b_uw, b_w, W: tl.constexpr, MASKED: tl.constexpr):
-    """fp32 gradient at the pre-activation, ``dy · σ(s) · (1 + s(1 − σ(s)))``, of a row at position ``p`` with its
-    ``u`` and the ``u`` of the W − 1 rows before it (``b_uw``, newest first); unless ``MASKED``, ``p ≥ W − 1``."""
+def _pre_activation(b_u, p, b_uw, b_w, W: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 ``s`` of a row at position ``p`` from its ``u`` and the ``u`` of the W − 1 rows before it (``b_uw``,
+    newest first); unless ``MASKED``, ``p ≥ W − 1``."""
     b_s = b_w[0] * b_u.to(tl.float32)
     for j in tl.static_range(1, W):
         b_uj = b_uw[j - 1].to(tl.float32)
         if MASKED:
             b_uj = tl.where(p >= j, b_uj, 0.0)  # u[t - j] is in an earlier sequence
         b_s += b_w[j] * b_uj
+    return b_s
+
+
+@triton.jit
+def _forward_row(b_u, p, b_uw, b_w, y_ptr, t, o_d, m_d, N, D, W: tl.constexpr, MASKED: tl.constexpr):
+    """Store ``y[t]``; returns the window moved on by the row."""
+    t = tl.cast(t, tl.int32)
+    b_s = _pre_activation(b_u, p, b_uw, b_w, W, MASKED)
+    b_y = b_s * tl.sigmoid(b_s)
+    tl.store(y_ptr + t.to(tl.int64) * D + o_d, b_y.to(y_ptr.dtype.element_ty), mask=tl.where(t < N, m_d, False))
+    return ((b_u,) + b_uw)[:W - 1]
+
+
+@triton.jit
+def _conv_silu_fwd_kernel(u_ptr, w_ptr, pos_ptr, y_ptr, N, D, SU_BY_VEC, W: tl.constexpr, VEC: tl.constexpr,
+                          SEG: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``y`` of the rows ``[t0, t0 + SEG)``, channels ``[i_d · BLOCK_D, +BLOCK_D)``, walking the rows with ``u`` of
+    the last W − 1 rows in registers: each row of ``u`` is read once, plus W − 1 rows before the segment. Groups of
+    ROWS rows that are all W − 1 or more tokens into their sequences skip the masks."""
+    tl.static_assert(SEG % ROWS == 0)
+    SU = SU_BY_VEC * VEC
+    i_n, i_d = tl.program_id(0), tl.program_id(1)
+    t0 = i_n * SEG
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_w = _taps(w_ptr, o_d, m_d, W)
+    b_uw = _history(u_ptr, t0, o_d, m_d, SU, W)
+    for t_r in range(t0, t0 + SEG, ROWS):
+        b_ur, p_r = (), ()
+        p_min = tl.cast(W - 1, tl.int32)
+        for r in tl.static_range(ROWS):
+            b_u, p = _load_u_row(u_ptr, pos_ptr, t_r + r, o_d, m_d, N, SU)
+            b_ur += (b_u,)
+            p_r += (p,)
+            p_min = tl.minimum(p_min, p)
+        if p_min >= W - 1:
+            for r in tl.static_range(ROWS):
+                b_uw = _forward_row(b_ur[r], p_r[r], b_uw, b_w, y_ptr, t_r + r, o_d, m_d, N, D, W, False)
+        else:
+            for r in tl.static_range(ROWS):
+                b_uw = _forward_row(b_ur[r], p_r[r], b_uw, b_w, y_ptr, t_r + r, o_d, m_d, N, D, W, True)
+
+
+@triton.jit
+def _silu_grad(b_u, b_dy, p, b_uw, b_w, W: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 gradient at the pre-activation, ``dy · σ(s) · (1 + s(1 − σ(s)))``, of a row (`_pre_activation`)."""
+    b_s = _pre_activation(b_u, p, b_uw, b_w, W, MASKED)
     b_sig = tl.sigmoid(b_s)
     return b_dy.to(tl.float32) * b_sig * (1.0 + b_s * (1.0 - b_sig))
 
@@ -133,16 +179,12 @@ def _conv_silu_bwd_kernel(u_ptr, w_ptr, pos_ptr, dy_ptr, du_ptr, dw_part_ptr, N,
     t0 = i_n * SEG
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_w = ()  # W x [BD] fp32: b_w[j] multiplies u[t - j]
+    b_w = _taps(w_ptr, o_d, m_d, W)
     b_dw = ()  # W x [BD] fp32: the partial sums of dw_j
-    for j in tl.static_range(W):
-        b_w += (tl.load(w_ptr + o_d * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32),)
+    for _ in tl.static_range(W):
         b_dw += (tl.zeros([BLOCK_D], dtype=tl.float32),)
-    # -- the history: u of the W - 1 rows before t0 (zeros before row 0), the s of rows t0 .. t0 + W - 2 needs them
-    b_uw = ()  # W - 1 x [BD], u's dtype: b_uw[k] = u[t - 1 - k]
-    for k in tl.static_range(W - 1):
-        t_h = t0 - 1 - k
-        b_uw += (tl.load(u_ptr + t_h.to(tl.int64) * SU + o_d, mask=tl.where(t_h >= 0, m_d, False), other=0.0),)
+    # -- the history (b_uw[k] = u[t - 1 - k]): the s of rows t0 .. t0 + W - 2 needs it
+    b_uw = _history(u_ptr, t0, o_d, m_d, SU, W)
     # -- the warm-up: ds of rows t0 .. t0 + W - 2, whose outputs n < t0 belong to the previous segment
     b_dsw = ()  # W - 1 x [BD] fp32: b_dsw[k] = ds[t - 1 - k]
     p_w = ()  # W - 1 int32: p_w[k] = pos[t - 1 - k]
@@ -193,17 +235,23 @@ def _row_stride(u_ND: torch.Tensor) -> tuple[int, int]:
     return stride // vec, vec
 
 
+def _positions_by_row(pos_T: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N]`` positions, one per row of ``B·T`` (a copy only when ``B > 1``): the kernels take no ``row % T``."""
+    T = pos_T.shape[0]
+    return pos_T if T == N else pos_T.repeat(N // T)
+
+
 @torch.library.custom_op("k3infra::fused_conv_silu", mutates_args=())
 def _conv_silu_op(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
     N, D = u_ND.shape
-    W, T = weight_DW.shape[1], pos_T.shape[0]
+    W = weight_DW.shape[1]
     u_ND = _readable_rows(u_ND)
     y = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
     if N:
         su, vec = _row_stride(u_ND)
-        grid = (triton.cdiv(N, _BLOCK_N), triton.cdiv(D, _BLOCK_D))
-        _conv_silu_fwd_kernel[grid](u_ND, weight_DW, pos_T, y, N, D, su, T, W=W, VEC=vec, BLOCK_N=_BLOCK_N,
-                                    BLOCK_D=_BLOCK_D, num_warps=_WARPS)
+        grid = (triton.cdiv(N, _FWD_SEG), triton.cdiv(D, _FWD_BLOCK_D))
+        _conv_silu_fwd_kernel[grid](u_ND, weight_DW, _positions_by_row(pos_T, N), y, N, D, su, W=W, VEC=vec,
+                                    SEG=_FWD_SEG, ROWS=_FWD_ROWS, BLOCK_D=_FWD_BLOCK_D, num_warps=_FWD_WARPS)
     return y
 
 
@@ -214,21 +262,18 @@ def _(u_ND, weight_DW, pos_T):
 
 def _conv_silu_bwd(u_ND: torch.Tensor, weight_DW: torch.Tensor, pos_T: torch.Tensor, dy_ND: torch.Tensor, *,
                    seg: int, rows: int, block_d: int, warps: int, vec: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # moves 3 activation-dtype elements per (token, channel): u and dy in, du out (6 bytes in bf16, the HBM bound it
-    # aims at), plus W − 1 halo rows of u and dy a segment and the [N / seg, W, D] fp32 dw partial sums (8 MB at
-    # N = 32768, D = 1024, seg = 64, W = 4), written once and summed here
+    # moves 3 activation-dtype elements per (token, channel): u and dy in, du out, plus W − 1 halo rows of u and dy
+    # a segment and the [N / seg, W, D] fp32 dw partial sums, written once and summed here
     N, D = u_ND.shape
-    W, T = weight_DW.shape[1], pos_T.shape[0]
+    W = weight_DW.shape[1]
     du = torch.empty(N, D, dtype=u_ND.dtype, device=u_ND.device)
     segs = triton.cdiv(N, seg)
     dw_part = torch.empty(segs, W, D, dtype=torch.float32, device=u_ND.device)
     if N:
         su, v = _row_stride(u_ND) if vec else (u_ND.stride(0), 1)
         grid = (segs, triton.cdiv(D, block_d))
-        # positions by row: no `row % T` per row in the kernel (B > 1 costs a copy of N ints here)
-        pos_N = pos_T if T == N else pos_T.repeat(N // T)
-        _conv_silu_bwd_kernel[grid](u_ND, weight_DW, pos_N, dy_ND.contiguous(), du, dw_part, N, D, su, W=W, VEC=v,
-                                    SEG=seg, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+        _conv_silu_bwd_kernel[grid](u_ND, weight_DW, _positions_by_row(pos_T, N), dy_ND.contiguous(), du, dw_part, N,
+                                    D, su, W=W, VEC=v, SEG=seg, ROWS=rows, BLOCK_D=block_d, num_warps=warps)
     return du, dw_part.sum(0).t().contiguous().to(weight_DW.dtype)
 
 
