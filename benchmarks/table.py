@@ -34,6 +34,8 @@ TITLES = {  # for results files written before the harness stored a title
     "env-soak": "AgentEnv soak: lifecycles with injected faults",
 }
 HEADLINES = {  # the extra columns a section shows first, where a component has more than fit
+    "kda-v2": ("cutlass ms", "v2/cutlass speed-up", "k1 c32 ms", "k2 c32 ms", "rms(o) v2 vs fla",
+               "rms(o) cutlass vs fla"),
     "kda-v2-bwd-precision": ("ours / fla worst tensor", "ours / fla worst ratio", "ours c16 dq", "fla dq",
                              "ours c16 dg", "fla dg", "ours c16 dA_log", "fla dA_log"),
     "train-loss": ("baseline_peak_MiB", "ours_peak_MiB", "baseline_dh_rel_rms", "ours_dh_rel_rms",

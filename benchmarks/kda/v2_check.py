@@ -18,9 +18,9 @@ Stages, each guarded so that one failure does not stop the others, all inside ``
 
 Results: ``benchmarks/results/kda-v2-<date>.json`` (``benchmarks.harness.write_results``), a log on stdout.
 
-Usage: ``python -m benchmarks.kda.v2_check [--budget 380] [--rows NAME ...] [--rep 10] [--skip-pytest]
-[--no-write] [--dry-run]``; ``--dry-run`` runs on a CPU: arguments, rows, the emulation path and the results file
-(to a temporary folder), no kernel.
+Usage: ``python -m benchmarks.kda.v2_check [--budget 380] [--rows NAME ...] [--rep 10] [--variants all|shipped]
+[--skip-pytest] [--no-write] [--dry-run]``; ``--dry-run`` runs on a CPU: arguments, rows, the emulation path and
+the results file (to a temporary folder), no kernel.
 """
 
 from __future__ import annotations
@@ -318,9 +318,13 @@ def check_fp64(impls: Impls, device: str, budget: Budget) -> list[Row]:
     return rows
 
 
-def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) -> Row:
-    """Errors vs fla and medians of every implementation on one anchor row."""
+def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget, variants: str = "all") -> Row:
+    """Errors vs fla and medians of every implementation on one anchor row; ``variants="shipped"`` times only fla,
+    CUTLASS, v1, v2 at its default and the default's K1 and K2 (fewer kernels to compile: every row fits a call)."""
     import torch
+
+    t_row = time.monotonic()
+    every = variants == "all"
 
     x, _ = make_inputs(shape, device)
     kw = dict(FLAGS)
@@ -340,22 +344,22 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         runs["v2"] = lambda: v2_call(impls.v2, x, kw)
     layout, _ = guarded(f"layout {shape.name}", layout_for, x, kw)
     ws = None
-    if impls.k1 and layout is not None:
+    if every and impls.k1 and layout is not None:
         ws, err = guarded(f"k1 {shape.name}", k1_call, impls.k1, x, kw, layout)
         if ws is not None:
             runs["k1"] = lambda: k1_call(impls.k1, x, kw, layout)
             extra["k2 workspace"] = "k1"
-    if ws is None and layout is not None:
+    if every and ws is None and layout is not None:
         ws, _ = guarded(f"emulated workspace {shape.name}", emulated_workspace, x, kw, layout)
         extra["k2 workspace"] = "emulate"
-    if impls.k2 and ws is not None:
+    if every and impls.k2 and ws is not None:
         runs["k2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True)
         # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
         runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
         runs["k2 stages2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, stages=2)
-    if impls.v2:
+    if every and impls.v2:
         runs["v2 c16"] = lambda: v2_call(functools.partial(impls.v2, chunk_size=16), x, kw)
-    if impls.v2c32:
+    if every and impls.v2c32:
         runs["v2 c32"] = lambda: v2_call(impls.v2c32, x, kw)
     layout32, _ = guarded(f"layout32 {shape.name}", layout32_for, x, kw)
     ws32 = None
@@ -369,7 +373,8 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         extra["k2 c32 workspace"] = "emulate"
     if impls.k2c32 and ws32 is not None:
         runs["k2 c32"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True)
-        runs["k2 c32 stages3"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True, stages=3)
+        if every:
+            runs["k2 c32 stages3"] = lambda: impls.k2c32(ws32, x["v"], x["initial_state"], True, stages=3)
     with torch.inference_mode():
         ref, err = guarded(f"fla {shape.name}", runs["fla"]) if "fla" in runs else (None, "fla missing")
         for name in ("cutlass", "v1", "v2", "v2 c16", "k2", "k2 bv128", "k2 stages2", "v2 c32", "k2 c32",
@@ -413,6 +418,7 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget) 
         for base in ("fla", "cutlass"):
             if base in medians:
                 extra[f"v2 c32/{base} speed-up"] = round(medians[base] / medians["v2 c32"], 3)
+    extra["row seconds"] = round(time.monotonic() - t_row, 1)
     timing = {k: v for k, v in extra.items() if k.endswith(" ms") or "speed-up" in k}
     log(f"[time] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in timing.items()))
     log(f"[check] {shape.name}: " + ", ".join(f"{k}={v}" for k, v in extra.items() if k not in timing))
@@ -578,7 +584,7 @@ def start_device_run(budget_s: float, grace_s: float, write) -> tuple[Budget, di
 
 
 def _write(results: list[Row], info: dict, no_write: bool) -> None:
-    write_rows(COMPONENT, "FlashKDA forward v2 (H200)", results, info, no_write)
+    write_rows(COMPONENT, "FlashKDA forward v2 vs CUTLASS FlashKDA and fla", results, info, no_write)
 
 
 def dry_run(rows: list[Shape]) -> int:
@@ -613,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", default=None, help="anchor row names (default all): "
                         + " ".join(s.name for s in ROWS))
     parser.add_argument("--rep", type=int, default=10, help="timed calls per implementation and row")
+    parser.add_argument("--variants", choices=("all", "shipped"), default="all",
+                        help="all: every K1/K2 configuration too; shipped: fla, CUTLASS, v1, v2 and v2's K1 and K2 "
+                             "(enough to time all 11 rows in one call)")
     parser.add_argument("--skip-pytest", action="store_true")
     parser.add_argument("--skip-fp64", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="write no results JSON")
@@ -654,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[time] budget: {shape.name} not run ({budget.left():.0f} s left)")
             results.append(Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", None, None, note="not run (budget)"))
             continue
-        row, err = guarded(f"row {shape.name}", time_row, shape, impls, device, args.rep, budget)
+        row, err = guarded(f"row {shape.name}", time_row, shape, impls, device, args.rep, budget,
+                              args.variants)
         results.append(row or Row(shape.name, "fla 0.6.0 chunk_kda (Triton)", None, None, note=f"failed: {err}"))
     info["missing"] = impls.missing
     _write(results, info, args.no_write)
