@@ -1,7 +1,9 @@
 """Time the v2 prepare kernel (K1) alone on the KDA prefill rows against a copy of the same bytes by torch (the
-bandwidth yardstick), after a check against the emulation.
+bandwidth yardstick), after a check against the emulation. ``--chunk 32`` times the chunk-32 kernels instead: the
+shipped wide kernel and the lean one (fewer issued instructions), each checked against ``emulate_prepare32``.
 
-Usage (GPU): ``python -m benchmarks.kda.v2_prepare_bench [--rows H64-T8192 ...] [--rep 20] [--no-write]``.
+Usage (GPU): ``python -m benchmarks.kda.v2_prepare_bench [--chunk 16|32] [--rows H64-T8192 ...] [--rep 20]
+[--no-write]``.
 K1 moves 1638 B per token-head (q, k, g, beta in; kd, qd, kr, beta, INV, Mqk, 2^Glast out): ``GB/s`` is that count
 over the median time. The yardstick reads three ``[T, H, 128]`` bf16 tensors and writes three (1536 B per token-head).
 """
@@ -36,31 +38,51 @@ def inputs(case, device):
     return q, k, g, beta, A_log, dt_bias, build_chunk_layout(1, T, cu, device)
 
 
-def check(q, k, g, beta, A_log, dt_bias, layout, ws) -> dict:
-    """Relative RMS of every workspace tensor against the emulation (used chunks only)."""
-    ref = emulate_prepare(q, k, g, beta, 128**-0.5, layout, -5.0, A_log, dt_bias)
+def check(ws, ref, layout, prefix: str = "") -> dict:
+    """Relative RMS of every workspace tensor against the emulation's ``ref`` (used chunks only)."""
     used = int(layout.seq_chunks[-1])
     out = {}
     for name in ("kd", "qd", "kr", "inv", "mqk", "glast", "beta"):
         x, r = getattr(ws, name), getattr(ref, name)
         if x.shape[0] == layout.num_chunks:
             x, r = x[:used], r[:used]
-        out[f"rms({name})"] = float(f"{rms_ratio(x.float(), r.float()):.2e}")
+        out[f"{prefix}rms({name})"] = float(f"{rms_ratio(x.float(), r.float()):.2e}")
     return out
 
 
-def bench_row(case, rep: int) -> Row:
+def _kernels(case, chunk: int):
+    """``(q, k, g, layout, emulated workspace, {name: launcher})`` for the chunk size's K1 kernels."""
     q, k, g, beta, A_log, dt_bias, layout = inputs(case, "cuda")
+    args = (q, k, g, beta, 128**-0.5)
+    if chunk == 16:
+        ref = emulate_prepare(*args, layout, -5.0, A_log, dt_bias)
+        return q, k, g, layout, ref, {"k1": lambda: prepare_fwd(*args, layout, -5.0, A_log, dt_bias)}
+    from flashkda.fwd.v2.emulate32 import emulate_prepare32
+    from flashkda.fwd.v2.prepare32 import prepare32_fwd
+    from flashkda.fwd.v2.prepare32_lean_kernel import prepare32_lean_fwd
+    from flashkda.fwd.v2.workspace32 import build_chunk_layout32
+
+    cu = None
+    if case.varlen:
+        cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
+    layout = build_chunk_layout32(1, case.T, cu, q.device)
+    ref = emulate_prepare32(*args, layout, -5.0, A_log, dt_bias)
+    return q, k, g, layout, ref, {"k1 c32 wide": lambda: prepare32_fwd(*args, layout, -5.0, A_log, dt_bias),
+                                  "k1 c32 lean": lambda: prepare32_lean_fwd(*args, layout, -5.0, A_log, dt_bias)}
+
+
+def bench_row(case, rep: int, chunk: int = 16) -> Row:
     th = case.T * case.H
     extra: dict = {}
     medians = {}
-    def run():
-        return prepare_fwd(q, k, g, beta, 128**-0.5, layout, -5.0, A_log, dt_bias)
-
-    extra.update(check(q, k, g, beta, A_log, dt_bias, layout, run()))
-    medians["k1"] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
-    extra["k1 ms"] = round(medians["k1"], 4)
-    extra["k1 GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians["k1"] / 1e6, 1)
+    q, k, g, layout, ref, runs = _kernels(case, chunk)
+    for name, run in runs.items():
+        extra.update(check(run(), ref, layout, "" if len(runs) == 1 else f"{name} "))
+        medians[name] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
+        extra[f"{name} ms"] = round(medians[name], 4)
+        extra[f"{name} GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians[name] / 1e6, 1)
+    if "k1 c32 wide" in medians:
+        extra["lean / wide speed-up"] = round(medians["k1 c32 wide"] / medians["k1 c32 lean"], 3)
     src = [q, k, g]
     dst = [torch.empty_like(x) for x in src]
 
@@ -81,6 +103,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=None, help=f"rows (default all): {[c.name for c in PREFILL]}")
     ap.add_argument("--rep", type=int, default=20)
+    ap.add_argument("--chunk", type=int, choices=(16, 32), default=16,
+                    help="16: the chunk-16 K1; 32: the chunk-32 wide and lean kernels, side by side")
     ap.add_argument("--no-write", action="store_true", help="print only, write no results file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -90,7 +114,7 @@ def main(argv=None) -> int:
     rows = []
     with torch.inference_mode():
         for case in cases:
-            rows.append(bench_row(case, args.rep))
+            rows.append(bench_row(case, args.rep, args.chunk))
             torch.cuda.empty_cache()
     if rows and not args.no_write:
         print(write_results("kda-v2-prepare", rows, title="FlashKDA v2 prepare kernel (K1)"))
