@@ -15,7 +15,8 @@ recorded in each row's note. On the CPU both variants use the torch KDA path (th
 the timing is a smoke test only.
 
 Gate: every variant's first-step loss (same weights, same batch) agrees with the baseline's (``--skip-baseline``:
-ours eager's) within ``--gate-tol`` nats.
+ours eager's) within ``--gate-tol`` nats. A SIGTERM (a ``timeout`` around the run) stops it and still writes the
+variants measured before it (a variant without its reference has no baseline time; the note says so), exit 1.
 Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
 ``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), peak memory. JSON goes to ``benchmarks/results/``.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -60,16 +62,31 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         trainer.state.close()
 
 
-def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, cfg: TrainConfig, note: str) -> Row:
+class _Stopped(BaseException):
+    """A SIGTERM arrived while a variant was measured (a BaseException, so that the ``except Exception`` wrappers of
+    torch.compile let it through; `_SIGNALLED` catches a wrapper that does not)."""
+
+
+_SIGNALLED: list[str] = []
+
+
+def _raise_stopped(signum, frame):
+    _SIGNALLED.append(signal.Signals(signum).name)
+    raise _Stopped(_SIGNALLED[-1])
+
+
+def _row(name: str, ref: str, results: dict, variants: dict, gap: float | None, args, cfg: TrainConfig,
+         note: str) -> Row:
     """Variant ``name`` (``ours`` or ``ours+compile``) against variant ``ref`` (``baseline``, or ``ours`` eager
-    with ``--skip-baseline``), every variant's numbers in ``extra``."""
-    ours, base = results[name], results[ref]
+    with ``--skip-baseline``; no baseline time when ``ref`` was not measured), every variant's numbers in
+    ``extra``."""
+    ours, base = results[name], results.get(ref) if name != ref else None
     compiled = name == "ours+compile"
     return Row(
         case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}-mb{cfg.micro_batch_size}"
              + ("-compile" if compiled else ""),
         baseline=f"K3 with {variants[ref]}" + (" (eager)" if ref == "ours" else ""),
-        baseline_ms=base["timing"].median_ms,
+        baseline_ms=None if base is None else base["timing"].median_ms,
         ours_ms=ours["timing"].median_ms,
         params={"config": args.config, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
                 "micro_batch_size": cfg.micro_batch_size,
@@ -87,6 +104,21 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float, args, c
         note=note + (f"; ours under torch.compile per {args.compile} ({compile_backend()}), {ref} eager"
                      if compiled else ""),
     )
+
+
+def _measure_variant(name: str, overrides: dict, out: str, args, results: dict) -> TrainConfig:
+    """Measure one variant into ``results[name]`` and print its line; returns its resolved config."""
+    cfg = TrainConfig(preset=args.config, steps=args.warmup + args.steps, seq_len=args.seq_len,
+                      batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, out=f"{out}/{name}",
+                      device=args.device, progress=False, tensorboard=False, plot=False, overrides=overrides,
+                      activation_checkpointing=args.activation_checkpointing,
+                      compile=args.compile if name == "ours+compile" else False).resolved()
+    r = results[name] = measure(cfg, args.steps, args.warmup)
+    print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
+          f"MFU {format_mfu(r['mfu'])}  peak "
+          f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
+          f"first loss {r['first_loss']:.4f}", flush=True)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,20 +158,29 @@ def main(argv: list[str] | None = None) -> int:
         note = "ours compiled against ours eager, same run"
     ref = "ours" if args.skip_baseline else "baseline"
     results = {}
-    with tempfile.TemporaryDirectory() as out:
-        for name, overrides in variants.items():
-            cfg = TrainConfig(preset=args.config, steps=args.warmup + args.steps, seq_len=args.seq_len,
-                              batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                              out=f"{out}/{name}", device=args.device, progress=False,
-                              tensorboard=False, plot=False, overrides=overrides,
-                              activation_checkpointing=args.activation_checkpointing,
-                              compile=args.compile if name == "ours+compile" else False).resolved()
-            results[name] = measure(cfg, args.steps, args.warmup)
-            r = results[name]
-            print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
-                  f"MFU {format_mfu(r['mfu'])}  peak "
-                  f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
-                  f"first loss {r['first_loss']:.4f}")
+    stopped = None
+    _SIGNALLED.clear()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            for name, overrides in variants.items():
+                cfg = _measure_variant(name, overrides, out, args, results)
+    except (_Stopped, Exception):
+        if not _SIGNALLED:
+            raise
+        stopped = f"stopped by {_SIGNALLED[-1]} while measuring {name}"
+        print(f"{stopped}: writing the variants measured before it")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        if not results:
+            return 1
+        gaps = {n: abs(r["first_loss"] - results[ref]["first_loss"]) if ref in results and n != ref else None
+                for n, r in results.items() if n != ref or len(results) == 1}
+        rows = [_row(n, ref, results, variants, gap, args, cfg, f"{note}; {stopped}") for n, gap in gaps.items()
+                if gap is None or gap <= args.gate_tol]
+        print(f"results: {write_results('train', rows, title='K3 training step', info=machine_info())}")
+        return 1
     gaps = {name: abs(r["first_loss"] - results[ref]["first_loss"]) for name, r in results.items() if name != ref}
     failed = {name: gap for name, gap in gaps.items() if gap > args.gate_tol}
     if failed:

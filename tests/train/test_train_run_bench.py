@@ -1,0 +1,53 @@
+"""`benchmarks.train.run` stopped by a SIGTERM (a ``timeout`` around it): the variants measured before it are
+still written, without a baseline time where their reference was not measured."""
+
+import json
+import os
+import signal
+
+from benchmarks.harness import Timing
+from benchmarks.train import run
+
+
+def _measured(first_loss: float) -> dict:
+    return {"first_loss": first_loss, "timing": Timing.from_samples([10.0, 11.0, 12.0]), "tokens_per_s": 1000.0,
+            "mfu": 0.1, "flops_per_token": 6.0e6, "peak_memory_gib": None, "device": "cpu"}
+
+
+def test_sigterm_during_the_compiled_variant_writes_ours_eager(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("K3INFRA_RESULTS_DIR", str(tmp_path))
+    calls = []
+
+    def measure(cfg, steps, warmup):
+        calls.append(cfg.compile)
+        if cfg.compile:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends while the compiled variant compiles
+            raise AssertionError("the SIGTERM handler should have stopped the measurement")
+        return _measured(5.0)
+
+    monkeypatch.setattr(run, "measure", measure)
+    before = signal.getsignal(signal.SIGTERM)
+    code = run.main(["--device", "cpu", "--config", "k3-debug", "--compile", "--skip-baseline", "--steps", "1"])
+    assert code == 1 and calls == [False, "layer"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    [path] = tmp_path.glob("train-*.json")
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["ours_ms"] == 11.0 and row["baseline_ms"] is None
+    assert "stopped by SIGTERM while measuring ours+compile" in row["note"]
+    assert "writing the variants measured before it" in capsys.readouterr().out
+
+
+def test_sigterm_during_the_baseline_keeps_ours_without_a_baseline_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3INFRA_RESULTS_DIR", str(tmp_path))
+
+    def measure(cfg, steps, warmup):
+        if cfg.overrides.get("kda_backend") == "torch" and "baseline" in str(cfg.out):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return _measured(5.0)
+
+    monkeypatch.setattr(run, "measure", measure)
+    assert run.main(["--device", "cpu", "--config", "k3-debug", "--steps", "1"]) == 1
+    [path] = tmp_path.glob("train-*.json")
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["baseline_ms"] is None and row["ours_ms"] == 11.0
+    assert "while measuring baseline" in row["note"]
