@@ -342,17 +342,18 @@ def time_row(shape: Shape, impls: Impls, device: str, rep: int, budget: Budget, 
         runs["v1"] = lambda: fla_style(impls.v1, x, kw)
     if impls.v2:
         runs["v2"] = lambda: v2_call(impls.v2, x, kw)
-    layout, _ = guarded(f"layout {shape.name}", layout_for, x, kw)
+    # the chunk-16 layout feeds only the chunk-16 K1/K2 variants
+    layout = guarded(f"layout {shape.name}", layout_for, x, kw)[0] if every else None
     ws = None
-    if every and impls.k1 and layout is not None:
+    if impls.k1 and layout is not None:
         ws, err = guarded(f"k1 {shape.name}", k1_call, impls.k1, x, kw, layout)
         if ws is not None:
             runs["k1"] = lambda: k1_call(impls.k1, x, kw, layout)
             extra["k2 workspace"] = "k1"
-    if every and ws is None and layout is not None:
+    if ws is None and layout is not None:
         ws, _ = guarded(f"emulated workspace {shape.name}", emulated_workspace, x, kw, layout)
         extra["k2 workspace"] = "emulate"
-    if every and impls.k2 and ws is not None:
+    if impls.k2 and ws is not None:
         runs["k2"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True)
         # K2's other configurations: one CTA per head (8 warps), a 2-slot ring
         runs["k2 bv128"] = lambda: impls.k2(ws, x["v"], x["initial_state"], True, block_v=128)
