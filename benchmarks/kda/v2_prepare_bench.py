@@ -11,6 +11,7 @@ over the median time. The yardstick reads three ``[T, H, 128]`` bf16 tensors and
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -59,7 +60,6 @@ def _kernels(case, chunk: int):
         return q, k, g, layout, ref, {"k1": lambda: prepare_fwd(*args, layout, -5.0, A_log, dt_bias)}
     from flashkda.fwd.v2.emulate32 import emulate_prepare32
     from flashkda.fwd.v2.prepare32 import prepare32_fwd
-    from flashkda.fwd.v2.prepare32_lean_kernel import prepare32_lean_fwd
     from flashkda.fwd.v2.workspace32 import build_chunk_layout32
 
     cu = None
@@ -67,8 +67,9 @@ def _kernels(case, chunk: int):
         cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
     layout = build_chunk_layout32(1, case.T, cu, q.device)
     ref = emulate_prepare32(*args, layout, -5.0, A_log, dt_bias)
-    return q, k, g, layout, ref, {"k1 c32 wide": lambda: prepare32_fwd(*args, layout, -5.0, A_log, dt_bias),
-                                  "k1 c32 lean": lambda: prepare32_lean_fwd(*args, layout, -5.0, A_log, dt_bias)}
+    return q, k, g, layout, ref, {f"k1 c32 {kernel}": functools.partial(prepare32_fwd, *args, layout, -5.0, A_log,
+                                                                        dt_bias, kernel=kernel)
+                                  for kernel in ("wide", "lean")}
 
 
 def bench_row(case, rep: int, chunk: int = 16) -> Row:

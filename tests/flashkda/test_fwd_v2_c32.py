@@ -277,15 +277,12 @@ def test_recurrence32_ignores_rows_past_the_last_sequence():
 @pytest.mark.parametrize("kernel", ["wide", "lean"])
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", V2_GPU_CASES)
 def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV, kernel):
-    if kernel == "wide":
-        from flashkda.fwd.v2.prepare32 import prepare32_fwd
-    else:
-        from flashkda.fwd.v2.prepare32_lean_kernel import prepare32_lean_fwd as prepare32_fwd
+    from flashkda.fwd.v2.prepare32 import prepare32_fwd
 
     cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
     layout = build_chunk_layout32(B, T, cu_t, q.device)
     ref = emulate_prepare32(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
+    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, kernel=kernel)
     torch.cuda.synchronize()
     assert_workspace_close(ws, ref)
 

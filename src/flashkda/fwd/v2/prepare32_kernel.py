@@ -154,6 +154,43 @@ def _wide_offsets(first, n_valid, i_h, H):
 
 
 @gluon.jit
+def _chunk_ends(G, glast, tile, o_k, n_valid, L_T: gl.constexpr, L_HK: gl.constexpr):
+    """From the in-half cumsums ``G`` (``[2, 16, K]`` in a layout whose token and ``[2, K]`` slices are ``L_T`` and
+    ``L_HK``): stores ``2^Glast`` of the chunk and returns ``r`` and ``G_B'[15]`` (``[K]`` each)."""
+    K: gl.constexpr = HEAD_DIM
+    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=L_T), 0), 2)
+    G_end = gl.sum(gl.where(tt == HALF - 1, G, 0.0), axis=1)  # [2, K]: r and G_B'[15] (padded rows add 0)
+    h2 = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, L_HK)), 1)  # [2, 1]
+    r = gl.sum(gl.where(h2 == 0, G_end, 0.0), axis=0)  # [K]
+    b_end = gl.sum(gl.where(h2 == 1, G_end, 0.0), axis=0)
+    gl.store(glast + tile * K + o_k, gl.exp2(r + b_end), mask=(o_k < K) & (n_valid > 0))
+    return r, b_end
+
+
+@gluon.jit
+def _store_operands(kd_op, qd_op, ki_op, kiar, left_s, q_s, right_s):
+    """The products' bf16 operands from the ``[2, 16, K]`` fp32 factors: left = [kd_A, kd_B, kd_B, qd_B],
+    q = [qd_A, qd_B, qd_A, qd_B], right = [ki_A, ki_B, kiAr, kiAr]^T."""
+    K: gl.constexpr = HEAD_DIM
+    kd_op = kd_op.to(gl.bfloat16)
+    qd_op = qd_op.to(gl.bfloat16)
+    left3 = left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
+    q3 = q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
+    right3 = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3)
+    left3.slice(0, 2).store(kd_op)
+    q3.slice(0, 2).store(qd_op)
+    q3.slice(2, 2).store(qd_op)
+    right3.slice(0, 2).store(gl.permute(ki_op.to(gl.bfloat16), [0, 2, 1]))
+    _, kd_b = gl.split(gl.permute(kd_op, [1, 2, 0]))
+    _, qd_b = gl.split(gl.permute(qd_op, [1, 2, 0]))
+    kiar_a, _ = gl.split(gl.permute(kiar.to(gl.bfloat16), [1, 2, 0]))
+    left_s.index(2).store(kd_b)
+    left_s.index(3).store(qd_b)
+    right_s.index(2).store(gl.permute(kiar_a, [1, 0]))
+    right_s.index(3).store(gl.permute(kiar_a, [1, 0]))
+
+
+@gluon.jit
 def _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale,
                         gate_scale, left_s, q_s, right_s, GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr,
                         HAS_DT_BIAS: gl.constexpr):
@@ -188,12 +225,7 @@ def _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_val
     b_g = gate_scale / (1.0 + gl.exp2(-b_g * LOG2E))
     b_g = gl.where(mask, b_g, 0.0)
     G = gl.associative_scan(b_g, 1, _add)  # in-half cumsum: G_A, and G_B' = G_B - r
-    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=W_T), 0), 2)
-    G_end = gl.sum(gl.where(tt == HALF - 1, G, 0.0), axis=1)  # [2, K]: r and G_B'[15] (padded rows add 0)
-    h2 = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, W_HK)), 1)  # [2, 1]
-    r = gl.sum(gl.where(h2 == 0, G_end, 0.0), axis=0)  # [K]
-    b_end = gl.sum(gl.where(h2 == 1, G_end, 0.0), axis=0)
-    gl.store(glast + tile * K + o_k, gl.exp2(r + b_end), mask=(o_k < K) & (n_valid > 0))
+    r, b_end = _chunk_ends(G, glast, tile, o_k, n_valid, W_T, W_HK)
     e_r = gl.expand_dims(gl.expand_dims(gl.exp2(r), 0), 1)  # [1, 1, K]
     e_end = gl.expand_dims(gl.expand_dims(gl.exp2(b_end), 0), 1)
     hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=W_H), 1), 2)
@@ -207,24 +239,7 @@ def _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_val
     gl.store(kd + base + offs, gl.where(b_half, kd_op * e_r, kd_op).to(gl.bfloat16), mask=mask)
     gl.store(qd + base + offs, gl.where(b_half, qd_op * e_r, qd_op).to(gl.bfloat16), mask=mask)
     gl.store(kr + base + offs, (gl.where(b_half, ki_op, kiar) * e_end).to(gl.bfloat16), mask=mask)
-
-    # operands: left = [kd_A, kd_B, kd_B, qd_B], q = [qd_A, qd_B, qd_A, qd_B], right = [ki_A, ki_B, kiAr, kiAr]^T
-    kd_op = kd_op.to(gl.bfloat16)
-    qd_op = qd_op.to(gl.bfloat16)
-    left3 = left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
-    q3 = q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
-    right3 = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3)
-    left3.slice(0, 2).store(kd_op)
-    q3.slice(0, 2).store(qd_op)
-    q3.slice(2, 2).store(qd_op)
-    right3.slice(0, 2).store(gl.permute(ki_op.to(gl.bfloat16), [0, 2, 1]))
-    _, kd_b = gl.split(gl.permute(kd_op, [1, 2, 0]))
-    _, qd_b = gl.split(gl.permute(qd_op, [1, 2, 0]))
-    kiar_a, _ = gl.split(gl.permute(kiar.to(gl.bfloat16), [1, 2, 0]))
-    left_s.index(2).store(kd_b)
-    left_s.index(3).store(qd_b)
-    right_s.index(2).store(gl.permute(kiar_a, [1, 0]))
-    right_s.index(3).store(gl.permute(kiar_a, [1, 0]))
+    _store_operands(kd_op, qd_op, ki_op, kiar, left_s, q_s, right_s)
 
 
 @gluon.jit

@@ -1,6 +1,7 @@
 """A leaner chunk-32 prepare kernel (K1 c32), `kda_fwd_v2_prepare32_lean_kernel`: the signature, launch and
 workspace of ``prepare32_kernel.kda_fwd_v2_prepare32_wide_kernel``, with fewer issued instructions in the
-elementwise part. Loaded like that module (by `prepare32_lean_fwd`, or by path by the offline compile script).
+elementwise part. Launched by ``prepare32.prepare32_fwd(..., kernel="lean")`` (or loaded by path by the offline
+compile script).
 
 What differs from the wide kernel (its products and inverse, `_products32`, are reused as they are):
 
@@ -26,7 +27,6 @@ stored values (``tests/flashkda/test_fwd_v2_c32.py``: the lean cases of
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 from triton.experimental import gluon
@@ -49,11 +49,11 @@ LOG2E = _wide.LOG2E
 L2NORM_EPS = _wide.L2NORM_EPS
 SMEM_TOK = _wide.SMEM_TOK
 SMEM_KT = _wide.SMEM_KT
-SMEM_TOK3 = _wide.SMEM_TOK3
-SMEM_KT3 = _wide.SMEM_KT3
 _add = _wide._add
 _beta_rows = _wide._beta_rows
 _products32 = _wide._products32
+_chunk_ends = _wide._chunk_ends
+_store_operands = _wide._store_operands
 
 # [2 halves, 16 tokens, 128 channels]: a thread owns both halves of 2 tokens x 4 adjacent channels (8-byte loads
 # and stores), 8 lanes along tokens, 4 lanes x 8 warps along channels
@@ -118,12 +118,7 @@ def _elementwise32_lean(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_val
         b_g = b_g * a
     b_g = gate_scale * _rcp(1.0 + gl.exp2(b_g))
     G = gl.associative_scan(b_g, 1, _add)  # in-half cumsum: G_A, and G_B' = G_B - r
-    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=L_T), 0), 2)
-    G_end = gl.sum(gl.where(tt == HALF - 1, G, 0.0), axis=1)  # [2, K]: r and G_B'[15] (padded rows add 0)
-    h2 = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, L_HK)), 1)  # [2, 1]
-    r = gl.sum(gl.where(h2 == 0, G_end, 0.0), axis=0)  # [K]
-    b_end = gl.sum(gl.where(h2 == 1, G_end, 0.0), axis=0)
-    gl.store(glast + tile * K + o_k, gl.exp2(r + b_end), mask=(o_k < K) & (n_valid > 0))
+    r, b_end = _chunk_ends(G, glast, tile, o_k, n_valid, L_T, L_HK)
     e_r = gl.expand_dims(gl.expand_dims(gl.exp2(r), 0), 1)  # [1, 1, K]
     e_end = gl.expand_dims(gl.expand_dims(gl.exp2(b_end), 0), 1)
     hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=L_H), 1), 2)
@@ -137,24 +132,7 @@ def _elementwise32_lean(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_val
     gl.store(kd + base + offs, gl.where(b_half, kd_op * e_r, kd_op).to(gl.bfloat16), mask=mask)
     gl.store(qd + base + offs, gl.where(b_half, qd_op * e_r, qd_op).to(gl.bfloat16), mask=mask)
     gl.store(kr + base + offs, (gl.where(b_half, ki_op, kiar) * e_end).to(gl.bfloat16), mask=mask)
-
-    # operands: left = [kd_A, kd_B, kd_B, qd_B], q = [qd_A, qd_B, qd_A, qd_B], right = [ki_A, ki_B, kiAr, kiAr]^T
-    kd_op = kd_op.to(gl.bfloat16)
-    qd_op = qd_op.to(gl.bfloat16)
-    left3 = left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
-    q3 = q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
-    right3 = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3)
-    left3.slice(0, 2).store(kd_op)
-    q3.slice(0, 2).store(qd_op)
-    q3.slice(2, 2).store(qd_op)
-    right3.slice(0, 2).store(gl.permute(ki_op.to(gl.bfloat16), [0, 2, 1]))
-    _, kd_b = gl.split(gl.permute(kd_op, [1, 2, 0]))
-    _, qd_b = gl.split(gl.permute(qd_op, [1, 2, 0]))
-    kiar_a, _ = gl.split(gl.permute(kiar.to(gl.bfloat16), [1, 2, 0]))
-    left_s.index(2).store(kd_b)
-    left_s.index(3).store(qd_b)
-    right_s.index(2).store(gl.permute(kiar_a, [1, 0]))
-    right_s.index(3).store(gl.permute(kiar_a, [1, 0]))
+    _store_operands(kd_op, qd_op, ki_op, kiar, left_s, q_s, right_s)
 
 
 @gluon.jit
@@ -178,29 +156,3 @@ def kda_fwd_v2_prepare32_lean_kernel(
                         gate_scale, left_s, q_s, right_s, GROUP, HAS_A_LOG, HAS_DT_BIAS)
     _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid)
 
-
-def prepare32_lean_fwd(q, k, g, beta, scale: float, layout, lower_bound: float, A_log=None, dt_bias=None, ws=None):
-    """``prepare32.prepare32_fwd`` with `kda_fwd_v2_prepare32_lean_kernel` (same arguments, checks and result)."""
-    from flashkda.fwd.v2.prepare import _check
-    from flashkda.fwd.v2.workspace import allocate_workspace
-    from flashkda.fwd.v2.workspace32 import CHUNK32
-
-    _check(q, k, g, beta, layout)
-    if layout.chunk != CHUNK32:
-        raise ValueError(f"layout must be a 32-token chunk layout (build_chunk_layout32), got {layout.chunk}-token "
-                         "chunks")
-    H = g.shape[2]
-    if ws is None:
-        ws = allocate_workspace(layout, H, q.device)
-    if layout.num_chunks == 0 or H == 0:
-        return ws
-    dummy = ws.glast
-    kda_fwd_v2_prepare32_lean_kernel[(layout.num_chunks * H,)](
-        q, k, g, beta,
-        A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
-        layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,
-        float(scale), float(lower_bound) / math.log(2.0), layout.num_chunks, H,
-        GROUP=H // q.shape[2], HAS_A_LOG=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        num_warps=int(NUM_WARPS), maxnreg=int(MAX_REGISTERS),
-    )
-    return ws
