@@ -24,7 +24,7 @@ KERNEL_FILE = V2_DIR / "recurrence32_kernel.py"
 
 def compile_prepare32(has_a_log: bool = True, has_dt_bias: bool = True, group: int = 1, maxnreg: int | None = None):
     return REC.COMPILE.compile_prepare(has_a_log, has_dt_bias, group, "prepare32_kernel.py",
-                                       "kda_fwd_v2_prepare32_wide_kernel", maxnreg)
+                                       "kda_fwd_v2_prepare32_kernel", maxnreg)
 
 
 def compile_recurrence32(chunk: int, block_v: int, stages: int, use_order: bool = True, every: int = 0):

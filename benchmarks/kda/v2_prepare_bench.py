@@ -1,6 +1,6 @@
 """Time the v2 prepare kernel (K1) alone on the KDA prefill rows against a copy of the same bytes by torch (the
-bandwidth yardstick), after a check against the emulation. ``--chunk 32`` times the chunk-32 kernels instead: the
-shipped wide kernel and the lean one (fewer issued instructions), each checked against ``emulate_prepare32``.
+bandwidth yardstick), after a check against the emulation. ``--chunk 32`` times the chunk-32 kernel instead, checked
+against ``emulate_prepare32``.
 
 Usage (GPU): ``python -m benchmarks.kda.v2_prepare_bench [--chunk 16|32] [--rows H64-T8192 ...] [--rep 20]
 [--no-write]``.
@@ -52,7 +52,7 @@ def check(ws, ref, layout, prefix: str = "") -> dict:
 
 
 def _kernels(case, chunk: int):
-    """``(q, k, g, layout, emulated workspace, {name: launcher})`` for the chunk size's K1 kernels."""
+    """``(q, k, g, layout, emulated workspace, {name: launcher})`` for the chunk size's K1 kernel."""
     q, k, g, beta, A_log, dt_bias, layout = inputs(case, "cuda")
     args = (q, k, g, beta, 128**-0.5)
     if chunk == 16:
@@ -67,9 +67,7 @@ def _kernels(case, chunk: int):
         cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
     layout = build_chunk_layout32(1, case.T, cu, q.device)
     ref = emulate_prepare32(*args, layout, -5.0, A_log, dt_bias)
-    return q, k, g, layout, ref, {f"k1 c32 {kernel}": functools.partial(prepare32_fwd, *args, layout, -5.0, A_log,
-                                                                        dt_bias, kernel=kernel)
-                                  for kernel in ("wide", "lean")}
+    return q, k, g, layout, ref, {"k1 c32": functools.partial(prepare32_fwd, *args, layout, -5.0, A_log, dt_bias)}
 
 
 def bench_row(case, rep: int, chunk: int = 16) -> Row:
@@ -82,8 +80,6 @@ def bench_row(case, rep: int, chunk: int = 16) -> Row:
         medians[name] = time_fn(run, device="cuda", warmup=3, rep=rep).median_ms
         extra[f"{name} ms"] = round(medians[name], 4)
         extra[f"{name} GB/s"] = round(th * K1_BYTES_PER_TOKEN_HEAD / medians[name] / 1e6, 1)
-    if "k1 c32 wide" in medians:
-        extra["lean / wide speed-up"] = round(medians["k1 c32 wide"] / medians["k1 c32 lean"], 3)
     src = [q, k, g]
     dst = [torch.empty_like(x) for x in src]
 
@@ -105,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="*", default=None, help=f"rows (default all): {[c.name for c in PREFILL]}")
     ap.add_argument("--rep", type=int, default=20)
     ap.add_argument("--chunk", type=int, choices=(16, 32), default=16,
-                    help="16: the chunk-16 K1; 32: the chunk-32 wide and lean kernels, side by side")
+                    help="16: the chunk-16 K1; 32: the chunk-32 K1")
     ap.add_argument("--no-write", action="store_true", help="print only, write no results file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -61,9 +61,9 @@ def test_workspace32_factors_stay_in_range_at_the_gate_floor():
     assert ws.inv.float().diagonal(dim1=-2, dim2=-1).eq(1).all()
 
 
-def _lean_gate_log2(g, A_log, dt_bias, lower_bound):
-    """The lean kernel's gate (`prepare32_lean_kernel._elementwise32_lean`): ``t = g a + dt_bias a`` with
-    ``a = -exp(A_log) log2(e)``, then ``lower_bound log2(e) / (1 + 2^t)``, fp32."""
+def _kernel_gate_log2(g, A_log, dt_bias, lower_bound):
+    """K1 c32's gate (`prepare32_kernel._elementwise32`): ``t = g a + dt_bias a`` with ``a = -exp(A_log) log2(e)``,
+    then ``lower_bound log2(e) / (1 + 2^t)``, fp32."""
     H = g.shape[-2]
     a = torch.full((H, 1), -LOG2E) if A_log is None else -torch.exp2(A_log.float().reshape(H, 1) * LOG2E) * LOG2E
     t = g.float() * a
@@ -72,21 +72,21 @@ def _lean_gate_log2(g, A_log, dt_bias, lower_bound):
     return (lower_bound * LOG2E) * (1.0 / (1.0 + torch.exp2(t)))
 
 
-def _wide_kernel_tokens(q, k, g, scale, lower_bound, A_log, dt_bias, lean=False):
-    """``kd, qd, kr, glast`` as K1 c32 forms them (fixed length, T a multiple of 32): per-half cumsums and
-    the half-B / chunk-end factors as products of per-channel powers (`prepare32_kernel._elementwise32_wide`);
-    ``lean``: the lean kernel's gate and ``2^-G = 1 / 2^G`` (`prepare32_lean_kernel`)."""
+def _kernel_tokens(q, k, g, scale, lower_bound, A_log, dt_bias):
+    """``kd, qd, kr, glast`` as K1 c32 forms them (fixed length, T a multiple of 32): its gate, per-half cumsums,
+    ``2^-G = 1 / 2^G`` and the half-B / chunk-end factors as products of per-channel powers
+    (`prepare32_kernel._elementwise32`)."""
     B, T, H, _ = g.shape
 
     def halves(x):
         return x.reshape(B, T // 32, 2, 16, H, K)
 
     qn, kn = halves(l2norm_fp32(q) * scale), halves(l2norm_fp32(k))
-    G = halves((_lean_gate_log2 if lean else gate_log2)(g, A_log, dt_bias, lower_bound)).cumsum(3)  # G_A, G_B'
+    G = halves(_kernel_gate_log2(g, A_log, dt_bias, lower_bound)).cumsum(3)  # G_A, G_B'
     r, b_end = G[:, :, 0, 15], G[:, :, 1, 15]
     e_r, e_end = torch.exp2(r)[:, :, None, None], torch.exp2(b_end)[:, :, None, None]
     kd_op, qd_op = kn * torch.exp2(G), qn * torch.exp2(G)
-    ki_op = kn * (1.0 / torch.exp2(G) if lean else torch.exp2(-G))
+    ki_op = kn * (1.0 / torch.exp2(G))
     half_b = torch.tensor([False, True])[None, None, :, None, None, None]
     kd = torch.where(half_b, kd_op * e_r, kd_op)
     qd = torch.where(half_b, qd_op * e_r, qd_op)
@@ -94,23 +94,20 @@ def _wide_kernel_tokens(q, k, g, scale, lower_bound, A_log, dt_bias, lean=False)
     return [x.reshape(B * T, H, K).to(torch.bfloat16) for x in (kd, qd, kr)] + [torch.exp2(r + b_end).reshape(-1, H, K)]
 
 
-@pytest.mark.parametrize("lower_bound, saturate, lean, a_log",
-                         [(-5.0, False, False, True), (-5.0, True, False, True), (-0.5, False, False, True),
-                          (-5.0, False, True, True), (-5.0, True, True, True), (-0.5, False, True, True),
-                          (-5.0, False, True, False)],
-                         ids=["wide-5", "wide-5-saturated", "wide-0.5", "lean-5", "lean-5-saturated", "lean-0.5",
-                              "lean-5-no-A_log"])
-def test_wide_kernel_factor_products_match_the_emulation(lower_bound, saturate, lean, a_log):
-    # the wide kernel replaces 2^(r - G), 2^(r + G_B') and 2^(Glast - G) by products of per-channel powers: each
-    # factor stays within 2^+-115, and the result is the emulation's up to fp32 rounding (then bf16); the lean
-    # kernel also forms the gate as g a + dt_bias a and 2^-G as 1 / 2^G
+@pytest.mark.parametrize("lower_bound, saturate, a_log",
+                         [(-5.0, False, True), (-5.0, True, True), (-0.5, False, True), (-5.0, False, False)],
+                         ids=["-5", "-5-saturated", "-0.5", "-5-no-A_log"])
+def test_kernel_factor_products_match_the_emulation(lower_bound, saturate, a_log):
+    # K1 c32 replaces 2^(r - G), 2^(r + G_B') and 2^(Glast - G) by products of per-channel powers, forms the gate
+    # as g a + dt_bias a and 2^-G as 1 / 2^G: each factor stays within 2^+-115, and the result is the emulation's
+    # up to fp32 rounding (then bf16)
     B, T, H = 2, 64, 2
     q, k, _, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, B, seed=8, a_log=a_log)
     if saturate:
         g = torch.full_like(g, 30.0)
     ws = emulate_prepare32(q, k, g, beta, K**-0.5, build_chunk_layout32(B, T, None, CPU), lower_bound, A_log,
                            dt_bias)
-    kd, qd, kr, glast = _wide_kernel_tokens(q, k, g, K**-0.5, lower_bound, A_log, dt_bias, lean)
+    kd, qd, kr, glast = _kernel_tokens(q, k, g, K**-0.5, lower_bound, A_log, dt_bias)
     for name, ours in (("kd", kd), ("qd", qd), ("kr", kr), ("glast", glast)):
         ref = getattr(ws, name).float()
         assert torch.isfinite(ours.float()).all(), name
@@ -119,14 +116,14 @@ def test_wide_kernel_factor_products_match_the_emulation(lower_bound, saturate, 
 
 
 @pytest.mark.parametrize("a_log", [True, False], ids=["A_log", "no-A_log"])
-def test_lean_gate_is_exactly_zero_past_the_chunk_end(a_log):
-    # the lean kernel loads the gate of a token past the chunk's end as -inf instead of selecting 0 afterwards
+def test_kernel_gate_is_exactly_zero_past_the_chunk_end(a_log):
+    # K1 c32 loads the gate of a token past the chunk's end as -inf instead of selecting 0 afterwards
     _, _, _, g, _, A_log, dt_bias, _ = make_inputs(1, 32, 2, 1, seed=3, a_log=a_log)
     for bias in (dt_bias, None):
-        gate = _lean_gate_log2(torch.full_like(g, float("-inf")), A_log, bias, -5.0)
+        gate = _kernel_gate_log2(torch.full_like(g, float("-inf")), A_log, bias, -5.0)
         assert torch.equal(gate, torch.zeros_like(gate))
     ref = gate_log2(g, A_log, dt_bias, -5.0)
-    assert ((_lean_gate_log2(g, A_log, dt_bias, -5.0) - ref).norm() / ref.norm()).item() < 1e-6
+    assert ((_kernel_gate_log2(g, A_log, dt_bias, -5.0) - ref).norm() / ref.norm()).item() < 1e-6
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -3.0, -1.0, -0.1])
@@ -274,15 +271,14 @@ def test_recurrence32_ignores_rows_past_the_last_sequence():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["wide", "lean"])
 @pytest.mark.parametrize("B, T, H, cu, a_log, HV", V2_GPU_CASES)
-def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV, kernel):
+def test_prepare32_kernel_matches_emulation(B, T, H, cu, a_log, HV):
     from flashkda.fwd.v2.prepare32 import prepare32_fwd
 
     cu_t, (q, k, _, g, beta, A_log, dt_bias, _) = gpu_inputs(B, T, H, cu, a_log, 7, HV)
     layout = build_chunk_layout32(B, T, cu_t, q.device)
     ref = emulate_prepare32(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
-    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias, kernel=kernel)
+    ws = prepare32_fwd(q, k, g, beta, K**-0.5, layout, -5.0, A_log, dt_bias)
     torch.cuda.synchronize()
     assert_workspace_close(ws, ref)
 

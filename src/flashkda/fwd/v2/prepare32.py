@@ -1,9 +1,8 @@
 """K1 of the chunk-32 v2 forward: L2 norm, bounded gate, beta sigmoid and the 32x32 chunk matrices, written to the
 chunk-32 workspace (`workspace32`).
 
-The Gluon kernel lives in `flashkda.fwd.v2.prepare32_kernel` (the lean variant, not yet measured on a GPU, in
-`flashkda.fwd.v2.prepare32_lean_kernel`) and is imported on the first launch only, so ``import flashkda`` works with
-any Triton (or none) and on machines without a GPU.
+The Gluon kernel lives in `flashkda.fwd.v2.prepare32_kernel` and is imported on the first launch only, so
+``import flashkda`` works with any Triton (or none) and on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -21,19 +20,14 @@ from flashkda.fwd.v2.workspace32 import CHUNK32
 __all__ = ["prepare32_fwd"]
 
 
-#: ``kernel=`` of `prepare32_fwd`: (module under ``flashkda.fwd.v2``, kernel name)
-KERNELS = {"wide": ("prepare32_kernel", "kda_fwd_v2_prepare32_wide_kernel"),
-           "lean": ("prepare32_lean_kernel", "kda_fwd_v2_prepare32_lean_kernel")}
-
-
 @functools.cache
-def _kernel_module(kernel: str = "wide"):
-    return importlib.import_module(f"flashkda.fwd.v2.{KERNELS[kernel][0]}")
+def _kernel_module():
+    return importlib.import_module("flashkda.fwd.v2.prepare32_kernel")
 
 
 def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   layout: ChunkLayout, lower_bound: float, A_log: torch.Tensor | None = None,
-                  dt_bias: torch.Tensor | None = None, ws: Workspace | None = None, kernel: str = "wide") -> Workspace:
+                  dt_bias: torch.Tensor | None = None, ws: Workspace | None = None) -> Workspace:
     """Run the chunk-32 K1 (same contract as ``emulate32.emulate_prepare32``).
 
     Args:
@@ -44,14 +38,10 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         lower_bound: the bounded gate's floor, in ``[-5, 0)``.
         A_log: ``[HV]`` or None; dt_bias: ``[HV * 128]`` or None.
         ws: a chunk-32 workspace to fill (``allocate_workspace`` for the same layout and HV), or None.
-        kernel: one of `KERNELS`: ``"wide"`` (``kda_fwd_v2_prepare32_wide_kernel``) or ``"lean"`` (the same
-            workspace with fewer issued instructions, `prepare32_lean_kernel`).
 
     Returns:
         The chunk-32 `Workspace` with ``HV`` heads; every element the chunk-32 K2 reads is written.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     _check(q, k, g, beta, layout)
     if layout.chunk != CHUNK32:
         raise ValueError(f"layout must be a 32-token chunk layout (build_chunk_layout32), got {layout.chunk}-token "
@@ -62,8 +52,8 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
     if layout.num_chunks == 0 or H == 0:
         return ws
     dummy = ws.glast
-    mod = _kernel_module(kernel)
-    getattr(mod, KERNELS[kernel][1])[(layout.num_chunks * H,)](
+    mod = _kernel_module()
+    mod.kda_fwd_v2_prepare32_kernel[(layout.num_chunks * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,

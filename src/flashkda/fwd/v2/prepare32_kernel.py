@@ -1,9 +1,9 @@
 """The Gluon prepare kernel (K1) for 32-token chunks; imported only by `flashkda.fwd.v2.prepare32` on first launch,
 and by path (without torch) by the offline compile script.
 
-`kda_fwd_v2_prepare32_wide_kernel`: one CTA of 8 warps per (32-token chunk, value head), grid ``NT * H`` with the
+`kda_fwd_v2_prepare32_kernel`: one CTA of 8 warps per (32-token chunk, value head), grid ``NT * H`` with the
 head fastest, capped at `MAX_REGISTERS` per thread. The elementwise part runs on the whole chunk in one
-``[2 halves, 16 tokens, 128]`` layout (`_elementwise32_wide`), with the exponent references of ``emulate32`` (so
+``[2 halves, 16 tokens, 128]`` layout (`_elementwise32`), with the exponent references of ``emulate32`` (so
 that no factor leaves ``2^+-115`` at ``lower_bound = -5``)::
 
     G_A = cumsum(gate_A), r = G_A[15];  G_B' = cumsum(gate_B) (= G_B - r);  Glast = r + G_B'[15]
@@ -12,6 +12,24 @@ that no factor leaves ``2^+-115`` at ``lower_bound = -5``)::
         L11 = kd_A (k_A 2^-G_A)^T,  L22 = (k_B 2^G_B') (k_B 2^-G_B')^T,  L21 = (k_B 2^G_B') (k_A 2^(r - G_A))^T
         Mqk11, Mqk22, Mqk21 likewise with q for the left factor; rows of L times beta
     INV = [[A^-1, 0], [-B^-1 (L21 A^-1), B^-1]]   (Neumann inverses and products from fp16 operands)
+
+The elementwise part, per element:
+
+- **8-byte global accesses.** A thread owns both halves of 2 tokens x 4 adjacent channels (``E3``), so each
+  token row of q, k, g, kd, qd, kr is one 8-byte access. The L2 norms reduce 4 channels in registers and over 4
+  lanes, then across the 8 warps; the gate's cumsum runs over 8 lanes and 2 registers.
+- **The gate in five instructions.** ``gate_scale * sigmoid(exp(A_log) (g + dt_bias))`` as
+  ``t = g a + dt_bias a`` (one FFMA, ``a = -exp(A_log) log2(e)`` per head, ``dt_bias a`` per channel),
+  ``gate_scale * rcp(1 + 2^t)`` with ``ex2.approx.ftz`` and ``rcp.approx.ftz`` (no ``div.full`` range fix-ups).
+  The gate of a token past the chunk's end loads as ``-inf``, so its activation is exactly 0 (``2^t = inf``,
+  ``rcp(inf) = 0``) without a select.
+- **``2^-G = rcp(2^G)``**: one special function instead of a negation and an ``ex2`` (``2^G`` is within
+  ``2^+-115``, a normal number either way, so the reciprocal is within 1 ulp of ``2^-G`` rounded).
+
+Shared memory is laid out so that no access conflicts on a bank (``gl.bank_conflicts`` of every store and load
+is 0): the right operands are stored token-major like the left ones (8-byte stores) and read transposed by
+``ldmatrix``; the 16x16 fp16 tiles of the inverses swizzle 16-byte vectors with a phase that changes every four
+32-byte rows; the fp32 tiles swizzle 16-byte vectors.
 
 Helpers shared with the chunk-16 kernel come from `prepare_kernel`.
 """
@@ -41,22 +59,22 @@ HEAD_DIM = _k16.HEAD_DIM
 LOG2E = _k16.LOG2E
 L2NORM_EPS = _k16.L2NORM_EPS
 SMEM_TOK = _k16.SMEM_TOK
+SMEM_TOK3 = _k16.SMEM_TOK3
 # 16x16 tiles of the lower block -B^-1 (L21 A^-1): mma.sync over all 8 warps
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8], instr_shape=[16, 8]))
 DOT_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[1, 0]))
 # the six 16x16x128 products as two [4, 16, 16] batches, one (batch, 8-column half) per warp
 MMA3 = _k16.MMA3
 DOT_A3 = _k16.DOT_A3
 DOT_B3 = _k16.DOT_B3
-SMEM_TOK3 = _k16.SMEM_TOK3
-SMEM_TILE3 = _k16.SMEM_TILE3
-SMEM_KT = _k16.SMEM_KT
-SMEM_KT3 = _k16.SMEM_KT3
-# unswizzled fp32 [4, 16, 16]: stored whole through the 3D layout, read back 16x16 tiles through the 2D one
-SMEM_F32 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-SMEM_F32_3 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+# fp16 16x16 tiles (32-byte rows): the 16-byte vector's phase flips every 4 rows, so the 8 rows of an ldmatrix /
+# stmatrix 8x8 matrix fall in 8 different 16-byte bank groups
+SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0]))
+SMEM_TILE3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0]))
+# fp32 [4, 16, 16] (64-byte rows), stored whole through the 3D layout and read back 16x16 tiles through the 2D one
+SMEM_F32 = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0]))
+SMEM_F32_3 = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[2, 1, 0]))
 _add = _k16._add
 _mm16 = _k16._mm16
 _neumann_inverse = _k16._neumann_inverse
@@ -79,11 +97,11 @@ def _beta_rows(beta_in, first, n_valid, i_h, H):
 @gluon.jit
 def _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid):
     """The batched products of a chunk from the operand tiles in shared memory (``left_s = [kd_A, kd_B, kd_B,
-    qd_B]``, ``q_s = [qd_A, qd_B, qd_A, qd_B]``, ``right_s = [ki_A, ki_B, kiAr, kiAr]^T``), the beta logits
+    qd_B]``, ``q_s = [qd_A, qd_B, qd_A, qd_B]``, ``right_s = [ki_A, ki_B, kiAr, kiAr]``, all ``[4, 16, K]``), the beta
     ``b_beta`` of L's rows: stores ``beta``, ``inv`` and ``mqk`` of the chunk."""
     K: gl.constexpr = HEAD_DIM
     C: gl.constexpr = 2 * HALF
-    right = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3).load(DOT_B3)
+    right = right_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3).permute([0, 2, 1]).load(DOT_B3)
     zero3 = gl.zeros([4, HALF, HALF], gl.float32, MMA3)
     P = mma_v2(left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3).load(DOT_A3), right, zero3)
     Q = mma_v2(q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3).load(DOT_A3), right, zero3)
@@ -131,22 +149,29 @@ def _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk
     gl.store(inv + o_x21, gl.where(ok_b, X21, 0.0).to(gl.bfloat16))
 
 
-# the wide kernel's elementwise layout, [2 halves, 16 tokens, 128 channels]: a thread owns both halves of 4 tokens x
-# 2 adjacent channels (4-byte loads and stores), 4 lanes along tokens, 8 lanes x 8 warps along channels
-W3 = gl.constexpr(gl.BlockedLayout([2, 4, 2], [1, 4, 8], [1, 1, 8], [2, 1, 0]))
-W_H = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, W3)))  # [2] halves
-W_T = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, W3)))  # [16] tokens
-W_K = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, W3)))  # [128] channels
-W_HK = gl.constexpr(gl.SliceLayout(1, W3))  # [2, 128]
+# [2 halves, 16 tokens, 128 channels]: a thread owns both halves of 2 tokens x 4 adjacent channels (8-byte loads
+# and stores), 8 lanes along tokens, 4 lanes x 8 warps along channels
+E3 = gl.constexpr(gl.BlockedLayout([2, 2, 4], [1, 8, 4], [1, 1, 8], [2, 1, 0]))
+E_H = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, E3)))  # [2] halves
+E_T = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, E3)))  # [16] tokens
+E_K = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, E3)))  # [128] channels
+E_HK = gl.constexpr(gl.SliceLayout(1, E3))  # [2, 128]
 
 
 @gluon.jit
-def _wide_offsets(first, n_valid, i_h, H):
+def _rcp(x):
+    """``1 / x`` by ``rcp.approx.ftz.f32`` (1 ulp; ``1 / inf = 0``), without ``div.full``'s range fix-ups."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _token_offsets(first, n_valid, i_h, H):
     """``[2, 16, 128]`` mask of a chunk's valid tokens (half, token, channel), the 64-bit offset of its first
     token-head row and the 32-bit element offsets from there, for tensors with ``H`` heads."""
-    hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=W_H), 1), 2)  # [2, 1, 1]
-    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=W_T), 0), 2)  # [1, 16, 1]
-    kk = gl.expand_dims(gl.expand_dims(gl.arange(0, HEAD_DIM, layout=W_K), 0), 1)  # [1, 1, 128]
+    hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=E_H), 1), 2)  # [2, 1, 1]
+    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=E_T), 0), 2)  # [1, 16, 1]
+    kk = gl.expand_dims(gl.expand_dims(gl.arange(0, HEAD_DIM, layout=E_K), 0), 1)  # [1, 1, 128]
     tok = hh * HALF + tt
     mask = (tok < n_valid) & (kk < HEAD_DIM)
     base = (first.to(gl.int64) * H + i_h) * HEAD_DIM
@@ -154,13 +179,13 @@ def _wide_offsets(first, n_valid, i_h, H):
 
 
 @gluon.jit
-def _chunk_ends(G, glast, tile, o_k, n_valid, L_T: gl.constexpr, L_HK: gl.constexpr):
-    """From the in-half cumsums ``G`` (``[2, 16, K]`` in a layout whose token and ``[2, K]`` slices are ``L_T`` and
-    ``L_HK``): stores ``2^Glast`` of the chunk and returns ``r`` and ``G_B'[15]`` (``[K]`` each)."""
+def _chunk_ends(G, glast, tile, o_k, n_valid):
+    """From the in-half cumsums ``G`` (``[2, 16, K]``, ``E3``): stores ``2^Glast`` of the chunk and returns ``r``
+    and ``G_B'[15]`` (``[K]`` each)."""
     K: gl.constexpr = HEAD_DIM
-    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=L_T), 0), 2)
+    tt = gl.expand_dims(gl.expand_dims(gl.arange(0, HALF, layout=E_T), 0), 2)
     G_end = gl.sum(gl.where(tt == HALF - 1, G, 0.0), axis=1)  # [2, K]: r and G_B'[15] (padded rows add 0)
-    h2 = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, L_HK)), 1)  # [2, 1]
+    h2 = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, E_HK)), 1)  # [2, 1]
     r = gl.sum(gl.where(h2 == 0, G_end, 0.0), axis=0)  # [K]
     b_end = gl.sum(gl.where(h2 == 1, G_end, 0.0), axis=0)
     gl.store(glast + tile * K + o_k, gl.exp2(r + b_end), mask=(o_k < K) & (n_valid > 0))
@@ -169,70 +194,69 @@ def _chunk_ends(G, glast, tile, o_k, n_valid, L_T: gl.constexpr, L_HK: gl.conste
 
 @gluon.jit
 def _store_operands(kd_op, qd_op, ki_op, kiar, left_s, q_s, right_s):
-    """The products' bf16 operands from the ``[2, 16, K]`` fp32 factors: left = [kd_A, kd_B, kd_B, qd_B],
-    q = [qd_A, qd_B, qd_A, qd_B], right = [ki_A, ki_B, kiAr, kiAr]^T."""
+    """The products' bf16 operands from the ``[2, 16, K]`` fp32 factors, token-major: left = [kd_A, kd_B, kd_B,
+    qd_B], q = [qd_A, qd_B, qd_A, qd_B], right = [ki_A, ki_B, kiAr, kiAr]."""
     K: gl.constexpr = HEAD_DIM
     kd_op = kd_op.to(gl.bfloat16)
     qd_op = qd_op.to(gl.bfloat16)
     left3 = left_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
     q3 = q_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
-    right3 = right_s._reinterpret(gl.bfloat16, [4, K, HALF], SMEM_KT3)
+    right3 = right_s._reinterpret(gl.bfloat16, [4, HALF, K], SMEM_TOK3)
     left3.slice(0, 2).store(kd_op)
     q3.slice(0, 2).store(qd_op)
     q3.slice(2, 2).store(qd_op)
-    right3.slice(0, 2).store(gl.permute(ki_op.to(gl.bfloat16), [0, 2, 1]))
+    right3.slice(0, 2).store(ki_op.to(gl.bfloat16))
     _, kd_b = gl.split(gl.permute(kd_op, [1, 2, 0]))
     _, qd_b = gl.split(gl.permute(qd_op, [1, 2, 0]))
     kiar_a, _ = gl.split(gl.permute(kiar.to(gl.bfloat16), [1, 2, 0]))
     left_s.index(2).store(kd_b)
     left_s.index(3).store(qd_b)
-    right_s.index(2).store(gl.permute(kiar_a, [1, 0]))
-    right_s.index(3).store(gl.permute(kiar_a, [1, 0]))
+    right_s.index(2).store(kiar_a)
+    right_s.index(3).store(kiar_a)
 
 
 @gluon.jit
-def _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale,
-                        gate_scale, left_s, q_s, right_s, GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr,
-                        HAS_DT_BIAS: gl.constexpr):
-    """The elementwise part of a chunk, whole, in the ``W3`` layout: stores ``kd, qd, kr, glast`` and writes the
-    product operands into ``left_s, q_s, right_s`` (slots as `_products32` reads them). Per element four special
-    functions: ``2^G``, ``2^-G`` and the factors with the reference ``r`` or the half's end as per-channel products
-    (``2^(r - G) = 2^r 2^-G``, both within ``2^+-115``)."""
+def _elementwise32(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale,
+                   left_s, q_s, right_s, GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr):
+    """The elementwise part of a chunk, whole, in the ``E3`` layout: stores ``kd, qd, kr, glast`` and writes the
+    product operands into ``left_s, q_s, right_s`` (slots as `_products32` reads them). The factors with the
+    reference ``r`` or the half's end are per-channel products (``2^(r - G) = 2^r 2^-G``, both within ``2^+-115``)."""
     K: gl.constexpr = HEAD_DIM
-    mask, base, offs = _wide_offsets(first, n_valid, i_h, H)
+    mask, base, offs = _token_offsets(first, n_valid, i_h, H)
     if GROUP == 1:
         b_q = gl.load(q + base + offs, mask=mask, other=0.0)
         b_k = gl.load(k + base + offs, mask=mask, other=0.0)
     else:
-        _, base_qk, offs_qk = _wide_offsets(first, n_valid, i_h // GROUP, H // GROUP)
+        _, base_qk, offs_qk = _token_offsets(first, n_valid, i_h // GROUP, H // GROUP)
         b_q = gl.load(q + base_qk + offs_qk, mask=mask, other=0.0)
         b_k = gl.load(k + base_qk + offs_qk, mask=mask, other=0.0)
-    b_g = gl.load(g + base + offs, mask=mask, other=0.0)
-    o_k = gl.arange(0, K, layout=W_K)
-    if HAS_DT_BIAS:
-        b_dt = gl.load(dt_bias + i_h * K + o_k).to(gl.float32)
+    b_g = gl.load(g + base + offs, mask=mask, other=float("-inf"))  # past the end: an activation of exactly 0
+    o_k = gl.arange(0, K, layout=E_K)
+    # t = -log2(e) exp(A_log) (g + dt_bias) = g a + dt_bias a
     if HAS_A_LOG:
-        a_log = gl.load(A_log + i_h).to(gl.float32)
+        a = -gl.exp2(gl.load(A_log + i_h).to(gl.float32) * LOG2E) * LOG2E
+    else:
+        a = -LOG2E
     b_q = b_q.to(gl.float32)
     b_k = b_k.to(gl.float32)
     b_g = b_g.to(gl.float32)
     b_q = b_q * gl.expand_dims(gl.rsqrt(gl.sum(b_q * b_q, axis=2) + L2NORM_EPS) * scale, 2)
     b_k = b_k * gl.expand_dims(gl.rsqrt(gl.sum(b_k * b_k, axis=2) + L2NORM_EPS), 2)
     if HAS_DT_BIAS:
-        b_g = b_g + gl.expand_dims(gl.expand_dims(b_dt, 0), 1)
-    if HAS_A_LOG:
-        b_g = b_g * gl.exp2(a_log * LOG2E)
-    b_g = gate_scale / (1.0 + gl.exp2(-b_g * LOG2E))
-    b_g = gl.where(mask, b_g, 0.0)
+        c = gl.expand_dims(gl.expand_dims(gl.load(dt_bias + i_h * K + o_k).to(gl.float32) * a, 0), 1)
+        b_g = b_g * a + c
+    else:
+        b_g = b_g * a
+    b_g = gate_scale * _rcp(1.0 + gl.exp2(b_g))
     G = gl.associative_scan(b_g, 1, _add)  # in-half cumsum: G_A, and G_B' = G_B - r
-    r, b_end = _chunk_ends(G, glast, tile, o_k, n_valid, W_T, W_HK)
+    r, b_end = _chunk_ends(G, glast, tile, o_k, n_valid)
     e_r = gl.expand_dims(gl.expand_dims(gl.exp2(r), 0), 1)  # [1, 1, K]
     e_end = gl.expand_dims(gl.expand_dims(gl.exp2(b_end), 0), 1)
-    hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=W_H), 1), 2)
+    hh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=E_H), 1), 2)
     e_pos = gl.exp2(G)
     kd_op = b_k * e_pos  # k 2^G_A, k 2^G_B'
     qd_op = b_q * e_pos
-    ki_op = b_k * gl.exp2(-G)  # k 2^-G_A, k 2^-G_B'
+    ki_op = b_k * _rcp(e_pos)  # k 2^-G_A, k 2^-G_B'
     kiar = ki_op * e_r  # half A: k 2^(r - G_A)
     # stored: kd = k 2^G (half B: k 2^(G_B' + r)), kr = k 2^(Glast - G) (half A: 2^(r - G_A) 2^G_B'[15])
     b_half = hh == 1
@@ -243,16 +267,16 @@ def _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_val
 
 
 @gluon.jit
-def kda_fwd_v2_prepare32_wide_kernel(
+def kda_fwd_v2_prepare32_kernel(
     q, k, g, beta_in, A_log, dt_bias, chunk_index, kd, qd, kr, inv, mqk, glast, beta, scale, gate_scale, NT, H,
     GROUP: gl.constexpr, HAS_A_LOG: gl.constexpr, HAS_DT_BIAS: gl.constexpr,
 ):
     """K1 c32 (module docstring): the elementwise part on the whole chunk in one ``[2, 16, 128]`` layout
-    (`_elementwise32_wide`: 4-byte global accesses, a thread holds two channels of the L2 norms, four special
-    functions per element), then the six 16x16x128 products as two batches of four (`_products32`:
+    (`_elementwise32`), then the six 16x16x128 products as two batches of four (`_products32`:
     ``[kd_A, kd_B, kd_B, qd_B] x [ki_A, ki_B, kiAr, kiAr]^T`` gives ``L11, L22, L21, Mqk21`` and
     ``[qd_A, qd_B, qd_A, qd_B] x`` the same gives ``Mqk11, Mqk22``), the two Neumann inverses as one batch and
-    ``-B^-1 (L21 A^-1)`` on 16x16 tiles."""
+    ``-B^-1 (L21 A^-1)`` on 16x16 tiles. Grid ``NT * H`` (the head fastest); ``chunk_index`` rows are
+    ``(sequence, first token, valid tokens)``; ``gate_scale = lower_bound / ln 2``."""
     K: gl.constexpr = HEAD_DIM
     i_c = gl.program_id(0) // H
     i_h = gl.program_id(0) % H
@@ -262,7 +286,8 @@ def kda_fwd_v2_prepare32_wide_kernel(
     o_b, o_i, ok, rows, b_beta = _beta_rows(beta_in, first, n_valid, i_h, H)
     left_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
-    right_s = gl.allocate_shared_memory(gl.bfloat16, [4, K, HALF], SMEM_KT)
-    _elementwise32_wide(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale,
-                        gate_scale, left_s, q_s, right_s, GROUP, HAS_A_LOG, HAS_DT_BIAS)
+    right_s = gl.allocate_shared_memory(gl.bfloat16, [4, HALF, K], SMEM_TOK)
+    _elementwise32(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale,
+                   left_s, q_s, right_s, GROUP, HAS_A_LOG, HAS_DT_BIAS)
     _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid)
+
