@@ -28,8 +28,8 @@ The elementwise part, per element:
 
 Shared memory is laid out so that no access conflicts on a bank (``gl.bank_conflicts`` of every store and load
 is 0): the right operands are stored token-major like the left ones (8-byte stores) and read transposed by
-``ldmatrix``; the 16x16 fp16 tiles of the inverses swizzle 16-byte vectors with a phase that changes every four
-32-byte rows; the fp32 tiles swizzle 16-byte vectors.
+``ldmatrix``; the 16x16 fp16 tiles of the inverses take `prepare_kernel.SMEM_TILE3`; the fp32 tiles swizzle 16-byte
+vectors.
 
 Helpers shared with the chunk-16 kernel come from `prepare_kernel`.
 """
@@ -68,10 +68,8 @@ DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 MMA3 = _k16.MMA3
 DOT_A3 = _k16.DOT_A3
 DOT_B3 = _k16.DOT_B3
-# fp16 16x16 tiles (32-byte rows): the 16-byte vector's phase flips every 4 rows, so the 8 rows of an ldmatrix /
-# stmatrix 8x8 matrix fall in 8 different 16-byte bank groups
-SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0]))
-SMEM_TILE3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0]))
+SMEM_TILE = _k16.SMEM_TILE
+SMEM_TILE3 = _k16.SMEM_TILE3
 # fp32 [4, 16, 16] (64-byte rows), stored whole through the 3D layout and read back 16x16 tiles through the 2D one
 SMEM_F32 = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0]))
 SMEM_F32_3 = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[2, 1, 0]))

@@ -52,9 +52,14 @@ MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 
 DOT_A3 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2))
 DOT_B3 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2))
 SMEM_TOK3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
-SMEM_TILE3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[2, 1, 0]))
+# tiles of 16 16-bit columns (32-byte rows): [K, 16] token-contiguous operands and the 16x16 products. The 16-byte
+# vector's phase flips every 4 rows, so the 8 rows of an ldmatrix / stmatrix 8x8 matrix fall in 8 different
+# 16-byte bank groups: no bank conflicts (``gl.bank_conflicts``) for the stores from `col_layout` or the mma layouts
+# and the loads as either operand, direct or through a transposed view
 SMEM_KT = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[1, 0]))
 SMEM_KT3 = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0]))
+SMEM_TILE = SMEM_KT
+SMEM_TILE3 = SMEM_KT3
 
 
 @gluon.jit
