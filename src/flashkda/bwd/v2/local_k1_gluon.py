@@ -32,8 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # the forward K1's layout and constants: the tokens of one channel per thread (col_layout), its shared-memory tile
-# layouts (without bank conflicts for every store and load below)
-from flashkda.fwd.v2.prepare_kernel import CHUNK, L2NORM_EPS, LOG2E, SMEM_KT, SMEM_TILE, _add, col_layout
+# layouts
+from flashkda.fwd.v2.prepare_kernel import CHUNK, L2NORM_EPS, LOG2E, SMEM_KT, SMEM_TOK, _add, col_layout
 
 NUM_WARPS = gl.constexpr(8)  # the forward K1's, over which col_layout spreads the channels
 LN2 = gl.constexpr(0.6931471805599453)
@@ -45,6 +45,7 @@ DOT_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 # [16 rows, 16 summed, 16 columns]: the summed axis in one thread (the fp32 product of the chain)
 L3 = gl.constexpr(gl.BlockedLayout([1, 16, 1], [4, 1, 8], [4, 1, 2], [2, 1, 0]))
 CC = gl.constexpr(gl.SliceLayout(1, L3))  # [16, 16] tiles of the chain and the dbeta term
+SMEM_TILE = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[1, 0]))
 
 
 @gluon.jit
@@ -54,10 +55,10 @@ def _bf(x):
 
 
 @gluon.jit
-def _mm_tok(a_s, bT_s, acc, K: gl.constexpr):
-    """``a @ b + acc``: ``a`` a [16, 16] bf16 tile and ``b`` a [16, K] bf16 tile stored transposed (``bT_s``,
-    [K, 16]) in shared memory, fp32 [16, K] in `col_layout`."""
-    return gl.convert_layout(mma_v2(a_s.load(DOT_A), bT_s.permute([1, 0]).load(DOT_B), acc), col_layout(K))
+def _mm_tok(a_s, b_s, acc, K: gl.constexpr):
+    """``a @ b + acc``: ``a`` a [16, 16] bf16 tile and ``b`` a [16, K] bf16 tile in shared memory, fp32 [16, K] in
+    `col_layout`."""
+    return gl.convert_layout(mma_v2(a_s.load(DOT_A), b_s.load(DOT_B), acc), col_layout(K))
 
 
 @gluon.jit
@@ -121,13 +122,14 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_kdh = (b_kn * b_e).to(gl.bfloat16)
     b_kih = (b_kn * gl.exp2(-b_G)).to(gl.bfloat16)
     b_qdh = (b_qn * b_e * scale).to(gl.bfloat16)
-    # [K, 16] token-contiguous (each thread holds the tokens of a channel), read as [16, K] through transposed views
-    kdT_s = gl.allocate_shared_memory(gl.bfloat16, [K, C], SMEM_KT)
+    kdh_s = gl.allocate_shared_memory(gl.bfloat16, [C, K], SMEM_TOK)
+    kih_s = gl.allocate_shared_memory(gl.bfloat16, [C, K], SMEM_TOK)
+    qdh_s = gl.allocate_shared_memory(gl.bfloat16, [C, K], SMEM_TOK)
     kiT_s = gl.allocate_shared_memory(gl.bfloat16, [K, C], SMEM_KT)
-    qdT_s = gl.allocate_shared_memory(gl.bfloat16, [K, C], SMEM_KT)
-    kdT_s.store(gl.permute(b_kdh, [1, 0]))
+    kdh_s.store(b_kdh)
+    kih_s.store(b_kih)
+    qdh_s.store(b_qdh)
     kiT_s.store(gl.permute(b_kih, [1, 0]))
-    qdT_s.store(gl.permute(b_qdh, [1, 0]))
 
     # ---- [C, C]: B3a's sums, the chain, the dbeta term
     o_i = gl.arange(0, C, layout=gl.SliceLayout(1, CC))
@@ -163,7 +165,7 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_dL = gl.where(ii > jj, b_dL, 0.0)
 
     # P = kd ki^T (the bf16 factors), the dbeta term of L
-    b_P = mma_v2(kdT_s.permute([1, 0]).load(DOT_A), kiT_s.load(DOT_B), gl.zeros([C, C], gl.float32, MMA))
+    b_P = mma_v2(kdh_s.load(DOT_A), kiT_s.load(DOT_B), gl.zeros([C, C], gl.float32, MMA))
     b_db += gl.sum(b_dL * gl.convert_layout(b_P, CC), axis=1)
     b_b = gl.load(bsig + (row0 + o_i).to(gl.int64) * HV + i_h, mask=o_i < n_valid, other=0.0)  # [C] fp32
     b_dLb = (b_dL * gl.expand_dims(b_b, 1)).to(gl.bfloat16)
@@ -205,18 +207,15 @@ def kda_bwd_v2_k1_gluon_kernel(
     b_dkn = b_dkd * b_e + b_dkr * gl.exp2(gl.expand_dims(b_Glast, 0) - b_G)
     b_dqn = b_dqd * b_e
     zero = gl.zeros([C, K], gl.float32, MMA)
-    kd_v = kdT_s.permute([1, 0])  # [C, K] views
-    ki_v = kiT_s.permute([1, 0])
-    qd_v = qdT_s.permute([1, 0])
-    b_dkdh = _mm_tok(dl_s, kiT_s, zero, K)
-    b_dG += b_dkdh * kd_v.load(COL).to(gl.float32)
+    b_dkdh = _mm_tok(dl_s, kih_s, zero, K)
+    b_dG += b_dkdh * kdh_s.load(COL).to(gl.float32)
     b_dkn += b_dkdh * b_e
-    b_dqdh = _mm_tok(dmr_s, kiT_s, mma_v2(dm_s.load(DOT_A), ki_v.load(DOT_B), zero), K)
-    b_dG += b_dqdh * qd_v.load(COL).to(gl.float32)
+    b_dqdh = _mm_tok(dmr_s, kih_s, mma_v2(dm_s.load(DOT_A), kih_s.load(DOT_B), zero), K)
+    b_dG += b_dqdh * qdh_s.load(COL).to(gl.float32)
     b_dqn += b_dqdh * b_e
-    b_dkih = mma_v2(dmrT_s.load(DOT_A), qd_v.load(DOT_B), mma_v2(dlT_s.load(DOT_A), kd_v.load(DOT_B), zero))
-    b_dkih = _mm_tok(dmT_s, qdT_s, b_dkih, K)
-    b_dG -= b_dkih * ki_v.load(COL).to(gl.float32)
+    b_dkih = mma_v2(dmrT_s.load(DOT_A), qdh_s.load(DOT_B), mma_v2(dlT_s.load(DOT_A), kdh_s.load(DOT_B), zero))
+    b_dkih = _mm_tok(dmT_s, qdh_s, b_dkih, K)
+    b_dG -= b_dkih * kih_s.load(COL).to(gl.float32)
     b_dkn += b_dkih * gl.exp2(-b_G)
 
     b_gl = gl.load(glast + i_ch * K + o_k, mask=l_k, other=0.0)  # [K] fp32, 2^Glast
