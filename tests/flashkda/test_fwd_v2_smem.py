@@ -84,8 +84,8 @@ def test_chunk16_k1_shared_memory_has_no_bank_conflicts(K):
 
 
 def test_the_check_finds_the_two_way_conflicts_of_an_unswizzled_phase():
-    # the tile swizzle both kernels had before (the 16-byte phase changing every row, two phases): 2-way on the
-    # 8x8 matrices of 32-byte rows
+    # a tile swizzle whose 16-byte phase changes every row over two phases: 2-way on the 8x8 matrices of 32-byte
+    # rows
     old = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[2, 1, 0])
     with pytest.raises(triton.CompilationError, match="inverse tiles: store"):
         _compile(_chunk16_accesses, K=128, TILE3=old)
