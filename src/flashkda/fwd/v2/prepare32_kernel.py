@@ -26,8 +26,9 @@ The elementwise part, per element:
 - **``2^-G = rcp(2^G)``**: one special function instead of a negation and an ``ex2`` (``2^G`` is within
   ``2^+-115``, a normal number either way, so the reciprocal is within 1 ulp of ``2^-G`` rounded).
 
-Shared memory is laid out so that no access conflicts on a bank (``gl.bank_conflicts`` of every store and load
-is 0): the right operands are stored token-major like the left ones (8-byte stores) and read transposed by
+Shared memory is laid out so that none of the kernel's own stores and loads conflicts on a bank
+(``gl.bank_conflicts`` is 0 for each, ``tests/flashkda/test_fwd_v2_smem.py``; the compiler's scratch of the L2 norms'
+cross-warp sums is not ours to lay out): the right operands are stored token-major like the left ones (8-byte stores) and read transposed by
 ``ldmatrix``; the 16x16 fp16 tiles of the inverses take `prepare_kernel.SMEM_TILE3`; the fp32 tiles swizzle 16-byte
 vectors.
 
