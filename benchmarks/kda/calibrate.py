@@ -6,20 +6,25 @@ function), MoonshotAI's CUTLASS FlashKDA through fla's adapter when ``flash_kda`
 and ``flashkda.chunk_kda``; inference rows time the forward, training rows forward + backward into every input.
 Ours is whatever ``flashkda.chunk_kda`` runs for the row (v2 where ``prefers_v2`` / ``prefers_v2_training`` hold,
 else v1; ``FLASHKDA_KERNELS=v1`` or ``v2`` forces one); each row records which in ``ours path``.
+Inference rows that both our kernel sets serve also time the set ``chunk_kda`` did not pick (``FLASHKDA_KERNELS``
+forced), recorded as ``v1 ms`` and ``v2 ms``: the data behind ``chunk_fwd.MIN_VALUE_HEADS``.
 Each backend is timed twice, interleaved, and the mean of the two medians kept. Ours must match fla
 (relative RMS of o and the final state <= 1e-2) before it is timed; a row that fails is left out of the table, so
 its class is declined.
 
-Writes ``benchmarks/results/kda-calibrate-<date>.json`` and, with ``--write-table``, the calibration table
-``src/flashkda/calibration/<arch>.json`` that ``flashkda.dispatch`` ships (or ``--table-out PATH``).
+Writes ``benchmarks/results/kda-calibrate-<date>.json`` and, with ``--write-table``, this GPU's calibration table
+``src/flashkda/calibration/<arch>-<device>.json`` that ``flashkda.dispatch`` ships (or ``--table-out PATH``).
+``--merge`` keeps the rows of the existing table that this run does not measure, so a calibration can span several
+calls; it refuses a table from another device or commit.
 
 Usage: ``python -m benchmarks.kda.calibrate [--rows NAME ...] [--modes inference training] [--rep N]
-[--write-table | --table-out PATH]``.
+[--write-table | --table-out PATH] [--merge]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -161,13 +166,48 @@ def ours_path(x: dict, kw: dict, training: bool) -> str:
     return f"v1 ({reason or 'the rule or ' + chunk_fwd.KERNELS_ENV + ' prefers it'})"
 
 
+def other_kernels(x: dict, kw: dict, training: bool) -> str | None:
+    """The kernel set (``"v1"`` or ``"v2"``) ``flashkda.chunk_kda`` did not pick for an inference row both serve."""
+    from flashkda.fwd.v2 import chunk_fwd
+
+    if training or chunk_fwd.kernels_choice() != "auto":
+        return None
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kwargs = dict(kw, initial_state=x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"])
+    if not chunk_fwd.supports_v2(*args, **kwargs):
+        return None
+    return "v1" if chunk_fwd.prefers_v2(*args, **kwargs) else "v2"
+
+
+def forced_kernels(fn, kernels: str):
+    """``fn`` with ``FLASHKDA_KERNELS=kernels`` for the duration of each call."""
+    from flashkda.fwd.v2.chunk_fwd import KERNELS_ENV
+
+    def run(*args, **kwargs):
+        old = os.environ.get(KERNELS_ENV)
+        os.environ[KERNELS_ENV] = kernels
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if old is None:
+                del os.environ[KERNELS_ENV]
+            else:
+                os.environ[KERNELS_ENV] = old
+
+    return run
+
+
 def measure(shape: Shape, mode: str, device: str, rep: int) -> tuple[dict[str, float], dict, str]:
-    """Median ms per backend (``{}`` for ours when its gate failed), the gate errors and `ours_path`."""
+    """Median ms per backend (``{}`` for ours when its gate failed; ``flashkda v1``/``flashkda v2`` for the kernel
+    set ours did not pick, see `other_kernels`), the gate errors and `ours_path`."""
     import torch
 
     training = mode == "training"
     x, kw = make_inputs(shape, device, grad=training)
     fns = backends(mode)
+    other = other_kernels(x, kw, training)
+    if other is not None:
+        fns[f"flashkda {other}"] = forced_kernels(fns["flashkda"], other)
     if training:
         do = torch.randn_like(x["v"])
         dht = torch.randn_like(x["initial_state"])
@@ -185,7 +225,7 @@ def measure(shape: Shape, mode: str, device: str, rep: int) -> tuple[dict[str, f
             try:
                 out = run()
             except (RuntimeError, ValueError) as e:  # a backend that does not take this shape is not a competitor
-                if name == "flashkda":
+                if name.startswith("flashkda"):
                     raise
                 print(f"  {name} does not take {shape.name}: {e}", flush=True)
                 del runs[name]
@@ -213,14 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep", type=int, default=15, help="timed calls per backend and pass")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--write-table", action="store_true",
-                     help="write the shipped table src/flashkda/calibration/<arch>.json")
+                     help="write this GPU's shipped table src/flashkda/calibration/<arch>-<device>.json")
     out.add_argument("--table-out", type=Path, default=None, help="write the calibration table to this path")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the existing table (same device and commit) that this run does not "
+                             "measure")
     parser.add_argument("--no-write", action="store_true", help="write no results JSON")
     args = parser.parse_args(argv)
+    if args.merge and not (args.write_table or args.table_out):
+        parser.error("--merge needs --write-table or --table-out (the table to merge into)")
 
     import torch
 
-    from flashkda.dispatch import CalibrationTable, Measurement, ShapeClass, device_arch
+    from flashkda.dispatch import CalibrationTable, Measurement, ShapeClass, device_arch, device_name, table_stem
 
     if not torch.cuda.is_available():
         print("calibration needs a CUDA device; nothing timed", file=sys.stderr)
@@ -229,13 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     print(machine_line(info), flush=True)
     arch = device_arch(torch.device(device))
-    target = args.table_out or (ROOT / "src" / "flashkda" / "calibration" / f"{arch}.json" if args.write_table
+    stem = table_stem(arch, device_name(torch.device(device)))
+    target = args.table_out or (ROOT / "src" / "flashkda" / "calibration" / f"{stem}.json" if args.write_table
                                 else None)
+    plan = [(mode, shape) for mode in args.modes
+            for shape in (INFERENCE if mode == "inference" else TRAINING) if not args.rows or shape.name in args.rows]
+    kept, measured_at = merged_rows(target, info, {(shape.name, mode) for mode, shape in plan}) if args.merge \
+        else ([], info["date"])
     if target is not None:
         target.parent.mkdir(parents=True, exist_ok=True)
     measurements, rows = [], []
     for mode in args.modes:
-        shapes = [s for s in (INFERENCE if mode == "inference" else TRAINING) if not args.rows or s.name in args.rows]
+        shapes = [shape for m, shape in plan if m == mode]
         for shape in track(shapes, f"calibrate {mode}"):
             t0 = time.time()
             try:
@@ -249,8 +299,16 @@ def main(argv: list[str] | None = None) -> int:
             v = torch.empty(*q.shape[:2], shape.hv, shape.D, device="meta")
             cls = ShapeClass.of_call(q, v, None if shape.lengths is None else shape.lengths, mode == "training")
             ours = times.pop("flashkda", None)
+            kernels = {}
+            for name in ("flashkda v1", "flashkda v2"):
+                if name in times:
+                    kernels[name[-2:]] = times.pop(name)
+            if kernels and ours is not None:
+                kernels[path[:2]] = ours
             best = min(times, key=times.get)
             line = "  ".join(f"{n} {t:.3f}" for n, t in times.items())
+            if len(kernels) == 2:
+                line += f"  (v1 {kernels['v1']:.3f}  v2 {kernels['v2']:.3f})"
             if ours is None:
                 print(f"{mode:>9} {shape.name:>18}: {line}  ours failed its gate {errors['flashkda']}", flush=True)
             else:
@@ -261,18 +319,42 @@ def main(argv: list[str] | None = None) -> int:
                             ours if ours is not None else float("nan"),
                             params=dict(mode=mode, shape=cls.label(), H=shape.H, HV=shape.hv, T=shape.T, B=shape.B,
                                         lengths=shape.lengths),
-                            extra={**{f"{n} ms": round(t, 4) for n, t in times.items()}, "ours path": path,
+                            extra={**{f"{n} ms": round(t, 4) for n, t in {**times, **kernels}.items()},
+                                   "ours path": path,
                                    "gate": {n: {k: (round(v, 6) if isinstance(v, float) else v)
                                                 for k, v in e.items()} for n, e in errors.items()}}))
             # after every row, so a run cut short keeps what it measured
             if not args.no_write and rows:
                 write_results("kda-calibrate", rows, title="kda dispatch calibration", info=info)
             if target is not None and measurements:
-                CalibrationTable(arch, info["device"], info["date"], str(info["commit"]), tuple(measurements),
+                CalibrationTable(arch, info["device"], measured_at, str(info["commit"]), tuple(kept + measurements),
                                  {k: str(info.get(k)) for k in ("torch", "triton", "fla")}).save(target)
     if target is not None:
-        print(f"calibration table: {target} ({len(measurements)} rows)")
+        print(f"calibration table: {target} ({len(measurements)} rows measured, {len(kept)} kept)")
     return 0
+
+
+def merged_rows(target: Path | None, info: dict, planned: set[tuple[str, str]]) -> tuple[list, str]:
+    """The rows of the table at ``target`` that this run does not measure (``planned``: row name and mode) and the
+    date its calibration began; nothing when there is no table yet.
+
+    Raises:
+        SystemExit: the table is unreadable, or from another device or commit (merging would mix runs).
+    """
+    from flashkda.dispatch import CalibrationTable
+
+    if target is None or not target.exists():
+        return [], info["date"]
+    try:
+        table = CalibrationTable.load(target)
+    except ValueError as e:
+        raise SystemExit(f"--merge: {e}") from e
+    if (table.device, table.commit) != (info["device"], str(info["commit"])):
+        raise SystemExit(f"--merge: {target} was measured on {table.device} at commit {table.commit[:12]}, this run "
+                         f"is {info['device']} at {str(info['commit'])[:12]}; rerun its rows here or drop --merge to "
+                         f"replace it")
+    kept = [m for m in table.rows if (m.row, m.shape.mode) not in planned]
+    return kept, min(table.measured, info["date"])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from flashkda.dispatch import (
     DispatchPolicy,
     ShapeClass,
     device_arch,
+    device_name,
     dispatch_mode,
 )
 
@@ -70,7 +71,8 @@ def decide(q: torch.Tensor, v: torch.Tensor, cu_seqlens, training: bool, mode: s
     if decision is None:
         if len(_DECISIONS) >= _MAX_DECISIONS:
             _DECISIONS.clear()
-        decision = _POLICY.decide(ShapeClass.of_call(q, v, cu_seqlens, training), device_arch(q.device), rivals, mode)
+        decision = _POLICY.decide(ShapeClass.of_call(q, v, cu_seqlens, training), device_arch(q.device), rivals, mode,
+                                  device_name(q.device))
         _DECISIONS[key] = decision
     return decision
 

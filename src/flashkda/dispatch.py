@@ -2,8 +2,9 @@
 
 FlashKDA registers itself ahead of fla's own Triton path and of MoonshotAI's CUTLASS backend, so it must never
 make a call slower. Each call is reduced to a `ShapeClass` (mode, heads, head sizes, token bucket, varlen, dtype)
-and looked up in the calibration table of the GPU's architecture: a JSON data file shipped in
-``flashkda/calibration/<arch>.json`` (``sm_90.json`` for Hopper), written by ``k3infra bench kda --calibrate``.
+and looked up in the calibration table of the GPU: a JSON data file shipped in ``flashkda/calibration/``, the
+device's own ``<arch>-<device>.json`` (``sm_90-nvidia-h100-80gb-hbm3.json``) where one was measured, else the
+architecture's ``<arch>.json`` (``sm_90.json`` for Hopper), written by ``k3infra bench kda --calibrate``.
 FlashKDA serves the call only when every calibrated row of that class measured it at least `MIN_SPEEDUP` times
 faster than each other backend that would accept the call (fla's Triton path always; the CUTLASS FlashKDA when it
 is installed and its verifier accepts). A class that was not calibrated, an architecture without a table, or a
@@ -40,6 +41,9 @@ __all__ = [
     "Measurement",
     "ShapeClass",
     "device_arch",
+    "device_name",
+    "device_slug",
+    "table_stem",
     "dispatch_mode",
     "token_bucket",
 ]
@@ -220,13 +224,39 @@ def _cuda_arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
-@cache
-def shipped_table(arch: str) -> CalibrationTable | None:
-    """The table shipped in ``flashkda/calibration/<arch>.json``, or None (read once per process)."""
-    resource = resources.files("flashkda") / "calibration" / f"{arch}.json"
-    if not resource.is_file():
+def device_name(device: torch.device) -> str | None:
+    """The CUDA device's name (``"NVIDIA H100 80GB HBM3"``), or None for other devices."""
+    if device.type != "cuda":
         return None
-    return CalibrationTable.load(str(resource))
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_slug(name: str) -> str:
+    """A device name as it appears in a table's file name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower())
+    return "-".join(part for part in slug.split("-") if part)
+
+
+def table_stem(arch: str, device: str | None = None) -> str:
+    """The file name (without ``.json``) of the table of ``arch``, or of one ``device`` of it."""
+    return f"{arch}-{device_slug(device)}" if device else arch
+
+
+@cache
+def shipped_table(arch: str, device: str | None = None) -> CalibrationTable | None:
+    """The table shipped for ``device`` (``flashkda/calibration/<arch>-<device slug>.json``), else for ``arch``
+    (``<arch>.json``), or None (read once per process)."""
+    folder = resources.files("flashkda") / "calibration"
+    for stem in ([table_stem(arch, device)] if device else []) + [arch]:
+        resource = folder / f"{stem}.json"
+        if resource.is_file():
+            return CalibrationTable.load(str(resource))
+    return None
 
 
 @lru_cache(maxsize=8)
@@ -250,8 +280,9 @@ class DispatchPolicy:
     """Decides per call whether FlashKDA serves it (see the module docstring).
 
     Args:
-        tables: calibration tables by architecture; None reads ``FLASHKDA_CALIBRATION`` (if set) and the shipped
-            tables on each decision.
+        tables: calibration tables by `table_stem` (``"sm_90"`` or ``"sm_90-nvidia-h200"``; a device's own table
+            wins over its architecture's); None reads ``FLASHKDA_CALIBRATION`` (if set) and the shipped tables on
+            each decision.
         min_speedup: the margin over every competitor that a calibrated class must show.
     """
 
@@ -261,21 +292,25 @@ class DispatchPolicy:
         self.tables = tables
         self.min_speedup = float(min_speedup)
 
-    def table(self, arch: str) -> CalibrationTable | None:
+    def table(self, arch: str, device: str | None = None) -> CalibrationTable | None:
+        """The table that decides calls on ``device`` (a `device_name`) of architecture ``arch``."""
         if self.tables is not None:
-            return self.tables.get(arch)
+            own = self.tables.get(table_stem(arch, device)) if device else None
+            return own or self.tables.get(arch)
         override = override_table()
         if override is not None and override.arch == arch:
             return override
-        return shipped_table(arch)
+        return shipped_table(arch, device)
 
     def decide(self, shape: ShapeClass, arch: str, competitors: tuple[str, ...] = ("fla",),
-               mode: str | None = None) -> Decision:
+               mode: str | None = None, device: str | None = None) -> Decision:
         """Whether FlashKDA serves a call of class ``shape`` on ``arch`` against ``competitors``.
 
         Args:
             shape: the call's class.
             arch: `device_arch` of the call's device.
+            device: `device_name` of the call's device (its own table, when one is shipped, wins over the
+                architecture's).
             competitors: the other backends that would serve the call (``"fla"`` plus registered backends whose
                 verifier accepts it).
             mode: ``"auto"``, ``"always"`` or ``"never"``; None reads the environment (`dispatch_mode`).
@@ -287,7 +322,7 @@ class DispatchPolicy:
             return Decision(False, f"{DISPATCH_ENV}=never", shape)
         if mode == "always":
             return Decision(True, f"{DISPATCH_ENV}=always", shape)
-        table = self.table(arch)
+        table = self.table(arch, device)
         if table is None:
             return Decision(False, f"no calibration table for {arch} (run `k3infra bench kda --calibrate` there, "
                                    f"or set {DISPATCH_ENV}=always)", shape)
@@ -328,16 +363,21 @@ def _cutlass_usable() -> bool:
     return importlib.util.find_spec("flash_kda") is not None and os.environ.get("FLA_FLASH_KDA", "1") != "0"
 
 
-def _default_arch() -> str:
-    """This machine's GPU architecture, else ``sm_90`` (the table the package ships)."""
-    return device_arch(torch.device("cuda")) if torch.cuda.is_available() else "sm_90"
+def _default_target() -> tuple[str, str | None]:
+    """This machine's GPU architecture and name, else ``("sm_90", None)`` (the architecture's shipped table)."""
+    if torch.cuda.is_available():
+        return device_arch(torch.device("cuda")), device_name(torch.device("cuda"))
+    return "sm_90", None
 
 
-def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None) -> list[ReportRow]:
-    """Who serves ``fla.ops.kda.chunk_kda`` for the common shapes on ``arch`` (default: this machine's GPU,
-    else ``sm_90``), with the CUTLASS FlashKDA counted as a competitor where it is installed and takes the call
-    (inference, bf16, K = V = 128, no GVA)."""
-    arch = arch or _default_arch()
+def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None,
+                device: str | None = None) -> list[ReportRow]:
+    """Who serves ``fla.ops.kda.chunk_kda`` for the common shapes on ``arch`` and ``device`` (default: this
+    machine's GPU, else ``sm_90``'s own table), with the CUTLASS FlashKDA counted as a competitor where it is
+    installed and takes the call (inference, bf16, K = V = 128, no GVA)."""
+    if arch is None:
+        arch, here = _default_target()
+        device = device or here
     policy = policy or DispatchPolicy()
     cutlass = _cutlass_usable()
     rows = []
@@ -346,7 +386,7 @@ def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None) -
             for tokens, varlen in [(t, False) for t in REPORT_TOKENS] + [(8192, True)]:
                 shape = ShapeClass(mode, H, H, 128, 128, token_bucket(tokens), varlen, "bf16")
                 competitors = ("fla", "flash_kda") if cutlass and mode == "inference" else ("fla",)
-                decision = policy.decide(shape, arch, competitors)
+                decision = policy.decide(shape, arch, competitors, device=device)
                 if decision.serve:
                     backend = "flashkda"
                 else:
@@ -355,18 +395,21 @@ def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None) -
     return rows
 
 
-def dispatch_report(arch: str | None = None, policy: DispatchPolicy | None = None) -> str:
-    """A text table of `report_rows`: for each common shape, the backend that serves it and why.
+def dispatch_report(arch: str | None = None, policy: DispatchPolicy | None = None, device: str | None = None) -> str:
+    """A text table of `report_rows` (same arguments): for each common shape, the backend that serves it and why.
 
     Example::
 
         >>> import flashkda
-        >>> print(flashkda.dispatch_report("sm_90"))  # doctest: +SKIP
+        >>> print(flashkda.dispatch_report("sm_90", device="NVIDIA H200"))  # doctest: +SKIP
     """
-    arch = arch or _default_arch()
-    rows = report_rows(arch, policy)
+    if arch is None:
+        arch, here = _default_target()
+        device = device or here
+    rows = report_rows(arch, policy, device)
     mode = dispatch_mode()
-    lines = [f"fla.ops.kda.chunk_kda dispatch on {arch} ({DISPATCH_ENV}={mode})",
+    where = f"{arch}, {device}" if device else arch
+    lines = [f"fla.ops.kda.chunk_kda dispatch on {where} ({DISPATCH_ENV}={mode})",
              f"{'shape':<48} {'served by':<10} reason"]
     lines += [f"{r.shape.label():<48} {r.backend:<10} {r.decision.reason}" for r in rows]
     return "\n".join(lines)

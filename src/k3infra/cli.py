@@ -190,9 +190,9 @@ def cmd_kda_dispatch(args: argparse.Namespace) -> int:
 
     if args.json:
         print(json.dumps([{"shape": r.shape.label(), "served_by": r.backend, "reason": r.decision.reason}
-                          for r in report_rows(args.arch)], indent=1))
+                          for r in report_rows(args.arch, device=args.device)], indent=1))
     else:
-        print(dispatch_report(args.arch))
+        print(dispatch_report(args.arch, device=args.device))
     return 0
 
 
@@ -219,6 +219,9 @@ def _add_kda(sub) -> None:
     dispatch = kda.add_parser("dispatch", help="which backend serves fla's chunk_kda per common shape, and why")
     dispatch.add_argument("--arch", default=None,
                           help="GPU architecture to report on, e.g. sm_90 (default: this machine's GPU, else sm_90)")
+    dispatch.add_argument("--device", default=None,
+                          help="GPU name whose own calibration table to use when one is shipped, e.g. "
+                               "'NVIDIA H100 80GB HBM3' (default: this machine's GPU; else the architecture's table)")
     dispatch.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     dispatch.set_defaults(func=cmd_kda_dispatch)
 

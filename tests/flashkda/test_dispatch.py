@@ -20,10 +20,12 @@ from flashkda.dispatch import (
     DispatchPolicy,
     Measurement,
     ShapeClass,
+    device_slug,
     dispatch_mode,
     dispatch_report,
     report_rows,
     shipped_table,
+    table_stem,
     token_bucket,
 )
 
@@ -156,9 +158,21 @@ def test_table_round_trips_through_json(tmp_path):
 def test_shipped_tables_parse_and_hold_both_sides_of_each_row():
     folder = ROOT / "src" / "flashkda" / "calibration"
     for path in folder.glob("*.json"):
-        t = shipped_table(path.stem)
-        assert t is not None and t.arch == path.stem and t.rows
-        assert all(m.ours_ms > 0 and "fla" in m.baselines_ms for m in t.rows)
+        t = CalibrationTable.load(path)
+        assert t.rows and all(m.ours_ms > 0 and "fla" in m.baselines_ms for m in t.rows)
+        device = None if path.stem == t.arch else t.device.rsplit(" x", 1)[0]  # "NVIDIA H200 x1": the GPU count
+        assert path.stem == table_stem(t.arch, device) and shipped_table(t.arch, device) == t
+
+
+def test_a_device_table_wins_over_its_architecture_table():
+    h100 = CalibrationTable("sm_90", "NVIDIA H100 80GB HBM3 x1", "2026-01-01T00:00:00", "abc", (row(1.0, fla=0.9),))
+    policy = DispatchPolicy({"sm_90": table(row(1.0, fla=2.0)), "sm_90-nvidia-h100-80gb-hbm3": h100})
+    assert not policy.decide(H64, "sm_90", mode="auto", device="NVIDIA H100 80GB HBM3").serve
+    assert policy.decide(H64, "sm_90", mode="auto", device="NVIDIA H200").serve
+    assert policy.decide(H64, "sm_90", mode="auto").serve
+    assert device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3" and device_slug(" A/B  c ") == "a-b-c"
+    assert table_stem("sm_90", "NVIDIA H200") == "sm_90-nvidia-h200" and table_stem("sm_90") == "sm_90"
+    assert shipped_table("sm_90", "No Such GPU") == shipped_table("sm_90")
 
 
 def test_report_names_a_backend_and_a_reason_for_every_common_shape():
