@@ -99,11 +99,11 @@ def test_rule_needs_hopper_and_env_overrides(monkeypatch, on_hopper):
 def test_inference_rule_follows_the_env(monkeypatch, on_hopper):
     few = torch.zeros(1, 16, 2, K, dtype=torch.bfloat16)
     args = (few, few, few, few, few[..., 0])
-    assert not chunk_fwd.prefers_v2(*args, **K3_FLAGS)  # below MIN_VALUE_HEADS
+    assert not chunk_fwd.prefers_v2(*args, **K3_FLAGS)  # below MIN_SEQUENCE_HEADS
     monkeypatch.setenv(chunk_fwd.KERNELS_ENV, "v2")
     assert chunk_fwd.prefers_v2(*args, **K3_FLAGS)
     monkeypatch.setenv(chunk_fwd.KERNELS_ENV, "v1")
-    many = torch.zeros(1, 16, chunk_fwd.MIN_VALUE_HEADS, K, dtype=torch.bfloat16)
+    many = torch.zeros(1, 16, chunk_fwd.MIN_SEQUENCE_HEADS, K, dtype=torch.bfloat16)
     assert not chunk_fwd.prefers_v2(few, few, many, many, many[..., 0], **K3_FLAGS)
 
 
@@ -116,7 +116,7 @@ def test_calibration_records_the_path_it_timed(monkeypatch):
     monkeypatch.setattr(chunk_fwd, "_device_reason", lambda q: None)
     assert ours_path(x, kw, training=True) == "v2 (chunk 16)"
     assert ours_path(x, dict(kw, disable_recompute=True), training=True).startswith("v1 (disable_recompute")
-    assert ours_path(x, kw, training=False).startswith("v1 (the rule")  # 2 heads: below MIN_VALUE_HEADS
+    assert ours_path(x, kw, training=False).startswith("v1 (the rule")  # 2 x 2: below MIN_SEQUENCE_HEADS
     monkeypatch.setenv(chunk_fwd.KERNELS_ENV, "v1")
     assert ours_path(x, kw, training=True).startswith("v1 (the rule or FLASHKDA_KERNELS")
 

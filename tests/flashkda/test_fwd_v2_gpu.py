@@ -138,22 +138,29 @@ def test_recurrence_ignores_rows_past_the_last_sequence():
 def test_v2_preference_rule(monkeypatch):
     from flashkda.fwd.v2 import chunk_fwd
 
+    monkeypatch.delenv(chunk_fwd.KERNELS_ENV, raising=False)
     x = torch.zeros(1, 16, 1, K)
-    many = torch.zeros(1, 16, chunk_fwd.MIN_VALUE_HEADS, K)
+    many = torch.zeros(1, 16, chunk_fwd.MIN_SEQUENCE_HEADS, K)
     g, beta = many, many[..., 0]
     assert not chunk_fwd.prefers_v2(x, x, many, g, beta)  # CPU tensors: v2 does not serve them
     monkeypatch.setattr(chunk_fwd, "supports_v2", lambda *args, **kwargs: True)
     assert chunk_fwd.prefers_v2(x, x, many, g, beta)
-    assert not chunk_fwd.prefers_v2(x, x, many[:, :, :12], g, beta)
+    few = many[:, :, :12]
+    assert not chunk_fwd.prefers_v2(x, x, few, g, beta)
+    assert chunk_fwd.prefers_v2(x, x, few.expand(3, -1, -1, -1), g, beta)  # 3 sequences x 12 heads
+    three, two = torch.tensor([0, 5, 9, 16]), torch.tensor([0, 5, 16])  # varlen: sequences from cu_seqlens's shape
+    assert chunk_fwd.prefers_v2(x, x, few, g, beta, cu_seqlens=three)
+    assert not chunk_fwd.prefers_v2(x, x, few, g, beta, cu_seqlens=two)
+    assert chunk_fwd.prefers_v2(x, x, few, g, beta, None, False, False, False, False, None, False, three)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [None, (700, 300, 24)], ids=str)
-def test_chunk_kda_inference_runs_v2_from_min_value_heads(lengths):
+def test_chunk_kda_inference_runs_v2_from_min_sequence_heads(lengths):
     import flashkda
     from flashkda.fwd.v2 import chunk_fwd
 
-    H, T = chunk_fwd.MIN_VALUE_HEADS, 1024
+    H, T = chunk_fwd.MIN_SEQUENCE_HEADS, 1024
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
     N = 1 if lengths is None else len(lengths)
     q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, T, H, N, seed=3)
@@ -166,14 +173,17 @@ def test_chunk_kda_inference_runs_v2_from_min_value_heads(lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, (0, 170, 130)], ids=str)
 @pytest.mark.parametrize("chunk_size", [16, 32])
-def test_v2_state_v_first_is_the_transposed_state(chunk_size):
+def test_v2_state_v_first_is_the_transposed_state(chunk_size, lengths):
     from flashkda.fwd.v2.chunk_fwd import chunk_kda_fwd_v2
 
-    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 300, 4, 1, seed=5)
+    N = 1 if lengths is None else len(lengths)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 300, 4, N, seed=5)
     flags = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                  use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
-                 chunk_size=chunk_size)
+                 chunk_size=chunk_size, cu_seqlens=cu)
     o, s, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, initial_state=h0, **flags)
     o_t, s_t, _ = chunk_kda_fwd_v2(q, k, v, g, beta, K**-0.5, initial_state=h0.transpose(-1, -2).contiguous(),
                                    state_v_first=True, **flags)

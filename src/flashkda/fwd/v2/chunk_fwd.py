@@ -21,12 +21,13 @@ import torch
 from flashkda.env import env_choice
 from flashkda.fwd.v2.workspace import HEAD_DIM, HEAD_DIMS, cached_chunk_layout
 
-__all__ = ["KERNELS_ENV", "MIN_VALUE_HEADS", "TRAINING_CHUNK", "chunk_kda_fwd_v2", "kernels_choice", "prefers_v2",
+__all__ = ["KERNELS_ENV", "MIN_SEQUENCE_HEADS", "TRAINING_CHUNK", "chunk_kda_fwd_v2", "kernels_choice", "prefers_v2",
            "prefers_v2_training", "supports_v2", "v2_training_unsupported_reason", "v2_unsupported_reason"]
 
-#: ``flashkda.chunk_kda``'s inference path takes v2 from this many value heads up (below it the v1 kernels are
-#: faster; measurements in ``docs/flashkda-v2.md``).
-MIN_VALUE_HEADS = 64
+#: ``flashkda.chunk_kda``'s inference path takes v2 from this many (sequence, value head) pairs up: v2's state
+#: kernel runs two programs per pair, so below it most SMs idle and the v1 kernels are faster (measurements in
+#: ``docs/flashkda-v2.md``).
+MIN_SEQUENCE_HEADS = 32
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
 #: Tokens per chunk of ``flashkda.chunk_kda``'s v2 training path (faster than 32 on the H200;
@@ -153,13 +154,22 @@ def supports_v2(*args, **kwargs) -> bool:
     return v2_unsupported_reason(*args, **kwargs) is None
 
 
+_CU_SEQLENS_AT = 9  # cu_seqlens's place in `v2_unsupported_reason`'s arguments after q, k, v
+
+
 def prefers_v2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> bool:
     """True when an inference call (arguments as `v2_unsupported_reason`) should run v2 rather than the v1 kernels:
-    v2 serves it and it has at least `MIN_VALUE_HEADS` value heads (any number with ``FLASHKDA_KERNELS=v2``, never
-    with ``v1``)."""
+    v2 serves it and its sequences times its value heads reach `MIN_SEQUENCE_HEADS` (any count with
+    ``FLASHKDA_KERNELS=v2``, never with ``v1``). The sequences are ``B``, or ``len(cu_seqlens) - 1`` (read from the
+    shape: no host synchronisation)."""
     choice = kernels_choice()
-    if choice == "v1" or v.dim() != 4 or (choice == "auto" and v.shape[2] < MIN_VALUE_HEADS):
+    if choice == "v1" or v.dim() != 4:
         return False
+    if choice == "auto":
+        cu_seqlens = kwargs.get("cu_seqlens", args[_CU_SEQLENS_AT] if len(args) > _CU_SEQLENS_AT else None)
+        sequences = v.shape[0] if cu_seqlens is None else max(cu_seqlens.shape[0] - 1, 0)
+        if sequences * v.shape[2] < MIN_SEQUENCE_HEADS:
+            return False
     return supports_v2(q, k, v, *args, **kwargs)
 
 
@@ -230,18 +240,18 @@ def chunk_kda_fwd_v2(
         raise ValueError(f"chunk_size must be 16, 32 or None, got {chunk_size!r}")
     _check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
     B, T = q.shape[:2]
-    if initial_state is not None:  # the kernels keep the state K-first
-        initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).contiguous()
-    if chunk_size == 32:
+    if chunk_size == 32:  # its state kernel reads and writes either layout
         from flashkda.fwd.v2.chunk_fwd32 import forward_c32
 
-        o, final = forward_c32(q, k, v, g, beta, scale, initial_state, output_final_state, lower_bound, cu_seqlens,
-                               A_log, dt_bias)
-    else:
-        layout = cached_chunk_layout(B, T, cu_seqlens, q.device)
-        ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
-                         lower_bound, A_log, dt_bias)
-        o, final = recurrence_fwd(ws, v.contiguous(), initial_state, output_final_state)
+        o, final = forward_c32(q, k, v, g, beta, scale, None if initial_state is None else initial_state.contiguous(),
+                               output_final_state, lower_bound, cu_seqlens, A_log, dt_bias, state_v_first)
+        return o, final, None
+    if initial_state is not None:  # the chunk-16 kernels keep the state K-first
+        initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).contiguous()
+    layout = cached_chunk_layout(B, T, cu_seqlens, q.device)
+    ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
+                     lower_bound, A_log, dt_bias)
+    o, final = recurrence_fwd(ws, v.contiguous(), initial_state, output_final_state)
     if final is not None and state_v_first:
         final = final.transpose(-1, -2).contiguous()
     return o, final, None

@@ -14,11 +14,13 @@ __all__ = ["forward_c32"]
 def forward_c32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                 initial_state: torch.Tensor | None, output_final_state: bool, lower_bound: float,
                 cu_seqlens: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """K1 c32 then K2 c32 on a call `chunk_fwd.supports_v2` accepted; ``initial_state`` K-first and contiguous.
+                state_v_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K1 c32 then K2 c32 on a call `chunk_fwd.supports_v2` accepted; ``initial_state`` contiguous, K-first
+    (``[N, HV, V, K]`` with ``state_v_first``).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 K-first or None.
+        ``(o, final_state)``: ``o`` ``[B, T, HV, 128]`` bf16, ``final_state`` ``[N, HV, 128, 128]`` fp32 in
+        ``initial_state``'s layout, or None.
     """
     from flashkda.fwd.v2.prepare32 import prepare32_fwd
     from flashkda.fwd.v2.recurrence32 import recurrence32_fwd
@@ -27,4 +29,4 @@ def forward_c32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     layout = cached_chunk_layout32(B, T, cu_seqlens, q.device)
     ws = prepare32_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
                        lower_bound, A_log, dt_bias)
-    return recurrence32_fwd(ws, v.contiguous(), initial_state, output_final_state)
+    return recurrence32_fwd(ws, v.contiguous(), initial_state, output_final_state, state_v_first=state_v_first)

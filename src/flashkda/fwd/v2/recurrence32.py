@@ -60,7 +60,7 @@ def descriptors(ws: Workspace, chunk: int) -> tuple:
 def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, *, order: torch.Tensor | None = None,
                      stages: int = STAGES32, checkpoints: torch.Tensor | None = None,
-                     ck_offsets: torch.Tensor | None = None, every: int = 0,
+                     ck_offsets: torch.Tensor | None = None, every: int = 0, state_v_first: bool = False,
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output and final state of KDA from a chunk-32 workspace (contract of ``emulate.emulate_recurrence``).
 
@@ -69,11 +69,13 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
             ``glast`` ``[NT, H, 128]`` fp32, ``beta`` ``[T_total, H]`` fp32, layout from ``build_chunk_layout32``).
         v: ``[B, T, H, 128]`` bf16 values, contiguous, on a Hopper GPU (head width 128 only: K = 64 runs at
             16-token chunks, `flashkda.fwd.v2.recurrence`).
-        initial_state: ``[N, H, 128, 128]`` fp32 (K-first) or None (zeros).
-        output_final_state: also return the final state ``[N, H, 128, 128]`` fp32.
+        initial_state: ``[N, H, 128, 128]`` fp32, contiguous, K-first (``[N, H, V, K]`` with ``state_v_first``),
+            or None (zeros).
+        output_final_state: also return the final state ``[N, H, 128, 128]`` fp32 (in ``initial_state``'s layout).
         order: ``[N]`` int32 launch order of the sequences; default longest first when N > 1.
         stages: shared-memory ring slots (2, 3 or 4).
         checkpoints, ck_offsets, every: training checkpoint stores, as ``recurrence.recurrence_fwd``'s.
+        state_v_first: the states are ``[V, K]`` per head (read and written in place, no transposed copy).
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, 128]`` bf16 (rows after ``cu_seqlens[-1]`` are not written);
@@ -107,6 +109,6 @@ def recurrence32_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor
         layout.cu_seqlens, layout.seq_chunks, order if order is not None else layout.seq_chunks,
         checkpoints if every else v, ck_offsets if every else layout.seq_chunks,
         H=H, C=CHUNK32, BV=64, STAGES=stages, USE_ORDER=order is not None, USE_H0=initial_state is not None,
-        STORE_HT=output_final_state, EVERY=every, num_warps=4,
+        STORE_HT=output_final_state, EVERY=every, num_warps=4, STATE_V_FIRST=state_v_first,
     )
     return o, final

@@ -191,7 +191,7 @@ def kda_fwd_v2_recurrence32_kernel(
     ckpt, ck_offsets,  # [NCK, H, 128, 128] bf16, [N + 1] int32 (training checkpoints; unused when EVERY = 0)
     H, C: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
     USE_ORDER: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, EVERY: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, STATE_V_FIRST: gl.constexpr = False,
 ):
     K: gl.constexpr = HEAD_DIM
     V: gl.constexpr = HEAD_DIM
@@ -216,6 +216,8 @@ def kda_fwd_v2_recurrence32_kernel(
                          kd_b, qd_b, kr_b, inv_b, mqk_b, g_b, s, bos, c0, i_h, H, C, K, STAGES)
 
     o_tc, o_vc, o_vk, o_kk, o_state = _state_offsets(i_n, i_h, i_v, H, acc_c, acc_k, C, BV, K, V)
+    if STATE_V_FIRST:  # h0 and ht are [N, H, V, K]: S^T's rows as stored
+        o_state = (i_n * H + i_h).to(gl.int64) * (K * V) + o_vk[:, None] * K + o_kk[None, :]
     if USE_H0:
         b_s = gl.load(h0 + o_state)
     else:
