@@ -7,7 +7,7 @@ and ``flashkda.chunk_kda``; inference rows time the forward, training rows forwa
 Ours is whatever ``flashkda.chunk_kda`` runs for the row (v2 where ``prefers_v2`` / ``prefers_v2_training`` hold,
 else v1; ``FLASHKDA_KERNELS=v1`` or ``v2`` forces one); each row records which in ``ours path``.
 Inference rows that both our kernel sets serve also time the set ``chunk_kda`` did not pick (``FLASHKDA_KERNELS``
-forced), recorded as ``v1 ms`` and ``v2 ms``: the data behind ``chunk_fwd.MIN_VALUE_HEADS``.
+forced), recorded as ``v1 ms`` and ``v2 ms``: the data behind ``chunk_fwd.MIN_SEQUENCE_HEADS``.
 Each backend is timed twice, interleaved, and the mean of the two medians kept. Ours must match fla
 (relative RMS of o and the final state <= 1e-2) before it is timed; a row that fails is left out of the table, so
 its class is declined.
