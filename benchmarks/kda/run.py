@@ -193,8 +193,8 @@ def fp64_gate(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     for flag, module in (("--train", "train"), ("--calibrate", "calibrate"), ("--dispatch", "dispatch_bench"),
-                         ("--decode", "decode")):
-        if flag in argv:  # `k3infra bench kda --train | --calibrate | --dispatch | --decode`
+                         ("--decode", "decode"), ("--host", "host")):
+        if flag in argv:  # `k3infra bench kda --train | --calibrate | --dispatch | --decode | --host`
             import importlib
 
             return importlib.import_module(f"benchmarks.kda.{module}").main([a for a in argv if a != flag])
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate", action="store_true", help="time every backend per shape class (dispatch table)")
     parser.add_argument("--dispatch", action="store_true", help="fla's chunk_kda with the FlashKDA hook on vs off")
     parser.add_argument("--decode", action="store_true", help="decode tokens/s vs fla's fused_recurrent_kda")
+    parser.add_argument("--host", action="store_true", help="host time per call of every backend (short calls)")
     parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(CASES)}")
     parser.add_argument("--rep", type=int, default=20, help="timed calls per row and side (default 20)")
     parser.add_argument("--no-write", action="store_true", help="print only; write no results JSON")

@@ -1,5 +1,5 @@
-"""``benchmarks.kda.calibrate`` on the CPU: merging a calibration that spans several calls, and forcing a kernel set
-for one call."""
+"""``benchmarks.kda.calibrate`` and ``benchmarks.kda.host`` on the CPU: merging a calibration that spans several
+calls, forcing a kernel set for one call, the host-time benchmark's rows and argument errors."""
 
 from __future__ import annotations
 
@@ -64,3 +64,20 @@ def test_forced_kernels_sets_the_variable_for_the_call_only(monkeypatch, before)
     with pytest.raises(ZeroDivisionError):
         forced_kernels(lambda: 1 / 0, "v2")()
     assert os.environ.get(KERNELS_ENV) == before
+
+
+def test_host_benchmark_lists_its_rows(capsys):
+    from benchmarks.kda import host
+
+    assert host.main(["--dry-run", "--rows", "H64-T1024"]) == 0
+    assert capsys.readouterr().out.startswith("H64-T1024: fla")
+
+
+@pytest.mark.parametrize("bad, needle", [(["--rows", "H7-T1"], "unknown rows ['H7-T1']"),
+                                         (["--calls", "0"], "--calls and --rep must be >= 1")])
+def test_host_benchmark_rejects_bad_arguments(capsys, bad, needle):
+    from benchmarks.kda import host
+
+    with pytest.raises(SystemExit):
+        host.main(["--dry-run", *bad])
+    assert needle in capsys.readouterr().err
