@@ -11,7 +11,7 @@ fla's adapter, when importable) and ``flashkda.chunk_kda`` (and each of its kern
 - ``idle-start ms``: median of CUDA events around one call from an idle GPU (the calibration's measure).
 
 Ours against the fastest other backend by back-to-back time is the row's speed-up. With ``--profile``, the
-``cProfile`` of ours' calls (functions by own time) goes to the log, to say where the host time goes.
+``cProfile`` of ours' calls (functions by own and by cumulative time) goes to the log, to say where the host time goes.
 
 Writes ``benchmarks/results/kda-host-<date>.json``. Usage: ``python -m benchmarks.kda.host [--rows NAME ...]
 [--calls N] [--profile] [--no-write] [--dry-run]`` (``--dry-run``: list the rows and backends, time nothing; runs
@@ -51,15 +51,17 @@ def host_times(run, calls: int, device: str) -> tuple[float, float]:
     return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
 
 
-def profile_text(run, calls: int, limit: int = 25) -> str:
-    """The functions of ``calls`` calls of ``run`` by own time (``cProfile``), as text."""
+def profile_text(run, calls: int, limit: int = 40) -> str:
+    """The functions of ``calls`` calls of ``run`` by own time, then by cumulative time (``cProfile``), as text."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
         run()
     profiler.disable()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(limit)
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(limit)
+    stats.sort_stats("cumulative").print_stats(limit)
     return out.getvalue()
 
 
