@@ -406,10 +406,14 @@ def dispatch_report(arch: str | None = None, policy: DispatchPolicy | None = Non
     if arch is None:
         arch, here = _default_target()
         device = device or here
+    policy = policy or DispatchPolicy()
     rows = report_rows(arch, policy, device)
     mode = dispatch_mode()
     where = f"{arch}, {device}" if device else arch
-    lines = [f"fla.ops.kda.chunk_kda dispatch on {where} ({DISPATCH_ENV}={mode})",
+    table = policy.table(arch, device)
+    source = (f"calibration measured on {table.device} at commit {table.commit[:10]} ({table.measured[:10]}), "
+              f"{len(table.rows)} rows" if table is not None else "no calibration table")
+    lines = [f"fla.ops.kda.chunk_kda dispatch on {where} ({DISPATCH_ENV}={mode}); {source}",
              f"{'shape':<48} {'served by':<10} reason"]
     lines += [f"{r.shape.label():<48} {r.backend:<10} {r.decision.reason}" for r in rows]
     return "\n".join(lines)

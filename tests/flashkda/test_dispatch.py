@@ -183,6 +183,8 @@ def test_report_names_a_backend_and_a_reason_for_every_common_shape():
     assert all(r.decision.reason for r in rows) and {r.shape.mode for r in rows} == {"inference", "training"}
     text = dispatch_report("sm_90", policy)
     assert "H64 K128 V128 T<=8192 fixed bf16" in text and "flashkda" in text
+    assert "calibration measured on NVIDIA H200 at commit abc (2026-01-01), 1 rows" in text.splitlines()[0]
+    assert "no calibration table" in dispatch_report("sm_100", policy).splitlines()[0]
 
 
 @pytest.mark.parametrize("mode, served", [("auto", False), ("always", True), ("never", False)])
