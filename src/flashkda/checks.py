@@ -1,8 +1,9 @@
 """Argument validation shared by every public FlashKDA entry: one place that names the bad argument.
 
 Every check here runs on shapes, dtypes and devices only, except the ``cu_seqlens`` content check, which reads
-``cu_seqlens_cpu`` when given (no host synchronisation), else the device tensor once per tensor object
-(`flashkda.seqlens`), and is skipped while a CUDA graph is being captured.
+``cu_seqlens_cpu`` when given and compares it with the device tensor, read once per tensor object (`flashkda.seqlens`;
+an inference tensor once per object and ``cu_seqlens_cpu`` values), and is skipped while a CUDA graph is being
+captured.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def check_cu_seqlens(shapes: KDAShapes, cu_seqlens, cu_seqlens_cpu, device: torc
                              f"{cu_seqlens_cpu.dtype} on {cu_seqlens_cpu.device}")
         host = cu_seqlens_cpu
         if not capturing:
-            # one device read per `cu_seqlens` tensor object (cached): a loop that reuses it never waits again
-            device_values = host_cu_seqlens(cu_seqlens)
+            # one device read per `cu_seqlens` tensor object (per object and CPU values for an inference tensor):
+            # a loop that reuses it never waits again
+            device_values = host_cu_seqlens(cu_seqlens, witness=cu_seqlens_cpu)
             if cu_seqlens_cpu.shape != device_values.shape or not torch.equal(cu_seqlens_cpu.long(), device_values):
                 raise ValueError(f"`cu_seqlens_cpu` {_head(cu_seqlens_cpu)} must equal `cu_seqlens` "
                                  f"{_head(device_values)}")

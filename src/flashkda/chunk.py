@@ -107,12 +107,13 @@ def chunk_kda(
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths for a flattened varlen batch (``B == 1``);
             empty sequences and any lengths are allowed.
         cu_seqlens_cpu: CPU copy of ``cu_seqlens``; it must equal ``cu_seqlens``, which is checked by reading the
-            device tensor once per tensor object (`flashkda.seqlens`; not while a CUDA graph is captured), so a
-            loop that reuses its ``cu_seqlens`` waits only on the first call. Validation and the training path's
-            chunked layout read it.
+            device tensor once per tensor object (`flashkda.seqlens`; an inference-mode ``cu_seqlens``, which has no
+            modification counter, once per object and ``cu_seqlens_cpu`` values; not while a CUDA graph is
+            captured), so a loop or a model's layers that reuse one ``cu_seqlens`` wait only on the first call.
+            Validation, the training path's chunked layout and the v2 chunk layout's cache read it.
         cp_context: context parallelism is not supported (must be None).
-        use_graph, max_num_seqs: accepted; every call is already free of host syncs when ``cu_seqlens_cpu`` is
-            given (or while capturing), so it can be captured in a CUDA graph.
+        use_graph, max_num_seqs: accepted; a call waits for the device only on the first sight of a ``cu_seqlens``
+            (never while capturing), so it can be captured in a CUDA graph.
         **kwargs: ``A_log`` ``[HV]``, ``dt_bias`` ``[HV * K]`` (or ``[HV, K]``), ``chunk_size`` (32 or 64; the
             kernels always use 64, which gives the same result), ``transpose_state_layout`` (deprecated alias).
 

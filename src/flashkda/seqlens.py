@@ -5,6 +5,11 @@ the device queue; in a training step that costs the whole launch latency of the 
 longer run ahead of the device. fla caches what it derives from ``cu_seqlens`` by tensor identity for the same
 reason. Here a copy is reused while the same tensor object comes back unmodified (its ``_version`` unchanged);
 callers that build a new ``cu_seqlens`` every step pass ``cu_seqlens_cpu`` instead.
+
+Tensors made under ``torch.inference_mode`` (a serving engine's batch metadata) have no modification counter. They
+are cached only together with their CPU copy (``witness``): per tensor object, storage and the copy's values, so
+the model's layers that share one ``cu_seqlens`` read it once and build its layout once. The price: an inference
+tensor changed in place while its CPU copy stays the same is not noticed.
 """
 
 from __future__ import annotations
@@ -19,28 +24,36 @@ __all__ = ["IdentityCache", "host_cu_seqlens"]
 
 class IdentityCache:
     """The last ``size`` values computed from tensors, looked up by the tensor object (not its contents) and its
-    in-place modification counter, plus any extra hashable key parts. Inference tensors have no such counter, so
-    values computed from them are never kept."""
+    in-place modification counter, plus any extra hashable key parts. Inference tensors have no such counter:
+    values computed from one are kept only when the call names its CPU copy (``witness``), and are looked up by the
+    tensor object, its storage address and the copy's values."""
 
     def __init__(self, size: int = 4):
         self.size = size
         self._entries: OrderedDict[tuple, tuple[torch.Tensor, Any]] = OrderedDict()
 
-    def get(self, tensor: torch.Tensor, *key) -> Any:
-        if tensor.is_inference():  # no modification counter: never served from the cache
+    @staticmethod
+    def _key(tensor: torch.Tensor, key: tuple, witness: torch.Tensor | None) -> tuple | None:
+        if not tensor.is_inference():
+            return (id(tensor), tensor._version, *key)
+        if witness is None:  # no modification counter and nothing to check the contents by: never cached
             return None
-        full = (id(tensor), tensor._version, *key)
-        entry = self._entries.get(full)
+        return (id(tensor), tensor.data_ptr(), str(witness.dtype), witness.numpy().tobytes(), *key)
+
+    def get(self, tensor: torch.Tensor, *key, witness: torch.Tensor | None = None) -> Any:
+        full = self._key(tensor, key, witness)
+        entry = None if full is None else self._entries.get(full)
         if entry is None or entry[0] is not tensor:
             return None
         self._entries.move_to_end(full)
         return entry[1]
 
-    def put(self, tensor: torch.Tensor, value: Any, *key) -> Any:
-        if tensor.is_inference():
+    def put(self, tensor: torch.Tensor, value: Any, *key, witness: torch.Tensor | None = None) -> Any:
+        full = self._key(tensor, key, witness)
+        if full is None:
             return value
         # the entry holds the tensor itself, so its id cannot be reused by another tensor while cached
-        self._entries[(id(tensor), tensor._version, *key)] = (tensor, value)
+        self._entries[full] = (tensor, value)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return value
@@ -52,12 +65,15 @@ class IdentityCache:
 _HOST = IdentityCache()
 
 
-def host_cu_seqlens(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+def host_cu_seqlens(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None, *,
+                    witness: torch.Tensor | None = None) -> torch.Tensor:
     """``cu_seqlens`` on the host, int64: ``cu_seqlens_cpu`` when given, else a copy made once per tensor object.
 
     Args:
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative lengths, on any device.
-        cu_seqlens_cpu: its CPU copy, if the caller has one (validated by ``flashkda.checks``).
+        cu_seqlens_cpu: its CPU copy, if the caller has one (validated by ``flashkda.checks``): returned as is.
+        witness: a CPU copy the caller has not validated yet (``flashkda.checks`` compares the two): the device is
+            still read, but an inference tensor's read is then kept per (tensor, witness values).
 
     Returns:
         ``[N + 1]`` int64 CPU tensor (do not modify it: it may be shared with later calls).
@@ -66,7 +82,7 @@ def host_cu_seqlens(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
         return cu_seqlens_cpu.to(torch.int64)
     if cu_seqlens.device.type == "cpu":
         return cu_seqlens.to(torch.int64)
-    host = _HOST.get(cu_seqlens)
+    host = _HOST.get(cu_seqlens, witness=witness)
     if host is None:
-        host = _HOST.put(cu_seqlens, cu_seqlens.to("cpu", torch.int64))
+        host = _HOST.put(cu_seqlens, cu_seqlens.to("cpu", torch.int64), witness=witness)
     return host

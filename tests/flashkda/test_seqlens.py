@@ -71,3 +71,51 @@ def test_varlen_layout_is_kept_for_the_same_cu_seqlens(given_host_copy):
     assert changed is not first
     assert changed.chunk_offsets.tolist() == [0, 1, 1, 3]
     assert changed.scatter_index.tolist() == list(range(130))
+
+
+def test_inference_tensors_are_kept_only_with_their_cpu_copy():
+    cache = IdentityCache(size=4)
+    with torch.inference_mode():
+        a = torch.tensor([0, 3, 7])
+    witness = torch.tensor([0, 3, 7])
+    assert a.is_inference()
+    cache.put(a, "no witness")
+    assert cache.get(a) is None, "no modification counter and no CPU copy: never kept"
+    cache.put(a, "a", witness=witness)
+    assert cache.get(a, witness=witness.clone()) == "a", "the copy's values are the key, not the copy object"
+    assert cache.get(a, witness=torch.tensor([0, 4, 7])) is None
+    assert cache.get(a, witness=witness.int()) is None, "another dtype is another key"
+    assert cache.get(a) is None
+
+
+def test_inference_host_copy_is_made_once_per_tensor_and_cpu_values():
+    from flashkda.checks import KDAShapes, check_cu_seqlens
+
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, 9], dtype=torch.int32).as_subclass(_DeviceTensor)
+    host = torch.tensor([0, 5, 9])
+    shapes = KDAShapes(B=1, T=9, H=2, HV=2, K=16, V=16, N=1)
+    _DeviceTensor.copies = 0
+    for _ in range(3):  # a model's layers sharing one batch's cu_seqlens
+        assert check_cu_seqlens(shapes, cu, host, torch.device("cuda")).N == 2
+    assert _DeviceTensor.copies == 1
+    with pytest.raises(ValueError, match="must equal `cu_seqlens`"):
+        check_cu_seqlens(shapes, cu, torch.tensor([0, 4, 9]), torch.device("cuda"))
+    assert _DeviceTensor.copies == 2, "new CPU values: the device is read again"
+    for _ in range(2):
+        host_cu_seqlens(cu)  # no CPU copy to key on: read every time
+    assert _DeviceTensor.copies == 4
+
+
+@pytest.mark.parametrize("with_cpu_copy", [False, True])
+def test_v2_layout_of_an_inference_cu_seqlens_is_kept_with_its_cpu_copy(with_cpu_copy):
+    from flashkda.fwd.v2.workspace32 import build_chunk_layout32, cached_chunk_layout32
+
+    with torch.inference_mode():
+        cu = torch.tensor([0, 70, 70, 130], dtype=torch.int32)
+        host = cu.to(torch.int64) if with_cpu_copy else None
+        first = cached_chunk_layout32(1, 130, cu, torch.device("cpu"), host)
+        again = cached_chunk_layout32(1, 130, cu, torch.device("cpu"), host)
+    assert (again is first) == with_cpu_copy
+    fresh = build_chunk_layout32(1, 130, cu, torch.device("cpu"))
+    assert again.num_chunks == fresh.num_chunks and torch.equal(again.chunk_index, fresh.chunk_index)

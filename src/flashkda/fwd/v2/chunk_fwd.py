@@ -214,7 +214,8 @@ def chunk_kda_fwd_v2(
             allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens (int64 or int32 ``[N + 1]``),
             A_log, dt_bias: as in ``flashkda.chunk_kda``; only the combinations `supports_v2` accepts.
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (varlen), if the caller has one; only its shape is checked
-            (v2 reads no offsets on the host: every call is free of host synchronisation).
+            (v2 reads no offsets on the host: every call is free of host synchronisation). It keys the cached chunk
+            layout of an inference-mode ``cu_seqlens`` (otherwise rebuilt on every call).
         chunk_size: 16 or 32 tokens per chunk (`flashkda.fwd.v2.chunk_fwd32`); None takes 32 (fixed length and
             varlen; measurements in ``docs/flashkda-v2.md``).
 
@@ -244,11 +245,12 @@ def chunk_kda_fwd_v2(
         from flashkda.fwd.v2.chunk_fwd32 import forward_c32
 
         o, final = forward_c32(q, k, v, g, beta, scale, None if initial_state is None else initial_state.contiguous(),
-                               output_final_state, lower_bound, cu_seqlens, A_log, dt_bias, state_v_first)
+                               output_final_state, lower_bound, cu_seqlens, A_log, dt_bias, state_v_first,
+                               cu_seqlens_cpu)
         return o, final, None
     if initial_state is not None:  # the chunk-16 kernels keep the state K-first
         initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).contiguous()
-    layout = cached_chunk_layout(B, T, cu_seqlens, q.device)
+    layout = cached_chunk_layout(B, T, cu_seqlens, q.device, cu_seqlens_cpu=cu_seqlens_cpu)
     ws = prepare_fwd(q.contiguous(), k.contiguous(), g.contiguous(), beta.contiguous(), scale, layout,
                      lower_bound, A_log, dt_bias)
     o, final = recurrence_fwd(ws, v.contiguous(), initial_state, output_final_state)

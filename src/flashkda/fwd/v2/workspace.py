@@ -131,10 +131,11 @@ _FIXED_LAYOUTS_MAX = 16
 
 
 def cached_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-                        chunk: int = CHUNK) -> ChunkLayout:
+                        chunk: int = CHUNK, cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkLayout:
     """`build_chunk_layout`, reused across calls: per ``(B, T, device, chunk)`` for fixed length, per ``cu_seqlens``
     tensor object (while unmodified in place) for varlen; an inference-mode ``cu_seqlens`` has no modification
-    counter, so its layout is built on every call.
+    counter, so its layout is kept per tensor object and ``cu_seqlens_cpu`` values when the caller passes that CPU
+    copy, else built on every call (`flashkda.seqlens.IdentityCache`).
 
     Building a layout launches about twenty small kernels; a model's KDA layers all see the same batch, so every
     layer after the first reuses its layout. The cached tensors are never written after they are built.
@@ -149,10 +150,10 @@ def cached_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device:
             while len(_FIXED_LAYOUTS) > _FIXED_LAYOUTS_MAX:
                 del _FIXED_LAYOUTS[next(iter(_FIXED_LAYOUTS))]
         return layout
-    layout = _VARLEN_LAYOUTS.get(cu_seqlens, B, T, device, chunk)
+    layout = _VARLEN_LAYOUTS.get(cu_seqlens, B, T, device, chunk, witness=cu_seqlens_cpu)
     if layout is None:
         layout = _VARLEN_LAYOUTS.put(cu_seqlens, build_chunk_layout(B, T, cu_seqlens, device, chunk), B, T, device,
-                                     chunk)
+                                     chunk, witness=cu_seqlens_cpu)
     return layout
 
 

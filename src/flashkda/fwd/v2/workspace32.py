@@ -36,6 +36,7 @@ def build_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device
     return build_chunk_layout(B, T, cu_seqlens, device, CHUNK32)
 
 
-def cached_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkLayout:
+def cached_chunk_layout32(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+                          cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkLayout:
     """`workspace.cached_chunk_layout` with 32-token chunks."""
-    return cached_chunk_layout(B, T, cu_seqlens, device, CHUNK32)
+    return cached_chunk_layout(B, T, cu_seqlens, device, CHUNK32, cu_seqlens_cpu)
