@@ -8,8 +8,10 @@ callers that build a new ``cu_seqlens`` every step pass ``cu_seqlens_cpu`` inste
 
 Tensors made under ``torch.inference_mode`` (a serving engine's batch metadata) have no modification counter. They
 are cached only together with their CPU copy (``witness``): per tensor object, storage and the copy's values, so
-the model's layers that share one ``cu_seqlens`` read it once and build its layout once. The price: an inference
-tensor changed in place while its CPU copy stays the same is not noticed.
+the model's layers that share one ``cu_seqlens`` read it once and build its layout once. Without the copy nothing is
+kept: a serving engine may update one persistent ``cu_seqlens`` buffer in place every step (CUDA graphs need fixed
+addresses), and no key would notice. The price: an inference tensor changed in place while its CPU copy stays the
+same (breaking the copy's contract) is not noticed.
 """
 
 from __future__ import annotations
