@@ -113,7 +113,8 @@ def chunk_kda(
             Validation, the training path's chunked layout and the v2 chunk layout's cache read it.
         cp_context: context parallelism is not supported (must be None).
         use_graph, max_num_seqs: accepted; a call waits for the device only on the first sight of a ``cu_seqlens``
-            (never while capturing), so it can be captured in a CUDA graph.
+            (on every call for an inference-mode one without ``cu_seqlens_cpu``; never while capturing), so it can
+            be captured in a CUDA graph.
         **kwargs: ``A_log`` ``[HV]``, ``dt_bias`` ``[HV * K]`` (or ``[HV, K]``), ``chunk_size`` (32 or 64; the
             kernels always use 64, which gives the same result), ``transpose_state_layout`` (deprecated alias).
 
