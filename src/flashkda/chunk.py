@@ -200,7 +200,8 @@ def chunk_kda(
         o, final_state, _ = chunk_kda_fwd_v2(q, k, v, g, beta, scale, **flags, cu_seqlens_cpu=cu_seqlens_cpu)
         return o, final_state
     o, final_state, _ = chunk_kda_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, **flags)
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, **flags,
+        cu_seqlens_cpu=cu_seqlens_cpu)
     return o, final_state
 
 

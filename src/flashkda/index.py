@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashkda.seqlens import IdentityCache
+
 
 @dataclass(frozen=True)
 class ChunkIndex:
@@ -51,3 +53,20 @@ def build_chunk_index(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_siz
     seq = torch.where(seq >= N, torch.full_like(seq, -1), seq)
     return ChunkIndex(num_seqs=N, num_chunks=bound, chunks_per_seq=0, is_varlen=True, cu_seqlens=cu,
                       chunk_offsets=offsets, chunk_map=seq)
+
+
+_VARLEN_INDEXES = IdentityCache(size=8)
+
+
+def cached_chunk_index(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int,
+                       cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkIndex:
+    """`build_chunk_index`, kept while the same ``cu_seqlens`` object comes back unmodified (an inference-mode one:
+    with the same ``cu_seqlens_cpu`` values; `flashkda.seqlens.IdentityCache`), so the layers of a model that share
+    a batch build its index once instead of a dozen small operators each."""
+    if cu_seqlens is None:
+        return build_chunk_index(B, T, None, chunk_size)
+    index = _VARLEN_INDEXES.get(cu_seqlens, B, T, chunk_size, witness=cu_seqlens_cpu)
+    if index is None:
+        index = _VARLEN_INDEXES.put(cu_seqlens, build_chunk_index(B, T, cu_seqlens, chunk_size), B, T, chunk_size,
+                                    witness=cu_seqlens_cpu)
+    return index

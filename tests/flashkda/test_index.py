@@ -21,3 +21,23 @@ def test_chunk_map_lists_every_chunk_once(lengths):
 def test_fixed_length_index_needs_no_tensors():
     idx = build_chunk_index(3, 130, None, 64)
     assert (idx.num_seqs, idx.num_chunks, idx.chunks_per_seq, idx.is_varlen) == (3, 9, 3, False)
+
+
+def test_varlen_index_is_kept_per_cu_seqlens_object():
+    from flashkda.index import cached_chunk_index
+
+    cu = torch.tensor([0, 70, 70, 130])
+    first = cached_chunk_index(1, 130, cu, 64)
+    assert cached_chunk_index(1, 130, cu, 64) is first
+    assert cached_chunk_index(1, 130, cu.clone(), 64) is not first, "another tensor object"
+    assert cached_chunk_index(1, 130, cu, 32) is not first, "another chunk size"
+    cu[1] = 64  # in place: the kept index no longer applies
+    again = cached_chunk_index(1, 130, cu, 64)
+    assert again is not first
+    assert again.chunk_offsets.tolist() == build_chunk_index(1, 130, cu, 64).chunk_offsets.tolist() == [0, 1, 2, 3]
+    with torch.inference_mode():
+        live = torch.tensor([0, 70, 70, 130])
+        assert cached_chunk_index(1, 130, live, 64) is not cached_chunk_index(1, 130, live, 64), "no CPU copy"
+        host = torch.tensor([0, 70, 70, 130])
+        kept = cached_chunk_index(1, 130, live, 64, host)
+        assert cached_chunk_index(1, 130, live, 64, host.clone()) is kept

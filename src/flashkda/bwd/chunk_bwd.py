@@ -37,7 +37,7 @@ from flashkda.bwd.state import chunk_kda_bwd_dh, chunk_kda_recompute_h
 from flashkda.bwd.state_tokens import chunk_kda_bwd_dh_tokens
 from flashkda.bwd.wy import chunk_kda_bwd_ut
 from flashkda.fwd.state import state_pass
-from flashkda.index import build_chunk_index
+from flashkda.index import cached_chunk_index
 from flashkda.options import KDAOptions
 
 __all__ = ["backward_head_slices", "chunk_kda_bwd", "chunk_kda_bwd_torch", "chunk_kda_fwd_fp64"]
@@ -159,7 +159,7 @@ def chunk_kda_bwd(ctx, inputs: dict, opts: KDAOptions, layout: ChunkLayout, h0, 
     kept = all_heads and bool(ctx.operands)
     rebuilt = all_heads and not kept and q.dtype == torch.bfloat16
     if kept or rebuilt:
-        index = build_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
+        index = cached_chunk_index(layout.B, layout.T, ctx.cu_seqlens, CHUNK_SIZE)
         if kept:
             w_t, qg_t, kg_t, gC = ctx.operands
         else:

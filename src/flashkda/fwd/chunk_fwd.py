@@ -11,7 +11,7 @@ import torch
 
 from flashkda.fwd.intra import CHUNK_SIZE, chunk_kda_fwd_intra
 from flashkda.fwd.state import chunk_kda_fwd_state_o
-from flashkda.index import build_chunk_index
+from flashkda.index import cached_chunk_index
 
 
 class TrainingSaved(NamedTuple):
@@ -63,6 +63,7 @@ def chunk_kda_fwd(
     output_states: bool = False,
     output_operands: bool = False,
     fp32_u: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple:
     """Chunked KDA forward on validated, contiguous inputs (the stable internal entry for the backward pass).
 
@@ -85,6 +86,8 @@ def chunk_kda_fwd(
         output_operands: also return the intra stage's ``(w, qg, kg, gC)`` as stored (``[B, T, HV, K]`` each, bf16
             for bf16 input, and ``gC`` ``[NC, HV, K]`` fp32), for ``flashkda.bwd.state_tokens``.
         fp32_u: ``u`` and the state stage's ``v_new`` in fp32 (see ``chunk_kda_fwd_intra``).
+        cu_seqlens_cpu: the CPU copy of ``cu_seqlens``, if the caller has one: it keys the cached chunk index of an
+            inference-mode ``cu_seqlens`` (`flashkda.index.cached_chunk_index`).
 
     Returns:
         ``(o, final_state, h)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 in the requested
@@ -96,7 +99,7 @@ def chunk_kda_fwd(
         ``[NC, HV, K, V]``, ``v_new`` ``[B, T, HV, V]``), ``operands`` as above; each empty unless asked for.
     """
     B, T = q.shape[:2]
-    index = build_chunk_index(B, T, cu_seqlens, CHUNK_SIZE)
+    index = cached_chunk_index(B, T, cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu)
     work_dtype = work_dtype_for(q.dtype)
     dot_prec = dot_precision_for(q.dtype)
     w, u, qg, kg, Aqk, gC, *local = chunk_kda_fwd_intra(
