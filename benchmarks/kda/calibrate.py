@@ -153,16 +153,14 @@ def ours_path(x: dict, kw: dict, training: bool) -> str:
     """Which kernels ``flashkda.chunk_kda`` runs for this row: ``"v2"``, or ``"v1"`` with the rule's reason."""
     from flashkda.fwd.v2 import chunk_fwd
 
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    kwargs = dict(kw, initial_state=x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"])
     if training:
-        if chunk_fwd.prefers_v2_training(*args, **kwargs):
+        if call(chunk_fwd.prefers_v2_training, x, kw):
             return f"v2 (chunk {chunk_fwd.TRAINING_CHUNK})"
-        reason = chunk_fwd.v2_training_unsupported_reason(*args, **kwargs)
+        reason = call(chunk_fwd.v2_training_unsupported_reason, x, kw)
     else:
-        if chunk_fwd.prefers_v2(*args, **kwargs):
+        if call(chunk_fwd.prefers_v2, x, kw):
             return "v2"
-        reason = chunk_fwd.v2_unsupported_reason(*args, **kwargs)
+        reason = call(chunk_fwd.v2_unsupported_reason, x, kw)
     return f"v1 ({reason or 'the rule or ' + chunk_fwd.KERNELS_ENV + ' prefers it'})"
 
 
@@ -172,11 +170,9 @@ def other_kernels(x: dict, kw: dict, training: bool) -> str | None:
 
     if training or chunk_fwd.kernels_choice() != "auto":
         return None
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    kwargs = dict(kw, initial_state=x["initial_state"], A_log=x["A_log"], dt_bias=x["dt_bias"])
-    if not chunk_fwd.supports_v2(*args, **kwargs):
+    if not call(chunk_fwd.supports_v2, x, kw):
         return None
-    return "v1" if chunk_fwd.prefers_v2(*args, **kwargs) else "v2"
+    return "v1" if call(chunk_fwd.prefers_v2, x, kw) else "v2"
 
 
 def forced_kernels(fn, kernels: str):

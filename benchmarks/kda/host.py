@@ -72,9 +72,7 @@ def runs_for(shape, device: str) -> dict:
 
     x, kw = make_inputs(shape, device)
     fns = backends("inference")
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    if chunk_fwd.supports_v2(*args, **dict(kw, initial_state=x["initial_state"], A_log=x["A_log"],
-                                            dt_bias=x["dt_bias"])):
+    if call(chunk_fwd.supports_v2, x, kw):
         for kernels in ("v1", "v2"):
             fns[f"{OURS} {kernels}"] = forced_kernels(fns[OURS], kernels)
     return {name: (lambda fn=fn: call(fn, x, kw)) for name, fn in fns.items()}

@@ -43,8 +43,8 @@ __all__ = [
     "device_arch",
     "device_name",
     "device_slug",
-    "table_stem",
     "dispatch_mode",
+    "table_stem",
     "token_bucket",
 ]
 
@@ -363,11 +363,14 @@ def _cutlass_usable() -> bool:
     return importlib.util.find_spec("flash_kda") is not None and os.environ.get("FLA_FLASH_KDA", "1") != "0"
 
 
-def _default_target() -> tuple[str, str | None]:
-    """This machine's GPU architecture and name, else ``("sm_90", None)`` (the architecture's shipped table)."""
+def _target(arch: str | None, device: str | None) -> tuple[str, str | None]:
+    """``(arch, device)`` as given, or when ``arch`` is None this machine's GPU architecture and (unless ``device``
+    is given) name, else ``("sm_90", device)`` (the architecture's shipped table)."""
+    if arch is not None:
+        return arch, device
     if torch.cuda.is_available():
-        return device_arch(torch.device("cuda")), device_name(torch.device("cuda"))
-    return "sm_90", None
+        return device_arch(torch.device("cuda")), device or device_name(torch.device("cuda"))
+    return "sm_90", device
 
 
 def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None,
@@ -375,9 +378,7 @@ def report_rows(arch: str | None = None, policy: DispatchPolicy | None = None,
     """Who serves ``fla.ops.kda.chunk_kda`` for the common shapes on ``arch`` and ``device`` (default: this
     machine's GPU, else ``sm_90``'s own table), with the CUTLASS FlashKDA counted as a competitor where it is
     installed and takes the call (inference, bf16, K = V = 128, no GVA)."""
-    if arch is None:
-        arch, here = _default_target()
-        device = device or here
+    arch, device = _target(arch, device)
     policy = policy or DispatchPolicy()
     cutlass = _cutlass_usable()
     rows = []
@@ -403,9 +404,7 @@ def dispatch_report(arch: str | None = None, policy: DispatchPolicy | None = Non
         >>> import flashkda
         >>> print(flashkda.dispatch_report("sm_90", device="NVIDIA H200"))  # doctest: +SKIP
     """
-    if arch is None:
-        arch, here = _default_target()
-        device = device or here
+    arch, device = _target(arch, device)
     policy = policy or DispatchPolicy()
     rows = report_rows(arch, policy, device)
     mode = dispatch_mode()

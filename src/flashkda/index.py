@@ -62,11 +62,8 @@ def cached_chunk_index(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_si
                        cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkIndex:
     """`build_chunk_index`, kept while the same ``cu_seqlens`` object comes back unmodified (an inference-mode one:
     with the same ``cu_seqlens_cpu`` values; `flashkda.seqlens.IdentityCache`), so the layers of a model that share
-    a batch build its index once instead of a dozen small operators each."""
+    a batch build its index once instead of once per layer."""
     if cu_seqlens is None:
         return build_chunk_index(B, T, None, chunk_size)
-    index = _VARLEN_INDEXES.get(cu_seqlens, B, T, chunk_size, witness=cu_seqlens_cpu)
-    if index is None:
-        index = _VARLEN_INDEXES.put(cu_seqlens, build_chunk_index(B, T, cu_seqlens, chunk_size), B, T, chunk_size,
-                                    witness=cu_seqlens_cpu)
-    return index
+    return _VARLEN_INDEXES.get_or_make(cu_seqlens, lambda: build_chunk_index(B, T, cu_seqlens, chunk_size), B, T,
+                                       chunk_size, witness=cu_seqlens_cpu)

@@ -17,6 +17,7 @@ same (breaking the copy's contract) is not noticed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,15 +44,26 @@ class IdentityCache:
         return (id(tensor), tensor.data_ptr(), str(witness.dtype), witness.numpy().tobytes(), *key)
 
     def get(self, tensor: torch.Tensor, *key, witness: torch.Tensor | None = None) -> Any:
+        return self._get(tensor, self._key(tensor, key, witness))
+
+    def put(self, tensor: torch.Tensor, value: Any, *key, witness: torch.Tensor | None = None) -> Any:
+        return self._put(tensor, self._key(tensor, key, witness), value)
+
+    def get_or_make(self, tensor: torch.Tensor, make: Callable[[], Any], *key,
+                    witness: torch.Tensor | None = None) -> Any:
+        """The kept value for ``tensor`` (and ``key``, ``witness``), else ``make()``, kept."""
         full = self._key(tensor, key, witness)
+        value = self._get(tensor, full)
+        return self._put(tensor, full, make()) if value is None else value
+
+    def _get(self, tensor: torch.Tensor, full: tuple | None) -> Any:
         entry = None if full is None else self._entries.get(full)
         if entry is None or entry[0] is not tensor:
             return None
         self._entries.move_to_end(full)
         return entry[1]
 
-    def put(self, tensor: torch.Tensor, value: Any, *key, witness: torch.Tensor | None = None) -> Any:
-        full = self._key(tensor, key, witness)
+    def _put(self, tensor: torch.Tensor, full: tuple | None, value: Any) -> Any:
         if full is None:
             return value
         # the entry holds the tensor itself, so its id cannot be reused by another tensor while cached
@@ -84,7 +96,4 @@ def host_cu_seqlens(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
         return cu_seqlens_cpu.to(torch.int64)
     if cu_seqlens.device.type == "cpu":
         return cu_seqlens.to(torch.int64)
-    host = _HOST.get(cu_seqlens, witness=witness)
-    if host is None:
-        host = _HOST.put(cu_seqlens, cu_seqlens.to("cpu", torch.int64), witness=witness)
-    return host
+    return _HOST.get_or_make(cu_seqlens, lambda: cu_seqlens.to("cpu", torch.int64), witness=witness)

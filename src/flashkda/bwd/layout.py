@@ -60,12 +60,9 @@ def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device:
         nt = -(-T // C)
         offsets = torch.arange(B + 1, dtype=torch.int32, device=device) * nt
         return ChunkLayout(B, T, C, B * nt, offsets, None, None)
-    key = (T, C, torch.device(device))
-    layout = _LAYOUTS.get(cu_seqlens, *key)
-    if layout is None:
-        layout = _LAYOUTS.put(cu_seqlens, _varlen_layout(T, host_cu_seqlens(cu_seqlens, cu_seqlens_cpu), C, device),
-                              *key)
-    return layout
+    return _LAYOUTS.get_or_make(
+        cu_seqlens, lambda: _varlen_layout(T, host_cu_seqlens(cu_seqlens, cu_seqlens_cpu), C, device), T, C,
+        torch.device(device))
 
 
 #: Varlen layouts of the last few ``cu_seqlens`` tensors (the index tensors are ~``T`` int64 each).

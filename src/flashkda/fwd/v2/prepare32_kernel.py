@@ -289,4 +289,3 @@ def kda_fwd_v2_prepare32_kernel(
     _elementwise32(q, k, g, A_log, dt_bias, kd, qd, kr, glast, first, n_valid, i_h, H, tile, scale, gate_scale,
                    left_s, q_s, right_s, GROUP, HAS_A_LOG, HAS_DT_BIAS)
     _products32(left_s, q_s, right_s, b_beta, rows, ok, o_b, o_i, beta, inv, mqk, tile, n_valid)
-

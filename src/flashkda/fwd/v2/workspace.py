@@ -150,11 +150,8 @@ def cached_chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device:
             while len(_FIXED_LAYOUTS) > _FIXED_LAYOUTS_MAX:
                 del _FIXED_LAYOUTS[next(iter(_FIXED_LAYOUTS))]
         return layout
-    layout = _VARLEN_LAYOUTS.get(cu_seqlens, B, T, device, chunk, witness=cu_seqlens_cpu)
-    if layout is None:
-        layout = _VARLEN_LAYOUTS.put(cu_seqlens, build_chunk_layout(B, T, cu_seqlens, device, chunk), B, T, device,
-                                     chunk, witness=cu_seqlens_cpu)
-    return layout
+    return _VARLEN_LAYOUTS.get_or_make(cu_seqlens, lambda: build_chunk_layout(B, T, cu_seqlens, device, chunk), B, T,
+                                       device, chunk, witness=cu_seqlens_cpu)
 
 
 @dataclass(frozen=True)
