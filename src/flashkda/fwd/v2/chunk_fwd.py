@@ -99,9 +99,14 @@ def v2_unsupported_reason(
     return None
 
 
+@functools.cache
+def _major_capability(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _device_reason(q: torch.Tensor) -> str | None:
     """Why v2's kernels cannot run on ``q``'s device, or None (a Hopper GPU and Triton with Gluon)."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or _major_capability(q.device.index) != 9:
         return "needs a Hopper (sm_90) GPU"
     if not _has_gluon():
         return "needs Triton with Gluon"

@@ -12,11 +12,17 @@ import math
 import torch
 
 from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIMS, ChunkLayout, Workspace, allocate_workspace
+from flashkda.launch import CompiledLaunch
 
 __all__ = ["CHUNKS_PER_CTA", "prepare_fwd"]
 
 #: Chunks per CTA of the kernel (`prepare_kernel.CB`).
 CHUNKS_PER_CTA = 4
+
+
+@functools.cache
+def _launch() -> CompiledLaunch:
+    return CompiledLaunch(_kernel_module().kda_fwd_v2_prepare_batched_kernel)
 
 
 @functools.cache
@@ -90,7 +96,7 @@ def prepare_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
     dummy = ws.glast
     mod = _kernel_module()
     NT = layout.num_chunks
-    mod.kda_fwd_v2_prepare_batched_kernel[(-(-NT // CHUNKS_PER_CTA) * H,)](
+    _launch()[(-(-NT // CHUNKS_PER_CTA) * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,

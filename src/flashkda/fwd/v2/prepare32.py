@@ -16,8 +16,14 @@ import torch
 from flashkda.fwd.v2.prepare import _check
 from flashkda.fwd.v2.workspace import ChunkLayout, Workspace, allocate_workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
+from flashkda.launch import CompiledLaunch
 
 __all__ = ["prepare32_fwd"]
+
+
+@functools.cache
+def _launch() -> CompiledLaunch:
+    return CompiledLaunch(_kernel_module().kda_fwd_v2_prepare32_kernel)
 
 
 @functools.cache
@@ -53,7 +59,7 @@ def prepare32_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch
         return ws
     dummy = ws.glast
     mod = _kernel_module()
-    mod.kda_fwd_v2_prepare32_kernel[(layout.num_chunks * H,)](
+    _launch()[(layout.num_chunks * H,)](
         q, k, g, beta,
         A_log.contiguous() if A_log is not None else dummy, dt_bias.contiguous() if dt_bias is not None else dummy,
         layout.chunk_index, ws.kd, ws.qd, ws.kr, ws.inv, ws.mqk, ws.glast, ws.beta,

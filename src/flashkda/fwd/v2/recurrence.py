@@ -11,6 +11,7 @@ import functools
 import torch
 
 from flashkda.fwd.v2.workspace import CHUNK, HEAD_DIMS, Workspace, longest_first_order
+from flashkda.launch import CompiledLaunch, descriptor
 
 __all__ = ["BLOCK_V", "STAGES", "longest_first_order", "recurrence_fwd"]
 
@@ -26,7 +27,7 @@ STAGES = 2
 def _kernel():
     from flashkda.fwd.v2 import recurrence_kernel
 
-    return recurrence_kernel.kda_fwd_v2_recurrence_kernel
+    return CompiledLaunch(recurrence_kernel.kda_fwd_v2_recurrence_kernel)
 
 
 @functools.cache
@@ -132,16 +133,14 @@ def recurrence_fwd(ws: Workspace, v: torch.Tensor, initial_state: torch.Tensor |
         elif final is not None:
             final.zero_()
         return o, final
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     tok_layout, tile_layout = _smem_layouts(K)
     T_total, NT = B * T, layout.num_chunks
 
     def tokens(x):
-        return TensorDescriptor(x, [T_total, H * K], [H * K, 1], [CHUNK, K], tok_layout)
+        return descriptor(x, [T_total, H * K], [H * K, 1], [CHUNK, K], tok_layout)
 
     def tiles(x):
-        return TensorDescriptor(x, [NT * H * CHUNK, CHUNK], [CHUNK, 1], [CHUNK, CHUNK], tile_layout)
+        return descriptor(x, [NT * H * CHUNK, CHUNK], [CHUNK, 1], [CHUNK, CHUNK], tile_layout)
 
     use_order = N > 1
     if use_order and order is None:

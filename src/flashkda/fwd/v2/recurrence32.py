@@ -14,6 +14,7 @@ import torch
 from flashkda.fwd.v2.recurrence import _check, _check_checkpoints
 from flashkda.fwd.v2.workspace import HEAD_DIM, Workspace
 from flashkda.fwd.v2.workspace32 import CHUNK32
+from flashkda.launch import CompiledLaunch, descriptor
 
 __all__ = ["STAGES32", "descriptors", "recurrence32_fwd"]
 
@@ -25,7 +26,7 @@ STAGES32 = 2
 def _kernel():
     from flashkda.fwd.v2 import recurrence32_kernel
 
-    return recurrence32_kernel.kda_fwd_v2_recurrence32_kernel
+    return CompiledLaunch(recurrence32_kernel.kda_fwd_v2_recurrence32_kernel)
 
 
 @functools.cache
@@ -41,19 +42,17 @@ def descriptors(ws: Workspace, chunk: int) -> tuple:
     """K2's six TMA descriptors of a workspace of ``chunk``-token chunks and head width ``K`` (``ws.kd``'s last
     dimension, 64 or 128): ``kd, qd, kr`` (``[chunk, K]`` token tiles), ``inv, mqk`` (``[chunk, chunk]`` chunk
     tiles) and ``glast`` (one ``[1, K]`` row per chunk and head)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     T_total, H, K = ws.kd.shape
     tok_layout, tile_layout, g_layout = _smem_layouts(chunk, K)
     NT = ws.layout.num_chunks
 
     def tokens(x):
-        return TensorDescriptor(x, [T_total, H * K], [H * K, 1], [chunk, K], tok_layout)
+        return descriptor(x, [T_total, H * K], [H * K, 1], [chunk, K], tok_layout)
 
     def tiles(x):
-        return TensorDescriptor(x, [NT * H * chunk, chunk], [chunk, 1], [chunk, chunk], tile_layout)
+        return descriptor(x, [NT * H * chunk, chunk], [chunk, 1], [chunk, chunk], tile_layout)
 
-    glast = TensorDescriptor(ws.glast, [NT * H, K], [K, 1], [1, K], g_layout)
+    glast = descriptor(ws.glast, [NT * H, K], [K, 1], [1, K], g_layout)
     return tokens(ws.kd), tokens(ws.qd), tokens(ws.kr), tiles(ws.inv), tiles(ws.mqk), glast
 
 
