@@ -10,12 +10,14 @@ fla's adapter, when importable) and ``flashkda.chunk_kda`` (and each of its kern
   model's layer loop (the larger of host and GPU time);
 - ``idle-start ms``: median of CUDA events around one call from an idle GPU (the calibration's measure).
 
+The host of a GPU machine drifts by up to 2x between (and within) runs, so the first two are medians over
+``--rounds`` rounds in which every backend runs its loop once, in alternating order (``host us min`` beside).
 Ours against the fastest other backend by back-to-back time is the row's speed-up. With ``--profile``, the
 ``cProfile`` of ours' calls (functions by own and by cumulative time) goes to the log, to say where the host time goes.
 
 Writes ``benchmarks/results/kda-host-<date>.json``. Usage: ``python -m benchmarks.kda.host [--rows NAME ...]
-[--calls N] [--profile] [--no-write] [--dry-run]`` (``--dry-run``: list the rows and backends, time nothing; runs
-on a CPU).
+[--calls N] [--rounds N] [--profile] [--no-write] [--dry-run]`` (``--dry-run``: list the rows and backends, time
+nothing; runs on a CPU).
 """
 
 from __future__ import annotations
@@ -35,20 +37,34 @@ ROWS = [_fixed(64, 1024), _fixed(12, 2048), _fixed(64, 2048), _varlen(64, VARLEN
 OURS = "flashkda"
 
 
-def host_times(run, calls: int, device: str) -> tuple[float, float]:
-    """``(host us, back-to-back us)`` per call of ``run`` over ``calls`` calls after a synchronised warm-up."""
+def host_times(runs: dict, calls: int, rounds: int, device: str) -> dict[str, dict[str, float]]:
+    """Per name of ``runs`` (zero-argument calls): ``host us`` and ``back-to-back us`` per call, medians over
+    ``rounds`` rounds of ``calls`` calls each (every run once per round, the order alternating), and the least
+    ``host us min``; after a synchronised warm-up of three calls each."""
+    import statistics
+
     import torch
 
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    issued = time.perf_counter()
-    torch.cuda.synchronize(device)
-    done = time.perf_counter()
-    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
+    for run in runs.values():
+        for _ in range(3):
+            run()
+    names = list(runs)
+    samples = {name: ([], []) for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            run = runs[name]
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            issued = time.perf_counter()
+            torch.cuda.synchronize(device)
+            done = time.perf_counter()
+            samples[name][0].append((issued - start) / calls * 1e6)
+            samples[name][1].append((done - start) / calls * 1e6)
+    return {name: {"host us": round(statistics.median(host), 1), "host us min": round(min(host), 1),
+                   "back-to-back us": round(statistics.median(b2b), 1)}
+            for name, (host, b2b) in samples.items()}
 
 
 def profile_text(run, calls: int, limit: int = 40) -> str:
@@ -81,14 +97,15 @@ def runs_for(shape, device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=None, help=f"row names (default all): {[s.name for s in ROWS]}")
-    parser.add_argument("--calls", type=int, default=100, help="calls per host-time loop (default 100)")
+    parser.add_argument("--calls", type=int, default=50, help="calls per host-time loop (default 50)")
+    parser.add_argument("--rounds", type=int, default=9, help="host-time rounds per row (default 9)")
     parser.add_argument("--rep", type=int, default=30, help="idle-start samples per backend (default 30)")
     parser.add_argument("--profile", action="store_true", help="print the cProfile of ours' calls per row")
     parser.add_argument("--no-write", action="store_true", help="write no results JSON")
     parser.add_argument("--dry-run", action="store_true", help="list rows and backends; time nothing")
     args = parser.parse_args(argv)
-    if args.calls < 1 or args.rep < 1:
-        parser.error(f"--calls and --rep must be >= 1, got {args.calls} and {args.rep}")
+    if args.calls < 1 or args.rep < 1 or args.rounds < 1:
+        parser.error(f"--calls, --rounds and --rep must be >= 1, got {args.calls}, {args.rounds} and {args.rep}")
     unknown = set(args.rows or ()) - {s.name for s in ROWS}
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}; choose from {[s.name for s in ROWS]}")
@@ -110,14 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for shape in shapes:
             runs = runs_for(shape, device)
-            measured = {}
+            measured = host_times(runs, args.calls, args.rounds, device)
             for name, run in runs.items():
-                host_us, b2b_us = host_times(run, args.calls, device)
-                idle = time_fn(run, device=device, warmup=2, rep=args.rep).median_ms
-                measured[name] = {"host us": round(host_us, 1), "back-to-back us": round(b2b_us, 1),
-                                  "idle-start ms": round(idle, 4)}
-                print(f"{shape.name:>18} {name:<12} host {host_us:7.1f} us  back-to-back {b2b_us:7.1f} us  "
-                      f"idle-start {idle:.3f} ms", flush=True)
+                m = measured[name]
+                m["idle-start ms"] = round(time_fn(run, device=device, warmup=2, rep=args.rep).median_ms, 4)
+                print(f"{shape.name:>18} {name:<12} host {m['host us']:7.1f} us (min {m['host us min']:7.1f})  "
+                      f"back-to-back {m['back-to-back us']:7.1f} us  idle-start {m['idle-start ms']:.3f} ms",
+                      flush=True)
             if args.profile:
                 print(profile_text(runs[OURS], args.calls), flush=True)
             others = {n: m for n, m in measured.items() if not n.startswith(OURS)}

@@ -74,10 +74,27 @@ def test_host_benchmark_lists_its_rows(capsys):
 
 
 @pytest.mark.parametrize("bad, needle", [(["--rows", "H7-T1"], "unknown rows ['H7-T1']"),
-                                         (["--calls", "0"], "--calls and --rep must be >= 1")])
+                                         (["--calls", "0"], "--calls, --rounds and --rep must be >= 1"),
+                                         (["--rounds", "0"], "--calls, --rounds and --rep must be >= 1")])
 def test_host_benchmark_rejects_bad_arguments(capsys, bad, needle):
     from benchmarks.kda import host
 
     with pytest.raises(SystemExit):
         host.main(["--dry-run", *bad])
     assert needle in capsys.readouterr().err
+
+
+def test_host_times_alternate_the_backends_per_round(monkeypatch):
+    """Every backend runs its loop once per round, in alternating order (the host drifts between rounds)."""
+    import torch
+
+    from benchmarks.kda import host
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    order = []
+    runs = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    measured = host.host_times(runs, calls=2, rounds=3, device="cpu")
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    for m in measured.values():
+        assert set(m) == {"host us", "host us min", "back-to-back us"}
+        assert 0 <= m["host us min"] <= m["host us"] <= m["back-to-back us"] + 0.1
