@@ -72,6 +72,12 @@ def launch_key(values: list, constexpr: tuple[bool, ...], options: dict) -> tupl
     return tuple(args), tuple(sorted(options.items()))
 
 
+def _is_jit_function(kernel) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(kernel, JITFunction)
+
+
 def _current_device() -> int:
     return torch.cuda.current_device()
 
@@ -80,8 +86,9 @@ class CompiledLaunch:
     """``kernel[grid](*args, **kwargs)`` with the compiled kernel kept per `launch_key` (module docstring).
 
     Args:
-        kernel: a ``triton.jit`` or ``gluon.jit`` function (an interpreted one, ``TRITON_INTERPRET=1``, has no
-            compiled form: every call goes through it).
+        kernel: a ``triton.jit`` or ``gluon.jit`` function. Anything else (an interpreted kernel under
+            ``TRITON_INTERPRET=1``, which has no compiled form; an autotuner or heuristics wrapper, whose choice
+            depends on argument values the key does not hold) is called as is on every launch.
     """
 
     def __init__(self, kernel):
@@ -90,8 +97,7 @@ class CompiledLaunch:
         self._names = [p.name for p in params]
         self._index = {name: i for i, name in enumerate(self._names)}
         self._defaults = [p.default for p in params]
-        params = getattr(kernel, "params", None)
-        self._constexpr = None if params is None else tuple(p.is_constexpr for p in params)
+        self._constexpr = tuple(p.is_constexpr for p in kernel.params) if _is_jit_function(kernel) else None
         self._compiled: dict[tuple, Any] = {}
 
     def __getitem__(self, grid: tuple[int, ...]):

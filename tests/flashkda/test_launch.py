@@ -77,12 +77,12 @@ def _kernel_source(x_ptr, n, scale, BLOCK: triton.language.constexpr, FLAG: trit
 _kernel = triton.runtime.jit.JITFunction(_kernel_source)
 
 
-class _Recorder:
-    """Stands for a JIT function: ``kernel[grid](...)`` "compiles" (returns a new compiled kernel object) and records
-    the call; ``compiled[grid](...)`` records the launch of an already compiled kernel."""
+class _Recorder(triton.runtime.jit.JITFunction):
+    """A JIT function whose ``kernel[grid](...)`` "compiles" (returns a new compiled kernel object) and records the
+    call; ``compiled[grid](...)`` records the launch of an already compiled kernel."""
 
     def __init__(self, jit):
-        self.fn, self.params = jit.fn, jit.params
+        super().__init__(jit.fn)
         self.compiles, self.launches = [], []
 
     def __getitem__(self, grid):
@@ -133,20 +133,26 @@ def test_launch_without_a_key_always_goes_through_triton(monkeypatch):
         fast[(1,)](torch.empty(4), 7)
 
 
-def test_interpreted_kernels_always_go_through_triton():
-    """Under ``TRITON_INTERPRET=1`` a kernel has no compiled form: every call is the kernel's own."""
+@pytest.mark.parametrize("wrap", ["interpreted", "autotuned"])
+def test_kernels_other_than_jit_functions_always_go_through_triton(monkeypatch, wrap):
+    """An interpreted kernel has no compiled form, an autotuner picks its config by argument values: every call is
+    the kernel's own."""
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
     calls = []
 
-    class Interpreted:
-        fn = _kernel_source
-
+    class Interpreted(triton.runtime.interpreter.InterpretedFunction):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append(args)
 
-    fast = CompiledLaunch(Interpreted())
-    for _ in range(2):
-        fast[(1,)](torch.empty(4), 7, 0.5, BLOCK=32)
-    assert len(calls) == 2
+    if wrap == "interpreted":
+        kernel = Interpreted(_kernel_source)
+    else:
+        kernel = triton.autotune(configs=[triton.Config({})], key=["n"])(_kernel)
+        kernel.run = lambda *args, grid, warmup, **kwargs: calls.append(args) or object()
+    fast = CompiledLaunch(kernel)
+    for n in (7, 7, 9):
+        fast[(1,)](torch.empty(4), n, 0.5, BLOCK=32)
+    assert len(calls) == 3
 
 
 def test_launch_keys_by_device(monkeypatch):
