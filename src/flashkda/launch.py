@@ -12,10 +12,11 @@ the compiled kernel per key of its own, computed in a few microseconds from what
     descriptor  (base dtype, block shape, layout)       constexpr: its value
     options     (num_warps, maxnreg, ...) by value, plus the current device
 
-Every part Triton's key holds is a function of this key, so two calls with one key run the same compiled kernel;
-the first call of a key goes through ``kernel[grid]`` unchanged, the others through the compiled kernel's own
-launcher (``compiled[grid]``, which calls Triton's launch hooks as ``kernel[grid]`` does). Not noticed: a kernel's global values or Triton's debug knobs changed after the first
-launch of a key (both are fixed for this package's kernels).
+Every part Triton's key holds is a function of this key (NVIDIA's specialisation; tested against Triton's own), so
+two calls with one key run the same compiled kernel. The first call of a key goes through ``kernel[grid]``
+unchanged, the others through the compiled kernel's own launcher (``compiled[grid]``, which calls Triton's launch
+hooks as ``kernel[grid]`` does). Not noticed: a kernel's global values or Triton's debug knobs changed after the
+first launch of a key (both are fixed for this package's kernels).
 
 `descriptor` makes a Gluon ``TensorDescriptor`` without its per-call validation, for tensors the caller has just
 allocated (16-byte aligned, positive shapes, 16-byte strides).
