@@ -10,7 +10,7 @@ fla's adapter, when importable) and ``flashkda.chunk_kda`` (and each of its kern
   model's layer loop (the larger of host and GPU time);
 - ``idle-start ms``: median of CUDA events around one call from an idle GPU (the calibration's measure).
 
-The host of a GPU machine drifts by up to 2x between (and within) runs, so the first two are medians over
+The host of a GPU machine drifts between (and within) runs, so the first two are medians over
 ``--rounds`` rounds in which every backend runs its loop once, in alternating order (``host us min`` beside).
 Ours against the fastest other backend by back-to-back time is the row's speed-up. With ``--profile``, the
 ``cProfile`` of ours' calls (functions by own and by cumulative time) goes to the log, to say where the host time goes.

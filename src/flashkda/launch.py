@@ -2,9 +2,9 @@
 
 ``kernel[grid](...)`` binds and specialises every argument on every launch (the alignment of each pointer, the
 divisibility of each integer, the layout of each tensor descriptor), builds the kernel-cache key from them, checks
-the kernel's global values and then launches: tens of microseconds of host time per launch, which bound a short
-``chunk_kda`` call. `CompiledLaunch` wraps a ``@triton.jit``/``@gluon.jit`` kernel with the same call syntax and keeps
-the compiled kernel per key of its own, computed in a few microseconds from what Triton specialises on::
+the kernel's global values and then launches: host time that bounds a short ``chunk_kda`` call. `CompiledLaunch`
+wraps a ``@triton.jit``/``@gluon.jit`` kernel with the same call syntax and keeps the compiled kernel per key of its
+own, computed from what Triton specialises on::
 
     tensor      (dtype, data_ptr() % 16 == 0)
     int         (== 1, % 16 == 0, fits int32)           bool: its value
