@@ -3,17 +3,18 @@
 On a GPU, bf16 callers of the v1 training path run the backward's ``tl.dot``s at ``input_precision="tf32"`` (inputs
 rounded to 10 mantissa bits) and the fused gate chain; the exact path (``dot_precision="ieee"``) is the reference.
 Triton's CPU interpreter ignores the input precision, so this tool rounds the inputs of every dot that asks for
-``"tf32"`` to tf32 itself (round to nearest even on the 13 dropped bits; ``"tf32x3"`` as its three tf32 products),
-then reports each gradient's relative error against the exact path:
+``"tf32"`` to tf32 itself (round to nearest even on the 13 dropped bits) and computes every ``"tf32x3"`` dot as its
+three tf32 products, then reports each gradient's relative error against the exact path:
 
-- ``fused tf32``: the GPU default, every tf32 dot rounded;
+- ``fused tf32``: the GPU default, every tf32 dot rounded (the gated-dots kernel's diagonal blocks ask for
+  ``"tf32x3"``);
+- ``diagonal blocks at plain tf32``: those four products at ``"tf32"`` too, the error their ``"tf32x3"`` removes;
 - one line per group of dot sites (kernel function and line) computed exactly instead, or at ``tf32x3``
   (``--x3``), which says where the error comes from; ``--per-site`` also tries each site alone.
 
 Runs on the CPU only (`main` sets ``TRITON_INTERPRET=1`` before Triton is imported; `study` needs it set) and writes
-no results file: it diagnoses accuracy, it
-times nothing. Usage: ``python -m benchmarks.kda.tf32_emulation [--T 160] [--heads 2] [--head-dim 128] [--seed 12]
-[--x3] [--per-site]``.
+no results file: it diagnoses accuracy, it times nothing. Usage: ``python -m benchmarks.kda.tf32_emulation [--T 160]
+[--heads 2] [--head-dim 128] [--seed 12] [--x3] [--per-site]``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def round_to_tf32(x: np.ndarray) -> np.ndarray:
 
 class Tf32Dots:
     """Patches the interpreter's dot so that fp32 inputs of ``"tf32"`` dots are rounded, except at the sites in
-    ``exact`` (computed in fp32, or as three tf32 products with ``x3``). Records every site it sees in ``sites``."""
+    ``exact`` (computed in fp32, or as three tf32 products with ``x3``), and ``"tf32x3"`` dots are computed as their
+    three tf32 products, except at the sites in ``plain`` (one tf32 product). Records every site it sees in
+    ``sites``."""
 
     def __init__(self):
         import triton.runtime.interpreter as interpreter
@@ -47,6 +50,7 @@ class Tf32Dots:
         self.original = interpreter.InterpreterBuilder.create_dot
         self.sites: set[str] = set()
         self.exact: set[str] = set()
+        self.plain: set[str] = set()
         self.x3 = False
         self.enabled = True
 
@@ -56,11 +60,14 @@ class Tf32Dots:
         def create_dot(builder, a, b, d, input_precision, max_num_imprecise_acc):
             site = _site()
             patch.sites.add(site)
-            tf32 = str(input_precision).lower().split(".")[-1] == "tf32"
-            if not (patch.enabled and tf32 and a.data.dtype == np.float32 and b.data.dtype == np.float32):
+            precision = str(input_precision).lower().split(".")[-1]
+            if precision == "tf32x3" and site in patch.plain:
+                precision = "tf32"
+            fp32 = a.data.dtype == np.float32 and b.data.dtype == np.float32
+            if not (patch.enabled and precision in ("tf32", "tf32x3") and fp32):
                 return patch.original(builder, a, b, d, input_precision, max_num_imprecise_acc)
             handle = patch.interpreter.TensorHandle
-            if site in patch.exact and patch.x3:
+            if precision == "tf32x3" or (site in patch.exact and patch.x3):
                 ah, bh = round_to_tf32(a.data), round_to_tf32(b.data)
                 al, bl = round_to_tf32(a.data - ah), round_to_tf32(b.data - bh)
                 out = sum(np.matmul(x, y, dtype=np.float32) for x, y in ((ah, bh), (ah, bl), (al, bh)))
@@ -122,7 +129,8 @@ def relative_errors(grads, reference) -> dict[str, float]:
 
 def study(T: int = 160, heads: int = 2, head_dim: int = 128, seed: int = 12, x3: bool = False,
           per_site: bool = False) -> dict[str, dict[str, float]]:
-    """Relative errors per configuration (``"fused tf32"``, then one per group of exact sites), as the module
+    """Relative errors per configuration (``"fused tf32"``, ``"diagonal blocks at plain tf32"``, then one per group
+    of exact sites with the diagonal blocks at plain tf32), as the module
     docstring describes; under ``TRITON_INTERPRET=1`` only (RuntimeError otherwise)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("tf32_emulation.study needs TRITON_INTERPRET=1 set before Triton is imported")
@@ -133,6 +141,8 @@ def study(T: int = 160, heads: int = 2, head_dim: int = 128, seed: int = 12, x3:
         dots.enabled = True
         out = {"fused tf32": relative_errors(gradients(x, do, "tf32"), reference)}
         sites = sorted(s for s in dots.sites if s.startswith("gated_dots.py"))
+        dots.plain = {s for s in sites if "_diag_block" in s}
+        out["diagonal blocks at plain tf32"] = relative_errors(gradients(x, do, "tf32"), reference)
         groups = {"gated-dots kernel, all dots": set(sites),
                   "gated-dots diagonal blocks": {s for s in sites if "_diag_block" in s},
                   "gated-dots off-diagonal blocks": {s for s in sites if "_diag_block" not in s}}

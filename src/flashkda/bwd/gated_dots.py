@@ -9,7 +9,10 @@ in registers and never materialises the scaled operands. `chunk_kda_gated_dots_g
 chain rule of the gate factors (`flashkda.bwd.gates`) in the same pass, so ``dq``, ``dk``, ``dG`` never leave the chip.
 
 Numerics as in the torch versions: a 16x16 block below the diagonal uses the gate at the last row of its column
-block as the reference (both exponentials ``<= 1``), a diagonal block its middle row.
+block as the reference (both exponentials ``<= 1``), a diagonal block its middle row. A diagonal block's scaled
+operands reach ``exp(+-BC/2 * |g|)``, and ``dG = k (da - db) + ...`` subtracts its two sides, so at ``"tf32"`` its
+four products run at ``"tf32x3"`` (`diagonal_precision`): the rounding of one tf32 product there is what ``dA_log``
+and ``dt_bias`` (sums of ``dg`` over every token) would otherwise carry (`benchmarks/kda/tf32_emulation.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,14 @@ __all__ = ["chunk_kda_gated_dots_bwd", "chunk_kda_gated_dots_gates_bwd", "fused_
 BC = 16
 
 
+def diagonal_precision(dot_precision: str) -> str:
+    """``tl.dot`` input precision of the diagonal-block products for the gated products' ``dot_precision``."""
+    return "tf32x3" if dot_precision == "tf32" else dot_precision
+
+
 @triton.jit
 def _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k, C: tl.constexpr, K: tl.constexpr,
-                    BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BC: tl.constexpr, DIAG_PRECISION: tl.constexpr):
     """``(da_kk, da_qk, db_kk, db_qk)`` ``[BC, BK]``: both sides of the diagonal block of row block ``i_r`` (``b_q``,
     ``b_k``, ``b_g`` its tiles, ``b_rs`` its dAkk row scale), gate referenced at the block's middle row, masks
     applied (dAkk strictly lower, dAqk with the diagonal)."""
@@ -39,16 +47,16 @@ def _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k
     b_daqk = tl.where(o_i[:, None] >= o_i[None, :], tl.load(daqk + p_d).to(tl.float32), 0.0)
     b_kinv = b_k * b_einv
     # row side: d(a_t) = sum_i dA_ti b_i exp(G_t - G_i)
-    b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DOT_PRECISION) * b_e
-    b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DOT_PRECISION) * b_e
+    b_da_kk = tl.dot(b_dakk, b_kinv, input_precision=DIAG_PRECISION) * b_e
+    b_da_qk = tl.dot(b_daqk, b_kinv, input_precision=DIAG_PRECISION) * b_e
     # column side: d(b_i) = sum_t dA_ti a_t exp(G_t - G_i), with dA^T read transposed from memory (no register
     # transpose of an fp32 dot operand, see the forward kernel)
     p_dt = base_a + o_r[None, :] * C + o_r[:, None]
     b_dakk_t = tl.load(dakk + p_dt).to(tl.float32) * b_rs[None, :]
     b_dakk_t = tl.where(o_i[:, None] < o_i[None, :], b_dakk_t, 0.0)
     b_daqk_t = tl.where(o_i[:, None] <= o_i[None, :], tl.load(daqk + p_dt).to(tl.float32), 0.0)
-    b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DOT_PRECISION) * b_einv
-    b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DOT_PRECISION) * b_einv
+    b_db_kk = tl.dot(b_dakk_t, b_k * b_e, input_precision=DIAG_PRECISION) * b_einv
+    b_db_qk = tl.dot(b_daqk_t, b_q * b_e, input_precision=DIAG_PRECISION) * b_einv
     return b_da_kk, b_da_qk, b_db_kk, b_db_qk
 
 
@@ -76,7 +84,7 @@ def _gate_chain_rows(b_dq, b_dk, b_dgam, b_carry, b_q, b_k, b_g, b_gend, p, dqg,
 def _gated_dots_bwd_rows(
     q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, i_k,
     C: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_RS: tl.constexpr,
+    DIAG_PRECISION: tl.constexpr, HAS_RS: tl.constexpr,
 ):
     """``(dq, dk, dG)`` ``[BC, BK]`` of the gated products for the rows of block ``i_r`` of chunk ``i_b`` and the
     features ``i_k .. i_k + BK`` (every feature's gradient is separate; only the ``[BC, BC]`` gradient tiles are
@@ -98,7 +106,7 @@ def _gated_dots_bwd_rows(
 
     # diagonal block (reference = middle row): both sides at once
     b_da_kk, b_da_qk, b_db_kk, b_db_qk = _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r, o_k,
-                                                         C, K, BC, DOT_PRECISION)
+                                                         C, K, BC, DIAG_PRECISION)
 
     # row side, column blocks c < r (reference = last row of block c)
     for i_c in range(0, i_r):
@@ -157,6 +165,7 @@ def chunk_kda_bwd_kernel_gated_dots(
     BC: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIAG_PRECISION: tl.constexpr,
     HAS_RS: tl.constexpr,
 ):
     # Program (chunk, block r) writes rows r of dq, dk, dgam (see _gated_dots_bwd_rows), BK features at a time.
@@ -164,7 +173,7 @@ def chunk_kda_bwd_kernel_gated_dots(
     o_r = i_r * BC + tl.arange(0, BC)
     for i_k in range(0, K, BK):
         b_dq, b_dk, b_dg = _gated_dots_bwd_rows(q, k, gam, dakk, daqk, dakk_rs, daqk_scale, i_b, i_r, i_k, C, K, BC,
-                                               BK, DOT_PRECISION, HAS_RS)
+                                               BK, DOT_PRECISION, DIAG_PRECISION, HAS_RS)
         p_o = i_b.to(tl.int64) * C * K + o_r[:, None] * K + (i_k + tl.arange(0, BK))[None, :]
         tl.store(dq + p_o, b_dq.to(dq.dtype.element_ty))
         tl.store(dk + p_o, b_dk.to(dk.dtype.element_ty))
@@ -192,6 +201,7 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
     BC: tl.constexpr,
     BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIAG_PRECISION: tl.constexpr,
     HAS_RS: tl.constexpr,
 ):
     # Same result as chunk_kda_bwd_kernel_gated_dots_gates, one program per (chunk, BK features). The off-diagonal
@@ -226,7 +236,7 @@ def chunk_kda_bwd_kernel_gated_dots_gates_blocks(
 
         # diagonal block (reference = middle row): both sides
         b_da_kk, b_da_qk, b_db_kk, b_db_qk = _diag_block_bwd(b_q, b_k, b_g, b_rs, gam, dakk, daqk, base, base_a, i_r,
-                                                             o_k, C, K, BC, DOT_PRECISION)
+                                                             o_k, C, K, BC, DIAG_PRECISION)
 
         if i_r > 0:
             # row side: d(a_t) += exp(G_t - G_ref) sum_{i < r BC} dA_ti k_i exp(G_ref - G_i)
@@ -301,7 +311,7 @@ def chunk_kda_gated_dots_bwd(
     chunk_kda_bwd_kernel_gated_dots[(nb, C // BC)](
         q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, daqk_scale, dq, dk, dgam, C=C, K=K, BC=BC,
         # whole-K tiles, as run on the device (the fallback of the fused pass below)
-        BK=K, DOT_PRECISION=dot_precision, HAS_RS=has_rs,
+        BK=K, DOT_PRECISION=dot_precision, DIAG_PRECISION=diagonal_precision(dot_precision), HAS_RS=has_rs,
         # offline sm_90 (Triton 3.9, K = 128): 4 warps 255 registers with 668 B spilled (ieee) / 0 (tf32); 8 warps
         # 255 / 148 B (ieee), 162 / 0 (tf32). Every product here has a [BC, K] result, so 8 warps tile it.
         num_warps=8 if K >= 64 else 4,
@@ -350,7 +360,8 @@ def chunk_kda_gated_dots_gates_bwd(
     args = (q, k, gam, dakk, daqk, dakk_row_scale if has_rs else dakk, dqg, dkg, dkend, ddec, dq, dk, dg, scale)
     BK = min(K, GATES_BWD_BK)
     chunk_kda_bwd_kernel_gated_dots_gates_blocks[(nb, K // BK)](
-        *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
+        *args, C=C, K=K, BC=BC, BK=BK, DOT_PRECISION=dot_precision, DIAG_PRECISION=diagonal_precision(dot_precision),
+        HAS_RS=has_rs, num_warps=GATES_BWD_WARPS,
     )
     return dq, dk, dg
 
