@@ -27,7 +27,7 @@ __all__ = ["KERNELS_ENV", "MIN_SEQUENCE_HEADS", "TRAINING_CHUNK", "chunk_kda_fwd
 #: ``flashkda.chunk_kda``'s inference path takes v2 from this many (sequence, value head) pairs up: v2's state
 #: kernel runs two programs per pair, so below it most SMs idle and the v1 kernels are faster (measurements in
 #: ``docs/flashkda-v2.md``).
-MIN_SEQUENCE_HEADS = 32
+MIN_SEQUENCE_HEADS = 12
 #: The gate floors v2 handles: 16 tokens of ``lower_bound`` keep ``2^(+-G)`` inside fp32 and bf16.
 MIN_LOWER_BOUND = -5.0
 #: Tokens per chunk of ``flashkda.chunk_kda``'s v2 training path (faster than 32 on the H200;
