@@ -145,9 +145,9 @@ def test_v2_preference_rule(monkeypatch):
     assert not chunk_fwd.prefers_v2(x, x, many, g, beta)  # CPU tensors: v2 does not serve them
     monkeypatch.setattr(chunk_fwd, "supports_v2", lambda *args, **kwargs: True)
     assert chunk_fwd.prefers_v2(x, x, many, g, beta)
-    few = many[:, :, :12]
+    few = many[:, :, :-(-chunk_fwd.MIN_SEQUENCE_HEADS // 3)]  # three sequences of these reach the rule, two do not
     assert not chunk_fwd.prefers_v2(x, x, few, g, beta)
-    assert chunk_fwd.prefers_v2(x, x, few.expand(3, -1, -1, -1), g, beta)  # 3 sequences x 12 heads
+    assert chunk_fwd.prefers_v2(x, x, few.expand(3, -1, -1, -1), g, beta)
     three, two = torch.tensor([0, 5, 9, 16]), torch.tensor([0, 5, 16])  # varlen: sequences from cu_seqlens's shape
     assert chunk_fwd.prefers_v2(x, x, few, g, beta, cu_seqlens=three)
     assert not chunk_fwd.prefers_v2(x, x, few, g, beta, cu_seqlens=two)
