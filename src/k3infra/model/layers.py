@@ -48,13 +48,23 @@ def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> lis
     return list(out.split([m.out_features for m in linears], dim=-1))
 
 
+def _forward_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What an autograd Function's forward returns for its result ``t``: ``t`` in ``dtype``, and under
+    ``torch.compile`` never ``t`` itself when the forward wrote into ``t`` in place or ``t`` is the Function's own
+    intermediate returned through a no-op cast. torch 2.11's compiler turns such an output into wrong (zero)
+    gradients for every input of the Function; a copy while tracing costs nothing in eager mode."""
+    if t.dtype != dtype:
+        return t.to(dtype)
+    return t.clone() if torch.compiler.is_compiling() else t
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         with torch.autocast(x.device.type, enabled=False):
             xf = x.float()
             rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            y = (xf * rstd * weight.float()).to(x.dtype)
+            y = _forward_output(xf * rstd * weight.float(), x.dtype)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -190,7 +200,7 @@ class _AttnResFunction(torch.autograd.Function):
             for i, v in enumerate(sources):
                 out.addcmul_(v, w_SBT[i].unsqueeze(-1))
         ctx.save_for_backward(query, norm_weight, rstd_SBT, score_SBT, w_SBT, *sources)
-        return out.to(sources[0].dtype)
+        return _forward_output(out, sources[0].dtype)
 
     @staticmethod
     def backward(ctx, dh):
