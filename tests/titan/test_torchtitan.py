@@ -139,13 +139,12 @@ def test_torchtitan_trainer_k3_mini_on_gpu(tmp_path):
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA device")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_free_port()),
-           "-m", "torchtitan.train", "--module", "k3infra.titan", "--config", "k3_mini", "--training.steps", "6",
+           "-m", "k3infra.titan.train", "--module", "k3infra.titan", "--config", "k3_mini", "--training.steps", "6",
            "--training.local_batch_size", "2", "--training.seq_len", "2048", "--optimizer.lr", "3e-3",
-           "--tokenizer.max_bytes", str(4 << 20), "--tokenizer.cache_dir", str(tmp_path),
+           "--tokenizer.max_bytes", str(16 << 20), "--tokenizer.cache_dir", str(tmp_path),
            "--dump_folder", str(tmp_path / "mini"), "--metrics.enable_tensorboard"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
     losses = _losses(tmp_path / "mini")
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(32768)) < 0.3

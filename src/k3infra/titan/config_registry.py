@@ -19,14 +19,11 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from k3infra.model import K3Config
-from k3infra.titan.compat import ensure_torch_compat
 from k3infra.titan.components import K3CorpusTokenizer, K3Optimizers, K3PackedDataLoader
 from k3infra.titan.model import K3TitanModel
 from k3infra.titan.parallelize import parallelize_k3, register_k3_hooks
 
 __all__ = ["k3_debug", "k3_mini", "model_registry"]
-
-ensure_torch_compat()
 
 
 def model_registry(flavor: str = "k3-debug", **overrides) -> ModelSpec:

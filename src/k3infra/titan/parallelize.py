@@ -68,8 +68,14 @@ def _apply_fsdp(model: nn.Module, parallel_dims, training, parallelism) -> None:
     placement_fn = None
     if parallel_dims.ep_enabled:
         # torch's per-parameter mesh hook, the one torchtitan's own MoE models use: experts over efsdp
-        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+            from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+        except ImportError as e:
+            raise RuntimeError(
+                f"parallelism.expert_parallel_degree > 1 under torchtitan needs FSDP's per-parameter mesh "
+                f"(ShardPlacementResult), which torch {torch.__version__} lacks (torch 2.13 has it); run expert "
+                f"parallel with `k3infra train --ep N` on this torch, or torchtitan with EP 1") from e
 
         edp_mesh = parallel_dims.get_mesh(["dp_replicate", "efsdp"] if replicate else ["efsdp"])
         edp_info, dp_info = _get_mesh_info(edp_mesh, None), _get_mesh_info(dp_mesh, None)
