@@ -260,22 +260,27 @@ def test_mode_starts_from_the_environment():
 
 @pytest.mark.gpu
 def test_k3_debug_autocast_step_fused_matches_eager(monkeypatch):
-    """The training step's real mix of dtypes: fp32 embedding block, bf16 autocast layer outputs."""
+    """The training step's real mix of dtypes (bf16 autocast layer outputs): the fused kernels' loss and gradients
+    are no further from the fp32 step (autocast off, eager) than the eager bf16 step's. The two bf16 steps are not
+    compared with each other: each rounds differently, and top-k routing turns a rounding into another expert."""
     torch.manual_seed(0)
     cfg = K3Config.from_preset("k3-debug", kda_backend="flashkda")
     model = K3ForCausalLM(cfg).cuda().train()
     ids = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     losses, grads = [], []
-    for mode in ("off", "auto"):
+    for mode, bf16 in (("off", False), ("off", True), ("auto", True)):
         monkeypatch.setattr(fused, "MODE", mode)
         model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
-    assert abs(losses[0] - losses[1]) < 1e-2
-    assert (grads[0] - grads[1]).norm() <= 2e-2 * grads[0].norm()
+    (loss_fp32, loss_eager, loss_fused), (fp32, eager, fused_grads) = losses, grads
+    assert abs(loss_fused - loss_fp32) <= 1.1 * abs(loss_eager - loss_fp32) + 1e-3
+    eager_err, fused_err = (eager - fp32).norm() / fp32.norm(), (fused_grads - fp32).norm() / fp32.norm()
+    assert eager_err < 0.1, f"the eager bf16 step is {eager_err:.3f} from fp32: the reference itself is off"
+    assert fused_err <= 1.1 * eager_err, f"fused {fused_err:.4f} vs eager {eager_err:.4f} from the fp32 step"
 
 
 def test_compiled_graph_calls_the_situ_glu_operators(fused_on, device):
