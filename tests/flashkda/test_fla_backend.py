@@ -94,16 +94,6 @@ print("flashkda" in sys.modules, sorted(_function_registries[unwrap(chunk_kda)].
 """
 
 
-def test_flashkda_disable_turns_the_backend_off():
-    env = {**os.environ, "FLASHKDA_DISABLE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", REGISTRY_PROGRAM.replace("{site}", _site_line())], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    imported, backends = out.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert imported == "False" and "k3_flashkda" not in backends
-
-
 def test_start_up_hook_imports_nothing_heavy():
     code = ("import sys; import flashkda_hook; flashkda_hook.install(); "
             "print(sorted(m for m in ('torch', 'triton', 'fla', 'flashkda') if m in sys.modules))")
@@ -114,15 +104,22 @@ def test_start_up_hook_imports_nothing_heavy():
 
 
 @pytest.mark.skipif(not PTH.exists(), reason="hook file missing")
-@pytest.mark.parametrize("value, registered", [("true", False), ("off", True), ("maybe", False)])
-def test_flashkda_disable_values(value, registered):
-    """Words mean what they say; an unknown value keeps fla working on its own kernels and says why."""
-    env = {**os.environ, "FLASHKDA_DISABLE": value}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", REGISTRY_PROGRAM.replace("{site}", _site_line())], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    backends = out.stdout.strip().splitlines()[-1].split(" ", 1)[1]
-    assert ("k3_flashkda" in backends) == registered
-    if value == "maybe":
-        assert "FLASHKDA_DISABLE='maybe'" in out.stderr and "fla's own kernels will run" in out.stderr
+def test_flashkda_disable_values():
+    """Words mean what they say (``1`` and ``true`` turn the backend off, ``1`` before anything imports flashkda;
+    ``off`` keeps it); an unknown value keeps fla working on its own kernels and says why. One fresh interpreter
+    per value, all started at once."""
+    expected = {"1": False, "true": False, "off": True, "maybe": False}
+    procs = {}
+    for value in expected:
+        env = {**os.environ, "FLASHKDA_DISABLE": value}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        procs[value] = subprocess.Popen([sys.executable, "-c", REGISTRY_PROGRAM.replace("{site}", _site_line())],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = {value: proc.communicate(timeout=300) + (proc.returncode,) for value, proc in procs.items()}
+    for value, registered in expected.items():
+        stdout, stderr, rc = outs[value]
+        assert rc == 0, (value, stderr[-3000:])
+        backends = stdout.strip().splitlines()[-1].split(" ", 1)[1]
+        assert ("k3_flashkda" in backends) == registered, (value, backends)
+    assert outs["1"][0].strip().splitlines()[-1].startswith("False"), "FLASHKDA_DISABLE=1 still imported flashkda"
+    assert "FLASHKDA_DISABLE='maybe'" in outs["maybe"][1] and "fla's own kernels will run" in outs["maybe"][1]
