@@ -83,6 +83,22 @@ def test_dataloader_shifts_labels_and_splits_ranks(tmp_path):
                                           local_batch_size=1)
 
 
+def test_expert_parallel_on_a_torch_without_fsdp_per_parameter_meshes_is_a_clear_error(monkeypatch):
+    """torch 2.11's FSDP has no per-parameter mesh hook (``ShardPlacementResult``), which torchtitan EP needs: the
+    K3 parallelize function stops with an error naming the setting, not an ImportError from torch internals."""
+    from types import SimpleNamespace
+
+    import torch.distributed.fsdp._fully_shard._fsdp_common as fsdp_common
+
+    from k3infra.titan.parallelize import _apply_fsdp
+
+    monkeypatch.delattr(fsdp_common, "ShardPlacementResult")
+    dims = SimpleNamespace(dp_replicate_enabled=False, ep_enabled=True, get_mesh=lambda names: None)
+    training = SimpleNamespace(mixed_precision_param="bfloat16", mixed_precision_reduce="float32")
+    with pytest.raises(RuntimeError, match="expert_parallel_degree > 1 under torchtitan needs FSDP's per-parameter"):
+        _apply_fsdp(torch.nn.Module(), dims, training, SimpleNamespace(fsdp_reshard_after_forward="default"))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
