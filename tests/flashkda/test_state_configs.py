@@ -22,7 +22,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _per_tile(configs, tile):
-    return list({tile(c): c for c in reversed(configs)}.values())[::-1] if INTERPRETED else list(configs)
+    if not INTERPRETED:
+        return list(configs)
+    first: dict = {}
+    for c in configs:
+        first.setdefault(tile(c), c)
+    return list(first.values())
 
 
 HB_RUN = _per_tile(HB_CONFIGS, lambda c: c[0])
@@ -115,8 +120,7 @@ def _stage_inputs(case, device, intra_kw):
         flags = [kw.get(name, False) for name in ("use_gate_in_kernel", "use_qk_l2norm_in_kernel",
                                                   "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate")]
         mid = chunk_kda_fwd_intra(q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias"), case.K ** -0.5,
-                                  kw.get("lower_bound"), *flags, index, work_dtype_for(q.dtype), prec,
-                                  **intra_kw)
+                                  kw.get("lower_bound"), *flags, index, work_dtype_for(q.dtype), prec, **intra_kw)
     ro, rs = reference.chunk_kda_reference(*args, **kw)
     return args, kw, index, prec, mid, ro, rs
 

@@ -8,11 +8,11 @@ import torch
 from k3infra.model import layers
 
 
-def _rms(x, w, *_):
+def _rms(x, w):
     return layers._RMSNormFunction.apply(x, w, 1e-5)
 
 
-def _situ(a, c, *_):
+def _situ(a, c):
     return layers._SiTUGLUFunction.apply(a, c, 4.0, 25.0)
 
 

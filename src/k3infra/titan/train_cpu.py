@@ -2,14 +2,13 @@
 k3infra.titan --config k3_debug [--parallelism.expert_parallel_degree 2 ...]`` (same arguments as torchtitan's)."""
 
 from k3infra.titan.cpu import use_cpu
+from k3infra.titan.train import main as train_main
 
 
 def main() -> None:
-    """`use_cpu`, then torchtitan's own entry point (``torchtitan.train.main``) with this process's arguments."""
+    """`use_cpu`, then `k3infra.titan.train.main` (torchtitan's own entry point) with this process's arguments."""
     use_cpu()
-    from torchtitan.train import main as torchtitan_main
-
-    torchtitan_main()
+    train_main()
 
 
 if __name__ == "__main__":
