@@ -26,6 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
+from ..model.fused import use_fused
+from .muon_kernels import decay_and_subtract, momentum_update
+
 ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
 """Parameters whose name contains one of these go to AdamW even when 2-D."""
 
@@ -147,15 +150,13 @@ class ShardedMuon(torch.optim.Muon):
             lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
             batch, batch_bytes = [], 0
             for i, (param, grad, buf) in enumerate(zip(params, grads, bufs)):
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = _momentum_step(grad, buf, momentum, group["nesterov"])
                 batch.append((param, update, update.full_tensor() if isinstance(update, DTensor) else update))
                 batch_bytes += batch[-1][2].numel() * 2
                 if batch_bytes >= MUON_BATCH_BYTES or i == len(params) - 1:
                     steps = _orthogonalised_steps([full for _, _, full in batch], group, lr)
                     for (param, update, full), blocks in zip(batch, steps):
-                        param.mul_(1 - lr * wd)
-                        _subtract_step(param, update, full, blocks, group["head_rows"])
+                        _subtract_step(param, update, full, blocks, group["head_rows"], 1 - lr * wd)
                     batch, batch_bytes = [], 0
         return loss
 
@@ -198,15 +199,37 @@ def _blocks(full: torch.Tensor, head_rows: tuple[int, ...] | None) -> list[torch
     return [full if full.ndim == 3 else full[None]]
 
 
+def _momentum_step(grad: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """Update the momentum ``buf`` in place and return Muon's update (Nesterov or the momentum itself): one fused
+    pass writing a bf16 update where the element-wise kernels run (a DTensor's local shards; the update is then a
+    DTensor of the same placements), torch's ``lerp`` ops (an fp32 update) elsewhere."""
+    sharded = isinstance(grad, DTensor)
+    local_grad, local_buf = (grad.to_local(), buf.to_local()) if sharded else (grad, buf)
+    if (use_fused(local_grad) and local_grad.is_contiguous() and local_buf.is_contiguous()
+            and local_buf.shape == local_grad.shape and (not sharded or buf.placements == grad.placements)):
+        update = momentum_update(local_grad, local_buf, momentum, nesterov)
+        if sharded:
+            update = DTensor.from_local(update, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape,
+                                        stride=grad.stride())
+        return update
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
 def _subtract_step(param: torch.Tensor, update: torch.Tensor, full: torch.Tensor,
-                   blocks: list[tuple[torch.Tensor, float]], head_rows: tuple[int, ...] | None) -> None:
-    """``param -= scale · block`` for every orthogonalised block, in place. A plain contiguous parameter takes each
-    bf16 block through its matching view (one pass, no fp32 copy of the step); a DTensor gets the full step
-    assembled and sharded like ``update``."""
+                   blocks: list[tuple[torch.Tensor, float]], head_rows: tuple[int, ...] | None, decay: float) -> None:
+    """``param ← decay·param − scale·block`` for every orthogonalised block, in place. A plain contiguous parameter
+    takes each bf16 block through its matching view (one fused pass per block where the element-wise kernels run,
+    no fp32 copy of the step); a DTensor gets the full step assembled and sharded like ``update``."""
     if not isinstance(param, DTensor) and param.is_contiguous() and param.shape == full.shape:
+        fused = use_fused(param)
         for view, (piece, scale) in zip(_blocks(param, head_rows), blocks):
-            view.add_(piece, alpha=-scale)
+            if fused:
+                decay_and_subtract(view, piece, decay, scale)
+            else:
+                view.mul_(decay).add_(piece, alpha=-scale)
         return
+    param.mul_(decay)
     step = torch.cat([piece.to(param.dtype) * scale for piece, scale in blocks], dim=1).reshape(full.shape)
     if isinstance(update, DTensor):
         step = distribute_tensor(step, update.device_mesh, update.placements, src_data_rank=None)
