@@ -105,15 +105,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchtitan(nproc: int, out: Path, cache: Path, *args: str) -> str:
+def _start_torchtitan(nproc: int, out: Path, cache: Path, *args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_free_port()), "-m", "k3infra.titan.train_cpu", "--module", "k3infra.titan", "--config", "k3_debug",
            "--tokenizer.max_bytes", str(MAX_BYTES), "--tokenizer.cache_dir", str(cache), "--debug.seed", "0",
            "--dump_folder", str(out), "--metrics.enable_tensorboard", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return stdout + stderr
+
+
+def _torchtitan(nproc: int, out: Path, cache: Path, *args: str) -> str:
+    return _finish(_start_torchtitan(nproc, out, cache, *args))
 
 
 def _losses(out: Path) -> list[float]:
@@ -132,11 +145,19 @@ def test_torchtitan_trainer_ep2_fsdp_matches_one_process(tmp_path):
     _torchtitan(1, seed, tmp_path, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
     common = ("--training.steps", "3", "--optimizer.name", "adamw", "--optimizer.lr", "1e-2", "--checkpoint.enable",
               "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"), "--checkpoint.interval", "1000")
-    _torchtitan(1, tmp_path / "one", tmp_path, *common, "--training.local_batch_size", "8")
-    _torchtitan(2, tmp_path / "ep2", tmp_path, *common, "--training.local_batch_size", "4",
-                "--parallelism.expert_parallel_degree", "2")
-    log = _torchtitan(1, tmp_path / "compiled", tmp_path, *common, "--training.local_batch_size", "8",
-                      "--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager")
+    # the three runs at once: each spends most of its time importing and starting up on one core
+    procs = [_start_torchtitan(1, tmp_path / "one", tmp_path, *common, "--training.local_batch_size", "8"),
+             _start_torchtitan(2, tmp_path / "ep2", tmp_path, *common, "--training.local_batch_size", "4",
+                               "--parallelism.expert_parallel_degree", "2"),
+             _start_torchtitan(1, tmp_path / "compiled", tmp_path, *common, "--training.local_batch_size", "8",
+                               "--compile.enable", "--compile.components", "model", "--compile.backend", "aot_eager")]
+    try:
+        log = [_finish(proc) for proc in procs][-1]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert "compiled 5 decoder layers" in log, log[-3000:]
     one, ep2, compiled = _losses(tmp_path / "one"), _losses(tmp_path / "ep2"), _losses(tmp_path / "compiled")
     assert len(one) == len(ep2) == len(compiled) == 3
