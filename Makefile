@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
 TITAN_STAMP := $(VENV)/.titan-installed
+PARALLEL_TESTS := tests/flashkda tests/model tests/plan
 APT_PACKAGES := iproute2 bubblewrap util-linux procps python3 nftables chromium e2fsprogs
 
 .PHONY: demo test install apt lint clean
@@ -43,7 +44,10 @@ demo: install
 
 test: install $(VERL_STAMP) $(TITAN_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider --durations=25
+	@# single-process compute tests on two workers (pytest-xdist), then the rest (multi-process, sandboxes, timing) alone
+	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider --durations=10 -n 2 $(PARALLEL_TESTS); first=$$?; \
+	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider --durations=25 $(PARALLEL_TESTS:%=--ignore=%); \
+	rest=$$?; [ $$first -eq 0 ] && [ $$rest -eq 0 ]
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
