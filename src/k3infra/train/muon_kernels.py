@@ -118,4 +118,4 @@ def decay_and_subtract(param: torch.Tensor, ortho: torch.Tensor, decay: float, s
     if p3.numel():
         grid = (triton.cdiv(N, _TILE_N) * triton.cdiv(M, _TILE_M), B)
         _decay_subtract_kernel[grid](p3, o3, N, M, *p3.stride(), *o3.stride(), float(decay), float(scale),
-                                     BLOCK_N=_TILE_N, BLOCK_M=_TILE_M)
+                                     BLOCK_N=_TILE_N, BLOCK_M=_TILE_M, num_warps=8)
