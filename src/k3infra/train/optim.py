@@ -14,6 +14,10 @@ head at a time. A module that has them says how its weight rows split into heads
 ``{"q_proj.weight": (128,)}``, or ``(n, d_v)`` for a matrix whose head holds a key then a value block); Muon then
 runs Newton–Schulz on every ``[block rows, in]`` slice on its own, each with its own ``0.2·√max`` scale, so one
 head's gradient never shapes another head's update.
+
+Around Newton–Schulz, the momentum, the Nesterov update, the weight decay and the scaled subtraction run as two
+fused passes (`muon_kernels`) wherever the fused element-wise kernels run (`k3infra.model.fused.use_fused`), and
+as torch ops elsewhere.
 """
 
 from __future__ import annotations
