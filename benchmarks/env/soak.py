@@ -58,13 +58,31 @@ DISK_FULL = "dd if=/dev/zero of=/root/fill bs=1M count=64 2>&1; echo rc=$?"
 # fork" at once), while the sandbox's API must still answer (files, interpreter)
 FORK_BOMB = "for i in $(seq 200); do sleep 30 >/dev/null 2>&1 & done 2>/dev/null"
 KILL_SLEEPERS = """
-import os
-for p in os.listdir('/proc'):
-    try:
-        if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'sleep':
-            os.kill(int(p), 9)
-    except OSError:
-        pass
+import os, time
+
+def live_sleepers():
+    pids = []
+    for p in os.listdir('/proc'):
+        try:
+            stat = open(f'/proc/{p}/stat').read() if p.isdigit() else ''
+        except OSError:
+            continue
+        if stat and stat[stat.index('(') + 1:stat.rindex(')')] == 'sleep' and stat[stat.rindex(')') + 2] != 'Z':
+            pids.append(int(p))
+    return pids
+
+# SIGKILL lands asynchronously: wait until every sleeper has exited (a zombie holds its pid only until the
+# sandbox's init reaps it before the next request), so the next command finds its pid share free again
+deadline = time.monotonic() + 10
+while (pids := live_sleepers()) and time.monotonic() < deadline:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    time.sleep(0.01)
+if pids:
+    raise RuntimeError(f"{len(pids)} sleepers still alive 10 s after SIGKILL")
 """
 
 
