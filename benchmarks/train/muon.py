@@ -56,11 +56,7 @@ def _load(muon, params, state) -> None:
 
 def measure(config_name: str, device: str, rep: int):
     """One `benchmarks.harness.Row`: median ms of a Muon step, torch's element-wise ops against the fused ones."""
-    import statistics
-
-    import torch
-
-    from benchmarks.harness import Row, rms_ratio
+    from benchmarks.harness import Row, Timing, rms_ratio, time_fn
     from k3infra.model import fused
 
     muon, params = _optimizer(config_name, device)
@@ -83,25 +79,13 @@ def measure(config_name: str, device: str, rep: int):
             for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
                 fused.MODE = mode
                 _load(muon, params, start)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                    muon.step()
-                    end.record()
-                    end.synchronize()
-                    ms = begin.elapsed_time(end)
-                else:
-                    import time
-
-                    t0 = time.perf_counter()
-                    muon.step()
-                    ms = (time.perf_counter() - t0) * 1e3
+                ms = time_fn(muon.step, device=device, warmup=0, rep=1).median_ms
                 if i >= 2:  # two warm-up rounds: Triton compilation, allocator
                     samples[mode].append(ms)
     finally:
         fused.MODE = saved_mode
-    off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+    timings = {mode: Timing.from_samples(ms) for mode, ms in samples.items()}
+    off, on = timings["off"].median_ms, timings["on"].median_ms
     logger.info("%s Muon step over %d matrices (%.3f B weights): torch %.2f ms, fused %.2f ms, param rel err %.2e",
                 config_name, len(params), weights / 1e9, off, on, err)
     return Row(
@@ -110,13 +94,8 @@ def measure(config_name: str, device: str, rep: int):
         params={"config": config_name, "matrices": len(params), "muon_weights": weights, "rounds": rep},
         extra={"param_rel_rms": err,
                "baseline_bytes_per_weight": BYTES_PER_WEIGHT["off"], "ours_bytes_per_weight": BYTES_PER_WEIGHT["on"],
-               "baseline_p80_ms": _quantile(samples["off"], 0.8), "ours_p80_ms": _quantile(samples["on"], 0.8)},
+               "baseline_p80_ms": timings["off"].p80_ms, "ours_p80_ms": timings["on"].p80_ms},
         note="" if device == "cuda" else "CPU dry run: Triton interpreter, timing meaningless")
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,15 +4,12 @@ wide matrices, and FSDP2-sharded (DTensor) parameters over two gloo ranks."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-
 import pytest
 import torch
 from torch import nn
 
 from k3infra.model import fused
+from k3infra.testing import run_ranks
 from k3infra.train.muon_kernels import decay_and_subtract, momentum_update
 from k3infra.train.optim import ShardedMuon
 
@@ -80,43 +77,29 @@ def test_sharded_muon_with_fused_kernels_steps_as_without(monkeypatch, head_rows
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def _sharded_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _sharded_steps(rank: int, world: int) -> dict[str, list]:
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = {}
-        for mode in ("off", "on"):
-            fused.MODE = mode
-            torch.manual_seed(3)
-            model = nn.Sequential(nn.Linear(10, 13, bias=False), nn.Linear(13, 7, bias=False))
-            fully_shard(model)  # 13 rows over 2 ranks: uneven shards
-            opt = ShardedMuon(list(model.parameters()), lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-            for step in range(3):
-                x = torch.randn(5, 10, generator=torch.Generator().manual_seed(10 * step + rank))
-                model(x).square().sum().backward()
-                opt.step()
-                opt.zero_grad()
-            result[mode] = [p.full_tensor().tolist() for p in model.parameters()]
-        with open(f"{out}/{rank}.json", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    result = {}
+    for mode in ("off", "on"):
+        fused.MODE = mode
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(10, 13, bias=False), nn.Linear(13, 7, bias=False))
+        fully_shard(model)  # 13 rows over 2 ranks: uneven shards
+        opt = ShardedMuon(list(model.parameters()), lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        for step in range(3):
+            x = torch.randn(5, 10, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        result[mode] = [p.full_tensor().tolist() for p in model.parameters()]  # plain lists cross the queue
+    return result
 
 
 @pytest.mark.multiproc
-def test_sharded_parameters_step_as_without_fused_kernels(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_sharded_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        r = json.loads((tmp_path / f"{rank}.json").read_text())
-        for fused_param, eager_param in zip(r["on"], r["off"]):
+def test_sharded_parameters_step_as_without_fused_kernels():
+    for result in run_ranks(_sharded_steps, 2, timeout_s=240):
+        for fused_param, eager_param in zip(result["on"], result["off"]):
             torch.testing.assert_close(torch.tensor(fused_param), torch.tensor(eager_param), rtol=0, atol=2e-3)
 
 
