@@ -6,7 +6,8 @@ With compile:      python -m benchmarks.train.run --config k3-mini --compile [mo
 
 Both variants build the same model from the same seed, read the same packed batches and run the real trainer step
 (forward, backward, Muon + AdamW, QK-Clip, Quantile Balancing). They differ only in the `K3Config` fields given
-by ``--ours`` and ``--baseline`` (JSON); ``--compile`` adds a third variant, ours with each decoder layer under
+by ``--ours`` and ``--baseline`` (JSON; ``--model`` gives fields of every variant, and the case is then named
+``<preset>-custom``); ``--compile`` adds a third variant, ours with each decoder layer under
 ``torch.compile`` (`TrainConfig.compile`; ``--compile module``: each child of a layer), timed in the same run and
 reported as a second row against the same baseline (compilation happens in the warm-up steps); ``--skip-baseline``
 leaves the baseline out and compares ours compiled with ours eager. At EP = 1 on one GPU no tokens leave the
@@ -83,8 +84,8 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float | None, 
     ours, base = results[name], results.get(ref) if name != ref else None
     compiled = name == "ours+compile"
     return Row(
-        case=f"{args.config}-T{cfg.seq_len}-B{cfg.batch_size}-mb{cfg.micro_batch_size}"
-             + ("-compile" if compiled else ""),
+        case=f"{args.config}{'-custom' if json.loads(args.model) else ''}-T{cfg.seq_len}-B{cfg.batch_size}"
+             f"-mb{cfg.micro_batch_size}" + ("-compile" if compiled else ""),
         baseline=f"K3 with {variants[ref]}" + (" (eager)" if ref == "ours" else ""),
         baseline_ms=None if base is None else base["timing"].median_ms,
         ours_ms=ours["timing"].median_ms,
@@ -121,6 +122,16 @@ def _measure_variant(name: str, overrides: dict, out: str, args, results: dict) 
     return cfg
 
 
+def _json_object(flag: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: expected a JSON object of K3Config fields, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag}: expected a JSON object of K3Config fields, got {type(value).__name__}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="k3-mini", help="model preset (default k3-mini)")
@@ -131,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows per forward/backward (default: the preset's; the step accumulates the rest)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compilation, autotuning)")
+    p.add_argument("--model", default="{}",
+                   help="K3Config overrides of every variant (JSON), e.g. K3's widths at fewer layers and experts")
     p.add_argument("--ours", default='{"kda_backend": "flashkda"}', help="K3Config overrides of ours (JSON)")
     p.add_argument("--baseline", default='{"kda_backend": "fla"}', help="K3Config overrides of the baseline (JSON)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute decoder layers in backward")
@@ -146,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: no CUDA device visible (use --device cpu for the smoke run)")
     if args.skip_baseline and not args.compile:
         raise SystemExit("--skip-baseline needs --compile (it compares ours compiled with ours eager)")
-    variants = {"ours": json.loads(args.ours), "baseline": json.loads(args.baseline)}
+    model = _json_object("--model", args.model)
+    variants = {name: {**model, **_json_object(f"--{name}", getattr(args, name))} for name in ("ours", "baseline")}
     note = "EP=1 on one device: both use local experts, only the KDA kernel differs"
     if args.device == "cpu":
         variants = {name: {**o, "kda_backend": "torch"} for name, o in variants.items()}

@@ -5,6 +5,8 @@ import json
 import os
 import signal
 
+import pytest
+
 from benchmarks.harness import Timing
 from benchmarks.train import run
 
@@ -51,3 +53,29 @@ def test_sigterm_during_the_baseline_keeps_ours_without_a_baseline_time(tmp_path
     [row] = json.loads(path.read_text())["rows"]
     assert row["baseline_ms"] is None and row["ours_ms"] == 11.0
     assert "while measuring baseline" in row["note"]
+
+
+def test_model_overrides_reach_every_variant_and_the_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3INFRA_RESULTS_DIR", str(tmp_path))
+    seen = {}
+
+    def measure(cfg, steps, warmup):
+        seen[cfg.out.rsplit("/", 1)[-1]] = dict(cfg.overrides)
+        return _measured(5.0)
+
+    monkeypatch.setattr(run, "measure", measure)
+    code = run.main(["--device", "cpu", "--config", "k3-debug", "--steps", "1",
+                     "--model", '{"num_hidden_layers": 2, "n_routed_experts": 16}',
+                     "--baseline", '{"n_routed_experts": 8}'])
+    assert code == 0
+    assert seen["ours"] == {"num_hidden_layers": 2, "n_routed_experts": 16, "kda_backend": "torch"}
+    assert seen["baseline"] == {"num_hidden_layers": 2, "n_routed_experts": 8, "kda_backend": "torch"}
+    [path] = tmp_path.glob("train-*.json")
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["case"].startswith("k3-debug-custom-T") and row["params"]["ours"]["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize("bad", ["[1, 2]", "{num_hidden_layers: 2}"])
+def test_model_overrides_must_be_a_json_object(bad):
+    with pytest.raises(SystemExit, match="--model: expected a JSON object of K3Config fields"):
+        run.main(["--device", "cpu", "--config", "k3-debug", "--model", bad])
