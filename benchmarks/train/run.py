@@ -84,7 +84,7 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float | None, 
     ours, base = results[name], results.get(ref) if name != ref else None
     compiled = name == "ours+compile"
     return Row(
-        case=f"{args.config}{'-custom' if json.loads(args.model) else ''}-T{cfg.seq_len}-B{cfg.batch_size}"
+        case=f"{args.config}{'-custom' if args.model else ''}-T{cfg.seq_len}-B{cfg.batch_size}"
              f"-mb{cfg.micro_batch_size}" + ("-compile" if compiled else ""),
         baseline=f"K3 with {variants[ref]}" + (" (eager)" if ref == "ours" else ""),
         baseline_ms=None if base is None else base["timing"].median_ms,
@@ -159,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: no CUDA device visible (use --device cpu for the smoke run)")
     if args.skip_baseline and not args.compile:
         raise SystemExit("--skip-baseline needs --compile (it compares ours compiled with ours eager)")
-    model = _json_object("--model", args.model)
-    variants = {name: {**model, **_json_object(f"--{name}", getattr(args, name))} for name in ("ours", "baseline")}
+    args.model = _json_object("--model", args.model)
+    variants = {name: {**args.model, **_json_object(f"--{name}", getattr(args, name))}
+                for name in ("ours", "baseline")}
     note = "EP=1 on one device: both use local experts, only the KDA kernel differs"
     if args.device == "cpu":
         variants = {name: {**o, "kda_backend": "torch"} for name, o in variants.items()}
