@@ -19,7 +19,9 @@ Gate: every variant's first-step loss (same weights, same batch) agrees with the
 ours eager's) within ``--gate-tol`` nats. A SIGTERM (a ``timeout`` around the run) stops it and still writes the
 variants measured before it (a variant without its reference has no baseline time; the note says so), exit 1.
 Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
-``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), peak memory. JSON goes to ``benchmarks/results/``.
+``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), the step's two phases on the device's timeline (forward +
+backward of all micro-batches, and the update: clipping, Muon + AdamW, QK-Clip, balancing) with the MFU of the
+first alone, peak memory. JSON goes to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -49,12 +51,17 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         timed = entries[warmup:]
         samples_ms = [cfg.batch_size * cfg.seq_len / e["tokens_per_s"] * 1e3 for e in timed]
         tokens_per_s = statistics.median(e["tokens_per_s"] for e in timed)
+        forward_backward_ms = statistics.median(e["forward_backward_ms"] for e in timed)
         peak_mem = torch.cuda.max_memory_allocated() / 2**30 if trainer.state.device.type == "cuda" else None
         return {
             "first_loss": entries[0]["loss"],
             "timing": Timing.from_samples(samples_ms),
             "tokens_per_s": tokens_per_s,
             "mfu": mfu(trainer.flops_per_token, tokens_per_s, trainer.peak, trainer.state.world_size),
+            "forward_backward_ms": forward_backward_ms,
+            "update_ms": statistics.median(e["update_ms"] for e in timed),
+            "mfu_forward_backward": mfu(trainer.flops_per_token, cfg.batch_size * cfg.seq_len / forward_backward_ms
+                                        * 1e3, trainer.peak, trainer.state.world_size),
             "flops_per_token": trainer.flops_per_token,
             "peak_memory_gib": peak_mem,
             "device": str(trainer.state.device),
@@ -97,7 +104,8 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float | None, 
         extra={
             "flops_per_token": ours["flops_per_token"],
             **{f"{k}_{n}": v[k] for n, v in results.items()
-               for k in ("tokens_per_s", "mfu", "peak_memory_gib", "first_loss")},
+               for k in ("tokens_per_s", "mfu", "forward_backward_ms", "update_ms", "mfu_forward_backward",
+                         "peak_memory_gib", "first_loss")},
             **{f"{n}_{q}_ms": getattr(v["timing"], f"{q}_ms") for n, v in results.items() for q in ("median", "p20",
                                                                                                        "p80")},
             "first_loss_gap": gap,
@@ -116,7 +124,8 @@ def _measure_variant(name: str, overrides: dict, out: str, args, results: dict) 
                       compile=args.compile if name == "ours+compile" else False).resolved()
     r = results[name] = measure(cfg, args.steps, args.warmup)
     print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
-          f"MFU {format_mfu(r['mfu'])}  peak "
+          f"MFU {format_mfu(r['mfu'])}  fwd+bwd {r['forward_backward_ms']:.1f} ms (MFU "
+          f"{format_mfu(r['mfu_forward_backward'])})  update {r['update_ms']:.1f} ms  peak "
           f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
           f"first loss {r['first_loss']:.4f}", flush=True)
     return cfg

@@ -27,6 +27,10 @@ def test_tiny_model_learns_and_writes_outputs(tmp_path, train_cache):
     assert list((result.out / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((result.out / "history.json").read_text())[-1]["loss"] == result.final_loss
     assert result.history[0]["mfu"] is None  # CPU: no peak FLOP/s, MFU is n/a
+    for h in result.history:  # the two phases lie inside the step's wall time
+        step_ms = 4 * 32 / h["tokens_per_s"] * 1e3
+        assert 0 < h["forward_backward_ms"] and 0 < h["update_ms"]
+        assert h["forward_backward_ms"] + h["update_ms"] <= step_ms
     assert all(layer.updates == 25 for layer in trainer.model.moe_layers())  # balancing after every step
 
 

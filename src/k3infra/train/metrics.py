@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,30 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None, num_dev
     if peak is None or tokens_per_s <= 0:
         return None
     return flops_per_token * tokens_per_s / (num_devices * peak)
+
+
+class PhaseClock:
+    """Times consecutive phases of a step on ``device``'s timeline: CUDA events on a GPU (no synchronisation
+    until `spans_ms`), ``time.perf_counter`` on the CPU. ``mark()`` ends one phase and starts the next."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (waits for the GPU to reach the last one)."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
 def format_mfu(value: float | None) -> str:

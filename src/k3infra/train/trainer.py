@@ -28,7 +28,7 @@ from k3infra.train.callbacks import TrainerCallback
 from k3infra.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
 from k3infra.train.compile import apply_compile, mark_packed_dynamic
 from k3infra.train.data import TrainData, prepare_data
-from k3infra.train.metrics import TensorBoardLogger, format_mfu, mfu, peak_flops, plot_curves
+from k3infra.train.metrics import PhaseClock, TensorBoardLogger, format_mfu, mfu, peak_flops, plot_curves
 from k3infra.train.optim import build_optimizers, build_schedulers
 from k3infra.train.parallel import (
     ParallelState,
@@ -151,8 +151,10 @@ class TrainResult:
     """What a run produced (rank 0's view; the loss is the global-batch mean on every rank)."""
 
     history: list[dict]
-    """Per step: ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``mfu`` (None on CPU), ``grad_tokens``, ``grad_norm``
-    (before clipping; None with ``max_grad_norm = 0``)."""
+    """Per step: ``step``, ``loss``, ``lr``, ``tokens_per_s``, ``mfu`` (None on CPU), ``forward_backward_ms`` (all
+    micro-batches) and ``update_ms`` (gradient reduction, clipping, optimizers, QK-Clip, balancing; both on the
+    device's timeline, so host-only time in between is in neither), ``grad_tokens``, ``grad_norm`` (before
+    clipping; None with ``max_grad_norm = 0``)."""
     unigram_entropy: float
     uniform_entropy: float
     out: Path
@@ -330,6 +332,8 @@ class Trainer:
         total_targets = self.data.dataset.num_targets(step, cfg.batch_size)
         self.model.train()
         local_sum = torch.zeros((), device=state.device)
+        clock = PhaseClock(state.device)
+        clock.mark()
         for batch in micro:
             batch = batch.to(state.device)
             if cfg.compile:
@@ -341,6 +345,7 @@ class Trainer:
             (part * (state.world_size / total_targets)).backward()
             local_sum += part.detach()
             del output, part
+        clock.mark()
         if self.experts and state.world_size > 1:
             reduce_expert_gradients(self.experts, state)
         grad_norm = None
@@ -353,6 +358,7 @@ class Trainer:
         for scheduler in self.schedulers:
             scheduler.step()
         self._after_update()
+        clock.mark()
         loss = local_sum.detach()
         if state.world_size > 1:
             dist.all_reduce(loss)
@@ -360,9 +366,11 @@ class Trainer:
         if state.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        forward_backward_ms, update_ms = clock.spans_ms()
         tokens_per_s = cfg.batch_size * cfg.seq_len / seconds
         return {"step": step + 1, "loss": loss, "lr": lrs[0], "tokens_per_s": tokens_per_s,
                 "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak, state.world_size),
+                "forward_backward_ms": forward_backward_ms, "update_ms": update_ms,
                 "grad_tokens": total_targets, "grad_norm": grad_norm}
 
     def _after_update(self) -> None:
@@ -406,8 +414,8 @@ class Trainer:
                         callback.on_step_end(self, step, entry)
                     self.history.append(entry)
                     if writer is not None:
-                        writer.log(entry["step"], {"loss": entry["loss"], "lr": entry["lr"], "mfu": entry["mfu"],
-                                                   "tokens_per_s": entry["tokens_per_s"]})
+                        writer.log(entry["step"], {name: entry[name] for name in (
+                            "loss", "lr", "mfu", "tokens_per_s", "forward_backward_ms", "update_ms")})
                     advance(entry)
                     if not cfg.progress and state.is_main:
                         logger.info("step %d/%d loss %.4f %.0f tok/s MFU %s", entry["step"], cfg.steps, entry["loss"],
