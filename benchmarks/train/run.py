@@ -21,7 +21,8 @@ variants measured before it (a variant without its reference has no baseline tim
 Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
 ``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), the step's two phases on the device's timeline (forward +
 backward of all micro-batches, and the update: clipping, Muon + AdamW, QK-Clip, balancing) with the MFU of the
-first alone, peak memory. JSON goes to ``benchmarks/results/``.
+first alone, peak memory; with the model's FLOPs per step, Muon's Newton–Schulz FLOPs per step (not part of
+MFU's count, but of the update's time). JSON goes to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from benchmarks.harness import Row, Timing, machine_info, write_results
 from k3infra.train.compile import compile_backend
 from k3infra.train.metrics import format_mfu, mfu
+from k3infra.train.optim import ShardedMuon
 from k3infra.train.trainer import TrainConfig, Trainer
 
 
@@ -63,6 +65,8 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
             "mfu_forward_backward": mfu(trainer.flops_per_token, cfg.batch_size * cfg.seq_len / forward_backward_ms
                                         * 1e3, trainer.peak, trainer.state.world_size),
             "flops_per_token": trainer.flops_per_token,
+            "newton_schulz_flops_per_step": sum(o.newton_schulz_flops() for o in trainer.optimizers
+                                                if isinstance(o, ShardedMuon)),
             "peak_memory_gib": peak_mem,
             "device": str(trainer.state.device),
         }
@@ -103,6 +107,8 @@ def _row(name: str, ref: str, results: dict, variants: dict, gap: float | None, 
                 "activation_checkpointing": args.activation_checkpointing, "steps": args.steps},
         extra={
             "flops_per_token": ours["flops_per_token"],
+            "model_flops_per_step": ours["flops_per_token"] * cfg.batch_size * cfg.seq_len,
+            "newton_schulz_flops_per_step": ours["newton_schulz_flops_per_step"],
             **{f"{k}_{n}": v[k] for n, v in results.items()
                for k in ("tokens_per_s", "mfu", "forward_backward_ms", "update_ms", "mfu_forward_backward",
                          "peak_memory_gib", "first_loss")},
@@ -125,7 +131,8 @@ def _measure_variant(name: str, overrides: dict, out: str, args, results: dict) 
     r = results[name] = measure(cfg, args.steps, args.warmup)
     print(f"{name:12s} {overrides}  step {r['timing'].median_ms:9.1f} ms  {r['tokens_per_s']:12,.0f} tok/s  "
           f"MFU {format_mfu(r['mfu'])}  fwd+bwd {r['forward_backward_ms']:.1f} ms (MFU "
-          f"{format_mfu(r['mfu_forward_backward'])})  update {r['update_ms']:.1f} ms  peak "
+          f"{format_mfu(r['mfu_forward_backward'])})  update {r['update_ms']:.1f} ms (Newton-Schulz "
+          f"{r['newton_schulz_flops_per_step'] / 1e12:.2f} TFLOP)  peak "
           f"{'n/a' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
           f"first loss {r['first_loss']:.4f}", flush=True)
     return cfg

@@ -150,3 +150,22 @@ def test_whole_matrices_step_as_torch_muon(shape):
             opt.step()
     torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=2e-3)
     assert not torch.equal(ours.detach(), weight)
+
+
+def test_newton_schulz_flops_match_the_counted_matmuls():
+    """`newton_schulz_flops` against torch's FLOP counter over a real step: whole matrices (wide and tall),
+    stacked experts and per-head blocks of two shapes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(12, 40)), nn.Parameter(torch.randn(40, 12)),
+              nn.Parameter(torch.randn(3, 16, 24)), nn.Parameter(torch.randn(3 * 24, 20))]
+    opt = ShardedMuon([{"params": params[:3]}, {"params": params[3:], "head_rows": (16, 8)}], lr=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with FlopCounterMode(display=False) as counter:
+        opt.step()
+    ns = 5 * (2 * (4 * 12 * 12 * 40 + 2 * 12**3) + 3 * (4 * 16 * 16 * 24 + 2 * 16**3)
+              + 3 * (4 * 16 * 16 * 20 + 2 * 16**3) + 3 * (4 * 8 * 8 * 20 + 2 * 8**3))
+    assert opt.newton_schulz_flops() == ns
+    assert counter.get_total_flops() == ns

@@ -14,7 +14,8 @@ from benchmarks.train import run
 def _measured(first_loss: float) -> dict:
     return {"first_loss": first_loss, "timing": Timing.from_samples([10.0, 11.0, 12.0]), "tokens_per_s": 1000.0,
             "mfu": 0.1, "forward_backward_ms": 8.0, "update_ms": 2.0, "mfu_forward_backward": 0.13,
-            "flops_per_token": 6.0e6, "peak_memory_gib": None, "device": "cpu"}
+            "flops_per_token": 6.0e6, "newton_schulz_flops_per_step": 1.0e9, "peak_memory_gib": None,
+            "device": "cpu"}
 
 
 def test_sigterm_during_the_compiled_variant_writes_ours_eager(tmp_path, monkeypatch, capsys):

@@ -142,6 +142,19 @@ class ShardedMuon(torch.optim.Muon):
                                      f"matrix, got a {tuple(p.shape)} parameter")
             self.add_param_group(group)
 
+    def newton_schulz_flops(self) -> int:
+        """FLOPs of one step's Newton–Schulz iterations over every block (``[a, b]``, a ≤ b: the Gram product
+        2a²b, the quintic term 2a³ and the update product 2a²b per iteration); the element-wise passes are not
+        counted."""
+        total = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                full = torch.empty(param.shape, device="meta")
+                for block in _blocks(full, group["head_rows"]):
+                    a, b = sorted(block.shape[1:])
+                    total += block.shape[0] * group["ns_steps"] * (4 * a * a * b + 2 * a ** 3)
+        return total
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
