@@ -26,8 +26,9 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
 from ..model.fused import use_fused
@@ -146,14 +147,8 @@ class ShardedMuon(torch.optim.Muon):
         """FLOPs of one step's Newton–Schulz iterations over every block (``[a, b]``, a ≤ b: the Gram product
         2a²b, the quintic term 2a³ and the update product 2a²b per iteration); the element-wise passes are not
         counted."""
-        total = 0
-        for group in self.param_groups:
-            for param in group["params"]:
-                full = torch.empty(param.shape, device="meta")
-                for block in _blocks(full, group["head_rows"]):
-                    a, b = sorted(block.shape[1:])
-                    total += block.shape[0] * group["ns_steps"] * (4 * a * a * b + 2 * a ** 3)
-        return total
+        return sum(_newton_schulz_flops(param.shape, group["head_rows"], group["ns_steps"])
+                   for group in self.param_groups for param in group["params"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -167,13 +162,10 @@ class ShardedMuon(torch.optim.Muon):
             lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
             batch, batch_bytes = [], 0
             for i, (param, grad, buf) in enumerate(zip(params, grads, bufs)):
-                update = _momentum_step(grad, buf, momentum, group["nesterov"])
-                batch.append((param, update, update.full_tensor() if isinstance(update, DTensor) else update))
-                batch_bytes += batch[-1][2].numel() * 2
+                batch.append((param, _momentum_step(grad, buf, momentum, group["nesterov"])))
+                batch_bytes += param.numel() * 2
                 if batch_bytes >= MUON_BATCH_BYTES or i == len(params) - 1:
-                    steps = _orthogonalised_steps([full for _, _, full in batch], group, lr)
-                    for (param, update, full), blocks in zip(batch, steps):
-                        _subtract_step(param, update, full, blocks, group["head_rows"], 1 - lr * wd)
+                    _update_batch(batch, group, lr, 1 - lr * wd)
                     batch, batch_bytes = [], 0
         return loss
 
@@ -182,6 +174,123 @@ class ShardedMuon(torch.optim.Muon):
 #: batched Newton–Schulz) until their full (gathered) updates reach this many bf16 bytes: fewer, larger batched
 #: matmuls, and at most this much gathered at once under FSDP.
 MUON_BATCH_BYTES = 1 << 30
+
+
+def _update_batch(batch: list[tuple[torch.Tensor, torch.Tensor]], group: dict, lr: float, decay: float) -> None:
+    """Orthogonalise and apply the updates of ``batch`` (``(param, update)`` pairs), each Newton–Schulz computed
+    once over a data-parallel group instead of on every rank. How depends on the update (`_placement`):
+
+    - ``local``: a plain tensor, or a DTensor sharded on rows at block boundaries (stacked experts, or per-head
+      blocks that the shards hold whole): each rank orthogonalises the blocks it holds; no communication;
+    - ``owner``: any other row-sharded matrix on a 1-D mesh: one rank of the mesh (`_owners`: the least loaded by
+      Newton–Schulz FLOPs) gathers the update, orthogonalises it and scatters each rank its rows of the step;
+    - ``gather``: any other DTensor: every rank gathers the whole update and orthogonalises it.
+    """
+    head_rows = group["head_rows"]
+    placements = [_placement(update, head_rows) for _, update in batch]
+    owners = _owners([u for (_, u), how in zip(batch, placements) if how == "owner"], group)
+    fulls, pending, owned = {}, [], iter(owners)
+    for k, ((_, update), how) in enumerate(zip(batch, placements)):
+        if how == "local":
+            fulls[k] = update.to_local() if isinstance(update, DTensor) else update
+        elif how == "gather":
+            fulls[k] = update.full_tensor()
+        else:
+            owner = next(owned)
+            pending.append((k, owner, _gather_rows(update.to_local(), update.shape[0], update.device_mesh.get_group(),
+                                                   owner)))
+    for k, owner, (work, finish) in pending:
+        work.wait()
+        if owner == dist.get_rank(batch[k][1].device_mesh.get_group()):
+            fulls[k] = finish()
+    mine = [k for k in fulls if fulls[k].numel()]
+    steps = dict(zip(mine, _orthogonalised_steps([fulls[k] for k in mine], group, lr)))
+    scatters = []
+    for k, ((param, update), how) in enumerate(zip(batch, placements)):
+        if how == "owner":
+            continue
+        if how == "local" and isinstance(param, DTensor):
+            param, update = param.to_local(), fulls[k]
+        if k in steps:
+            _subtract_step(param, update, fulls[k], steps[k], head_rows, decay)
+    for k, owner, _ in pending:
+        param, update = batch[k]
+        step = None
+        if k in steps:
+            step = torch.cat([piece.to(param.dtype) * scale for piece, scale in steps[k]], dim=1).reshape(param.shape)
+        scatters.append((param.to_local(), _scatter_rows(step, param.to_local(), param.shape[0],
+                                                         update.device_mesh.get_group(), owner)))
+    for local, (work, rows) in scatters:
+        work.wait()
+        local.mul_(decay).sub_(rows())
+
+
+def _placement(update: torch.Tensor, head_rows: tuple[int, ...] | None) -> str:
+    """``local``, ``owner`` or ``gather`` (see `_update_batch`) for one parameter's update."""
+    if not isinstance(update, DTensor):
+        return "local"
+    if update.device_mesh.ndim != 1 or tuple(update.placements) != (Shard(0),):
+        return "gather"
+    world = update.device_mesh.size()
+    if world == 1 or update.ndim == 3:
+        return "local"
+    period = sum(head_rows or ())
+    chunk = -(-update.shape[0] // world)  # torch.chunk's row count per rank, the last ranks fewer or none
+    return "local" if period and chunk % period == 0 else "owner"
+
+
+def _owners(updates: list[DTensor], group: dict) -> list[int]:
+    """The rank (within its mesh) that orthogonalises each update: largest first, each to the least loaded rank
+    by Newton–Schulz FLOPs (ties to the lower rank); the same answer on every rank."""
+    cost = [_newton_schulz_flops(u.shape, group["head_rows"], group["ns_steps"]) for u in updates]
+    owners = [0] * len(updates)
+    load: dict[tuple[int, ...], list[int]] = {}
+    for k in sorted(range(len(updates)), key=lambda k: -cost[k]):
+        ranks = load.setdefault(tuple(dist.get_process_group_ranks(updates[k].device_mesh.get_group())),
+                                [0] * updates[k].device_mesh.size())
+        owners[k] = min(range(len(ranks)), key=lambda r: ranks[r])
+        ranks[owners[k]] += cost[k]
+    return owners
+
+
+def _row_counts(rows: int, world: int) -> list[int]:
+    """Rows of each rank under ``Shard(0)`` (torch.chunk's split, ranks past the last chunk empty)."""
+    counts = [len(c) for c in torch.empty(rows, device="meta").chunk(world)]
+    return counts + [0] * (world - len(counts))
+
+
+def _gather_rows(local: torch.Tensor, rows: int, pg, owner: int):
+    """Start gathering every rank's rows of a ``[rows, ...]`` tensor on rank ``owner`` of ``pg``. Returns the
+    work and a function that assembles the whole tensor (call it on the owner after the wait)."""
+    counts = _row_counts(rows, pg.size())
+    padded = local.new_zeros(counts[0], *local.shape[1:])
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in counts] if dist.get_rank(pg) == owner else None
+    work = dist.gather(padded, parts, group=pg, group_dst=owner, async_op=True)
+    return work, lambda: torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+
+def _scatter_rows(whole: torch.Tensor | None, local: torch.Tensor, rows: int, pg, owner: int):
+    """Start scattering ``whole`` (``[rows, ...]``, on rank ``owner`` of ``pg``; None elsewhere) by rows like
+    ``local``. Returns the work and a function giving this rank's rows (after the wait)."""
+    counts = _row_counts(rows, pg.size())
+    out = local.new_empty(counts[0], *local.shape[1:])
+    parts = None
+    if whole is not None:
+        parts = [out.new_zeros(counts[0], *local.shape[1:]) for _ in counts]
+        for part, piece in zip(parts, whole.split(counts)):
+            part[: piece.shape[0]] = piece
+    work = dist.scatter(out, parts, group=pg, group_src=owner, async_op=True)
+    return work, lambda: out[: local.shape[0]]
+
+
+def _newton_schulz_flops(shape: torch.Size, head_rows: tuple[int, ...] | None, ns_steps: int) -> int:
+    """Newton–Schulz FLOPs of one step over a parameter of ``shape`` (see `ShardedMuon.newton_schulz_flops`)."""
+    total = 0
+    for block in _blocks(torch.empty(shape, device="meta"), head_rows):
+        a, b = sorted(block.shape[1:])
+        total += block.shape[0] * ns_steps * (4 * a * a * b + 2 * a ** 3)
+    return total
 
 
 def _orthogonalised_steps(fulls: list[torch.Tensor], group: dict, lr: float) -> list[list[tuple[torch.Tensor, float]]]:
