@@ -16,8 +16,10 @@ recorded in each row's note. On the CPU both variants use the torch KDA path (th
 the timing is a smoke test only.
 
 Gate: every variant's first-step loss (same weights, same batch) agrees with the baseline's (``--skip-baseline``:
-ours eager's) within ``--gate-tol`` nats. A SIGTERM (a ``timeout`` around the run) stops it and still writes the
-variants measured before it (a variant without its reference has no baseline time; the note says so), exit 1.
+ours eager's) within ``--gate-tol`` nats. The results file is written after each variant (a row without its
+reference has no baseline time, and its note says which variants the run did not finish), so a run killed in a
+later variant keeps the earlier ones; a SIGTERM (a ``timeout`` around the run) stops it and writes them with a
+note that says so, exit 1.
 Reported per variant: median step time (ms, 20/80 quantiles), tokens/s, MFU (``flops_per_token`` of
 ``K3_MODEL.md`` §5 × tokens/s ÷ H200 dense bf16 peak), the step's two phases on the device's timeline (forward +
 backward of all micro-batches, and the update: clipping, Muon + AdamW, QK-Clip, balancing) with the MFU of the
@@ -138,6 +140,16 @@ def _measure_variant(name: str, overrides: dict, out: str, args, results: dict) 
     return cfg
 
 
+def _write_partial(results: dict, ref: str, variants: dict, args, cfg: TrainConfig, note: str, info: dict):
+    """Write the rows of the variants measured so far (those that pass the loss gate against ``ref``, or have no
+    ``ref`` to compare with yet); returns the path, None when no row qualifies."""
+    gaps = {n: abs(r["first_loss"] - results[ref]["first_loss"]) if ref in results and n != ref else None
+            for n, r in results.items() if n != ref or len(results) == 1}
+    rows = [_row(n, ref, results, variants, gap, args, cfg, note) for n, gap in gaps.items()
+            if gap is None or gap <= args.gate_tol]
+    return write_results("train", rows, title="K3 training step", info=info) if rows else None
+
+
 def _json_object(flag: str, text: str) -> dict:
     try:
         value = json.loads(text)
@@ -189,13 +201,18 @@ def main(argv: list[str] | None = None) -> int:
         note = "ours compiled against ours eager, same run"
     ref = "ours" if args.skip_baseline else "baseline"
     results = {}
-    stopped = None
+    stopped = partial = None
+    info = machine_info()  # one date, so every write below goes to the same file
     _SIGNALLED.clear()
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         with tempfile.TemporaryDirectory() as out:
             for name, overrides in variants.items():
                 cfg = _measure_variant(name, overrides, out, args, results)
+                if len(results) < len(variants):  # a SIGKILL in the next variant keeps this one's numbers
+                    left = ", ".join(n for n in variants if n not in results)
+                    partial = _write_partial(results, ref, variants, args, cfg,
+                                             f"{note}; partial: the run did not finish {left}", info) or partial
     except (_Stopped, Exception):
         if not _SIGNALLED:
             raise
@@ -204,22 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if stopped:
-        if not results:
-            return 1
-        gaps = {n: abs(r["first_loss"] - results[ref]["first_loss"]) if ref in results and n != ref else None
-                for n, r in results.items() if n != ref or len(results) == 1}
-        rows = [_row(n, ref, results, variants, gap, args, cfg, f"{note}; {stopped}") for n, gap in gaps.items()
-                if gap is None or gap <= args.gate_tol]
-        print(f"results: {write_results('train', rows, title='K3 training step', info=machine_info())}")
+        path = _write_partial(results, ref, variants, args, cfg, f"{note}; {stopped}", info) if results else None
+        if path:
+            print(f"results: {path}")
         return 1
     gaps = {name: abs(r["first_loss"] - results[ref]["first_loss"]) for name, r in results.items() if name != ref}
     failed = {name: gap for name, gap in gaps.items() if gap > args.gate_tol}
     if failed:
         print(f"gate FAILED: first-step losses differ from {ref}'s by {failed} nats (> {args.gate_tol}); "
               "no timing reported")
+        if partial:
+            partial.unlink()  # its rows were written before the gate could be checked
         return 1
     rows = [_row(name, ref, results, variants, gaps[name], args, cfg, note) for name in gaps]
-    path = write_results("train", rows, title="K3 training step", info=machine_info())
+    path = write_results("train", rows, title="K3 training step", info=info)
     if args.update_table:  # BENCHMARKS.md is refreshed from chosen results files only through benchmarks.table
         from benchmarks import table
 

@@ -81,3 +81,33 @@ def test_model_overrides_reach_every_variant_and_the_row(tmp_path, monkeypatch):
 def test_model_overrides_must_be_a_json_object(bad):
     with pytest.raises(SystemExit, match="--model: expected a JSON object of K3Config fields"):
         run.main(["--device", "cpu", "--config", "k3-debug", "--model", bad])
+
+
+def test_each_variant_is_on_disk_before_the_next_starts(tmp_path, monkeypatch):
+    """A SIGKILL (what `timeout -k` sends after its grace) can stop a later variant: the earlier ones' rows are
+    already written, marked partial, and the finished run replaces them in the same file."""
+    monkeypatch.setenv("K3INFRA_RESULTS_DIR", str(tmp_path))
+    on_disk = []
+
+    def measure(cfg, steps, warmup):
+        on_disk.append([json.loads(p.read_text())["rows"] for p in tmp_path.glob("train-*.json")])
+        return _measured(5.0)
+
+    monkeypatch.setattr(run, "measure", measure)
+    assert run.main(["--device", "cpu", "--config", "k3-debug", "--steps", "1", "--compile"]) == 0
+    assert on_disk[0] == []
+    [[row]] = on_disk[1]  # while the baseline runs: ours without a baseline time
+    assert row["baseline_ms"] is None and "the run did not finish baseline, ours+compile" in row["note"]
+    [[ours]] = on_disk[2]  # while the compiled variant runs: ours against the baseline
+    assert ours["baseline_ms"] == 11.0 and "did not finish ours+compile" in ours["note"]
+    [path] = tmp_path.glob("train-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 2 and not any("partial" in r["note"] for r in rows)
+
+
+def test_a_failed_gate_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3INFRA_RESULTS_DIR", str(tmp_path))
+    losses = iter([5.0, 6.0])
+    monkeypatch.setattr(run, "measure", lambda cfg, steps, warmup: _measured(next(losses)))
+    assert run.main(["--device", "cpu", "--config", "k3-debug", "--steps", "1"]) == 1
+    assert list(tmp_path.glob("train-*.json")) == []
