@@ -166,3 +166,13 @@ def test_profile_records_the_chosen_steps(tmp_path, train_cache):
     assert [h["step"] for h in recorded] == [3] and recorded[0]["profile_kernels_per_step"] > 100
     assert recorded[0]["profile_trace"] == str(folder / "trace-rank0.json.gz")
     assert not (folder / "trace-rank0.json").exists()
+
+
+def test_cli_summary_reports_the_step_phases(tmp_path, train_cache, capsys):
+    code = k3infra_main(["train", "--config", "k3-debug", "--steps", "2", "--seq-len", "32", "--batch-size", "2",
+                         "--out", str(tmp_path / "run"), "--cache-dir", str(train_cache), "--max-corpus-mb", "1",
+                         "--no-progress", "--no-tensorboard", "--no-plot", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and "MFU n/a  forward+backward " in out and " ms (last step)" in out
+    last = json.loads((tmp_path / "run" / "history.json").read_text())[-1]
+    assert f"update {last['update_ms']:,.1f} ms" in out

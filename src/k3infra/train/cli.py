@@ -115,7 +115,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     last = result.history[-1]
     print(f"steps {last['step']}  loss {result.history[0]['loss']:.3f} -> {last['loss']:.3f}  "
           f"(ln V {result.uniform_entropy:.3f}, corpus unigram entropy {result.unigram_entropy:.3f} nats/token)")
-    print(f"tokens/s {last['tokens_per_s']:,.0f}  MFU {format_mfu(last['mfu'])}"
+    print(f"tokens/s {last['tokens_per_s']:,.0f}  MFU {format_mfu(last['mfu'])}  forward+backward "
+          f"{last['forward_backward_ms']:,.1f} ms, update {last['update_ms']:,.1f} ms (last step)"
           + (f"  peak memory {result.peak_memory_gib:.2f} GiB" if result.peak_memory_gib is not None else ""))
     if result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint}")
