@@ -65,3 +65,44 @@ def test_sharded_muon_computes_each_block_once_and_matches_one_process(world):
         per_rank = [r["flops"][step] for r in results]
         assert sum(per_rank) == total  # every block orthogonalised exactly once
         assert max(per_rank) < 0.75 * total, per_rank  # and spread over the ranks
+
+
+
+def _replicated_steps(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = {n: nn.Parameter(t) for n, t in _tensors(0).items()}  # every rank holds the same whole tensors
+    opt = ShardedMuon([{"params": [params[n] for n in ("plain", "wide", "tall")]},
+                       {"params": [params["experts"]], "replicated": True},
+                       {"params": [params["heads"]], "head_rows": (4,)}],
+                      lr=0.1, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", replica_group=dist.group.WORLD)
+    flops = []
+    for step in range(3):
+        for name, grad in _tensors(step + 1).items():
+            params[name].grad = grad
+        with FlopCounterMode(display=False) as counter:
+            opt.step()
+        flops.append(counter.get_total_flops())
+    return {"params": {n: p.tolist() for n, p in params.items()}, "flops": flops}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_expert_stacks_split_their_slices_over_the_replicas(world):
+    params = {n: nn.Parameter(t) for n, t in _tensors(0).items()}
+    opt = _muon(params)
+    for step in range(3):
+        for name, grad in _tensors(step + 1).items():
+            params[name].grad = grad
+        opt.step()
+    results = run_ranks(_replicated_steps, world, timeout_s=240)
+    for result in results:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(torch.tensor(value), params[name].detach(), rtol=0, atol=1e-6, msg=name)
+    experts = SHAPES["experts"][0]
+    stack = ShardedMuon([{"params": [nn.Parameter(torch.zeros(SHAPES["experts"]))]}]).newton_schulz_flops()
+    others = opt.newton_schulz_flops() - stack  # orthogonalised whole on every rank
+    counts = [len(c) for c in torch.arange(experts).chunk(world)]
+    expected = sorted(stack // experts * n for n in counts + [0] * (world - len(counts)))  # 5 slices: 3+2, 2+2+1+0
+    for step in range(3):
+        assert sorted(r["flops"][step] - others for r in results) == expected

@@ -67,7 +67,7 @@ def head_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 def build_optimizers(
     model: nn.Module, *, lr: float, weight_decay: float = 0.1, use_muon: bool = True, router_lr_scale: float = 1.0,
-    per_head_muon: bool = True,
+    per_head_muon: bool = True, replicated: Iterable[nn.Parameter] = (), replica_group: dist.ProcessGroup | None = None,
 ) -> list[torch.optim.Optimizer]:
     """Muon for matrices (when ``use_muon``) and AdamW for the rest.
 
@@ -78,6 +78,9 @@ def build_optimizers(
         use_muon: False puts every parameter on AdamW (LoRA fine-tuning, where adapters are low-rank).
         router_lr_scale: the router's learning rate is ``lr · router_lr_scale``.
         per_head_muon: orthogonalise query/key/value projections per head (`head_blocks`); False: whole matrices.
+        replicated, replica_group: parameters held whole and alike by every rank of ``replica_group`` (EP-sharded
+            experts over their data-parallel replicas); Muon splits the Newton–Schulz of their expert slices over
+            that group (`ShardedMuon`).
 
     Returns:
         ``[muon, adamw]`` or ``[adamw]``; an optimizer without parameters is left out.
@@ -97,12 +100,14 @@ def build_optimizers(
     optimizers: list[torch.optim.Optimizer] = []
     if muon:
         patterns = head_blocks(model) if per_head_muon else {}
-        by_pattern: dict[tuple[int, ...] | None, list[nn.Parameter]] = {}
+        replicated_ids = {id(p) for p in replicated}
+        by_kind: dict[tuple, list[nn.Parameter]] = {}
         for name, param in muon:
-            by_pattern.setdefault(patterns.get(name), []).append(param)
-        optimizers.append(ShardedMuon([{"params": params, "head_rows": pattern}
-                                       for pattern, params in by_pattern.items()],
-                                      lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))
+            by_kind.setdefault((patterns.get(name), id(param) in replicated_ids), []).append(param)
+        optimizers.append(ShardedMuon([{"params": params, "head_rows": pattern, "replicated": copies}
+                                       for (pattern, copies), params in by_kind.items()],
+                                      lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw",
+                                      replica_group=replica_group))
     router = [p for n, p in decay + no_decay if "router" in n]
     router_ids = {id(p) for p in router}
     groups = [g for g in ({"params": [p for _, p in decay if id(p) not in router_ids], "weight_decay": weight_decay},
@@ -120,20 +125,25 @@ class ShardedMuon(torch.optim.Muon):
     rank keeps its own shard again; a 3-D ``[E, n, m]`` parameter is orthogonalised per ``[n, m]`` slice with the
     learning-rate scale of one slice. A group with ``head_rows`` (a row pattern such as ``(128,)`` or
     ``(n, d_v)``, repeated down the matrix) orthogonalises every row block on its own (per-head Muon), each scaled
-    for its own shape. Momentum stays sharded like the parameter.
+    for its own shape. Momentum stays sharded like the parameter. A group with ``replicated`` holds 3-D stacks that
+    every rank of ``replica_group`` keeps whole and alike (EP-sharded experts over their data-parallel replicas):
+    each of those ranks orthogonalises its share of the slices and they gather the results.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None) -> None:
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 replica_group: dist.ProcessGroup | None = None) -> None:
         # the parent accepts only 2-D parameters; 3-D stacked experts are handled per slice in `step`
         probe = [torch.empty(1, 1)]
         super().__init__(probe, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self.param_groups.clear()
+        self.replica_group = replica_group
         for group in params if isinstance(params, list) and params and isinstance(params[0], dict) else [
                 {"params": list(params)}]:
-            group = {**group, "head_rows": tuple(group["head_rows"]) if group.get("head_rows") else None}
+            group = {**group, "head_rows": tuple(group["head_rows"]) if group.get("head_rows") else None,
+                     "replicated": bool(group.get("replicated"))}
             for p in group["params"]:
                 if p.ndim not in (2, 3):
                     raise ValueError(f"Muon takes 2-D matrices or 3-D stacked experts, got a {tuple(p.shape)} tensor")
@@ -165,7 +175,8 @@ class ShardedMuon(torch.optim.Muon):
                 batch.append((param, _momentum_step(grad, buf, momentum, group["nesterov"])))
                 batch_bytes += param.numel() * 2
                 if batch_bytes >= MUON_BATCH_BYTES or i == len(params) - 1:
-                    _update_batch(batch, group, lr, 1 - lr * wd)
+                    replicas = self.replica_group if group.get("replicated") else None
+                    _update_batch(batch, group, lr, 1 - lr * wd, replicas)
                     batch, batch_bytes = [], 0
         return loss
 
@@ -176,7 +187,8 @@ class ShardedMuon(torch.optim.Muon):
 MUON_BATCH_BYTES = 1 << 30
 
 
-def _update_batch(batch: list[tuple[torch.Tensor, torch.Tensor]], group: dict, lr: float, decay: float) -> None:
+def _update_batch(batch: list[tuple[torch.Tensor, torch.Tensor]], group: dict, lr: float, decay: float,
+                  replicas: dist.ProcessGroup | None = None) -> None:
     """Orthogonalise and apply the updates of ``batch`` (``(param, update)`` pairs), each Newton–Schulz computed
     once over a data-parallel group instead of on every rank. How depends on the update (`_placement`):
 
@@ -184,15 +196,23 @@ def _update_batch(batch: list[tuple[torch.Tensor, torch.Tensor]], group: dict, l
       blocks that the shards hold whole): each rank orthogonalises the blocks it holds; no communication;
     - ``owner``: any other row-sharded matrix on a 1-D mesh: one rank of the mesh (`_owners`: the least loaded by
       Newton–Schulz FLOPs) gathers the update, orthogonalises it and scatters each rank its rows of the step;
-    - ``gather``: any other DTensor: every rank gathers the whole update and orthogonalises it.
+    - ``gather``: any other DTensor: every rank gathers the whole update and orthogonalises it;
+    - ``spread``: a plain 3-D stack that every rank of ``replicas`` holds alike: each orthogonalises its share of
+      the slices (torch.chunk's split) and all gather the whole orthogonalised stack.
     """
     head_rows = group["head_rows"]
-    placements = [_placement(update, head_rows) for _, update in batch]
+    spread = replicas is not None and dist.get_world_size(replicas) > 1
+    placements = ["spread" if spread and not isinstance(u, DTensor) and u.ndim == 3 else _placement(u, head_rows)
+                  for _, u in batch]
     owners = _owners([u for (_, u), how in zip(batch, placements) if how == "owner"], group)
     fulls, pending, owned = {}, [], iter(owners)
     for k, ((_, update), how) in enumerate(zip(batch, placements)):
         if how == "local":
             fulls[k] = update.to_local() if isinstance(update, DTensor) else update
+        elif how == "spread":
+            counts = _row_counts(update.shape[0], dist.get_world_size(replicas))
+            me = dist.get_rank(replicas)
+            fulls[k] = update[sum(counts[:me]): sum(counts[: me + 1])]
         elif how == "gather":
             fulls[k] = update.full_tensor()
         else:
@@ -205,6 +225,16 @@ def _update_batch(batch: list[tuple[torch.Tensor, torch.Tensor]], group: dict, l
             fulls[k] = finish()
     mine = [k for k in fulls if fulls[k].numel()]
     steps = dict(zip(mine, _orthogonalised_steps([fulls[k] for k in mine], group, lr)))
+    gathers = []
+    for k, ((_, update), how) in enumerate(zip(batch, placements)):
+        if how == "spread":
+            share = steps[k][0][0] if k in steps else None
+            gathers.append((k, _all_gather_rows(share, update, replicas)))
+    for k, (work, finish) in gathers:
+        work.wait()
+        fulls[k] = update = batch[k][1]
+        steps[k] = [(finish(), _adjust_lr(lr, group["adjust_lr_fn"], update.shape[1:]))]
+        placements[k] = "local"
     scatters = []
     for k, ((param, update), how) in enumerate(zip(batch, placements)):
         if how == "owner":
@@ -267,6 +297,18 @@ def _gather_rows(local: torch.Tensor, rows: int, pg, owner: int):
     padded[: local.shape[0]] = local
     parts = [torch.empty_like(padded) for _ in counts] if dist.get_rank(pg) == owner else None
     work = dist.gather(padded, parts, group=pg, group_dst=owner, async_op=True)
+    return work, lambda: torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+
+def _all_gather_rows(share: torch.Tensor | None, like: torch.Tensor, pg):
+    """Start gathering every rank's ``share`` (its torch.chunk rows of a tensor shaped like ``like``, in bf16; None:
+    no rows) on every rank of ``pg``. Returns the work and a function assembling the whole (after the wait)."""
+    counts = _row_counts(like.shape[0], dist.get_world_size(pg))
+    padded = torch.zeros(counts[0], *like.shape[1:], dtype=torch.bfloat16, device=like.device)
+    if share is not None:
+        padded[: share.shape[0]] = share
+    parts = [torch.empty_like(padded) for _ in counts]
+    work = dist.all_gather(parts, padded, group=pg, async_op=True)
     return work, lambda: torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 

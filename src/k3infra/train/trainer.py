@@ -304,7 +304,8 @@ class Trainer:
         self.experts = experts
         self.optimizers = build_optimizers(
             model, lr=cfg.lr, weight_decay=cfg.weight_decay, use_muon=cfg.optimizer == "muon" and not cfg.lora,
-            router_lr_scale=cfg.router_lr_scale if cfg.lora else 1.0)
+            router_lr_scale=cfg.router_lr_scale if cfg.lora else 1.0, replicated=experts,
+            replica_group=state.replica_group)
         self.schedulers = build_schedulers(self.optimizers, cfg.steps)
         self.flops_per_token = flops_per_token(self.config, cfg.seq_len)
         self.peak = peak_flops(state.device)
