@@ -121,13 +121,15 @@ def build_optimizers(
 class ShardedMuon(torch.optim.Muon):
     """`torch.optim.Muon` (same hyper-parameters, same ``momentum_buffer`` state) for FSDP2 and stacked experts.
 
-    Newton–Schulz needs the whole matrix: a DTensor update is gathered (``full_tensor``), orthogonalised, and each
-    rank keeps its own shard again; a 3-D ``[E, n, m]`` parameter is orthogonalised per ``[n, m]`` slice with the
-    learning-rate scale of one slice. A group with ``head_rows`` (a row pattern such as ``(128,)`` or
-    ``(n, d_v)``, repeated down the matrix) orthogonalises every row block on its own (per-head Muon), each scaled
-    for its own shape. Momentum stays sharded like the parameter. A group with ``replicated`` holds 3-D stacks that
-    every rank of ``replica_group`` keeps whole and alike (EP-sharded experts over their data-parallel replicas):
-    each of those ranks orthogonalises its share of the slices and they gather the results.
+    Newton–Schulz needs whole matrices, and each runs on one rank of a data-parallel group (`_update_batch`): a
+    DTensor update's blocks on the rank whose shard holds them whole, else on one owner rank that gathers the update
+    and scatters the step back; each rank keeps its own shard. A 3-D ``[E, n, m]`` parameter is orthogonalised per
+    ``[n, m]`` slice with the learning-rate scale of one slice. A group with ``head_rows`` (a row pattern such as
+    ``(128,)`` or ``(n, d_v)``, repeated down the matrix) orthogonalises every row block on its own (per-head
+    Muon), each scaled for its own shape. Momentum stays sharded like the parameter. A group with ``replicated``
+    holds 3-D stacks that every rank of ``replica_group`` keeps whole and alike (EP-sharded experts over their
+    data-parallel replicas): each of those ranks orthogonalises its share of the slices and they gather the
+    results.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
