@@ -44,8 +44,8 @@ demo: install
 
 test: install $(VERL_STAMP) $(TITAN_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	@# single-process compute tests on two workers (pytest-xdist), one thread each (two workers of two threads on
-	@# two cores ran them about 10-20% slower), then the rest (multi-process, sandboxes, timing) alone
+	@# single-process compute tests on two workers (pytest-xdist), one thread each so that the workers do not
+	@# oversubscribe the two cores, then the rest (multi-process, sandboxes, timing) alone
 	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
 	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider --durations=10 -n 2 $(PARALLEL_TESTS); first=$$?; \
 	$(PY) -m pytest -q -m "not gpu" -p no:cacheprovider --durations=25 $(PARALLEL_TESTS:%=--ignore=%); \
