@@ -33,9 +33,14 @@ from torch.optim._muon import _adjust_lr
 
 from ..model.fused import use_fused
 from .muon_kernels import decay_and_subtract, momentum_update
+from .newton_schulz import zeropower_symmetric
 
 ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
 """Parameters whose name contains one of these go to AdamW even when 2-D."""
+
+SYMMETRIC_MIN_SIDE = 512
+"""Smallest side of a Newton–Schulz slice whose symmetric products skip the tiles above the diagonal
+(`newton_schulz`); below it the saving is a few tiles and cuBLAS's products are faster."""
 
 
 def split_parameters(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list, list]:
@@ -410,7 +415,10 @@ def zeropower_batched(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, 
                       eps: float) -> torch.Tensor:
     """`torch.optim.Muon`'s quintic Newton–Schulz orthogonalisation of every ``[N, M]`` slice of ``g_BNM`` at
     once (batched matmuls instead of a Python loop over slices), in bf16 like torch's. ``[B, N, M]`` →
-    ``[B, N, M]`` bf16."""
+    ``[B, N, M]`` bf16. Where the fused kernels run and the smaller side is at least `SYMMETRIC_MIN_SIDE`, the
+    two symmetric products take `newton_schulz.zeropower_symmetric`'s kernel."""
+    if use_fused(g_BNM) and min(g_BNM.shape[1:]) >= SYMMETRIC_MIN_SIDE:
+        return zeropower_symmetric(g_BNM, ns_coefficients, ns_steps, eps)
     a, b, c = ns_coefficients
     x = g_BNM.bfloat16()
     tall = x.shape[1] > x.shape[2]

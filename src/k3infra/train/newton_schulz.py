@@ -1,0 +1,122 @@
+"""Muon's quintic Newton–Schulz with the two symmetric products computed once per pair of tiles.
+
+One iteration over ``X`` (``[m, n]``, ``m ≤ n``) is ``A = X·Xᵀ``, ``B = b·A + c·A·A``, ``X ← a·X + B·X``. ``A`` is
+symmetric, and so is ``A·A = A·Aᵀ``: of the ``2m²n + 2m³`` FLOPs of the first two products only the tiles on and
+below the diagonal are needed. `symmetric_product` computes those tiles and writes each off-diagonal one twice
+(itself and its transpose), so ``A`` and ``B`` cost ``T(T + 1)/2`` instead of ``T²`` tiles of ``T = ⌈m / BLOCK⌉``
+(a third fewer FLOPs per iteration for a square-ish matrix). The third product is a plain batched GEMM.
+
+`zeropower_symmetric` is the same math as `optim.zeropower_batched` (bf16 operands, fp32 accumulation, bf16
+results after each product); the results differ only by the products' summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashkda.rounding import INTERPRET, cast_for_store
+
+__all__ = ["symmetric_product", "zeropower_symmetric"]
+
+
+@triton.jit
+def _symmetric_product_kernel(x_ptr, add_ptr, out_ptr, M, K, sx_b, sx_m, sx_k, alpha, beta, HAS_ADD: tl.constexpr,
+                              EVEN_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program t owns the lower-triangle tile (i, j), j <= i, numbered t = i (i + 1) / 2 + j
+    t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = ((tl.sqrt(8.0 * t.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where(i * (i + 1) // 2 > t, i - 1, i)
+    i = tl.where((i + 1) * (i + 2) // 2 <= t, i + 1, i)
+    j = t - i * (i + 1) // 2
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    cols = j * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, BLOCK_K)
+    x = x_ptr + b * sx_b
+    # rows past M read row M - 1 again (no mask in the loop); their results are never stored
+    a_ptrs = x + tl.minimum(rows, M - 1).to(tl.int64)[:, None] * sx_m + ks[None, :] * sx_k
+    bt_ptrs = x + tl.minimum(cols, M - 1).to(tl.int64)[None, :] * sx_m + ks[:, None] * sx_k
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bt = tl.load(bt_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(ks + k0 < K)[None, :], other=0.0)
+            bt = tl.load(bt_ptrs, mask=(ks + k0 < K)[:, None], other=0.0)
+        if INTERPRET:  # the interpreter multiplies bf16 operands wrongly; their fp32 values are exact
+            a, bt = a.to(tl.float32), bt.to(tl.float32)
+        acc = tl.dot(a, bt, acc)
+        a_ptrs += BLOCK_K * sx_k
+        bt_ptrs += BLOCK_K * sx_k
+    acc = acc * alpha
+    out = out_ptr + b * M * M
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < M)[None, :]
+    if HAS_ADD:
+        acc += beta * tl.load(add_ptr + b * M * M + rows64[:, None] * M + cols64[None, :], mask=mask,
+                              other=0.0).to(tl.float32)
+    val = cast_for_store(acc, out_ptr.dtype.element_ty)
+    if i == j:  # the lower half mirrored: a diagonal tile's two halves may round their sums differently
+        val = tl.where(rows[:, None] >= cols[None, :], val, tl.trans(val))
+    tl.store(out + rows64[:, None] * M + cols64[None, :], val, mask=mask)
+    if i != j:
+        tl.store(out + cols64[:, None] * M + rows64[None, :], tl.trans(val), mask=tl.trans(mask))
+
+
+def _tile(m: int) -> int:
+    return max(16, min(128, triton.next_power_of_2(m)))
+
+
+def symmetric_product(x: torch.Tensor, alpha: float = 1.0, add: torch.Tensor | None = None,
+                      beta: float = 0.0) -> torch.Tensor:
+    """``alpha·x·xᵀ + beta·add`` per batch entry, computing only the tiles on and below the diagonal and
+    mirroring them.
+
+    Args:
+        x: ``[B, m, k]``, any strides (a transposed view included), bf16 (or fp16/fp32).
+        alpha: factor of the product.
+        add: ``[B, m, m]``, contiguous, symmetric (its tiles below the diagonal are read, the rest are taken to be
+            their transposes), any float dtype; None for no addend.
+        beta: factor of ``add``.
+
+    Returns:
+        ``[B, m, m]`` in ``x``'s dtype, contiguous, exactly symmetric; fp32 accumulation, one rounding.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"`x` must be a [B, m, k] tensor, got shape {tuple(x.shape)}")
+    B, M, K = x.shape
+    if add is not None and (add.shape != (B, M, M) or not add.is_contiguous() or add.device != x.device):
+        raise ValueError(f"`add` must be a contiguous {(B, M, M)} tensor on {x.device}, got {tuple(add.shape)} "
+                         f"(contiguous: {add.is_contiguous()}) on {add.device}")
+    out = torch.empty(B, M, M, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.copy_(add * beta) if add is not None else out.zero_()
+    block = _tile(M)
+    block_k = 64 if K >= 64 else max(16, triton.next_power_of_2(K))
+    tiles = triton.cdiv(M, block)
+    _symmetric_product_kernel[(tiles * (tiles + 1) // 2, B)](
+        x, add if add is not None else out, out, M, K, *x.stride(), float(alpha), float(beta),
+        HAS_ADD=add is not None, EVEN_K=K % block_k == 0, BLOCK=block, BLOCK_K=block_k,
+        num_warps=8 if block == 128 else 4, num_stages=3)
+    return out
+
+
+def zeropower_symmetric(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                        eps: float) -> torch.Tensor:
+    """`optim.zeropower_batched` with ``X·Xᵀ`` and ``b·A + c·A·A`` from `symmetric_product`. ``[B, N, M]`` →
+    ``[B, N, M]`` bf16."""
+    a, b, c = ns_coefficients
+    x = g_BNM.bfloat16()
+    tall = x.shape[1] > x.shape[2]
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = symmetric_product(x)
+        x = torch.baddbmm(x, symmetric_product(gram, c, gram, b), x, beta=a)
+    return x.mT if tall else x

@@ -1,0 +1,104 @@
+"""Newton–Schulz with symmetric products (`train.newton_schulz`, Triton's interpreter on the CPU) against fp64:
+the product kernel, the whole orthogonalisation next to the cuBLAS-product path, and Muon's dispatch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3infra.model import fused
+from k3infra.train import optim
+from k3infra.train.newton_schulz import symmetric_product, zeropower_symmetric
+
+COEFFICIENTS = (3.4445, -4.775, 2.0315)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("batch,m,k,transposed", [(2, 40, 70, False), (1, 130, 64, False), (2, 150, 48, True),
+                                                  (1, 16, 8, False)])
+def test_symmetric_product_matches_fp64(batch, m, k, transposed):
+    torch.manual_seed(batch * 1000 + m)
+    x = torch.randn(batch, k, m).bfloat16().mT if transposed else torch.randn(batch, m, k).bfloat16()
+    gram = symmetric_product(x)
+    ref = x.double() @ x.double().mT
+    assert gram.shape == (batch, m, m) and gram.dtype == torch.bfloat16 and gram.is_contiguous()
+    assert torch.equal(gram, gram.mT)
+    assert _rel(gram, ref) < 4e-3  # one bf16 rounding of fp32 sums
+
+    step = symmetric_product(gram, COEFFICIENTS[2], gram, COEFFICIENTS[1])
+    g = gram.double()
+    ref_step = COEFFICIENTS[1] * g + COEFFICIENTS[2] * g @ g
+    assert torch.equal(step, step.mT)
+    assert _rel(step, ref_step) < 4e-3
+
+
+def test_symmetric_product_edge_shapes_and_errors():
+    x = torch.randn(2, 20, 0).bfloat16()
+    assert torch.equal(symmetric_product(x), torch.zeros(2, 20, 20, dtype=torch.bfloat16))
+    add = torch.eye(20).expand(2, 20, 20).bfloat16().contiguous()
+    assert torch.equal(symmetric_product(x, 1.0, add, 2.0), 2 * add)
+    assert symmetric_product(torch.randn(0, 5, 7)).shape == (0, 5, 5)
+    with pytest.raises(ValueError, match=r"`x` must be a \[B, m, k\]"):
+        symmetric_product(torch.randn(5, 7))
+    with pytest.raises(ValueError, match="`add` must be a contiguous"):
+        symmetric_product(torch.randn(1, 5, 7), add=torch.randn(1, 5, 6))
+
+
+def _fp64_newton_schulz(g: torch.Tensor) -> torch.Tensor:
+    a, b, c = COEFFICIENTS
+    x = g.double()
+    tall = x.shape[-2] > x.shape[-1]
+    x = x.mT if tall else x
+    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+@pytest.mark.parametrize("shape", [(3, 200, 96), (2, 48, 160)])
+def test_zeropower_symmetric_as_accurate_as_cublas_path(shape, monkeypatch):
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    ref = _fp64_newton_schulz(g)
+    monkeypatch.setattr(fused, "MODE", "off")
+    plain = optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
+    ours = zeropower_symmetric(g, COEFFICIENTS, 5, 1e-7)
+    assert ours.shape == g.shape and ours.dtype == torch.bfloat16
+    assert _rel(ours, ref) < 1.25 * _rel(plain, ref) + 1e-3
+
+
+def test_muon_dispatches_large_slices_to_symmetric_products(monkeypatch):
+    calls = []
+    monkeypatch.setattr(optim, "zeropower_symmetric",
+                        lambda g, *args: calls.append(tuple(g.shape)) or zeropower_symmetric(g, *args))
+    monkeypatch.setattr(optim, "SYMMETRIC_MIN_SIDE", 32)
+    g = torch.randn(2, 48, 40)
+    monkeypatch.setattr(fused, "MODE", "off")
+    optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
+    optim.zeropower_batched(torch.randn(2, 16, 40), COEFFICIENTS, 5, 1e-7)
+    assert calls == []
+    monkeypatch.setattr(fused, "MODE", "on")
+    optim.zeropower_batched(torch.randn(2, 16, 40), COEFFICIENTS, 5, 1e-7)  # smaller side below the threshold
+    assert calls == []
+    optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
+    assert calls == [(2, 48, 40)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4, 640, 700), (2, 1024, 768)])
+def test_symmetric_products_on_cuda(shape, monkeypatch):
+    torch.manual_seed(0)
+    g = torch.randn(*shape, device="cuda")
+    x = g.bfloat16().mT if shape[1] > shape[2] else g.bfloat16()
+    gram = symmetric_product(x)
+    assert torch.equal(gram, gram.mT)
+    assert _rel(gram, x.double() @ x.double().mT) < 4e-3
+    ref = _fp64_newton_schulz(g)
+    monkeypatch.setattr(fused, "MODE", "off")
+    plain = optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
+    ours = zeropower_symmetric(g, COEFFICIENTS, 5, 1e-7)
+    assert _rel(ours, ref) < 1.25 * _rel(plain, ref) + 1e-3
