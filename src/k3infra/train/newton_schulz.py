@@ -66,8 +66,13 @@ def _symmetric_product_kernel(x_ptr, add_ptr, out_ptr, M, K, sx_b, sx_m, sx_k, a
         tl.store(out + cols64[:, None] * M + rows64[None, :], tl.trans(val), mask=tl.trans(mask))
 
 
-def _tile(m: int) -> int:
-    return max(16, min(128, triton.next_power_of_2(m)))
+#: Tile configurations the autotuner picks from per (m, k): (tile side, k step, warps, pipeline stages).
+CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3)]
+_symmetric_product_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK": block, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+             for block, block_k, warps, stages in (CONFIGS[:1] if INTERPRET else CONFIGS)],
+    key=["M", "K", "HAS_ADD"],
+)(_symmetric_product_kernel)
 
 
 def symmetric_product(x: torch.Tensor, alpha: float = 1.0, add: torch.Tensor | None = None,
@@ -96,13 +101,12 @@ def symmetric_product(x: torch.Tensor, alpha: float = 1.0, add: torch.Tensor | N
         return out
     if K == 0:
         return out.copy_(add * beta) if add is not None else out.zero_()
-    block = _tile(M)
-    block_k = 64 if K >= 64 else max(16, triton.next_power_of_2(K))
-    tiles = triton.cdiv(M, block)
-    _symmetric_product_kernel[(tiles * (tiles + 1) // 2, B)](
-        x, add if add is not None else out, out, M, K, *x.stride(), float(alpha), float(beta),
-        HAS_ADD=add is not None, EVEN_K=K % block_k == 0, BLOCK=block, BLOCK_K=block_k,
-        num_warps=8 if block == 128 else 4, num_stages=3)
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK"])
+        return tiles * (tiles + 1) // 2, B
+
+    _symmetric_product_tuned[grid](x, add if add is not None else out, out, M, K, *x.stride(), float(alpha),
+                                   float(beta), HAS_ADD=add is not None, EVEN_K=K % 64 == 0)
     return out
 
 
