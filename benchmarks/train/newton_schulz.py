@@ -9,7 +9,8 @@ The slices are the ones a Muon step orthogonalises (`optim._blocks` of every Muo
 expert slices, whole matrices), grouped by shape as the step batches them; each group is filled with random
 values. Per group, rounds interleave the two variants (CUDA events). Each row records both variants' relative RMS
 error against an fp64 Newton–Schulz of the group's first slice, and the plain products' FLOPs (the symmetric
-kernel skips the tiles above the diagonal of two of the three products). A last row sums the groups.
+kernel skips the tiles above the diagonal of two of the three products) and which of the two Muon takes
+(`optim.takes_symmetric_products`). A last row sums the groups, and the variants Muon takes.
 JSON goes to ``benchmarks/results/train-newton-schulz-<date>.json``.
 """
 
@@ -65,10 +66,10 @@ def measure(groups: dict[tuple[int, int], int], device: str, rep: int, label: st
     from benchmarks.harness import Row, Timing, rms_ratio, time_fn
     from k3infra.model import fused
     from k3infra.train.newton_schulz import zeropower_symmetric
-    from k3infra.train.optim import _newton_schulz_flops, zeropower_batched
+    from k3infra.train.optim import _newton_schulz_flops, takes_symmetric_products, zeropower_batched
 
     coefficients, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
-    rows, totals = [], {"off": 0.0, "on": 0.0}
+    rows, totals = [], {"off": 0.0, "on": 0.0, "muon": 0.0}
     saved_mode = fused.MODE
     try:
         for (n, m), count in sorted(groups.items(), key=lambda item: -item[1] * item[0][0] * item[0][1]):
@@ -86,8 +87,10 @@ def measure(groups: dict[tuple[int, int], int], device: str, rep: int, label: st
                     if i >= 1:  # the first round: Triton compilation, allocator
                         samples[mode].append(ms)
             timings = {mode: Timing.from_samples(ms) for mode, ms in samples.items()}
-            for mode in totals:
+            muon_takes = "on" if takes_symmetric_products(g.shape) else "off"
+            for mode in ("off", "on"):
                 totals[mode] += timings[mode].median_ms
+            totals["muon"] += timings[muon_takes].median_ms
             flops = _newton_schulz_flops(torch.Size([count, n, m]), None, steps)
             off, on = timings["off"].median_ms, timings["on"].median_ms
             logger.info("%d x %d x %d: cuBLAS %.3f ms (%.0f TFLOP/s), symmetric %.3f ms, err %.2e / %.2e", count, n,
@@ -97,16 +100,17 @@ def measure(groups: dict[tuple[int, int], int], device: str, rep: int, label: st
                 baseline_ms=off, ours_ms=on,
                 params={"slices": count, "n": n, "m": m, "steps": steps, "rounds": rep},
                 extra={"flops": flops, "baseline_tflops": flops / off / 1e9, "baseline_err_vs_fp64": err["off"],
-                       "ours_err_vs_fp64": err["on"], "baseline_p80_ms": timings["off"].p80_ms,
-                       "ours_p80_ms": timings["on"].p80_ms},
+                       "ours_err_vs_fp64": err["on"], "muon_takes": muon_takes,
+                       "baseline_p80_ms": timings["off"].p80_ms, "ours_p80_ms": timings["on"].p80_ms},
                 note="" if device == "cuda" else "CPU dry run: Triton interpreter, timing meaningless"))
     finally:
         fused.MODE = saved_mode
     flops = sum(row.extra["flops"] for row in rows)
     rows.append(Row(case=f"ns-step-{label}", baseline="cuBLAS batched products (fused.MODE off)",
                     baseline_ms=totals["off"], ours_ms=totals["on"],
-                    params={"groups": len(rows), "steps": steps}, extra={"flops": flops},
-                    note="sum of the groups' medians"))
+                    params={"groups": len(rows), "steps": steps},
+                    extra={"flops": flops, "muon_ms": totals["muon"]},
+                    note="sum of the groups' medians; muon_ms: each group by the variant Muon takes"))
     return rows
 
 

@@ -76,13 +76,14 @@ def test_muon_dispatches_large_slices_to_symmetric_products(monkeypatch):
     monkeypatch.setattr(optim, "zeropower_symmetric",
                         lambda g, *args: calls.append(tuple(g.shape)) or zeropower_symmetric(g, *args))
     monkeypatch.setattr(optim, "SYMMETRIC_MIN_SIDE", 32)
+    monkeypatch.setattr(optim, "SYMMETRIC_MIN_WORK", 2 * 40 * 40 * 48)
     g = torch.randn(2, 48, 40)
     monkeypatch.setattr(fused, "MODE", "off")
     optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
-    optim.zeropower_batched(torch.randn(2, 16, 40), COEFFICIENTS, 5, 1e-7)
     assert calls == []
     monkeypatch.setattr(fused, "MODE", "on")
-    optim.zeropower_batched(torch.randn(2, 16, 40), COEFFICIENTS, 5, 1e-7)  # smaller side below the threshold
+    optim.zeropower_batched(torch.randn(4, 16, 40), COEFFICIENTS, 5, 1e-7)  # smaller side below the threshold
+    optim.zeropower_batched(g[:1], COEFFICIENTS, 5, 1e-7)  # too little work
     assert calls == []
     optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
     assert calls == [(2, 48, 40)]

@@ -117,8 +117,8 @@ def zeropower_symmetric(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float
     a, b, c = ns_coefficients
     x = g_BNM.bfloat16()
     tall = x.shape[1] > x.shape[2]
-    if tall:
-        x = x.mT
+    if tall:  # the kernel reads rows along k: a transposed view would make every load strided
+        x = x.mT.contiguous()
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
     for _ in range(ns_steps):
         gram = symmetric_product(x)

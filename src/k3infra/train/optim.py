@@ -38,9 +38,12 @@ from .newton_schulz import zeropower_symmetric
 ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
 """Parameters whose name contains one of these go to AdamW even when 2-D."""
 
-SYMMETRIC_MIN_SIDE = 512
+SYMMETRIC_MIN_SIDE = 1024
 """Smallest side of a Newton–Schulz slice whose symmetric products skip the tiles above the diagonal
-(`newton_schulz`); below it the saving is a few tiles and cuBLAS's products are faster."""
+(`newton_schulz`): below it the saving is a few tiles and cuBLAS's products were faster."""
+SYMMETRIC_MIN_WORK = 2 ** 35
+"""Smallest ``slices · m² · n`` (``m ≤ n``) of a Newton–Schulz batch that takes the symmetric products: smaller
+batches are bound by kernel launches, where cuBLAS's were faster."""
 
 
 def split_parameters(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list, list]:
@@ -411,13 +414,20 @@ def _subtract_step(param: torch.Tensor, update: torch.Tensor, full: torch.Tensor
     param.sub_(step)
 
 
+def takes_symmetric_products(shape: torch.Size) -> bool:
+    """Whether a ``[B, N, M]`` Newton–Schulz batch is large enough for the symmetric products to pay
+    (`SYMMETRIC_MIN_SIDE`, `SYMMETRIC_MIN_WORK`)."""
+    m, n = sorted(shape[1:])
+    return m >= SYMMETRIC_MIN_SIDE and shape[0] * m * m * n >= SYMMETRIC_MIN_WORK
+
+
 def zeropower_batched(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                       eps: float) -> torch.Tensor:
     """`torch.optim.Muon`'s quintic Newton–Schulz orthogonalisation of every ``[N, M]`` slice of ``g_BNM`` at
     once (batched matmuls instead of a Python loop over slices), in bf16 like torch's. ``[B, N, M]`` →
-    ``[B, N, M]`` bf16. Where the fused kernels run and the smaller side is at least `SYMMETRIC_MIN_SIDE`, the
-    two symmetric products take `newton_schulz.zeropower_symmetric`'s kernel."""
-    if use_fused(g_BNM) and min(g_BNM.shape[1:]) >= SYMMETRIC_MIN_SIDE:
+    ``[B, N, M]`` bf16. Where the fused kernels run, a batch of at least `SYMMETRIC_MIN_SIDE` on the smaller side
+    and `SYMMETRIC_MIN_WORK` in all takes the two symmetric products from `newton_schulz.zeropower_symmetric`."""
+    if use_fused(g_BNM) and takes_symmetric_products(g_BNM.shape):
         return zeropower_symmetric(g_BNM, ns_coefficients, ns_steps, eps)
     a, b, c = ns_coefficients
     x = g_BNM.bfloat16()
