@@ -103,3 +103,23 @@ def test_symmetric_products_on_cuda(shape, monkeypatch):
     plain = optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
     ours = zeropower_symmetric(g, COEFFICIENTS, 5, 1e-7)
     assert _rel(ours, ref) < 1.25 * _rel(plain, ref) + 1e-3
+
+
+def test_bench_times_the_steps_slices_and_sums_what_muon_takes():
+    from benchmarks.train.newton_schulz import measure, slice_groups
+    from k3infra.model import K3Config, K3ForCausalLM
+
+    groups = slice_groups("k3-debug", {})
+    with torch.device("meta"):
+        muon = optim.build_optimizers(K3ForCausalLM(K3Config.from_preset("k3-debug")), lr=1e-3)[0]
+    assert sum(optim._newton_schulz_flops(torch.Size([count, n, m]), None, 5)
+               for (n, m), count in groups.items()) == muon.newton_schulz_flops()
+
+    rows = measure({(24, 64): 2, (40, 16): 1}, "cpu", rep=1, label="test")
+    total = rows[-1]
+    assert [row.case for row in rows] == ["ns-2x24x64", "ns-1x40x16", "ns-step-test"]
+    assert total.baseline_ms == pytest.approx(sum(row.baseline_ms for row in rows[:-1]))
+    assert total.extra["muon_ms"] == pytest.approx(total.baseline_ms)  # slices this small stay on cuBLAS's path
+    for row in rows[:-1]:
+        assert row.extra["muon_takes"] == "off"
+        assert row.extra["ours_err_vs_fp64"] < 1.25 * row.extra["baseline_err_vs_fp64"] + 1e-3
