@@ -123,3 +123,15 @@ def test_bench_times_the_steps_slices_and_sums_what_muon_takes():
     for row in rows[:-1]:
         assert row.extra["muon_takes"] == "off"
         assert row.extra["ours_err_vs_fp64"] < 1.25 * row.extra["baseline_err_vs_fp64"] + 1e-3
+
+
+def test_symmetric_product_splits_batches_past_the_grid_limit(monkeypatch):
+    from k3infra.train import newton_schulz
+
+    monkeypatch.setattr(newton_schulz, "_MAX_GRID_Y", 2)
+    x = torch.randn(5, 20, 24).bfloat16()
+    gram = symmetric_product(x)
+    step = symmetric_product(gram, 2.0, gram, -1.0)
+    assert _rel(gram, x.double() @ x.double().mT) < 4e-3
+    g = gram.double()
+    assert _rel(step, 2 * g @ g - g) < 4e-3

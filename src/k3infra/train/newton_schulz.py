@@ -66,6 +66,8 @@ def _symmetric_product_kernel(x_ptr, add_ptr, out_ptr, M, K, sx_b, sx_m, sx_k, a
         tl.store(out + cols64[:, None] * M + rows64[None, :], tl.trans(val), mask=tl.trans(mask))
 
 
+_MAX_GRID_Y = 65535
+
 #: Tile configurations the autotuner picks from per (m, k): (tile side, k step, warps, pipeline stages).
 CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3)]
 _symmetric_product_tuned = triton.autotune(
@@ -81,10 +83,11 @@ def symmetric_product(x: torch.Tensor, alpha: float = 1.0, add: torch.Tensor | N
     mirroring them.
 
     Args:
-        x: ``[B, m, k]``, any strides (a transposed view included), bf16 (or fp16/fp32).
+        x: ``[B, m, k]``, any strides (contiguous is fastest: a transposed view makes every load strided), bf16
+            (or fp16/fp32).
         alpha: factor of the product.
-        add: ``[B, m, m]``, contiguous, symmetric (its tiles below the diagonal are read, the rest are taken to be
-            their transposes), any float dtype; None for no addend.
+        add: ``[B, m, m]``, contiguous, symmetric (its tiles on and below the diagonal are read, the rest are
+            taken to be their transposes), any float dtype; None for no addend.
         beta: factor of ``add``.
 
     Returns:
@@ -101,12 +104,17 @@ def symmetric_product(x: torch.Tensor, alpha: float = 1.0, add: torch.Tensor | N
         return out
     if K == 0:
         return out.copy_(add * beta) if add is not None else out.zero_()
-    def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK"])
-        return tiles * (tiles + 1) // 2, B
+    for start in range(0, B, _MAX_GRID_Y):  # the batch is the grid's second dimension
+        stop = min(B, start + _MAX_GRID_Y)
 
-    _symmetric_product_tuned[grid](x, add if add is not None else out, out, M, K, *x.stride(), float(alpha),
-                                   float(beta), HAS_ADD=add is not None, EVEN_K=K % 64 == 0)
+        def grid(meta, batch=stop - start):
+            tiles = triton.cdiv(M, meta["BLOCK"])
+            return tiles * (tiles + 1) // 2, batch
+
+        part = out[start:stop]
+        _symmetric_product_tuned[grid](x[start:stop], add[start:stop] if add is not None else part, part, M, K,
+                                       *x.stride(), float(alpha), float(beta), HAS_ADD=add is not None,
+                                       EVEN_K=K % 64 == 0)
     return out
 
 
