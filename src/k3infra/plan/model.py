@@ -32,6 +32,8 @@ class KDASpec:
     conv: int
     params: int
     """Parameters of one KDA layer."""
+    gate_rank: int = 0
+    """Rank of the low-rank forget-gate projection (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def _k3_sizes(c: K3Config) -> dict:
         shared_width=c.n_shared_experts * m, has_latent=True, expert_params=3 * lat * m,
         other_params=3 * c.n_shared_experts * d * m + 2 * d * lat + lat + c.n_routed_experts * d,
     )  # fmt: skip
-    kda = KDASpec(c.kda_num_heads, c.kda_head_dim, c.kda_conv_size, _kda_params(c))
+    kda = KDASpec(c.kda_num_heads, c.kda_head_dim, c.kda_conv_size, _kda_params(c), c.kda_gate_rank)
     mla = MLASpec(
         c.mla_num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
         True, _mla_params(c),

@@ -70,7 +70,8 @@ def explain(result: PlanResult, *, efficiency: float | None = None) -> str:
             head + f", {L.recompute} recompute, {best.micro_batches} micro-batch(es) per step.",
             mem,
             f"Step {t['step_s']:.3g} s = compute {t['compute_s']:.3g} s + pipeline bubble {t['bubble_s']:.3g} s + "
-            f"exposed communication {t['exposed_comm_s']:.3g} s (of {t['comm_s']:.3g} s in total); "
+            f"exposed communication {t['exposed_comm_s']:.3g} s (of {t['comm_s']:.3g} s in total) + "
+            f"optimizer update {t['update_s']:.3g} s; "
             f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%"
             + (f" with GEMMs assumed at {100 * efficiency:.0f}% of peak." if efficiency else "."),
         ]

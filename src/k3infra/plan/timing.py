@@ -1,9 +1,11 @@
 """Step-time estimates from FLOPs, bandwidths and an explicit overlap rule.
 
 Training step = GEMM time at ``efficiency`` × peak (FP8 peak for the ``6·N`` GEMMs when training in FP8) +
-pipeline bubble ``(pp−1)/(vp·m)`` of it + communication that is not hidden. ``overlap``: ``none`` hides
-nothing; ``dp`` hides data-parallel reduce/gather behind compute (bucketed during backward); ``all`` also hides
-EP, PP and CP traffic (DualPipe-style), up to the compute time. TP traffic is never hidden.
+pipeline bubble ``(pp−1)/(vp·m)`` of it + communication that is not hidden + the optimizer update
+(`optimizer.update_seconds`: Muon's Newton–Schulz at the same efficiency, element-wise passes at HBM
+bandwidth). ``overlap``: ``none`` hides nothing; ``dp`` hides data-parallel reduce/gather behind compute
+(bucketed during backward); ``all`` also hides EP, PP and CP traffic (DualPipe-style), up to the compute time.
+TP traffic is never hidden.
 Decode step = max(HBM bytes / bandwidth, FLOPs / peak) per pipeline stage + its communication.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 from k3infra.plan.cluster import ClusterSpec
 from k3infra.plan.memory import KDA_CHUNK
 from k3infra.plan.model import ModelSpec
+from k3infra.plan.optimizer import update_seconds
 from k3infra.plan.workload import WEIGHT_BYTES, Layout, ServeWorkload, TrainWorkload
 
 __all__ = ["model_flops_per_token", "train_time", "serve_time"]
@@ -48,7 +51,8 @@ def train_time(model: ModelSpec, layout: Layout, work: TrainWorkload, cluster: C
         ep_imbalance: slowest EP rank's expert work ÷ the mean, without MoonEP redundancy (with it, 1).
 
     Returns:
-        ``compute_s, bubble_s, comm_s`` (all traffic), ``exposed_comm_s``, ``step_s``, ``tokens_per_s``,
+        ``compute_s, bubble_s, comm_s`` (all traffic), ``exposed_comm_s``, ``update_s`` (the optimizer),
+        ``step_s``, ``tokens_per_s``,
         ``mfu`` (model FLOPs ÷ world·bf16 peak) and one ``<collective>_s`` per entry of ``comm``.
     """
     gpu = cluster.gpu
@@ -67,11 +71,12 @@ def train_time(model: ModelSpec, layout: Layout, work: TrainWorkload, cluster: C
     hidden_names = {"none": (), "dp": ("dp_",), "all": ("dp_", "ep_", "pp_", "cp_")}[overlap]
     hidden = sum(s for n, s in seconds.items() if n.startswith(hidden_names)) if hidden_names else 0.0
     exposed = sum(seconds.values()) - hidden + max(0.0, hidden - compute)
-    step = compute + bubble + exposed
+    update = update_seconds(model, layout, work, cluster, efficiency=efficiency)
+    step = compute + bubble + exposed + update
     model_flops = sum(model_flops_per_token(model, work.seq_len)) * work.global_batch_tokens
     result = {
         "compute_s": compute, "bubble_s": bubble, "comm_s": sum(seconds.values()), "exposed_comm_s": exposed,
-        "step_s": step, "tokens_per_s": work.global_batch_tokens / step,
+        "update_s": update, "step_s": step, "tokens_per_s": work.global_batch_tokens / step,
         "mfu": model_flops / step / (layout.world * gpu.bf16_flops),
     }  # fmt: skip
     result.update({f"{n}_s": s for n, s in seconds.items()})

@@ -1,0 +1,105 @@
+"""The optimizer update's share of a training step: Muon's Newton–Schulz GEMMs and the element-wise passes.
+
+Muon (``K3_MODEL.md`` §4, `k3infra.train.optim`) orthogonalises every matrix slice on its own: each head's query,
+key and value block, each expert's three matrices, every other weight matrix whole; five quintic Newton–Schulz
+iterations of ``4a²b + 2a³`` FLOPs for an ``a x b`` slice (``a ≤ b``), the count `ShardedMuon.newton_schulz_flops`
+gives for a K3 model. The trainer runs each slice once over the data-parallel group (`ShardedMuon`), so with
+sharded optimizer states (ZeRO ≥ 1) a GPU takes ``1/world`` of them, assuming an even spread; with replicated
+states every rank orthogonalises the dense matrices it holds, and the experts' replicas split theirs.
+
+The element-wise passes move `ELEMENTWISE_BYTES` per weight a GPU updates: Muon's momentum, Nesterov update,
+weight decay and subtraction with the fused kernels; AdamW's fp32 weight, gradient and two moments.
+"""
+
+from __future__ import annotations
+
+from k3infra.plan.cluster import ClusterSpec
+from k3infra.plan.model import ModelSpec
+from k3infra.plan.workload import Layout, TrainWorkload
+
+__all__ = ["ELEMENTWISE_BYTES", "NEWTON_SCHULZ_STEPS", "muon_slices", "newton_schulz_flops", "update_seconds"]
+
+NEWTON_SCHULZ_STEPS = 5
+ELEMENTWISE_BYTES = {"muon": 34.0, "adamw": 28.0}
+"""Bytes moved per weight and step outside Newton–Schulz, by count (`benchmarks.train.muon`; AdamW: read and write
+the fp32 weight and both moments, read the fp32 gradient)."""
+
+
+def _attention_slices(model: ModelSpec, kind: str) -> list[tuple[int, int, int]]:
+    d = model.hidden
+    if kind == "kda":
+        k = model.kda
+        D = k.heads * k.head_dim
+        gate = [(1, k.gate_rank, d), (1, D, k.gate_rank)] if k.gate_rank else []
+        return [(3 * k.heads, k.head_dim, d), (3, D, k.conv), *gate, (1, k.heads, d), (1, D, d), (1, d, D)]
+    if kind == "mla":
+        a = model.mla
+        q = [(1, a.q_rank, d), (a.heads, a.nope + a.rope, a.q_rank)] if a.q_rank else [(a.heads, a.nope + a.rope, d)]
+        gate = [(1, a.heads * a.v_dim, d)] if a.gated else []
+        return [*q, (1, a.kv_rank + a.rope, d), (a.heads, a.nope, a.kv_rank), (a.heads, a.v_dim, a.kv_rank), *gate,
+                (1, d, a.heads * a.v_dim)]
+    g = model.gqa
+    return [(1, g.heads * g.head_dim, d), (2, g.kv_heads * g.head_dim, d), (1, d, g.heads * g.head_dim)]
+
+
+def _ffn_slices(model: ModelSpec, kind: str) -> list[tuple[int, int, int]]:
+    d = model.hidden
+    if kind == "dense":
+        return [(2, model.dense_width, d), (1, d, model.dense_width)]
+    e = model.moe
+    slices = [(2 * e.experts, e.width, e.latent), (e.experts, e.latent, e.width)]
+    if e.has_latent:
+        slices += [(1, e.latent, d), (1, d, e.latent)]
+    if e.shared_width:
+        slices += [(2, e.shared_width, d), (1, d, e.shared_width)]
+    return slices
+
+
+def muon_slices(model: ModelSpec) -> list[tuple[int, int, int, bool]]:
+    """``(count, rows, cols, routed)`` for every matrix slice a Muon step orthogonalises (embeddings, output head,
+    router, norms and vectors go to AdamW); ``routed`` marks the routed experts' slices."""
+    slices = []
+    for attention, ffn in model.layers:
+        slices += [(*s, False) for s in _attention_slices(model, attention)]
+        ffn_slices = _ffn_slices(model, ffn)
+        slices += [(*s, ffn == "moe" and i < 2) for i, s in enumerate(ffn_slices)]
+    return slices
+
+
+def _flops(count: int, rows: int, cols: int) -> float:
+    a, b = sorted((rows, cols))
+    return count * NEWTON_SCHULZ_STEPS * (4.0 * a * a * b + 2.0 * a ** 3)
+
+
+def newton_schulz_flops(model: ModelSpec) -> tuple[float, float]:
+    """``(dense, routed)`` Newton–Schulz FLOPs of one Muon step over the whole model."""
+    dense = routed = 0.0
+    for count, rows, cols, is_routed in muon_slices(model):
+        if is_routed:
+            routed += _flops(count, rows, cols)
+        else:
+            dense += _flops(count, rows, cols)
+    return dense, routed
+
+
+def update_seconds(model: ModelSpec, layout: Layout, work: TrainWorkload, cluster: ClusterSpec, *,
+                   efficiency: float) -> float:
+    """Seconds of one optimizer update on one GPU: Newton–Schulz at ``efficiency`` of the bf16 peak (Muon only)
+    plus the element-wise passes at the HBM bandwidth, over the weights that GPU updates."""
+    gpu = cluster.gpu
+    total, routed, _ = model.count()
+    sharded = layout.zero >= 1
+    dense_share = layout.world if sharded else layout.tp * layout.pp
+    seconds = 0.0
+    muon_weights = 0
+    if work.optimizer == "muon":
+        dense_ns, routed_ns = newton_schulz_flops(model)
+        seconds += (dense_ns / dense_share + routed_ns / layout.world) / (efficiency * gpu.bf16_flops)
+        muon_weights = sum(count * rows * cols for count, rows, cols, _ in muon_slices(model))
+    adamw_weights = total - muon_weights
+    routed_share = layout.world if sharded else layout.ep * layout.pp
+    muon_routed = routed if work.optimizer == "muon" else 0
+    updated = ((muon_weights - muon_routed) / dense_share + muon_routed / routed_share) * ELEMENTWISE_BYTES["muon"]
+    updated += (adamw_weights - (routed - muon_routed)) / dense_share * ELEMENTWISE_BYTES["adamw"]
+    updated += (routed - muon_routed) / routed_share * ELEMENTWISE_BYTES["adamw"]
+    return seconds + updated / gpu.hbm_bw
