@@ -165,8 +165,8 @@ class ShardedMuon(torch.optim.Muon):
 
     def newton_schulz_flops(self) -> int:
         """FLOPs of one step's Newton–Schulz iterations over every block (``[a, b]``, a ≤ b: the Gram product
-        2a²b, the quintic term 2a³ and the update product 2a²b per iteration); the element-wise passes are not
-        counted."""
+        2a²b, the quintic term 2a³ and the update product 2a²b per iteration), as plain products (the symmetric
+        kernel skips about half the tiles of the first two); the element-wise passes are not counted."""
         return sum(_newton_schulz_flops(param.shape, group["head_rows"], group["ns_steps"])
                    for group in self.param_groups for param in group["params"])
 
