@@ -135,3 +135,24 @@ def test_symmetric_product_splits_batches_past_the_grid_limit(monkeypatch):
     assert _rel(gram, x.double() @ x.double().mT) < 4e-3
     g = gram.double()
     assert _rel(step, 2 * g @ g - g) < 4e-3
+
+
+@pytest.mark.gpu
+def test_muon_step_with_symmetric_products_matches_cublas_path(monkeypatch):
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(1536, 1024, bias=False, device="cuda")
+    grad = torch.randn_like(model.weight)
+    after = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(fused, "MODE", mode)
+        copy = nn.Linear(1536, 1024, bias=False, device="cuda")
+        copy.weight.data.copy_(model.weight)
+        copy.weight.grad = grad.clone()
+        muon = optim.ShardedMuon([copy.weight], lr=1e-2)
+        monkeypatch.setattr(optim, "SYMMETRIC_MIN_WORK", 1)
+        muon.step()
+        after[mode] = copy.weight.detach().clone()
+    step_off, step_on = after["off"] - model.weight, after["on"] - model.weight
+    assert _rel(step_on, step_off.double()) < 3e-2  # two bf16 Newton-Schulz runs, summation orders apart
