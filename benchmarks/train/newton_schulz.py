@@ -1,5 +1,5 @@
-"""Muon's Newton–Schulz over a model's matrices: cuBLAS batched products (``fused.MODE = "off"``) against the
-symmetric-product kernel of `k3infra.train.newton_schulz`, same slices, in the same run.
+"""Muon's Newton–Schulz over a model's matrices: cuBLAS batched products against the symmetric-product kernel of
+`k3infra.train.newton_schulz`, same slices, in the same run.
 
 Usage (one GPU):  python -m benchmarks.train.newton_schulz                    (k3-mini's slices)
                   python -m benchmarks.train.newton_schulz --config k3 --model '{"num_hidden_layers": 2, ...}'
@@ -17,7 +17,6 @@ JSON goes to ``benchmarks/results/train-newton-schulz-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -45,7 +44,8 @@ def slice_groups(config_name: str, overrides: dict) -> dict[tuple[int, int], int
     return groups
 
 
-def _reference(g, coefficients, steps, eps):
+def fp64_newton_schulz(g, coefficients, steps, eps):
+    """Muon's quintic Newton–Schulz of every slice of ``g`` (``[..., N, M]``) in fp64: the accuracy reference."""
     a, b, c = coefficients
     x = g.double()
     tall = x.shape[-2] > x.shape[-1]
@@ -64,49 +64,43 @@ def measure(groups: dict[tuple[int, int], int], device: str, rep: int, label: st
     import torch
 
     from benchmarks.harness import Row, Timing, rms_ratio, time_fn
-    from k3infra.model import fused
-    from k3infra.train.newton_schulz import zeropower_symmetric
-    from k3infra.train.optim import _newton_schulz_flops, takes_symmetric_products, zeropower_batched
+    from k3infra.train.newton_schulz import newton_schulz
+    from k3infra.train.optim import _newton_schulz_flops, takes_symmetric_products
 
     coefficients, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
     rows, totals = [], {"off": 0.0, "on": 0.0, "muon": 0.0}
-    saved_mode = fused.MODE
-    try:
-        for (n, m), count in sorted(groups.items(), key=lambda item: -item[1] * item[0][0] * item[0][1]):
-            g = torch.randn(count, n, m, device=device, dtype=torch.bfloat16,
-                            generator=torch.Generator(device=device).manual_seed(n * 7919 + m))
-            variants = {"off": partial(zeropower_batched, g, coefficients, steps, eps),
-                        "on": partial(zeropower_symmetric, g, coefficients, steps, eps)}
-            reference = _reference(g[:1], coefficients, steps, eps)
-            fused.MODE = "off"
-            err = {mode: rms_ratio(fn()[:1], reference) for mode, fn in variants.items()}
-            samples = {"off": [], "on": []}
-            for i in range(rep + 1):
-                for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                    ms = time_fn(variants[mode], device=device, warmup=0, rep=1).median_ms
-                    if i >= 1:  # the first round: Triton compilation, allocator
-                        samples[mode].append(ms)
-            timings = {mode: Timing.from_samples(ms) for mode, ms in samples.items()}
-            muon_takes = "on" if takes_symmetric_products(g.shape) else "off"
-            for mode in ("off", "on"):
-                totals[mode] += timings[mode].median_ms
-            totals["muon"] += timings[muon_takes].median_ms
-            flops = _newton_schulz_flops(torch.Size([count, n, m]), None, steps)
-            off, on = timings["off"].median_ms, timings["on"].median_ms
-            logger.info("%d x %d x %d: cuBLAS %.3f ms (%.0f TFLOP/s), symmetric %.3f ms, err %.2e / %.2e", count, n,
-                        m, off, flops / off / 1e9, on, err["off"], err["on"])
-            rows.append(Row(
-                case=f"ns-{count}x{n}x{m}", baseline="cuBLAS batched products (fused.MODE off)",
-                baseline_ms=off, ours_ms=on,
-                params={"slices": count, "n": n, "m": m, "steps": steps, "rounds": rep},
-                extra={"flops": flops, "baseline_tflops": flops / off / 1e9, "baseline_err_vs_fp64": err["off"],
-                       "ours_err_vs_fp64": err["on"], "muon_takes": muon_takes,
-                       "baseline_p80_ms": timings["off"].p80_ms, "ours_p80_ms": timings["on"].p80_ms},
-                note="" if device == "cuda" else "CPU dry run: Triton interpreter, timing meaningless"))
-    finally:
-        fused.MODE = saved_mode
+    for (n, m), count in sorted(groups.items(), key=lambda item: -item[1] * item[0][0] * item[0][1]):
+        g = torch.randn(count, n, m, device=device, dtype=torch.bfloat16,
+                        generator=torch.Generator(device=device).manual_seed(n * 7919 + m))
+        variants = {mode: partial(newton_schulz, g, coefficients, steps, eps, symmetric=mode == "on")
+                    for mode in ("off", "on")}
+        reference = fp64_newton_schulz(g[:1], coefficients, steps, eps)
+        err = {mode: rms_ratio(fn()[:1], reference) for mode, fn in variants.items()}
+        samples = {"off": [], "on": []}
+        for i in range(rep + 1):
+            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                ms = time_fn(variants[mode], device=device, warmup=0, rep=1).median_ms
+                if i >= 1:  # the first round: Triton compilation, allocator
+                    samples[mode].append(ms)
+        timings = {mode: Timing.from_samples(ms) for mode, ms in samples.items()}
+        muon_takes = "on" if takes_symmetric_products(g.shape) else "off"
+        for mode in ("off", "on"):
+            totals[mode] += timings[mode].median_ms
+        totals["muon"] += timings[muon_takes].median_ms
+        flops = _newton_schulz_flops(torch.Size([count, n, m]), None, steps)
+        off, on = timings["off"].median_ms, timings["on"].median_ms
+        logger.info("%d x %d x %d: cuBLAS %.3f ms (%.0f TFLOP/s), symmetric %.3f ms, err %.2e / %.2e", count, n,
+                    m, off, flops / off / 1e9, on, err["off"], err["on"])
+        rows.append(Row(
+            case=f"ns-{count}x{n}x{m}", baseline="cuBLAS batched products",
+            baseline_ms=off, ours_ms=on,
+            params={"slices": count, "n": n, "m": m, "steps": steps, "rounds": rep},
+            extra={"flops": flops, "baseline_tflops": flops / off / 1e9, "baseline_err_vs_fp64": err["off"],
+                   "ours_err_vs_fp64": err["on"], "muon_takes": muon_takes,
+                   "baseline_p80_ms": timings["off"].p80_ms, "ours_p80_ms": timings["on"].p80_ms},
+            note="" if device == "cuda" else "CPU dry run: Triton interpreter, timing meaningless"))
     flops = sum(row.extra["flops"] for row in rows)
-    rows.append(Row(case=f"ns-step-{label}", baseline="cuBLAS batched products (fused.MODE off)",
+    rows.append(Row(case=f"ns-step-{label}", baseline="cuBLAS batched products",
                     baseline_ms=totals["off"], ours_ms=totals["on"],
                     params={"groups": len(rows), "steps": steps},
                     extra={"flops": flops, "muon_ms": totals["muon"],
@@ -127,14 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.rep < 1:
         p.error(f"--rep must be >= 1, got {args.rep}")
-    try:
-        overrides = json.loads(args.model)
-    except json.JSONDecodeError as e:
-        p.error(f"--model must be a JSON object: {e}")
-    if not isinstance(overrides, dict):
-        p.error(f"--model must be a JSON object, got {args.model!r}")
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    from benchmarks.train.run import _json_object
+
+    overrides = _json_object("--model", args.model)
+    if args.dry_run:
         groups = dict(sorted(slice_groups("k3-debug", overrides).items(), key=lambda item: item[1] * item[0][0])[:3])
         rows = measure(groups, "cpu", rep=1, label="k3-debug")
         worst = max(row.extra["ours_err_vs_fp64"] / max(row.extra["baseline_err_vs_fp64"], 1e-12)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.train.newton_schulz import fp64_newton_schulz
 from k3infra.model import fused
 from k3infra.train import optim
-from k3infra.train.newton_schulz import symmetric_product, zeropower_symmetric
+from k3infra.train.newton_schulz import newton_schulz, symmetric_product
 
 COEFFICIENTS = (3.4445, -4.775, 2.0315)
 
@@ -47,34 +48,26 @@ def test_symmetric_product_edge_shapes_and_errors():
         symmetric_product(torch.randn(1, 5, 7), add=torch.randn(1, 5, 6))
 
 
-def _fp64_newton_schulz(g: torch.Tensor) -> torch.Tensor:
-    a, b, c = COEFFICIENTS
-    x = g.double()
-    tall = x.shape[-2] > x.shape[-1]
-    x = x.mT if tall else x
-    x = x / x.norm(dim=(-2, -1), keepdim=True)
-    for _ in range(5):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.mT if tall else x
-
-
 @pytest.mark.parametrize("shape", [(3, 200, 96), (2, 48, 160)])
-def test_zeropower_symmetric_as_accurate_as_cublas_path(shape, monkeypatch):
+def test_symmetric_newton_schulz_as_accurate_as_cublas_path(shape, monkeypatch):
     torch.manual_seed(0)
     g = torch.randn(*shape)
-    ref = _fp64_newton_schulz(g)
+    ref = fp64_newton_schulz(g, COEFFICIENTS, 5, 1e-7)
     monkeypatch.setattr(fused, "MODE", "off")
     plain = optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
-    ours = zeropower_symmetric(g, COEFFICIENTS, 5, 1e-7)
+    ours = newton_schulz(g, COEFFICIENTS, 5, 1e-7, symmetric=True)
     assert ours.shape == g.shape and ours.dtype == torch.bfloat16
     assert _rel(ours, ref) < 1.25 * _rel(plain, ref) + 1e-3
 
 
 def test_muon_dispatches_large_slices_to_symmetric_products(monkeypatch):
     calls = []
-    monkeypatch.setattr(optim, "zeropower_symmetric",
-                        lambda g, *args: calls.append(tuple(g.shape)) or zeropower_symmetric(g, *args))
+    def spy(g, *args, symmetric):
+        if symmetric:
+            calls.append(tuple(g.shape))
+        return newton_schulz(g, *args, symmetric=symmetric)
+
+    monkeypatch.setattr(optim, "newton_schulz", spy)
     monkeypatch.setattr(optim, "SYMMETRIC_MIN_SIDE", 32)
     monkeypatch.setattr(optim, "SYMMETRIC_MIN_WORK", 2 * 40 * 40 * 48)
     g = torch.randn(2, 48, 40)
@@ -98,10 +91,10 @@ def test_symmetric_products_on_cuda(shape, monkeypatch):
     gram = symmetric_product(x)
     assert torch.equal(gram, gram.mT)
     assert _rel(gram, x.double() @ x.double().mT) < 4e-3
-    ref = _fp64_newton_schulz(g)
+    ref = fp64_newton_schulz(g, COEFFICIENTS, 5, 1e-7)
     monkeypatch.setattr(fused, "MODE", "off")
     plain = optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
-    ours = zeropower_symmetric(g, COEFFICIENTS, 5, 1e-7)
+    ours = newton_schulz(g, COEFFICIENTS, 5, 1e-7, symmetric=True)
     assert _rel(ours, ref) < 1.25 * _rel(plain, ref) + 1e-3
 
 
@@ -126,9 +119,9 @@ def test_bench_times_the_steps_slices_and_sums_what_muon_takes():
 
 
 def test_symmetric_product_splits_batches_past_the_grid_limit(monkeypatch):
-    from k3infra.train import newton_schulz
+    from k3infra.train import newton_schulz as kernels
 
-    monkeypatch.setattr(newton_schulz, "_MAX_GRID_Y", 2)
+    monkeypatch.setattr(kernels, "_MAX_GRID_Y", 2)
     x = torch.randn(5, 20, 24).bfloat16()
     gram = symmetric_product(x)
     step = symmetric_product(gram, 2.0, gram, -1.0)

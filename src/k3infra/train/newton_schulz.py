@@ -6,8 +6,8 @@ below the diagonal are needed. `symmetric_product` computes those tiles and writ
 (itself and its transpose), so ``A`` and ``B`` cost ``T(T + 1)/2`` instead of ``T²`` tiles of ``T = ⌈m / BLOCK⌉``
 (a third fewer FLOPs per iteration for a square-ish matrix). The third product is a plain batched GEMM.
 
-`zeropower_symmetric` is the same math as `optim.zeropower_batched` (bf16 operands, fp32 accumulation, bf16
-results after each product); the results differ only by the products' summation order.
+`newton_schulz` runs the iterations with either these products or cuBLAS's (bf16 operands, fp32 accumulation,
+bf16 results after each product both ways); the results differ only by the products' summation order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashkda.rounding import INTERPRET, cast_for_store
 
-__all__ = ["symmetric_product", "zeropower_symmetric"]
+__all__ = ["newton_schulz", "symmetric_product"]
 
 
 @triton.jit
@@ -118,17 +118,24 @@ def symmetric_product(x: torch.Tensor, alpha: float = 1.0, add: torch.Tensor | N
     return out
 
 
-def zeropower_symmetric(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
-                        eps: float) -> torch.Tensor:
-    """`optim.zeropower_batched` with ``X·Xᵀ`` and ``b·A + c·A·A`` from `symmetric_product`. ``[B, N, M]`` →
-    ``[B, N, M]`` bf16."""
+def newton_schulz(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, *,
+                  symmetric: bool) -> torch.Tensor:
+    """`torch.optim.Muon`'s quintic Newton–Schulz of every ``[N, M]`` slice of ``g_BNM`` at once, in bf16 like
+    torch's. ``symmetric``: ``X·Xᵀ`` and ``b·A + c·A·A`` from `symmetric_product` (a tall slice is transposed
+    into a contiguous copy first, since the kernel reads rows along k); else cuBLAS's batched products.
+    ``[B, N, M]`` → ``[B, N, M]`` bf16."""
     a, b, c = ns_coefficients
     x = g_BNM.bfloat16()
     tall = x.shape[1] > x.shape[2]
-    if tall:  # the kernel reads rows along k: a transposed view would make every load strided
-        x = x.mT.contiguous()
+    if tall:
+        x = x.mT.contiguous() if symmetric else x.mT
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
     for _ in range(ns_steps):
-        gram = symmetric_product(x)
-        x = torch.baddbmm(x, symmetric_product(gram, c, gram, b), x, beta=a)
+        if symmetric:
+            gram = symmetric_product(x)
+            poly = symmetric_product(gram, c, gram, b)
+        else:
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
     return x.mT if tall else x

@@ -33,7 +33,7 @@ from torch.optim._muon import _adjust_lr
 
 from ..model.fused import use_fused
 from .muon_kernels import decay_and_subtract, momentum_update
-from .newton_schulz import zeropower_symmetric
+from .newton_schulz import newton_schulz
 
 ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
 """Parameters whose name contains one of these go to AdamW even when 2-D."""
@@ -426,19 +426,9 @@ def zeropower_batched(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, 
     """`torch.optim.Muon`'s quintic Newton–Schulz orthogonalisation of every ``[N, M]`` slice of ``g_BNM`` at
     once (batched matmuls instead of a Python loop over slices), in bf16 like torch's. ``[B, N, M]`` →
     ``[B, N, M]`` bf16. Where the fused kernels run, a batch of at least `SYMMETRIC_MIN_SIDE` on the smaller side
-    and `SYMMETRIC_MIN_WORK` in all takes the two symmetric products from `newton_schulz.zeropower_symmetric`."""
-    if use_fused(g_BNM) and takes_symmetric_products(g_BNM.shape):
-        return zeropower_symmetric(g_BNM, ns_coefficients, ns_steps, eps)
-    a, b, c = ns_coefficients
-    x = g_BNM.bfloat16()
-    tall = x.shape[1] > x.shape[2]
-    if tall:
-        x = x.mT
-    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
+    and `SYMMETRIC_MIN_WORK` in all takes the two symmetric products from `newton_schulz.symmetric_product`."""
+    symmetric = use_fused(g_BNM) and takes_symmetric_products(g_BNM.shape)
+    return newton_schulz(g_BNM, ns_coefficients, ns_steps, eps, symmetric=symmetric)
 
 
 def cosine_with_warmup(total_steps: int, *, warmup_fraction: float = 0.01, min_lr_ratio: float = 0.1):
