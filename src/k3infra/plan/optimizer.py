@@ -13,6 +13,8 @@ weight decay and subtraction with the fused kernels; AdamW's fp32 weight, gradie
 
 from __future__ import annotations
 
+import functools
+
 from k3infra.plan.cluster import ClusterSpec
 from k3infra.plan.model import ModelSpec
 from k3infra.plan.workload import Layout, TrainWorkload
@@ -73,13 +75,21 @@ def _flops(count: int, rows: int, cols: int) -> float:
 
 def newton_schulz_flops(model: ModelSpec) -> tuple[float, float]:
     """``(dense, routed)`` Newton–Schulz FLOPs of one Muon step over the whole model."""
+    return _muon_totals(model)[:2]
+
+
+@functools.lru_cache(maxsize=64)
+def _muon_totals(model: ModelSpec) -> tuple[float, float, int]:
+    """``(dense FLOPs, routed FLOPs, Muon weights)``, once per model: the search asks for every layout."""
     dense = routed = 0.0
+    weights = 0
     for count, rows, cols, is_routed in muon_slices(model):
         if is_routed:
             routed += _flops(count, rows, cols)
         else:
             dense += _flops(count, rows, cols)
-    return dense, routed
+        weights += count * rows * cols
+    return dense, routed, weights
 
 
 def update_seconds(model: ModelSpec, layout: Layout, work: TrainWorkload, cluster: ClusterSpec, *,
@@ -90,16 +100,14 @@ def update_seconds(model: ModelSpec, layout: Layout, work: TrainWorkload, cluste
     total, routed, _ = model.count()
     sharded = layout.zero >= 1
     dense_share = layout.world if sharded else layout.tp * layout.pp
-    seconds = 0.0
-    muon_weights = 0
-    if work.optimizer == "muon":
-        dense_ns, routed_ns = newton_schulz_flops(model)
-        seconds += (dense_ns / dense_share + routed_ns / layout.world) / (efficiency * gpu.bf16_flops)
-        muon_weights = sum(count * rows * cols for count, rows, cols, _ in muon_slices(model))
-    adamw_weights = total - muon_weights
     routed_share = layout.world if sharded else layout.ep * layout.pp
-    muon_routed = routed if work.optimizer == "muon" else 0
-    updated = ((muon_weights - muon_routed) / dense_share + muon_routed / routed_share) * ELEMENTWISE_BYTES["muon"]
-    updated += (adamw_weights - (routed - muon_routed)) / dense_share * ELEMENTWISE_BYTES["adamw"]
-    updated += (routed - muon_routed) / routed_share * ELEMENTWISE_BYTES["adamw"]
-    return seconds + updated / gpu.hbm_bw
+    muon = work.optimizer == "muon"
+    seconds = dense_muon = 0.0
+    if muon:
+        dense_ns, routed_ns, muon_weights = _muon_totals(model)
+        seconds = (dense_ns / dense_share + routed_ns / layout.world) / (efficiency * gpu.bf16_flops)
+        dense_muon = muon_weights - routed
+    moved = (ELEMENTWISE_BYTES["muon"] * dense_muon / dense_share
+             + ELEMENTWISE_BYTES["adamw"] * (total - routed - dense_muon) / dense_share
+             + ELEMENTWISE_BYTES["muon" if muon else "adamw"] * routed / routed_share)
+    return seconds + moved / gpu.hbm_bw
