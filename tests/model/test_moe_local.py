@@ -1,5 +1,6 @@
-"""The local expert path's token sort (`moe._SortedCopies`, `moe._PermutedRows`): forward and gradients equal to
-plain indexing (``h[order // K]`` and ``y[unsort]``, whose backwards scatter) in fp64, through a whole MoE layer."""
+"""The local expert path's token sort (`moe._SortedCopies`, `moe._SlotSums`, `moe._PermutedRows`): forward and
+gradients equal to plain indexing (``h[order // K]``, ``y[unsort]`` summed per token, whose backwards scatter) in
+fp64, through a whole MoE layer."""
 
 import pytest
 import torch
@@ -23,12 +24,14 @@ def _run(layer, x):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-def test_sorted_copies_and_permuted_rows_match_plain_indexing(monkeypatch):
+def test_sort_and_slot_sums_match_plain_indexing(monkeypatch):
     layer, hidden = _layer()
     x = torch.randn(2, 13, hidden, dtype=torch.float64)
     ours = _run(layer, x)
     layer.zero_grad()
-    monkeypatch.setattr(moe._SortedCopies, "apply", lambda h, order, unsort, K: h[order // K])
+    monkeypatch.setattr(moe._SortedCopies, "apply", lambda h, token, slots: h[token])
+    monkeypatch.setattr(moe._SlotSums, "apply",
+                        lambda y, token, slots: y[slots.flatten()].view(*slots.shape, -1).sum(1))
     monkeypatch.setattr(moe._PermutedRows, "apply", lambda y, perm, inverse: y[perm])
     plain = _run(layer, x)
     torch.testing.assert_close(ours[0], plain[0], rtol=1e-12, atol=1e-12)
@@ -38,21 +41,42 @@ def test_sorted_copies_and_permuted_rows_match_plain_indexing(monkeypatch):
         torch.testing.assert_close(ours[2][name], grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def _sort(s, K, g):
+    order = torch.randperm(s * K, generator=g)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(s * K)
+    return order // K, unsort.view(s, K)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sorted_copies_sum_each_tokens_slots_in_fp32(dtype):
     s, K, L = 5, 3, 4
     g = torch.Generator().manual_seed(1)
     h = torch.randn(s, L, generator=g).to(dtype).requires_grad_()
-    order = torch.randperm(s * K, generator=g)
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(s * K)
-    rows = moe._SortedCopies.apply(h, order, unsort, K)
-    torch.testing.assert_close(rows, h.detach()[order // K], rtol=0, atol=0)
+    token, slots = _sort(s, K, g)
+    rows = moe._SortedCopies.apply(h, token, slots)
+    torch.testing.assert_close(rows, h.detach()[token], rtol=0, atol=0)
     grad = torch.randn(s * K, L, generator=g).to(dtype)
     rows.backward(grad)
-    expected = torch.zeros(s, L, dtype=torch.float64).index_add_(0, order // K, grad.double())
+    expected = torch.zeros(s, L, dtype=torch.float64).index_add_(0, token, grad.double())
     assert h.grad.dtype == dtype
     torch.testing.assert_close(h.grad.double(), expected.to(dtype).double(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_sums_are_fp32_token_sums_and_copy_gradients_back(dtype):
+    s, K, L = 6, 4, 5
+    g = torch.Generator().manual_seed(3)
+    token, slots = _sort(s, K, g)
+    y = torch.randn(s * K, L, generator=g).to(dtype).requires_grad_()
+    u = moe._SlotSums.apply(y, token, slots)
+    expected = torch.zeros(s, L, dtype=torch.float64).index_add_(0, token, y.detach().double())
+    assert u.dtype == torch.float32
+    torch.testing.assert_close(u.double(), expected, rtol=1e-6, atol=1e-6)
+    grad = torch.randn(s, L, generator=g)
+    u.backward(grad)
+    assert y.grad.dtype == dtype
+    torch.testing.assert_close(y.grad, grad.to(dtype)[token], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

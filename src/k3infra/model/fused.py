@@ -170,19 +170,24 @@ def _situ_glu_fwd_kernel(a_ptr, c_ptr, y_ptr, numel, gate_beta, up_beta, BLOCK: 
 
 
 @triton.jit
+def _situ_glu_grads(a, c, dy, gate_beta, up_beta):
+    """``(da, dc, SiTU-GLU(a, c))`` for the output gradient ``dy`` (fp32 tiles)."""
+    t1 = _tanh(a / gate_beta)
+    s = tl.sigmoid(a)
+    t2 = _tanh(c / up_beta)
+    gate = gate_beta * t1 * s
+    up = up_beta * t2
+    return dy * up * ((1.0 - t1 * t1) * s + gate * (1.0 - s)), dy * gate * (1.0 - t2 * t2), gate * up
+
+
+@triton.jit
 def _situ_glu_bwd_kernel(a_ptr, c_ptr, dy_ptr, da_ptr, dc_ptr, numel, gate_beta, up_beta, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    t1 = _tanh(a / gate_beta)
-    s = tl.sigmoid(a)
-    t2 = _tanh(c / up_beta)
-    gate = gate_beta * t1 * s
-    up = up_beta * t2
-    da = dy * up * ((1.0 - t1 * t1) * s + gate * (1.0 - s))
-    dc = dy * gate * (1.0 - t2 * t2)
+    da, dc, _ = _situ_glu_grads(a, c, dy, gate_beta, up_beta)
     tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
     tl.store(dc_ptr + offs, dc.to(dc_ptr.dtype.element_ty), mask=mask)
 
@@ -234,14 +239,121 @@ def _situ_glu_backward(ctx, dy):
 _situ_glu_op.register_autograd(_situ_glu_backward, setup_context=_situ_glu_setup)
 
 
-def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
+@triton.jit
+def _situ_glu_scaled_fwd_kernel(a_ptr, c_ptr, s_ptr, y_ptr, N, F, gate_beta, up_beta, BLOCK_N: tl.constexpr,
+                                BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = row_ok[:, None] & (cols < F)[None, :]
+        offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = gate_beta * _tanh(a / gate_beta) * tl.sigmoid(a) * (up_beta * _tanh(c / up_beta)) * scale[:, None]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _situ_glu_scaled_bwd_kernel(a_ptr, c_ptr, s_ptr, dy_ptr, da_ptr, dc_ptr, ds_ptr, N, F, gate_beta, up_beta,
+                                BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    ds = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = row_ok[:, None] & (cols < F)[None, :]
+        offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        da, dc, act = _situ_glu_grads(a, c, dy * scale[:, None], gate_beta, up_beta)
+        ds += tl.sum(dy * act, axis=1)
+        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(dc_ptr + offs, dc.to(dc_ptr.dtype.element_ty), mask=mask)
+    tl.store(ds_ptr + rows, ds.to(ds_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _scaled_launch(n: int, f: int) -> tuple[tuple[int], int, int]:
+    block_f = min(256, triton.next_power_of_2(max(f, 1)))
+    block_n = max(1, 2048 // block_f)
+    return (triton.cdiv(n, block_n),), block_n, block_f
+
+
+@torch.library.custom_op("k3infra::fused_situ_glu_scaled", mutates_args=())
+def _situ_glu_scaled_op(a: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gate_beta: float,
+                        up_beta: float) -> torch.Tensor:
+    y = torch.empty_like(a)
+    n, f = a.shape
+    if n and f:
+        grid, block_n, block_f = _scaled_launch(n, f)
+        _situ_glu_scaled_fwd_kernel[grid](a, c, scale, y, n, f, gate_beta, up_beta, BLOCK_N=block_n,
+                                          BLOCK_F=block_f)
+    return y
+
+
+@_situ_glu_scaled_op.register_fake
+def _(a, c, scale, gate_beta, up_beta):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("k3infra::fused_situ_glu_scaled_backward", mutates_args=())
+def _situ_glu_scaled_bwd_op(a: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, dy: torch.Tensor,
+                            gate_beta: float, up_beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    da, dc, ds = torch.empty_like(a), torch.empty_like(c), torch.empty_like(scale)
+    n, f = a.shape
+    if n and f:
+        grid, block_n, block_f = _scaled_launch(n, f)
+        _situ_glu_scaled_bwd_kernel[grid](a, c, scale, dy.contiguous(), da, dc, ds, n, f, gate_beta, up_beta,
+                                          BLOCK_N=block_n, BLOCK_F=block_f)
+    else:
+        ds.zero_()
+    return da, dc, ds
+
+
+@_situ_glu_scaled_bwd_op.register_fake
+def _(a, c, scale, dy, gate_beta, up_beta):
+    return torch.empty_like(a), torch.empty_like(c), torch.empty_like(scale)
+
+
+def _situ_glu_scaled_setup(ctx, inputs, output):
+    a, c, scale, gate_beta, up_beta = inputs
+    ctx.save_for_backward(a, c, scale)
+    ctx.betas = (gate_beta, up_beta)
+
+
+def _situ_glu_scaled_backward(ctx, dy):
+    a, c, scale = ctx.saved_tensors
+    da, dc, ds = _situ_glu_scaled_bwd_op(a, c, scale, dy, *ctx.betas)
+    return da, dc, ds, None, None
+
+
+_situ_glu_scaled_op.register_autograd(_situ_glu_scaled_backward, setup_context=_situ_glu_scaled_setup)
+
+
+def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """Fused `layers.situ_glu`: ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` element-wise over ``a, c`` (same shape and
     dtype, fp32/bf16/fp16), fp32 inside, returned in ``a``'s dtype; saves ``a`` and ``c`` for backward. The operator
-    ``k3infra::fused_situ_glu`` (and its backward): compiled graphs call these kernels as well."""
+    ``k3infra::fused_situ_glu`` (and its backward): compiled graphs call these kernels as well.
+
+    ``scale`` (``a.shape[:-1]``, fp32 or ``a``'s dtype, or None) multiplies each row in fp32 before the rounding
+    (operator ``k3infra::fused_situ_glu_scaled``): its gradient, ``Σ_f dy ⊙ SiTU-GLU(a, c)`` per row, is
+    accumulated in fp32 by the same pass that writes ``da`` and ``dc``, and returned in ``scale``'s dtype."""
     if a.shape != c.shape or a.dtype != c.dtype:
         raise ValueError(f"situ_glu: a and c must match in shape and dtype, got {tuple(a.shape)} {a.dtype} and "
                          f"{tuple(c.shape)} {c.dtype}")
-    return _situ_glu_op(a.contiguous(), c.contiguous(), float(gate_beta), float(up_beta))
+    if scale is None:
+        return _situ_glu_op(a.contiguous(), c.contiguous(), float(gate_beta), float(up_beta))
+    if scale.shape != a.shape[:-1] or not scale.is_floating_point():
+        raise ValueError(f"situ_glu: scale must be a floating-point tensor of shape {tuple(a.shape[:-1])} (a's rows), "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    f = a.shape[-1]
+    y = _situ_glu_scaled_op(a.reshape(-1, f).contiguous(), c.reshape(-1, f).contiguous(),
+                            scale.reshape(-1).contiguous(), float(gate_beta), float(up_beta))
+    return y.view(a.shape)
 
 
 @triton.jit

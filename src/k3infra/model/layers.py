@@ -148,17 +148,20 @@ class _SiTUGLUFunction(torch.autograd.Function):
         return da, dc, None, None
 
 
-def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
+def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """SiTU-GLU activation ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` (each factor bounded, product by β1·β2), in fp32,
     returned in ``a``'s dtype; saves only ``a`` and ``c`` for backward (fp64 inputs: plain autograd; CUDA tensors:
-    the fused kernel of `fused.situ_glu`, as `fused.MODE` says)."""
+    the fused kernel of `fused.situ_glu`, as `fused.MODE` says). ``scale`` (shape ``a.shape[:-1]``, or None)
+    multiplies each row: inside the fused kernel in fp32, elsewhere after the activation in ``a``'s dtype."""
     if a.dtype == torch.float64:
-        return _situ_glu_math(a, c, gate_beta, up_beta)
+        y = _situ_glu_math(a, c, gate_beta, up_beta)
+        return y if scale is None else y * scale[..., None].to(y.dtype)
     if fused is not None and fused.use_fused(a, while_compiling=True):
-        return fused.situ_glu(a, c, gate_beta, up_beta)
+        return fused.situ_glu(a, c, gate_beta, up_beta, scale)
     shape = a.shape
-    a, c = a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1])
-    return _SiTUGLUFunction.apply(a, c, gate_beta, up_beta).view(shape)
+    y = _SiTUGLUFunction.apply(a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1]), gate_beta, up_beta).view(shape)
+    return y if scale is None else y * scale[..., None].to(y.dtype)
 
 
 class SiTUGLU(nn.Module):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from k3infra.model.fused_moe import slot_sum
 from k3infra.model.fused_topk import biased_topk
 from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
 
@@ -171,10 +172,11 @@ def _grouped_mm_usable(x_CL: torch.Tensor, w_PML: torch.Tensor) -> bool:
 
 
 def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_beta: float,
-                 scale_C: torch.Tensor | None = None) -> torch.Tensor:
+                 scale_C: torch.Tensor | None = None, *, rows_all_counted: bool = False) -> torch.Tensor:
     """``W2[SiTU-GLU(W1 x, W3 x) · scale]`` per expert over its contiguous rows of ``x_CL``; rows past the counts
-    give 0. ``scale_C`` ``[C]`` (the routing weights, or None) multiplies the ``M``-wide activation, so backward
-    keeps ``[C, M]`` tensors and no weighted ``[C, L]`` output.
+    give 0 (``rows_all_counted``: the caller knows the counts add up to ``C``, and no rows are selected). ``scale_C``
+    ``[C]`` (the routing weights, or None) multiplies the ``M``-wide activation (in the fused SiTU-GLU kernel), so
+    backward keeps ``[C, M]`` tensors and no weighted ``[C, L]`` output.
 
     Computes in ``x_CL``'s dtype: the weights are cast to it (fp32 master weights under bf16 autocast, which does
     not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype). ``torch._grouped_mm``
@@ -188,10 +190,10 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
         offs = counts_P.cumsum(0).to(torch.int32)
         a = torch._grouped_mm(x_CL, w1_PML.transpose(1, 2), offs=offs)
         c = torch._grouped_mm(x_CL, w3_PML.transpose(1, 2), offs=offs)
-        act = situ_glu(a, c, gate_beta, up_beta)
-        if scale_C is not None:
-            act = act * scale_C[:, None].to(act.dtype)
+        act = situ_glu(a, c, gate_beta, up_beta, scale_C)
         y = torch._grouped_mm(act, w2_PLM.transpose(1, 2), offs=offs)
+        if rows_all_counted:
+            return y
         used = torch.arange(x_CL.shape[0], device=x_CL.device) < offs[-1]
         # rows past the counts are never written by _grouped_mm (any bits, NaN included): select, never multiply
         return torch.where(used[:, None], y, y.new_zeros(()))
@@ -205,9 +207,8 @@ def _grouped_situ_loop(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta, up_bet
     for p, count in enumerate(counts_P.tolist()):
         if count:
             xp = x_CL[start : start + count]
-            act = situ_glu(xp @ w1_PML[p].t(), xp @ w3_PML[p].t(), gate_beta, up_beta)
-            if scale_C is not None:
-                act = act * scale_C[start : start + count, None].to(act.dtype)
+            scale = None if scale_C is None else scale_C[start : start + count]
+            act = situ_glu(xp @ w1_PML[p].t(), xp @ w3_PML[p].t(), gate_beta, up_beta, scale)
             out.append(act @ w2_PLM[p].t())
         start += count
     if start < x_CL.shape[0]:
@@ -223,23 +224,37 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _SortedCopies(torch.autograd.Function):
-    """``h_sL[order // K]``: each token's row once per selected expert, in expert-sorted slot order. Backward gathers
-    each token's ``K`` slot gradients (``unsort`` is ``order``'s inverse) and sums them in fp32 (or wider): no
-    scatter."""
+    """``h_sL[token_C]``: each token's row once per selected expert, in expert-sorted slot order (``token_C`` is the
+    token of each slot, ``slots_sK`` the slots of each token). Backward sums each token's ``K`` slot gradients in
+    fp32 (or wider) with `slot_sum`: no scatter. The transpose of `_SlotSums`."""
 
     @staticmethod
-    def forward(ctx, h_sL, order, unsort, K):
-        ctx.save_for_backward(unsort)
-        ctx.K, ctx.dtype = K, h_sL.dtype
-        return h_sL[order // K]
+    def forward(ctx, h_sL, token_C, slots_sK):
+        ctx.save_for_backward(slots_sK)
+        ctx.dtype = h_sL.dtype
+        return h_sL[token_C]
 
     @staticmethod
     def backward(ctx, grad_CL):
-        (unsort,) = ctx.saved_tensors
-        s = unsort.numel() // ctx.K
-        acc = torch.promote_types(grad_CL.dtype, torch.float32)
-        grad_sL = grad_CL[unsort].view(s, ctx.K, -1).sum(1, dtype=acc).to(ctx.dtype)
-        return grad_sL, None, None, None
+        (slots_sK,) = ctx.saved_tensors
+        return slot_sum(grad_CL, slots_sK, ctx.dtype), None, None
+
+
+class _SlotSums(torch.autograd.Function):
+    """``u[t] = Σ_k y_CL[slots_sK[t, k]]`` in fp32 (fp64 for fp64 rows) with `slot_sum`: the experts' outputs back
+    in token order, each token's ``K`` summed. Backward copies each token's gradient to its slots, ``grad[token_C]``
+    in ``y_CL``'s dtype. The transpose of `_SortedCopies`."""
+
+    @staticmethod
+    def forward(ctx, y_CL, token_C, slots_sK):
+        ctx.save_for_backward(token_C)
+        ctx.dtype = y_CL.dtype
+        return slot_sum(y_CL, slots_sK, torch.promote_types(y_CL.dtype, torch.float32))
+
+    @staticmethod
+    def backward(ctx, grad_sL):
+        (token_C,) = ctx.saved_tensors
+        return grad_sL.to(ctx.dtype)[token_C], None, None
 
 
 class _PermutedRows(torch.autograd.Function):
@@ -321,11 +336,12 @@ class K3MoE(nn.Module):
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         w_C = _PermutedRows.apply(weights_sK.flatten(), order, unsort)  # a gather backward, not a scatter
-        y_CL = grouped_situ(_SortedCopies.apply(h_sL, order, unsort, K), counts_E, self.w1, self.w3, self.w2,
-                            self.gate_beta, self.up_beta, w_C)
-        # back to token order and the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy
-        # of y for backward; gather and sum keep nothing of that size)
-        return _PermutedRows.apply(y_CL, unsort, order).view(s, K, -1).float().sum(1)
+        token_C, slots_sK = order // K, unsort.view(s, K)
+        y_CL = grouped_situ(_SortedCopies.apply(h_sL, token_C, slots_sK), counts_E, self.w1, self.w3, self.w2,
+                            self.gate_beta, self.up_beta, w_C, rows_all_counted=True)
+        # back to token order, the k outputs of a token summed in fp32 (an index_add would keep an fp32 copy of y
+        # for backward; the slot sums keep nothing of that size)
+        return _SlotSums.apply(y_CL, token_C, slots_sK)
 
     @torch.compiler.disable
     def _expert_parallel(self, h_sL, idx_sK, weights_sK):
