@@ -1,6 +1,6 @@
 """One Muon step over a model's matrices: torch's element-wise ops (``fused.MODE = "off"``) against the fused
 kernels of `k3infra.train.muon_kernels` (``"on"``; it also takes Newton–Schulz's symmetric products from
-`k3infra.train.newton_schulz` for slices of `optim.SYMMETRIC_MIN_SIDE` or more), same parameters, gradients and
+`k3infra.train.newton_schulz` for batches that `optim.takes_symmetric_products`), same parameters, gradients and
 momentum, in the same run.
 
 Usage (one GPU):  python -m benchmarks.train.muon                 (k3-mini: 293 matrices, ~0.9 B Muon weights)

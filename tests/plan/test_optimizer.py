@@ -10,7 +10,7 @@ from k3infra.model import K3Config, K3ForCausalLM
 from k3infra.plan import Layout, TrainWorkload, load_cluster, load_model
 from k3infra.plan.comm import train_comm
 from k3infra.plan.model import model_from_k3
-from k3infra.plan.optimizer import muon_slices, newton_schulz_flops, update_seconds
+from k3infra.plan.optimizer import muon_batches, muon_slices, newton_schulz_flops, update_seconds
 from k3infra.plan.timing import train_time
 from k3infra.train.optim import build_optimizers
 
@@ -51,3 +51,26 @@ def test_update_is_spread_over_the_group_and_part_of_the_step():
     t = train_time(model, layout, WORK, cluster, 64 // 8, comm, efficiency=0.5)
     assert t["update_s"] == pytest.approx(sharded)
     assert t["step_s"] == pytest.approx(t["compute_s"] + t["bubble_s"] + t["exposed_comm_s"] + t["update_s"])
+
+
+@pytest.mark.parametrize("name,overrides", [("k3-debug", {}), ("k3-mini", {}), ("k3", K3_WIDTH)])
+def test_executed_count_takes_the_trainers_batches_and_symmetric_rule(name, overrides):
+    from benchmarks.train.newton_schulz import slice_groups
+    from k3infra.train.optim import takes_symmetric_products
+
+    spec = model_from_k3(K3Config.from_preset(name, **overrides))
+    groups = slice_groups(name, overrides)
+    assert muon_batches(spec) == groups
+    expected = 0.0
+    for (rows, cols), count in groups.items():
+        a, b = sorted((rows, cols))
+        t = -(-a // 128)
+        lower = t * (t + 1) / (2 * t * t) if takes_symmetric_products(torch.Size([count, rows, cols])) else 1.0
+        expected += 5 * count * (2 * a * a * b * (1 + lower) + 2 * a ** 3 * lower)
+    assert sum(newton_schulz_flops(spec, executed=True)) == pytest.approx(expected, rel=1e-12)
+    if name == "k3":  # the expert stacks take the symmetric products: 212.7 of the plain 307.6 TFLOP
+        assert sum(newton_schulz_flops(spec, executed=True)) / 1e12 == pytest.approx(212.7, abs=0.1)
+        assert sum(newton_schulz_flops(spec)) / 1e12 == pytest.approx(307.6, abs=0.1)
+    else:  # no k3-debug batch is large enough; k3-mini has one (34 x 1,024 x 1,024)
+        saved = sum(newton_schulz_flops(spec)) - sum(newton_schulz_flops(spec, executed=True))
+        assert (saved > 0) == (name == "k3-mini")

@@ -68,8 +68,8 @@ def test_muon_dispatches_large_slices_to_symmetric_products(monkeypatch):
         return newton_schulz(g, *args, symmetric=symmetric)
 
     monkeypatch.setattr(optim, "newton_schulz", spy)
-    monkeypatch.setattr(optim, "SYMMETRIC_MIN_SIDE", 32)
-    monkeypatch.setattr(optim, "SYMMETRIC_MIN_WORK", 2 * 40 * 40 * 48)
+    monkeypatch.setattr(optim.update_plan, "SYMMETRIC_MIN_SIDE", 32)
+    monkeypatch.setattr(optim.update_plan, "SYMMETRIC_MIN_WORK", 2 * 40 * 40 * 48)
     g = torch.randn(2, 48, 40)
     monkeypatch.setattr(fused, "MODE", "off")
     optim.zeropower_batched(g, COEFFICIENTS, 5, 1e-7)
@@ -144,7 +144,7 @@ def test_muon_step_with_symmetric_products_matches_cublas_path(monkeypatch):
         copy.weight.data.copy_(model.weight)
         copy.weight.grad = grad.clone()
         muon = optim.ShardedMuon([copy.weight], lr=1e-2)
-        monkeypatch.setattr(optim, "SYMMETRIC_MIN_WORK", 1)
+        monkeypatch.setattr(optim.update_plan, "SYMMETRIC_MIN_WORK", 1)
         muon.step()
         after[mode] = copy.weight.detach().clone()
     step_off, step_on = after["off"] - model.weight, after["on"] - model.weight

@@ -32,19 +32,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim._muon import _adjust_lr
 
 from ..model.fused import use_fused
+from ..plan import optimizer as update_plan
 from .muon_kernels import decay_and_subtract, momentum_update
 from .newton_schulz import newton_schulz
 
 ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
 """Parameters whose name contains one of these go to AdamW even when 2-D."""
-
-SYMMETRIC_MIN_SIDE = 1024
-"""Smallest side of a Newton–Schulz slice whose symmetric products skip the tiles above the diagonal
-(`newton_schulz`): below it the saving is a few tiles and cuBLAS's products were faster."""
-SYMMETRIC_MIN_WORK = 2 ** 35
-"""Smallest ``slices · m² · n`` (``m ≤ n``) of a Newton–Schulz batch that takes the symmetric products: smaller
-batches are bound by kernel launches, where cuBLAS's were faster."""
-
 
 def split_parameters(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list, list]:
     """Sort trainable parameters into ``(muon, adamw_decay, adamw_no_decay)`` lists of ``(name, param)``."""
@@ -416,17 +409,16 @@ def _subtract_step(param: torch.Tensor, update: torch.Tensor, full: torch.Tensor
 
 def takes_symmetric_products(shape: torch.Size) -> bool:
     """Whether a ``[B, N, M]`` Newton–Schulz batch is large enough for the symmetric products to pay
-    (`SYMMETRIC_MIN_SIDE`, `SYMMETRIC_MIN_WORK`)."""
-    m, n = sorted(shape[1:])
-    return m >= SYMMETRIC_MIN_SIDE and shape[0] * m * m * n >= SYMMETRIC_MIN_WORK
+    (`k3infra.plan.optimizer.takes_symmetric_products`: the planner counts the same rule)."""
+    return update_plan.takes_symmetric_products(*shape)
 
 
 def zeropower_batched(g_BNM: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                       eps: float) -> torch.Tensor:
     """`torch.optim.Muon`'s quintic Newton–Schulz orthogonalisation of every ``[N, M]`` slice of ``g_BNM`` at
     once (batched matmuls instead of a Python loop over slices), in bf16 like torch's. ``[B, N, M]`` →
-    ``[B, N, M]`` bf16. Where the fused kernels run, a batch of at least `SYMMETRIC_MIN_SIDE` on the smaller side
-    and `SYMMETRIC_MIN_WORK` in all takes the two symmetric products from `newton_schulz.symmetric_product`."""
+    ``[B, N, M]`` bf16. Where the fused kernels run, a batch that `takes_symmetric_products` takes the two symmetric
+    products from `newton_schulz.symmetric_product`."""
     symmetric = use_fused(g_BNM) and takes_symmetric_products(g_BNM.shape)
     return newton_schulz(g_BNM, ns_coefficients, ns_steps, eps, symmetric=symmetric)
 
