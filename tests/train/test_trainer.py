@@ -154,14 +154,16 @@ def test_k3_model_resumes_the_identical_curve(tmp_path, train_cache):
 
 
 def test_profile_records_the_chosen_steps(tmp_path, train_cache):
-    """``--profile 2:2``: a Chrome trace and an operator table in OUT/profile, the operator count on the last
-    recorded step's history entry, the steps outside the range untouched."""
+    """``--profile 2:2``: a Chrome trace and two operator tables (by name, by input shapes) in OUT/profile, the
+    operator count on the last recorded step's history entry, the steps outside the range untouched."""
     result = Trainer(_cfg(tmp_path, train_cache, steps=4, profile=(2, 2)), tiny_factory).fit()
     folder = result.out / "profile"
     trace = json.loads(gzip.decompress((folder / "trace-rank0.json.gz").read_bytes()))
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(n.startswith("aten::") for n in names)
     assert "Self CPU" in (folder / "ops-rank0.txt").read_text()
+    by_shape = (folder / "ops-by-shape-rank0.txt").read_text()
+    assert "Input Shapes" in by_shape and "[[" in by_shape  # one row per operator and input shapes
     recorded = [h for h in result.history if "profile_kernels_per_step" in h]
     assert [h["step"] for h in recorded] == [3] and recorded[0]["profile_kernels_per_step"] > 100
     assert recorded[0]["profile_trace"] == str(folder / "trace-rank0.json.gz")

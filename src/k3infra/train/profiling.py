@@ -4,7 +4,9 @@ Steps ``START .. START + COUNT - 1`` (1-based optimizer steps, each with all its
 step before them as the profiler's warm-up when there is one. Each rank writes to ``<out>/profile/``:
 
 - ``trace-rank<r>.json.gz``: a gzipped Chrome trace (https://ui.perfetto.dev or ``chrome://tracing`` open it);
-- ``ops-rank<r>.txt``: the operators and kernels by total time (device time on a GPU, CPU time otherwise).
+- ``ops-rank<r>.txt``: the operators and kernels by total time (device time on a GPU, CPU time otherwise);
+- ``ops-by-shape-rank<r>.txt``: the operators split by their input shapes, by the same time: which copy, add or
+  gather of which tensor (a weight's cast, an activation's gradient) the time goes to.
 
 The last recorded step's history entry gets ``profile_kernels_per_step`` (GPU kernels launched per step; on the
 CPU, ``aten::`` operator calls per step, nested calls included) and ``profile_trace`` (the trace's path): the count
@@ -75,7 +77,7 @@ class StepProfiler(TrainerCallback):
         if self._device == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiler = torch.profiler.profile(
-            activities=activities,
+            activities=activities, record_shapes=True,
             schedule=torch.profiler.schedule(wait=wait - warmup, warmup=warmup, active=self.count, repeat=1),
             on_trace_ready=self._write)
         self.profiler.start()
@@ -116,3 +118,6 @@ class StepProfiler(TrainerCallback):
             sort_by = "self_cpu_time_total"
         self.per_step = launched / self.count
         (self._folder / f"ops-rank{self._rank}.txt").write_text(events.table(sort_by=sort_by, row_limit=60))
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        (self._folder / f"ops-by-shape-rank{self._rank}.txt").write_text(
+            by_shape.table(sort_by=sort_by, row_limit=80, max_shapes_column_width=120))
