@@ -59,6 +59,25 @@ def rms_ratio(x, ref) -> float:
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def time_interleaved(prepare: Callable[[str], Callable[[], object]], names: Sequence[str], *, device: str,
+                     rounds: int, warmup_rounds: int) -> dict[str, Timing]:
+    """One call of each variant per round, the order reversed every other round, so that drift (clocks, heat, the
+    allocator) falls on all variants alike; the first `warmup_rounds` rounds (compilation, autotuning) are not kept.
+
+    `prepare(name)` sets a variant up, untimed (a mode switch, a state reload), and returns the call to time once.
+
+    Returns:
+        ``{name: Timing}`` over the kept rounds.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds + warmup_rounds):
+        for name in names if i % 2 == 0 else list(reversed(names)):
+            ms = time_fn(prepare(name), device=device, warmup=0, rep=1).median_ms
+            if i >= warmup_rounds:
+                samples[name].append(ms)
+    return {name: Timing.from_samples(ms) for name, ms in samples.items()}
+
+
 def time_fn(
     fn: Callable[[], object],
     *,

@@ -58,7 +58,7 @@ def _load(muon, params, state) -> None:
 
 def measure(config_name: str, device: str, rep: int):
     """One `benchmarks.harness.Row`: median ms of a Muon step, torch's element-wise ops against the fused ones."""
-    from benchmarks.harness import Row, Timing, rms_ratio, time_fn
+    from benchmarks.harness import Row, rms_ratio, time_interleaved
     from k3infra.model import fused
 
     muon, params = _optimizer(config_name, device)
@@ -76,17 +76,15 @@ def measure(config_name: str, device: str, rep: int):
             after[mode] = [p.detach().clone() for p in params]
         err = max(rms_ratio(a, b) for a, b in zip(after["on"], after["off"]))
         del after
-        samples = {"off": [], "on": []}
-        for i in range(rep + 2):
-            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                fused.MODE = mode
-                _load(muon, params, start)
-                ms = time_fn(muon.step, device=device, warmup=0, rep=1).median_ms
-                if i >= 2:  # two warm-up rounds: Triton compilation, allocator
-                    samples[mode].append(ms)
+
+        def prepare(mode: str):
+            fused.MODE = mode
+            _load(muon, params, start)
+            return muon.step
+
+        timings = time_interleaved(prepare, ("off", "on"), device=device, rounds=rep, warmup_rounds=2)
     finally:
         fused.MODE = saved_mode
-    timings = {mode: Timing.from_samples(ms) for mode, ms in samples.items()}
     off, on = timings["off"].median_ms, timings["on"].median_ms
     logger.info("%s Muon step over %d matrices (%.3f B weights): torch %.2f ms, fused %.2f ms, param rel err %.2e",
                 config_name, len(params), weights / 1e9, off, on, err)

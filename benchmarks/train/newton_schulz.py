@@ -63,7 +63,7 @@ def measure(groups: dict[tuple[int, int], int], device: str, rep: int, label: st
     Newton–Schulz, cuBLAS products against the symmetric kernel."""
     import torch
 
-    from benchmarks.harness import Row, Timing, rms_ratio, time_fn
+    from benchmarks.harness import Row, rms_ratio, time_interleaved
     from k3infra.train.newton_schulz import newton_schulz
     from k3infra.train.optim import _newton_schulz_flops, takes_symmetric_products
 
@@ -76,13 +76,8 @@ def measure(groups: dict[tuple[int, int], int], device: str, rep: int, label: st
                     for mode in ("off", "on")}
         reference = fp64_newton_schulz(g[:1], coefficients, steps, eps)
         err = {mode: rms_ratio(fn()[:1], reference) for mode, fn in variants.items()}
-        samples = {"off": [], "on": []}
-        for i in range(rep + 1):
-            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                ms = time_fn(variants[mode], device=device, warmup=0, rep=1).median_ms
-                if i >= 1:  # the first round: Triton compilation, allocator
-                    samples[mode].append(ms)
-        timings = {mode: Timing.from_samples(ms) for mode, ms in samples.items()}
+        # the first round: Triton compilation and autotuning, the allocator
+        timings = time_interleaved(variants.__getitem__, ("off", "on"), device=device, rounds=rep, warmup_rounds=1)
         muon_takes = "on" if takes_symmetric_products(g.shape) else "off"
         for mode in ("off", "on"):
             totals[mode] += timings[mode].median_ms

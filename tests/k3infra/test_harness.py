@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from benchmarks.harness import Row, Timing, markdown_table, time_fn, write_results
+from benchmarks.harness import Row, Timing, markdown_table, time_fn, time_interleaved, write_results
 
 
 def test_timing_quantiles_are_ordered():
@@ -22,6 +22,19 @@ def test_time_fn_counts_repetitions_after_warmup():
     t = time_fn(lambda: calls.append(1), warmup=2, rep=7)
     assert len(calls) == 9
     assert t.n == 7
+
+
+def test_time_interleaved_alternates_the_order_and_drops_warmup_rounds():
+    order = []
+
+    def prepare(name):
+        order.append(name)
+        return lambda: None
+
+    timings = time_interleaved(prepare, ("a", "b", "c"), device="cpu", rounds=3, warmup_rounds=1)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    assert set(timings) == {"a", "b", "c"} and all(isinstance(t, Timing) for t in timings.values())
+    assert all(t.median_ms >= 0 for t in timings.values())
 
 
 def test_write_results_records_machine_and_both_sides(tmp_path):

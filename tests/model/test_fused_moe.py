@@ -173,3 +173,15 @@ def test_compiled_local_moe_calls_both_operators(fused_on, device):
             assert "k3infra.slot_sum" in graphs and "k3infra.fused_situ_glu_scaled" in graphs
     for got, ref in zip(results[1], results[0]):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_benchmark_dry_run_and_bad_arguments():
+    """`benchmarks.train.moe --dry-run`: both variants of a k3-debug layer on the CPU, ours within twice torch's
+    error against fp64; bad arguments are named."""
+    from benchmarks.train import moe as bench
+
+    assert bench.main(["--dry-run"]) == 0
+    with pytest.raises(SystemExit, match="--model"):
+        bench.main(["--dry-run", "--model", "[1]"])
+    with pytest.raises(SystemExit):
+        bench.main(["--dry-run", "--tokens", "0"])
