@@ -244,10 +244,7 @@ def _situ_glu_packed_fwd_kernel(ac_ptr, s_ptr, y_ptr, N, F, gate_beta, up_beta, 
                                 BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    scale = tl.load(s_ptr + rows, mask=row_ok & HAS_SCALE, other=1.0).to(tl.float32)
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = row_ok[:, None] & (cols < F)[None, :]
@@ -265,10 +262,7 @@ def _situ_glu_packed_bwd_kernel(ac_ptr, s_ptr, dy_ptr, dac_ptr, ds_ptr, N, F, ga
                                 HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    scale = tl.load(s_ptr + rows, mask=row_ok & HAS_SCALE, other=1.0).to(tl.float32)
     ds = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
