@@ -1,18 +1,17 @@
 """One MoE layer's forward + backward on local experts (the EP = 1 path of a training step): torch's ops
-(``fused.MODE = "off"``: each token's slot sum as a gather and a sum; the routing weights multiplied after an
-eager SiTU-GLU of the gate and up halves; the eager RMSNorm and ``torch.topk``) against our kernels (``"on"``:
-`fused_moe.slot_sum`, the packed row-scaled SiTU-GLU, the fused RMSNorm and top-k), same weights, tokens and output
-gradient, in the same run.
+(``fused.MODE = "off"``: the combine as a gather, an fp32 cast and a sum; the routing weights multiplied after an
+eager SiTU-GLU; the eager RMSNorm and ``torch.topk``) against our kernels (``"on"``: `fused_moe.slot_sum`, the
+row-scaled SiTU-GLU, the fused RMSNorm and top-k), same weights, tokens and output gradient, in the same run.
 
 Usage (one GPU):  python -m benchmarks.train.moe                  (k3-mini's layer, one micro-batch of 8 x 4,096)
                   python -m benchmarks.train.moe --config k3 --model '{...}' --tokens 8192   (a K3-width slice)
 CPU dry run:      python -m benchmarks.train.moe --dry-run        (k3-debug, Triton's interpreter, no file)
 
-The layer keeps fp32 master weights and runs under bf16 autocast, as in the trainer; the grouped GEMMs (the gate and
-up weights stacked into one) are the same in both variants. Each timed repetition runs one forward + backward of
-each variant, interleaved, CUDA events around each. The row records each variant's relative RMS error of the output
-and of the input gradient against the same layer in fp64, and the peak memory of one forward + backward. JSON goes
-to ``benchmarks/results/train-moe-<date>.json``.
+The layer keeps fp32 master weights and runs under bf16 autocast, as in the trainer; the grouped GEMMs are the same
+in both variants. Each timed repetition runs one forward + backward of each variant, interleaved, CUDA events
+around each. The row records each variant's relative RMS error of the output and of the input gradient against the
+same layer in fp64, and the peak memory of one forward + backward. JSON goes to
+``benchmarks/results/train-moe-<date>.json``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The local expert path's kernels against fp64: `fused_moe.slot_sum` (each token's slot rows summed), the packed
-SiTU-GLU of `fused.situ_glu_packed` (the gate and up halves of one product, the routing weights inside the
-activation, with their gradient) and the grouped experts with the stacked gate and up weights. On CPU the kernels
-run in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py)."""
+"""The local expert path's kernels against fp64: `fused_moe.slot_sum` (each token's slot rows summed) and the
+row-scaled SiTU-GLU of `fused.situ_glu` (the routing weights inside the activation, with their gradient). On CPU
+the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py)."""
 
 import os
 import zlib
@@ -59,84 +58,51 @@ def test_slot_sum_names_bad_arguments():
         fused_moe.slot_sum(torch.zeros(4, 3), torch.zeros(2, 2), torch.float32)
 
 
-def _situ64(ac, scale, b1=4.0, b2=25.0):
-    a, c = ac.chunk(2, dim=-1)
-    y = (b1 * torch.tanh(a / b1) * torch.sigmoid(a)) * (b2 * torch.tanh(c / b2))
-    return y if scale is None else y * scale[:, None]
-
-
-def _packed_inputs(n, f, dtype, g):
-    ac = torch.cat([torch.randn(n, f, generator=g) * 6, torch.randn(n, f, generator=g) * 40], 1).to(dtype)
-    return ac, torch.rand(n, generator=g) + 0.1, torch.randn(n, f, generator=g).to(dtype)
+def _situ64(a, c, scale, b1=4.0, b2=25.0):
+    return (b1 * torch.tanh(a / b1) * torch.sigmoid(a)) * (b2 * torch.tanh(c / b2)) * scale[..., None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, f", [(5, 77), (19, 300), (1, 3)])
-@pytest.mark.parametrize("scaled", [True, False])
-def test_packed_situ_glu_matches_fp64(fused_on, device, dtype, n, f, scaled):
-    g = torch.Generator().manual_seed(zlib.crc32(repr((n, f, dtype, scaled, "packed")).encode()))
-    ac, scale, dy = _packed_inputs(n, f, dtype, g)
-    args = [ac.clone().to(device).requires_grad_(), scale.clone().to(device).requires_grad_() if scaled else None]
-    y = layers.situ_glu_packed(args[0], 4.0, 25.0, args[1])
-    assert "packed" in y.grad_fn.name().lower() and y.shape == (n, f) and y.dtype == dtype
+@pytest.mark.parametrize("shape", [(5, 77), (19, 300), (3, 2, 40)])
+def test_scaled_situ_glu_matches_fp64(fused_on, device, dtype, shape):
+    g = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype, "scaled")).encode()))
+    a = (torch.randn(shape, generator=g) * 6).to(dtype)
+    c = (torch.randn(shape, generator=g) * 40).to(dtype)
+    scale = torch.rand(shape[:-1], generator=g) + 0.1
+    dy = torch.randn(shape, generator=g).to(dtype)
+    args = [t.clone().to(device).requires_grad_() for t in (a, c, scale)]
+    y = layers.situ_glu(args[0], args[1], 4.0, 25.0, args[2])
+    node = y.grad_fn
+    while "View" in node.name():
+        node = node.next_functions[0][0]
+    assert "scaled" in node.name().lower()
     y.backward(dy.to(device))
-    ref = [ac.double().requires_grad_(), scale.double().requires_grad_() if scaled else None]
-    y_ref = _situ64(*ref)
+    ref_args = [t.double().requires_grad_() for t in (a, c, scale)]
+    y_ref = _situ64(*ref_args)
     y_ref.backward(dy.double())
-    assert args[0].grad.shape == (n, 2 * f) and (not scaled or args[1].grad.dtype == torch.float32)
+    assert y.dtype == dtype and args[2].grad.dtype == torch.float32
     # the product is bounded by β1·β2 = 100; fp32 kernels differ from fp64 in rounding only, bf16 by one (two in
     # the interpreter, which truncates) bf16 rounding of each output
     rel = 2e-6 if dtype == torch.float32 else 2 ** -7
-    pairs = [(y, y_ref, 100), (args[0].grad, ref[0].grad, 100)] + ([(args[1].grad, ref[1].grad, 100 * f)]
-                                                                   if scaled else [])
-    for got, want, scale_of in pairs:
-        torch.testing.assert_close(got.detach().cpu().double(), want.detach(), rtol=rel, atol=rel * scale_of)
+    for got, ref, scale_of in zip((y, *(t.grad for t in args)), (y_ref, *(t.grad for t in ref_args)),
+                                  (100, 100, 100, 100 * shape[-1])):
+        torch.testing.assert_close(got.detach().cpu().double(), ref.detach(), rtol=rel, atol=rel * scale_of)
 
 
-def test_packed_situ_glu_equals_the_halves_scaled_after_in_fp32(fused_on, device, monkeypatch):
+def test_scaled_situ_glu_equals_scaling_after_the_activation_in_fp32(fused_on, device):
     g = torch.Generator().manual_seed(6)
-    ac, scale, dy = (t.to(device) for t in _packed_inputs(11, 33, torch.float32, g))
-    got = fused.situ_glu_packed(ac, 4.0, 25.0, scale)
-    a, c = ac.chunk(2, dim=-1)
-    torch.testing.assert_close(got, fused.situ_glu(a, c, 4.0, 25.0) * scale[:, None], rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(fused, "MODE", "off")  # the torch path: situ_glu of the halves
-    torch.testing.assert_close(layers.situ_glu_packed(ac, 4.0, 25.0, scale), got, rtol=1e-5, atol=1e-5)
+    a, c = (torch.randn(11, 33, generator=g) * 3).to(device), (torch.randn(11, 33, generator=g) * 30).to(device)
+    scale = torch.rand(11, generator=g).to(device)
+    torch.testing.assert_close(fused.situ_glu(a, c, 4.0, 25.0, scale),
+                               fused.situ_glu(a, c, 4.0, 25.0) * scale[:, None], rtol=1e-6, atol=1e-6)
 
 
-def test_packed_situ_glu_names_bad_arguments(device):
-    ac = torch.zeros(4, 6, device=device)
-    with pytest.raises(ValueError, match=r"ac must be \[N, 2F\]"):
-        fused.situ_glu_packed(torch.zeros(4, 5, device=device), 4.0, 25.0)
+def test_scaled_situ_glu_names_a_bad_scale(device):
+    a = torch.zeros(4, 6, device=device)
     with pytest.raises(ValueError, match="scale must be a floating-point tensor of shape"):
-        fused.situ_glu_packed(ac, 4.0, 25.0, torch.zeros(3, device=device))
+        fused.situ_glu(a, a, 4.0, 25.0, torch.zeros(6, device=device))
     with pytest.raises(ValueError, match="scale must be a floating-point tensor of shape"):
-        fused.situ_glu_packed(ac, 4.0, 25.0, torch.zeros(4, dtype=torch.int64, device=device))
-
-
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_grouped_experts_with_stacked_gate_and_up_match_fp64(monkeypatch, mode):
-    """`moe.grouped_situ` on its grouped-GEMM path (bf16; the gate and up weights stacked into one product, the
-    packed SiTU-GLU) against the per-expert loop in fp64: output and the gradients of the tokens, the three fp32
-    weight stacks and the routing weights."""
-    from k3infra.model import moe
-
-    monkeypatch.setattr(fused, "MODE", mode)
-    g = torch.Generator().manual_seed(9)
-    P, M, L, C = 3, 16, 24, 40
-    x = torch.randn(C, L, generator=g)
-    w1, w3 = torch.randn(P, M, L, generator=g) * 0.3, torch.randn(P, M, L, generator=g) * 0.3
-    w2 = torch.randn(P, L, M, generator=g) * 0.3
-    scale, counts, dy = torch.rand(C, generator=g), torch.tensor([13, 0, 27]), torch.randn(C, L, generator=g)
-    leaves = [x.bfloat16().requires_grad_(), *(t.clone().requires_grad_() for t in (w1, w3, w2, scale))]
-    y = moe.grouped_situ(leaves[0], counts, *leaves[1:4], 4.0, 25.0, leaves[4], rows_all_counted=True)
-    y.backward(dy.bfloat16())
-    ref = [t.double().requires_grad_() for t in (x, w1, w3, w2, scale)]
-    y_ref = moe.grouped_situ(ref[0], counts, *ref[1:4], 4.0, 25.0, ref[4])
-    y_ref.backward(dy.double())
-    assert y.dtype == torch.bfloat16 and all(t.grad.dtype == r.dtype for t, r in zip(leaves[1:], (w1, w3, w2,
-                                                                                                  scale)))
-    for got, want in zip((y, *(t.grad for t in leaves)), (y_ref, *(t.grad for t in ref))):
-        assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
+        fused.situ_glu(a, a, 4.0, 25.0, torch.zeros(4, dtype=torch.int64, device=device))
 
 
 def test_operators_pass_opcheck(device):
@@ -146,12 +112,12 @@ def test_operators_pass_opcheck(device):
     slots = _slots(4, 3, g).to(device)
     torch.library.opcheck(fused_moe._slot_sum_op, (src, slots, torch.float32),
                           test_utils=("test_schema", "test_faketensor"))
-    ac, scale, dy = (t.to(device) for t in _packed_inputs(6, 10, torch.float32, g))
-    for s in (scale, scale.new_empty(0)):
-        torch.library.opcheck(fused._situ_glu_packed_op, (ac, s, 4.0, 25.0),
-                              test_utils=("test_schema", "test_faketensor"))
-        torch.library.opcheck(fused._situ_glu_packed_bwd_op, (ac, s, dy, 4.0, 25.0),
-                              test_utils=("test_schema", "test_faketensor"))
+    a, c, dy = (torch.randn(6, 20, generator=g).to(device) for _ in range(3))
+    scale = torch.rand(6, generator=g).to(device)
+    torch.library.opcheck(fused._situ_glu_scaled_op, (a, c, scale, 4.0, 25.0),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(fused._situ_glu_scaled_bwd_op, (a, c, scale, dy, 4.0, 25.0),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu
@@ -164,21 +130,23 @@ def test_local_moe_kernels_at_k3_mini_widths_on_cuda():
     got = fused_moe.slot_sum(src.cuda(), slots.cuda(), torch.float32)
     ref = src.double()[slots.flatten()].view(s, K, L).sum(1)
     torch.testing.assert_close(got.cpu().double(), ref, rtol=1e-6, atol=1e-5)
-    ac, scale, dy = _packed_inputs(s * K, M, torch.bfloat16, g)
-    args = [ac.cuda().requires_grad_(), scale.cuda().requires_grad_()]
-    y = fused.situ_glu_packed(args[0], 4.0, 25.0, args[1])
+    a, c = (torch.randn(s * K, M, generator=g) * 4).bfloat16(), (torch.randn(s * K, M, generator=g) * 30).bfloat16()
+    scale = torch.rand(s * K, generator=g)
+    args = [t.cuda().requires_grad_() for t in (a, c, scale)]
+    y = fused.situ_glu(args[0], args[1], 4.0, 25.0, args[2])
+    dy = torch.randn(s * K, M, generator=g).bfloat16()
     y.backward(dy.cuda())
-    ref_args = [ac.double().requires_grad_(), scale.double().requires_grad_()]
+    ref_args = [t.double().requires_grad_() for t in (a, c, scale)]
     y_ref = _situ64(*ref_args)
     y_ref.backward(dy.double())
-    for got, want, scale_of in zip((y, *(t.grad for t in args)), (y_ref, *(t.grad for t in ref_args)),
-                                   (100, 100, 100 * M)):
-        torch.testing.assert_close(got.detach().cpu().double(), want.detach(), rtol=2 ** -8, atol=2 ** -8 * scale_of)
+    for got, ref, scale_of in zip((y, *(t.grad for t in args)), (y_ref, *(t.grad for t in ref_args)),
+                                  (100, 100, 100, 100 * M)):
+        torch.testing.assert_close(got.detach().cpu().double(), ref.detach(), rtol=2 ** -8, atol=2 ** -8 * scale_of)
 
 
 def test_compiled_local_moe_calls_both_operators(fused_on, device):
     """A bf16 MoE layer (grouped GEMMs, local experts) compiled whole: its graphs call ``k3infra::slot_sum`` (forward
-    combine, and the sorted copies' backward) and the packed, row-scaled SiTU-GLU, with the eager layer's results."""
+    combine, and the sorted copies' backward) and the row-scaled SiTU-GLU, with the eager layer's results."""
     import torch._dynamo.testing
 
     from k3infra.model import K3Config, moe
@@ -202,7 +170,7 @@ def test_compiled_local_moe_calls_both_operators(fused_on, device):
         if compiled:
             # the autograd Functions' forward and backward bodies are submodules of the graph
             graphs = "\n".join(str(m.graph) for gm in counts.graphs for m in gm.modules() if hasattr(m, "graph"))
-            assert "k3infra.slot_sum" in graphs and "k3infra.fused_situ_glu_packed" in graphs
+            assert "k3infra.slot_sum" in graphs and "k3infra.fused_situ_glu_scaled" in graphs
     for got, ref in zip(results[1], results[0]):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 

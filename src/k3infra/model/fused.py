@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MODE", "attn_res_mix", "rms_norm", "situ_glu", "situ_glu_packed", "use_fused"]
+__all__ = ["MODE", "attn_res_mix", "rms_norm", "situ_glu", "use_fused"]
 
 MODE = os.environ.get("K3_FUSED_ELEMENTWISE", "auto")
 """``"auto"``, ``"on"`` or ``"off"`` (see the module docstring); its start value comes from the environment
@@ -240,129 +240,120 @@ _situ_glu_op.register_autograd(_situ_glu_backward, setup_context=_situ_glu_setup
 
 
 @triton.jit
-def _situ_glu_packed_fwd_kernel(ac_ptr, s_ptr, y_ptr, N, F, gate_beta, up_beta, HAS_SCALE: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+def _situ_glu_scaled_fwd_kernel(a_ptr, c_ptr, s_ptr, y_ptr, N, F, gate_beta, up_beta, BLOCK_N: tl.constexpr,
+                                BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    scale = tl.load(s_ptr + rows, mask=row_ok & HAS_SCALE, other=1.0).to(tl.float32)
+    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = row_ok[:, None] & (cols < F)[None, :]
-        a_offs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-        a = tl.load(ac_ptr + a_offs, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(ac_ptr + a_offs + F, mask=mask, other=0.0).to(tl.float32)
-        y = gate_beta * _tanh(a / gate_beta) * tl.sigmoid(a) * (up_beta * _tanh(c / up_beta))
-        if HAS_SCALE:
-            y = y * scale[:, None]
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = gate_beta * _tanh(a / gate_beta) * tl.sigmoid(a) * (up_beta * _tanh(c / up_beta)) * scale[:, None]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _situ_glu_packed_bwd_kernel(ac_ptr, s_ptr, dy_ptr, dac_ptr, ds_ptr, N, F, gate_beta, up_beta,
-                                HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+def _situ_glu_scaled_bwd_kernel(a_ptr, c_ptr, s_ptr, dy_ptr, da_ptr, dc_ptr, ds_ptr, N, F, gate_beta, up_beta,
+                                BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    scale = tl.load(s_ptr + rows, mask=row_ok & HAS_SCALE, other=1.0).to(tl.float32)
+    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     ds = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = row_ok[:, None] & (cols < F)[None, :]
-        a_offs = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-        a = tl.load(ac_ptr + a_offs, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(ac_ptr + a_offs + F, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         da, dc, act = _situ_glu_grads(a, c, dy * scale[:, None], gate_beta, up_beta)
-        if HAS_SCALE:
-            ds += tl.sum(dy * act, axis=1)
-        tl.store(dac_ptr + a_offs, da.to(dac_ptr.dtype.element_ty), mask=mask)
-        tl.store(dac_ptr + a_offs + F, dc.to(dac_ptr.dtype.element_ty), mask=mask)
-    if HAS_SCALE:
-        tl.store(ds_ptr + rows, ds.to(ds_ptr.dtype.element_ty), mask=row_ok)
+        ds += tl.sum(dy * act, axis=1)
+        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(dc_ptr + offs, dc.to(dc_ptr.dtype.element_ty), mask=mask)
+    tl.store(ds_ptr + rows, ds.to(ds_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _packed_launch(n: int, f: int) -> tuple[tuple[int], int, int]:
+def _scaled_launch(n: int, f: int) -> tuple[tuple[int], int, int]:
     block_f = min(256, triton.next_power_of_2(max(f, 1)))
     block_n = max(1, 2048 // block_f)
     return (triton.cdiv(n, block_n),), block_n, block_f
 
 
-@torch.library.custom_op("k3infra::fused_situ_glu_packed", mutates_args=())
-def _situ_glu_packed_op(ac: torch.Tensor, scale: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
-    # ``scale`` without elements: no row scale
-    n, f = ac.shape[0], ac.shape[1] // 2
-    y = ac.new_empty(n, f)
+@torch.library.custom_op("k3infra::fused_situ_glu_scaled", mutates_args=())
+def _situ_glu_scaled_op(a: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, gate_beta: float,
+                        up_beta: float) -> torch.Tensor:
+    y = torch.empty_like(a)
+    n, f = a.shape
     if n and f:
-        grid, block_n, block_f = _packed_launch(n, f)
-        _situ_glu_packed_fwd_kernel[grid](ac, scale, y, n, f, gate_beta, up_beta, HAS_SCALE=scale.numel() > 0,
-                                          BLOCK_N=block_n, BLOCK_F=block_f)
+        grid, block_n, block_f = _scaled_launch(n, f)
+        _situ_glu_scaled_fwd_kernel[grid](a, c, scale, y, n, f, gate_beta, up_beta, BLOCK_N=block_n,
+                                          BLOCK_F=block_f)
     return y
 
 
-@_situ_glu_packed_op.register_fake
-def _(ac, scale, gate_beta, up_beta):
-    return ac.new_empty(ac.shape[0], ac.shape[1] // 2)
+@_situ_glu_scaled_op.register_fake
+def _(a, c, scale, gate_beta, up_beta):
+    return torch.empty_like(a)
 
 
-@torch.library.custom_op("k3infra::fused_situ_glu_packed_backward", mutates_args=())
-def _situ_glu_packed_bwd_op(ac: torch.Tensor, scale: torch.Tensor, dy: torch.Tensor, gate_beta: float,
-                            up_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dac, ds = torch.empty_like(ac), torch.zeros_like(scale)
-    n, f = ac.shape[0], ac.shape[1] // 2
+@torch.library.custom_op("k3infra::fused_situ_glu_scaled_backward", mutates_args=())
+def _situ_glu_scaled_bwd_op(a: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, dy: torch.Tensor,
+                            gate_beta: float, up_beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    da, dc, ds = torch.empty_like(a), torch.empty_like(c), torch.empty_like(scale)
+    n, f = a.shape
     if n and f:
-        grid, block_n, block_f = _packed_launch(n, f)
-        _situ_glu_packed_bwd_kernel[grid](ac, scale, dy.contiguous(), dac, ds, n, f, gate_beta, up_beta,
-                                          HAS_SCALE=scale.numel() > 0, BLOCK_N=block_n, BLOCK_F=block_f)
-    return dac, ds
+        grid, block_n, block_f = _scaled_launch(n, f)
+        _situ_glu_scaled_bwd_kernel[grid](a, c, scale, dy.contiguous(), da, dc, ds, n, f, gate_beta, up_beta,
+                                          BLOCK_N=block_n, BLOCK_F=block_f)
+    else:
+        ds.zero_()
+    return da, dc, ds
 
 
-@_situ_glu_packed_bwd_op.register_fake
-def _(ac, scale, dy, gate_beta, up_beta):
-    return torch.empty_like(ac), torch.empty_like(scale)
+@_situ_glu_scaled_bwd_op.register_fake
+def _(a, c, scale, dy, gate_beta, up_beta):
+    return torch.empty_like(a), torch.empty_like(c), torch.empty_like(scale)
 
 
-def _situ_glu_packed_setup(ctx, inputs, output):
-    ac, scale, gate_beta, up_beta = inputs
-    ctx.save_for_backward(ac, scale)
+def _situ_glu_scaled_setup(ctx, inputs, output):
+    a, c, scale, gate_beta, up_beta = inputs
+    ctx.save_for_backward(a, c, scale)
     ctx.betas = (gate_beta, up_beta)
 
 
-def _situ_glu_packed_backward(ctx, dy):
-    ac, scale = ctx.saved_tensors
-    dac, ds = _situ_glu_packed_bwd_op(ac, scale, dy, *ctx.betas)
-    return dac, ds, None, None
+def _situ_glu_scaled_backward(ctx, dy):
+    a, c, scale = ctx.saved_tensors
+    da, dc, ds = _situ_glu_scaled_bwd_op(a, c, scale, dy, *ctx.betas)
+    return da, dc, ds, None, None
 
 
-_situ_glu_packed_op.register_autograd(_situ_glu_packed_backward, setup_context=_situ_glu_packed_setup)
+_situ_glu_scaled_op.register_autograd(_situ_glu_scaled_backward, setup_context=_situ_glu_scaled_setup)
 
 
-def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float) -> torch.Tensor:
+def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """Fused `layers.situ_glu`: ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` element-wise over ``a, c`` (same shape and
     dtype, fp32/bf16/fp16), fp32 inside, returned in ``a``'s dtype; saves ``a`` and ``c`` for backward. The operator
-    ``k3infra::fused_situ_glu`` (and its backward): compiled graphs call these kernels as well."""
+    ``k3infra::fused_situ_glu`` (and its backward): compiled graphs call these kernels as well.
+
+    ``scale`` (``a.shape[:-1]``, fp32 or ``a``'s dtype, or None) multiplies each row in fp32 before the rounding
+    (operator ``k3infra::fused_situ_glu_scaled``): its gradient, ``Σ_f dy ⊙ SiTU-GLU(a, c)`` per row, is
+    accumulated in fp32 by the same pass that writes ``da`` and ``dc``, and returned in ``scale``'s dtype."""
     if a.shape != c.shape or a.dtype != c.dtype:
         raise ValueError(f"situ_glu: a and c must match in shape and dtype, got {tuple(a.shape)} {a.dtype} and "
                          f"{tuple(c.shape)} {c.dtype}")
-    return _situ_glu_op(a.contiguous(), c.contiguous(), float(gate_beta), float(up_beta))
-
-
-def situ_glu_packed(ac: torch.Tensor, gate_beta: float, up_beta: float,
-                    scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused `layers.situ_glu_packed`: SiTU-GLU of the two halves ``a = ac[:, :F]``, ``c = ac[:, F:]`` of one
-    ``[N, 2F]`` tensor (one GEMM's output against the stacked gate and up weights), ``[N, F]`` in ``ac``'s dtype.
-    Its backward writes ``d(ac)`` as one ``[N, 2F]`` tensor, the input of one GEMM back. Operator
-    ``k3infra::fused_situ_glu_packed``.
-
-    ``scale`` (``[N]``, fp32 or ``ac``'s dtype, or None) multiplies each row in fp32 before the one rounding: its
-    gradient, ``Σ_f dy ⊙ SiTU-GLU(a, c)`` per row, is accumulated in fp32 by the pass that writes ``d(ac)``, and
-    returned in ``scale``'s dtype."""
-    if ac.dim() != 2 or ac.shape[1] % 2:
-        raise ValueError(f"situ_glu_packed: ac must be [N, 2F], got shape {tuple(ac.shape)}")
-    if scale is not None and (scale.shape != ac.shape[:1] or not scale.is_floating_point()):
-        raise ValueError(f"situ_glu_packed: scale must be a floating-point tensor of shape [{ac.shape[0]}] (ac's "
-                         f"rows), got {scale.dtype} {tuple(scale.shape)}")
     if scale is None:
-        scale = ac.new_empty(0, dtype=torch.float32)
-    return _situ_glu_packed_op(ac.contiguous(), scale.contiguous(), float(gate_beta), float(up_beta))
+        return _situ_glu_op(a.contiguous(), c.contiguous(), float(gate_beta), float(up_beta))
+    if scale.shape != a.shape[:-1] or not scale.is_floating_point():
+        raise ValueError(f"situ_glu: scale must be a floating-point tensor of shape {tuple(a.shape[:-1])} (a's rows), "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    f = a.shape[-1]
+    y = _situ_glu_scaled_op(a.reshape(-1, f).contiguous(), c.reshape(-1, f).contiguous(),
+                            scale.reshape(-1).contiguous(), float(gate_beta), float(up_beta))
+    return y.view(a.shape)
 
 
 @triton.jit

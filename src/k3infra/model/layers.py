@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # no triton: the eager Functions only
     fused = None
 
 __all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm", "shared_input_linears",
-           "situ_glu", "situ_glu_packed"]
+           "situ_glu"]
 
 
 def recompute(fn, *args):
@@ -153,28 +153,15 @@ def situ_glu(a: torch.Tensor, c: torch.Tensor, gate_beta: float, up_beta: float,
     """SiTU-GLU activation ``β1·tanh(a/β1)·σ(a) ⊙ β2·tanh(c/β2)`` (each factor bounded, product by β1·β2), in fp32,
     returned in ``a``'s dtype; saves only ``a`` and ``c`` for backward (fp64 inputs: plain autograd; CUDA tensors:
     the fused kernel of `fused.situ_glu`, as `fused.MODE` says). ``scale`` (shape ``a.shape[:-1]``, or None)
-    multiplies each row after the activation, in ``a``'s dtype (`situ_glu_packed` folds it into its kernel)."""
+    multiplies each row: inside the fused kernel in fp32, elsewhere after the activation in ``a``'s dtype."""
     if a.dtype == torch.float64:
         y = _situ_glu_math(a, c, gate_beta, up_beta)
-    elif fused is not None and fused.use_fused(a, while_compiling=True):
-        y = fused.situ_glu(a, c, gate_beta, up_beta)
-    else:
-        shape = a.shape
-        y = _SiTUGLUFunction.apply(a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1]), gate_beta, up_beta)
-        y = y.view(shape)
+        return y if scale is None else y * scale[..., None].to(y.dtype)
+    if fused is not None and fused.use_fused(a, while_compiling=True):
+        return fused.situ_glu(a, c, gate_beta, up_beta, scale)
+    shape = a.shape
+    y = _SiTUGLUFunction.apply(a.reshape(-1, shape[-1]), c.reshape(-1, shape[-1]), gate_beta, up_beta).view(shape)
     return y if scale is None else y * scale[..., None].to(y.dtype)
-
-
-def situ_glu_packed(ac: torch.Tensor, gate_beta: float, up_beta: float,
-                    scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`situ_glu` of the two halves of ``ac`` ``[N, 2F]`` (one GEMM against the stacked gate and up weights) →
-    ``[N, F]``, each row times ``scale`` ``[N]`` (or None). Where `fused.MODE` takes the kernels, one pass of
-    `fused.situ_glu_packed` (the scale in fp32 inside it, ``d(ac)`` written whole); elsewhere `situ_glu` of the
-    halves."""
-    if ac.dtype != torch.float64 and fused is not None and fused.use_fused(ac, while_compiling=True):
-        return fused.situ_glu_packed(ac, gate_beta, up_beta, scale)
-    a, c = ac.chunk(2, dim=-1)
-    return situ_glu(a, c, gate_beta, up_beta, scale)
 
 
 class SiTUGLU(nn.Module):

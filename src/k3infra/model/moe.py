@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from k3infra.model.fused_moe import slot_sum
 from k3infra.model.fused_topk import biased_topk
-from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu, situ_glu_packed
+from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
 
 __all__ = ["K3MoE", "Router", "grouped_situ"]
 
@@ -171,26 +171,6 @@ def _grouped_mm_usable(x_CL: torch.Tensor, w_PML: torch.Tensor) -> bool:
             and (x_CL.shape[1] * 2) % 16 == 0 and (w_PML.shape[1] * 2) % 16 == 0)
 
 
-class _StackedCast(torch.autograd.Function):
-    """``cat([w1, w3], 1).to(dtype)``: the gate and up weights ``[P, M, L]`` as one ``[P, 2M, L]`` copy in the
-    compute dtype, each written once (no fp32 concatenation first). Backward: each half of the gradient in its
-    weight's dtype."""
-
-    @staticmethod
-    def forward(ctx, w1_PML, w3_PML, dtype):
-        P, M, L = w1_PML.shape
-        out = w1_PML.new_empty(P, 2 * M, L, dtype=dtype)
-        out[:, :M].copy_(w1_PML)
-        out[:, M:].copy_(w3_PML)
-        ctx.M, ctx.dtypes = M, (w1_PML.dtype, w3_PML.dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        M, (d1, d3) = ctx.M, ctx.dtypes
-        return grad[:, :M].to(d1).contiguous(), grad[:, M:].to(d3).contiguous(), None
-
-
 def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_beta: float,
                  scale_C: torch.Tensor | None = None, *, rows_all_counted: bool = False) -> torch.Tensor:
     """``W2[SiTU-GLU(W1 x, W3 x) · scale]`` per expert over its contiguous rows of ``x_CL``; rows past the counts
@@ -200,25 +180,23 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
 
     Computes in ``x_CL``'s dtype: the weights are cast to it (fp32 master weights under bf16 autocast, which does
     not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype). ``torch._grouped_mm``
-    for bf16 (no host sync), the gate and up weights stacked into one product ``[C, 2M]`` (`situ_glu_packed`
-    reads its halves; one GEMM back for their input gradient), else a loop over experts (reads the counts on the
-    host).
+    for bf16 (no host sync), else a loop over experts (reads the counts on the host).
 
     Shapes: ``x_CL [C, L]``, ``counts_P [P]`` int, ``w1_PML / w3_PML [P, M, L]``, ``w2_PLM [P, L, M]`` →
     ``[C, L]`` in ``x_CL``'s dtype.
     """
+    w1_PML, w3_PML, w2_PLM = (w.to(x_CL.dtype) for w in (w1_PML, w3_PML, w2_PLM))
     if _grouped_mm_usable(x_CL, w1_PML):
         offs = counts_P.cumsum(0).to(torch.int32)
-        w13_PNL = _StackedCast.apply(w1_PML, w3_PML, x_CL.dtype)
-        ac = torch._grouped_mm(x_CL, w13_PNL.transpose(1, 2), offs=offs)
-        act = situ_glu_packed(ac, gate_beta, up_beta, scale_C)
-        y = torch._grouped_mm(act, w2_PLM.to(x_CL.dtype).transpose(1, 2), offs=offs)
+        a = torch._grouped_mm(x_CL, w1_PML.transpose(1, 2), offs=offs)
+        c = torch._grouped_mm(x_CL, w3_PML.transpose(1, 2), offs=offs)
+        act = situ_glu(a, c, gate_beta, up_beta, scale_C)
+        y = torch._grouped_mm(act, w2_PLM.transpose(1, 2), offs=offs)
         if rows_all_counted:
             return y
         used = torch.arange(x_CL.shape[0], device=x_CL.device) < offs[-1]
         # rows past the counts are never written by _grouped_mm (any bits, NaN included): select, never multiply
         return torch.where(used[:, None], y, y.new_zeros(()))
-    w1_PML, w3_PML, w2_PLM = (w.to(x_CL.dtype) for w in (w1_PML, w3_PML, w2_PLM))
     return _grouped_situ_loop(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta, up_beta, scale_C)
 
 
