@@ -83,8 +83,12 @@ def muon_slices(model: ModelSpec) -> list[tuple[int, int, int, bool]]:
 def muon_batches(model: ModelSpec) -> dict[tuple[int, int], int]:
     """``{(rows, cols): slices}``: the batches a Muon step orthogonalises, every slice of one shape together, as the
     trainer's Muon batches them."""
+    return _batches(muon_slices(model))
+
+
+def _batches(slices: list[tuple[int, int, int, bool]]) -> dict[tuple[int, int], int]:
     batch: dict[tuple[int, int], int] = {}
-    for count, rows, cols, _ in muon_slices(model):
+    for count, rows, cols, _ in slices:
         batch[rows, cols] = batch.get((rows, cols), 0) + count
     return batch
 
@@ -116,7 +120,7 @@ def _muon_totals(model: ModelSpec) -> tuple[float, float, float, float, int]:
     """``(dense, routed FLOPs, dense, routed FLOPs executed, Muon weights)``, once per model: the search asks for
     every layout."""
     slices = muon_slices(model)
-    batch = muon_batches(model)
+    batch = _batches(slices)
     plain = {False: 0.0, True: 0.0}
     executed = {False: 0.0, True: 0.0}
     weights = 0

@@ -39,6 +39,7 @@ from .newton_schulz import newton_schulz
 ADAMW_NAME_PARTS = ("embed_tokens", "lm_head", "router")
 """Parameters whose name contains one of these go to AdamW even when 2-D."""
 
+
 def split_parameters(named: Iterable[tuple[str, nn.Parameter]]) -> tuple[list, list, list]:
     """Sort trainable parameters into ``(muon, adamw_decay, adamw_no_decay)`` lists of ``(name, param)``."""
     muon, decay, no_decay = [], [], []
