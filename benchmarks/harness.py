@@ -8,8 +8,10 @@ correctness gate, and records both in one `Row`. `write_results` stores a JSON f
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
+import logging
 import os
 import platform
 import statistics
@@ -57,6 +59,29 @@ def rms_ratio(x, ref) -> float:
     """Relative RMS error ``|x - ref|_2 / |ref|_2`` of two tensors of any shape and dtype, in fp64."""
     x, ref = x.double(), ref.double()
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def parse_ab_args(p: argparse.ArgumentParser, argv: list[str] | None, *, rep: int) -> argparse.Namespace:
+    """The command line of an A/B benchmark with a CPU dry run: adds ``--rep`` (timed rounds, each running every
+    variant; default ``rep``) and ``--dry-run`` to ``p``, parses ``argv``, logs at INFO, checks ``--rep`` and, for a
+    dry run, turns on Triton's interpreter (before triton is first imported)."""
+    p.add_argument("--rep", type=int, default=rep, help="timed rounds (each runs both variants)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, k3-debug, Triton's interpreter; writes no file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.rep < 1:
+        p.error(f"--rep must be >= 1, got {args.rep}")
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return args
+
+
+def require_cuda(p: argparse.ArgumentParser) -> None:
+    """Stop with a usage error where no CUDA device is visible (the timed run; ``--dry-run`` is the CPU's)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device (use --dry-run on the CPU)")
 
 
 def time_interleaved(prepare: Callable[[str], Callable[[], object]], names: Sequence[str], *, device: str,

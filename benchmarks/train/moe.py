@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+
+from benchmarks.harness import parse_ab_args, require_cuda, write_results
 
 logger = logging.getLogger(__name__)
 
@@ -109,19 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="k3-mini", help="model preset whose MoE layer is timed")
     p.add_argument("--model", default="{}", help="K3Config fields over the preset as JSON (e.g. K3's widths)")
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the micro-batch")
-    p.add_argument("--rep", type=int, default=9, help="timed rounds (each runs both variants)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, k3-debug, Triton's interpreter; writes no file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_ab_args(p, argv, rep=9)
     from benchmarks.train.run import _json_object
 
     overrides = _json_object("--model", args.model)
-    if args.rep < 1:
-        p.error(f"--rep must be >= 1, got {args.rep}")
     if args.tokens < 1:
         p.error(f"--tokens must be >= 1, got {args.tokens}")
     if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         row = measure("k3-debug", {}, 64, "cpu", rep=1)
         worst = max(row.extra["ours_err_out"], row.extra["ours_err_dx"])
         if worst > 2 * max(row.extra["baseline_err_out"], row.extra["baseline_err_dx"]) + 1e-3:
@@ -129,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         logger.info("dry run: our kernels as close to fp64 as torch's ops; nothing written")
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device (use --dry-run on the CPU)")
-    from benchmarks.harness import write_results
-
+    require_cuda(p)
     row = measure(args.config, overrides, args.tokens, "cuda", args.rep)
     path = write_results("train-moe", [row], title="K3 MoE layer (local experts): torch ops vs fused kernels")
     logger.info("wrote %s", path)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+
+from benchmarks.harness import parse_ab_args, require_cuda, write_results
 
 logger = logging.getLogger(__name__)
 
@@ -101,26 +102,15 @@ def measure(config_name: str, device: str, rep: int):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="k3-mini", help="model preset whose Muon matrices are stepped")
-    p.add_argument("--rep", type=int, default=9, help="timed rounds (each runs both variants)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, k3-debug, Triton's interpreter; writes no file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.rep < 1:
-        p.error(f"--rep must be >= 1, got {args.rep}")
+    args = parse_ab_args(p, argv, rep=9)
     if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         row = measure("k3-debug", "cpu", rep=1)
         if row.extra["param_rel_rms"] > 1e-2:
             logger.error("fused and torch Muon steps disagree: %.2e", row.extra["param_rel_rms"])
             return 1
         logger.info("dry run: fused matches torch; nothing written")
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device (use --dry-run on the CPU)")
-    from benchmarks.harness import write_results
-
+    require_cuda(p)
     row = measure(args.config, "cuda", args.rep)
     path = write_results("train-muon", [row], title="Muon step: torch element-wise ops vs fused kernels")
     logger.info("wrote %s", path)

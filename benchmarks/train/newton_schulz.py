@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from functools import partial
+
+from benchmarks.harness import parse_ab_args, require_cuda, write_results
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="k3-mini", help="model preset whose Muon slices are orthogonalised")
     p.add_argument("--model", default="{}", help="K3Config overrides (JSON), e.g. K3's widths at fewer layers")
-    p.add_argument("--rep", type=int, default=5, help="timed rounds (each runs both variants)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, k3-debug, Triton's interpreter; writes no file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.rep < 1:
-        p.error(f"--rep must be >= 1, got {args.rep}")
-    if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    args = parse_ab_args(p, argv, rep=5)
     from benchmarks.train.run import _json_object
 
     overrides = _json_object("--model", args.model)
@@ -131,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         logger.info("dry run: symmetric error within %.2fx of the plain path's; nothing written", worst)
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device (use --dry-run on the CPU)")
-    from benchmarks.harness import write_results
-
+    require_cuda(p)
     label = args.config + ("-custom" if overrides else "")
     rows = measure(slice_groups(args.config, overrides), "cuda", args.rep, label)
     path = write_results("train-newton-schulz", rows, title="Muon Newton-Schulz: cuBLAS vs symmetric products")

@@ -21,11 +21,6 @@ pytestmark = pytest.mark.skipif(
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
 
 
-@pytest.fixture
-def fused_on(monkeypatch):
-    monkeypatch.setattr(fused, "MODE", "on")
-
-
 def _close(got, ref, dtype, scale=1.0):
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), ref.float(), atol=tol["atol"] * scale, rtol=tol["rtol"])

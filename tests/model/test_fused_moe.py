@@ -16,11 +16,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def fused_on(monkeypatch):
-    monkeypatch.setattr(fused, "MODE", "on")
-
-
 def _slots(s, K, g, dtype=torch.int64):
     return torch.randperm(s * K, generator=g).view(s, K).to(dtype)
 

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def fused_on(monkeypatch):
-    monkeypatch.setattr(fused, "MODE", "on")
-
-
 @pytest.mark.parametrize(("S", "E", "k"), [(37, 256, 9), (5, 896, 17), (3, 12, 12), (1, 7, 1)])
 def test_matches_torch_topk(fused_on, device, S, E, k):
     g = torch.Generator().manual_seed(S * 1000 + E)
