@@ -27,6 +27,7 @@ import torch.nn as nn
 from k3infra.model.fused_moe import slot_sum
 from k3infra.model.fused_topk import biased_topk
 from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
+from k3infra.model.weight_casts import compute_weight
 
 __all__ = ["K3MoE", "Router", "grouped_situ"]
 
@@ -179,13 +180,14 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
     backward keeps ``[C, M]`` tensors and no weighted ``[C, L]`` output.
 
     Computes in ``x_CL``'s dtype: the weights are cast to it (fp32 master weights under bf16 autocast, which does
-    not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype). ``torch._grouped_mm``
+    not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype), once per optimizer step
+    inside `weight_casts.cast_once`. ``torch._grouped_mm``
     for bf16 (no host sync), else a loop over experts (reads the counts on the host).
 
     Shapes: ``x_CL [C, L]``, ``counts_P [P]`` int, ``w1_PML / w3_PML [P, M, L]``, ``w2_PLM [P, L, M]`` →
     ``[C, L]`` in ``x_CL``'s dtype.
     """
-    w1_PML, w3_PML, w2_PLM = (w.to(x_CL.dtype) for w in (w1_PML, w3_PML, w2_PLM))
+    w1_PML, w3_PML, w2_PLM = (compute_weight(w, x_CL.dtype) for w in (w1_PML, w3_PML, w2_PLM))
     if _grouped_mm_usable(x_CL, w1_PML):
         offs = counts_P.cumsum(0).to(torch.int32)
         a = torch._grouped_mm(x_CL, w1_PML.transpose(1, 2), offs=offs)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3infra.model.config import K3Config, flops_per_token, preset_names
+from k3infra.model.weight_casts import cast_once
 from k3infra.train.callbacks import TrainerCallback
 from k3infra.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint, save_checkpoint
 from k3infra.train.compile import apply_compile, mark_packed_dynamic
@@ -335,17 +336,19 @@ class Trainer:
         local_sum = torch.zeros((), device=state.device)
         clock = PhaseClock(state.device)
         clock.mark()
-        for batch in micro:
-            batch = batch.to(state.device)
-            if cfg.compile:
-                mark_packed_dynamic(batch.cu_seqlens)
-            with self._autocast():
-                output = self.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
-            # this rank's token-loss sum over the global target count: the ranks' terms add up to the global mean
-            part = output.loss.float() * batch.num_targets if batch.num_targets else output.loss.float() * 0.0
-            (part * (state.world_size / total_targets)).backward()
-            local_sum += part.detach()
-            del output, part
+        with cast_once():
+            for batch in micro:
+                batch = batch.to(state.device)
+                if cfg.compile:
+                    mark_packed_dynamic(batch.cu_seqlens)
+                with self._autocast():
+                    output = self.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens,
+                                        labels=batch.labels)
+                # this rank's token-loss sum over the global target count: the ranks' terms add up to the global mean
+                part = output.loss.float() * batch.num_targets if batch.num_targets else output.loss.float() * 0.0
+                (part * (state.world_size / total_targets)).backward()
+                local_sum += part.detach()
+                del output, part
         clock.mark()
         if self.experts and state.world_size > 1:
             reduce_expert_gradients(self.experts, state)
