@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from k3infra.model import fused
 from k3infra.model.fused_conv import conv_silu
 from k3infra.model.kda_torch import chunk_kda_torch, recurrent_kda_torch
-from k3infra.model.layers import RMSNorm, recompute, shared_input_linears
+from k3infra.model.layers import Linear, RMSNorm, recompute, shared_input_linears
 
 __all__ = ["K3KDA", "causal_depthwise_conv", "positions_in_sequence"]
 
@@ -102,19 +102,19 @@ class K3KDA(nn.Module):
         self.layer_idx, self.num_heads, self.head_dim, self.conv_size = layer_idx, H, K, W
         self.lower_bound, self.chunk_size, self.backend = config.kda_gate_lower_bound, config.kda_chunk_size, \
             config.kda_backend
-        self.q_proj = nn.Linear(d, D, bias=False)
-        self.k_proj = nn.Linear(d, D, bias=False)
-        self.v_proj = nn.Linear(d, D, bias=False)
+        self.q_proj = Linear(d, D, bias=False)
+        self.k_proj = Linear(d, D, bias=False)
+        self.v_proj = Linear(d, D, bias=False)
         self.q_conv = nn.Parameter(torch.empty(D, W))
         self.k_conv = nn.Parameter(torch.empty(D, W))
         self.v_conv = nn.Parameter(torch.empty(D, W))
-        self.f_a_proj = nn.Linear(d, rank, bias=False)
-        self.f_b_proj = nn.Linear(rank, D, bias=True)
+        self.f_a_proj = Linear(d, rank, bias=False)
+        self.f_b_proj = Linear(rank, D, bias=True)
         self.A_log = nn.Parameter(torch.zeros(H))
-        self.b_proj = nn.Linear(d, H, bias=False)
-        self.g_proj = nn.Linear(d, D, bias=False)
+        self.b_proj = Linear(d, H, bias=False)
+        self.g_proj = Linear(d, D, bias=False)
         self.o_norm = RMSNorm(K, config.rms_norm_eps)
-        self.o_proj = nn.Linear(D, d, bias=False)
+        self.o_proj = Linear(D, d, bias=False)
 
     def muon_head_blocks(self) -> dict[str, tuple[int, ...]]:
         """Per-head Muon: ``q_proj``, ``k_proj``, ``v_proj`` rows come in ``head_dim`` blocks, one per head."""

@@ -18,9 +18,11 @@ try:
     from k3infra.model import fused
 except ModuleNotFoundError:  # no triton: the eager Functions only
     fused = None
+from k3infra.model import weight_casts
+from k3infra.model.weight_casts import compute_weight, compute_weights_cat
 
-__all__ = ["AttnResSite", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm", "shared_input_linears",
-           "situ_glu"]
+__all__ = ["AttnResSite", "Linear", "RMSNorm", "SiTUGLU", "attn_res_mix", "recompute", "rms_norm",
+           "shared_input_linears", "situ_glu"]
 
 
 def recompute(fn, *args):
@@ -42,10 +44,32 @@ def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> lis
         x: ``[..., in_features]``, the input every module reads.
         linears: the modules, in output order.
     """
-    if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+    if any(type(m) not in (nn.Linear, Linear) or m.bias is not None for m in linears):
         return [m(x) for m in linears]
-    out = F.linear(x, torch.cat([m.weight for m in linears]))
+    weights = [m.weight for m in linears]
+    dtype = _autocast_dtype(x)
+    weight = torch.cat(weights) if dtype is None else compute_weights_cat(weights, dtype)
+    out = F.linear(x, weight)
     return list(out.split([m.out_features for m in linears], dim=-1))
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype inside a `weight_casts.cast_once` block with autocast on for ``x``'s device, else None."""
+    device = x.device.type
+    if not weight_casts.active() or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose weight, under autocast inside `weight_casts.cast_once`, is cast once per block and gets its
+    gradient added straight into ``.grad`` (`weight_casts.compute_weight`); elsewhere exactly `nn.Linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _autocast_dtype(x)
+        if dtype is None:
+            return super().forward(x)
+        return F.linear(x, compute_weight(self.weight, dtype), self.bias)
 
 
 def _forward_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -175,9 +199,9 @@ class SiTUGLU(nn.Module):
 
     def __init__(self, hidden: int, width: int, gate_beta: float, up_beta: float) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.gate_proj = Linear(hidden, width, bias=False)
+        self.up_proj = Linear(hidden, width, bias=False)
+        self.down_proj = Linear(width, hidden, bias=False)
         self.gate_beta, self.up_beta = gate_beta, up_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3infra.model.layers import RMSNorm
+from k3infra.model.layers import Linear, RMSNorm
 from k3infra.model.max_logit import causal_max_logit
 
 __all__ = ["K3MLA", "attention_mask_for", "packed_causal_flash", "uses_varlen_flash"]
@@ -56,14 +56,14 @@ class K3MLA(nn.Module):
         self.r_kv, self.n, self.r, self.dv = (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
                                               config.v_head_dim)
         self.scale = (self.n + self.r) ** -0.5
-        self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(d, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.n + self.r), bias=False)
-        self.kv_a_proj = nn.Linear(d, self.r_kv + self.r, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, H * (self.n + self.r), bias=False)
+        self.kv_a_proj = Linear(d, self.r_kv + self.r, bias=False)
         self.kv_a_norm = RMSNorm(self.r_kv, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.r_kv, H * (self.n + self.dv), bias=False)
-        self.g_proj = nn.Linear(d, H * self.dv, bias=False)
-        self.o_proj = nn.Linear(H * self.dv, d, bias=False)
+        self.kv_b_proj = Linear(self.r_kv, H * (self.n + self.dv), bias=False)
+        self.g_proj = Linear(d, H * self.dv, bias=False)
+        self.o_proj = Linear(H * self.dv, d, bias=False)
         self.register_buffer("max_logit", torch.zeros(H), persistent=False)
         self.track_max_logit = True
         """Record ``max_logit`` in training forwards (a detached ``q·kᵀ`` recompute, one sequence at a time)."""

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from k3infra.model.fused_moe import slot_sum
 from k3infra.model.fused_topk import biased_topk
-from k3infra.model.layers import RMSNorm, SiTUGLU, situ_glu
+from k3infra.model.layers import Linear, RMSNorm, SiTUGLU, situ_glu
 from k3infra.model.weight_casts import compute_weight
 
 __all__ = ["K3MoE", "Router", "grouped_situ"]
@@ -287,12 +287,12 @@ class K3MoE(nn.Module):
         self.num_experts, self.top_k, self.scale = E, config.num_experts_per_tok, config.routed_scaling_factor
         self.gate_beta, self.up_beta = config.situ_gate_beta, config.situ_up_beta
         self.router = Router(d, E, self.top_k, config.qb_bins, config.qb_margin_range)
-        self.latent_down = nn.Linear(d, lat, bias=False)
+        self.latent_down = Linear(d, lat, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, m, lat))
         self.w3 = nn.Parameter(torch.empty(E, m, lat))
         self.w2 = nn.Parameter(torch.empty(E, lat, m))
         self.latent_norm = RMSNorm(lat, config.rms_norm_eps)
-        self.latent_up = nn.Linear(lat, d, bias=False)
+        self.latent_up = Linear(lat, d, bias=False)
         self.shared_experts = (SiTUGLU(d, config.n_shared_experts * m, self.gate_beta, self.up_beta)
                                if config.n_shared_experts else None)
         self.ep_buffer = None

@@ -17,14 +17,20 @@ inside it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
-__all__ = ["cast_once", "compute_weight"]
+__all__ = ["active", "cast_once", "compute_weight", "compute_weights_cat"]
 
 # process-wide, not thread-local: activation checkpointing replays forwards on autograd's device threads
-_casts: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+_casts: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], torch.Tensor]] | None = None
+
+
+def active() -> bool:
+    """Whether a `cast_once` block is open."""
+    return _casts is not None
 
 
 @contextlib.contextmanager
@@ -45,40 +51,72 @@ def cast_once() -> Iterator[None]:
 
 
 class _CastOnce(torch.autograd.Function):
-    """The cached low-precision copy of ``weight``; backward adds the gradient into ``weight.grad``."""
+    """The cached low-precision copy of ``weights`` (concatenated along dim 0); backward adds each weight's rows of
+    the gradient into its ``.grad``."""
 
     @staticmethod
-    def forward(ctx, weight, cast):
-        ctx.weight = weight
+    def forward(ctx, cast, *weights):
+        ctx.weights = weights
         return cast.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        weight = ctx.weight
-        if weight.grad is None:
-            weight.grad = torch.empty_like(weight).copy_(grad)
-        else:
-            weight.grad.add_(grad)
-        return None, None
+        weights = ctx.weights
+        parts = grad.split([w.shape[0] for w in weights]) if len(weights) > 1 else (grad,)
+        for weight, part in zip(weights, parts):
+            if not weight.requires_grad:
+                continue
+            if weight.grad is None:
+                weight.grad = torch.empty_like(weight).copy_(part)
+            else:
+                weight.grad.add_(part)
+        return (None,) * (1 + len(weights))
+
+
+def _cacheable(weights: tuple[torch.Tensor, ...], dtype: torch.dtype) -> bool:
+    return (_casts is not None and not torch.compiler.is_compiling() and any(w.requires_grad for w in weights)
+            and all(type(w) in (torch.Tensor, nn.Parameter) and w.is_leaf and w.dtype != dtype for w in weights))
 
 
 def compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` in ``dtype`` for a computation, with its gradient in ``weight``'s own dtype.
 
-    Outside `cast_once` (or under ``torch.compile``, or for a weight that is not a leaf requiring grad) this is
-    ``weight.to(dtype)``. Inside, a leaf weight is cast on its first read and the copy reused; its gradient goes
-    into ``weight.grad`` (see the module docstring).
+    Outside `cast_once` (or under ``torch.compile``, or for a weight that is not a plain leaf tensor requiring
+    grad) this is ``weight.to(dtype)``. Inside, the weight is cast on its first read and the copy reused; its
+    gradient goes into ``weight.grad`` (see the module docstring).
 
     Shapes and dtypes: any ``weight``; returns the same shape in ``dtype``.
     """
-    if (weight.dtype == dtype or _casts is None or not (weight.is_leaf and weight.requires_grad)
-            or torch.compiler.is_compiling()):
+    if not _cacheable((weight,), dtype):
         return weight.to(dtype)
-    _, cast = _casts.get(id(weight), (None, None))
+    return _cached((weight,), dtype, lambda: weight.to(dtype))
+
+
+def compute_weights_cat(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.cat(weights).to(dtype)`` with `compute_weight`'s caching (one copy per block for the tuple).
+
+    Shapes and dtypes: ``weights`` ``[O_i, *W]`` each, one dtype; returns ``[Σ O_i, *W]`` in ``dtype``.
+    """
+    weights = tuple(weights)
+    if not _cacheable(weights, dtype):
+        return torch.cat(weights).to(dtype)
+
+    def cat():
+        out = torch.empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]), dtype=dtype,
+                          device=weights[0].device)
+        torch.cat(weights, out=out)  # the cast happens in the copy: no full-width concatenation first
+        return out
+
+    return _cached(weights, dtype, cat)
+
+
+def _cached(weights: tuple[torch.Tensor, ...], dtype: torch.dtype, make) -> torch.Tensor:
+    key = tuple(id(w) for w in weights)
+    _, cast = _casts.get(key, (None, None))
     if cast is None or cast.dtype != dtype:
         with torch.no_grad():
-            cast = weight.to(dtype)
-        _casts[id(weight)] = weight, cast
+            cast = make()
+        _casts[key] = weights, cast
     if not torch.is_grad_enabled():
         return cast
-    return _CastOnce.apply(weight, cast)
+    return _CastOnce.apply(cast, *weights)
