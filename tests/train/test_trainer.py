@@ -178,3 +178,19 @@ def test_cli_summary_reports_the_step_phases(tmp_path, train_cache, capsys):
     assert code == 0 and "MFU n/a  forward+backward " in out and " ms (last step)" in out
     last = json.loads((tmp_path / "run" / "history.json").read_text())[-1]
     assert f"update {last['update_ms']:,.1f} ms" in out
+
+
+def test_one_weight_cast_block_spans_each_steps_micro_batches(tmp_path, train_cache):
+    from k3infra.model import weight_casts
+
+    trainer = Trainer(_cfg(tmp_path, train_cache, steps=2, batch_size=4, micro_batch_size=1), tiny_factory)
+    blocks = []
+    trainer.model.register_forward_pre_hook(lambda module, args: blocks.append(weight_casts._casts))
+    for step in range(2):
+        trainer.train_step(step)
+        assert not weight_casts.active()  # closed before the optimizer changes the weights
+    assert len(blocks) == 8 and None not in blocks
+    # one block (the same cache object, kept alive here) per optimizer step
+    assert all(b is blocks[0] for b in blocks[:4]) and all(b is blocks[4] for b in blocks[4:])
+    assert blocks[0] is not blocks[4]
+    trainer.state.close()

@@ -11,7 +11,8 @@ rounded to bf16, summed in fp32), so ``.grad`` is bitwise equal to it.
 Inside the block, a weight's gradient reaches its ``.grad`` without passing ``AccumulateGrad``: gradient hooks on
 the weight do not see it, and ``torch.autograd.grad`` does not return it. The block is for a trainer that owns
 ``.grad`` (`k3infra.train.Trainer` opens it around one optimizer step's micro-batches); the weights must not change
-inside it.
+inside it. Parameters that FSDP gathers in fp32 must not be read through it (their gradients have to reach FSDP's
+reduce-scatter); FSDP gathering in the compute dtype, as the trainer's does, leaves nothing to cast.
 """
 
 from __future__ import annotations
