@@ -38,6 +38,7 @@ HEADLINES = {  # the extra columns a section shows first, where a component has 
                "rms(o) cutlass vs fla"),
     "kda-v2-bwd-precision": ("ours / fla worst tensor", "ours / fla worst ratio", "ours c16 dq", "fla dq",
                              "ours c16 dg", "fla dg", "ours c16 dA_log", "fla dA_log"),
+    "train": ("mfu_ours", "mfu_baseline", "mfu_forward_backward_ours", "peak_memory_gib_ours"),
     "train-newton-schulz": ("baseline_err_vs_fp64", "ours_err_vs_fp64", "muon_ms", "flops"),
     "train-loss": ("baseline_peak_MiB", "ours_peak_MiB", "baseline_dh_rel_rms", "ours_dh_rel_rms",
                    "baseline_dW_rel_rms", "ours_dW_rel_rms"),
