@@ -34,25 +34,6 @@ def recompute(fn, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
-def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
-    """``[m(x) for m in linears]`` as one matrix product over the concatenated weights when every module is a plain
-    bias-free `nn.Linear` (else module by module, e.g. under LoRA adapters): one cast of the input and one of the
-    weights under autocast instead of one each per module, one GEMM forward and two backward, the input gradient
-    summed inside the GEMM. The outputs are column slices of one ``[..., Σ out_features]`` tensor.
-
-    Args:
-        x: ``[..., in_features]``, the input every module reads.
-        linears: the modules, in output order.
-    """
-    if any(type(m) not in (nn.Linear, Linear) or m.bias is not None for m in linears):
-        return [m(x) for m in linears]
-    weights = [m.weight for m in linears]
-    dtype = _autocast_dtype(x)
-    weight = torch.cat(weights) if dtype is None else compute_weights_cat(weights, dtype)
-    out = F.linear(x, weight)
-    return list(out.split([m.out_features for m in linears], dim=-1))
-
-
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype inside a `weight_casts.cast_once` block with autocast on for ``x``'s device, else None."""
     device = x.device.type
@@ -70,6 +51,26 @@ class Linear(nn.Linear):
         if dtype is None:
             return super().forward(x)
         return F.linear(x, compute_weight(self.weight, dtype), self.bias)
+
+
+def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """``[m(x) for m in linears]`` as one matrix product over the concatenated weights when every module is a plain
+    bias-free `nn.Linear` or `Linear` (else module by module, e.g. under LoRA adapters): one cast of the input and one
+    of the weights under autocast instead of one each per module (inside `weight_casts.cast_once`, one cast of the
+    concatenation per block), one GEMM forward and two backward, the input gradient summed inside the GEMM. The
+    outputs are column slices of one ``[..., Σ out_features]`` tensor.
+
+    Args:
+        x: ``[..., in_features]``, the input every module reads.
+        linears: the modules, in output order.
+    """
+    if any(type(m) not in (nn.Linear, Linear) or m.bias is not None for m in linears):
+        return [m(x) for m in linears]
+    weights = [m.weight for m in linears]
+    dtype = _autocast_dtype(x)
+    weight = torch.cat(weights) if dtype is None else compute_weights_cat(weights, dtype)
+    out = F.linear(x, weight)
+    return list(out.split([m.out_features for m in linears], dim=-1))
 
 
 def _forward_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

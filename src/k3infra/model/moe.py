@@ -181,8 +181,8 @@ def grouped_situ(x_CL, counts_P, w1_PML, w3_PML, w2_PLM, gate_beta: float, up_be
 
     Computes in ``x_CL``'s dtype: the weights are cast to it (fp32 master weights under bf16 autocast, which does
     not cover ``torch._grouped_mm``; gradients flow back to the weights in their own dtype), once per optimizer step
-    inside `weight_casts.cast_once`. ``torch._grouped_mm``
-    for bf16 (no host sync), else a loop over experts (reads the counts on the host).
+    inside `weight_casts.cast_once`. ``torch._grouped_mm`` for bf16 (no host sync), else a loop over experts (reads
+    the counts on the host).
 
     Shapes: ``x_CL [C, L]``, ``counts_P [P]`` int, ``w1_PML / w3_PML [P, M, L]``, ``w2_PLM [P, L, M]`` →
     ``[C, L]`` in ``x_CL``'s dtype.
