@@ -82,15 +82,6 @@ def _ce_grad_inplace(logits_NV: torch.Tensor, target_N: torch.Tensor) -> torch.T
     return loss_N
 
 
-def _add_product(acc_VD: torch.Tensor, a_VN: torch.Tensor, b_ND: torch.Tensor) -> None:
-    """``acc_VD += a_VN @ b_ND``: on CUDA a bf16/fp16 product accumulates into the fp32 ``acc_VD`` inside the GEMM
-    (no rounded product, no cast, no separate add); elsewhere the product in the inputs' dtype, cast and added."""
-    if acc_VD.is_cuda and acc_VD.dtype == torch.float32 and a_VN.dtype in (torch.bfloat16, torch.float16):
-        torch.addmm(acc_VD, a_VN, b_ND, out_dtype=torch.float32, out=acc_VD)
-    else:
-        acc_VD += (a_VN @ b_ND).to(acc_VD.dtype)
-
-
 def _compute_dtype(h_ND: torch.Tensor, weight_VD: torch.Tensor) -> torch.dtype:
     """The autocast dtype where autocast is on for the device (what ``F.linear`` would compute in), else the
     promoted dtype of the two inputs."""
@@ -117,7 +108,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 if want_h:
                     torch.mm(logits_cV, w_VD, out=grad_h_ND[start : start + chunk])
                 if want_w:
-                    _add_product(grad_w_VD, logits_cV.t(), h_cD)
+                    grad_w_VD += (logits_cV.t() @ h_cD).to(acc)
         ctx.save_for_backward(grad_h_ND, grad_w_VD)
         ctx.dtypes = (h_ND.dtype, weight_VD.dtype)
         return total
