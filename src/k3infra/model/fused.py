@@ -244,17 +244,31 @@ _situ_glu_op.register_autograd(_situ_glu_backward, setup_context=_situ_glu_setup
 
 
 @triton.jit
-def _situ_glu_scaled_fwd_kernel(a_ptr, c_ptr, s_ptr, y_ptr, N, F, gate_beta, up_beta, BLOCK_N: tl.constexpr,
-                                BLOCK_F: tl.constexpr):
+def _scaled_rows(s_ptr, N, BLOCK_N: tl.constexpr):
+    """This program's ``BLOCK_N`` rows, which of them exist, and their fp32 scales."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    return rows, row_ok, tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_tile(a_ptr, c_ptr, rows, row_ok, f0, F, BLOCK_F: tl.constexpr):
+    """The ``[rows, f0 : f0 + BLOCK_F]`` tile of the ``[N, F]`` inputs: its mask, its offsets, ``a`` and ``c`` in
+    fp32."""
+    cols = f0 + tl.arange(0, BLOCK_F)
+    mask = row_ok[:, None] & (cols < F)[None, :]
+    offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return mask, offs, a, c
+
+
+@triton.jit
+def _situ_glu_scaled_fwd_kernel(a_ptr, c_ptr, s_ptr, y_ptr, N, F, gate_beta, up_beta, BLOCK_N: tl.constexpr,
+                                BLOCK_F: tl.constexpr):
+    rows, row_ok, scale = _scaled_rows(s_ptr, N, BLOCK_N)
     for f0 in range(0, F, BLOCK_F):
-        cols = f0 + tl.arange(0, BLOCK_F)
-        mask = row_ok[:, None] & (cols < F)[None, :]
-        offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mask, offs, a, c = _row_tile(a_ptr, c_ptr, rows, row_ok, f0, F, BLOCK_F)
         y = _situ_glu_value(a, c, gate_beta, up_beta) * scale[:, None]
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -262,16 +276,10 @@ def _situ_glu_scaled_fwd_kernel(a_ptr, c_ptr, s_ptr, y_ptr, N, F, gate_beta, up_
 @triton.jit
 def _situ_glu_scaled_bwd_kernel(a_ptr, c_ptr, s_ptr, dy_ptr, da_ptr, dc_ptr, ds_ptr, N, F, gate_beta, up_beta,
                                 BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    rows, row_ok, scale = _scaled_rows(s_ptr, N, BLOCK_N)
     ds = tl.zeros([BLOCK_N], dtype=tl.float32)
     for f0 in range(0, F, BLOCK_F):
-        cols = f0 + tl.arange(0, BLOCK_F)
-        mask = row_ok[:, None] & (cols < F)[None, :]
-        offs = rows.to(tl.int64)[:, None] * F + cols[None, :]
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mask, offs, a, c = _row_tile(a_ptr, c_ptr, rows, row_ok, f0, F, BLOCK_F)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         da, dc, act = _situ_glu_grads(a, c, dy * scale[:, None], gate_beta, up_beta)
         ds += tl.sum(dy * act, axis=1)
